@@ -1,0 +1,20 @@
+//! kpr's eBPF programs.
+//!
+//! `sock_lb`: cgroup socket-address hooks that do socket-level service load balancing (the
+//! connect-time equivalent of kube-proxy's KUBE-SVC/KUBE-SEP DNAT chains).
+#![no_std]
+#![no_main]
+
+mod maps;
+mod sock_lb;
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    // The verifier rejects any program that could reach a panic; this is never called.
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 4] = *b"GPL\0";

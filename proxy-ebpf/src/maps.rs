@@ -1,0 +1,45 @@
+//! The maps shared with the agent. Pinned by name under the agent's versioned pin directory;
+//! sizes here are placeholders that the agent overrides at load time.
+use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    macros::btf_map,
+};
+use proxy_common::{
+    Backend, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, counter, defaults,
+};
+
+/// ClusterIP:port/proto → the service's range in `KPR_BACKENDS`.
+/// Not preallocated: memory follows the number of services actually programmed.
+#[btf_map(name = "KPR_SERVICES", pin_by_name)]
+pub static SERVICES: HashMap<
+    ServiceKey,
+    ServiceValue,
+    { defaults::MAX_SERVICE_PORTS as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+
+/// Backend slots; each service port owns one contiguous range.
+#[btf_map(name = "KPR_BACKENDS", pin_by_name)]
+pub static BACKENDS: Array<Backend, { defaults::MAX_BACKENDS as usize }> = Array::new();
+
+/// Socket cookie + backend → the service address the application used (for getpeername and
+/// recvmsg). LRU: entries of closed sockets age out.
+#[btf_map(name = "KPR_SOCK_REVNAT", pin_by_name)]
+pub static SOCK_REVNAT: LruHashMap<
+    SockRevNatKey,
+    SockRevNatValue,
+    { defaults::MAX_SOCK_REVNAT as usize },
+> = LruHashMap::new();
+
+/// Per-CPU event counters, indexed by `proxy_common::counter`.
+#[btf_map(name = "KPR_COUNTERS", pin_by_name)]
+pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();
+
+#[inline(always)]
+pub fn count(index: u32) {
+    if let Some(slot) = COUNTERS.get_ptr_mut(index) {
+        // Per-CPU slot: no other writer on this CPU while the program runs.
+        unsafe { *slot += 1 };
+    }
+}

@@ -1,0 +1,256 @@
+//! Loading, pinning and attaching the eBPF programs, and the kernel implementation of [`Maps`].
+//!
+//! Everything lives under a versioned pin directory (`<pin-root>/v<N>`): the maps (by name) and
+//! one link per cgroup hook. A restarted agent (also after `kill -9`) reuses the pinned maps
+//! with their contents and swaps its freshly loaded programs into the pinned links in place
+//! (BPF_LINK_UPDATE), so established connections and the service table are never interrupted.
+use std::{
+    fs::{self, File},
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context as _, Result, bail};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, HashMap, Map, MapData, PerCpuArray},
+    programs::{
+        CgroupAttachMode, CgroupSockAddr,
+        cgroup_sock_addr::CgroupSockAddrLink,
+        links::{FdLink, PinnedLink},
+    },
+    util::KernelVersion,
+};
+use proxy_common::{
+    Backend, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue, counter, defaults, map_names, program_names,
+};
+
+use super::{Capacity, Maps};
+
+/// The eBPF object built from `proxy-ebpf` by build.rs.
+static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy"));
+
+const HOOKS: [&str; 4] =
+    [program_names::CONNECT4, program_names::SENDMSG4, program_names::RECVMSG4, program_names::GETPEERNAME4];
+
+/// Where and how big: the datapath's start-up settings.
+#[derive(Clone, Debug)]
+pub struct DatapathConfig {
+    /// bpffs directory for kpr's pins; the layout version is appended.
+    pub pin_root: PathBuf,
+    /// cgroup2 directory whose sockets are load-balanced (the cgroup2 root covers the node).
+    pub cgroup: PathBuf,
+    pub max_service_ports: u32,
+    pub max_backends: u32,
+    pub max_sock_revnat: u32,
+}
+
+impl DatapathConfig {
+    pub fn new(pin_root: PathBuf, cgroup: PathBuf) -> Self {
+        Self {
+            pin_root,
+            cgroup,
+            max_service_ports: defaults::MAX_SERVICE_PORTS,
+            max_backends: defaults::MAX_BACKENDS,
+            max_sock_revnat: defaults::MAX_SOCK_REVNAT,
+        }
+    }
+}
+
+/// `<pin-root>/v<layout version>`
+pub fn pin_dir(pin_root: &Path) -> PathBuf {
+    pin_root.join(format!("v{PIN_LAYOUT_VERSION}"))
+}
+
+/// The cgroup2 mount point, from /proc/self/mounts (hybrid hierarchies put it elsewhere than
+/// /sys/fs/cgroup).
+pub fn cgroup2_root() -> Result<PathBuf> {
+    let mounts = fs::read_to_string("/proc/self/mounts")?;
+    mounts
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|f| f.len() > 2 && f[2] == "cgroup2")
+        .map(|f| PathBuf::from(f[1]))
+        .context("no cgroup2 file system is mounted")
+}
+
+/// Loaded programs (kept alive) and the maps the agent writes.
+pub struct BpfDatapath {
+    _ebpf: Ebpf,
+    pub maps: BpfMaps,
+}
+
+impl BpfDatapath {
+    pub fn load(cfg: &DatapathConfig) -> Result<Self> {
+        if EBPF_OBJECT.is_empty() {
+            bail!("this kpr binary was built without its eBPF object (AYA_BUILD_SKIP); rebuild with `cargo xtask build`");
+        }
+        let dir = pin_dir(&cfg.pin_root);
+        fs::create_dir_all(&dir)
+            .with_context(|| format!("failed to create the pin directory {} (is bpffs mounted?)", dir.display()))?;
+        let cgroup = File::open(&cfg.cgroup).with_context(|| format!("failed to open cgroup {}", cfg.cgroup.display()))?;
+
+        // bpf_set_retval (ECONNREFUSED for services without endpoints) exists from 5.18 on.
+        let have_set_retval = u8::from(KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(5, 18, 0)));
+        let mut ebpf = EbpfLoader::new()
+            .default_map_pin_directory(&dir)
+            .map_max_entries(map_names::SERVICES, cfg.max_service_ports)
+            .map_max_entries(map_names::BACKENDS, cfg.max_backends)
+            .map_max_entries(map_names::SOCK_REVNAT, cfg.max_sock_revnat)
+            .override_global("KPR_HAVE_SET_RETVAL", &have_set_retval, true)
+            .load(EBPF_OBJECT)
+            .map_err(|e| match e {
+                aya::EbpfError::MapError(aya::maps::MapError::PinError { .. }) | aya::EbpfError::MapError(_) => {
+                    anyhow::Error::new(e).context(format!(
+                        "failed to create or reuse the maps pinned in {}; if their sizes changed, \
+                         `kpr cleanup --pin-root {}` removes them (and detaches kpr)",
+                        dir.display(),
+                        cfg.pin_root.display()
+                    ))
+                }
+                e => anyhow::Error::new(e).context("failed to load the eBPF object"),
+            })?;
+        start_ebpf_logger(&mut ebpf);
+
+        for name in HOOKS {
+            let prog: &mut CgroupSockAddr = ebpf
+                .program_mut(name)
+                .with_context(|| format!("program `{name}` missing from the eBPF object"))?
+                .try_into()?;
+            prog.load().with_context(|| format!("the verifier rejected `{name}`"))?;
+            let link_path = dir.join(format!("link_{name}"));
+            if link_path.exists() {
+                // A previous agent's link: swap our program in, keeping the attachment.
+                let link: FdLink = PinnedLink::from_pin(&link_path)
+                    .with_context(|| format!("failed to open pinned link {}", link_path.display()))?
+                    .into();
+                let link = CgroupSockAddrLink::try_from(link)?;
+                prog.attach_to_link(link).with_context(|| format!("failed to update link of `{name}`"))?;
+                tracing::debug!(program = name, "replaced the program in the pinned link");
+            } else {
+                // bpf_link_create takes no attach flags: a cgroup link always coexists with
+                // other programs attached to the cgroup (multi-attach semantics).
+                let id = prog
+                    .attach(&cgroup, CgroupAttachMode::Single)
+                    .with_context(|| format!("failed to attach `{name}` to {}", cfg.cgroup.display()))?;
+                let link: FdLink = prog.take_link(id)?.try_into()?;
+                link.pin(&link_path).with_context(|| format!("failed to pin {}", link_path.display()))?;
+                tracing::debug!(program = name, cgroup = %cfg.cgroup.display(), "attached and pinned");
+            }
+        }
+
+        let services = HashMap::try_from(ebpf.take_map(map_names::SERVICES).context("no services map")?)?;
+        let backends = Array::try_from(ebpf.take_map(map_names::BACKENDS).context("no backends map")?)?;
+        let capacity = Capacity { service_ports: cfg.max_service_ports, backends: cfg.max_backends };
+        Ok(Self { _ebpf: ebpf, maps: BpfMaps { services, backends, capacity } })
+    }
+}
+
+/// Forward eBPF log records (slow paths only) to the agent's log, when running under tokio.
+fn start_ebpf_logger(ebpf: &mut Ebpf) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+    let logger = match aya_log::EbpfLogger::init(ebpf) {
+        Ok(logger) => logger,
+        Err(e) => {
+            tracing::debug!("eBPF logging not available: {e}");
+            return;
+        }
+    };
+    let _guard = runtime.enter();
+    // SAFETY: the logger owns its map fd for as long as the AsyncFd lives.
+    let Ok(mut logger) = (unsafe { tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE) })
+    else {
+        return;
+    };
+    runtime.spawn(async move {
+        while let Ok(mut guard) = logger.readable_mut().await {
+            guard.get_inner_mut().flush();
+            guard.clear_ready();
+        }
+    });
+}
+
+/// The service and backend maps of a loaded datapath, or opened from their pins.
+pub struct BpfMaps {
+    services: HashMap<MapData, ServiceKey, ServiceValue>,
+    backends: Array<MapData, Backend>,
+    capacity: Capacity,
+}
+
+impl BpfMaps {
+    /// Open the pinned maps of a running (or stopped) agent, e.g. for `kpr services`.
+    pub fn open_pinned(pin_root: &Path) -> Result<Self> {
+        let dir = pin_dir(pin_root);
+        let open = |name: &str| {
+            MapData::from_pin(dir.join(name)).with_context(|| format!("no pinned map {}", dir.join(name).display()))
+        };
+        let services = open(map_names::SERVICES)?;
+        let service_ports = services.info()?.max_entries();
+        let services: HashMap<MapData, ServiceKey, ServiceValue> = HashMap::try_from(Map::HashMap(services))?;
+        let backends: Array<MapData, Backend> = Array::try_from(Map::Array(open(map_names::BACKENDS)?))?;
+        let capacity = Capacity { service_ports, backends: backends.len() };
+        Ok(Self { services, backends, capacity })
+    }
+}
+
+impl Maps for BpfMaps {
+    fn capacity(&self) -> Capacity {
+        self.capacity
+    }
+
+    fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>> {
+        Ok(self.services.iter().collect::<Result<Vec<_>, _>>()?)
+    }
+
+    fn backends(&self, start: u32, count: u32) -> Result<Vec<Backend>> {
+        (start..start.saturating_add(count))
+            .map(|i| self.backends.get(&i, 0).with_context(|| format!("failed to read backend slot {i}")))
+            .collect()
+    }
+
+    fn set_backends(&mut self, start: u32, backends: &[Backend]) -> Result<()> {
+        for (i, b) in (start..).zip(backends) {
+            self.backends.set(i, b, 0).with_context(|| format!("failed to write backend slot {i}"))?;
+        }
+        Ok(())
+    }
+
+    fn set_service(&mut self, key: &ServiceKey, value: &ServiceValue) -> Result<()> {
+        Ok(self.services.insert(key, value, 0)?)
+    }
+
+    fn remove_service(&mut self, key: &ServiceKey) -> Result<()> {
+        match self.services.remove(key) {
+            Ok(()) => Ok(()),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+            Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+/// The datapath's per-CPU counters, summed, by name.
+pub fn read_counters(pin_root: &Path) -> Result<Vec<(&'static str, u64)>> {
+    let path = pin_dir(pin_root).join(map_names::COUNTERS);
+    let map = MapData::from_pin(&path).with_context(|| format!("no pinned map {}", path.display()))?;
+    let counters: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(map))?;
+    (0..counter::COUNT)
+        .map(|i| Ok((counter::NAMES[i as usize], counters.get(&i, 0)?.iter().sum())))
+        .collect()
+}
+
+/// Remove kpr's pins: the links (which detaches the programs once no agent holds them) and
+/// the maps. What `kube-proxy --cleanup` is to iptables rules.
+pub fn cleanup(pin_root: &Path) -> Result<()> {
+    let dir = pin_dir(pin_root);
+    if !dir.exists() {
+        return Ok(());
+    }
+    for entry in fs::read_dir(&dir)? {
+        let path = entry?.path();
+        fs::remove_file(&path).with_context(|| format!("failed to remove {}", path.display()))?;
+    }
+    fs::remove_dir(&dir)?;
+    // Remove the root too when it is ours and now empty.
+    let _ = fs::remove_dir(pin_root);
+    Ok(())
+}

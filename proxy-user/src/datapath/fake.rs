@@ -1,0 +1,93 @@
+//! In-memory [`Maps`] for tests without root. It checks the ordering rule the kernel side
+//! relies on: backend slots referenced by a live service entry are never overwritten, and a
+//! service entry never points at slots that were not written.
+use std::collections::BTreeMap;
+
+use anyhow::{Result, bail};
+use proxy_common::{Backend, ServiceKey, ServiceValue};
+
+use super::{Capacity, Maps};
+
+pub struct FakeMaps {
+    pub capacity: Capacity,
+    pub services: BTreeMap<ServiceKey, ServiceValue>,
+    pub backends: Vec<Option<Backend>>,
+    /// Ordering violations seen (a reader could have seen a half-written service).
+    pub violations: Vec<String>,
+    /// Number of map writes (set/remove calls).
+    pub writes: usize,
+    /// Fail the next N `set_service` calls (simulates a kernel error).
+    pub fail_service_writes: usize,
+}
+
+impl FakeMaps {
+    pub fn new(capacity: Capacity) -> Self {
+        Self {
+            capacity,
+            services: BTreeMap::new(),
+            backends: vec![None; capacity.backends as usize],
+            violations: Vec::new(),
+            writes: 0,
+            fail_service_writes: 0,
+        }
+    }
+
+    /// What a connect to `key` could pick from right now.
+    pub fn visible_backends(&self, key: &ServiceKey) -> Option<Vec<Backend>> {
+        let v = self.services.get(key)?;
+        Some((v.backends_start..v.backends_start + v.backends_count).map(|i| self.backends[i as usize].unwrap_or_default()).collect())
+    }
+}
+
+impl Maps for FakeMaps {
+    fn capacity(&self) -> Capacity {
+        self.capacity
+    }
+
+    fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>> {
+        Ok(self.services.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+
+    fn backends(&self, start: u32, count: u32) -> Result<Vec<Backend>> {
+        (start..start + count)
+            .map(|i| match self.backends.get(i as usize) {
+                Some(b) => Ok(b.unwrap_or_default()),
+                None => bail!("slot {i} out of range"),
+            })
+            .collect()
+    }
+
+    fn set_backends(&mut self, start: u32, backends: &[Backend]) -> Result<()> {
+        let end = start + backends.len() as u32;
+        for (key, v) in &self.services {
+            if v.backends_count > 0 && start < v.backends_start + v.backends_count && v.backends_start < end {
+                self.violations.push(format!("wrote slots {start}..{end} while {key:?} uses them"));
+            }
+        }
+        for (i, b) in backends.iter().enumerate() {
+            self.backends[start as usize + i] = Some(*b);
+        }
+        self.writes += backends.len();
+        Ok(())
+    }
+
+    fn set_service(&mut self, key: &ServiceKey, value: &ServiceValue) -> Result<()> {
+        if self.fail_service_writes > 0 {
+            self.fail_service_writes -= 1;
+            bail!("injected failure");
+        }
+        let range = value.backends_start..value.backends_start + value.backends_count;
+        if range.clone().any(|i| self.backends.get(i as usize).is_none_or(Option::is_none)) {
+            self.violations.push(format!("{key:?} points at unwritten slots {range:?}"));
+        }
+        self.services.insert(*key, *value);
+        self.writes += 1;
+        Ok(())
+    }
+
+    fn remove_service(&mut self, key: &ServiceKey) -> Result<()> {
+        self.services.remove(key);
+        self.writes += 1;
+        Ok(())
+    }
+}

@@ -1,0 +1,253 @@
+//! The datapath: the only code that touches BPF.
+//!
+//! - [`Maps`] is the narrow interface to the service and backend maps; [`bpf::BpfMaps`] is the
+//!   kernel one, [`fake::FakeMaps`] an in-memory one for tests without root.
+//! - [`Programmer`] turns the desired state into ordered map writes, from whatever the maps
+//!   hold now (after a restart, the pinned maps): only changed service ports are written, and
+//!   a service port is never visible half-written (see [`Programmer::apply`]).
+pub mod bpf;
+pub mod fake;
+mod slots;
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    net::Ipv4Addr,
+};
+
+use anyhow::{Result, bail};
+use proxy_common::{Backend, IPPROTO_TCP, IPPROTO_UDP, ServiceKey, ServiceValue};
+
+use crate::model::desired::{Desired, DesiredPort};
+use slots::SlotAllocator;
+
+/// How many entries the maps can hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capacity {
+    pub service_ports: u32,
+    pub backends: u32,
+}
+
+/// The service and backend maps, as the programmer sees them.
+pub trait Maps: Send {
+    fn capacity(&self) -> Capacity;
+    /// Every entry of the services map.
+    fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>>;
+    /// `count` backend slots starting at `start`.
+    fn backends(&self, start: u32, count: u32) -> Result<Vec<Backend>>;
+    fn set_backends(&mut self, start: u32, backends: &[Backend]) -> Result<()>;
+    fn set_service(&mut self, key: &ServiceKey, value: &ServiceValue) -> Result<()>;
+    fn remove_service(&mut self, key: &ServiceKey) -> Result<()>;
+}
+
+/// A service port as it is in the maps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Programmed {
+    pub value: ServiceValue,
+    pub backends: Vec<Backend>,
+}
+
+/// What one [`Programmer::apply`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ApplyReport {
+    pub added: usize,
+    pub updated: usize,
+    pub removed: usize,
+    /// Service ports that could not be written (map full, write error); left as they were.
+    pub failed: usize,
+}
+
+impl ApplyReport {
+    pub fn changes(&self) -> usize {
+        self.added + self.updated + self.removed
+    }
+}
+
+pub fn backend(ip: Ipv4Addr, port: u16) -> Backend {
+    Backend { addr: u32::from(ip).to_be(), port: port.to_be(), _pad: 0 }
+}
+
+pub fn backend_addr(b: &Backend) -> (Ipv4Addr, u16) {
+    (Ipv4Addr::from(u32::from_be(b.addr)), u16::from_be(b.port))
+}
+
+/// `10.96.0.10:80/TCP`
+pub fn display_key(key: &ServiceKey) -> impl fmt::Display {
+    let proto = match key.proto {
+        IPPROTO_TCP => "TCP".to_owned(),
+        IPPROTO_UDP => "UDP".to_owned(),
+        p => p.to_string(),
+    };
+    format!("{}:{}/{proto}", Ipv4Addr::from(u32::from_be(key.addr)), u16::from_be(key.port))
+}
+
+/// Keeps the maps equal to the desired state, knowing what it wrote.
+pub struct Programmer {
+    programmed: BTreeMap<ServiceKey, Programmed>,
+    slots: SlotAllocator,
+    used_ids: BTreeSet<u32>,
+    next_id: u32,
+    capacity: Capacity,
+    /// Service ports whose last write failed (logged once, not on every retry).
+    failing: BTreeSet<ServiceKey>,
+}
+
+impl Programmer {
+    /// Start from what the maps hold (empty on a first start, the pinned state after a
+    /// restart). Entries that cannot be valid (a range outside the array, overlapping another)
+    /// are removed: no connection could be balanced correctly through them.
+    pub fn recover(maps: &mut dyn Maps) -> Result<Self> {
+        let capacity = maps.capacity();
+        let mut slots = SlotAllocator::new(capacity.backends);
+        let mut programmed = BTreeMap::new();
+        let mut used_ids = BTreeSet::new();
+        for (key, value) in maps.services()? {
+            let in_use = value.backends_count == 0
+                || (value.backends_start.checked_add(value.backends_count).is_some_and(|end| end <= capacity.backends)
+                    && slots.claim(value.backends_start, value.backends_count));
+            if !in_use || value.service_id == 0 || !used_ids.insert(value.service_id) {
+                tracing::warn!(service = %display_key(&key), ?value, "removing an invalid entry found in the maps");
+                if in_use && value.backends_count > 0 {
+                    slots.free(value.backends_start, value.backends_count);
+                }
+                maps.remove_service(&key)?;
+                continue;
+            }
+            let backends = maps.backends(value.backends_start, value.backends_count)?;
+            programmed.insert(key, Programmed { value, backends });
+        }
+        let next_id = used_ids.last().map_or(1, |id| id.wrapping_add(1).max(1));
+        Ok(Self { programmed, slots, used_ids, next_id, capacity, failing: BTreeSet::new() })
+    }
+
+    pub fn programmed(&self) -> &BTreeMap<ServiceKey, Programmed> {
+        &self.programmed
+    }
+
+    /// Make the maps hold `desired`, writing only service ports that differ.
+    ///
+    /// Order, per service port: new backends go into a fresh range of the backend array, then
+    /// the service entry is switched to it in one map update, then the old range is released.
+    /// Released ranges are reused only from the next `apply` on, so a connect that read the old
+    /// entry an instant before the switch still finds the old backends in place. Removals go
+    /// first so their room can be reused.
+    pub fn apply(&mut self, desired: &Desired, maps: &mut dyn Maps) -> ApplyReport {
+        self.slots.end_quarantine();
+        let mut report = ApplyReport::default();
+
+        let gone: Vec<ServiceKey> = self.programmed.keys().filter(|k| !desired.contains_key(k)).copied().collect();
+        for key in gone {
+            match maps.remove_service(&key) {
+                Ok(()) => {
+                    let old = self.programmed.remove(&key).expect("listed above");
+                    self.release(&old.value);
+                    report.removed += 1;
+                }
+                Err(e) => {
+                    report.failed += 1;
+                    tracing::error!(service = %display_key(&key), "failed to remove the service: {e:#}");
+                }
+            }
+        }
+
+        for (key, want) in desired {
+            let backends: Vec<Backend> = want.backends.iter().map(|(ip, port)| backend(*ip, *port)).collect();
+            let existing = self.programmed.get(key);
+            if existing.is_some_and(|p| p.backends == backends) {
+                continue;
+            }
+            let is_new = existing.is_none();
+            match self.write(key, backends, maps) {
+                Ok(()) => {
+                    if self.failing.remove(key) {
+                        tracing::info!(service = %want.name, address = %display_key(key), "programmed after earlier failures");
+                    }
+                    if is_new { report.added += 1 } else { report.updated += 1 }
+                }
+                Err(e) => {
+                    report.failed += 1;
+                    if self.failing.insert(*key) {
+                        log_failure(key, want, &e);
+                    }
+                }
+            }
+        }
+        report
+    }
+
+    fn write(&mut self, key: &ServiceKey, backends: Vec<Backend>, maps: &mut dyn Maps) -> Result<()> {
+        let old = self.programmed.get(key).map(|p| p.value);
+        if old.is_none() && self.programmed.len() >= self.capacity.service_ports as usize {
+            bail!("the services map is full ({} service ports); raise --max-service-ports", self.capacity.service_ports);
+        }
+        let count = u32::try_from(backends.len())?;
+        let start = if count == 0 {
+            0
+        } else {
+            let Some(start) = self.slots.alloc(count) else {
+                bail!(
+                    "no room for {count} backends in the backend array ({} slots, {} free); raise --max-backends",
+                    self.capacity.backends,
+                    self.slots.free_slots()
+                );
+            };
+            if let Err(e) = maps.set_backends(start, &backends) {
+                self.slots.free(start, count);
+                return Err(e);
+            }
+            start
+        };
+        let service_id = match old {
+            Some(v) => v.service_id,
+            None => self.alloc_id(),
+        };
+        let value = ServiceValue { service_id, backends_start: start, backends_count: count, flags: 0 };
+        if let Err(e) = maps.set_service(key, &value) {
+            if count > 0 {
+                self.slots.free(start, count);
+            }
+            if old.is_none() {
+                self.used_ids.remove(&service_id);
+            }
+            return Err(e);
+        }
+        if let Some(old) = old {
+            self.release_range(&old);
+        }
+        self.programmed.insert(*key, Programmed { value, backends });
+        Ok(())
+    }
+
+    fn alloc_id(&mut self) -> u32 {
+        while self.next_id == 0 || self.used_ids.contains(&self.next_id) {
+            self.next_id = self.next_id.wrapping_add(1);
+        }
+        let id = self.next_id;
+        self.used_ids.insert(id);
+        self.next_id = id.wrapping_add(1);
+        id
+    }
+
+    fn release(&mut self, value: &ServiceValue) {
+        self.used_ids.remove(&value.service_id);
+        self.release_range(value);
+    }
+
+    fn release_range(&mut self, value: &ServiceValue) {
+        if value.backends_count > 0 {
+            self.slots.quarantine(value.backends_start, value.backends_count);
+        }
+    }
+}
+
+fn log_failure(key: &ServiceKey, want: &DesiredPort, e: &anyhow::Error) {
+    tracing::error!(
+        service = %want.name,
+        address = %display_key(key),
+        backends = want.backends.len(),
+        "not programmed, left as it was: {e:#}"
+    );
+}
+
+#[cfg(test)]
+mod tests;

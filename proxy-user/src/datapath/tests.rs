@@ -1,0 +1,122 @@
+use std::net::Ipv4Addr;
+
+use proxy_common::ServiceKey;
+
+use super::{fake::FakeMaps, *};
+use crate::model::{
+    ObjectKey, Protocol, ServicePortName,
+    desired::{Desired, DesiredPort, service_key},
+};
+
+const CAP: Capacity = Capacity { service_ports: 8, backends: 16 };
+
+fn key(n: u8) -> ServiceKey {
+    service_key(Ipv4Addr::new(10, 96, 0, n), 80, Protocol::Tcp).unwrap()
+}
+
+fn port(n: u8, backends: &[u8]) -> DesiredPort {
+    DesiredPort {
+        name: ServicePortName { service: ObjectKey::new("ns", format!("svc{n}")), port: String::new(), protocol: Protocol::Tcp },
+        backends: backends.iter().map(|b| (Ipv4Addr::new(10, 0, 0, *b), 8080)).collect(),
+    }
+}
+
+fn desired(entries: &[(u8, &[u8])]) -> Desired {
+    entries.iter().map(|(n, b)| (key(*n), port(*n, b))).collect()
+}
+
+fn visible(maps: &FakeMaps, n: u8) -> Option<Vec<u8>> {
+    maps.visible_backends(&key(n)).map(|bs| bs.iter().map(|b| backend_addr(b).0.octets()[3]).collect())
+}
+
+#[test]
+fn programs_updates_and_removes_in_a_safe_order() {
+    let mut maps = FakeMaps::new(CAP);
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    let r = p.apply(&desired(&[(1, &[1, 2, 3]), (2, &[])]), &mut maps);
+    assert_eq!(r, ApplyReport { added: 2, ..Default::default() });
+    assert_eq!(visible(&maps, 1), Some(vec![1, 2, 3]));
+    assert_eq!(visible(&maps, 2), Some(vec![]), "no endpoints: an entry with zero backends (reject)");
+
+    let r = p.apply(&desired(&[(1, &[1, 3]), (2, &[4])]), &mut maps);
+    assert_eq!(r, ApplyReport { updated: 2, ..Default::default() });
+    assert_eq!(visible(&maps, 1), Some(vec![1, 3]));
+    let id1 = maps.services[&key(1)].service_id;
+
+    let r = p.apply(&desired(&[(1, &[1, 3])]), &mut maps);
+    assert_eq!(r, ApplyReport { removed: 1, ..Default::default() });
+    assert_eq!(visible(&maps, 2), None);
+    assert_eq!(maps.services[&key(1)].service_id, id1, "ids are stable across updates");
+    assert!(maps.violations.is_empty(), "{:?}", maps.violations);
+}
+
+#[test]
+fn unchanged_services_are_not_rewritten() {
+    let mut maps = FakeMaps::new(CAP);
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    let d = desired(&[(1, &[1, 2]), (2, &[3]), (3, &[4])]);
+    p.apply(&d, &mut maps);
+    let before = maps.writes;
+    let mut changed = d.clone();
+    changed.get_mut(&key(2)).unwrap().backends.push((Ipv4Addr::new(10, 0, 0, 9), 8080));
+    let r = p.apply(&changed, &mut maps);
+    assert_eq!(r, ApplyReport { updated: 1, ..Default::default() });
+    assert_eq!(maps.writes - before, 3, "two backend slots and one service entry");
+    assert_eq!(p.apply(&changed, &mut maps).changes(), 0);
+}
+
+#[test]
+fn full_maps_skip_the_service_and_keep_the_old_state() {
+    let mut maps = FakeMaps::new(Capacity { service_ports: 2, backends: 4 });
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    let r = p.apply(&desired(&[(1, &[1, 2]), (2, &[3, 4]), (3, &[5])]), &mut maps);
+    assert_eq!((r.added, r.failed), (2, 1), "third service port does not fit the services map");
+    assert_eq!(visible(&maps, 3), None);
+    // Growing service 1 needs 3 fresh slots while the old 2 are still live: no room.
+    let r = p.apply(&desired(&[(1, &[1, 2, 6]), (2, &[3, 4])]), &mut maps);
+    assert_eq!(r.failed, 1);
+    assert_eq!(visible(&maps, 1), Some(vec![1, 2]), "old backends stay programmed");
+    // Once service 2 is gone (and its range out of quarantine) it fits.
+    p.apply(&desired(&[(1, &[1, 2])]), &mut maps);
+    let r = p.apply(&desired(&[(1, &[1, 2, 6])]), &mut maps);
+    assert_eq!(r.updated, 1);
+    assert_eq!(visible(&maps, 1), Some(vec![1, 2, 6]));
+    assert!(maps.violations.is_empty(), "{:?}", maps.violations);
+}
+
+#[test]
+fn a_failed_write_is_retried_on_the_next_apply() {
+    let mut maps = FakeMaps::new(CAP);
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    maps.fail_service_writes = 1;
+    let d = desired(&[(1, &[1])]);
+    assert_eq!(p.apply(&d, &mut maps).failed, 1);
+    assert_eq!(visible(&maps, 1), None);
+    assert_eq!(p.apply(&d, &mut maps).added, 1);
+    assert_eq!(visible(&maps, 1), Some(vec![1]));
+}
+
+#[test]
+fn recovers_from_existing_maps_and_repairs_drift() {
+    let mut maps = FakeMaps::new(CAP);
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    let d = desired(&[(1, &[1, 2]), (2, &[3])]);
+    p.apply(&d, &mut maps);
+    let ids: Vec<u32> = maps.services.values().map(|v| v.service_id).collect();
+
+    // A restarted agent sees the same state and has nothing to write.
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    assert_eq!(p.apply(&d, &mut maps).changes(), 0);
+
+    // Someone deletes an entry and corrupts another behind our back: a reconcile repairs both.
+    maps.services.remove(&key(1));
+    maps.services.get_mut(&key(2)).unwrap().backends_start = 16; // runs past the array end
+    maps.services.insert(key(9), ServiceValue { service_id: ids[0], backends_start: 0, backends_count: 1, flags: 0 });
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    let r = p.apply(&d, &mut maps);
+    assert_eq!((r.added, r.removed), (2, 1), "{r:?}");
+    assert_eq!(visible(&maps, 1), Some(vec![1, 2]));
+    assert_eq!(visible(&maps, 2), Some(vec![3]));
+    assert_eq!(visible(&maps, 9), None);
+    assert!(maps.violations.is_empty(), "{:?}", maps.violations);
+}

@@ -1,0 +1,9 @@
+//! kpr: a kube-proxy replacement on eBPF. The agent is a pipeline:
+//! [`source`] (Kubernetes API or manifests) → [`model`] (kube-proxy's semantics) →
+//! [`datapath::Programmer`] (ordered, minimal map writes) → [`datapath::bpf`] (the kernel).
+pub mod agent;
+pub mod datapath;
+pub mod demo;
+pub mod model;
+pub mod source;
+pub mod testbed;

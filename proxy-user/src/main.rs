@@ -1,0 +1,152 @@
+//! `kpr`: the agent and its operator commands.
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use kpr::{
+    agent::{self, AgentConfig, SourceConfig},
+    datapath::{
+        Maps as _, backend_addr,
+        bpf::{self, BpfMaps, DatapathConfig},
+        display_key,
+    },
+};
+use proxy_common::defaults;
+
+#[derive(Parser)]
+#[command(name = "kpr", version, about = "kube-proxy replacement on eBPF")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Watch Services and EndpointSlices and program the datapath.
+    Agent(AgentArgs),
+    /// Show the programmed service ports, their backends and the datapath counters.
+    Services {
+        #[arg(long, default_value = "/sys/fs/bpf/kpr")]
+        pin_root: PathBuf,
+    },
+    /// Detach kpr and remove its pinned maps (like `kube-proxy --cleanup`).
+    Cleanup {
+        #[arg(long, default_value = "/sys/fs/bpf/kpr")]
+        pin_root: PathBuf,
+    },
+    /// The built-in demo: pods in network namespaces behind a ClusterIP, on this machine only.
+    Demo {
+        /// Keep the demo up (for `bpftool` and `kpr services`) until Ctrl-C.
+        #[arg(long)]
+        keep_running: bool,
+    },
+}
+
+#[derive(clap::Args)]
+struct AgentArgs {
+    /// Read Services and EndpointSlices from this directory of manifests instead of the API.
+    #[arg(long, conflicts_with = "kubeconfig")]
+    manifests: Option<PathBuf>,
+    /// Kubeconfig of the cluster; without it (and without --manifests) the in-cluster config or
+    /// KUBECONFIG is used.
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    /// cgroup2 directory whose sockets are load-balanced [default: the cgroup2 root].
+    #[arg(long)]
+    cgroup: Option<PathBuf>,
+    /// bpffs directory for kpr's pinned maps and links (a layout version is appended).
+    #[arg(long, default_value = "/sys/fs/bpf/kpr")]
+    pin_root: PathBuf,
+    /// This node's name (endpoint locality).
+    #[arg(long, env = "NODE_NAME")]
+    node_name: Option<String>,
+    #[arg(long, default_value_t = defaults::MAX_SERVICE_PORTS)]
+    max_service_ports: u32,
+    #[arg(long, default_value_t = defaults::MAX_BACKENDS)]
+    max_backends: u32,
+    #[arg(long, default_value_t = defaults::MAX_SOCK_REVNAT)]
+    max_sock_revnat: u32,
+    /// Seconds between full reconciles of the maps against the desired state.
+    #[arg(long, default_value_t = 30)]
+    reconcile_interval: u64,
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    match Cli::parse().command {
+        Command::Agent(args) => run_agent(args).await,
+        Command::Services { pin_root } => show_services(&pin_root),
+        Command::Cleanup { pin_root } => {
+            bpf::cleanup(&pin_root)?;
+            println!("removed kpr's pins under {}", pin_root.display());
+            Ok(())
+        }
+        Command::Demo { keep_running } => kpr::demo::run(keep_running).await,
+    }
+}
+
+async fn run_agent(args: AgentArgs) -> Result<()> {
+    let cgroup = match args.cgroup {
+        Some(c) => c,
+        None => bpf::cgroup2_root()?,
+    };
+    let mut datapath = DatapathConfig::new(args.pin_root, cgroup);
+    datapath.max_service_ports = args.max_service_ports;
+    datapath.max_backends = args.max_backends;
+    datapath.max_sock_revnat = args.max_sock_revnat;
+    let source = match args.manifests {
+        Some(dir) => SourceConfig::Manifests(dir),
+        None => SourceConfig::Kube { kubeconfig: args.kubeconfig },
+    };
+    let node_name = match args.node_name {
+        Some(n) => n,
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")?.trim().to_owned(),
+    };
+    let cfg = AgentConfig { source, datapath, node_name, reconcile_interval: Duration::from_secs(args.reconcile_interval) };
+    agent::run(cfg, shutdown_signal()).await
+}
+
+/// SIGTERM (the kubelet stopping the pod) or SIGINT.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+    }
+}
+
+fn show_services(pin_root: &std::path::Path) -> Result<()> {
+    let maps = BpfMaps::open_pinned(pin_root)?;
+    let cap = maps.capacity();
+    let mut programmed = maps.services()?;
+    programmed.sort_by_key(|(k, _)| (u32::from_be(k.addr), u16::from_be(k.port), k.proto));
+    let slots: u32 = programmed.iter().map(|(_, v)| v.backends_count).sum();
+    println!(
+        "{} service ports (of {}), {} backend slots (of {}) in {}",
+        programmed.len(),
+        cap.service_ports,
+        slots,
+        cap.backends,
+        bpf::pin_dir(pin_root).display()
+    );
+    for (key, value) in &programmed {
+        let backends = maps.backends(value.backends_start, value.backends_count)?;
+        let backends: Vec<String> = backends.iter().map(|b| {
+            let (ip, port) = backend_addr(b);
+            format!("{ip}:{port}")
+        }).collect();
+        let shown = if backends.is_empty() { "<no endpoints: reject>".to_owned() } else { backends.join(" ") };
+        println!("  {:<24} id {:<6} -> {shown}", display_key(key).to_string(), value.service_id);
+    }
+    println!("counters:");
+    for (name, value) in bpf::read_counters(pin_root)? {
+        println!("  {name:<24} {value}");
+    }
+    Ok(())
+}

@@ -1,0 +1,333 @@
+//! Services + EndpointSlices → what the datapath should hold: `ClusterIP:port/proto → backends`.
+//!
+//! [`ClusterState`] keeps the objects the sources delivered and recomputes only the services
+//! whose Service or slices changed; [`ClusterState::desired`] merges the per-service results.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, Ipv4Addr},
+};
+
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use proxy_common::{IPPROTO_TCP, IPPROTO_UDP, ServiceKey};
+
+use super::{
+    NodeInfo, ObjectKey, Protocol, ServicePortName, Skip, TrafficPolicy, endpoints, service,
+};
+
+/// One datapath entry: a service port on one ClusterIP and the backends to pick from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DesiredPort {
+    pub name: ServicePortName,
+    /// Backends as (IPv4, port), sorted; empty means "no endpoints: reject".
+    pub backends: Vec<(Ipv4Addr, u16)>,
+}
+
+pub type Desired = BTreeMap<ServiceKey, DesiredPort>;
+
+pub fn service_key(ip: Ipv4Addr, port: u16, protocol: Protocol) -> Option<ServiceKey> {
+    let proto = match protocol {
+        Protocol::Tcp => IPPROTO_TCP,
+        Protocol::Udp => IPPROTO_UDP,
+        Protocol::Sctp => return None,
+    };
+    Some(ServiceKey { addr: u32::from(ip).to_be(), port: port.to_be(), proto, _pad: 0 })
+}
+
+/// The datapath entries of one Service, given its slices.
+pub fn service_entries<'a>(
+    svc: &Service,
+    slices: impl IntoIterator<Item = &'a EndpointSlice>,
+    node: &NodeInfo,
+    skipped: &mut Vec<(String, Skip)>,
+) -> Result<Vec<(ServiceKey, DesiredPort)>, Skip> {
+    let translated = service::translate(svc)?;
+    skipped.extend(translated.skipped);
+    if translated.ports.is_empty() {
+        return Ok(Vec::new());
+    }
+    let by_port = endpoints::endpoints_by_port(slices, node, skipped);
+    let mut out = Vec::new();
+    for sp in &translated.ports {
+        let eps = endpoints::for_port(&by_port, &sp.name);
+        let cat = endpoints::categorize(eps, sp, node);
+        let chosen = if sp.internal_policy == TrafficPolicy::Local { &cat.local } else { &cat.cluster };
+        let mut backends: Vec<(Ipv4Addr, u16)> = chosen
+            .iter()
+            .filter_map(|e| match e.ip {
+                IpAddr::V4(ip) => Some((ip, e.port)),
+                IpAddr::V6(_) => None,
+            })
+            .collect();
+        backends.sort();
+        backends.dedup();
+        for ip in &sp.cluster_ips {
+            let IpAddr::V4(ip) = ip else { continue }; // IPv6 ClusterIPs: the v6 datapath's job
+            match service_key(*ip, sp.port, sp.protocol) {
+                Some(key) => out.push((key, DesiredPort { name: sp.name.clone(), backends: backends.clone() })),
+                None => skipped.push((sp.name.port.clone(), Skip::UnsupportedProtocol(sp.protocol))),
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Counts of what was skipped, for logs and status.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SkipCounts {
+    pub objects: u64,
+    pub parts: u64,
+    pub conflicts: u64,
+}
+
+/// The objects delivered by a source, and the datapath entries derived from them.
+#[derive(Default)]
+pub struct ClusterState {
+    node: NodeInfo,
+    services: BTreeMap<ObjectKey, Service>,
+    slices: BTreeMap<ObjectKey, EndpointSlice>,
+    /// Service → its slices (by slice key).
+    slices_of: BTreeMap<ObjectKey, BTreeSet<ObjectKey>>,
+    /// Cached per-service entries; recomputed for services in `dirty`.
+    entries: BTreeMap<ObjectKey, Vec<(ServiceKey, DesiredPort)>>,
+    dirty: BTreeSet<ObjectKey>,
+    services_synced: bool,
+    slices_synced: bool,
+    reported_conflicts: BTreeSet<(ServiceKey, ObjectKey)>,
+    pub skips: SkipCounts,
+}
+
+impl ClusterState {
+    pub fn new(node: NodeInfo) -> Self {
+        Self { node, ..Default::default() }
+    }
+
+    /// Both initial lists have arrived: only now may the datapath be programmed.
+    pub fn synced(&self) -> bool {
+        self.services_synced && self.slices_synced
+    }
+
+    pub fn has_changes(&self) -> bool {
+        !self.dirty.is_empty()
+    }
+
+    pub fn apply_service(&mut self, svc: Service) {
+        let Some(key) = service::object_key(&svc.metadata) else {
+            self.skip("Service", "<unnamed>", &Skip::Unnamed);
+            return;
+        };
+        if self.services.get(&key) != Some(&svc) {
+            self.dirty.insert(key.clone());
+            self.services.insert(key, svc);
+        }
+    }
+
+    pub fn delete_service(&mut self, key: &ObjectKey) {
+        if self.services.remove(key).is_some() {
+            self.dirty.insert(key.clone());
+        }
+    }
+
+    pub fn apply_slice(&mut self, slice: EndpointSlice) {
+        let Some(key) = service::object_key(&slice.metadata) else {
+            self.skip("EndpointSlice", "<unnamed>", &Skip::Unnamed);
+            return;
+        };
+        let owner = match endpoints::owning_service(&slice) {
+            Ok(owner) => owner,
+            Err(e) => {
+                self.skip("EndpointSlice", &key.to_string(), &e);
+                self.delete_slice(&key);
+                return;
+            }
+        };
+        if self.slices.get(&key) == Some(&slice) {
+            return;
+        }
+        // A slice may (in theory) be relabelled to another service: unlink it from the old one.
+        self.delete_slice(&key);
+        self.slices_of.entry(owner.clone()).or_default().insert(key.clone());
+        self.slices.insert(key, slice);
+        self.dirty.insert(owner);
+    }
+
+    pub fn delete_slice(&mut self, key: &ObjectKey) {
+        if let Some(old) = self.slices.remove(key)
+            && let Ok(owner) = endpoints::owning_service(&old)
+        {
+            if let Some(set) = self.slices_of.get_mut(&owner) {
+                set.remove(key);
+                if set.is_empty() {
+                    self.slices_of.remove(&owner);
+                }
+            }
+            self.dirty.insert(owner);
+        }
+    }
+
+    /// A full list (initial list, relist after a watch error, manifest reload): objects absent
+    /// from it are deleted. Marks services as synced.
+    pub fn replace_services(&mut self, all: Vec<Service>) {
+        let keep: BTreeSet<ObjectKey> = all.iter().filter_map(|s| service::object_key(&s.metadata)).collect();
+        let gone: Vec<ObjectKey> = self.services.keys().filter(|k| !keep.contains(*k)).cloned().collect();
+        for key in gone {
+            self.delete_service(&key);
+        }
+        for svc in all {
+            self.apply_service(svc);
+        }
+        self.services_synced = true;
+    }
+
+    /// Like [`Self::replace_services`], for EndpointSlices.
+    pub fn replace_slices(&mut self, all: Vec<EndpointSlice>) {
+        let keep: BTreeSet<ObjectKey> = all.iter().filter_map(|s| service::object_key(&s.metadata)).collect();
+        let gone: Vec<ObjectKey> = self.slices.keys().filter(|k| !keep.contains(*k)).cloned().collect();
+        for key in gone {
+            self.delete_slice(&key);
+        }
+        for slice in all {
+            self.apply_slice(slice);
+        }
+        self.slices_synced = true;
+    }
+
+    /// Recompute the changed services and return the whole desired datapath content.
+    /// Two services claiming the same ClusterIP:port/proto: the first by namespace/name wins.
+    pub fn desired(&mut self) -> Desired {
+        for key in std::mem::take(&mut self.dirty) {
+            let Some(svc) = self.services.get(&key) else {
+                self.entries.remove(&key);
+                continue;
+            };
+            let slices = self.slices_of.get(&key).into_iter().flatten().filter_map(|k| self.slices.get(k));
+            let mut skipped = Vec::new();
+            match service_entries(svc, slices, &self.node, &mut skipped) {
+                Ok(entries) => {
+                    self.entries.insert(key.clone(), entries);
+                }
+                Err(e) => {
+                    self.entries.remove(&key);
+                    self.skip("Service", &key.to_string(), &e);
+                }
+            }
+            for (part, reason) in skipped {
+                self.skips.parts += 1;
+                tracing::warn!(service = %key, part = %part, "skipped part of the service or its slices: {reason}");
+            }
+        }
+
+        let mut desired = Desired::new();
+        let mut conflicts = BTreeSet::new();
+        for (owner, entries) in &self.entries {
+            for (key, port) in entries {
+                if let Some(winner) = desired.get(key) {
+                    if winner.name.service != *owner {
+                        conflicts.insert((*key, owner.clone()));
+                    }
+                    continue;
+                }
+                desired.insert(*key, port.clone());
+            }
+        }
+        for (key, loser) in conflicts.difference(&self.reported_conflicts) {
+            self.skips.conflicts += 1;
+            tracing::warn!(
+                service = %loser,
+                address = %crate::datapath::display_key(key),
+                owner = %desired[key].name,
+                "skipped: the address is already used by another service"
+            );
+        }
+        self.reported_conflicts = conflicts;
+        desired
+    }
+
+    fn skip(&mut self, kind: &str, name: &str, reason: &Skip) {
+        self.skips.objects += 1;
+        tracing::warn!(kind, name, "skipped: {reason}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::tests::{service_yaml, slice_yaml};
+
+    fn web(ip: &str) -> Service {
+        service_yaml(&format!(
+            "metadata: {{name: web, namespace: shop}}\nspec: {{clusterIP: {ip}, ports: [{{name: http, port: 80}}, {{name: dns, port: 53, protocol: UDP}}]}}"
+        ))
+    }
+    fn slice(name: &str, ips: &[&str]) -> EndpointSlice {
+        let eps: Vec<String> = ips.iter().map(|ip| format!("{{addresses: [{ip}]}}")).collect();
+        slice_yaml(&format!(
+            "metadata: {{name: {name}, namespace: shop, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080}}, {{name: dns, port: 5353, protocol: UDP}}]\nendpoints: [{}]",
+            eps.join(", ")
+        ))
+    }
+    fn backends(d: &Desired, ip: &str, port: u16, protocol: Protocol) -> Vec<String> {
+        let key = service_key(ip.parse().unwrap(), port, protocol).unwrap();
+        d[&key].backends.iter().map(|(ip, p)| format!("{ip}:{p}")).collect()
+    }
+
+    #[test]
+    fn nothing_until_both_lists_synced() {
+        let mut st = ClusterState::new(NodeInfo::default());
+        st.replace_services(vec![web("10.96.0.10")]);
+        assert!(!st.synced());
+        st.replace_slices(vec![]);
+        assert!(st.synced());
+    }
+
+    #[test]
+    fn desired_follows_objects() {
+        let mut st = ClusterState::new(NodeInfo::default());
+        st.replace_services(vec![web("10.96.0.10")]);
+        st.replace_slices(vec![slice("web-1", &["10.0.0.2", "10.0.0.1"])]);
+        let d = st.desired();
+        assert_eq!(d.len(), 2);
+        assert_eq!(backends(&d, "10.96.0.10", 80, Protocol::Tcp), ["10.0.0.1:8080", "10.0.0.2:8080"]);
+        assert_eq!(backends(&d, "10.96.0.10", 53, Protocol::Udp), ["10.0.0.1:5353", "10.0.0.2:5353"]);
+
+        // A second slice adds an endpoint; deleting the first removes two.
+        st.apply_slice(slice("web-2", &["10.0.0.3"]));
+        assert!(st.has_changes());
+        assert_eq!(backends(&st.desired(), "10.96.0.10", 80, Protocol::Tcp).len(), 3);
+        st.delete_slice(&ObjectKey::new("shop", "web-1"));
+        assert_eq!(backends(&st.desired(), "10.96.0.10", 80, Protocol::Tcp), ["10.0.0.3:8080"]);
+
+        // No endpoints: the entry stays, empty (reject), until the Service goes.
+        st.replace_slices(vec![]);
+        assert_eq!(backends(&st.desired(), "10.96.0.10", 80, Protocol::Tcp), Vec::<String>::new());
+        st.delete_service(&ObjectKey::new("shop", "web"));
+        assert!(st.desired().is_empty());
+    }
+
+    #[test]
+    fn unchanged_objects_do_not_mark_dirty() {
+        let mut st = ClusterState::new(NodeInfo::default());
+        st.replace_services(vec![web("10.96.0.10")]);
+        st.replace_slices(vec![slice("web-1", &["10.0.0.1"])]);
+        st.desired();
+        st.replace_services(vec![web("10.96.0.10")]);
+        st.replace_slices(vec![slice("web-1", &["10.0.0.1"])]);
+        assert!(!st.has_changes());
+    }
+
+    #[test]
+    fn conflicting_services_first_wins_and_bad_ones_are_skipped() {
+        let mut st = ClusterState::new(NodeInfo::default());
+        let mut other = web("10.96.0.10");
+        other.metadata.namespace = Some("another".into());
+        let mut bad = web("10.96.0.300");
+        bad.metadata.name = Some("bad".into());
+        st.replace_services(vec![web("10.96.0.10"), other, bad]);
+        st.replace_slices(vec![slice("web-1", &["10.0.0.1"])]);
+        let d = st.desired();
+        let key = service_key("10.96.0.10".parse().unwrap(), 80, Protocol::Tcp).unwrap();
+        assert_eq!(d[&key].name.service, ObjectKey::new("another", "web"));
+        assert_eq!(d.len(), 2);
+        assert_eq!(st.skips.conflicts, 2);
+        assert_eq!(st.skips.objects, 1);
+    }
+}

@@ -1,0 +1,187 @@
+//! kube-proxy's semantics as pure Rust: no I/O, no BPF, unit-tested.
+//!
+//! - [`service`]: a `v1/Service` → its service ports ([`ServicePort`]), skipping what
+//!   kube-proxy skips (headless, ExternalName, other proxies) and rejecting malformed fields;
+//! - [`endpoints`]: `EndpointSlice`s → endpoints per service port (port-name join, dedup across
+//!   slices) and kube-proxy's `CategorizeEndpoints` (ready/serving/terminating, topology, local);
+//! - [`desired`]: both together → the datapath's desired contents, one entry per
+//!   `ClusterIP:port/proto`, with the backends kube-proxy would DNAT to.
+pub mod desired;
+pub mod endpoints;
+pub mod service;
+
+use std::{fmt, net::IpAddr};
+
+/// namespace/name of a Kubernetes object.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ObjectKey {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl ObjectKey {
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        Self { namespace: namespace.into(), name: name.into() }
+    }
+}
+
+impl fmt::Display for ObjectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+impl Protocol {
+    /// Kubernetes spelling; absent means TCP.
+    pub fn parse(value: Option<&str>) -> Option<Self> {
+        match value.unwrap_or("TCP") {
+            "TCP" => Some(Self::Tcp),
+            "UDP" => Some(Self::Udp),
+            "SCTP" => Some(Self::Sctp),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Tcp => "TCP",
+            Self::Udp => "UDP",
+            Self::Sctp => "SCTP",
+        })
+    }
+}
+
+/// kube-proxy's `ServicePortName`: a service and one of its ports, by port name.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServicePortName {
+    pub service: ObjectKey,
+    /// Port name; empty for a single unnamed port.
+    pub port: String,
+    pub protocol: Protocol,
+}
+
+impl fmt::Display for ServicePortName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.port.is_empty() {
+            write!(f, "{}/{}", self.service, self.protocol)
+        } else {
+            write!(f, "{}:{}/{}", self.service, self.port, self.protocol)
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum TrafficPolicy {
+    #[default]
+    Cluster,
+    Local,
+}
+
+/// One port of a Service, with everything kube-proxy keeps about it (`BaseServicePortInfo`).
+/// The ClusterIP datapath uses `cluster_ips`/`port`/`protocol`; the rest is carried for the
+/// NodePort/LoadBalancer/affinity datapaths.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServicePort {
+    pub name: ServicePortName,
+    pub cluster_ips: Vec<IpAddr>,
+    pub port: u16,
+    pub protocol: Protocol,
+    pub node_port: Option<u16>,
+    pub external_ips: Vec<IpAddr>,
+    pub load_balancer_ips: Vec<IpAddr>,
+    pub load_balancer_source_ranges: Vec<String>,
+    pub session_affinity_timeout: Option<u32>,
+    pub external_policy: TrafficPolicy,
+    pub internal_policy: TrafficPolicy,
+    pub health_check_node_port: Option<u16>,
+}
+
+impl ServicePort {
+    /// Reachable from outside the cluster (NodePort, externalIPs, LoadBalancer): eTP applies.
+    pub fn externally_accessible(&self) -> bool {
+        self.node_port.is_some() || !self.external_ips.is_empty() || !self.load_balancer_ips.is_empty()
+    }
+}
+
+/// One endpoint of a service port, after the port-name join.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    pub ip: IpAddr,
+    pub port: u16,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    /// `nodeName` equals this node.
+    pub is_local: bool,
+    /// Topology hints; `None` when the slice carries no hints of that kind.
+    pub zone_hints: Option<Vec<String>>,
+    pub node_hints: Option<Vec<String>>,
+}
+
+/// Where this agent runs: what "local" and topology mean.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeInfo {
+    pub name: String,
+    /// `topology.kubernetes.io/zone` label of the Node.
+    pub zone: Option<String>,
+}
+
+/// Why an object (or part of one) was skipped; logged with the object's name and counted.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Skip {
+    #[error("invalid IP address `{0}`")]
+    InvalidIp(String),
+    #[error("port {0} is out of range 1-65535")]
+    InvalidPort(i32),
+    #[error("unknown protocol `{0}`")]
+    UnknownProtocol(String),
+    #[error("{0} is not supported by the socket datapath")]
+    UnsupportedProtocol(Protocol),
+    #[error("the object has no name")]
+    Unnamed,
+    #[error("the slice has no `kubernetes.io/service-name` label")]
+    NoServiceLabel,
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+
+    use super::*;
+
+    pub fn service_yaml(body: &str) -> Service {
+        serde_yaml::from_str(&format!("apiVersion: v1\nkind: Service\n{body}")).expect("valid Service yaml")
+    }
+
+    pub fn slice_yaml(body: &str) -> EndpointSlice {
+        serde_yaml::from_str(&format!("apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n{body}"))
+            .expect("valid EndpointSlice yaml")
+    }
+
+    /// A plain ClusterIP service port (traffic policies Cluster).
+    pub fn service_port() -> ServicePort {
+        ServicePort {
+            name: ServicePortName { service: ObjectKey::new("ns", "svc"), port: String::new(), protocol: Protocol::Tcp },
+            cluster_ips: vec!["10.96.0.1".parse().unwrap()],
+            port: 80,
+            protocol: Protocol::Tcp,
+            node_port: None,
+            external_ips: vec![],
+            load_balancer_ips: vec![],
+            load_balancer_source_ranges: vec![],
+            session_affinity_timeout: None,
+            external_policy: TrafficPolicy::Cluster,
+            internal_policy: TrafficPolicy::Cluster,
+            health_check_node_port: None,
+        }
+    }
+}

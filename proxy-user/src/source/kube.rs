@@ -1,0 +1,124 @@
+//! Services and EndpointSlices from the Kubernetes API, watched as kube-proxy watches them:
+//! same label selector, a full list before anything is programmed, relists on watch errors
+//! (410 Gone included) that replace the state without wiping it, and backoff on failures.
+use std::{fmt::Debug, path::Path};
+
+use anyhow::{Context as _, Result};
+use futures::{StreamExt as _, TryStreamExt as _};
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
+use kube::{
+    Api, Client, Config, Resource, ResourceExt as _,
+    config::{KubeConfigOptions, Kubeconfig},
+    runtime::{WatchStreamExt as _, watcher},
+};
+use tokio::sync::mpsc;
+
+use super::SourceEvent;
+use crate::model::{NodeInfo, ObjectKey, service::PROXY_LABEL_SELECTOR};
+
+/// A client from a kubeconfig file, or in-cluster / `KUBECONFIG` inference when none is given.
+pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = Kubeconfig::read_from(path).with_context(|| format!("failed to read kubeconfig {}", path.display()))?;
+            Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?
+        }
+        None => Config::infer().await.context("no kubeconfig and not running in a cluster")?,
+    };
+    Ok(Client::try_from(config)?)
+}
+
+/// The node's zone label (for topology hints); best effort.
+pub async fn node_info(client: &Client, name: &str) -> NodeInfo {
+    let zone = match Api::<Node>::all(client.clone()).get_opt(name).await {
+        Ok(Some(node)) => node.labels().get("topology.kubernetes.io/zone").cloned(),
+        Ok(None) => {
+            tracing::warn!(node = name, "Node not found: topology hints for this node are ignored");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(node = name, "failed to read the Node: {e}");
+            None
+        }
+    };
+    NodeInfo { name: name.to_owned(), zone }
+}
+
+/// Watch both kinds until the receiver goes away.
+pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>) -> Result<()> {
+    let config = watcher::Config::default().labels(PROXY_LABEL_SELECTOR);
+    let services = watch::<Service>(
+        Api::all(client.clone()),
+        config.clone(),
+        tx.clone(),
+        SourceEvent::ServicesListed,
+        SourceEvent::ServiceApplied,
+        SourceEvent::ServiceDeleted,
+    );
+    let slices = watch::<EndpointSlice>(
+        Api::all(client),
+        config,
+        tx,
+        SourceEvent::SlicesListed,
+        SourceEvent::SliceApplied,
+        SourceEvent::SliceDeleted,
+    );
+    tokio::try_join!(services, slices)?;
+    Ok(())
+}
+
+async fn watch<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    tx: mpsc::Sender<SourceEvent>,
+    listed: fn(Vec<K>) -> SourceEvent,
+    applied: fn(K) -> SourceEvent,
+    deleted: fn(ObjectKey) -> SourceEvent,
+) -> Result<()>
+where
+    K: Resource<DynamicType = ()> + Clone + Debug + serde::de::DeserializeOwned + Send + 'static,
+{
+    let kind = K::kind(&());
+    let mut stream = watcher(api, config)
+        .default_backoff()
+        .modify(|o| o.managed_fields_mut().clear())
+        .boxed();
+    // Objects of a (re)list, delivered as one replacement when the list is complete.
+    let mut listing: Option<Vec<K>> = None;
+    loop {
+        let event = match stream.try_next().await {
+            Ok(Some(event)) => event,
+            Ok(None) => return Ok(()),
+            Err(e) => {
+                // The backoff delays the retry; the datapath keeps serving the last state.
+                tracing::warn!(%kind, "watch failed, retrying: {e}");
+                continue;
+            }
+        };
+        let out = match event {
+            watcher::Event::Init => {
+                listing = Some(Vec::new());
+                continue;
+            }
+            watcher::Event::InitApply(obj) => {
+                listing.get_or_insert_with(Vec::new).push(obj);
+                continue;
+            }
+            watcher::Event::InitDone => {
+                let all = listing.take().unwrap_or_default();
+                tracing::info!(%kind, count = all.len(), "listed");
+                listed(all)
+            }
+            watcher::Event::Apply(obj) => applied(obj),
+            watcher::Event::Delete(obj) => {
+                deleted(ObjectKey::new(obj.namespace().unwrap_or_default(), obj.name_any()))
+            }
+        };
+        if tx.send(out).await.is_err() {
+            return Ok(());
+        }
+    }
+}

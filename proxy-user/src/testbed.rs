@@ -1,0 +1,347 @@
+//! Network namespaces, cgroups and small name servers: the "pods" and "node" of the demo, the
+//! privileged tests and the benchmarks. Everything created here is uniquely named and removed
+//! on drop, and no namespace made here has a route off the machine.
+use std::{
+    fs::{self, File},
+    io::{BufRead as _, BufReader, Read as _, Write as _},
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
+    os::fd::AsRawFd as _,
+    path::{Path, PathBuf},
+    process::Command,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread::JoinHandle,
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result, bail};
+
+/// Run `ip` with arguments; fail with its stderr.
+pub fn ip(args: &[&str]) -> Result<()> {
+    let out = Command::new("ip").args(args).output().context("failed to run `ip` (install iproute2)")?;
+    if !out.status.success() {
+        bail!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(())
+}
+
+/// A named network namespace (`ip netns add`), deleted on drop.
+pub struct Netns {
+    pub name: String,
+}
+
+impl Netns {
+    pub fn new(name: &str) -> Result<Self> {
+        ip(&["netns", "add", name])?;
+        let ns = Self { name: name.to_owned() };
+        ns.ip(&["link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+
+    /// `ip -n <ns> ...`
+    pub fn ip(&self, args: &[&str]) -> Result<()> {
+        let mut full = vec!["-n", &self.name];
+        full.extend_from_slice(args);
+        ip(&full)
+    }
+
+    /// Run `f` on a thread that has joined this namespace; sockets it creates stay in it.
+    pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Result<T> {
+        self.spawn(f)?.join().map_err(|_| anyhow::anyhow!("thread in netns {} panicked", self.name))
+    }
+
+    pub fn spawn<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Result<JoinHandle<T>> {
+        let file = File::open(format!("/run/netns/{}", self.name))
+            .with_context(|| format!("netns {} is gone", self.name))?;
+        let name = self.name.clone();
+        Ok(std::thread::spawn(move || {
+            // SAFETY: setns on this thread only; the fd is valid for the call.
+            let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+            assert_eq!(rc, 0, "setns into {name}: {}", std::io::Error::last_os_error());
+            f()
+        }))
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        if let Err(e) = ip(&["netns", "del", &self.name]) {
+            eprintln!("testbed: failed to delete netns {}: {e}", self.name);
+        }
+    }
+}
+
+/// A child cgroup of the cgroup2 root. `enter` moves this whole process into it (so its
+/// sockets get the cgroup's socket hooks); drop moves it back and removes the cgroup.
+pub struct Cgroup {
+    pub path: PathBuf,
+    entered_from: Option<PathBuf>,
+}
+
+impl Cgroup {
+    pub fn new(name: &str) -> Result<Self> {
+        let path = crate::datapath::bpf::cgroup2_root()?.join(name);
+        fs::create_dir(&path).with_context(|| format!("failed to create cgroup {}", path.display()))?;
+        Ok(Self { path, entered_from: None })
+    }
+
+    pub fn enter(&mut self) -> Result<()> {
+        if self.entered_from.is_none() {
+            self.entered_from = Some(current_cgroup()?);
+        }
+        fs::write(self.path.join("cgroup.procs"), std::process::id().to_string())
+            .with_context(|| format!("failed to join cgroup {}", self.path.display()))
+    }
+
+    pub fn leave(&mut self) -> Result<()> {
+        if let Some(from) = self.entered_from.take() {
+            fs::write(from.join("cgroup.procs"), std::process::id().to_string())?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        if let Err(e) = self.leave() {
+            eprintln!("testbed: failed to leave cgroup {}: {e}", self.path.display());
+        }
+        // Processes we started inside and that already exited may linger a moment.
+        for _ in 0..50 {
+            if fs::remove_dir(&self.path).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!("testbed: failed to remove cgroup {}", self.path.display());
+    }
+}
+
+/// This process's cgroup2 directory.
+fn current_cgroup() -> Result<PathBuf> {
+    let text = fs::read_to_string("/proc/self/cgroup")?;
+    let rel = text.lines().find_map(|l| l.strip_prefix("0::")).context("no cgroup2 entry in /proc/self/cgroup")?;
+    Ok(crate::datapath::bpf::cgroup2_root()?.join(rel.trim_start_matches('/')))
+}
+
+/// A server thread answering with a fixed name. TCP: sends `name\n`, then echoes lines until
+/// the client closes. UDP: answers every datagram with `name`.
+pub struct NameServer {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl NameServer {
+    pub fn tcp(ns: &Netns, addr: SocketAddrV4, name: &str) -> Result<Self> {
+        let listener = ns.run(move || TcpListener::bind(addr))??;
+        set_timeout(listener.as_raw_fd(), Duration::from_millis(100))?;
+        let (stop, name) = (Arc::new(AtomicBool::new(false)), name.to_owned());
+        let stop2 = stop.clone();
+        let thread = std::thread::spawn(move || {
+            while !stop2.load(Ordering::Relaxed) {
+                let Ok((mut conn, _)) = listener.accept() else { continue };
+                let name = name.clone();
+                std::thread::spawn(move || {
+                    let _ = conn.set_nodelay(true);
+                    if conn.write_all(format!("{name}\n").as_bytes()).is_err() {
+                        return;
+                    }
+                    let mut buf = [0u8; 4096];
+                    while let Ok(n @ 1..) = conn.read(&mut buf) {
+                        if conn.write_all(&buf[..n]).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Ok(Self { stop, thread: Some(thread) })
+    }
+
+    pub fn udp(ns: &Netns, addr: SocketAddrV4, name: &str) -> Result<Self> {
+        let socket = ns.run(move || UdpSocket::bind(addr))??;
+        socket.set_read_timeout(Some(Duration::from_millis(100)))?;
+        let (stop, name) = (Arc::new(AtomicBool::new(false)), name.to_owned());
+        let stop2 = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut buf = [0u8; 1500];
+            while !stop2.load(Ordering::Relaxed) {
+                if let Ok((_, from)) = socket.recv_from(&mut buf) {
+                    let _ = socket.send_to(name.as_bytes(), from);
+                }
+            }
+        });
+        Ok(Self { stop, thread: Some(thread) })
+    }
+}
+
+impl Drop for NameServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn set_timeout(fd: i32, timeout: Duration) -> Result<()> {
+    let tv = libc::timeval { tv_sec: timeout.as_secs() as _, tv_usec: timeout.subsec_micros() as _ };
+    // SAFETY: valid fd and a correctly sized timeval.
+    let rc = unsafe {
+        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&raw const tv).cast(), size_of_val(&tv) as _)
+    };
+    if rc != 0 {
+        bail!("setsockopt SO_RCVTIMEO: {}", std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// One backend "pod": a namespace behind a veth from the client namespace.
+pub struct Pod {
+    pub name: String,
+    pub ip: Ipv4Addr,
+    pub netns: Netns,
+    servers: Vec<NameServer>,
+}
+
+impl Pod {
+    /// Start a TCP and a UDP name server on `port` answering with the pod's name.
+    pub fn serve(&mut self, port: u16) -> Result<()> {
+        let addr = SocketAddrV4::new(self.ip, port);
+        self.servers.push(NameServer::tcp(&self.netns, addr, &self.name)?);
+        self.servers.push(NameServer::udp(&self.netns, addr, &self.name)?);
+        Ok(())
+    }
+}
+
+/// A client namespace (the "node") with `n` pods, each on its own /24 (10.244.<i+1>.0/24;
+/// the pod is .2, the client side .1). No default route anywhere: an untranslated ClusterIP
+/// packet gets ENETUNREACH instead of leaving the machine.
+pub struct Topology {
+    pub pods: Vec<Pod>,
+    /// Dropped last: the pods' veths hang off it.
+    pub client: Netns,
+}
+
+impl Topology {
+    pub fn new(prefix: &str, pod_names: &[&str]) -> Result<Self> {
+        let client = Netns::new(&format!("{prefix}-node"))?;
+        let mut pods = Vec::new();
+        for (i, name) in pod_names.iter().enumerate() {
+            let netns = Netns::new(&format!("{prefix}-{name}"))?;
+            let subnet = u8::try_from(i + 1)?;
+            let ip = Ipv4Addr::new(10, 244, subnet, 2);
+            let veth = format!("veth{i}");
+            client.ip(&["link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &netns.name])?;
+            client.ip(&["addr", "add", &format!("10.244.{subnet}.1/24"), "dev", &veth])?;
+            client.ip(&["link", "set", &veth, "up"])?;
+            netns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
+            netns.ip(&["link", "set", "eth0", "up"])?;
+            netns.ip(&["route", "add", "default", "via", &format!("10.244.{subnet}.1")])?;
+            pods.push(Pod { name: (*name).to_owned(), ip, netns, servers: Vec::new() });
+        }
+        Ok(Self { pods, client })
+    }
+}
+
+/// TCP: connect, read the server's name line. Returns (name, peer address from getpeername).
+pub fn tcp_ask(addr: SocketAddrV4, timeout: Duration) -> std::io::Result<(String, SocketAddr)> {
+    let conn = TcpStream::connect_timeout(&addr.into(), timeout)?;
+    conn.set_read_timeout(Some(timeout))?;
+    let peer = conn.peer_addr()?;
+    let mut line = String::new();
+    BufReader::new(&conn).read_line(&mut line)?;
+    Ok((line.trim_end().to_owned(), peer))
+}
+
+/// UDP, unconnected: send_to, recv_from. Returns (name, source address of the reply).
+pub fn udp_ask(addr: SocketAddrV4, timeout: Duration) -> std::io::Result<(String, SocketAddr)> {
+    let socket = UdpSocket::bind("0.0.0.0:0")?;
+    socket.set_read_timeout(Some(timeout))?;
+    socket.send_to(b"who", addr)?;
+    let mut buf = [0u8; 256];
+    let (n, from) = socket.recv_from(&mut buf)?;
+    Ok((String::from_utf8_lossy(&buf[..n]).into_owned(), from))
+}
+
+/// UDP, connected: connect, send, recv. Returns (name, peer address from getpeername).
+pub fn udp_connected_ask(addr: SocketAddrV4, timeout: Duration) -> std::io::Result<(String, SocketAddr)> {
+    let socket = UdpSocket::bind("0.0.0.0:0")?;
+    socket.set_read_timeout(Some(timeout))?;
+    socket.connect(addr)?;
+    socket.send(b"who")?;
+    let mut buf = [0u8; 256];
+    let n = socket.recv(&mut buf)?;
+    Ok((String::from_utf8_lossy(&buf[..n]).into_owned(), socket.peer_addr()?))
+}
+
+/// Unique, short names for test resources: `<tag>-<pid>-<n>`.
+pub fn unique_name(tag: &str) -> String {
+    use std::sync::atomic::AtomicU32;
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!("{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Write a Service and its EndpointSlice as manifests, like `kubectl get -o yaml` would.
+pub fn service_manifest(namespace: &str, name: &str, cluster_ip: Ipv4Addr, ports: &[(&str, u16, &str)]) -> String {
+    let ports: Vec<String> = ports
+        .iter()
+        .map(|(port_name, port, proto)| format!("  - name: {port_name}\n    port: {port}\n    protocol: {proto}\n"))
+        .collect();
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: {namespace}\nspec:\n  type: ClusterIP\n  clusterIP: {cluster_ip}\n  clusterIPs: [{cluster_ip}]\n  ports:\n{}",
+        ports.concat()
+    )
+}
+
+/// An EndpointSlice for `service` with ready endpoints `ips` on `ports` (name, port, proto).
+pub fn slice_manifest(namespace: &str, service: &str, slice: &str, ips: &[Ipv4Addr], ports: &[(&str, u16, &str)]) -> String {
+    let endpoints: Vec<String> = ips
+        .iter()
+        .map(|ip| format!("- addresses: [\"{ip}\"]\n  conditions: {{ready: true, serving: true, terminating: false}}\n"))
+        .collect();
+    let ports: Vec<String> =
+        ports.iter().map(|(n, p, proto)| format!("- name: {n}\n  port: {p}\n  protocol: {proto}\n")).collect();
+    format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {slice}\n  namespace: {namespace}\n  labels:\n    kubernetes.io/service-name: {service}\naddressType: IPv4\nendpoints:{}ports:\n{}",
+        if endpoints.is_empty() { " []\n".to_owned() } else { format!("\n{}", endpoints.concat()) },
+        ports.concat()
+    )
+}
+
+/// Write `text` to `dir/name` atomically (write + rename), so a watcher never reads half a file.
+pub fn write_atomic(dir: &Path, name: &str, text: &str) -> Result<()> {
+    let tmp = dir.join(format!(".{name}.tmp"));
+    fs::write(&tmp, text)?;
+    fs::rename(&tmp, dir.join(name))?;
+    Ok(())
+}
+
+/// Wait until the pinned maps under `pin_root` hold `address` (e.g. `10.96.0.10:80/TCP`) with
+/// exactly `backends` backends, or (with `None`) do not hold it at all.
+pub fn wait_programmed(pin_root: &Path, address: &str, backends: Option<usize>, timeout: Duration) -> Result<()> {
+    use crate::datapath::{Maps as _, bpf::BpfMaps, display_key};
+    let deadline = std::time::Instant::now() + timeout;
+    let mut last = String::from("maps not pinned yet");
+    loop {
+        if let Ok(maps) = BpfMaps::open_pinned(pin_root) {
+            let entry = maps.services()?.into_iter().find(|(k, _)| display_key(k).to_string() == address);
+            let have = entry.map(|(_, v)| v.backends_count as usize);
+            if have == backends {
+                return Ok(());
+            }
+            last = format!("{address} has {have:?} backends");
+        }
+        if std::time::Instant::now() > deadline {
+            bail!("timed out waiting for {address} to have {backends:?} backends: {last}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+pub fn is_root() -> bool {
+    // SAFETY: no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}

@@ -1,0 +1,142 @@
+//! `cargo xtask <command>`: everything a developer or CI does with kpr.
+//!
+//! xtask itself builds with whatever stable Rust the machine has; every other crate builds with
+//! the pinned toolchain (`toolchain.pin`), which `setup` installs.
+mod setup;
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context as _, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "kpr developer commands")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install what kpr needs on this machine (toolchain, bpf-linker, packages, mounts). Idempotent.
+    Setup,
+    /// Set up, then build the agent (with its embedded eBPF object).
+    Build {
+        #[arg(long)]
+        release: bool,
+    },
+    /// Run kpr: against a cluster when a kubeconfig is given (flag or KUBECONFIG), otherwise the
+    /// built-in demo on network namespaces. Extra arguments after `--` go to the agent.
+    Run {
+        #[arg(long, env = "KUBECONFIG")]
+        kubeconfig: Option<PathBuf>,
+        #[arg(long)]
+        release: bool,
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Run every test: unit tests, then the privileged datapath and end-to-end tests (root).
+    Test {
+        /// Only run tests whose name contains this filter.
+        filter: Option<String>,
+    },
+    /// Run the benchmarks (release build); prints numbers and writes target/bench/*.json.
+    Bench {
+        /// Extra arguments for the benchmark program (see `--help` of kpr-bench).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let root = workspace_root();
+    match cli.command {
+        Cmd::Setup => setup::ensure_all(&root).map(drop),
+        Cmd::Build { release } => {
+            let env = setup::ensure_all(&root)?;
+            build(&root, &env, release)
+        }
+        Cmd::Run { kubeconfig, release, args } => {
+            let env = setup::ensure_all(&root)?;
+            build(&root, &env, release)?;
+            let kpr = target_bin(&root, release, "kpr");
+            let mut cmd = Command::new(&kpr);
+            match kubeconfig {
+                Some(kubeconfig) => {
+                    println!("xtask: running the agent against the cluster in {}", kubeconfig.display());
+                    cmd.arg("agent").arg("--kubeconfig").arg(kubeconfig);
+                }
+                None => {
+                    println!("xtask: no kubeconfig given: running the built-in demo");
+                    cmd.arg("demo");
+                }
+            }
+            run(cmd.args(args))
+        }
+        Cmd::Test { filter } => {
+            let env = setup::ensure_all(&root)?;
+            test(&root, &env, filter.as_deref())
+        }
+        Cmd::Bench { args } => {
+            let env = setup::ensure_all(&root)?;
+            build(&root, &env, true)?;
+            run(env
+                .cargo(&root)
+                .args(["run", "--release", "--package", "kpr-tests", "--bin", "kpr-bench", "--"])
+                .env("KPR_BIN", target_bin(&root, true, "kpr"))
+                .args(args))
+        }
+    }
+}
+
+fn build(root: &Path, env: &setup::Env, release: bool) -> Result<()> {
+    let mut cmd = env.cargo(root);
+    cmd.args(["build", "--package", "proxy-user"]);
+    if release {
+        cmd.arg("--release");
+    }
+    run(&mut cmd)
+}
+
+/// Unit tests for every crate, then the privileged tests one at a time (they share the kernel).
+fn test(root: &Path, env: &setup::Env, filter: Option<&str>) -> Result<()> {
+    build(root, env, false)?;
+    let mut unit = env.cargo(root);
+    unit.args(["test", "--package", "proxy-common", "--package", "proxy-user", "--package", "xtask"]);
+    if let Some(filter) = filter {
+        unit.args(["--", filter]);
+    }
+    run(&mut unit)?;
+
+    if !setup::is_root() {
+        bail!("the privileged tests need root (network namespaces, cgroups, BPF)");
+    }
+    let mut privileged = env.cargo(root);
+    privileged
+        .args(["test", "--package", "kpr-tests", "--", "--test-threads=1"])
+        .env("KPR_BIN", target_bin(root, false, "kpr"));
+    if let Some(filter) = filter {
+        privileged.arg(filter);
+    }
+    run(&mut privileged)
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    let status = cmd.status().with_context(|| format!("failed to start {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn target_bin(root: &Path, release: bool, name: &str) -> PathBuf {
+    root.join("target").join(if release { "release" } else { "debug" }).join(name)
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_owned()
+}

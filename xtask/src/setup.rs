@@ -1,0 +1,220 @@
+//! Idempotent machine set-up: everything a fresh machine lacks, installed by the project itself.
+//!
+//! - the pinned Rust toolchain with `rust-src` (rustup does not auto-install it here);
+//! - `bpf-linker`, built against the LLVM that the pinned toolchain ships (the linker must use the
+//!   same LLVM major as rustc's bitcode, and no prebuilt linker can be downloaded);
+//! - Debian packages the tests and demo use (`bpftool`, `iproute2`);
+//! - bpffs at /sys/fs/bpf and a cgroup2 mount.
+use std::{
+    fs,
+    os::unix::fs::symlink,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+const BPF_LINKER_VERSION: &str = "0.13.0";
+
+/// What the rest of xtask needs to build with the pinned toolchain.
+pub struct Env {
+    pub toolchain: String,
+    /// Directory holding `bpf-linker`, put first on PATH.
+    pub linker_bin: PathBuf,
+}
+
+impl Env {
+    /// `cargo` of the pinned toolchain, with bpf-linker on PATH and no toolchain overrides
+    /// inherited from the cargo that runs xtask.
+    pub fn cargo(&self, root: &Path) -> Command {
+        let mut cmd = Command::new("rustup");
+        cmd.args(["run", &self.toolchain, "cargo"]).current_dir(root);
+        for var in ["RUSTUP_TOOLCHAIN", "RUSTC", "RUSTDOC", "CARGO", "RUSTC_WRAPPER", "RUSTC_WORKSPACE_WRAPPER"] {
+            cmd.env_remove(var);
+        }
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        let mut paths = vec![self.linker_bin.clone()];
+        paths.extend(std::env::split_paths(&path));
+        cmd.env("PATH", std::env::join_paths(paths).expect("PATH entries are valid"));
+        cmd
+    }
+}
+
+pub fn ensure_all(root: &Path) -> Result<Env> {
+    let toolchain = fs::read_to_string(root.join("toolchain.pin"))
+        .context("failed to read toolchain.pin")?
+        .trim()
+        .to_owned();
+    ensure_toolchain(&toolchain)?;
+    let linker_bin = ensure_bpf_linker(root, &toolchain)?;
+    ensure_packages()?;
+    if is_root() {
+        ensure_mounts()?;
+    }
+    Ok(Env { toolchain, linker_bin })
+}
+
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions; declared here to keep xtask free of the libc crate.
+    unsafe extern "C" {
+        fn geteuid() -> u32;
+    }
+    unsafe { geteuid() == 0 }
+}
+
+fn ensure_toolchain(toolchain: &str) -> Result<()> {
+    let installed = Command::new("rustup")
+        .args(["run", toolchain, "rustc", "--print", "sysroot"])
+        .stderr(Stdio::null())
+        .output()
+        .context("rustup is required (https://rustup.rs)")?;
+    let has_src = installed.status.success() && {
+        let sysroot = String::from_utf8_lossy(&installed.stdout).trim().to_owned();
+        Path::new(&sysroot).join("lib/rustlib/src/rust/library/core").exists()
+    };
+    if has_src {
+        return Ok(());
+    }
+    println!("setup: installing Rust {toolchain} with rust-src (pinned in toolchain.pin)");
+    let status = Command::new("rustup")
+        .args(["toolchain", "install", toolchain, "--profile", "minimal"])
+        .args(["--component", "rust-src,clippy,rustfmt"])
+        // A fresh RUSTUP_HOME would otherwise try to update rustup itself.
+        .env("RUSTUP_AUTO_SELF_UPDATE", "disable")
+        .status()?;
+    if !status.success() {
+        bail!("rustup toolchain install {toolchain} failed");
+    }
+    Ok(())
+}
+
+/// bpf-linker in `.tools/bpf-linker-<toolchain>/bin`, linked against the toolchain's libLLVM.
+fn ensure_bpf_linker(root: &Path, toolchain: &str) -> Result<PathBuf> {
+    let tools = root.join(".tools");
+    let install_root = tools.join(format!("bpf-linker-{toolchain}"));
+    let bin = install_root.join("bin");
+    let linker = bin.join("bpf-linker");
+    if linker.exists()
+        && Command::new(&linker).arg("--version").stdout(Stdio::null()).status().is_ok_and(|s| s.success())
+    {
+        return Ok(bin);
+    }
+
+    let sysroot = capture(Command::new("rustup").args(["run", toolchain, "rustc", "--print", "sysroot"]))?;
+    let lib_dir = Path::new(sysroot.trim()).join("lib");
+    let libllvm = fs::read_dir(&lib_dir)?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .find(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libLLVM.so.")))
+        .with_context(|| format!("no libLLVM.so.* in {}", lib_dir.display()))?;
+    let soname = libllvm.file_name().expect("found by name").to_owned();
+    let llvm_major: u32 = soname
+        .to_str()
+        .and_then(|n| n.strip_prefix("libLLVM.so."))
+        .and_then(|v| v.split('.').next())
+        .and_then(|v| v.parse().ok())
+        .with_context(|| format!("cannot read the LLVM version from {}", libllvm.display()))?;
+
+    // bpf-linker's build script looks for $LLVM_PREFIX/lib64/libLLVM.so; the binary finds the
+    // library at run time through an rpath to the same directory, under its soname.
+    let prefix = tools.join(format!("llvm-{toolchain}"));
+    let lib64 = prefix.join("lib64");
+    fs::create_dir_all(&lib64)?;
+    for name in [std::ffi::OsStr::new("libLLVM.so"), soname.as_os_str()] {
+        let link = lib64.join(name);
+        let _ = fs::remove_file(&link);
+        symlink(&libllvm, &link)?;
+    }
+
+    println!("setup: building bpf-linker {BPF_LINKER_VERSION} against LLVM {llvm_major} of Rust {toolchain} (about a minute)");
+    let status = Command::new("rustup")
+        .args(["run", toolchain, "cargo", "install", "--locked", "--force"])
+        .arg("--root")
+        .arg(&install_root)
+        .args(["--no-default-features", "--features", &format!("llvm-{llvm_major}")])
+        .arg(format!("bpf-linker@{BPF_LINKER_VERSION}"))
+        .env("LLVM_PREFIX", &prefix)
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("CARGO_TARGET_DIR")
+        .status()?;
+    if !status.success() {
+        bail!("building bpf-linker failed");
+    }
+    Ok(bin)
+}
+
+/// Debian packages used by the tests, the demo and for inspection.
+fn ensure_packages() -> Result<()> {
+    let wanted = [("bpftool", "bpftool"), ("ip", "iproute2")];
+    let missing: Vec<&str> = wanted
+        .iter()
+        .filter(|(cmd, _)| !on_path(cmd))
+        .map(|(_, pkg)| *pkg)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !is_root() || !on_path("apt-get") {
+        println!("setup: please install {} (not root or no apt-get: skipping)", missing.join(" "));
+        return Ok(());
+    }
+    println!("setup: installing {} from Debian", missing.join(" "));
+    let install = |update: bool| -> Result<bool> {
+        if update {
+            Command::new("apt-get").args(["update", "-qq"]).status()?;
+        }
+        Ok(Command::new("apt-get")
+            .args(["install", "-y", "-qq", "--no-install-recommends"])
+            .args(&missing)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()?
+            .success())
+    };
+    if !install(false)? && !install(true)? {
+        bail!("apt-get install {} failed", missing.join(" "));
+    }
+    Ok(())
+}
+
+fn ensure_mounts() -> Result<()> {
+    let mounts = fs::read_to_string("/proc/self/mounts")?;
+    let has = |fstype: &str, at: Option<&str>| {
+        mounts.lines().any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 2 && f[2] == fstype && at.is_none_or(|at| f[1] == at)
+        })
+    };
+    if !has("bpf", Some("/sys/fs/bpf")) {
+        println!("setup: mounting bpffs at /sys/fs/bpf");
+        fs::create_dir_all("/sys/fs/bpf")?;
+        run_quiet(Command::new("mount").args(["-t", "bpf", "bpf", "/sys/fs/bpf"]))?;
+    }
+    if !has("cgroup2", None) {
+        println!("setup: mounting cgroup2 at /sys/fs/cgroup/unified");
+        fs::create_dir_all("/sys/fs/cgroup/unified")?;
+        run_quiet(Command::new("mount").args(["-t", "cgroup2", "none", "/sys/fs/cgroup/unified"]))?;
+    }
+    Ok(())
+}
+
+fn on_path(cmd: &str) -> bool {
+    std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(cmd).is_file()))
+        .unwrap_or(false)
+}
+
+fn capture(cmd: &mut Command) -> Result<String> {
+    let out = cmd.output().with_context(|| format!("failed to start {cmd:?}"))?;
+    if !out.status.success() {
+        bail!("{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+fn run_quiet(cmd: &mut Command) -> Result<()> {
+    let out = cmd.output().with_context(|| format!("failed to start {cmd:?}"))?;
+    if !out.status.success() {
+        bail!("{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
