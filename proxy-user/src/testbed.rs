@@ -145,6 +145,8 @@ impl NameServer {
                 let name = name.clone();
                 std::thread::spawn(move || {
                     let _ = conn.set_nodelay(true);
+                    // Accepted sockets inherit the listener's SO_RCVTIMEO; connections wait forever.
+                    let _ = conn.set_read_timeout(None);
                     if conn.write_all(format!("{name}\n").as_bytes()).is_err() {
                         return;
                     }

@@ -1,1 +1,155 @@
+//! Shared harness of kpr's privileged tests and benchmarks: a node namespace with pods, a
+//! manifest directory, a child cgroup this process joins, and the real `kpr` agent as a child
+//! process on unique pins. Everything is removed on drop, also when a test fails.
+use std::{
+    net::{Ipv4Addr, SocketAddrV4},
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
 
+use anyhow::{Context as _, Result};
+use kpr::{
+    datapath::bpf,
+    testbed::{self, Cgroup, Topology},
+};
+
+/// Port the pods serve on (TCP and UDP).
+pub const POD_PORT: u16 = 8080;
+pub const TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The `kpr` binary under test: `KPR_BIN` (set by `cargo xtask test`) or the debug build.
+pub fn kpr_bin() -> PathBuf {
+    std::env::var_os("KPR_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/debug/kpr")))
+}
+
+pub struct Harness {
+    pub name: String,
+    agent: Option<Child>,
+    pub cgroup: Cgroup,
+    pub pin_root: PathBuf,
+    pub manifests: PathBuf,
+    pub topology: Topology,
+}
+
+impl Harness {
+    /// Pods named `pods` serving on [`POD_PORT`]; this process joins a fresh child cgroup.
+    pub fn new(tag: &str, pods: &[&str]) -> Result<Self> {
+        let name = testbed::unique_name(tag);
+        let mut topology = Topology::new(&name, pods)?;
+        for pod in &mut topology.pods {
+            pod.serve(POD_PORT)?;
+        }
+        let manifests = std::env::temp_dir().join(&name);
+        std::fs::create_dir_all(&manifests)?;
+        let mut cgroup = Cgroup::new(&name)?;
+        cgroup.enter()?;
+        let pin_root = PathBuf::from(format!("/sys/fs/bpf/{name}"));
+        Ok(Self { name, agent: None, cgroup, pin_root, manifests, topology })
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        std::env::temp_dir().join(format!("{}.agent.log", self.name))
+    }
+
+    /// Start `kpr agent` on this harness's manifests, cgroup and pins.
+    pub fn start_agent(&mut self) -> Result<()> {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log_path())?;
+        let child = Command::new(kpr_bin())
+            .arg("agent")
+            .arg("--manifests")
+            .arg(&self.manifests)
+            .arg("--cgroup")
+            .arg(&self.cgroup.path)
+            .arg("--pin-root")
+            .arg(&self.pin_root)
+            .args(["--node-name", "test-node", "--max-service-ports", "1024", "--max-backends", "4096"])
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("failed to start {}", kpr_bin().display()))?;
+        self.agent = Some(child);
+        Ok(())
+    }
+
+    /// SIGKILL the agent we started (by its pid) and reap it.
+    pub fn kill_agent(&mut self) -> Result<()> {
+        if let Some(mut child) = self.agent.take() {
+            child.kill()?;
+            child.wait()?;
+        }
+        Ok(())
+    }
+
+    pub fn agent_running(&mut self) -> bool {
+        self.agent.as_mut().is_some_and(|c| c.try_wait().ok().flatten().is_none())
+    }
+
+    pub fn write(&self, file: &str, text: &str) -> Result<()> {
+        testbed::write_atomic(&self.manifests, file, text)
+    }
+
+    pub fn remove(&self, file: &str) -> Result<()> {
+        Ok(std::fs::remove_file(self.manifests.join(file))?)
+    }
+
+    /// Service `name` on `ip` with ports (name, port, proto) → every pod in `pods` (indexes).
+    pub fn write_service(&self, name: &str, ip: Ipv4Addr, ports: &[(&str, u16, &str)], pods: &[usize]) -> Result<()> {
+        self.write(&format!("{name}-svc.yaml"), &testbed::service_manifest("test", name, ip, ports))?;
+        self.write_endpoints(name, ports, pods)
+    }
+
+    pub fn write_endpoints(&self, name: &str, ports: &[(&str, u16, &str)], pods: &[usize]) -> Result<()> {
+        let ips: Vec<Ipv4Addr> = pods.iter().map(|&i| self.topology.pods[i].ip).collect();
+        let slice_ports: Vec<(&str, u16, &str)> = ports.iter().map(|(n, _, p)| (*n, POD_PORT, *p)).collect();
+        self.write(
+            &format!("{name}-slice.yaml"),
+            &testbed::slice_manifest("test", name, &format!("{name}-1"), &ips, &slice_ports),
+        )
+    }
+
+    /// Wait until `address` (`10.96.0.10:80/TCP`) has `backends` backends (`None`: absent).
+    pub fn wait(&self, address: &str, backends: Option<usize>) -> Result<()> {
+        testbed::wait_programmed(&self.pin_root, address, backends, Duration::from_secs(10))
+            .with_context(|| format!("agent log:\n{}", std::fs::read_to_string(self.log_path()).unwrap_or_default()))
+    }
+
+    /// Run `f` in the node namespace (the client side).
+    pub fn client<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        self.topology.client.run(f).expect("client thread")
+    }
+
+    pub fn pod_name(&self, i: usize) -> String {
+        self.topology.pods[i].name.clone()
+    }
+
+    pub fn counter(&self, name: &str) -> u64 {
+        bpf::read_counters(&self.pin_root)
+            .expect("counters")
+            .into_iter()
+            .find(|(n, _)| *n == name)
+            .map_or(0, |(_, v)| v)
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        let _ = self.kill_agent();
+        let _ = self.cgroup.leave();
+        if let Err(e) = bpf::cleanup(&self.pin_root) {
+            eprintln!("harness: failed to remove pins {}: {e:#}", self.pin_root.display());
+        }
+        let _ = std::fs::remove_dir_all(&self.manifests);
+        let _ = std::fs::remove_file(self.log_path());
+    }
+}
+
+/// `addr` as SocketAddrV4.
+pub fn sa(ip: Ipv4Addr, port: u16) -> SocketAddrV4 {
+    SocketAddrV4::new(ip, port)
+}

@@ -110,7 +110,7 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>) -> Result<()> {
     if let Some(filter) = filter {
         unit.args(["--", filter]);
     }
-    run(&mut unit)?;
+    let mut tally = run_tests(&mut unit)?;
 
     if !setup::is_root() {
         bail!("the privileged tests need root (network namespaces, cgroups, BPF)");
@@ -122,7 +122,35 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>) -> Result<()> {
     if let Some(filter) = filter {
         privileged.arg(filter);
     }
-    run(&mut privileged)
+    let (passed, failed) = run_tests(&mut privileged)?;
+    tally.0 += passed;
+    tally.1 += failed;
+    println!("xtask: {} passed, {} failed", tally.0, tally.1);
+    Ok(())
+}
+
+/// Run a `cargo test`, echoing its output, and add up its "test result" lines.
+fn run_tests(cmd: &mut Command) -> Result<(u64, u64)> {
+    use std::io::BufRead as _;
+    let mut child = cmd.stdout(std::process::Stdio::piped()).spawn().with_context(|| format!("failed to start {cmd:?}"))?;
+    let (mut passed, mut failed) = (0, 0);
+    for line in std::io::BufReader::new(child.stdout.take().expect("piped")).lines() {
+        let line = line?;
+        println!("{line}");
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            let count = |word: &str| -> u64 {
+                rest.split(';').find_map(|part| part.trim().strip_suffix(word)?.trim().rsplit(' ').next()?.parse().ok()).unwrap_or(0)
+            };
+            passed += count("passed");
+            failed += count("failed");
+        }
+    }
+    let status = child.wait()?;
+    if !status.success() {
+        println!("xtask: {passed} passed, {} failed", failed.max(1));
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok((passed, failed))
 }
 
 fn run(cmd: &mut Command) -> Result<()> {

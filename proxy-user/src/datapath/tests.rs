@@ -67,7 +67,7 @@ fn unchanged_services_are_not_rewritten() {
 
 #[test]
 fn full_maps_skip_the_service_and_keep_the_old_state() {
-    let mut maps = FakeMaps::new(Capacity { service_ports: 2, backends: 4 });
+    let mut maps = FakeMaps::new(Capacity { service_ports: 2, backends: 5 });
     let mut p = Programmer::recover(&mut maps).unwrap();
     let r = p.apply(&desired(&[(1, &[1, 2]), (2, &[3, 4]), (3, &[5])]), &mut maps);
     assert_eq!((r.added, r.failed), (2, 1), "third service port does not fit the services map");

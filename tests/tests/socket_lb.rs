@@ -1,0 +1,196 @@
+//! Socket-level ClusterIP load balancing, end to end: the real agent reading manifests, real
+//! sockets in a child cgroup inside a node namespace, backends in pod namespaces.
+//! Needs root; run one at a time (`cargo xtask test` does).
+use std::{
+    collections::BTreeMap,
+    io::{BufRead as _, BufReader, ErrorKind, Write as _},
+    net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket},
+    time::Duration,
+};
+
+use kpr::testbed::{tcp_ask, udp_ask, udp_connected_ask};
+use kpr_tests::{Harness, POD_PORT, TIMEOUT, sa};
+
+const IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const HTTP: (&str, u16, &str) = ("http", 80, "TCP");
+const DNS: (&str, u16, &str) = ("dns", 53, "UDP");
+
+fn setup(tag: &str, pods: &[&str]) -> Harness {
+    let mut h = Harness::new(tag, pods).expect("harness");
+    let all: Vec<usize> = (0..pods.len()).collect();
+    h.write_service("web", IP, &[HTTP, DNS], &all).unwrap();
+    h.start_agent().unwrap();
+    h.wait("10.96.0.10:80/TCP", Some(pods.len())).unwrap();
+    h.wait("10.96.0.10:53/UDP", Some(pods.len())).unwrap();
+    h
+}
+
+/// Who answers `n` new TCP connections to the ClusterIP.
+fn tcp_spread(h: &Harness, n: usize) -> BTreeMap<String, usize> {
+    h.client(move || {
+        let mut seen = BTreeMap::new();
+        for _ in 0..n {
+            let (name, _) = tcp_ask(sa(IP, 80), TIMEOUT).expect("TCP through the ClusterIP");
+            *seen.entry(name).or_insert(0) += 1;
+        }
+        seen
+    })
+}
+
+/// A TCP connection through the ClusterIP that stays open: (backend name, stream).
+fn open_connection(h: &Harness) -> (String, TcpStream) {
+    h.client(|| {
+        let conn = TcpStream::connect_timeout(&sa(IP, 80).into(), TIMEOUT).unwrap();
+        conn.set_read_timeout(Some(TIMEOUT)).unwrap();
+        let mut line = String::new();
+        BufReader::new(&conn).read_line(&mut line).unwrap();
+        (line.trim_end().to_owned(), conn)
+    })
+}
+
+/// The connection still carries data both ways.
+fn assert_echoes(conn: &mut TcpStream, payload: &str) {
+    conn.write_all(format!("{payload}\n").as_bytes()).unwrap();
+    let mut line = String::new();
+    BufReader::new(&*conn).read_line(&mut line).expect("echo over the established connection");
+    assert_eq!(line.trim_end(), payload);
+}
+
+#[test]
+fn tcp_and_udp_reach_a_backend_and_the_app_sees_the_cluster_ip() {
+    let h = setup("kt-basic", &["pod-a", "pod-b", "pod-c"]);
+    let pods: Vec<String> = (0..3).map(|i| h.pod_name(i)).collect();
+    let (tcp, udp, udp_conn) = h.client(|| {
+        (
+            tcp_ask(sa(IP, 80), TIMEOUT).unwrap(),
+            udp_ask(sa(IP, 53), TIMEOUT).unwrap(),
+            udp_connected_ask(sa(IP, 53), TIMEOUT).unwrap(),
+        )
+    });
+    let cluster = |port| SocketAddr::from(sa(IP, port));
+    assert!(pods.contains(&tcp.0), "TCP answered by {}", tcp.0);
+    assert_eq!(tcp.1, cluster(80), "getpeername shows the ClusterIP");
+    assert!(pods.contains(&udp.0), "UDP answered by {}", udp.0);
+    assert_eq!(udp.1, cluster(53), "recvfrom shows the ClusterIP as the source");
+    assert!(pods.contains(&udp_conn.0), "connected UDP answered by {}", udp_conn.0);
+    assert_eq!(udp_conn.1, cluster(53), "getpeername of a connected UDP socket");
+    assert!(h.counter("translated") >= 3);
+}
+
+#[test]
+fn new_connections_spread_uniformly_over_three_backends() {
+    let h = setup("kt-spread", &["pod-a", "pod-b", "pod-c"]);
+    const N: usize = 900;
+    let seen = tcp_spread(&h, N);
+    assert_eq!(seen.len(), 3, "every backend answers: {seen:?}");
+    // Chi-square against uniform, 2 degrees of freedom: 18.4 is exceeded by chance with
+    // probability 1e-4; a biased pick (e.g. always slot 0, or 50/25/25) is far above it.
+    let expected = N as f64 / 3.0;
+    let chi2: f64 = seen.values().map(|&o| (o as f64 - expected).powi(2) / expected).sum();
+    assert!(chi2 < 18.4, "not uniform: {seen:?} (chi-square {chi2:.1})");
+}
+
+#[test]
+fn endpoint_changes_steer_new_connections_and_keep_established_ones() {
+    let h = setup("kt-change", &["pod-a", "pod-b", "pod-c"]);
+    let (first, mut conn) = open_connection(&h);
+    let gone = (0..3).find(|&i| h.pod_name(i) == first).unwrap();
+    let remaining: Vec<usize> = (0..3).filter(|&i| i != gone).collect();
+
+    h.write_endpoints("web", &[HTTP, DNS], &remaining).unwrap();
+    h.wait("10.96.0.10:80/TCP", Some(2)).unwrap();
+    let seen = tcp_spread(&h, 60);
+    assert!(!seen.contains_key(&first), "removed endpoint {first} still gets new connections: {seen:?}");
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_echoes(&mut conn, "still-here");
+
+    h.write_endpoints("web", &[HTTP, DNS], &[0, 1, 2]).unwrap();
+    h.wait("10.96.0.10:80/TCP", Some(3)).unwrap();
+    let seen = tcp_spread(&h, 90);
+    assert!(seen.contains_key(&first), "re-added endpoint gets new connections: {seen:?}");
+    assert_echoes(&mut conn, "and-still-here");
+}
+
+#[test]
+fn a_service_without_endpoints_refuses_connections() {
+    let h = setup("kt-refuse", &["pod-a"]);
+    h.write_endpoints("web", &[HTTP, DNS], &[]).unwrap();
+    h.wait("10.96.0.10:80/TCP", Some(0)).unwrap();
+    h.wait("10.96.0.10:53/UDP", Some(0)).unwrap();
+    let (tcp, udp, udp_connect) = h.client(|| {
+        let tcp = TcpStream::connect_timeout(&sa(IP, 80).into(), TIMEOUT).map(drop);
+        let socket = UdpSocket::bind("0.0.0.0:0").unwrap();
+        let udp = socket.send_to(b"x", sa(IP, 53)).map(drop);
+        let udp_connect = UdpSocket::bind("0.0.0.0:0").unwrap().connect(sa(IP, 53));
+        (tcp, udp, udp_connect)
+    });
+    assert_eq!(tcp.unwrap_err().kind(), ErrorKind::ConnectionRefused, "TCP connect");
+    assert_eq!(udp.unwrap_err().kind(), ErrorKind::ConnectionRefused, "UDP sendto");
+    assert_eq!(udp_connect.unwrap_err().kind(), ErrorKind::ConnectionRefused, "UDP connect");
+    assert!(h.counter("no_backends_rejected") >= 3);
+}
+
+#[test]
+fn a_deleted_service_is_no_longer_translated_and_other_traffic_is_untouched() {
+    let h = setup("kt-delete", &["pod-a"]);
+    let pod_ip = h.topology.pods[0].ip;
+    let before = h.counter("translated");
+    let (name, peer) = h.client(move || tcp_ask(sa(pod_ip, POD_PORT), TIMEOUT).unwrap());
+    assert_eq!(name, "pod-a");
+    assert_eq!(peer, SocketAddr::from(sa(pod_ip, POD_PORT)), "direct traffic keeps its address");
+    assert_eq!(h.counter("translated"), before, "a non-service connect is not translated");
+
+    h.remove("web-svc.yaml").unwrap();
+    h.wait("10.96.0.10:80/TCP", None).unwrap();
+    let err = h.client(|| TcpStream::connect_timeout(&sa(IP, 80).into(), TIMEOUT).map(drop)).unwrap_err();
+    // The node namespace has no route to the service range: untranslated, the connect fails
+    // locally instead of reaching a pod.
+    assert_eq!(err.raw_os_error(), Some(libc::ENETUNREACH), "{err}");
+}
+
+#[test]
+fn the_agent_can_be_killed_and_restarted_without_dropping_connections() {
+    let mut h = setup("kt-restart", &["pod-a", "pod-b", "pod-c"]);
+    let (_, mut conn) = open_connection(&h);
+    h.kill_agent().unwrap();
+    assert_echoes(&mut conn, "after-kill");
+    // The pinned links keep translating while no agent runs.
+    assert_eq!(tcp_spread(&h, 30).len(), 3);
+
+    h.start_agent().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(h.agent_running(), "agent restarted on the pinned state");
+    assert_echoes(&mut conn, "after-restart");
+    let seen = tcp_spread(&h, 60);
+    assert_eq!(seen.len(), 3, "new connections still balance: {seen:?}");
+
+    // The restarted agent owns the datapath: a change is applied.
+    h.write_endpoints("web", &[HTTP, DNS], &[0]).unwrap();
+    h.wait("10.96.0.10:80/TCP", Some(1)).unwrap();
+    let seen = tcp_spread(&h, 20);
+    assert_eq!(seen.keys().collect::<Vec<_>>(), [&h.pod_name(0)]);
+    assert_echoes(&mut conn, "after-change");
+}
+
+#[test]
+fn malformed_manifests_are_skipped_and_good_services_keep_working() {
+    let mut h = Harness::new("kt-bad", &["pod-a"]).unwrap();
+    h.write("0-garbage.yaml", "kind: Service\n  this: is: not yaml\n").unwrap();
+    h.write(
+        "1-bad-ip.yaml",
+        &kpr::testbed::service_manifest("test", "bad-ip", Ipv4Addr::new(10, 96, 0, 20), &[HTTP])
+            .replace("10.96.0.20", "10.96.0.300"),
+    )
+    .unwrap();
+    h.write("2-bad-port.yaml", &kpr::testbed::service_manifest("test", "bad-port", Ipv4Addr::new(10, 96, 0, 21), &[("x", 0, "TCP"), ("y", 81, "TCP")])).unwrap();
+    h.write_service("web", IP, &[HTTP], &[0]).unwrap();
+    h.start_agent().unwrap();
+    h.wait("10.96.0.10:80/TCP", Some(1)).unwrap();
+    h.wait("10.96.0.21:81/TCP", Some(0)).unwrap();
+    let (name, _) = h.client(|| tcp_ask(sa(IP, 80), TIMEOUT).unwrap());
+    assert_eq!(name, "pod-a");
+    assert!(h.agent_running());
+    let log = std::fs::read_to_string(h.log_path()).unwrap();
+    assert!(log.contains("0-garbage.yaml"), "the bad file is named in the log:\n{log}");
+    assert!(log.contains("test/bad-ip") && log.contains("10.96.0.300"), "the bad object is named:\n{log}");
+}
