@@ -339,7 +339,7 @@ pub fn wait_programmed(pin_root: &Path, address: &str, backends: Option<usize>, 
         if std::time::Instant::now() > deadline {
             bail!("timed out waiting for {address} to have {backends:?} backends: {last}");
         }
-        std::thread::sleep(Duration::from_millis(10));
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 

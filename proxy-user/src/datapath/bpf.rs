@@ -6,13 +6,14 @@
 //! (BPF_LINK_UPDATE), so established connections and the service table are never interrupted.
 use std::{
     fs::{self, File},
+    os::fd::{AsFd as _, AsRawFd as _, BorrowedFd},
     path::{Path, PathBuf},
 };
 
 use anyhow::{Context as _, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, Map, MapData, PerCpuArray},
+    maps::{Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray},
     programs::{
         CgroupAttachMode, CgroupSockAddr,
         cgroup_sock_addr::CgroupSockAddrLink,
@@ -24,7 +25,7 @@ use proxy_common::{
     Backend, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue, counter, defaults, map_names, program_names,
 };
 
-use super::{Capacity, Maps};
+use super::{BatchError, Capacity, Maps};
 
 /// The eBPF object built from `proxy-ebpf` by build.rs.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy"));
@@ -207,15 +208,34 @@ impl Maps for BpfMaps {
             .collect()
     }
 
-    fn set_backends(&mut self, start: u32, backends: &[Backend]) -> Result<()> {
-        for (i, b) in (start..).zip(backends) {
-            self.backends.set(i, b, 0).with_context(|| format!("failed to write backend slot {i}"))?;
+    fn set_backends(&mut self, writes: &[(u32, Backend)]) -> Result<()> {
+        let (slots, values): (Vec<u32>, Vec<Backend>) = writes.iter().copied().unzip();
+        let fd = self.backends.map().fd().as_fd();
+        match update_batch(fd, &slots, &values) {
+            Ok(()) => Ok(()),
+            Err((e, _)) if batch_unsupported(&e) => {
+                for (slot, b) in writes {
+                    self.backends.set(*slot, b, 0).with_context(|| format!("failed to write backend slot {slot}"))?;
+                }
+                Ok(())
+            }
+            Err((e, done)) => Err(anyhow::Error::new(e).context(format!("batch write stopped after {done} backend slots"))),
         }
-        Ok(())
     }
 
-    fn set_service(&mut self, key: &ServiceKey, value: &ServiceValue) -> Result<()> {
-        Ok(self.services.insert(key, value, 0)?)
+    fn set_services(&mut self, entries: &[(ServiceKey, ServiceValue)]) -> Result<(), BatchError> {
+        let (keys, values): (Vec<ServiceKey>, Vec<ServiceValue>) = entries.iter().copied().unzip();
+        let fd = self.services.map().fd().as_fd();
+        match update_batch(fd, &keys, &values) {
+            Ok(()) => Ok(()),
+            Err((e, _)) if batch_unsupported(&e) => {
+                for (done, (key, value)) in entries.iter().enumerate() {
+                    self.services.insert(key, value, 0).map_err(|e| BatchError { done, error: e.into() })?;
+                }
+                Ok(())
+            }
+            Err((e, done)) => Err(BatchError { done, error: e.into() }),
+        }
     }
 
     fn remove_service(&mut self, key: &ServiceKey) -> Result<()> {
@@ -253,4 +273,46 @@ pub fn cleanup(pin_root: &Path) -> Result<()> {
     // Remove the root too when it is ours and now empty.
     let _ = fs::remove_dir(pin_root);
     Ok(())
+}
+
+/// BPF_MAP_UPDATE_BATCH (kernel 5.6+): one syscall for many elements, in order. aya has no
+/// wrapper for it. On error, also returns how many elements were written.
+fn update_batch<K: Copy, V: Copy>(fd: BorrowedFd<'_>, keys: &[K], values: &[V]) -> Result<(), (std::io::Error, usize)> {
+    #[repr(C)]
+    struct BatchAttr {
+        in_batch: u64,
+        out_batch: u64,
+        keys: u64,
+        values: u64,
+        count: u32,
+        map_fd: u32,
+        elem_flags: u64,
+        flags: u64,
+    }
+    const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let mut attr = BatchAttr {
+        in_batch: 0,
+        out_batch: 0,
+        keys: keys.as_ptr() as u64,
+        values: values.as_ptr() as u64,
+        count: u32::try_from(keys.len()).expect("batch fits u32"),
+        map_fd: fd.as_raw_fd() as u32,
+        elem_flags: 0,
+        flags: 0,
+    };
+    // SAFETY: attr points at keys/values arrays of `count` elements of the map's key and value
+    // size, which outlive the call.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_UPDATE_BATCH, &raw mut attr, size_of::<BatchAttr>()) };
+    if rc < 0 {
+        return Err((std::io::Error::last_os_error(), attr.count as usize));
+    }
+    Ok(())
+}
+
+fn batch_unsupported(e: &std::io::Error) -> bool {
+    // ENOTSUPP (524) from kernels or map types without batch ops; EINVAL from pre-5.6 kernels.
+    matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(524) | Some(libc::EOPNOTSUPP))
 }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use anyhow::{Result, bail};
 use proxy_common::{Backend, ServiceKey, ServiceValue};
 
-use super::{Capacity, Maps};
+use super::{BatchError, Capacity, Maps};
 
 pub struct FakeMaps {
     pub capacity: Capacity,
@@ -57,31 +57,33 @@ impl Maps for FakeMaps {
             .collect()
     }
 
-    fn set_backends(&mut self, start: u32, backends: &[Backend]) -> Result<()> {
-        let end = start + backends.len() as u32;
-        for (key, v) in &self.services {
-            if v.backends_count > 0 && start < v.backends_start + v.backends_count && v.backends_start < end {
-                self.violations.push(format!("wrote slots {start}..{end} while {key:?} uses them"));
+    fn set_backends(&mut self, writes: &[(u32, Backend)]) -> Result<()> {
+        for (slot, b) in writes {
+            if let Some((key, _)) = self.services.iter().find(|(_, v)| *slot >= v.backends_start && *slot < v.backends_start + v.backends_count) {
+                self.violations.push(format!("wrote slot {slot} while {key:?} uses it"));
+            }
+            match self.backends.get_mut(*slot as usize) {
+                Some(entry) => *entry = Some(*b),
+                None => bail!("slot {slot} out of range"),
             }
         }
-        for (i, b) in backends.iter().enumerate() {
-            self.backends[start as usize + i] = Some(*b);
-        }
-        self.writes += backends.len();
+        self.writes += writes.len();
         Ok(())
     }
 
-    fn set_service(&mut self, key: &ServiceKey, value: &ServiceValue) -> Result<()> {
-        if self.fail_service_writes > 0 {
-            self.fail_service_writes -= 1;
-            bail!("injected failure");
+    fn set_services(&mut self, entries: &[(ServiceKey, ServiceValue)]) -> Result<(), BatchError> {
+        for (done, (key, value)) in entries.iter().enumerate() {
+            if self.fail_service_writes > 0 {
+                self.fail_service_writes -= 1;
+                return Err(BatchError { done, error: anyhow::anyhow!("injected failure") });
+            }
+            let range = value.backends_start..value.backends_start + value.backends_count;
+            if range.clone().any(|i| self.backends.get(i as usize).is_none_or(Option::is_none)) {
+                self.violations.push(format!("{key:?} points at unwritten slots {range:?}"));
+            }
+            self.services.insert(*key, *value);
+            self.writes += 1;
         }
-        let range = value.backends_start..value.backends_start + value.backends_count;
-        if range.clone().any(|i| self.backends.get(i as usize).is_none_or(Option::is_none)) {
-            self.violations.push(format!("{key:?} points at unwritten slots {range:?}"));
-        }
-        self.services.insert(*key, *value);
-        self.writes += 1;
         Ok(())
     }
 

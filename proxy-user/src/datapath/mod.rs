@@ -28,16 +28,26 @@ pub struct Capacity {
     pub backends: u32,
 }
 
-/// The service and backend maps, as the programmer sees them.
+/// The service and backend maps, as the programmer sees them. Writes come in batches (one
+/// syscall each on the kernel side), in the order given.
 pub trait Maps: Send {
     fn capacity(&self) -> Capacity;
     /// Every entry of the services map.
     fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>>;
     /// `count` backend slots starting at `start`.
     fn backends(&self, start: u32, count: u32) -> Result<Vec<Backend>>;
-    fn set_backends(&mut self, start: u32, backends: &[Backend]) -> Result<()>;
-    fn set_service(&mut self, key: &ServiceKey, value: &ServiceValue) -> Result<()>;
+    /// Write backend slots; all or an error.
+    fn set_backends(&mut self, writes: &[(u32, Backend)]) -> Result<()>;
+    /// Write service entries in order; on error, how many of the first ones were written.
+    fn set_services(&mut self, entries: &[(ServiceKey, ServiceValue)]) -> Result<(), BatchError>;
     fn remove_service(&mut self, key: &ServiceKey) -> Result<()>;
+}
+
+/// A batch that stopped part-way: the first `done` elements were written.
+#[derive(Debug)]
+pub struct BatchError {
+    pub done: usize,
+    pub error: anyhow::Error,
 }
 
 /// A service port as it is in the maps.
@@ -126,11 +136,11 @@ impl Programmer {
 
     /// Make the maps hold `desired`, writing only service ports that differ.
     ///
-    /// Order, per service port: new backends go into a fresh range of the backend array, then
-    /// the service entry is switched to it in one map update, then the old range is released.
-    /// Released ranges are reused only from the next `apply` on, so a connect that read the old
-    /// entry an instant before the switch still finds the old backends in place. Removals go
-    /// first so their room can be reused.
+    /// Order: new backends go into fresh ranges of the backend array (one batch), then the
+    /// service entries are switched to them (one batch; each entry is one atomic map update),
+    /// then the old ranges are released. Released ranges are reused only from the next `apply`
+    /// on, so a connect that read an old entry an instant before the switch still finds the old
+    /// backends in place. Removals go first so their room can be reused.
     pub fn apply(&mut self, desired: &Desired, maps: &mut dyn Maps) -> ApplyReport {
         self.slots.end_quarantine();
         let mut report = ApplyReport::default();
@@ -140,7 +150,8 @@ impl Programmer {
             match maps.remove_service(&key) {
                 Ok(()) => {
                     let old = self.programmed.remove(&key).expect("listed above");
-                    self.release(&old.value);
+                    self.used_ids.remove(&old.value.service_id);
+                    self.release_range(&old.value);
                     report.removed += 1;
                 }
                 Err(e) => {
@@ -150,72 +161,106 @@ impl Programmer {
             }
         }
 
+        // Reserve room and ids for every changed service port.
+        let mut pending: Vec<Pending> = Vec::new();
+        let mut backend_writes: Vec<(u32, Backend)> = Vec::new();
+        let mut new_entries = 0;
         for (key, want) in desired {
             let backends: Vec<Backend> = want.backends.iter().map(|(ip, port)| backend(*ip, *port)).collect();
-            let existing = self.programmed.get(key);
-            if existing.is_some_and(|p| p.backends == backends) {
+            let old = self.programmed.get(key);
+            if old.is_some_and(|p| p.backends == backends) {
                 continue;
             }
-            let is_new = existing.is_none();
-            match self.write(key, backends, maps) {
-                Ok(()) => {
-                    if self.failing.remove(key) {
-                        tracing::info!(service = %want.name, address = %display_key(key), "programmed after earlier failures");
-                    }
-                    if is_new { report.added += 1 } else { report.updated += 1 }
+            let old = old.map(|p| p.value);
+            match self.reserve(old, backends.len(), new_entries) {
+                Ok(value) => {
+                    new_entries += usize::from(old.is_none());
+                    backend_writes.extend((value.backends_start..).zip(backends.iter().copied()));
+                    pending.push(Pending { key: *key, value, backends, old });
                 }
                 Err(e) => {
                     report.failed += 1;
-                    if self.failing.insert(*key) {
-                        log_failure(key, want, &e);
-                    }
+                    self.note_failure(key, want, &e);
                 }
+            }
+        }
+        if pending.is_empty() {
+            return report;
+        }
+
+        let mut done = pending.len();
+        if let Err(e) = maps.set_backends(&backend_writes) {
+            done = 0;
+            tracing::error!("failed to write {} backend slots: {e:#}", backend_writes.len());
+        } else {
+            let entries: Vec<(ServiceKey, ServiceValue)> = pending.iter().map(|p| (p.key, p.value)).collect();
+            if let Err(BatchError { done: written, error }) = maps.set_services(&entries) {
+                done = written;
+                tracing::error!("wrote {written} of {} service entries: {error:#}", entries.len());
+            }
+        }
+
+        for (i, p) in pending.into_iter().enumerate() {
+            if i < done {
+                if let Some(old) = p.old {
+                    self.release_range(&old);
+                    report.updated += 1;
+                } else {
+                    report.added += 1;
+                }
+                if self.failing.remove(&p.key) {
+                    tracing::info!(address = %display_key(&p.key), "programmed after earlier failures");
+                }
+                self.programmed.insert(p.key, Programmed { value: p.value, backends: p.backends });
+            } else {
+                // Not written: give the reservation back; the old entry (if any) stays as it was.
+                if p.value.backends_count > 0 {
+                    self.slots.free(p.value.backends_start, p.value.backends_count);
+                }
+                if p.old.is_none() {
+                    self.used_ids.remove(&p.value.service_id);
+                }
+                report.failed += 1;
+                let want = &desired[&p.key];
+                self.note_failure(&p.key, want, &anyhow::anyhow!("the map write failed"));
             }
         }
         report
     }
 
-    fn write(&mut self, key: &ServiceKey, backends: Vec<Backend>, maps: &mut dyn Maps) -> Result<()> {
-        let old = self.programmed.get(key).map(|p| p.value);
-        if old.is_none() && self.programmed.len() >= self.capacity.service_ports as usize {
+    /// Room in the backend array and an id for a service port about to be (re)written.
+    fn reserve(&mut self, old: Option<ServiceValue>, backends: usize, new_so_far: usize) -> Result<ServiceValue> {
+        if old.is_none() && self.programmed.len() + new_so_far >= self.capacity.service_ports as usize {
             bail!("the services map is full ({} service ports); raise --max-service-ports", self.capacity.service_ports);
         }
-        let count = u32::try_from(backends.len())?;
+        let count = u32::try_from(backends)?;
         let start = if count == 0 {
             0
         } else {
-            let Some(start) = self.slots.alloc(count) else {
-                bail!(
+            self.slots.alloc(count).ok_or_else(|| {
+                anyhow::anyhow!(
                     "no room for {count} backends in the backend array ({} slots, {} free); raise --max-backends",
                     self.capacity.backends,
                     self.slots.free_slots()
-                );
-            };
-            if let Err(e) = maps.set_backends(start, &backends) {
-                self.slots.free(start, count);
-                return Err(e);
-            }
-            start
+                )
+            })?
         };
         let service_id = match old {
             Some(v) => v.service_id,
             None => self.alloc_id(),
         };
-        let value = ServiceValue { service_id, backends_start: start, backends_count: count, flags: 0 };
-        if let Err(e) = maps.set_service(key, &value) {
-            if count > 0 {
-                self.slots.free(start, count);
-            }
-            if old.is_none() {
-                self.used_ids.remove(&service_id);
-            }
-            return Err(e);
+        Ok(ServiceValue { service_id, backends_start: start, backends_count: count, flags: 0 })
+    }
+
+    fn note_failure(&mut self, key: &ServiceKey, want: &DesiredPort, e: &anyhow::Error) {
+        if self.failing.insert(*key) {
+            tracing::error!(
+                service = %want.name,
+                address = %display_key(key),
+                backends = want.backends.len(),
+                "not programmed, left as it was: {e:#}"
+            );
         }
-        if let Some(old) = old {
-            self.release_range(&old);
-        }
-        self.programmed.insert(*key, Programmed { value, backends });
-        Ok(())
     }
 
     fn alloc_id(&mut self) -> u32 {
@@ -228,11 +273,6 @@ impl Programmer {
         id
     }
 
-    fn release(&mut self, value: &ServiceValue) {
-        self.used_ids.remove(&value.service_id);
-        self.release_range(value);
-    }
-
     fn release_range(&mut self, value: &ServiceValue) {
         if value.backends_count > 0 {
             self.slots.quarantine(value.backends_start, value.backends_count);
@@ -240,13 +280,12 @@ impl Programmer {
     }
 }
 
-fn log_failure(key: &ServiceKey, want: &DesiredPort, e: &anyhow::Error) {
-    tracing::error!(
-        service = %want.name,
-        address = %display_key(key),
-        backends = want.backends.len(),
-        "not programmed, left as it was: {e:#}"
-    );
+/// A service port reserved for writing in this `apply`.
+struct Pending {
+    key: ServiceKey,
+    value: ServiceValue,
+    backends: Vec<Backend>,
+    old: Option<ServiceValue>,
 }
 
 #[cfg(test)]
