@@ -2,11 +2,15 @@
 //!
 //! `sock_lb`: cgroup socket-address hooks that do socket-level service load balancing (the
 //! connect-time equivalent of kube-proxy's KUBE-SVC/KUBE-SEP DNAT chains).
+//! `tc_nat`: tc programs on node interfaces that translate packets the socket hooks never see
+//! (NodePort, externalIPs, LoadBalancer IPs, ClusterIP traffic from other namespaces), with
+//! conntrack, reverse NAT and masquerade (kube-proxy's KUBE-NODEPORTS/KUBE-EXT/KUBE-MARK-MASQ).
 #![no_std]
 #![no_main]
 
 mod maps;
 mod sock_lb;
+mod tc_nat;
 
 #[cfg(not(test))]
 #[panic_handler]

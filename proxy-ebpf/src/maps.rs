@@ -6,7 +6,8 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    Backend, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, counter, defaults,
+    Backend, CtKey, CtValue, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, counter,
+    defaults,
 };
 
 /// ClusterIP:port/proto → the service's range in `KPR_BACKENDS`.
@@ -35,6 +36,14 @@ pub static SOCK_REVNAT: LruHashMap<
 /// Per-CPU event counters, indexed by `proxy_common::counter`.
 #[btf_map(name = "KPR_COUNTERS", pin_by_name)]
 pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();
+
+/// Per-packet conntrack: a packet's 5-tuple → its rewrite. LRU: idle flows age out.
+#[btf_map(name = "KPR_CONNTRACK", pin_by_name)]
+pub static CONNTRACK: LruHashMap<CtKey, CtValue, { defaults::MAX_CONNTRACK as usize }> = LruHashMap::new();
+
+/// This node's addresses (IPv4, network byte order): where NodePorts listen.
+#[btf_map(name = "KPR_NODE_ADDRS", pin_by_name)]
+pub static NODE_ADDRS: HashMap<u32, u32, { defaults::MAX_NODE_ADDRS as usize }> = HashMap::new();
 
 #[inline(always)]
 pub fn count(index: u32) {

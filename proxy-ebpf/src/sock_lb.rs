@@ -9,7 +9,7 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::error;
 use proxy_common::{
-    IPPROTO_TCP, IPPROTO_UDP, ServiceKey, SockRevNatKey, SockRevNatValue, counter,
+    IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL, ServiceKey, SockRevNatKey, SockRevNatValue, counter,
 };
 
 use crate::maps::{BACKENDS, SERVICES, SOCK_REVNAT, count};
@@ -59,7 +59,7 @@ fn forward4(ctx: &SockAddrContext) -> i32 {
         addr: sa.user_ip4,
         port: sa.user_port as u16,
         proto,
-        _pad: 0,
+        scope: SCOPE_INTERNAL,
     };
     // Not a service: one hash lookup and nothing else.
     let Some(service) = SERVICES.get_ptr(&key) else {

@@ -66,6 +66,16 @@ struct AgentArgs {
     max_backends: u32,
     #[arg(long, default_value_t = defaults::MAX_SOCK_REVNAT)]
     max_sock_revnat: u32,
+    /// Per-packet conntrack entries (two per flow through NodePort/external frontends).
+    #[arg(long, default_value_t = defaults::MAX_CONNTRACK)]
+    max_conntrack: u32,
+    /// Interfaces for the per-packet datapath (NodePort, externalIPs, LoadBalancer IPs),
+    /// comma-separated. Off when empty.
+    #[arg(long, value_delimiter = ',')]
+    interfaces: Vec<String>,
+    /// This node's IPv4 addresses (NodePorts listen on them; masquerade uses the first).
+    #[arg(long = "node-ip")]
+    node_ips: Vec<std::net::Ipv4Addr>,
     /// Seconds between full reconciles of the maps against the desired state.
     #[arg(long, default_value_t = 30)]
     reconcile_interval: u64,
@@ -99,6 +109,9 @@ async fn run_agent(args: AgentArgs) -> Result<()> {
     datapath.max_service_ports = args.max_service_ports;
     datapath.max_backends = args.max_backends;
     datapath.max_sock_revnat = args.max_sock_revnat;
+    datapath.max_conntrack = args.max_conntrack;
+    datapath.tc_interfaces = args.interfaces;
+    datapath.node_ips = args.node_ips;
     let source = match args.manifests {
         Some(dir) => SourceConfig::Manifests(dir),
         None => SourceConfig::Kube { kubeconfig: args.kubeconfig },

@@ -15,8 +15,9 @@ use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray},
     programs::{
-        CgroupAttachMode, CgroupSockAddr,
+        CgroupAttachMode, CgroupSockAddr, SchedClassifier, TcAttachType,
         cgroup_sock_addr::CgroupSockAddrLink,
+        tc::SchedClassifierLink,
         links::{FdLink, PinnedLink},
     },
     util::KernelVersion,
@@ -43,6 +44,11 @@ pub struct DatapathConfig {
     pub max_service_ports: u32,
     pub max_backends: u32,
     pub max_sock_revnat: u32,
+    pub max_conntrack: u32,
+    /// Interfaces that get the per-packet (tc) programs; empty: per-packet datapath off.
+    pub tc_interfaces: Vec<String>,
+    /// This node's addresses: NodePorts listen on them, masquerade uses the first.
+    pub node_ips: Vec<std::net::Ipv4Addr>,
 }
 
 impl DatapathConfig {
@@ -53,6 +59,9 @@ impl DatapathConfig {
             max_service_ports: defaults::MAX_SERVICE_PORTS,
             max_backends: defaults::MAX_BACKENDS,
             max_sock_revnat: defaults::MAX_SOCK_REVNAT,
+            max_conntrack: defaults::MAX_CONNTRACK,
+            tc_interfaces: Vec::new(),
+            node_ips: Vec::new(),
         }
     }
 }
@@ -80,24 +89,26 @@ pub struct BpfDatapath {
     pub maps: BpfMaps,
 }
 
-impl BpfDatapath {
-    pub fn load(cfg: &DatapathConfig) -> Result<Self> {
+/// Load the eBPF object with its maps created or reused under the pin directory; no program
+/// is loaded into the kernel yet.
+pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         if EBPF_OBJECT.is_empty() {
             bail!("this kpr binary was built without its eBPF object (AYA_BUILD_SKIP); rebuild with `cargo xtask build`");
         }
         let dir = pin_dir(&cfg.pin_root);
         fs::create_dir_all(&dir)
             .with_context(|| format!("failed to create the pin directory {} (is bpffs mounted?)", dir.display()))?;
-        let cgroup = File::open(&cfg.cgroup).with_context(|| format!("failed to open cgroup {}", cfg.cgroup.display()))?;
-
         // bpf_set_retval (ECONNREFUSED for services without endpoints) exists from 5.18 on.
         let have_set_retval = u8::from(KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(5, 18, 0)));
-        let mut ebpf = EbpfLoader::new()
+        let snat_addr = cfg.node_ips.first().map_or(0, |ip| u32::from(*ip).to_be());
+        EbpfLoader::new()
             .default_map_pin_directory(&dir)
             .map_max_entries(map_names::SERVICES, cfg.max_service_ports)
             .map_max_entries(map_names::BACKENDS, cfg.max_backends)
             .map_max_entries(map_names::SOCK_REVNAT, cfg.max_sock_revnat)
+            .map_max_entries(map_names::CONNTRACK, cfg.max_conntrack)
             .override_global("KPR_HAVE_SET_RETVAL", &have_set_retval, true)
+            .override_global("KPR_SNAT_ADDR", &snat_addr, true)
             .load(EBPF_OBJECT)
             .map_err(|e| match e {
                 aya::EbpfError::MapError(aya::maps::MapError::PinError { .. }) | aya::EbpfError::MapError(_) => {
@@ -109,7 +120,14 @@ impl BpfDatapath {
                     ))
                 }
                 e => anyhow::Error::new(e).context("failed to load the eBPF object"),
-            })?;
+            })
+}
+
+impl BpfDatapath {
+    pub fn load(cfg: &DatapathConfig) -> Result<Self> {
+        let mut ebpf = open_object(cfg)?;
+        let dir = pin_dir(&cfg.pin_root);
+        let cgroup = File::open(&cfg.cgroup).with_context(|| format!("failed to open cgroup {}", cfg.cgroup.display()))?;
         start_ebpf_logger(&mut ebpf);
 
         for name in HOOKS {
@@ -139,11 +157,62 @@ impl BpfDatapath {
             }
         }
 
-        let services = HashMap::try_from(ebpf.take_map(map_names::SERVICES).context("no services map")?)?;
-        let backends = Array::try_from(ebpf.take_map(map_names::BACKENDS).context("no backends map")?)?;
-        let capacity = Capacity { service_ports: cfg.max_service_ports, backends: cfg.max_backends };
-        Ok(Self { _ebpf: ebpf, maps: BpfMaps { services, backends, capacity } })
+        attach_tc(&mut ebpf, &dir, &cfg.tc_interfaces)?;
+        let mut node_addrs: HashMap<MapData, u32, u32> =
+            HashMap::try_from(ebpf.take_map(map_names::NODE_ADDRS).context("no node address map")?)?;
+        let want: Vec<u32> = cfg.node_ips.iter().map(|ip| u32::from(*ip).to_be()).collect();
+        for stale in node_addrs.keys().filter_map(Result::ok).filter(|a| !want.contains(a)).collect::<Vec<_>>() {
+            node_addrs.remove(&stale)?;
+        }
+        for addr in &want {
+            node_addrs.insert(addr, &1, 0)?;
+        }
+
+        let maps = BpfMaps::take_from(&mut ebpf, cfg)?;
+        Ok(Self { _ebpf: ebpf, maps })
     }
+}
+
+/// The tc programs on every interface in `interfaces`, ingress and egress, as pinned links
+/// (TCX on kernels ≥ 6.6; netlink cls_bpf filters before, which persist without pins).
+fn attach_tc(ebpf: &mut Ebpf, dir: &Path, interfaces: &[String]) -> Result<()> {
+    if interfaces.is_empty() {
+        tracing::info!("no --interfaces: the per-packet (NodePort/external) datapath is off");
+        return Ok(());
+    }
+    for (name, attach_type) in [(program_names::TC_INGRESS, TcAttachType::Ingress), (program_names::TC_EGRESS, TcAttachType::Egress)] {
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(name)
+            .with_context(|| format!("program `{name}` missing from the eBPF object"))?
+            .try_into()?;
+        prog.load().with_context(|| format!("the verifier rejected `{name}`"))?;
+        for iface in interfaces {
+            let link_path = dir.join(format!("link_{name}_{iface}"));
+            if link_path.exists() {
+                let link: FdLink = PinnedLink::from_pin(&link_path)
+                    .with_context(|| format!("failed to open pinned link {}", link_path.display()))?
+                    .into();
+                prog.attach_to_link(SchedClassifierLink::try_from(link)?)
+                    .with_context(|| format!("failed to update the {name} link on {iface}"))?;
+                continue;
+            }
+            let iface_c = std::ffi::CString::new(iface.as_str())?;
+            if !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0)) {
+                let _ = aya::programs::tc::qdisc_add_clsact(iface_c.as_c_str());
+            }
+            let id = prog
+                .attach(iface_c.as_c_str(), attach_type)
+                .with_context(|| format!("failed to attach {name} to interface {iface}"))?;
+            match FdLink::try_from(prog.take_link(id)?) {
+                Ok(link) => {
+                    link.pin(&link_path).with_context(|| format!("failed to pin {}", link_path.display()))?;
+                }
+                Err(_) => tracing::info!(interface = %iface, "attached as a netlink filter (no TCX): it stays after exit"),
+            }
+        }
+        tracing::info!(program = name, interfaces = ?interfaces, "per-packet datapath attached");
+    }
+    Ok(())
 }
 
 /// Forward eBPF log records (slow paths only) to the agent's log, when running under tokio.
@@ -178,6 +247,14 @@ pub struct BpfMaps {
 }
 
 impl BpfMaps {
+    /// The service and backend maps of a loaded object (see [`open_object`]).
+    pub fn take_from(ebpf: &mut Ebpf, cfg: &DatapathConfig) -> Result<Self> {
+        let services = HashMap::try_from(ebpf.take_map(map_names::SERVICES).context("no services map")?)?;
+        let backends = Array::try_from(ebpf.take_map(map_names::BACKENDS).context("no backends map")?)?;
+        let capacity = Capacity { service_ports: cfg.max_service_ports, backends: cfg.max_backends };
+        Ok(Self { services, backends, capacity })
+    }
+
     /// Open the pinned maps of a running (or stopped) agent, e.g. for `kpr services`.
     pub fn open_pinned(pin_root: &Path) -> Result<Self> {
         let dir = pin_dir(pin_root);

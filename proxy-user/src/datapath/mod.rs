@@ -81,14 +81,19 @@ pub fn backend_addr(b: &Backend) -> (Ipv4Addr, u16) {
     (Ipv4Addr::from(u32::from_be(b.addr)), u16::from_be(b.port))
 }
 
-/// `10.96.0.10:80/TCP`
+/// `10.96.0.10:80/TCP`; external frontends are marked, a NodePort shows as `*:30080/TCP ext`.
 pub fn display_key(key: &ServiceKey) -> impl fmt::Display {
     let proto = match key.proto {
         IPPROTO_TCP => "TCP".to_owned(),
         IPPROTO_UDP => "UDP".to_owned(),
         p => p.to_string(),
     };
-    format!("{}:{}/{proto}", Ipv4Addr::from(u32::from_be(key.addr)), u16::from_be(key.port))
+    let addr = match key.addr {
+        0 => "*".to_owned(),
+        a => Ipv4Addr::from(u32::from_be(a)).to_string(),
+    };
+    let scope = if key.scope == proxy_common::SCOPE_EXTERNAL { " ext" } else { "" };
+    format!("{addr}:{}/{proto}{scope}", u16::from_be(key.port))
 }
 
 /// Keeps the maps equal to the desired state, knowing what it wrote.
@@ -168,11 +173,11 @@ impl Programmer {
         for (key, want) in desired {
             let backends: Vec<Backend> = want.backends.iter().map(|(ip, port)| backend(*ip, *port)).collect();
             let old = self.programmed.get(key);
-            if old.is_some_and(|p| p.backends == backends) {
+            if old.is_some_and(|p| p.backends == backends && p.value.flags == want.flags) {
                 continue;
             }
             let old = old.map(|p| p.value);
-            match self.reserve(old, backends.len(), new_entries) {
+            match self.reserve(old, backends.len(), want.flags, new_entries) {
                 Ok(value) => {
                     new_entries += usize::from(old.is_none());
                     backend_writes.extend((value.backends_start..).zip(backends.iter().copied()));
@@ -229,7 +234,7 @@ impl Programmer {
     }
 
     /// Room in the backend array and an id for a service port about to be (re)written.
-    fn reserve(&mut self, old: Option<ServiceValue>, backends: usize, new_so_far: usize) -> Result<ServiceValue> {
+    fn reserve(&mut self, old: Option<ServiceValue>, backends: usize, flags: u32, new_so_far: usize) -> Result<ServiceValue> {
         if old.is_none() && self.programmed.len() + new_so_far >= self.capacity.service_ports as usize {
             bail!("the services map is full ({} service ports); raise --max-service-ports", self.capacity.service_ports);
         }
@@ -249,7 +254,7 @@ impl Programmer {
             Some(v) => v.service_id,
             None => self.alloc_id(),
         };
-        Ok(ServiceValue { service_id, backends_start: start, backends_count: count, flags: 0 })
+        Ok(ServiceValue { service_id, backends_start: start, backends_count: count, flags })
     }
 
     fn note_failure(&mut self, key: &ServiceKey, want: &DesiredPort, e: &anyhow::Error) {

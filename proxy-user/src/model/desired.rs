@@ -8,29 +8,42 @@ use std::{
 };
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-use proxy_common::{IPPROTO_TCP, IPPROTO_UDP, ServiceKey};
+use proxy_common::{
+    IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_INTERNAL, SERVICE_FLAG_DROP_NO_ENDPOINTS,
+    SERVICE_FLAG_SNAT, ServiceKey,
+};
 
 use super::{
     NodeInfo, ObjectKey, Protocol, ServicePortName, Skip, TrafficPolicy, endpoints, service,
 };
 
-/// One datapath entry: a service port on one ClusterIP and the backends to pick from.
+/// One datapath entry: a frontend (ClusterIP:port, external IP:port or NodePort) of a service
+/// port and the backends to pick from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DesiredPort {
     pub name: ServicePortName,
-    /// Backends as (IPv4, port), sorted; empty means "no endpoints: reject".
+    /// Backends as (IPv4, port), sorted; empty means "no endpoints": reject, or drop with
+    /// `SERVICE_FLAG_DROP_NO_ENDPOINTS`.
     pub backends: Vec<(Ipv4Addr, u16)>,
+    /// `proxy_common::SERVICE_FLAG_*`.
+    pub flags: u32,
 }
 
 pub type Desired = BTreeMap<ServiceKey, DesiredPort>;
 
+/// The key of a ClusterIP frontend.
 pub fn service_key(ip: Ipv4Addr, port: u16, protocol: Protocol) -> Option<ServiceKey> {
+    frontend_key(ip, port, protocol, SCOPE_INTERNAL)
+}
+
+/// The key of a frontend; a NodePort is `0.0.0.0:nodePort` in the external scope.
+pub fn frontend_key(ip: Ipv4Addr, port: u16, protocol: Protocol, scope: u8) -> Option<ServiceKey> {
     let proto = match protocol {
         Protocol::Tcp => IPPROTO_TCP,
         Protocol::Udp => IPPROTO_UDP,
         Protocol::Sctp => return None,
     };
-    Some(ServiceKey { addr: u32::from(ip).to_be(), port: port.to_be(), proto, _pad: 0 })
+    Some(ServiceKey { addr: u32::from(ip).to_be(), port: port.to_be(), proto, scope })
 }
 
 /// The datapath entries of one Service, given its slices.
@@ -50,21 +63,49 @@ pub fn service_entries<'a>(
     for sp in &translated.ports {
         let eps = endpoints::for_port(&by_port, &sp.name);
         let cat = endpoints::categorize(eps, sp, node);
-        let chosen = if sp.internal_policy == TrafficPolicy::Local { &cat.local } else { &cat.cluster };
-        let mut backends: Vec<(Ipv4Addr, u16)> = chosen
-            .iter()
-            .filter_map(|e| match e.ip {
-                IpAddr::V4(ip) => Some((ip, e.port)),
-                IpAddr::V6(_) => None,
-            })
-            .collect();
-        backends.sort();
-        backends.dedup();
-        for ip in &sp.cluster_ips {
-            let IpAddr::V4(ip) = ip else { continue }; // IPv6 ClusterIPs: the v6 datapath's job
-            match service_key(*ip, sp.port, sp.protocol) {
-                Some(key) => out.push((key, DesiredPort { name: sp.name.clone(), backends: backends.clone() })),
+        let v4 = |eps: &[crate::model::Endpoint]| -> Vec<(Ipv4Addr, u16)> {
+            let mut v: Vec<(Ipv4Addr, u16)> = eps
+                .iter()
+                .filter_map(|e| match e.ip {
+                    IpAddr::V4(ip) => Some((ip, e.port)),
+                    IpAddr::V6(_) => None,
+                })
+                .collect();
+            v.sort();
+            v.dedup();
+            v
+        };
+        let mut push = |ip: &IpAddr, port: u16, scope: u8, backends: &Vec<(Ipv4Addr, u16)>, flags: u32| {
+            let IpAddr::V4(ip) = ip else { return }; // IPv6 frontends: the v6 datapath's job
+            match frontend_key(*ip, port, sp.protocol, scope) {
+                Some(key) => out.push((key, DesiredPort { name: sp.name.clone(), backends: backends.clone(), flags })),
                 None => skipped.push((sp.name.port.clone(), Skip::UnsupportedProtocol(sp.protocol))),
+            }
+        };
+
+        // ClusterIPs: internalTrafficPolicy; Local with no local endpoint drops.
+        let (internal, internal_flags) = if sp.internal_policy == TrafficPolicy::Local {
+            (v4(&cat.local), SERVICE_FLAG_DROP_NO_ENDPOINTS)
+        } else {
+            (v4(&cat.cluster), 0)
+        };
+        for ip in &sp.cluster_ips {
+            push(ip, sp.port, SCOPE_INTERNAL, &internal, internal_flags);
+        }
+
+        // External frontends: externalTrafficPolicy. Cluster masquerades; Local keeps the
+        // client address, uses local endpoints only and drops when there are none.
+        if sp.externally_accessible() {
+            let (external, external_flags) = if sp.external_policy == TrafficPolicy::Local {
+                (v4(&cat.local), SERVICE_FLAG_DROP_NO_ENDPOINTS)
+            } else {
+                (v4(&cat.cluster), SERVICE_FLAG_SNAT)
+            };
+            for ip in sp.external_ips.iter().chain(&sp.load_balancer_ips) {
+                push(ip, sp.port, SCOPE_EXTERNAL, &external, external_flags);
+            }
+            if let Some(node_port) = sp.node_port {
+                push(&IpAddr::V4(Ipv4Addr::UNSPECIFIED), node_port, SCOPE_EXTERNAL, &external, external_flags);
             }
         }
     }

@@ -24,7 +24,7 @@ use kpr::{
     },
     testbed::{self, Cgroup, Topology},
 };
-use kpr_tests::{Harness, POD_PORT};
+use kpr_tests::Harness;
 use serde_json::json;
 
 const TARGET_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
@@ -61,7 +61,7 @@ fn desired_with(n: usize, backends_per_service: usize, target_backend: Ipv4Addr)
             (ip, bs)
         };
         let name = ServicePortName { service: ObjectKey::new("bench", format!("svc-{i}")), port: String::new(), protocol: Protocol::Tcp };
-        desired.insert(service_key(ip, 80, Protocol::Tcp).expect("tcp"), DesiredPort { name, backends });
+        desired.insert(service_key(ip, 80, Protocol::Tcp).expect("tcp"), DesiredPort { name, backends, flags: 0 });
     }
     desired
 }

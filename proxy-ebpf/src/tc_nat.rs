@@ -1,0 +1,295 @@
+//! Per-packet service translation on node interfaces (tc/TCX).
+//!
+//! Ingress: a packet of a known flow is rewritten from its conntrack entry; a new packet to a
+//! frontend (ClusterIP, externalIP, LoadBalancer IP, NodeIP:nodePort) gets a random backend,
+//! masquerade (SNAT to the node) when the frontend says so or the client is its own backend
+//! (hairpin), and two conntrack entries: one for its direction, one for the replies.
+//! Egress: only the conntrack rewrite (replies of local backends leaving toward the client).
+//!
+//! Packets the program does not understand (not IPv4, IP options, fragments, other protocols)
+//! pass untouched and are counted; the program never fails a packet it did not translate.
+use aya_ebpf::{
+    EbpfContext as _, Global,
+    bindings::{
+        __sk_buff,
+        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM, BPF_NOEXIST, TC_ACT_OK,
+        TC_ACT_SHOT,
+    },
+    helpers::{bpf_csum_diff, bpf_get_prandom_u32, bpf_redirect},
+    macros::classifier,
+    programs::TcContext,
+};
+use network_types::{eth::EtherType, ip::Ipv4Hdr};
+use proxy_common::{
+    Backend, CtKey, CtValue, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_INTERNAL,
+    SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceKey,
+    ServiceValue, counter,
+};
+
+use crate::maps::{BACKENDS, CONNTRACK, NODE_ADDRS, SERVICES, count};
+
+const ETH_LEN: usize = 14;
+const ETH_TYPE_OFF: usize = 12;
+const IP_OFF: usize = ETH_LEN;
+const IP_CSUM_OFF: usize = IP_OFF + 10;
+const IP_SRC_OFF: usize = IP_OFF + 12;
+const IP_DST_OFF: usize = IP_OFF + 16;
+const L4_OFF: usize = IP_OFF + 20;
+const TCP_CSUM_OFF: usize = L4_OFF + 16;
+const UDP_CSUM_OFF: usize = L4_OFF + 6;
+const TCP_FLAGS_OFF: usize = L4_OFF + 13;
+const TCP_SYN: u8 = 0x02;
+const TCP_ACK: u8 = 0x10;
+const TCP_RST: u8 = 0x04;
+/// Tries at finding a free SNAT port before giving up on a new flow.
+const SNAT_TRIES: u32 = 8;
+
+/// The address external traffic is masqueraded to (network byte order); 0: none configured,
+/// masquerade disabled. Set by the agent at load time.
+#[unsafe(no_mangle)]
+static KPR_SNAT_ADDR: Global<u32> = Global::new(0);
+
+#[classifier]
+pub fn kpr_tc_ingress(ctx: TcContext) -> i32 {
+    translate(&ctx, true).unwrap_or(TC_ACT_OK)
+}
+
+#[classifier]
+pub fn kpr_tc_egress(ctx: TcContext) -> i32 {
+    translate(&ctx, false).unwrap_or(TC_ACT_OK)
+}
+
+/// A packet's addresses and ports, as they sit in the packet (network byte order).
+#[derive(Clone, Copy)]
+struct Tuple {
+    saddr: u32,
+    daddr: u32,
+    sport: u16,
+    dport: u16,
+    proto: u8,
+}
+
+#[inline(always)]
+fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
+    let eth_type: u16 = ctx.load(ETH_TYPE_OFF).map_err(drop)?;
+    if eth_type != EtherType::Ipv4 as u16 {
+        return Ok(TC_ACT_OK);
+    }
+    let ip: Ipv4Hdr = ctx.load(IP_OFF).map_err(drop)?;
+    if ip.proto != IPPROTO_TCP && ip.proto != IPPROTO_UDP {
+        return Ok(TC_ACT_OK);
+    }
+    if ip.vihl != 0x45 || u16::from_be_bytes(ip.frags) & 0x3fff != 0 {
+        // IP options or a fragment: ports are not where we look (or not there at all).
+        count(counter::TC_PASSED_UNSUPPORTED);
+        return Ok(TC_ACT_OK);
+    }
+    let ports: [u16; 2] = ctx.load(L4_OFF).map_err(drop)?;
+    let t = Tuple {
+        saddr: u32::from_ne_bytes(ip.src_addr),
+        daddr: u32::from_ne_bytes(ip.dst_addr),
+        sport: ports[0],
+        dport: ports[1],
+        proto: ip.proto,
+    };
+
+    let key = ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto);
+    if let Some(entry) = CONNTRACK.get_ptr(&key) {
+        // SAFETY: valid for this program run.
+        let entry = unsafe { *entry };
+        rewrite(ctx, &t, &entry)?;
+        count(counter::TC_CT_HIT);
+        return Ok(TC_ACT_OK);
+    }
+    if !ingress {
+        return Ok(TC_ACT_OK);
+    }
+    let Some(service) = lookup_frontend(&t) else {
+        return Ok(TC_ACT_OK);
+    };
+    new_flow(ctx, &t, &service)
+}
+
+/// The frontend a packet is addressed to: a ClusterIP, an external address (externalIP,
+/// LoadBalancer IP), or a NodePort on one of this node's addresses.
+#[inline(always)]
+fn lookup_frontend(t: &Tuple) -> Option<ServiceValue> {
+    let mut key = ServiceKey { addr: t.daddr, port: t.dport, proto: t.proto, scope: SCOPE_INTERNAL };
+    for scope in [SCOPE_INTERNAL, SCOPE_EXTERNAL] {
+        key.scope = scope;
+        if let Some(v) = SERVICES.get_ptr(&key) {
+            return Some(unsafe { *v });
+        }
+    }
+    NODE_ADDRS.get_ptr(&t.daddr)?;
+    key.addr = 0;
+    SERVICES.get_ptr(&key).map(|v| unsafe { *v })
+}
+
+#[inline(always)]
+fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue) -> Result<i32, ()> {
+    if service.backends_count == 0 {
+        if service.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS == 0 && t.proto == IPPROTO_TCP {
+            return reject_tcp(ctx, t);
+        }
+        count(counter::TC_DROPPED);
+        return Ok(TC_ACT_SHOT);
+    }
+    let pick = unsafe { bpf_get_prandom_u32() } % service.backends_count;
+    let Some(backend) = BACKENDS.get(service.backends_start.wrapping_add(pick)) else {
+        count(counter::BAD_BACKEND_SLOT);
+        return Ok(TC_ACT_OK);
+    };
+    let backend: Backend = *backend;
+
+    // Replies must come back through this node: masquerade external traffic (eTP=Cluster) and
+    // a client that is its own backend (hairpin), as kube-proxy does.
+    let snat_addr = KPR_SNAT_ADDR.load();
+    let masquerade = snat_addr != 0 && (service.flags & SERVICE_FLAG_SNAT != 0 || backend.addr == t.saddr);
+    let reply_value = CtValue {
+        src_addr: t.daddr,
+        dst_addr: t.saddr,
+        src_port: t.dport,
+        dst_port: t.sport,
+        service_id: service.service_id,
+    };
+    let (src_addr, src_port) = if masquerade {
+        let mut found = None;
+        for _ in 0..SNAT_TRIES {
+            let span = u32::from(SNAT_PORT_MAX - SNAT_PORT_MIN) + 1;
+            let port = (SNAT_PORT_MIN + (unsafe { bpf_get_prandom_u32() } % span) as u16).to_be();
+            let reply_key = ct_key(backend.addr, snat_addr, backend.port, port, t.proto);
+            if CONNTRACK.insert(&reply_key, &reply_value, u64::from(BPF_NOEXIST)).is_ok() {
+                found = Some(port);
+                break;
+            }
+        }
+        let Some(port) = found else {
+            count(counter::TC_SNAT_EXHAUSTED);
+            return Ok(TC_ACT_SHOT);
+        };
+        (snat_addr, port)
+    } else {
+        let reply_key = ct_key(backend.addr, t.saddr, backend.port, t.sport, t.proto);
+        if CONNTRACK.insert(&reply_key, &reply_value, 0).is_err() {
+            count(counter::TC_CT_FULL);
+            return Ok(TC_ACT_SHOT);
+        }
+        (t.saddr, t.sport)
+    };
+    let forward = CtValue { src_addr, dst_addr: backend.addr, src_port, dst_port: backend.port, service_id: service.service_id };
+    if CONNTRACK.insert(&ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto), &forward, 0).is_err() {
+        let _ = CONNTRACK.remove(&ct_key(backend.addr, src_addr, backend.port, src_port, t.proto));
+        count(counter::TC_CT_FULL);
+        return Ok(TC_ACT_SHOT);
+    }
+    rewrite(ctx, t, &forward)?;
+    count(counter::TC_NEW_FLOW);
+    Ok(TC_ACT_OK)
+}
+
+#[inline(always)]
+fn ct_key(src_addr: u32, dst_addr: u32, src_port: u16, dst_port: u16, proto: u8) -> CtKey {
+    CtKey { src_addr, dst_addr, src_port, dst_port, proto, _pad: [0; 3] }
+}
+
+/// Rewrite addresses and ports to `to`, fixing the IP and L4 checksums incrementally.
+#[inline(always)]
+fn rewrite(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()> {
+    let (csum_off, l4_flags) = if t.proto == IPPROTO_TCP {
+        (TCP_CSUM_OFF, 0)
+    } else {
+        // A UDP checksum of 0 means "none" and must stay 0.
+        (UDP_CSUM_OFF, u64::from(BPF_F_MARK_MANGLED_0))
+    };
+    let pseudo = u64::from(BPF_F_PSEUDO_HDR);
+    if to.src_addr != t.saddr {
+        ctx.l4_csum_replace(csum_off, u64::from(t.saddr), u64::from(to.src_addr), l4_flags | pseudo | 4).map_err(drop)?;
+        ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(t.saddr), u64::from(to.src_addr), 4).map_err(drop)?;
+        ctx.store(IP_SRC_OFF, &to.src_addr, 0).map_err(drop)?;
+    }
+    if to.dst_addr != t.daddr {
+        ctx.l4_csum_replace(csum_off, u64::from(t.daddr), u64::from(to.dst_addr), l4_flags | pseudo | 4).map_err(drop)?;
+        ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(t.daddr), u64::from(to.dst_addr), 4).map_err(drop)?;
+        ctx.store(IP_DST_OFF, &to.dst_addr, 0).map_err(drop)?;
+    }
+    if to.src_port != t.sport {
+        ctx.l4_csum_replace(csum_off, u64::from(t.sport), u64::from(to.src_port), l4_flags | 2).map_err(drop)?;
+        ctx.store(L4_OFF, &to.src_port, 0).map_err(drop)?;
+    }
+    if to.dst_port != t.dport {
+        ctx.l4_csum_replace(csum_off, u64::from(t.dport), u64::from(to.dst_port), l4_flags | 2).map_err(drop)?;
+        ctx.store(L4_OFF + 2, &to.dst_port, 0).map_err(drop)?;
+    }
+    Ok(())
+}
+
+/// IPv4 + TCP headers of a reset, laid out as on the wire.
+#[repr(C)]
+struct ResetHeaders {
+    ip: [u8; 20],
+    tcp: [u8; 20],
+}
+
+/// The TCP pseudo-header and header, for the checksum.
+#[repr(C)]
+struct TcpChecksumInput {
+    saddr: u32,
+    daddr: u32,
+    zero_proto_len: [u8; 4],
+    tcp: [u8; 20],
+}
+
+/// kube-proxy REJECTs connections to a service without endpoints: answer a SYN with a RST
+/// (the client sees ECONNREFUSED), sent back out of the interface it came in on.
+#[inline(always)]
+fn reject_tcp(ctx: &TcContext, t: &Tuple) -> Result<i32, ()> {
+    let flags: u8 = ctx.load(TCP_FLAGS_OFF).map_err(drop)?;
+    count(counter::TC_REJECTED);
+    if flags & TCP_SYN == 0 || flags & TCP_ACK != 0 {
+        return Ok(TC_ACT_SHOT);
+    }
+    let seq: [u8; 4] = ctx.load(L4_OFF + 4).map_err(drop)?;
+    let ack = u32::from_be_bytes(seq).wrapping_add(1).to_be_bytes();
+    let macs: [u8; 12] = ctx.load(0).map_err(drop)?;
+
+    let (src, dst) = (t.daddr.to_ne_bytes(), t.saddr.to_ne_bytes());
+    let mut h = ResetHeaders {
+        ip: [0x45, 0, 0, 40, 0, 0, 0x40, 0, 64, IPPROTO_TCP, 0, 0, src[0], src[1], src[2], src[3], dst[0], dst[1], dst[2], dst[3]],
+        tcp: [0; 20],
+    };
+    let (sport, dport) = (t.dport.to_ne_bytes(), t.sport.to_ne_bytes());
+    h.tcp[0] = sport[0];
+    h.tcp[1] = sport[1];
+    h.tcp[2] = dport[0];
+    h.tcp[3] = dport[1];
+    h.tcp[8..12].copy_from_slice(&ack);
+    h.tcp[12] = 5 << 4;
+    h.tcp[13] = TCP_RST | TCP_ACK;
+
+    let ip_sum = unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, h.ip.as_mut_ptr().cast(), 20, 0) };
+    let ip_csum = fold(ip_sum);
+    h.ip[10..12].copy_from_slice(&ip_csum.to_ne_bytes());
+    let mut pseudo = TcpChecksumInput { saddr: t.daddr, daddr: t.saddr, zero_proto_len: [0, IPPROTO_TCP, 0, 20], tcp: h.tcp };
+    let tcp_sum = unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, (&raw mut pseudo).cast(), 32, 0) };
+    h.tcp[16..18].copy_from_slice(&fold(tcp_sum).to_ne_bytes());
+
+    ctx.change_tail((ETH_LEN + 40) as u32, 0).map_err(drop)?;
+    let mut swapped = [0u8; 12];
+    swapped[..6].copy_from_slice(&macs[6..]);
+    swapped[6..].copy_from_slice(&macs[..6]);
+    let recompute = u64::from(BPF_F_RECOMPUTE_CSUM);
+    ctx.store(0, &swapped, recompute).map_err(drop)?;
+    ctx.store(IP_OFF, &h, recompute).map_err(drop)?;
+    let ifindex = unsafe { (*ctx.as_ptr().cast::<__sk_buff>()).ifindex };
+    Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
+}
+
+/// Fold a 32-bit one's-complement sum into the 16-bit checksum field value.
+#[inline(always)]
+fn fold(sum: i64) -> u16 {
+    let mut s = sum as u64 & 0xffff_ffff;
+    s = (s & 0xffff) + (s >> 16);
+    s = (s & 0xffff) + (s >> 16);
+    !(s as u16)
+}

@@ -1,0 +1,319 @@
+//! The tc programs on crafted packets through BPF_PROG_TEST_RUN: input packet + map state →
+//! verdict and output bytes, checksums included (expected packets are built from scratch with
+//! freshly computed checksums, never by patching the input). Needs root.
+use std::net::Ipv4Addr;
+
+use aya::{
+    Ebpf,
+    programs::{SchedClassifier, TestRun as _, TestRunOptions},
+};
+use kpr::{
+    datapath::{
+        Programmer,
+        bpf::{self, BpfMaps, DatapathConfig},
+    },
+    model::{
+        ObjectKey, Protocol, ServicePortName,
+        desired::{Desired, DesiredPort, frontend_key},
+    },
+    testbed,
+};
+use proxy_common::{
+    SCOPE_EXTERNAL, SCOPE_INTERNAL, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SNAT_PORT_MAX,
+    SNAT_PORT_MIN, counter, program_names,
+};
+
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
+const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
+const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 99);
+const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 2);
+const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+
+// ---------- packet building, with checksums computed from scratch ----------
+
+fn csum(data: &[u8], initial: u32) -> u16 {
+    let mut sum = initial;
+    for chunk in data.chunks(2) {
+        let word = if chunk.len() == 2 { u16::from_be_bytes([chunk[0], chunk[1]]) } else { u16::from_be_bytes([chunk[0], 0]) };
+        sum += u32::from(word);
+    }
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+#[derive(Clone, Copy)]
+struct Pkt {
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    sport: u16,
+    dport: u16,
+    proto: u8,
+    tcp_flags: u8,
+    seq: u32,
+    ack: u32,
+    /// UDP only: send a zero (absent) checksum.
+    no_udp_csum: bool,
+    frag: u16,
+}
+
+fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Pkt {
+    Pkt { src, dst, sport, dport, proto: 6, tcp_flags: 0x02, seq: 1000, ack: 0, no_udp_csum: false, frag: 0 }
+}
+
+fn udp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Pkt {
+    Pkt { proto: 17, tcp_flags: 0, ..tcp(src, sport, dst, dport) }
+}
+
+impl Pkt {
+    fn payload(&self) -> &'static [u8] {
+        if self.tcp_flags & 0x04 != 0 { b"" } else { b"hello" }
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        self.bytes_with_macs([0xaa; 6], [0xbb; 6])
+    }
+
+    fn bytes_with_macs(&self, dst_mac: [u8; 6], src_mac: [u8; 6]) -> Vec<u8> {
+        let payload = self.payload();
+        let mut l4 = Vec::new();
+        l4.extend_from_slice(&self.sport.to_be_bytes());
+        l4.extend_from_slice(&self.dport.to_be_bytes());
+        if self.proto == 6 {
+            l4.extend_from_slice(&self.seq.to_be_bytes());
+            l4.extend_from_slice(&self.ack.to_be_bytes());
+            l4.extend_from_slice(&[5 << 4, self.tcp_flags]);
+            l4.extend_from_slice(&(if self.tcp_flags & 0x04 != 0 { 0u16 } else { 64240u16 }).to_be_bytes());
+            l4.extend_from_slice(&[0, 0, 0, 0]); // checksum, urgent pointer
+        } else {
+            l4.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+            l4.extend_from_slice(&[0, 0]);
+        }
+        l4.extend_from_slice(payload);
+        let mut pseudo = Vec::new();
+        pseudo.extend_from_slice(&self.src.octets());
+        pseudo.extend_from_slice(&self.dst.octets());
+        pseudo.extend_from_slice(&[0, self.proto]);
+        pseudo.extend_from_slice(&(l4.len() as u16).to_be_bytes());
+        pseudo.extend_from_slice(&l4);
+        let c = csum(&pseudo, 0);
+        let csum_off = if self.proto == 6 { 16 } else { 6 };
+        if !(self.proto == 17 && self.no_udp_csum) {
+            let c = if self.proto == 17 && c == 0 { 0xffff } else { c };
+            l4[csum_off..csum_off + 2].copy_from_slice(&c.to_be_bytes());
+        }
+        let total = (20 + l4.len()) as u16;
+        let ttl = 64;
+        let id: u16 = if self.tcp_flags & 0x04 != 0 { 0 } else { 0x1234 };
+        let frags = if self.tcp_flags & 0x04 != 0 { 0x4000 } else { self.frag };
+        let mut ip = vec![0x45, 0];
+        ip.extend_from_slice(&total.to_be_bytes());
+        ip.extend_from_slice(&id.to_be_bytes());
+        ip.extend_from_slice(&frags.to_be_bytes());
+        ip.extend_from_slice(&[ttl, self.proto, 0, 0]);
+        ip.extend_from_slice(&self.src.octets());
+        ip.extend_from_slice(&self.dst.octets());
+        let c = csum(&ip, 0);
+        ip[10..12].copy_from_slice(&c.to_be_bytes());
+        let mut out = Vec::new();
+        out.extend_from_slice(&dst_mac);
+        out.extend_from_slice(&src_mac);
+        out.extend_from_slice(&[0x08, 0x00]);
+        out.extend_from_slice(&ip);
+        out.extend_from_slice(&l4);
+        out
+    }
+}
+
+fn sport_of(packet: &[u8]) -> u16 {
+    u16::from_be_bytes([packet[34], packet[35]])
+}
+
+// ---------- the program under test ----------
+
+struct Rig {
+    ebpf: Ebpf,
+    pin_root: std::path::PathBuf,
+}
+
+impl Rig {
+    /// Load the object on fresh pins with `desired` programmed and NODE_IP as node address.
+    fn new(desired: &Desired) -> Self {
+        let pin_root = std::path::PathBuf::from(format!("/sys/fs/bpf/{}", testbed::unique_name("kt-tc")));
+        let mut cfg = DatapathConfig::new(pin_root.clone(), "/nonexistent".into());
+        cfg.node_ips = vec![NODE_IP];
+        cfg.max_service_ports = 64;
+        cfg.max_backends = 64;
+        let mut ebpf = bpf::open_object(&cfg).expect("load object");
+        // Programs first: taking a map out of the object before loading breaks its relocation.
+        for name in [program_names::TC_INGRESS, program_names::TC_EGRESS] {
+            let prog: &mut SchedClassifier = ebpf.program_mut(name).unwrap().try_into().unwrap();
+            prog.load().expect("verifier accepts the tc program");
+        }
+        let mut maps = BpfMaps::take_from(&mut ebpf, &cfg).expect("maps");
+        let mut programmer = Programmer::recover(&mut maps).unwrap();
+        assert_eq!(programmer.apply(desired, &mut maps).failed, 0);
+        let mut node_addrs: aya::maps::HashMap<_, u32, u32> =
+            aya::maps::HashMap::try_from(ebpf.map_mut(proxy_common::map_names::NODE_ADDRS).unwrap()).unwrap();
+        node_addrs.insert(&u32::from(NODE_IP).to_be(), &1, 0).unwrap();
+        let rig = Self { ebpf, pin_root };
+        rig
+    }
+
+    fn run(&self, program: &str, input: &[u8]) -> (u32, Vec<u8>) {
+        let prog: &SchedClassifier = self.ebpf.program(program).unwrap().try_into().unwrap();
+        let mut out = vec![0u8; 1500];
+        let mut opts = TestRunOptions::default();
+        opts.data_in = Some(input);
+        opts.data_out = Some(&mut out);
+        let result = prog.test_run(opts).expect("test run");
+        out.truncate(result.data_size_out as usize);
+        (result.return_value, out)
+    }
+
+    fn ingress(&self, input: &[u8]) -> (u32, Vec<u8>) {
+        self.run(program_names::TC_INGRESS, input)
+    }
+
+    fn egress(&self, input: &[u8]) -> (u32, Vec<u8>) {
+        self.run(program_names::TC_EGRESS, input)
+    }
+
+    fn counter(&self, index: u32) -> u64 {
+        bpf::read_counters(&self.pin_root).unwrap()[index as usize].1
+    }
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        let _ = bpf::cleanup(&self.pin_root);
+    }
+}
+
+fn entry(desired: &mut Desired, ip: Ipv4Addr, port: u16, protocol: Protocol, scope: u8, backends: &[(Ipv4Addr, u16)], flags: u32) {
+    let name = ServicePortName { service: ObjectKey::new("t", format!("{ip}:{port}")), port: String::new(), protocol };
+    desired.insert(frontend_key(ip, port, protocol, scope).unwrap(), DesiredPort { name, backends: backends.to_vec(), flags });
+}
+
+fn services() -> Desired {
+    let mut d = Desired::new();
+    entry(&mut d, CLUSTER_IP, 80, Protocol::Tcp, SCOPE_INTERNAL, &[(POD, 8080)], 0);
+    entry(&mut d, CLUSTER_IP, 53, Protocol::Udp, SCOPE_INTERNAL, &[(POD, 5353)], 0);
+    entry(&mut d, CLUSTER_IP, 81, Protocol::Tcp, SCOPE_INTERNAL, &[], 0);
+    // NodePort 30080: eTP=Cluster (masquerade); 30081: eTP=Local without local endpoints.
+    entry(&mut d, Ipv4Addr::UNSPECIFIED, 30080, Protocol::Tcp, SCOPE_EXTERNAL, &[(POD, 8080)], SERVICE_FLAG_SNAT);
+    entry(&mut d, Ipv4Addr::UNSPECIFIED, 30081, Protocol::Tcp, SCOPE_EXTERNAL, &[], SERVICE_FLAG_DROP_NO_ENDPOINTS);
+    // An externalIP with eTP=Local and a local endpoint: no masquerade.
+    entry(&mut d, Ipv4Addr::new(192, 0, 2, 7), 443, Protocol::Tcp, SCOPE_EXTERNAL, &[(POD, 8443)], SERVICE_FLAG_DROP_NO_ENDPOINTS);
+    d
+}
+
+#[test]
+fn cluster_ip_tcp_is_translated_both_ways_with_exact_checksums() {
+    let rig = Rig::new(&services());
+    let syn = tcp(CLIENT, 40000, CLUSTER_IP, 80);
+    let (verdict, out) = rig.ingress(&syn.bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(out, Pkt { dst: POD, dport: 8080, ..syn }.bytes(), "DNAT to the backend");
+
+    // A second packet of the flow takes the same path (conntrack), not a new random pick.
+    let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 5000, ..syn };
+    assert_eq!(rig.ingress(&ack.bytes()).1, Pkt { dst: POD, dport: 8080, ..ack }.bytes());
+
+    // The reply, leaving toward the client, gets the ClusterIP back as its source.
+    let reply = Pkt { tcp_flags: 0x12, seq: 5000, ack: 1001, ..tcp(POD, 8080, CLIENT, 40000) };
+    let (verdict, out) = rig.egress(&reply.bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(out, Pkt { src: CLUSTER_IP, sport: 80, ..reply }.bytes(), "reverse NAT");
+    assert!(rig.counter(counter::TC_NEW_FLOW) == 1 && rig.counter(counter::TC_CT_HIT) == 2);
+}
+
+#[test]
+fn udp_translation_keeps_a_zero_checksum_zero() {
+    let rig = Rig::new(&services());
+    let with = udp(CLIENT, 40001, CLUSTER_IP, 53);
+    assert_eq!(rig.ingress(&with.bytes()).1, Pkt { dst: POD, dport: 5353, ..with }.bytes());
+    let without = Pkt { no_udp_csum: true, ..udp(CLIENT, 40002, CLUSTER_IP, 53) };
+    let (verdict, out) = rig.ingress(&without.bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(out, Pkt { dst: POD, dport: 5353, ..without }.bytes());
+    assert_eq!(&out[40..42], &[0, 0], "UDP checksum stays absent");
+}
+
+#[test]
+fn node_port_with_cluster_policy_is_masqueraded_and_reversed() {
+    let rig = Rig::new(&services());
+    let syn = tcp(CLIENT, 40003, NODE_IP, 30080);
+    let (verdict, out) = rig.ingress(&syn.bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    let nat_port = sport_of(&out);
+    assert!((SNAT_PORT_MIN..=SNAT_PORT_MAX).contains(&nat_port), "SNAT port {nat_port}");
+    assert_eq!(out, Pkt { src: NODE_IP, sport: nat_port, dst: POD, dport: 8080, ..syn }.bytes());
+
+    // The backend's reply comes back to the node's address and is sent on to the client.
+    let reply = Pkt { tcp_flags: 0x12, ..tcp(POD, 8080, NODE_IP, nat_port) };
+    let (verdict, out) = rig.ingress(&reply.bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(out, Pkt { src: NODE_IP, sport: 30080, dst: CLIENT, dport: 40003, ..reply }.bytes());
+}
+
+#[test]
+fn external_ip_with_local_policy_keeps_the_client_address() {
+    let rig = Rig::new(&services());
+    let syn = tcp(CLIENT, 40004, Ipv4Addr::new(192, 0, 2, 7), 443);
+    assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: POD, dport: 8443, ..syn }.bytes());
+}
+
+#[test]
+fn no_endpoints_rejects_tcp_with_a_reset_and_local_policy_drops() {
+    let rig = Rig::new(&services());
+    let syn = tcp(CLIENT, 40005, CLUSTER_IP, 81);
+    let (verdict, out) = rig.ingress(&syn.bytes_with_macs([1; 6], [2; 6]));
+    assert_eq!(verdict, TC_ACT_REDIRECT, "the reset goes back out of the interface");
+    let rst = Pkt { src: CLUSTER_IP, sport: 81, dst: CLIENT, dport: 40005, tcp_flags: 0x14, seq: 0, ack: 1001, ..syn };
+    assert_eq!(out, rst.bytes_with_macs([2; 6], [1; 6]), "RST|ACK acknowledging the SYN, MACs swapped");
+
+    let (verdict, _) = rig.ingress(&tcp(CLIENT, 40006, NODE_IP, 30081).bytes());
+    assert_eq!(verdict, TC_ACT_SHOT, "eTP=Local without local endpoints drops");
+    let (verdict, _) = rig.ingress(&Pkt { tcp_flags: 0x10, ..tcp(CLIENT, 40007, CLUSTER_IP, 81) }.bytes());
+    assert_eq!(verdict, TC_ACT_SHOT, "a non-SYN to a service without endpoints is dropped");
+}
+
+#[test]
+fn hairpin_is_masqueraded() {
+    let rig = Rig::new(&services());
+    let syn = tcp(POD, 40008, CLUSTER_IP, 80);
+    let out = rig.ingress(&syn.bytes()).1;
+    let nat_port = sport_of(&out);
+    assert_eq!(out, Pkt { src: NODE_IP, sport: nat_port, dst: POD, dport: 8080, ..syn }.bytes());
+}
+
+#[test]
+fn what_is_not_ours_passes_untouched() {
+    let rig = Rig::new(&services());
+    let other = tcp(CLIENT, 40009, Ipv4Addr::new(10, 244, 9, 9), 80);
+    let fragment = Pkt { frag: 0x2000, ..tcp(CLIENT, 40010, CLUSTER_IP, 80) };
+    let mut arp = tcp(CLIENT, 1, CLUSTER_IP, 80).bytes();
+    arp[12..14].copy_from_slice(&[0x08, 0x06]);
+    let truncated = tcp(CLIENT, 40011, CLUSTER_IP, 80).bytes()[..40].to_vec();
+    let mut options = tcp(CLIENT, 40012, CLUSTER_IP, 80).bytes();
+    options[14] = 0x46; // IHL 6: options present
+    let before = rig.counter(counter::TC_PASSED_UNSUPPORTED);
+    for (what, input) in [
+        ("not a service", other.bytes()),
+        ("fragment", fragment.bytes()),
+        ("ARP", arp),
+        ("truncated", truncated),
+        ("IP options", options),
+    ] {
+        for (dir, (verdict, out)) in [("ingress", rig.ingress(&input)), ("egress", rig.egress(&input))] {
+            assert_eq!(verdict, TC_ACT_OK, "{what} ({dir})");
+            assert_eq!(out, input, "{what} ({dir}) is unchanged");
+        }
+    }
+    assert_eq!(rig.counter(counter::TC_PASSED_UNSUPPORTED) - before, 4, "fragment and options, both directions");
+    assert_eq!(rig.counter(counter::TC_NEW_FLOW), 0);
+}
