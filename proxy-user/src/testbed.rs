@@ -126,8 +126,10 @@ fn current_cgroup() -> Result<PathBuf> {
     Ok(crate::datapath::bpf::cgroup2_root()?.join(rel.trim_start_matches('/')))
 }
 
-/// A server thread answering with a fixed name. TCP: sends `name\n`, then echoes lines until
-/// the client closes. UDP: answers every datagram with `name`.
+/// A server thread answering with a fixed name. TCP: sends `name\n`, then echoes what it
+/// receives until the client closes, except that `peer?\n` is answered with the client address
+/// the server sees (to check masquerade). UDP: answers `peer?` the same way, anything else
+/// with `name`.
 pub struct NameServer {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
@@ -141,7 +143,7 @@ impl NameServer {
         let stop2 = stop.clone();
         let thread = std::thread::spawn(move || {
             while !stop2.load(Ordering::Relaxed) {
-                let Ok((mut conn, _)) = listener.accept() else { continue };
+                let Ok((mut conn, peer)) = listener.accept() else { continue };
                 let name = name.clone();
                 std::thread::spawn(move || {
                     let _ = conn.set_nodelay(true);
@@ -152,7 +154,8 @@ impl NameServer {
                     }
                     let mut buf = [0u8; 4096];
                     while let Ok(n @ 1..) = conn.read(&mut buf) {
-                        if conn.write_all(&buf[..n]).is_err() {
+                        let reply = if &buf[..n] == b"peer?\n" { format!("{}\n", peer.ip()).into_bytes() } else { buf[..n].to_vec() };
+                        if conn.write_all(&reply).is_err() {
                             return;
                         }
                     }
@@ -170,8 +173,9 @@ impl NameServer {
         let thread = std::thread::spawn(move || {
             let mut buf = [0u8; 1500];
             while !stop2.load(Ordering::Relaxed) {
-                if let Ok((_, from)) = socket.recv_from(&mut buf) {
-                    let _ = socket.send_to(name.as_bytes(), from);
+                if let Ok((n, from)) = socket.recv_from(&mut buf) {
+                    let reply = if &buf[..n] == b"peer?" { from.ip().to_string() } else { name.clone() };
+                    let _ = socket.send_to(reply.as_bytes(), from);
                 }
             }
         });
@@ -258,6 +262,20 @@ pub fn tcp_ask(addr: SocketAddrV4, timeout: Duration) -> std::io::Result<(String
     Ok((line.trim_end().to_owned(), peer))
 }
 
+/// TCP: connect, read the name, ask the server which client address it sees.
+/// Returns (name, the client address as the server saw it).
+pub fn tcp_ask_peer(addr: SocketAddrV4, timeout: Duration) -> std::io::Result<(String, String)> {
+    let mut conn = TcpStream::connect_timeout(&addr.into(), timeout)?;
+    conn.set_read_timeout(Some(timeout))?;
+    let mut reader = BufReader::new(conn.try_clone()?);
+    let mut name = String::new();
+    reader.read_line(&mut name)?;
+    conn.write_all(b"peer?\n")?;
+    let mut peer = String::new();
+    reader.read_line(&mut peer)?;
+    Ok((name.trim_end().to_owned(), peer.trim_end().to_owned()))
+}
+
 /// UDP, unconnected: send_to, recv_from. Returns (name, source address of the reply).
 pub fn udp_ask(addr: SocketAddrV4, timeout: Duration) -> std::io::Result<(String, SocketAddr)> {
     let socket = UdpSocket::bind("0.0.0.0:0")?;
@@ -324,20 +342,34 @@ pub fn write_atomic(dir: &Path, name: &str, text: &str) -> Result<()> {
 /// Wait until the pinned maps under `pin_root` hold `address` (e.g. `10.96.0.10:80/TCP`) with
 /// exactly `backends` backends, or (with `None`) do not hold it at all.
 pub fn wait_programmed(pin_root: &Path, address: &str, backends: Option<usize>, timeout: Duration) -> Result<()> {
-    use crate::datapath::{Maps as _, bpf::BpfMaps, display_key};
+    wait_for_backends(pin_root, address, timeout, |have| have.map(|b| b.len()) == backends)
+}
+
+/// Wait until the backends (IPv4, port) of `address` in the pinned maps satisfy `ok`
+/// (`None`: the address is not programmed).
+pub fn wait_for_backends(
+    pin_root: &Path,
+    address: &str,
+    timeout: Duration,
+    ok: impl Fn(Option<&[(Ipv4Addr, u16)]>) -> bool,
+) -> Result<()> {
+    use crate::datapath::{Maps as _, backend_addr, bpf::BpfMaps, display_key};
     let deadline = std::time::Instant::now() + timeout;
     let mut last = String::from("maps not pinned yet");
     loop {
         if let Ok(maps) = BpfMaps::open_pinned(pin_root) {
             let entry = maps.services()?.into_iter().find(|(k, _)| display_key(k).to_string() == address);
-            let have = entry.map(|(_, v)| v.backends_count as usize);
-            if have == backends {
+            let have = match entry {
+                Some((_, v)) => Some(maps.backends(v.backends_start, v.backends_count)?.iter().map(backend_addr).collect::<Vec<_>>()),
+                None => None,
+            };
+            if ok(have.as_deref()) {
                 return Ok(());
             }
-            last = format!("{address} has {have:?} backends");
+            last = format!("{address} has backends {have:?}");
         }
         if std::time::Instant::now() > deadline {
-            bail!("timed out waiting for {address} to have {backends:?} backends: {last}");
+            bail!("timed out waiting for {address}: {last}");
         }
         std::thread::sleep(Duration::from_millis(1));
     }

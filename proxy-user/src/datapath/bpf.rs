@@ -187,6 +187,12 @@ fn attach_tc(ebpf: &mut Ebpf, dir: &Path, interfaces: &[String]) -> Result<()> {
             .try_into()?;
         prog.load().with_context(|| format!("the verifier rejected `{name}`"))?;
         for iface in interfaces {
+            // Masquerade rewrites the source to the node's own address before routing; the
+            // kernel drops such "martian" packets unless the interface accepts local sources.
+            let sysctl = format!("/proc/sys/net/ipv4/conf/{iface}/accept_local");
+            if let Err(e) = fs::write(&sysctl, "1") {
+                tracing::warn!(interface = %iface, "failed to set {sysctl}: {e}; masqueraded flows may be dropped");
+            }
             let link_path = dir.join(format!("link_{name}_{iface}"));
             if link_path.exists() {
                 let link: FdLink = PinnedLink::from_pin(&link_path)

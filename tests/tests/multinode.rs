@@ -1,0 +1,264 @@
+//! Several "nodes" on one machine: network namespaces joined by a bridge (in its own
+//! namespace), each node with its own kpr agent (own cgroup, own pins, tc programs on its
+//! interfaces), its own pod, and an external client. No namespace has a route off the machine.
+//!
+//! ```text
+//!   ext 10.0.0.100 ─┐
+//!   node-a 10.0.0.1 ┼─ br0 (switch netns)      node-a ── pod-a 10.244.1.2
+//!   node-b 10.0.0.2 ┘                          node-b ── pod-b 10.244.2.2
+//! ```
+use std::{
+    fs::File,
+    net::{Ipv4Addr, SocketAddrV4, TcpStream},
+    os::{fd::AsRawFd as _, unix::process::CommandExt as _},
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result};
+use kpr::{
+    datapath::bpf,
+    testbed::{self, Cgroup, NameServer, Netns, tcp_ask, tcp_ask_peer},
+};
+
+const POD_PORT: u16 = 8080;
+const EXT_CLIENT: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 100);
+const LB_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
+const TIMEOUT: Duration = Duration::from_secs(2);
+
+struct Node {
+    name: String,
+    ip: Ipv4Addr,
+    pod_ip: Ipv4Addr,
+    agent: Option<Child>,
+    pins: PathBuf,
+    _servers: Vec<NameServer>,
+    cgroup: Cgroup,
+    _pod: Netns,
+    netns: Netns,
+}
+
+struct Cluster {
+    nodes: Vec<Node>,
+    manifests: PathBuf,
+    log: PathBuf,
+    ext: Netns,
+    _switch: Netns,
+}
+
+impl Cluster {
+    fn new(tag: &str) -> Result<Self> {
+        let prefix = testbed::unique_name(tag);
+        let switch = Netns::new(&format!("{prefix}-sw"))?;
+        switch.ip(&["link", "add", "br0", "type", "bridge"])?;
+        switch.ip(&["link", "set", "br0", "up"])?;
+        let plug = |ns: &Netns, port: &str, addr: &str| -> Result<()> {
+            switch.ip(&["link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name])?;
+            switch.ip(&["link", "set", port, "master", "br0", "up"])?;
+            ns.ip(&["addr", "add", addr, "dev", "eth0"])?;
+            ns.ip(&["link", "set", "eth0", "up"])?;
+            Ok(())
+        };
+        let ext = Netns::new(&format!("{prefix}-ext"))?;
+        plug(&ext, "p-ext", &format!("{EXT_CLIENT}/24"))?;
+        // The LoadBalancer IP is announced by node-a (as a cloud LB would send it there).
+        ext.ip(&["route", "add", &format!("{LB_IP}/32"), "via", "10.0.0.1"])?;
+
+        let manifests = std::env::temp_dir().join(&prefix);
+        std::fs::create_dir_all(&manifests)?;
+        let mut nodes = Vec::new();
+        for (i, name) in ["node-a", "node-b"].iter().enumerate() {
+            let n = i as u8 + 1;
+            let netns = Netns::new(&format!("{prefix}-{name}"))?;
+            let ip = Ipv4Addr::new(10, 0, 0, n);
+            plug(&netns, &format!("p-{name}"), &format!("{ip}/24"))?;
+            let pod = Netns::new(&format!("{prefix}-{name}-pod"))?;
+            let pod_ip = Ipv4Addr::new(10, 244, n, 2);
+            netns.ip(&["link", "add", "veth-pod", "type", "veth", "peer", "name", "eth0", "netns", &pod.name])?;
+            netns.ip(&["addr", "add", &format!("10.244.{n}.1/24"), "dev", "veth-pod"])?;
+            netns.ip(&["link", "set", "veth-pod", "up"])?;
+            pod.ip(&["addr", "add", &format!("{pod_ip}/24"), "dev", "eth0"])?;
+            pod.ip(&["link", "set", "eth0", "up"])?;
+            pod.ip(&["route", "add", "default", "via", &format!("10.244.{n}.1")])?;
+            let other = 3 - n;
+            netns.ip(&["route", "add", &format!("10.244.{other}.0/24"), "via", &format!("10.0.0.{other}")])?;
+            sysctls(&netns)?;
+            let servers = vec![NameServer::tcp(&pod, SocketAddrV4::new(pod_ip, POD_PORT), &format!("pod-{}", &name[5..]))?];
+            let cgroup = Cgroup::new(&format!("{prefix}-{name}"))?;
+            let pins = PathBuf::from(format!("/sys/fs/bpf/{prefix}-{name}"));
+            nodes.push(Node { name: (*name).to_owned(), ip, pod_ip, agent: None, pins, _servers: servers, cgroup, _pod: pod, netns });
+        }
+        let log = std::env::temp_dir().join(format!("{prefix}.agents.log"));
+        let mut cluster = Self { nodes, manifests, log, ext, _switch: switch };
+        for i in 0..cluster.nodes.len() {
+            cluster.start_agent(i)?;
+        }
+        Ok(cluster)
+    }
+
+    /// The node's agent, inside the node's network namespace (joined before exec, so the
+    /// agent sees the node's interfaces while bpffs stays the machine's).
+    fn start_agent(&mut self, i: usize) -> Result<()> {
+        let node = &mut self.nodes[i];
+        let netns = File::open(format!("/run/netns/{}", node.netns.name))?;
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
+        let mut cmd = Command::new(kpr_tests::kpr_bin());
+        cmd.arg("agent")
+            .arg("--manifests")
+            .arg(&self.manifests)
+            .arg("--cgroup")
+            .arg(&node.cgroup.path)
+            .arg("--pin-root")
+            .arg(&node.pins)
+            .args(["--node-name", &node.name, "--node-ip", &node.ip.to_string(), "--interfaces", "eth0,veth-pod"])
+            .args(["--max-service-ports", "256", "--max-backends", "1024", "--max-conntrack", "4096"])
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        let fd = netns.as_raw_fd();
+        // SAFETY: setns is async-signal-safe; the fd stays open until exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        node.agent = Some(cmd.spawn().context("failed to start kpr")?);
+        Ok(())
+    }
+
+    fn write(&self, name: &str, text: &str) {
+        testbed::write_atomic(&self.manifests, name, text).unwrap();
+    }
+
+    /// Wait until every node's maps hold `address` with `backends` backends.
+    fn wait(&self, address: &str, backends: usize) {
+        for node in &self.nodes {
+            testbed::wait_programmed(&node.pins, address, Some(backends), Duration::from_secs(10))
+                .with_context(|| format!("{}: agents' log:\n{}", node.name, std::fs::read_to_string(&self.log).unwrap_or_default()))
+                .unwrap();
+        }
+    }
+
+    fn ext<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        self.ext.run(f).unwrap()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for node in &mut self.nodes {
+            if let Some(mut agent) = node.agent.take() {
+                let _ = agent.kill();
+                let _ = agent.wait();
+            }
+            let _ = bpf::cleanup(&node.pins);
+        }
+        let _ = std::fs::remove_dir_all(&self.manifests);
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+fn sysctls(ns: &Netns) -> Result<()> {
+    let netns = File::open(format!("/run/netns/{}", ns.name))?;
+    let fd = netns.as_raw_fd();
+    let status = unsafe {
+        Command::new("sh")
+            .args(["-c", "echo 1 > /proc/sys/net/ipv4/ip_forward; for f in /proc/sys/net/ipv4/conf/*/rp_filter; do echo 0 > $f; done"])
+            .pre_exec(move || if libc::setns(fd, libc::CLONE_NEWNET) != 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) })
+            .status()?
+    };
+    anyhow::ensure!(status.success(), "sysctl in {} failed", ns.name);
+    Ok(())
+}
+
+/// A Service with one TCP port, a NodePort, an optional LoadBalancer IP, the given
+/// externalTrafficPolicy, and an EndpointSlice listing (pod IP, node name).
+fn service(policy: &str, node_port: u16, endpoints: &[(Ipv4Addr, &str)]) -> String {
+    let eps: String = endpoints
+        .iter()
+        .map(|(ip, node)| format!("- addresses: [\"{ip}\"]\n  nodeName: {node}\n  conditions: {{ready: true}}\n"))
+        .collect();
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: web-{node_port}, namespace: t}}\nspec:\n  type: LoadBalancer\n  \
+         clusterIP: 10.96.0.{ip}\n  externalTrafficPolicy: {policy}\n  ports: [{{name: http, port: 80, nodePort: {node_port}}}]\n\
+         status:\n  loadBalancer:\n    ingress: [{{ip: \"{LB_IP}\"}}]\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-{node_port}-1\n  namespace: t\n  labels: {{kubernetes.io/service-name: web-{node_port}}}\n\
+         addressType: IPv4\nports: [{{name: http, port: {POD_PORT}}}]\nendpoints:{}",
+        if eps.is_empty() { " []\n".to_owned() } else { format!("\n{eps}") },
+        ip = node_port % 250,
+    )
+}
+
+#[test]
+fn node_port_reaches_a_pod_on_another_node_masqueraded() {
+    let c = Cluster::new("km-np").unwrap();
+    let pod_b = c.nodes[1].pod_ip;
+    c.write("svc.yaml", &service("Cluster", 30080, &[(pod_b, "node-b")]));
+    c.wait("*:30080/TCP ext", 1);
+    for node in 0..2 {
+        let ip = c.nodes[node].ip;
+        let (name, seen) = c.ext(move || tcp_ask_peer(SocketAddrV4::new(ip, 30080), TIMEOUT).unwrap());
+        assert_eq!(name, "pod-b", "via {ip}");
+        // eTP=Cluster: the pod sees the node that took the connection, not the client.
+        assert_eq!(seen, ip.to_string(), "source address seen by the pod, via {ip}");
+    }
+    // The LoadBalancer IP (routed to node-a) works the same way.
+    let (name, seen) = c.ext(|| tcp_ask_peer(SocketAddrV4::new(LB_IP, 80), TIMEOUT).unwrap());
+    assert_eq!((name.as_str(), seen.as_str()), ("pod-b", "10.0.0.1"));
+}
+
+#[test]
+fn local_traffic_policy_keeps_the_client_address_and_drops_without_local_endpoints() {
+    let c = Cluster::new("km-local").unwrap();
+    let pod_a = c.nodes[0].pod_ip;
+    c.write("svc.yaml", &service("Local", 30081, &[(pod_a, "node-a")]));
+    testbed::wait_programmed(&c.nodes[0].pins, "*:30081/TCP ext", Some(1), Duration::from_secs(10)).unwrap();
+    testbed::wait_programmed(&c.nodes[1].pins, "*:30081/TCP ext", Some(0), Duration::from_secs(10)).unwrap();
+    let (a, b) = (c.nodes[0].ip, c.nodes[1].ip);
+    let (name, seen) = c.ext(move || tcp_ask_peer(SocketAddrV4::new(a, 30081), TIMEOUT).unwrap());
+    assert_eq!(name, "pod-a");
+    assert_eq!(seen, EXT_CLIENT.to_string(), "eTP=Local preserves the client source address");
+    let err = c.ext(move || TcpStream::connect_timeout(&SocketAddrV4::new(b, 30081).into(), Duration::from_millis(700)).map(drop)).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "node-b has no local endpoint: dropped, not refused ({err})");
+}
+
+#[test]
+fn no_endpoints_is_refused_and_an_endpoint_can_move_while_traffic_runs() {
+    let c = Cluster::new("km-move").unwrap();
+    let (pod_a, pod_b) = (c.nodes[0].pod_ip, c.nodes[1].pod_ip);
+    c.write("svc.yaml", &service("Cluster", 30082, &[]));
+    c.wait("*:30082/TCP ext", 0);
+    let a = c.nodes[0].ip;
+    let err = c.ext(move || TcpStream::connect_timeout(&SocketAddrV4::new(a, 30082).into(), TIMEOUT).map(drop)).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
+
+    c.write("svc.yaml", &service("Cluster", 30082, &[(pod_b, "node-b")]));
+    c.wait("*:30082/TCP ext", 1);
+    // A long-lived connection to pod-b through node-a...
+    let mut conn = c.ext(move || {
+        let conn = TcpStream::connect_timeout(&SocketAddrV4::new(a, 30082).into(), TIMEOUT).unwrap();
+        conn.set_read_timeout(Some(TIMEOUT)).unwrap();
+        conn
+    });
+    let mut reader = std::io::BufReader::new(conn.try_clone().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut reader, &mut line).unwrap();
+    assert_eq!(line.trim_end(), "pod-b");
+
+    // ...survives the endpoint moving to node-a; new connections go to the new endpoint.
+    c.write("svc.yaml", &service("Cluster", 30082, &[(pod_a, "node-a")]));
+    for node in &c.nodes {
+        testbed::wait_for_backends(&node.pins, "*:30082/TCP ext", Duration::from_secs(10), |b| b == Some(&[(pod_a, POD_PORT)][..])).unwrap();
+    }
+    let names: Vec<String> = c.ext(move || (0..10).map(|_| tcp_ask(SocketAddrV4::new(a, 30082), TIMEOUT).unwrap().0).collect());
+    assert!(names.iter().all(|n| n == "pod-a"), "{names:?}");
+    std::io::Write::write_all(&mut conn, b"still there\n").unwrap();
+    line.clear();
+    std::io::BufRead::read_line(&mut reader, &mut line).unwrap();
+    assert_eq!(line, "still there\n", "the established flow keeps its backend");
+}
