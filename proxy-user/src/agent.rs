@@ -63,6 +63,9 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
         }
     };
     let mut syncer = Syncer::new(ClusterState::new(node), programmer);
+    if !cfg.datapath.tc_interfaces.is_empty() {
+        syncer.health = Some(crate::health::HealthServers::default());
+    }
     syncer.run(rx, &mut datapath.maps, cfg.reconcile_interval, shutdown).await;
     tracing::info!("stopped; the datapath stays programmed until the next agent takes over");
     Ok(())
@@ -78,12 +81,14 @@ async fn log_exit(name: &str, task: impl Future<Output = Result<()>>) {
 pub struct Syncer {
     pub state: ClusterState,
     pub programmer: Programmer,
+    /// healthCheckNodePort servers, with the per-packet (external) datapath.
+    pub health: Option<crate::health::HealthServers>,
     synced_once: bool,
 }
 
 impl Syncer {
     pub fn new(state: ClusterState, programmer: Programmer) -> Self {
-        Self { state, programmer, synced_once: false }
+        Self { state, programmer, health: None, synced_once: false }
     }
 
     pub async fn run(
@@ -125,6 +130,9 @@ impl Syncer {
         }
         let desired = self.state.desired();
         let report = self.programmer.apply(&desired, maps);
+        if let Some(health) = &mut self.health {
+            health.update(self.state.health_checks());
+        }
         if !self.synced_once {
             self.synced_once = true;
             tracing::info!(service_ports = desired.len(), "initial sync done");

@@ -4,6 +4,7 @@
 pub mod agent;
 pub mod datapath;
 pub mod demo;
+pub mod health;
 pub mod model;
 pub mod source;
 pub mod testbed;

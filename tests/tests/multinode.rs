@@ -185,12 +185,14 @@ fn service(policy: &str, node_port: u16, endpoints: &[(Ipv4Addr, &str)]) -> Stri
         .collect();
     format!(
         "apiVersion: v1\nkind: Service\nmetadata: {{name: web-{node_port}, namespace: t}}\nspec:\n  type: LoadBalancer\n  \
-         clusterIP: 10.96.0.{ip}\n  externalTrafficPolicy: {policy}\n  ports: [{{name: http, port: 80, nodePort: {node_port}}}]\n\
+         clusterIP: 10.96.0.{ip}\n  externalTrafficPolicy: {policy}\n{hc}  ports: [{{name: http, port: 80, nodePort: {node_port}}}]\n\
          status:\n  loadBalancer:\n    ingress: [{{ip: \"{LB_IP}\"}}]\n---\n\
          apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-{node_port}-1\n  namespace: t\n  labels: {{kubernetes.io/service-name: web-{node_port}}}\n\
          addressType: IPv4\nports: [{{name: http, port: {POD_PORT}}}]\nendpoints:{}",
         if eps.is_empty() { " []\n".to_owned() } else { format!("\n{eps}") },
         ip = node_port % 250,
+        // The API server allocates a health check port for LoadBalancer services with eTP=Local.
+        hc = if policy == "Local" { format!("  healthCheckNodePort: {}\n", node_port + 1000) } else { String::new() },
     )
 }
 
@@ -225,6 +227,30 @@ fn local_traffic_policy_keeps_the_client_address_and_drops_without_local_endpoin
     assert_eq!(seen, EXT_CLIENT.to_string(), "eTP=Local preserves the client source address");
     let err = c.ext(move || TcpStream::connect_timeout(&SocketAddrV4::new(b, 30081).into(), Duration::from_millis(700)).map(drop)).unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "node-b has no local endpoint: dropped, not refused ({err})");
+
+    // The healthCheckNodePort tells a cloud load balancer which node can serve.
+    let (status_a, body_a) = c.ext(move || http_get(SocketAddrV4::new(a, 31081)));
+    let (status_b, body_b) = c.ext(move || http_get(SocketAddrV4::new(b, 31081)));
+    assert!(status_a.starts_with("HTTP/1.1 200"), "{status_a}");
+    assert!(status_b.starts_with("HTTP/1.1 503"), "{status_b}");
+    let json = |body: &str| serde_json::from_str::<serde_json::Value>(body).unwrap();
+    assert_eq!(json(&body_a), serde_json::json!({"service": {"namespace": "t", "name": "web-30081"}, "localEndpoints": 1, "serviceProxyHealthy": true}));
+    assert_eq!(json(&body_b)["localEndpoints"], 0);
+}
+
+/// (status line, body) of `GET /` (retried briefly: the server starts with the sync).
+fn http_get(addr: SocketAddrV4) -> (String, String) {
+    for _ in 0..50 {
+        if let Ok(mut conn) = TcpStream::connect_timeout(&addr.into(), TIMEOUT) {
+            std::io::Write::write_all(&mut conn, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut conn, &mut text).unwrap();
+            let (head, body) = text.split_once("\r\n\r\n").unwrap();
+            return (head.lines().next().unwrap().to_owned(), body.to_owned());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("no health check server on {addr}");
 }
 
 #[test]

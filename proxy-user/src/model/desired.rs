@@ -112,6 +112,24 @@ pub fn service_entries<'a>(
     Ok(out)
 }
 
+/// kube-proxy's healthCheckNodePort for a LoadBalancer service with eTP=Local: the port,
+/// and how many ready endpoints of the service run on this node.
+pub fn health_check<'a>(
+    svc: &Service,
+    slices: impl IntoIterator<Item = &'a EndpointSlice>,
+    node: &NodeInfo,
+) -> Option<(u16, usize)> {
+    let translated = service::translate(svc).ok()?;
+    let port = translated
+        .ports
+        .iter()
+        .find(|p| p.external_policy == TrafficPolicy::Local)
+        .and_then(|p| p.health_check_node_port)?;
+    let by_port = endpoints::endpoints_by_port(slices, node, &mut Vec::new());
+    let local: BTreeSet<IpAddr> = by_port.values().flatten().filter(|e| e.is_local && e.ready).map(|e| e.ip).collect();
+    Some((port, local.len()))
+}
+
 /// Counts of what was skipped, for logs and status.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SkipCounts {
@@ -130,6 +148,8 @@ pub struct ClusterState {
     slices_of: BTreeMap<ObjectKey, BTreeSet<ObjectKey>>,
     /// Cached per-service entries; recomputed for services in `dirty`.
     entries: BTreeMap<ObjectKey, Vec<(ServiceKey, DesiredPort)>>,
+    /// Cached health check (port, local endpoints) of eTP=Local LoadBalancer services.
+    health: BTreeMap<ObjectKey, (u16, usize)>,
     dirty: BTreeSet<ObjectKey>,
     services_synced: bool,
     slices_synced: bool,
@@ -238,9 +258,15 @@ impl ClusterState {
         for key in std::mem::take(&mut self.dirty) {
             let Some(svc) = self.services.get(&key) else {
                 self.entries.remove(&key);
+                self.health.remove(&key);
                 continue;
             };
-            let slices = self.slices_of.get(&key).into_iter().flatten().filter_map(|k| self.slices.get(k));
+            let slices = || self.slices_of.get(&key).into_iter().flatten().filter_map(|k| self.slices.get(k));
+            match health_check(svc, slices(), &self.node) {
+                Some(h) => self.health.insert(key.clone(), h),
+                None => self.health.remove(&key),
+            };
+            let slices = slices();
             let mut skipped = Vec::new();
             match service_entries(svc, slices, &self.node, &mut skipped) {
                 Ok(entries) => {
@@ -281,6 +307,11 @@ impl ClusterState {
         }
         self.reported_conflicts = conflicts;
         desired
+    }
+
+    /// healthCheckNodePort → (service, local endpoints), as of the last [`Self::desired`].
+    pub fn health_checks(&self) -> BTreeMap<u16, (ObjectKey, usize)> {
+        self.health.iter().map(|(k, (port, n))| (*port, (k.clone(), *n))).collect()
     }
 
     fn skip(&mut self, kind: &str, name: &str, reason: &Skip) {
@@ -370,5 +401,31 @@ mod tests {
         assert_eq!(d.len(), 2);
         assert_eq!(st.skips.conflicts, 2);
         assert_eq!(st.skips.objects, 1);
+    }
+
+    #[test]
+    fn external_frontends_follow_the_external_traffic_policy() {
+        let node = NodeInfo { name: "node-a".into(), zone: None };
+        let mut st = ClusterState::new(node);
+        let svc = service_yaml(
+            "metadata: {name: web, namespace: shop}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalIPs: [192.0.2.7]\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n  ports: [{name: http, port: 80, nodePort: 30080}]\nstatus: {loadBalancer: {ingress: [{ip: 198.51.100.1}]}}",
+        );
+        let slice = slice_yaml(
+            "metadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: http, port: 8080}]\nendpoints: [{addresses: [10.0.0.1], nodeName: node-a}, {addresses: [10.0.0.2], nodeName: node-b}]",
+        );
+        st.replace_services(vec![svc]);
+        st.replace_slices(vec![slice]);
+        let d = st.desired();
+        let show = |ip: &str, port: u16, scope: u8| {
+            let p = &d[&frontend_key(ip.parse().unwrap(), port, Protocol::Tcp, scope).unwrap()];
+            (p.backends.iter().map(|(ip, _)| ip.to_string()).collect::<Vec<_>>(), p.flags)
+        };
+        let all = vec!["10.0.0.1".to_owned(), "10.0.0.2".to_owned()];
+        let local = vec!["10.0.0.1".to_owned()];
+        assert_eq!(show("10.96.0.10", 80, SCOPE_INTERNAL), (all, 0), "ClusterIP: every endpoint");
+        for (ip, port) in [("192.0.2.7", 80), ("198.51.100.1", 80), ("0.0.0.0", 30080)] {
+            assert_eq!(show(ip, port, SCOPE_EXTERNAL), (local.clone(), SERVICE_FLAG_DROP_NO_ENDPOINTS), "{ip}:{port}");
+        }
+        assert_eq!(st.health_checks()[&32000], (ObjectKey::new("shop", "web"), 1));
     }
 }
