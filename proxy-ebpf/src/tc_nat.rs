@@ -29,7 +29,6 @@ use proxy_common::{
 use crate::maps::{BACKENDS, CONNTRACK, NODE_ADDRS, SERVICES, count};
 
 const ETH_LEN: usize = 14;
-const ETH_TYPE_OFF: usize = 12;
 const IP_OFF: usize = ETH_LEN;
 const IP_CSUM_OFF: usize = IP_OFF + 10;
 const IP_SRC_OFF: usize = IP_OFF + 12;
@@ -69,13 +68,40 @@ struct Tuple {
     proto: u8,
 }
 
+/// The Ethernet type, IPv4 header and L4 ports, read straight from the packet (no helper
+/// calls); headers outside the linear area are pulled in first.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Headers {
+    _macs: [u8; 12],
+    eth_type: u16,
+    ip: Ipv4Hdr,
+    ports: [u16; 2],
+}
+
+#[inline(always)]
+fn headers(ctx: &TcContext) -> Option<Headers> {
+    const LEN: usize = size_of::<Headers>();
+    if ctx.data() + LEN > ctx.data_end() {
+        // Short or non-linear: pull what we need into the linear area (fails if too short).
+        ctx.pull_data(LEN as u32).ok()?;
+        if ctx.data() + LEN > ctx.data_end() {
+            return None;
+        }
+    }
+    // SAFETY: bounds checked against data_end above; Headers is packed plain bytes.
+    Some(unsafe { core::ptr::read_unaligned(ctx.data() as *const Headers) })
+}
+
 #[inline(always)]
 fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
-    let eth_type: u16 = ctx.load(ETH_TYPE_OFF).map_err(drop)?;
-    if eth_type != EtherType::Ipv4 as u16 {
+    let Some(h) = headers(ctx) else {
+        return Ok(TC_ACT_OK);
+    };
+    if h.eth_type != EtherType::Ipv4 as u16 {
         return Ok(TC_ACT_OK);
     }
-    let ip: Ipv4Hdr = ctx.load(IP_OFF).map_err(drop)?;
+    let ip = h.ip;
     if ip.proto != IPPROTO_TCP && ip.proto != IPPROTO_UDP {
         return Ok(TC_ACT_OK);
     }
@@ -84,7 +110,7 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
         count(counter::TC_PASSED_UNSUPPORTED);
         return Ok(TC_ACT_OK);
     }
-    let ports: [u16; 2] = ctx.load(L4_OFF).map_err(drop)?;
+    let ports = h.ports;
     let t = Tuple {
         saddr: u32::from_ne_bytes(ip.src_addr),
         daddr: u32::from_ne_bytes(ip.dst_addr),

@@ -6,6 +6,7 @@
 //! 3. Time from a manifest change to the map update, through the real agent.
 use std::{
     collections::BTreeMap,
+    process::Command,
     io::Read as _,
     net::{Ipv4Addr, SocketAddrV4, TcpStream},
     os::fd::AsRawFd as _,
@@ -39,8 +40,13 @@ fn main() -> Result<()> {
     let conn = connection_rate(sizes, rounds, per_round)?;
     let program = programming_time(10_000, 4)?;
     let latency = event_latency(if quick { 10 } else { 30 })?;
+    let per_packet = tc_ns_per_packet(if quick { 100_000 } else { 1_000_000 })?;
+    let node_port = node_port_paths(if quick { 4 } else { 12 }, 300, if quick { 1 } else { 3 })?;
 
-    let result = json!({ "connection_rate": conn, "programming": program, "event_to_datapath": latency });
+    let result = json!({
+        "connection_rate": conn, "programming": program, "event_to_datapath": latency,
+        "tc_per_packet": per_packet, "node_port": node_port,
+    });
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench");
     std::fs::create_dir_all(&dir)?;
     let path = dir.join("socket_lb.json");
@@ -207,4 +213,178 @@ impl Drop for PinGuard {
     fn drop(&mut self) {
         let _ = bpf::cleanup(&self.0);
     }
+}
+
+/// The tc program's cost per packet (BPF_PROG_TEST_RUN with `repeat`): a packet of an
+/// established flow (conntrack hit + rewrite), and a packet that is not for a service.
+fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
+    use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions};
+    let name = testbed::unique_name("kb-tc");
+    let pins = PinGuard(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
+    let mut cfg = DatapathConfig::new(pins.0.clone(), "/nonexistent".into());
+    cfg.node_ips = vec![Ipv4Addr::new(10, 0, 0, 1)];
+    let mut ebpf = bpf::open_object(&cfg)?;
+    let prog: &mut SchedClassifier = ebpf.program_mut(proxy_common::program_names::TC_INGRESS).context("tc program")?.try_into()?;
+    prog.load()?;
+    let mut maps = kpr::datapath::bpf::BpfMaps::take_from(&mut ebpf, &cfg)?;
+    Programmer::recover(&mut maps)?.apply(&desired_with(10_000, 4, Ipv4Addr::new(10, 244, 1, 2)), &mut maps);
+    let prog: &SchedClassifier = ebpf.program(proxy_common::program_names::TC_INGRESS).context("tc program")?.try_into()?;
+    let packet = |dst: [u8; 4]| -> Vec<u8> {
+        let mut p = vec![0u8; 14 + 20 + 20 + 6];
+        p[12..14].copy_from_slice(&[0x08, 0x00]);
+        p[14..34].copy_from_slice(&[0x45, 0, 0, 46, 0, 0, 0x40, 0, 64, 6, 0, 0, 10, 0, 0, 99, dst[0], dst[1], dst[2], dst[3]]);
+        p[34..38].copy_from_slice(&[0x9c, 0x40, 0, 80]);
+        p[46] = 0x50;
+        p[47] = 0x10;
+        p
+    };
+    let mut results = serde_json::Map::new();
+    for (label, input) in [("established_flow", packet(TARGET_IP.octets())), ("not_a_service", packet([10, 244, 9, 9]))] {
+        let mut out = vec![0u8; 256];
+        let mut opts = TestRunOptions::default();
+        opts.data_in = Some(&input);
+        opts.data_out = Some(&mut out);
+        opts.repeat = repeat;
+        let r = prog.test_run(opts)?;
+        let ns = r.duration.as_nanos() as f64;
+        println!("tc ingress, {label}: {ns:.1} ns/packet (TestRun, repeat {repeat}, 10k services programmed)");
+        results.insert(label.to_owned(), json!(ns));
+    }
+    results.insert("repeat".into(), json!(repeat));
+    Ok(serde_json::Value::Object(results))
+}
+
+/// NodePort through kpr's tc datapath vs the direct routed path vs iptables DNAT rules written
+/// the way kube-proxy writes them, in one topology (client ns → node ns → pod ns), A/B/C rounds.
+fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32) -> Result<serde_json::Value> {
+    let name = testbed::unique_name("kb-np");
+    let ext = testbed::Netns::new(&format!("{name}-ext"))?;
+    let topology = Topology::new(&name, &["pod"])?;
+    let node = &topology.client;
+    let pod = topology.pods[0].ip;
+    node.ip(&["link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &ext.name])?;
+    node.ip(&["addr", "add", "10.0.0.1/24", "dev", "eth0"])?;
+    node.ip(&["link", "set", "eth0", "up"])?;
+    ext.ip(&["addr", "add", "10.0.0.100/24", "dev", "eth0"])?;
+    ext.ip(&["link", "set", "eth0", "up"])?;
+    ext.ip(&["route", "add", "10.244.0.0/16", "via", "10.0.0.1"])?;
+    let in_node = |script: &str| -> Result<()> {
+        let ok = Command::new("ip").args(["netns", "exec", &node.name, "sh", "-c", script]).status()?.success();
+        anyhow::ensure!(ok, "`{script}` failed in {}", node.name);
+        Ok(())
+    };
+    in_node("echo 1 > /proc/sys/net/ipv4/ip_forward")?;
+    // kube-proxy's iptables rules for one NodePort service (30090 → pod:8081), masqueraded.
+    in_node(&format!(
+        "iptables -t nat -N KUBE-SERVICES && iptables -t nat -N KUBE-NODEPORTS && iptables -t nat -N KUBE-EXT-BENCH && \
+         iptables -t nat -N KUBE-SVC-BENCH && iptables -t nat -N KUBE-SEP-BENCH && iptables -t nat -N KUBE-MARK-MASQ && \
+         iptables -t nat -N KUBE-POSTROUTING && \
+         iptables -t nat -A PREROUTING -m comment --comment 'kubernetes service portals' -j KUBE-SERVICES && \
+         iptables -t nat -A POSTROUTING -j KUBE-POSTROUTING && \
+         iptables -t nat -A KUBE-SERVICES -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS && \
+         iptables -t nat -A KUBE-NODEPORTS -p tcp --dport 30090 -j KUBE-EXT-BENCH && \
+         iptables -t nat -A KUBE-EXT-BENCH -j KUBE-MARK-MASQ && iptables -t nat -A KUBE-EXT-BENCH -j KUBE-SVC-BENCH && \
+         iptables -t nat -A KUBE-SVC-BENCH -j KUBE-SEP-BENCH && \
+         iptables -t nat -A KUBE-SEP-BENCH -p tcp -j DNAT --to-destination {pod}:{BENCH_PORT} && \
+         iptables -t nat -A KUBE-MARK-MASQ -j MARK --or-mark 0x4000 && \
+         iptables -t nat -A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN && \
+         iptables -t nat -A KUBE-POSTROUTING -j MARK --xor-mark 0x4000 && \
+         iptables -t nat -A KUBE-POSTROUTING -j MASQUERADE --random-fully"
+    ))?;
+
+    let pod_ns = &topology.pods[0].netns;
+    let listener = pod_ns.run(move || std::net::TcpListener::bind((pod, BENCH_PORT)))??;
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            let _ = std::io::Write::write_all(&mut conn, b"pod\n");
+        }
+    });
+    let cgroup = Cgroup::new(&name)?;
+    let pins = PinGuard(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
+    let mut cfg = DatapathConfig::new(pins.0.clone(), cgroup.path.clone());
+    cfg.node_ips = vec![Ipv4Addr::new(10, 0, 0, 1)];
+    cfg.tc_interfaces = vec!["eth0".into(), "veth0".into()];
+    let datapath = node.run(move || BpfDatapath::load(&cfg))??;
+    let mut datapath = datapath;
+    let mut desired = Desired::new();
+    let np = kpr::model::desired::frontend_key(Ipv4Addr::UNSPECIFIED, 30080, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL).context("key")?;
+    let name_port = ServicePortName { service: ObjectKey::new("bench", "np"), port: String::new(), protocol: Protocol::Tcp };
+    desired.insert(np, DesiredPort { name: name_port, backends: vec![(pod, BENCH_PORT)], flags: proxy_common::SERVICE_FLAG_SNAT });
+    Programmer::recover(&mut datapath.maps)?.apply(&desired, &mut datapath.maps);
+
+    let paths = [
+        ("direct", SocketAddrV4::new(pod, BENCH_PORT)),
+        ("kpr", SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 30080)),
+        ("iptables", SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 30090)),
+    ];
+    let rates = ext.run(move || -> Result<BTreeMap<&'static str, (f64, f64, f64)>> {
+        let mut lat: BTreeMap<&str, Vec<Duration>> = BTreeMap::new();
+        let mut time: BTreeMap<&str, Duration> = BTreeMap::new();
+        for (_, addr) in paths {
+            for _ in 0..20 {
+                one_connection(addr)?;
+            }
+        }
+        for _ in 0..rounds {
+            for (label, addr) in paths {
+                let started = Instant::now();
+                for _ in 0..per_round {
+                    lat.entry(label).or_default().push(one_connection(addr).with_context(|| format!("{label} connect"))?);
+                }
+                *time.entry(label).or_default() += started.elapsed();
+            }
+        }
+        Ok(paths
+            .iter()
+            .map(|(label, _)| {
+                let mut l = lat[label].clone();
+                l.sort();
+                (*label, (l.len() as f64 / time[label].as_secs_f64(), percentile(&l, 0.5), percentile(&l, 0.99)))
+            })
+            .collect())
+    })??;
+    println!("\nNodePort, new TCP connection per request from an external client ({rounds} rounds × {per_round}, alternating):");
+    println!("{:>10} {:>10} {:>10} {:>10} {:>10}", "path", "conn/s", "vs direct", "p50", "p99");
+    let direct = rates["direct"].0;
+    let mut out = serde_json::Map::new();
+    for (label, _) in paths {
+        let (rate, p50, p99) = rates[label];
+        println!("{label:>10} {rate:>10.0} {:>10.3} {p50:>8.1}µs {p99:>8.1}µs", rate / direct);
+        out.insert(label.to_owned(), json!({"conn_per_s": rate, "ratio_vs_direct": rate / direct, "connect_p50_us": p50, "connect_p99_us": p99}));
+    }
+
+    // Throughput with iperf3 (when installed): one TCP stream per path.
+    if Command::new("iperf3").arg("--version").output().is_ok() {
+        let mut server = Command::new("ip")
+            .args(["netns", "exec", &pod_ns.name, "iperf3", "-s", "-p", "5201"])
+            .stdout(std::process::Stdio::null())
+            .spawn()?;
+        std::thread::sleep(Duration::from_millis(300));
+        let mut desired2 = desired.clone();
+        let np2 = kpr::model::desired::frontend_key(Ipv4Addr::UNSPECIFIED, 30081, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL).context("key")?;
+        let mut entry = desired[&np].clone();
+        entry.backends = vec![(pod, 5201)];
+        desired2.insert(np2, entry);
+        Programmer::recover(&mut datapath.maps)?.apply(&desired2, &mut datapath.maps);
+        in_node(&format!(
+            "iptables -t nat -A KUBE-NODEPORTS -p tcp --dport 30091 -j KUBE-EXT-BENCH2 2>/dev/null || (iptables -t nat -N KUBE-EXT-BENCH2 && \
+             iptables -t nat -A KUBE-EXT-BENCH2 -j KUBE-MARK-MASQ && iptables -t nat -A KUBE-EXT-BENCH2 -p tcp -j DNAT --to-destination {pod}:5201 && \
+             iptables -t nat -A KUBE-NODEPORTS -p tcp --dport 30091 -j KUBE-EXT-BENCH2)"
+        ))?;
+        let mut tput = serde_json::Map::new();
+        for (label, host, port) in [("direct", pod.to_string(), 5201), ("kpr", "10.0.0.1".into(), 30081), ("iptables", "10.0.0.1".into(), 30091)] {
+            let outp = Command::new("ip")
+                .args(["netns", "exec", &ext.name, "iperf3", "-c", &host, "-p", &port.to_string(), "-t", &iperf_secs.to_string(), "-J"])
+                .output()?;
+            let v: serde_json::Value = serde_json::from_slice(&outp.stdout).unwrap_or_default();
+            let bps = v["end"]["sum_received"]["bits_per_second"].as_f64().unwrap_or(0.0);
+            println!("{label:>10} throughput {:.2} Gbit/s", bps / 1e9);
+            tput.insert(label.to_owned(), json!(bps / 1e9));
+        }
+        out.insert("throughput_gbit_s".into(), serde_json::Value::Object(tput));
+        let _ = server.kill();
+        let _ = server.wait();
+    }
+    drop(datapath);
+    Ok(serde_json::Value::Object(out))
 }
