@@ -20,6 +20,7 @@ pub mod map_names {
     pub const COUNTERS: &str = "KPR_COUNTERS";
     pub const CONNTRACK: &str = "KPR_CONNTRACK";
     pub const NODE_ADDRS: &str = "KPR_NODE_ADDRS";
+    pub const SOURCE_RANGES: &str = "KPR_SOURCE_RANGES";
 }
 
 /// Program names (the Rust function names in `proxy-ebpf`).
@@ -44,6 +45,8 @@ pub mod defaults {
     pub const MAX_CONNTRACK: u32 = 262_144;
     /// Node addresses (NodePort frontends, SNAT).
     pub const MAX_NODE_ADDRS: u32 = 64;
+    /// loadBalancerSourceRanges entries across all LoadBalancer frontends.
+    pub const MAX_SOURCE_RANGES: u32 = 16_384;
 }
 
 /// `ServiceKey::scope`: which traffic a frontend entry is for.
@@ -55,6 +58,9 @@ pub const SCOPE_EXTERNAL: u8 = 1;
 pub const SERVICE_FLAG_SNAT: u32 = 1;
 /// `ServiceValue::flags`: with no endpoints, drop instead of reject (traffic policy Local).
 pub const SERVICE_FLAG_DROP_NO_ENDPOINTS: u32 = 2;
+/// `ServiceValue::flags`: only clients in `KPR_SOURCE_RANGES` for this service id may connect
+/// (loadBalancerSourceRanges); others are dropped.
+pub const SERVICE_FLAG_SOURCE_RANGES: u32 = 4;
 
 /// First and last port used for SNAT (masquerade) of per-packet flows.
 pub const SNAT_PORT_MIN: u16 = 32_768;
@@ -155,6 +161,17 @@ pub struct CtValue {
     pub service_id: u32,
 }
 
+/// Data of a `KPR_SOURCE_RANGES` LPM key: the prefix length covers all of `service_id` (32
+/// bits) plus the CIDR's bits of `addr`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SourceRange {
+    /// Service id, big-endian (LPM compares bytes in order).
+    pub service_id: u32,
+    /// Client IPv4 address or CIDR base, network byte order.
+    pub addr: u32,
+}
+
 /// Indexes of the per-CPU `KPR_COUNTERS` array: what the datapath did, without logging.
 pub mod counter {
     /// A connect/sendmsg to a service port was sent to a backend.
@@ -207,6 +224,7 @@ const _: () = assert!(size_of::<SockRevNatKey>() == 16);
 const _: () = assert!(size_of::<SockRevNatValue>() == 12);
 const _: () = assert!(size_of::<CtKey>() == 16);
 const _: () = assert!(size_of::<CtValue>() == 16);
+const _: () = assert!(size_of::<SourceRange>() == 8);
 
 #[cfg(feature = "user")]
 mod pod {
@@ -218,4 +236,5 @@ mod pod {
     unsafe impl aya::Pod for super::SockRevNatValue {}
     unsafe impl aya::Pod for super::CtKey {}
     unsafe impl aya::Pod for super::CtValue {}
+    unsafe impl aya::Pod for super::SourceRange {}
 }

@@ -2,12 +2,12 @@
 //! sizes here are placeholders that the agent overrides at load time.
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
 use proxy_common::{
-    Backend, CtKey, CtValue, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, counter,
-    defaults,
+    Backend, CtKey, CtValue, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRange,
+    counter, defaults,
 };
 
 /// ClusterIP:port/proto → the service's range in `KPR_BACKENDS`.
@@ -44,6 +44,10 @@ pub static CONNTRACK: LruHashMap<CtKey, CtValue, { defaults::MAX_CONNTRACK as us
 /// This node's addresses (IPv4, network byte order): where NodePorts listen.
 #[btf_map(name = "KPR_NODE_ADDRS", pin_by_name)]
 pub static NODE_ADDRS: HashMap<u32, u32, { defaults::MAX_NODE_ADDRS as usize }> = HashMap::new();
+
+/// loadBalancerSourceRanges: (service id, client CIDR) → allowed.
+#[btf_map(name = "KPR_SOURCE_RANGES", pin_by_name)]
+pub static SOURCE_RANGES: LpmTrie<SourceRange, u8, { defaults::MAX_SOURCE_RANGES as usize }> = LpmTrie::new();
 
 #[inline(always)]
 pub fn count(index: u32) {

@@ -16,17 +16,18 @@ use aya_ebpf::{
         TC_ACT_SHOT,
     },
     helpers::{bpf_csum_diff, bpf_get_prandom_u32, bpf_redirect},
+    btf_maps::lpm_trie::Key,
     macros::classifier,
     programs::TcContext,
 };
 use network_types::{eth::EtherType, ip::Ipv4Hdr};
 use proxy_common::{
     Backend, CtKey, CtValue, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_INTERNAL,
-    SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceKey,
-    ServiceValue, counter,
+    SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX,
+    SNAT_PORT_MIN, ServiceKey, ServiceValue, SourceRange, counter,
 };
 
-use crate::maps::{BACKENDS, CONNTRACK, NODE_ADDRS, SERVICES, count};
+use crate::maps::{BACKENDS, CONNTRACK, NODE_ADDRS, SERVICES, SOURCE_RANGES, count};
 
 const ETH_LEN: usize = 14;
 const IP_OFF: usize = ETH_LEN;
@@ -154,6 +155,13 @@ fn lookup_frontend(t: &Tuple) -> Option<ServiceValue> {
 
 #[inline(always)]
 fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue) -> Result<i32, ()> {
+    if service.flags & SERVICE_FLAG_SOURCE_RANGES != 0 {
+        let key = Key::new(64, SourceRange { service_id: service.service_id.to_be(), addr: t.saddr });
+        if SOURCE_RANGES.get(&key).is_none() {
+            count(counter::TC_DROPPED);
+            return Ok(TC_ACT_SHOT);
+        }
+    }
     if service.backends_count == 0 {
         if service.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS == 0 && t.proto == IPPROTO_TCP {
             return reject_tcp(ctx, t);

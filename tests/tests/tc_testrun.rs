@@ -19,8 +19,8 @@ use kpr::{
     testbed,
 };
 use proxy_common::{
-    SCOPE_EXTERNAL, SCOPE_INTERNAL, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SNAT_PORT_MAX,
-    SNAT_PORT_MIN, counter, program_names,
+    SCOPE_EXTERNAL, SCOPE_INTERNAL, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
+    SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN, counter, program_names,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -195,8 +195,10 @@ impl Drop for Rig {
 
 fn entry(desired: &mut Desired, ip: Ipv4Addr, port: u16, protocol: Protocol, scope: u8, backends: &[(Ipv4Addr, u16)], flags: u32) {
     let name = ServicePortName { service: ObjectKey::new("t", format!("{ip}:{port}")), port: String::new(), protocol };
-    desired.insert(frontend_key(ip, port, protocol, scope).unwrap(), DesiredPort { name, backends: backends.to_vec(), flags });
+    desired.insert(frontend_key(ip, port, protocol, scope).unwrap(), DesiredPort { name, backends: backends.to_vec(), flags, source_ranges: vec![] });
 }
+
+const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 
 fn services() -> Desired {
     let mut d = Desired::new();
@@ -208,7 +210,22 @@ fn services() -> Desired {
     entry(&mut d, Ipv4Addr::UNSPECIFIED, 30081, Protocol::Tcp, SCOPE_EXTERNAL, &[], SERVICE_FLAG_DROP_NO_ENDPOINTS);
     // An externalIP with eTP=Local and a local endpoint: no masquerade.
     entry(&mut d, Ipv4Addr::new(192, 0, 2, 7), 443, Protocol::Tcp, SCOPE_EXTERNAL, &[(POD, 8443)], SERVICE_FLAG_DROP_NO_ENDPOINTS);
+    // A LoadBalancer IP open to 10.0.0.96/30 (which holds CLIENT, .99) only.
+    entry(&mut d, LB_IP, 80, Protocol::Tcp, SCOPE_EXTERNAL, &[(POD, 8080)], SERVICE_FLAG_SNAT | SERVICE_FLAG_SOURCE_RANGES);
+    d.get_mut(&frontend_key(LB_IP, 80, Protocol::Tcp, SCOPE_EXTERNAL).unwrap()).unwrap().source_ranges = vec![(Ipv4Addr::new(10, 0, 0, 96), 30)];
     d
+}
+
+#[test]
+fn load_balancer_source_ranges_admit_only_listed_clients() {
+    let rig = Rig::new(&services());
+    let inside = tcp(CLIENT, 40013, LB_IP, 80);
+    let (verdict, out) = rig.ingress(&inside.bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(out, Pkt { src: NODE_IP, sport: sport_of(&out), dst: POD, dport: 8080, ..inside }.bytes());
+    let outside = tcp(Ipv4Addr::new(10, 0, 0, 100), 40014, LB_IP, 80);
+    assert_eq!(rig.ingress(&outside.bytes()).0, TC_ACT_SHOT, "10.0.0.100 is outside 10.0.0.96/30");
+    assert_eq!(rig.counter(counter::TC_DROPPED), 1);
 }
 
 #[test]

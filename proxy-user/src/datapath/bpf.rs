@@ -13,7 +13,10 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray},
+    maps::{
+        Array, HashMap, IterableMap as _, LpmTrie, Map, MapData, PerCpuArray,
+        lpm_trie::Key as LpmKey,
+    },
     programs::{
         CgroupAttachMode, CgroupSockAddr, SchedClassifier, TcAttachType,
         cgroup_sock_addr::CgroupSockAddrLink,
@@ -23,7 +26,8 @@ use aya::{
     util::KernelVersion,
 };
 use proxy_common::{
-    Backend, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue, counter, defaults, map_names, program_names,
+    Backend, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue, SourceRange, counter, defaults, map_names,
+    program_names,
 };
 
 use super::{BatchError, Capacity, Maps};
@@ -249,6 +253,7 @@ fn start_ebpf_logger(ebpf: &mut Ebpf) {
 pub struct BpfMaps {
     services: HashMap<MapData, ServiceKey, ServiceValue>,
     backends: Array<MapData, Backend>,
+    source_ranges: LpmTrie<MapData, SourceRange, u8>,
     capacity: Capacity,
 }
 
@@ -257,8 +262,9 @@ impl BpfMaps {
     pub fn take_from(ebpf: &mut Ebpf, cfg: &DatapathConfig) -> Result<Self> {
         let services = HashMap::try_from(ebpf.take_map(map_names::SERVICES).context("no services map")?)?;
         let backends = Array::try_from(ebpf.take_map(map_names::BACKENDS).context("no backends map")?)?;
+        let source_ranges = LpmTrie::try_from(ebpf.take_map(map_names::SOURCE_RANGES).context("no source range map")?)?;
         let capacity = Capacity { service_ports: cfg.max_service_ports, backends: cfg.max_backends };
-        Ok(Self { services, backends, capacity })
+        Ok(Self { services, backends, source_ranges, capacity })
     }
 
     /// Open the pinned maps of a running (or stopped) agent, e.g. for `kpr services`.
@@ -271,8 +277,9 @@ impl BpfMaps {
         let service_ports = services.info()?.max_entries();
         let services: HashMap<MapData, ServiceKey, ServiceValue> = HashMap::try_from(Map::HashMap(services))?;
         let backends: Array<MapData, Backend> = Array::try_from(Map::Array(open(map_names::BACKENDS)?))?;
+        let source_ranges = LpmTrie::try_from(Map::LpmTrie(open(map_names::SOURCE_RANGES)?))?;
         let capacity = Capacity { service_ports, backends: backends.len() };
-        Ok(Self { services, backends, capacity })
+        Ok(Self { services, backends, source_ranges, capacity })
     }
 }
 
@@ -321,6 +328,34 @@ impl Maps for BpfMaps {
         }
     }
 
+    fn source_ranges(&self) -> Result<Vec<(u32, std::net::Ipv4Addr, u8)>> {
+        self.source_ranges
+            .keys()
+            .map(|k| {
+                let k = k?;
+                let data = k.data();
+                Ok((u32::from_be(data.service_id), std::net::Ipv4Addr::from(u32::from_be(data.addr)), (k.prefix_len() - 32) as u8))
+            })
+            .collect()
+    }
+
+    fn add_source_ranges(&mut self, service_id: u32, ranges: &[(std::net::Ipv4Addr, u8)]) -> Result<()> {
+        for (addr, len) in ranges {
+            self.source_ranges.insert(&range_key(service_id, *addr, *len), &1, 0)?;
+        }
+        Ok(())
+    }
+
+    fn remove_source_ranges(&mut self, service_id: u32, ranges: &[(std::net::Ipv4Addr, u8)]) -> Result<()> {
+        for (addr, len) in ranges {
+            match self.source_ranges.remove(&range_key(service_id, *addr, *len)) {
+                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
     fn remove_service(&mut self, key: &ServiceKey) -> Result<()> {
         match self.services.remove(key) {
             Ok(()) => Ok(()),
@@ -329,6 +364,13 @@ impl Maps for BpfMaps {
             Err(e) => Err(e.into()),
         }
     }
+}
+
+fn range_key(service_id: u32, addr: std::net::Ipv4Addr, len: u8) -> LpmKey<SourceRange> {
+    // The CIDR base is masked so that equal ranges make equal keys.
+    let mask = if len == 0 { 0 } else { u32::MAX << (32 - u32::from(len)) };
+    let addr = (u32::from(addr) & mask).to_be();
+    LpmKey::new(32 + u32::from(len), SourceRange { service_id: service_id.to_be(), addr })
 }
 
 /// The datapath's per-CPU counters, summed, by name.

@@ -18,6 +18,7 @@ pub struct FakeMaps {
     pub writes: usize,
     /// Fail the next N `set_service` calls (simulates a kernel error).
     pub fail_service_writes: usize,
+    pub source_ranges: std::collections::BTreeSet<(u32, std::net::Ipv4Addr, u8)>,
 }
 
 impl FakeMaps {
@@ -29,6 +30,7 @@ impl FakeMaps {
             violations: Vec::new(),
             writes: 0,
             fail_service_writes: 0,
+            source_ranges: Default::default(),
         }
     }
 
@@ -90,6 +92,22 @@ impl Maps for FakeMaps {
     fn remove_service(&mut self, key: &ServiceKey) -> Result<()> {
         self.services.remove(key);
         self.writes += 1;
+        Ok(())
+    }
+
+    fn source_ranges(&self) -> Result<Vec<(u32, std::net::Ipv4Addr, u8)>> {
+        Ok(self.source_ranges.iter().copied().collect())
+    }
+
+    fn add_source_ranges(&mut self, service_id: u32, ranges: &[(std::net::Ipv4Addr, u8)]) -> Result<()> {
+        self.source_ranges.extend(ranges.iter().map(|(a, l)| (service_id, *a, *l)));
+        Ok(())
+    }
+
+    fn remove_source_ranges(&mut self, service_id: u32, ranges: &[(std::net::Ipv4Addr, u8)]) -> Result<()> {
+        for (a, l) in ranges {
+            self.source_ranges.remove(&(service_id, *a, *l));
+        }
         Ok(())
     }
 }

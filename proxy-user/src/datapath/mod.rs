@@ -41,6 +41,10 @@ pub trait Maps: Send {
     /// Write service entries in order; on error, how many of the first ones were written.
     fn set_services(&mut self, entries: &[(ServiceKey, ServiceValue)]) -> Result<(), BatchError>;
     fn remove_service(&mut self, key: &ServiceKey) -> Result<()>;
+    /// Every loadBalancerSourceRanges entry: (service id, CIDR base, prefix length).
+    fn source_ranges(&self) -> Result<Vec<(u32, Ipv4Addr, u8)>>;
+    fn add_source_ranges(&mut self, service_id: u32, ranges: &[(Ipv4Addr, u8)]) -> Result<()>;
+    fn remove_source_ranges(&mut self, service_id: u32, ranges: &[(Ipv4Addr, u8)]) -> Result<()>;
 }
 
 /// A batch that stopped part-way: the first `done` elements were written.
@@ -55,6 +59,8 @@ pub struct BatchError {
 pub struct Programmed {
     pub value: ServiceValue,
     pub backends: Vec<Backend>,
+    /// loadBalancerSourceRanges, sorted.
+    pub source_ranges: Vec<(Ipv4Addr, u8)>,
 }
 
 /// What one [`Programmer::apply`] did.
@@ -116,6 +122,10 @@ impl Programmer {
         let mut slots = SlotAllocator::new(capacity.backends);
         let mut programmed = BTreeMap::new();
         let mut used_ids = BTreeSet::new();
+        let mut ranges: BTreeMap<u32, Vec<(Ipv4Addr, u8)>> = BTreeMap::new();
+        for (id, addr, len) in maps.source_ranges()? {
+            ranges.entry(id).or_default().push((addr, len));
+        }
         for (key, value) in maps.services()? {
             let in_use = value.backends_count == 0
                 || (value.backends_start.checked_add(value.backends_count).is_some_and(|end| end <= capacity.backends)
@@ -129,7 +139,12 @@ impl Programmer {
                 continue;
             }
             let backends = maps.backends(value.backends_start, value.backends_count)?;
-            programmed.insert(key, Programmed { value, backends });
+            let mut source_ranges = ranges.remove(&value.service_id).unwrap_or_default();
+            source_ranges.sort();
+            programmed.insert(key, Programmed { value, backends, source_ranges });
+        }
+        for (id, stale) in ranges {
+            maps.remove_source_ranges(id, &stale)?;
         }
         let next_id = used_ids.last().map_or(1, |id| id.wrapping_add(1).max(1));
         Ok(Self { programmed, slots, used_ids, next_id, capacity, failing: BTreeSet::new() })
@@ -155,6 +170,9 @@ impl Programmer {
             match maps.remove_service(&key) {
                 Ok(()) => {
                     let old = self.programmed.remove(&key).expect("listed above");
+                    if let Err(e) = maps.remove_source_ranges(old.value.service_id, &old.source_ranges) {
+                        tracing::warn!(service = %display_key(&key), "failed to remove source ranges: {e:#}");
+                    }
                     self.used_ids.remove(&old.value.service_id);
                     self.release_range(&old.value);
                     report.removed += 1;
@@ -173,15 +191,16 @@ impl Programmer {
         for (key, want) in desired {
             let backends: Vec<Backend> = want.backends.iter().map(|(ip, port)| backend(*ip, *port)).collect();
             let old = self.programmed.get(key);
-            if old.is_some_and(|p| p.backends == backends && p.value.flags == want.flags) {
+            if old.is_some_and(|p| p.backends == backends && p.value.flags == want.flags && p.source_ranges == want.source_ranges) {
                 continue;
             }
+            let old_ranges = old.map(|p| p.source_ranges.clone()).unwrap_or_default();
             let old = old.map(|p| p.value);
             match self.reserve(old, backends.len(), want.flags, new_entries) {
                 Ok(value) => {
                     new_entries += usize::from(old.is_none());
                     backend_writes.extend((value.backends_start..).zip(backends.iter().copied()));
-                    pending.push(Pending { key: *key, value, backends, old });
+                    pending.push(Pending { key: *key, value, backends, old, old_ranges, ranges: want.source_ranges.clone() });
                 }
                 Err(e) => {
                     report.failed += 1;
@@ -194,7 +213,15 @@ impl Programmer {
         }
 
         let mut done = pending.len();
-        if let Err(e) = maps.set_backends(&backend_writes) {
+        // Allowed source ranges go in before the entry that refers to them.
+        let ranges_written = pending.iter().try_for_each(|p| {
+            let added: Vec<_> = p.ranges.iter().filter(|r| !p.old_ranges.contains(r)).copied().collect();
+            maps.add_source_ranges(p.value.service_id, &added)
+        });
+        if let Err(e) = ranges_written {
+            done = 0;
+            tracing::error!("failed to write source ranges: {e:#}");
+        } else if let Err(e) = maps.set_backends(&backend_writes) {
             done = 0;
             tracing::error!("failed to write {} backend slots: {e:#}", backend_writes.len());
         } else {
@@ -216,7 +243,11 @@ impl Programmer {
                 if self.failing.remove(&p.key) {
                     tracing::info!(address = %display_key(&p.key), "programmed after earlier failures");
                 }
-                self.programmed.insert(p.key, Programmed { value: p.value, backends: p.backends });
+                let dropped: Vec<_> = p.old_ranges.iter().filter(|r| !p.ranges.contains(r)).copied().collect();
+                if let Err(e) = maps.remove_source_ranges(p.value.service_id, &dropped) {
+                    tracing::warn!(address = %display_key(&p.key), "failed to remove old source ranges: {e:#}");
+                }
+                self.programmed.insert(p.key, Programmed { value: p.value, backends: p.backends, source_ranges: p.ranges });
             } else {
                 // Not written: give the reservation back; the old entry (if any) stays as it was.
                 if p.value.backends_count > 0 {
@@ -291,6 +322,8 @@ struct Pending {
     value: ServiceValue,
     backends: Vec<Backend>,
     old: Option<ServiceValue>,
+    old_ranges: Vec<(Ipv4Addr, u8)>,
+    ranges: Vec<(Ipv4Addr, u8)>,
 }
 
 #[cfg(test)]

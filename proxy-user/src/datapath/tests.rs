@@ -19,6 +19,7 @@ fn port(n: u8, backends: &[u8]) -> DesiredPort {
         name: ServicePortName { service: ObjectKey::new("ns", format!("svc{n}")), port: String::new(), protocol: Protocol::Tcp },
         backends: backends.iter().map(|b| (Ipv4Addr::new(10, 0, 0, *b), 8080)).collect(),
         flags: 0,
+        source_ranges: vec![],
     }
 }
 
@@ -120,4 +121,27 @@ fn recovers_from_existing_maps_and_repairs_drift() {
     assert_eq!(visible(&maps, 2), Some(vec![3]));
     assert_eq!(visible(&maps, 9), None);
     assert!(maps.violations.is_empty(), "{:?}", maps.violations);
+}
+
+#[test]
+fn source_ranges_are_written_before_the_entry_and_cleaned_up_after() {
+    let mut maps = FakeMaps::new(CAP);
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    let mut d = desired(&[(1, &[1])]);
+    let entry = d.get_mut(&key(1)).unwrap();
+    entry.flags = proxy_common::SERVICE_FLAG_SOURCE_RANGES;
+    entry.source_ranges = vec![(Ipv4Addr::new(10, 0, 0, 0), 8)];
+    p.apply(&d, &mut maps);
+    let id = maps.services[&key(1)].service_id;
+    assert_eq!(maps.source_ranges.iter().copied().collect::<Vec<_>>(), [(id, Ipv4Addr::new(10, 0, 0, 0), 8)]);
+
+    d.get_mut(&key(1)).unwrap().source_ranges = vec![(Ipv4Addr::new(192, 0, 2, 0), 24)];
+    assert_eq!(p.apply(&d, &mut maps).updated, 1, "a range change rewrites the entry");
+    assert_eq!(maps.source_ranges.iter().copied().collect::<Vec<_>>(), [(id, Ipv4Addr::new(192, 0, 2, 0), 24)]);
+
+    // A restarted agent knows them, and removing the service removes them.
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    assert_eq!(p.apply(&d, &mut maps).changes(), 0);
+    p.apply(&Desired::new(), &mut maps);
+    assert!(maps.source_ranges.is_empty());
 }

@@ -10,7 +10,7 @@ use std::{
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_common::{
     IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_INTERNAL, SERVICE_FLAG_DROP_NO_ENDPOINTS,
-    SERVICE_FLAG_SNAT, ServiceKey,
+    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
 };
 
 use super::{
@@ -27,6 +27,9 @@ pub struct DesiredPort {
     pub backends: Vec<(Ipv4Addr, u16)>,
     /// `proxy_common::SERVICE_FLAG_*`.
     pub flags: u32,
+    /// loadBalancerSourceRanges (LoadBalancer IP frontends only), sorted; with
+    /// `SERVICE_FLAG_SOURCE_RANGES`.
+    pub source_ranges: Vec<(Ipv4Addr, u8)>,
 }
 
 pub type Desired = BTreeMap<ServiceKey, DesiredPort>;
@@ -75,10 +78,14 @@ pub fn service_entries<'a>(
             v.dedup();
             v
         };
-        let mut push = |ip: &IpAddr, port: u16, scope: u8, backends: &Vec<(Ipv4Addr, u16)>, flags: u32| {
+        // loadBalancerSourceRanges filter the LoadBalancer IPs only, as in kube-proxy.
+        let ranges = source_ranges(&sp.load_balancer_source_ranges, &sp.name, skipped);
+        let mut push = |ip: &IpAddr, port: u16, scope: u8, backends: &Vec<(Ipv4Addr, u16)>, flags: u32, ranges: &Vec<(Ipv4Addr, u8)>| {
             let IpAddr::V4(ip) = ip else { return }; // IPv6 frontends: the v6 datapath's job
+            let flags = if ranges.is_empty() { flags } else { flags | SERVICE_FLAG_SOURCE_RANGES };
+            let port_entry = DesiredPort { name: sp.name.clone(), backends: backends.clone(), flags, source_ranges: ranges.clone() };
             match frontend_key(*ip, port, sp.protocol, scope) {
-                Some(key) => out.push((key, DesiredPort { name: sp.name.clone(), backends: backends.clone(), flags })),
+                Some(key) => out.push((key, port_entry)),
                 None => skipped.push((sp.name.port.clone(), Skip::UnsupportedProtocol(sp.protocol))),
             }
         };
@@ -89,8 +96,9 @@ pub fn service_entries<'a>(
         } else {
             (v4(&cat.cluster), 0)
         };
+        let no_ranges = Vec::new();
         for ip in &sp.cluster_ips {
-            push(ip, sp.port, SCOPE_INTERNAL, &internal, internal_flags);
+            push(ip, sp.port, SCOPE_INTERNAL, &internal, internal_flags, &no_ranges);
         }
 
         // External frontends: externalTrafficPolicy. Cluster masquerades; Local keeps the
@@ -101,15 +109,36 @@ pub fn service_entries<'a>(
             } else {
                 (v4(&cat.cluster), SERVICE_FLAG_SNAT)
             };
-            for ip in sp.external_ips.iter().chain(&sp.load_balancer_ips) {
-                push(ip, sp.port, SCOPE_EXTERNAL, &external, external_flags);
+            for ip in &sp.external_ips {
+                push(ip, sp.port, SCOPE_EXTERNAL, &external, external_flags, &no_ranges);
+            }
+            for ip in &sp.load_balancer_ips {
+                push(ip, sp.port, SCOPE_EXTERNAL, &external, external_flags, &ranges);
             }
             if let Some(node_port) = sp.node_port {
-                push(&IpAddr::V4(Ipv4Addr::UNSPECIFIED), node_port, SCOPE_EXTERNAL, &external, external_flags);
+                push(&IpAddr::V4(Ipv4Addr::UNSPECIFIED), node_port, SCOPE_EXTERNAL, &external, external_flags, &no_ranges);
             }
         }
     }
     Ok(out)
+}
+
+/// IPv4 CIDRs of loadBalancerSourceRanges; malformed ones are skipped (and reported), IPv6
+/// ones belong to the v6 datapath.
+fn source_ranges(raw: &[String], name: &ServicePortName, skipped: &mut Vec<(String, Skip)>) -> Vec<(Ipv4Addr, u8)> {
+    let mut out = Vec::new();
+    for cidr in raw {
+        let cidr = cidr.trim();
+        let (addr, len) = cidr.split_once('/').unwrap_or((cidr, "32"));
+        match (addr.parse::<IpAddr>(), len.parse::<u8>()) {
+            (Ok(IpAddr::V4(a)), Ok(l)) if l <= 32 => out.push((a, l)),
+            (Ok(IpAddr::V6(_)), _) => {}
+            _ => skipped.push((name.port.clone(), Skip::InvalidIp(cidr.to_owned()))),
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
 }
 
 /// kube-proxy's healthCheckNodePort for a LoadBalancer service with eTP=Local: the port,

@@ -67,7 +67,7 @@ fn desired_with(n: usize, backends_per_service: usize, target_backend: Ipv4Addr)
             (ip, bs)
         };
         let name = ServicePortName { service: ObjectKey::new("bench", format!("svc-{i}")), port: String::new(), protocol: Protocol::Tcp };
-        desired.insert(service_key(ip, 80, Protocol::Tcp).expect("tcp"), DesiredPort { name, backends, flags: 0 });
+        desired.insert(service_key(ip, 80, Protocol::Tcp).expect("tcp"), DesiredPort { name, backends, flags: 0, source_ranges: vec![] });
     }
     desired
 }
@@ -309,7 +309,7 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32) -> Result<s
     let mut desired = Desired::new();
     let np = kpr::model::desired::frontend_key(Ipv4Addr::UNSPECIFIED, 30080, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL).context("key")?;
     let name_port = ServicePortName { service: ObjectKey::new("bench", "np"), port: String::new(), protocol: Protocol::Tcp };
-    desired.insert(np, DesiredPort { name: name_port, backends: vec![(pod, BENCH_PORT)], flags: proxy_common::SERVICE_FLAG_SNAT });
+    desired.insert(np, DesiredPort { name: name_port, backends: vec![(pod, BENCH_PORT)], flags: proxy_common::SERVICE_FLAG_SNAT, source_ranges: vec![] });
     Programmer::recover(&mut datapath.maps)?.apply(&desired, &mut datapath.maps);
 
     let paths = [
