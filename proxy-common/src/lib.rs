@@ -188,9 +188,11 @@ pub mod counter {
     pub const TC_NEW_FLOW: u32 = 5;
     /// tc: a packet of a known flow (either direction) was translated.
     pub const TC_CT_HIT: u32 = 6;
-    /// tc: a frontend without endpoints: TCP reset sent back (kube-proxy's REJECT).
+    /// tc: a frontend without endpoints: TCP reset or ICMP port unreachable sent back
+    /// (kube-proxy's REJECT).
     pub const TC_REJECTED: u32 = 7;
-    /// tc: dropped (no local endpoint for traffic policy Local, UDP without endpoints).
+    /// tc: dropped (no local endpoint for traffic policy Local, source not in
+    /// loadBalancerSourceRanges, a non-SYN TCP packet for a service without endpoints).
     pub const TC_DROPPED: u32 = 8;
     /// tc: no free SNAT port found for a new flow: dropped.
     pub const TC_SNAT_EXHAUSTED: u32 = 9;

@@ -11,7 +11,7 @@
 use aya_ebpf::{
     EbpfContext as _, Global,
     bindings::{
-        __sk_buff,
+        __sk_buff, bpf_adj_room_mode::BPF_ADJ_ROOM_NET,
         BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM, BPF_NOEXIST, TC_ACT_OK,
         TC_ACT_SHOT,
     },
@@ -163,11 +163,11 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue) -> Result<i32, (
         }
     }
     if service.backends_count == 0 {
-        if service.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS == 0 && t.proto == IPPROTO_TCP {
-            return reject_tcp(ctx, t);
+        if service.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0 {
+            count(counter::TC_DROPPED);
+            return Ok(TC_ACT_SHOT);
         }
-        count(counter::TC_DROPPED);
-        return Ok(TC_ACT_SHOT);
+        return if t.proto == IPPROTO_TCP { reject_tcp(ctx, t) } else { reject_udp(ctx, t) };
     }
     let pick = unsafe { bpf_get_prandom_u32() } % service.backends_count;
     let Some(backend) = BACKENDS.get(service.backends_start.wrapping_add(pick)) else {
@@ -315,6 +315,46 @@ fn reject_tcp(ctx: &TcContext, t: &Tuple) -> Result<i32, ()> {
     let recompute = u64::from(BPF_F_RECOMPUTE_CSUM);
     ctx.store(0, &swapped, recompute).map_err(drop)?;
     ctx.store(IP_OFF, &h, recompute).map_err(drop)?;
+    let ifindex = unsafe { (*ctx.as_ptr().cast::<__sk_buff>()).ifindex };
+    Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
+}
+
+/// ICMP header + quoted IPv4 header + 8 bytes of the datagram: the body of a port unreachable.
+#[repr(C)]
+struct IcmpUnreachable {
+    icmp: [u8; 8],
+    quoted_ip: Ipv4Hdr,
+    quoted_l4: [u8; 8],
+}
+
+/// kube-proxy REJECTs UDP to a service without endpoints with ICMP port unreachable: turn the
+/// datagram into one, in place, and send it back out of the interface it came in on.
+#[inline(always)]
+fn reject_udp(ctx: &TcContext, t: &Tuple) -> Result<i32, ()> {
+    count(counter::TC_REJECTED);
+    let quoted_ip: Ipv4Hdr = ctx.load(IP_OFF).map_err(drop)?;
+    let quoted_l4: [u8; 8] = ctx.load(L4_OFF).map_err(drop)?;
+    let macs: [u8; 12] = ctx.load(0).map_err(drop)?;
+    let mut body = IcmpUnreachable { icmp: [3, 3, 0, 0, 0, 0, 0, 0], quoted_ip, quoted_l4 };
+    let sum = unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, (&raw mut body).cast(), 36, 0) };
+    body.icmp[2..4].copy_from_slice(&fold(sum).to_ne_bytes());
+
+    let (src, dst) = (t.daddr.to_ne_bytes(), t.saddr.to_ne_bytes());
+    let mut ip = [0x45, 0xc0, 0, 56, 0, 0, 0, 0, 64, 1, 0, 0, src[0], src[1], src[2], src[3], dst[0], dst[1], dst[2], dst[3]];
+    let ip_sum = unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, ip.as_mut_ptr().cast(), 20, 0) };
+    ip[10..12].copy_from_slice(&fold(ip_sum).to_ne_bytes());
+
+    // Room for the new IP and ICMP headers goes after the IP header; the UDP header that
+    // follows is the quoted datagram's first 8 bytes, already in place.
+    ctx.adjust_room(28, BPF_ADJ_ROOM_NET, 0).map_err(drop)?;
+    ctx.change_tail((ETH_LEN + 20 + 36) as u32, 0).map_err(drop)?;
+    let mut swapped = [0u8; 12];
+    swapped[..6].copy_from_slice(&macs[6..]);
+    swapped[6..].copy_from_slice(&macs[..6]);
+    let recompute = u64::from(BPF_F_RECOMPUTE_CSUM);
+    ctx.store(0, &swapped, recompute).map_err(drop)?;
+    ctx.store(IP_OFF, &ip, recompute).map_err(drop)?;
+    ctx.store(L4_OFF, &body, recompute).map_err(drop)?;
     let ifindex = unsafe { (*ctx.as_ptr().cast::<__sk_buff>()).ifindex };
     Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
 }

@@ -205,6 +205,7 @@ fn services() -> Desired {
     entry(&mut d, CLUSTER_IP, 80, Protocol::Tcp, SCOPE_INTERNAL, &[(POD, 8080)], 0);
     entry(&mut d, CLUSTER_IP, 53, Protocol::Udp, SCOPE_INTERNAL, &[(POD, 5353)], 0);
     entry(&mut d, CLUSTER_IP, 81, Protocol::Tcp, SCOPE_INTERNAL, &[], 0);
+    entry(&mut d, CLUSTER_IP, 54, Protocol::Udp, SCOPE_INTERNAL, &[], 0);
     // NodePort 30080: eTP=Cluster (masquerade); 30081: eTP=Local without local endpoints.
     entry(&mut d, Ipv4Addr::UNSPECIFIED, 30080, Protocol::Tcp, SCOPE_EXTERNAL, &[(POD, 8080)], SERVICE_FLAG_SNAT);
     entry(&mut d, Ipv4Addr::UNSPECIFIED, 30081, Protocol::Tcp, SCOPE_EXTERNAL, &[], SERVICE_FLAG_DROP_NO_ENDPOINTS);
@@ -297,6 +298,33 @@ fn no_endpoints_rejects_tcp_with_a_reset_and_local_policy_drops() {
     assert_eq!(verdict, TC_ACT_SHOT, "eTP=Local without local endpoints drops");
     let (verdict, _) = rig.ingress(&Pkt { tcp_flags: 0x10, ..tcp(CLIENT, 40007, CLUSTER_IP, 81) }.bytes());
     assert_eq!(verdict, TC_ACT_SHOT, "a non-SYN to a service without endpoints is dropped");
+}
+
+#[test]
+fn no_endpoints_rejects_udp_with_icmp_port_unreachable() {
+    let rig = Rig::new(&services());
+    let datagram = udp(CLIENT, 40015, CLUSTER_IP, 54);
+    let input = datagram.bytes_with_macs([1; 6], [2; 6]);
+    let (verdict, out) = rig.ingress(&input);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    // Expected: Ethernet (swapped) | IPv4 proto 1 from the service to the client | ICMP 3/3 |
+    // the original IPv4 header and first 8 bytes of the datagram.
+    let quoted = &input[14..14 + 28];
+    let mut icmp = vec![3, 3, 0, 0, 0, 0, 0, 0];
+    icmp.extend_from_slice(quoted);
+    let c = csum(&icmp, 0);
+    icmp[2..4].copy_from_slice(&c.to_be_bytes());
+    let mut ip = vec![0x45, 0xc0, 0, 56, 0, 0, 0, 0, 64, 1, 0, 0];
+    ip.extend_from_slice(&CLUSTER_IP.octets());
+    ip.extend_from_slice(&CLIENT.octets());
+    let c = csum(&ip, 0);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    let mut expected = vec![2; 6];
+    expected.extend_from_slice(&[1; 6]);
+    expected.extend_from_slice(&[0x08, 0x00]);
+    expected.extend_from_slice(&ip);
+    expected.extend_from_slice(&icmp);
+    assert_eq!(out, expected);
 }
 
 #[test]
