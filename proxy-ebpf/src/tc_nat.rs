@@ -103,6 +103,9 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
         return Ok(TC_ACT_OK);
     }
     let ip = h.ip;
+    if ip.proto == IPPROTO_ICMP && ip.vihl == 0x45 {
+        return icmp_error(ctx, &ip);
+    }
     if ip.proto != IPPROTO_TCP && ip.proto != IPPROTO_UDP {
         return Ok(TC_ACT_OK);
     }
@@ -256,6 +259,70 @@ fn rewrite(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()> {
         ctx.store(L4_OFF + 2, &to.dst_port, 0).map_err(drop)?;
     }
     Ok(())
+}
+
+const IPPROTO_ICMP: u8 = 1;
+const ICMP_OFF: usize = L4_OFF;
+const ICMP_CSUM_OFF: usize = ICMP_OFF + 2;
+const INNER_IP_OFF: usize = ICMP_OFF + 8;
+const INNER_CSUM_OFF: usize = INNER_IP_OFF + 10;
+const INNER_SRC_OFF: usize = INNER_IP_OFF + 12;
+const INNER_DST_OFF: usize = INNER_IP_OFF + 16;
+const INNER_L4_OFF: usize = INNER_IP_OFF + 20;
+
+/// An ICMP error (unreachable, time exceeded, parameter problem) about a translated flow, e.g.
+/// "fragmentation needed" from a backend: it quotes the packet as the backend saw it. Translate
+/// the quoted header and the outer addresses back, so that the client's kernel matches it to
+/// its socket (path MTU discovery, connection errors).
+#[inline(always)]
+fn icmp_error(ctx: &TcContext, outer: &Ipv4Hdr) -> Result<i32, ()> {
+    let icmp_type: u8 = ctx.load(ICMP_OFF).map_err(drop)?;
+    if icmp_type != 3 && icmp_type != 11 && icmp_type != 12 {
+        return Ok(TC_ACT_OK);
+    }
+    let inner: Ipv4Hdr = ctx.load(INNER_IP_OFF).map_err(drop)?;
+    if inner.vihl != 0x45 || (inner.proto != IPPROTO_TCP && inner.proto != IPPROTO_UDP) {
+        return Ok(TC_ACT_OK);
+    }
+    let ports: [u16; 2] = ctx.load(INNER_L4_OFF).map_err(drop)?;
+    let (isrc, idst) = (u32::from_ne_bytes(inner.src_addr), u32::from_ne_bytes(inner.dst_addr));
+    // The quoted packet went from (translated) client to backend: the backend's reply entry
+    // holds the original addresses.
+    let Some(entry) = CONNTRACK.get_ptr(&ct_key(idst, isrc, ports[1], ports[0], inner.proto)) else {
+        return Ok(TC_ACT_OK);
+    };
+    let entry = unsafe { *entry };
+    let (client, client_port, frontend, frontend_port) = (entry.dst_addr, entry.dst_port, entry.src_addr, entry.src_port);
+
+    // Quoted header: addresses (inner IP checksum and ICMP checksum), then ports (ICMP checksum).
+    let old_inner_csum: u16 = ctx.load(INNER_CSUM_OFF).map_err(drop)?;
+    for (off, old, new) in [(INNER_SRC_OFF, isrc, client), (INNER_DST_OFF, idst, frontend)] {
+        if old != new {
+            ctx.l3_csum_replace(INNER_CSUM_OFF, u64::from(old), u64::from(new), 4).map_err(drop)?;
+            ctx.l4_csum_replace(ICMP_CSUM_OFF, u64::from(old), u64::from(new), 4).map_err(drop)?;
+            ctx.store(off, &new, 0).map_err(drop)?;
+        }
+    }
+    let new_inner_csum: u16 = ctx.load(INNER_CSUM_OFF).map_err(drop)?;
+    ctx.l4_csum_replace(ICMP_CSUM_OFF, u64::from(old_inner_csum), u64::from(new_inner_csum), 2).map_err(drop)?;
+    for (off, old, new) in [(INNER_L4_OFF, ports[0], client_port), (INNER_L4_OFF + 2, ports[1], frontend_port)] {
+        if old != new {
+            ctx.l4_csum_replace(ICMP_CSUM_OFF, u64::from(old), u64::from(new), 2).map_err(drop)?;
+            ctx.store(off, &new, 0).map_err(drop)?;
+        }
+    }
+
+    // Outer header: to the client; from the frontend when the backend itself complained.
+    let (osrc, odst) = (u32::from_ne_bytes(outer.src_addr), u32::from_ne_bytes(outer.dst_addr));
+    let new_src = if osrc == idst { frontend } else { osrc };
+    for (off, old, new) in [(IP_SRC_OFF, osrc, new_src), (IP_DST_OFF, odst, client)] {
+        if old != new {
+            ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(old), u64::from(new), 4).map_err(drop)?;
+            ctx.store(off, &new, 0).map_err(drop)?;
+        }
+    }
+    count(counter::TC_CT_HIT);
+    Ok(TC_ACT_OK)
 }
 
 /// IPv4 + TCP headers of a reset, laid out as on the wire.

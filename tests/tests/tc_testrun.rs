@@ -327,6 +327,45 @@ fn no_endpoints_rejects_udp_with_icmp_port_unreachable() {
     assert_eq!(out, expected);
 }
 
+/// An ICMP error from `src` to `dst` quoting the first 28 bytes of `quoted` (an IPv4 packet).
+fn icmp_error(src: Ipv4Addr, dst: Ipv4Addr, icmp_type: u8, code: u8, rest: [u8; 4], quoted: &[u8]) -> Vec<u8> {
+    let mut icmp = vec![icmp_type, code, 0, 0];
+    icmp.extend_from_slice(&rest);
+    icmp.extend_from_slice(&quoted[..28]);
+    let c = csum(&icmp, 0);
+    icmp[2..4].copy_from_slice(&c.to_be_bytes());
+    let mut ip = vec![0x45, 0, 0, (20 + icmp.len()) as u8, 0, 0, 0, 0, 64, 1, 0, 0];
+    ip.extend_from_slice(&src.octets());
+    ip.extend_from_slice(&dst.octets());
+    let c = csum(&ip, 0);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    let mut out = vec![0xaa; 6];
+    out.extend_from_slice(&[0xbb; 6]);
+    out.extend_from_slice(&[0x08, 0x00]);
+    out.extend_from_slice(&ip);
+    out.extend_from_slice(&icmp);
+    out
+}
+
+#[test]
+fn icmp_errors_about_a_translated_flow_are_translated_back() {
+    let rig = Rig::new(&services());
+    let syn = tcp(CLIENT, 40020, NODE_IP, 30080);
+    let out = rig.ingress(&syn.bytes()).1;
+    let nat_port = sport_of(&out);
+    // The backend says "fragmentation needed, MTU 1400" about a packet it got from the node.
+    let as_seen = Pkt { src: NODE_IP, sport: nat_port, dst: POD, dport: 8080, ..syn }.bytes();
+    let error = icmp_error(POD, NODE_IP, 3, 4, [0, 0, 0x05, 0x78], &as_seen[14..]);
+    let (verdict, out) = rig.ingress(&error);
+    assert_eq!(verdict, TC_ACT_OK);
+    // The client gets it from the NodePort, quoting the packet as the client sent it.
+    let expected = icmp_error(NODE_IP, CLIENT, 3, 4, [0, 0, 0x05, 0x78], &syn.bytes()[14..]);
+    assert_eq!(out, expected);
+    // An ICMP error about an unknown flow passes untouched.
+    let stranger = icmp_error(POD, NODE_IP, 3, 3, [0; 4], &tcp(NODE_IP, 1, POD, 2).bytes()[14..]);
+    assert_eq!(rig.ingress(&stranger).1, stranger);
+}
+
 #[test]
 fn hairpin_is_masqueraded() {
     let rig = Rig::new(&services());
