@@ -49,6 +49,12 @@ const SNAT_TRIES: u32 = 8;
 #[unsafe(no_mangle)]
 static KPR_SNAT_ADDR: Global<u32> = Global::new(0);
 
+/// `--cluster-cidr` (network byte order): sources inside it are in-cluster traffic. Mask 0: unset.
+#[unsafe(no_mangle)]
+static KPR_CLUSTER_CIDR_ADDR: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static KPR_CLUSTER_CIDR_MASK: Global<u32> = Global::new(0);
+
 #[classifier]
 pub fn kpr_tc_ingress(ctx: TcContext) -> i32 {
     translate(&ctx, true).unwrap_or(TC_ACT_OK)
@@ -140,20 +146,30 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     new_flow(ctx, &t, &service)
 }
 
-/// The frontend a packet is addressed to: a ClusterIP, an external address (externalIP,
-/// LoadBalancer IP), or a NodePort on one of this node's addresses.
+/// The frontend a packet is addressed to. Traffic from the cluster (a source in
+/// `--cluster-cidr`) sees the internal view first: ClusterIPs, and external addresses with the
+/// cluster's endpoints (kube-proxy's short-circuit of in-cluster traffic). Other traffic sees
+/// the external view first (externalIP, LoadBalancer IP, NodePort on this node's addresses:
+/// externalTrafficPolicy applies), then ClusterIPs.
 #[inline(always)]
 fn lookup_frontend(t: &Tuple) -> Option<ServiceValue> {
-    let mut key = ServiceKey { addr: t.daddr, port: t.dport, proto: t.proto, scope: SCOPE_INTERNAL };
-    for scope in [SCOPE_INTERNAL, SCOPE_EXTERNAL] {
-        key.scope = scope;
-        if let Some(v) = SERVICES.get_ptr(&key) {
-            return Some(unsafe { *v });
-        }
+    let mask = KPR_CLUSTER_CIDR_MASK.load();
+    let from_cluster = mask != 0 && t.saddr & mask == KPR_CLUSTER_CIDR_ADDR.load();
+    let internal = ServiceKey { addr: t.daddr, port: t.dport, proto: t.proto, scope: SCOPE_INTERNAL };
+    let get = |key: &ServiceKey| SERVICES.get_ptr(key).map(|v| unsafe { *v });
+    if from_cluster && let Some(v) = get(&internal) {
+        return Some(v);
     }
-    NODE_ADDRS.get_ptr(&t.daddr)?;
-    key.addr = 0;
-    SERVICES.get_ptr(&key).map(|v| unsafe { *v })
+    let external = ServiceKey { scope: SCOPE_EXTERNAL, ..internal };
+    if let Some(v) = get(&external) {
+        return Some(v);
+    }
+    if NODE_ADDRS.get_ptr(&t.daddr).is_some()
+        && let Some(v) = get(&ServiceKey { addr: 0, ..external })
+    {
+        return Some(v);
+    }
+    if from_cluster { None } else { get(&internal) }
 }
 
 #[inline(always)]

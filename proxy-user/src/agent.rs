@@ -53,7 +53,7 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
     let node = match cfg.source {
         SourceConfig::Manifests(dir) => {
             tokio::spawn(log_exit("manifests", source::manifests::run(dir, tx)));
-            NodeInfo { name: cfg.node_name, zone: None }
+            NodeInfo { name: cfg.node_name, zone: None, addresses: Vec::new() }
         }
         SourceConfig::Kube { kubeconfig } => {
             let client = source::kube::client(kubeconfig.as_deref()).await?;
@@ -62,6 +62,7 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
             node
         }
     };
+    let node = NodeInfo { addresses: cfg.datapath.node_ips.clone(), ..node };
     let mut syncer = Syncer::new(ClusterState::new(node), programmer);
     if !cfg.datapath.tc_interfaces.is_empty() {
         syncer.health = Some(crate::health::HealthServers::default());

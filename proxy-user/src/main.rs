@@ -76,6 +76,10 @@ struct AgentArgs {
     /// This node's IPv4 addresses (NodePorts listen on them; masquerade uses the first).
     #[arg(long = "node-ip")]
     node_ips: Vec<std::net::Ipv4Addr>,
+    /// The pods' IPv4 range (like kube-proxy's --cluster-cidr): traffic from it to external
+    /// addresses is in-cluster traffic and goes to all endpoints.
+    #[arg(long, value_parser = parse_cidr)]
+    cluster_cidr: Option<(std::net::Ipv4Addr, u8)>,
     /// Seconds between full reconciles of the maps against the desired state.
     #[arg(long, default_value_t = 30)]
     reconcile_interval: u64,
@@ -112,6 +116,7 @@ async fn run_agent(args: AgentArgs) -> Result<()> {
     datapath.max_conntrack = args.max_conntrack;
     datapath.tc_interfaces = args.interfaces;
     datapath.node_ips = args.node_ips;
+    datapath.cluster_cidr = args.cluster_cidr;
     let source = match args.manifests {
         Some(dir) => SourceConfig::Manifests(dir),
         None => SourceConfig::Kube { kubeconfig: args.kubeconfig },
@@ -122,6 +127,15 @@ async fn run_agent(args: AgentArgs) -> Result<()> {
     };
     let cfg = AgentConfig { source, datapath, node_name, reconcile_interval: Duration::from_secs(args.reconcile_interval) };
     agent::run(cfg, shutdown_signal()).await
+}
+
+fn parse_cidr(s: &str) -> Result<(std::net::Ipv4Addr, u8), String> {
+    let (addr, len) = s.split_once('/').ok_or("expected A.B.C.D/N")?;
+    let len: u8 = len.parse().map_err(|_| "bad prefix length")?;
+    if len > 32 {
+        return Err("prefix length over 32".into());
+    }
+    Ok((addr.parse().map_err(|_| "bad address")?, len))
 }
 
 /// SIGTERM (the kubelet stopping the pod) or SIGINT.

@@ -145,6 +145,7 @@ impl Rig {
         let pin_root = std::path::PathBuf::from(format!("/sys/fs/bpf/{}", testbed::unique_name("kt-tc")));
         let mut cfg = DatapathConfig::new(pin_root.clone(), "/nonexistent".into());
         cfg.node_ips = vec![NODE_IP];
+        cfg.cluster_cidr = Some((Ipv4Addr::new(10, 244, 0, 0), 16));
         cfg.max_service_ports = 64;
         cfg.max_backends = 64;
         let mut ebpf = bpf::open_object(&cfg).expect("load object");
@@ -214,7 +215,24 @@ fn services() -> Desired {
     // A LoadBalancer IP open to 10.0.0.96/30 (which holds CLIENT, .99) only.
     entry(&mut d, LB_IP, 80, Protocol::Tcp, SCOPE_EXTERNAL, &[(POD, 8080)], SERVICE_FLAG_SNAT | SERVICE_FLAG_SOURCE_RANGES);
     d.get_mut(&frontend_key(LB_IP, 80, Protocol::Tcp, SCOPE_EXTERNAL).unwrap()).unwrap().source_ranges = vec![(Ipv4Addr::new(10, 0, 0, 96), 30)];
+    // An externalIP with eTP=Local and no local endpoint; from inside, every endpoint.
+    entry(&mut d, EXT_LOCAL, 443, Protocol::Tcp, SCOPE_EXTERNAL, &[], SERVICE_FLAG_DROP_NO_ENDPOINTS);
+    entry(&mut d, EXT_LOCAL, 443, Protocol::Tcp, SCOPE_INTERNAL, &[(REMOTE_POD, 8443)], 0);
     d
+}
+
+const EXT_LOCAL: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 8);
+const REMOTE_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 3, 2);
+
+#[test]
+fn in_cluster_traffic_to_an_external_address_is_short_circuited_to_all_endpoints() {
+    let rig = Rig::new(&services());
+    let from_outside = tcp(CLIENT, 40030, EXT_LOCAL, 443);
+    assert_eq!(rig.ingress(&from_outside.bytes()).0, TC_ACT_SHOT, "eTP=Local, no local endpoint: dropped");
+    let from_pod = tcp(Ipv4Addr::new(10, 244, 1, 5), 40031, EXT_LOCAL, 443);
+    let (verdict, out) = rig.ingress(&from_pod.bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(out, Pkt { dst: REMOTE_POD, dport: 8443, ..from_pod }.bytes(), "a pod's traffic goes to any endpoint, unmasqueraded");
 }
 
 #[test]

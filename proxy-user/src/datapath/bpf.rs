@@ -53,6 +53,8 @@ pub struct DatapathConfig {
     pub tc_interfaces: Vec<String>,
     /// This node's addresses: NodePorts listen on them, masquerade uses the first.
     pub node_ips: Vec<std::net::Ipv4Addr>,
+    /// The pods' address range (kube-proxy's --cluster-cidr): traffic from it is in-cluster.
+    pub cluster_cidr: Option<(std::net::Ipv4Addr, u8)>,
 }
 
 impl DatapathConfig {
@@ -66,6 +68,7 @@ impl DatapathConfig {
             max_conntrack: defaults::MAX_CONNTRACK,
             tc_interfaces: Vec::new(),
             node_ips: Vec::new(),
+            cluster_cidr: None,
         }
     }
 }
@@ -105,6 +108,13 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         // bpf_set_retval (ECONNREFUSED for services without endpoints) exists from 5.18 on.
         let have_set_retval = u8::from(KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(5, 18, 0)));
         let snat_addr = cfg.node_ips.first().map_or(0, |ip| u32::from(*ip).to_be());
+        let (cidr_addr, cidr_mask) = match cfg.cluster_cidr {
+            Some((addr, len)) if len > 0 => {
+                let mask = u32::MAX << (32 - u32::from(len.min(32)));
+                ((u32::from(addr) & mask).to_be(), mask.to_be())
+            }
+            _ => (0, 0),
+        };
         EbpfLoader::new()
             .default_map_pin_directory(&dir)
             .map_max_entries(map_names::SERVICES, cfg.max_service_ports)
@@ -113,6 +123,8 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
             .map_max_entries(map_names::CONNTRACK, cfg.max_conntrack)
             .override_global("KPR_HAVE_SET_RETVAL", &have_set_retval, true)
             .override_global("KPR_SNAT_ADDR", &snat_addr, true)
+            .override_global("KPR_CLUSTER_CIDR_ADDR", &cidr_addr, true)
+            .override_global("KPR_CLUSTER_CIDR_MASK", &cidr_mask, true)
             .load(EBPF_OBJECT)
             .map_err(|e| match e {
                 aya::EbpfError::MapError(aya::maps::MapError::PinError { .. }) | aya::EbpfError::MapError(_) => {

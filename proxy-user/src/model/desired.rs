@@ -118,6 +118,17 @@ pub fn service_entries<'a>(
             if let Some(node_port) = sp.node_port {
                 push(&IpAddr::V4(Ipv4Addr::UNSPECIFIED), node_port, SCOPE_EXTERNAL, &external, external_flags, &no_ranges);
             }
+            // The same frontends seen from inside: sockets on the node and (with
+            // --cluster-cidr) pods reach them like the ClusterIP, with the cluster's endpoints
+            // (kube-proxy short-circuits in-cluster traffic to external addresses).
+            for ip in sp.external_ips.iter().chain(&sp.load_balancer_ips) {
+                push(ip, sp.port, SCOPE_INTERNAL, &internal, internal_flags, &no_ranges);
+            }
+            if let Some(node_port) = sp.node_port {
+                for ip in &node.addresses {
+                    push(&IpAddr::V4(*ip), node_port, SCOPE_INTERNAL, &internal, internal_flags, &no_ranges);
+                }
+            }
         }
     }
     Ok(out)
@@ -434,7 +445,7 @@ mod tests {
 
     #[test]
     fn external_frontends_follow_the_external_traffic_policy() {
-        let node = NodeInfo { name: "node-a".into(), zone: None };
+        let node = NodeInfo { name: "node-a".into(), zone: None, addresses: vec!["10.0.0.1".parse().unwrap()] };
         let mut st = ClusterState::new(node);
         let svc = service_yaml(
             "metadata: {name: web, namespace: shop}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalIPs: [192.0.2.7]\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n  ports: [{name: http, port: 80, nodePort: 30080}]\nstatus: {loadBalancer: {ingress: [{ip: 198.51.100.1}]}}",
@@ -456,5 +467,9 @@ mod tests {
             assert_eq!(show(ip, port, SCOPE_EXTERNAL), (local.clone(), SERVICE_FLAG_DROP_NO_ENDPOINTS), "{ip}:{port}");
         }
         assert_eq!(st.health_checks()[&32000], (ObjectKey::new("shop", "web"), 1));
+        // Seen from inside the node (sockets, pods), the external frontends lead to every endpoint.
+        for (ip, port) in [("192.0.2.7", 80), ("198.51.100.1", 80), ("10.0.0.1", 30080)] {
+            assert_eq!(show(ip, port, SCOPE_INTERNAL).0.len(), 2, "{ip}:{port} from inside");
+        }
     }
 }

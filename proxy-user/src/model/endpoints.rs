@@ -210,7 +210,7 @@ mod tests {
         eps.iter().map(|e| e.ip.to_string()).collect()
     }
     fn node() -> NodeInfo {
-        NodeInfo { name: "node-a".into(), zone: Some("zone-1".into()) }
+        NodeInfo { name: "node-a".into(), zone: Some("zone-1".into()), addresses: vec![] }
     }
 
     #[test]

@@ -133,6 +133,8 @@ pub struct NodeInfo {
     pub name: String,
     /// `topology.kubernetes.io/zone` label of the Node.
     pub zone: Option<String>,
+    /// The node's IPv4 addresses (`--node-ip`): where its NodePorts are reached.
+    pub addresses: Vec<std::net::Ipv4Addr>,
 }
 
 /// Why an object (or part of one) was skipped; logged with the object's name and counted.

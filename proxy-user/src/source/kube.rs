@@ -44,7 +44,7 @@ pub async fn node_info(client: &Client, name: &str) -> NodeInfo {
             None
         }
     };
-    NodeInfo { name: name.to_owned(), zone }
+    NodeInfo { name: name.to_owned(), zone, addresses: Vec::new() }
 }
 
 /// Watch both kinds until the receiver goes away.
