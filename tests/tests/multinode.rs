@@ -288,3 +288,14 @@ fn no_endpoints_is_refused_and_an_endpoint_can_move_while_traffic_runs() {
     std::io::BufRead::read_line(&mut reader, &mut line).unwrap();
     assert_eq!(line, "still there\n", "the established flow keeps its backend");
 }
+
+#[test]
+fn a_pod_reaching_itself_through_its_service_is_masqueraded() {
+    let c = Cluster::new("km-hairpin").unwrap();
+    let pod_a = c.nodes[0].pod_ip;
+    c.write("svc.yaml", &service("Cluster", 30083, &[(pod_a, "node-a")]));
+    c.wait("10.96.0.83:80/TCP", 1);
+    let (name, seen) = c.nodes[0]._pod.run(|| tcp_ask_peer(SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 83), 80), TIMEOUT).unwrap()).unwrap();
+    assert_eq!(name, "pod-a");
+    assert_eq!(seen, c.nodes[0].ip.to_string(), "hairpin traffic comes from the node, so the reply returns through it");
+}
