@@ -70,7 +70,8 @@ struct AgentArgs {
     #[arg(long, default_value_t = defaults::MAX_CONNTRACK)]
     max_conntrack: u32,
     /// Interfaces for the per-packet datapath (NodePort, externalIPs, LoadBalancer IPs),
-    /// comma-separated. Off when empty.
+    /// comma-separated [default: the interfaces holding the --node-ip addresses; without
+    /// --node-ip the per-packet datapath is off].
     #[arg(long, value_delimiter = ',')]
     interfaces: Vec<String>,
     /// This node's IPv4 addresses (NodePorts listen on them; masquerade uses the first).
@@ -114,7 +115,11 @@ async fn run_agent(args: AgentArgs) -> Result<()> {
     datapath.max_backends = args.max_backends;
     datapath.max_sock_revnat = args.max_sock_revnat;
     datapath.max_conntrack = args.max_conntrack;
-    datapath.tc_interfaces = args.interfaces;
+    datapath.tc_interfaces = if args.interfaces.is_empty() {
+        kpr::datapath::bpf::interfaces_holding(&args.node_ips)?
+    } else {
+        args.interfaces
+    };
     datapath.node_ips = args.node_ips;
     datapath.cluster_cidr = args.cluster_cidr;
     let source = match args.manifests {

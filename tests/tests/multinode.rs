@@ -299,3 +299,15 @@ fn a_pod_reaching_itself_through_its_service_is_masqueraded() {
     assert_eq!(name, "pod-a");
     assert_eq!(seen, c.nodes[0].ip.to_string(), "hairpin traffic comes from the node, so the reply returns through it");
 }
+
+#[test]
+fn the_default_interfaces_are_those_holding_the_node_addresses() {
+    let ns = Netns::new(&testbed::unique_name("km-if")).unwrap();
+    ns.ip(&["link", "add", "ext0", "type", "veth", "peer", "name", "int0"]).unwrap();
+    ns.ip(&["addr", "add", "10.0.0.1/24", "dev", "ext0"]).unwrap();
+    ns.ip(&["addr", "add", "10.1.0.1/24", "dev", "int0"]).unwrap();
+    let found = ns.run(|| bpf::interfaces_holding(&[Ipv4Addr::new(10, 0, 0, 1)]).unwrap()).unwrap();
+    assert_eq!(found, ["ext0"]);
+    let none = ns.run(|| bpf::interfaces_holding(&[Ipv4Addr::new(10, 9, 9, 9)]).is_err()).unwrap();
+    assert!(none, "an address no interface holds is an error, not a silent no-op");
+}

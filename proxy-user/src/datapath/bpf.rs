@@ -78,6 +78,37 @@ pub fn pin_dir(pin_root: &Path) -> PathBuf {
     pin_root.join(format!("v{PIN_LAYOUT_VERSION}"))
 }
 
+/// Names of the interfaces (in this network namespace) that hold any of `addrs`.
+pub fn interfaces_holding(addrs: &[std::net::Ipv4Addr]) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    if addrs.is_empty() {
+        return Ok(out);
+    }
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills a list we free with freeifaddrs; entries are read-only here.
+    if unsafe { libc::getifaddrs(&mut list) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("getifaddrs");
+    }
+    let mut cur = list;
+    while !cur.is_null() {
+        let ifa = unsafe { &*cur };
+        if !ifa.ifa_addr.is_null() && i32::from(unsafe { (*ifa.ifa_addr).sa_family }) == libc::AF_INET {
+            let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+            let ip = std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+            let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) }.to_string_lossy().into_owned();
+            if addrs.contains(&ip) && !out.contains(&name) {
+                out.push(name);
+            }
+        }
+        cur = ifa.ifa_next;
+    }
+    unsafe { libc::freeifaddrs(list) };
+    if out.is_empty() {
+        bail!("no interface holds the node addresses {addrs:?}; pass --interfaces");
+    }
+    Ok(out)
+}
+
 /// The cgroup2 mount point, from /proc/self/mounts (hybrid hierarchies put it elsewhere than
 /// /sys/fs/cgroup).
 pub fn cgroup2_root() -> Result<PathBuf> {
