@@ -176,6 +176,8 @@ fn show_services(pin_root: &std::path::Path) -> Result<()> {
         let shown = if backends.is_empty() { "<no endpoints: reject>".to_owned() } else { backends.join(" ") };
         println!("  {:<24} id {:<6} -> {shown}", display_key(key).to_string(), value.service_id);
     }
+    let (ct, ct_capacity) = bpf::conntrack_usage(pin_root)?;
+    println!("conntrack: {ct} entries (of {ct_capacity}; two per per-packet flow)");
     println!("counters:");
     for (name, value) in bpf::read_counters(pin_root)? {
         println!("  {name:<24} {value}");

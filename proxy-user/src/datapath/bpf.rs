@@ -426,6 +426,15 @@ pub fn read_counters(pin_root: &Path) -> Result<Vec<(&'static str, u64)>> {
         .collect()
 }
 
+/// Per-packet conntrack usage: (entries, capacity).
+pub fn conntrack_usage(pin_root: &Path) -> Result<(usize, u32)> {
+    let path = pin_dir(pin_root).join(map_names::CONNTRACK);
+    let map = MapData::from_pin(&path).with_context(|| format!("no pinned map {}", path.display()))?;
+    let capacity = map.info()?.max_entries();
+    let ct: HashMap<MapData, proxy_common::CtKey, proxy_common::CtValue> = HashMap::try_from(Map::LruHashMap(map))?;
+    Ok((ct.keys().filter(Result::is_ok).count(), capacity))
+}
+
 /// Remove kpr's pins: the links (which detaches the programs once no agent holds them) and
 /// the maps. What `kube-proxy --cleanup` is to iptables rules.
 pub fn cleanup(pin_root: &Path) -> Result<()> {
