@@ -83,6 +83,7 @@ pub async fn run(keep_running: bool) -> Result<()> {
         show_requests(&topology, "2 endpoints").await?;
 
         println!("\ndemo: what the datapath holds (`kpr services --pin-root {}`):", pin_root.0.display());
+        print!("{}", crate::status::render(&pin_root.0)?);
         println!("demo: maps can be dumped with `bpftool map dump pinned {}/KPR_SERVICES`", bpf::pin_dir(&pin_root.0).display());
         if keep_running {
             println!("demo: running until Ctrl-C");

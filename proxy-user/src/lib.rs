@@ -7,4 +7,5 @@ pub mod demo;
 pub mod health;
 pub mod model;
 pub mod source;
+pub mod status;
 pub mod testbed;

@@ -5,11 +5,7 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use kpr::{
     agent::{self, AgentConfig, SourceConfig},
-    datapath::{
-        Maps as _, backend_addr,
-        bpf::{self, BpfMaps, DatapathConfig},
-        display_key,
-    },
+    datapath::bpf::{self, DatapathConfig},
 };
 use proxy_common::defaults;
 
@@ -154,33 +150,6 @@ async fn shutdown_signal() {
 }
 
 fn show_services(pin_root: &std::path::Path) -> Result<()> {
-    let maps = BpfMaps::open_pinned(pin_root)?;
-    let cap = maps.capacity();
-    let mut programmed = maps.services()?;
-    programmed.sort_by_key(|(k, _)| (u32::from_be(k.addr), u16::from_be(k.port), k.proto));
-    let slots: u32 = programmed.iter().map(|(_, v)| v.backends_count).sum();
-    println!(
-        "{} service ports (of {}), {} backend slots (of {}) in {}",
-        programmed.len(),
-        cap.service_ports,
-        slots,
-        cap.backends,
-        bpf::pin_dir(pin_root).display()
-    );
-    for (key, value) in &programmed {
-        let backends = maps.backends(value.backends_start, value.backends_count)?;
-        let backends: Vec<String> = backends.iter().map(|b| {
-            let (ip, port) = backend_addr(b);
-            format!("{ip}:{port}")
-        }).collect();
-        let shown = if backends.is_empty() { "<no endpoints: reject>".to_owned() } else { backends.join(" ") };
-        println!("  {:<24} id {:<6} -> {shown}", display_key(key).to_string(), value.service_id);
-    }
-    let (ct, ct_capacity) = bpf::conntrack_usage(pin_root)?;
-    println!("conntrack: {ct} entries (of {ct_capacity}; two per per-packet flow)");
-    println!("counters:");
-    for (name, value) in bpf::read_counters(pin_root)? {
-        println!("  {name:<24} {value}");
-    }
+    print!("{}", kpr::status::render(pin_root)?);
     Ok(())
 }

@@ -75,6 +75,15 @@ fn tcp_and_udp_reach_a_backend_and_the_app_sees_the_cluster_ip() {
     assert!(pods.contains(&udp_conn.0), "connected UDP answered by {}", udp_conn.0);
     assert_eq!(udp_conn.1, cluster(53), "getpeername of a connected UDP socket");
     assert!(h.counter("translated") >= 3);
+
+    // The operator's view: `kpr services` lists the service port and its backends.
+    let out = std::process::Command::new(kpr_tests::kpr_bin()).arg("services").arg("--pin-root").arg(&h.pin_root).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.contains("10.96.0.10:80/TCP")).unwrap_or_else(|| panic!("{text}"));
+    for i in 0..3 {
+        assert!(line.contains(&format!("{}:{POD_PORT}", h.topology.pods[i].ip)), "{line}");
+    }
+    assert!(text.contains("translated"), "{text}");
 }
 
 #[test]
