@@ -50,16 +50,15 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
     );
 
     let (tx, rx) = mpsc::channel(4096);
-    let node = match cfg.source {
+    let (node, source_task) = match cfg.source {
         SourceConfig::Manifests(dir) => {
-            tokio::spawn(log_exit("manifests", source::manifests::run(dir, tx)));
-            NodeInfo { name: cfg.node_name, zone: None, addresses: Vec::new() }
+            let task = tokio::spawn(log_exit("manifests", source::manifests::run(dir, tx)));
+            (NodeInfo { name: cfg.node_name, zone: None, addresses: Vec::new() }, task)
         }
         SourceConfig::Kube { kubeconfig } => {
             let client = source::kube::client(kubeconfig.as_deref()).await?;
             let node = source::kube::node_info(&client, &cfg.node_name).await;
-            tokio::spawn(log_exit("kubernetes", source::kube::run(client, tx)));
-            node
+            (node, tokio::spawn(log_exit("kubernetes", source::kube::run(client, tx))))
         }
     };
     let node = NodeInfo { addresses: cfg.datapath.node_ips.clone(), ..node };
@@ -68,6 +67,7 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
         syncer.health = Some(crate::health::HealthServers::default());
     }
     syncer.run(rx, &mut datapath.maps, cfg.reconcile_interval, shutdown).await;
+    source_task.abort();
     tracing::info!("stopped; the datapath stays programmed until the next agent takes over");
     Ok(())
 }
