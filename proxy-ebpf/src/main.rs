@@ -9,8 +9,10 @@
 #![no_main]
 
 mod maps;
+mod packet;
 mod sock_lb;
 mod tc_nat;
+mod tc_reject;
 
 #[cfg(not(test))]
 #[panic_handler]

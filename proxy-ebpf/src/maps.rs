@@ -6,8 +6,7 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    Backend, CtKey, CtValue, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRange,
-    counter, defaults,
+    Backend, CtKey, CtValue, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRange, counter, defaults,
 };
 
 /// ClusterIP:port/proto → the service's range in `KPR_BACKENDS`.
@@ -27,11 +26,8 @@ pub static BACKENDS: Array<Backend, { defaults::MAX_BACKENDS as usize }> = Array
 /// Socket cookie + backend → the service address the application used (for getpeername and
 /// recvmsg). LRU: entries of closed sockets age out.
 #[btf_map(name = "KPR_SOCK_REVNAT", pin_by_name)]
-pub static SOCK_REVNAT: LruHashMap<
-    SockRevNatKey,
-    SockRevNatValue,
-    { defaults::MAX_SOCK_REVNAT as usize },
-> = LruHashMap::new();
+pub static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNatValue, { defaults::MAX_SOCK_REVNAT as usize }> =
+    LruHashMap::new();
 
 /// Per-CPU event counters, indexed by `proxy_common::counter`.
 #[btf_map(name = "KPR_COUNTERS", pin_by_name)]

@@ -8,9 +8,7 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use aya_log_ebpf::error;
-use proxy_common::{
-    IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL, ServiceKey, SockRevNatKey, SockRevNatValue, counter,
-};
+use proxy_common::{IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL, ServiceKey, SockRevNatKey, SockRevNatValue, counter};
 
 use crate::maps::{BACKENDS, SERVICES, SOCK_REVNAT, count};
 
@@ -55,12 +53,7 @@ fn forward4(ctx: &SockAddrContext) -> i32 {
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return ALLOW;
     }
-    let key = ServiceKey {
-        addr: sa.user_ip4,
-        port: sa.user_port as u16,
-        proto,
-        scope: SCOPE_INTERNAL,
-    };
+    let key = ServiceKey { addr: sa.user_ip4, port: sa.user_port as u16, proto, scope: SCOPE_INTERNAL };
     // Not a service: one hash lookup and nothing else.
     let Some(service) = SERVICES.get_ptr(&key) else {
         return ALLOW;
@@ -89,12 +82,7 @@ fn forward4(ctx: &SockAddrContext) -> i32 {
     // Remember what the application asked for, so getpeername/recvmsg can show it.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let rev_key = SockRevNatKey { cookie, addr: backend.addr, port: backend.port, _pad: 0 };
-    let rev_value = SockRevNatValue {
-        addr: key.addr,
-        port: key.port,
-        _pad: 0,
-        service_id: service.service_id,
-    };
+    let rev_value = SockRevNatValue { addr: key.addr, port: key.port, _pad: 0, service_id: service.service_id };
     if SOCK_REVNAT.insert(&rev_key, &rev_value, 0).is_err() {
         count(counter::REVNAT_UPDATE_FAILED);
     }

@@ -9,38 +9,26 @@
 //! Packets the program does not understand (not IPv4, IP options, fragments, other protocols)
 //! pass untouched and are counted; the program never fails a packet it did not translate.
 use aya_ebpf::{
-    EbpfContext as _, Global,
-    bindings::{
-        __sk_buff, bpf_adj_room_mode::BPF_ADJ_ROOM_NET,
-        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM, BPF_NOEXIST, TC_ACT_OK,
-        TC_ACT_SHOT,
-    },
-    helpers::{bpf_csum_diff, bpf_get_prandom_u32, bpf_redirect},
+    Global,
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
     btf_maps::lpm_trie::Key,
+    helpers::bpf_get_prandom_u32,
     macros::classifier,
     programs::TcContext,
 };
 use network_types::{eth::EtherType, ip::Ipv4Hdr};
 use proxy_common::{
-    Backend, CtKey, CtValue, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_INTERNAL,
-    SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX,
-    SNAT_PORT_MIN, ServiceKey, ServiceValue, SourceRange, counter,
+    Backend, CtKey, CtValue, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_INTERNAL, SERVICE_FLAG_DROP_NO_ENDPOINTS,
+    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceKey, ServiceValue, SourceRange,
+    counter,
 };
 
-use crate::maps::{BACKENDS, CONNTRACK, NODE_ADDRS, SERVICES, SOURCE_RANGES, count};
+use crate::{
+    maps::{BACKENDS, CONNTRACK, NODE_ADDRS, SERVICES, SOURCE_RANGES, count},
+    packet::*,
+    tc_reject::{reject_tcp, reject_udp},
+};
 
-const ETH_LEN: usize = 14;
-const IP_OFF: usize = ETH_LEN;
-const IP_CSUM_OFF: usize = IP_OFF + 10;
-const IP_SRC_OFF: usize = IP_OFF + 12;
-const IP_DST_OFF: usize = IP_OFF + 16;
-const L4_OFF: usize = IP_OFF + 20;
-const TCP_CSUM_OFF: usize = L4_OFF + 16;
-const UDP_CSUM_OFF: usize = L4_OFF + 6;
-const TCP_FLAGS_OFF: usize = L4_OFF + 13;
-const TCP_SYN: u8 = 0x02;
-const TCP_ACK: u8 = 0x10;
-const TCP_RST: u8 = 0x04;
 /// Tries at finding a free SNAT port before giving up on a new flow.
 const SNAT_TRIES: u32 = 8;
 
@@ -67,12 +55,12 @@ pub fn kpr_tc_egress(ctx: TcContext) -> i32 {
 
 /// A packet's addresses and ports, as they sit in the packet (network byte order).
 #[derive(Clone, Copy)]
-struct Tuple {
-    saddr: u32,
-    daddr: u32,
-    sport: u16,
-    dport: u16,
-    proto: u8,
+pub struct Tuple {
+    pub saddr: u32,
+    pub daddr: u32,
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
 }
 
 /// The Ethernet type, IPv4 header and L4 ports, read straight from the packet (no helper
@@ -230,7 +218,8 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue) -> Result<i32, (
         }
         (t.saddr, t.sport)
     };
-    let forward = CtValue { src_addr, dst_addr: backend.addr, src_port, dst_port: backend.port, service_id: service.service_id };
+    let forward =
+        CtValue { src_addr, dst_addr: backend.addr, src_port, dst_port: backend.port, service_id: service.service_id };
     if CONNTRACK.insert(&ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto), &forward, 0).is_err() {
         let _ = CONNTRACK.remove(&ct_key(backend.addr, src_addr, backend.port, src_port, t.proto));
         count(counter::TC_CT_FULL);
@@ -257,12 +246,14 @@ fn rewrite(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()> {
     };
     let pseudo = u64::from(BPF_F_PSEUDO_HDR);
     if to.src_addr != t.saddr {
-        ctx.l4_csum_replace(csum_off, u64::from(t.saddr), u64::from(to.src_addr), l4_flags | pseudo | 4).map_err(drop)?;
+        ctx.l4_csum_replace(csum_off, u64::from(t.saddr), u64::from(to.src_addr), l4_flags | pseudo | 4)
+            .map_err(drop)?;
         ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(t.saddr), u64::from(to.src_addr), 4).map_err(drop)?;
         ctx.store(IP_SRC_OFF, &to.src_addr, 0).map_err(drop)?;
     }
     if to.dst_addr != t.daddr {
-        ctx.l4_csum_replace(csum_off, u64::from(t.daddr), u64::from(to.dst_addr), l4_flags | pseudo | 4).map_err(drop)?;
+        ctx.l4_csum_replace(csum_off, u64::from(t.daddr), u64::from(to.dst_addr), l4_flags | pseudo | 4)
+            .map_err(drop)?;
         ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(t.daddr), u64::from(to.dst_addr), 4).map_err(drop)?;
         ctx.store(IP_DST_OFF, &to.dst_addr, 0).map_err(drop)?;
     }
@@ -276,15 +267,6 @@ fn rewrite(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()> {
     }
     Ok(())
 }
-
-const IPPROTO_ICMP: u8 = 1;
-const ICMP_OFF: usize = L4_OFF;
-const ICMP_CSUM_OFF: usize = ICMP_OFF + 2;
-const INNER_IP_OFF: usize = ICMP_OFF + 8;
-const INNER_CSUM_OFF: usize = INNER_IP_OFF + 10;
-const INNER_SRC_OFF: usize = INNER_IP_OFF + 12;
-const INNER_DST_OFF: usize = INNER_IP_OFF + 16;
-const INNER_L4_OFF: usize = INNER_IP_OFF + 20;
 
 /// An ICMP error (unreachable, time exceeded, parameter problem) about a translated flow, e.g.
 /// "fragmentation needed" from a backend: it quotes the packet as the backend saw it. Translate
@@ -308,7 +290,8 @@ fn icmp_error(ctx: &TcContext, outer: &Ipv4Hdr) -> Result<i32, ()> {
         return Ok(TC_ACT_OK);
     };
     let entry = unsafe { *entry };
-    let (client, client_port, frontend, frontend_port) = (entry.dst_addr, entry.dst_port, entry.src_addr, entry.src_port);
+    let (client, client_port, frontend, frontend_port) =
+        (entry.dst_addr, entry.dst_port, entry.src_addr, entry.src_port);
 
     // Quoted header: addresses (inner IP checksum and ICMP checksum), then ports (ICMP checksum).
     let old_inner_csum: u16 = ctx.load(INNER_CSUM_OFF).map_err(drop)?;
@@ -339,114 +322,4 @@ fn icmp_error(ctx: &TcContext, outer: &Ipv4Hdr) -> Result<i32, ()> {
     }
     count(counter::TC_CT_HIT);
     Ok(TC_ACT_OK)
-}
-
-/// IPv4 + TCP headers of a reset, laid out as on the wire.
-#[repr(C)]
-struct ResetHeaders {
-    ip: [u8; 20],
-    tcp: [u8; 20],
-}
-
-/// The TCP pseudo-header and header, for the checksum.
-#[repr(C)]
-struct TcpChecksumInput {
-    saddr: u32,
-    daddr: u32,
-    zero_proto_len: [u8; 4],
-    tcp: [u8; 20],
-}
-
-/// kube-proxy REJECTs connections to a service without endpoints: answer a SYN with a RST
-/// (the client sees ECONNREFUSED), sent back out of the interface it came in on.
-#[inline(always)]
-fn reject_tcp(ctx: &TcContext, t: &Tuple) -> Result<i32, ()> {
-    let flags: u8 = ctx.load(TCP_FLAGS_OFF).map_err(drop)?;
-    count(counter::TC_REJECTED);
-    if flags & TCP_SYN == 0 || flags & TCP_ACK != 0 {
-        return Ok(TC_ACT_SHOT);
-    }
-    let seq: [u8; 4] = ctx.load(L4_OFF + 4).map_err(drop)?;
-    let ack = u32::from_be_bytes(seq).wrapping_add(1).to_be_bytes();
-    let macs: [u8; 12] = ctx.load(0).map_err(drop)?;
-
-    let (src, dst) = (t.daddr.to_ne_bytes(), t.saddr.to_ne_bytes());
-    let mut h = ResetHeaders {
-        ip: [0x45, 0, 0, 40, 0, 0, 0x40, 0, 64, IPPROTO_TCP, 0, 0, src[0], src[1], src[2], src[3], dst[0], dst[1], dst[2], dst[3]],
-        tcp: [0; 20],
-    };
-    let (sport, dport) = (t.dport.to_ne_bytes(), t.sport.to_ne_bytes());
-    h.tcp[0] = sport[0];
-    h.tcp[1] = sport[1];
-    h.tcp[2] = dport[0];
-    h.tcp[3] = dport[1];
-    h.tcp[8..12].copy_from_slice(&ack);
-    h.tcp[12] = 5 << 4;
-    h.tcp[13] = TCP_RST | TCP_ACK;
-
-    let ip_sum = unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, h.ip.as_mut_ptr().cast(), 20, 0) };
-    let ip_csum = fold(ip_sum);
-    h.ip[10..12].copy_from_slice(&ip_csum.to_ne_bytes());
-    let mut pseudo = TcpChecksumInput { saddr: t.daddr, daddr: t.saddr, zero_proto_len: [0, IPPROTO_TCP, 0, 20], tcp: h.tcp };
-    let tcp_sum = unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, (&raw mut pseudo).cast(), 32, 0) };
-    h.tcp[16..18].copy_from_slice(&fold(tcp_sum).to_ne_bytes());
-
-    ctx.change_tail((ETH_LEN + 40) as u32, 0).map_err(drop)?;
-    let mut swapped = [0u8; 12];
-    swapped[..6].copy_from_slice(&macs[6..]);
-    swapped[6..].copy_from_slice(&macs[..6]);
-    let recompute = u64::from(BPF_F_RECOMPUTE_CSUM);
-    ctx.store(0, &swapped, recompute).map_err(drop)?;
-    ctx.store(IP_OFF, &h, recompute).map_err(drop)?;
-    let ifindex = unsafe { (*ctx.as_ptr().cast::<__sk_buff>()).ifindex };
-    Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
-}
-
-/// ICMP header + quoted IPv4 header + 8 bytes of the datagram: the body of a port unreachable.
-#[repr(C)]
-struct IcmpUnreachable {
-    icmp: [u8; 8],
-    quoted_ip: Ipv4Hdr,
-    quoted_l4: [u8; 8],
-}
-
-/// kube-proxy REJECTs UDP to a service without endpoints with ICMP port unreachable: turn the
-/// datagram into one, in place, and send it back out of the interface it came in on.
-#[inline(always)]
-fn reject_udp(ctx: &TcContext, t: &Tuple) -> Result<i32, ()> {
-    count(counter::TC_REJECTED);
-    let quoted_ip: Ipv4Hdr = ctx.load(IP_OFF).map_err(drop)?;
-    let quoted_l4: [u8; 8] = ctx.load(L4_OFF).map_err(drop)?;
-    let macs: [u8; 12] = ctx.load(0).map_err(drop)?;
-    let mut body = IcmpUnreachable { icmp: [3, 3, 0, 0, 0, 0, 0, 0], quoted_ip, quoted_l4 };
-    let sum = unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, (&raw mut body).cast(), 36, 0) };
-    body.icmp[2..4].copy_from_slice(&fold(sum).to_ne_bytes());
-
-    let (src, dst) = (t.daddr.to_ne_bytes(), t.saddr.to_ne_bytes());
-    let mut ip = [0x45, 0xc0, 0, 56, 0, 0, 0, 0, 64, 1, 0, 0, src[0], src[1], src[2], src[3], dst[0], dst[1], dst[2], dst[3]];
-    let ip_sum = unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, ip.as_mut_ptr().cast(), 20, 0) };
-    ip[10..12].copy_from_slice(&fold(ip_sum).to_ne_bytes());
-
-    // Room for the new IP and ICMP headers goes after the IP header; the UDP header that
-    // follows is the quoted datagram's first 8 bytes, already in place.
-    ctx.adjust_room(28, BPF_ADJ_ROOM_NET, 0).map_err(drop)?;
-    ctx.change_tail((ETH_LEN + 20 + 36) as u32, 0).map_err(drop)?;
-    let mut swapped = [0u8; 12];
-    swapped[..6].copy_from_slice(&macs[6..]);
-    swapped[6..].copy_from_slice(&macs[..6]);
-    let recompute = u64::from(BPF_F_RECOMPUTE_CSUM);
-    ctx.store(0, &swapped, recompute).map_err(drop)?;
-    ctx.store(IP_OFF, &ip, recompute).map_err(drop)?;
-    ctx.store(L4_OFF, &body, recompute).map_err(drop)?;
-    let ifindex = unsafe { (*ctx.as_ptr().cast::<__sk_buff>()).ifindex };
-    Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
-}
-
-/// Fold a 32-bit one's-complement sum into the 16-bit checksum field value.
-#[inline(always)]
-fn fold(sum: i64) -> u16 {
-    let mut s = sum as u64 & 0xffff_ffff;
-    s = (s & 0xffff) + (s >> 16);
-    s = (s & 0xffff) + (s >> 16);
-    !(s as u16)
 }

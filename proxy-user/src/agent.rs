@@ -200,7 +200,8 @@ mod tests {
         let programmer = Programmer::recover(&mut maps).unwrap();
         let mut syncer = Syncer::new(ClusterState::new(NodeInfo::default()), programmer);
         let (tx, rx) = mpsc::channel(16);
-        let svc = service_yaml("metadata: {name: web, namespace: d}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}");
+        let svc =
+            service_yaml("metadata: {name: web, namespace: d}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}");
 
         tx.send(SourceEvent::ServicesListed(vec![svc])).await.unwrap();
         tx.send(SourceEvent::SliceApplied(web_slice(&["10.0.0.1"]))).await.unwrap();
@@ -225,7 +226,8 @@ mod tests {
         let mut maps = FakeMaps::new(Capacity { service_ports: 16, backends: 64 });
         let programmer = Programmer::recover(&mut maps).unwrap();
         let mut syncer = Syncer::new(ClusterState::new(NodeInfo::default()), programmer);
-        let svc = service_yaml("metadata: {name: web, namespace: d}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}");
+        let svc =
+            service_yaml("metadata: {name: web, namespace: d}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}");
         SourceEvent::ServicesListed(vec![svc]).apply_to(&mut syncer.state);
         syncer.sync(&mut maps, Instant::now());
         assert_eq!(maps.writes, 0, "slices not listed yet: nothing programmed");

@@ -54,8 +54,15 @@ pub async fn run(keep_running: bool) -> Result<()> {
     let pod_ips: Vec<Ipv4Addr> = topology.pods.iter().map(|p| p.ip).collect();
     let slice_ports = [("http", POD_PORT, "TCP"), ("dns", POD_PORT, "UDP")];
     testbed::write_atomic(&manifests.0, "service.yaml", &testbed::service_manifest("demo", "web", CLUSTER_IP, &PORTS))?;
-    testbed::write_atomic(&manifests.0, "slice.yaml", &testbed::slice_manifest("demo", "web", "web-1", &pod_ips, &slice_ports))?;
-    println!("demo: manifests in {} (Service demo/web {CLUSTER_IP}: 80/TCP, 53/UDP -> pods :{POD_PORT})", manifests.0.display());
+    testbed::write_atomic(
+        &manifests.0,
+        "slice.yaml",
+        &testbed::slice_manifest("demo", "web", "web-1", &pod_ips, &slice_ports),
+    )?;
+    println!(
+        "demo: manifests in {} (Service demo/web {CLUSTER_IP}: 80/TCP, 53/UDP -> pods :{POD_PORT})",
+        manifests.0.display()
+    );
 
     let cfg = AgentConfig {
         source: SourceConfig::Manifests(manifests.0.clone()),
@@ -69,22 +76,37 @@ pub async fn run(keep_running: bool) -> Result<()> {
     }));
     let result = async {
         let pins = pin_root.0.clone();
-        tokio::task::spawn_blocking(move || testbed::wait_programmed(&pins, "10.96.0.10:80/TCP", Some(3), Duration::from_secs(20)))
-            .await??;
-        println!("demo: agent programmed the service; the client runs in cgroup {} and netns {}", cgroup.path.display(), topology.client.name);
+        tokio::task::spawn_blocking(move || {
+            testbed::wait_programmed(&pins, "10.96.0.10:80/TCP", Some(3), Duration::from_secs(20))
+        })
+        .await??;
+        println!(
+            "demo: agent programmed the service; the client runs in cgroup {} and netns {}",
+            cgroup.path.display(),
+            topology.client.name
+        );
         cgroup.enter()?;
         show_requests(&topology, "3 endpoints").await?;
 
         println!("\ndemo: scaling down: pod-c leaves the EndpointSlice");
-        testbed::write_atomic(&manifests.0, "slice.yaml", &testbed::slice_manifest("demo", "web", "web-1", &pod_ips[..2], &slice_ports))?;
+        testbed::write_atomic(
+            &manifests.0,
+            "slice.yaml",
+            &testbed::slice_manifest("demo", "web", "web-1", &pod_ips[..2], &slice_ports),
+        )?;
         let pins = pin_root.0.clone();
-        tokio::task::spawn_blocking(move || testbed::wait_programmed(&pins, "10.96.0.10:80/TCP", Some(2), Duration::from_secs(20)))
-            .await??;
+        tokio::task::spawn_blocking(move || {
+            testbed::wait_programmed(&pins, "10.96.0.10:80/TCP", Some(2), Duration::from_secs(20))
+        })
+        .await??;
         show_requests(&topology, "2 endpoints").await?;
 
         println!("\ndemo: what the datapath holds (`kpr services --pin-root {}`):", pin_root.0.display());
         print!("{}", crate::status::render(&pin_root.0)?);
-        println!("demo: maps can be dumped with `bpftool map dump pinned {}/KPR_SERVICES`", bpf::pin_dir(&pin_root.0).display());
+        println!(
+            "demo: maps can be dumped with `bpftool map dump pinned {}/KPR_SERVICES`",
+            bpf::pin_dir(&pin_root.0).display()
+        );
         if keep_running {
             println!("demo: running until Ctrl-C");
             while !interrupted.load(Ordering::Relaxed) {

@@ -94,7 +94,10 @@ mod tests {
         assert!(ok.starts_with("HTTP/1.1 200 OK\r\n") && ok.contains("X-Load-Balancing-Endpoint-Weight: 2\r\n"));
         let body = ok.split_once("\r\n\r\n").unwrap().1;
         let json: serde_json::Value = serde_json::from_str(body).unwrap();
-        assert_eq!(json, serde_json::json!({"service": {"namespace": "shop", "name": "web"}, "localEndpoints": 2, "serviceProxyHealthy": true}));
+        assert_eq!(
+            json,
+            serde_json::json!({"service": {"namespace": "shop", "name": "web"}, "localEndpoints": 2, "serviceProxyHealthy": true})
+        );
         assert!(super::response(&key, 0).starts_with("HTTP/1.1 503 Service Unavailable\r\n"));
     }
 }

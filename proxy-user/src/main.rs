@@ -85,9 +85,7 @@ struct AgentArgs {
 #[tokio::main]
 async fn main() -> Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .init();
     match Cli::parse().command {
         Command::Agent(args) => run_agent(args).await,
@@ -126,7 +124,8 @@ async fn run_agent(args: AgentArgs) -> Result<()> {
         Some(n) => n,
         None => std::fs::read_to_string("/proc/sys/kernel/hostname")?.trim().to_owned(),
     };
-    let cfg = AgentConfig { source, datapath, node_name, reconcile_interval: Duration::from_secs(args.reconcile_interval) };
+    let cfg =
+        AgentConfig { source, datapath, node_name, reconcile_interval: Duration::from_secs(args.reconcile_interval) };
     agent::run(cfg, shutdown_signal()).await
 }
 

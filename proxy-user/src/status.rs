@@ -16,7 +16,8 @@ pub fn render(pin_root: &Path) -> Result<String> {
     let mut programmed = maps.services()?;
     programmed.sort_by_key(|(k, _)| (u32::from_be(k.addr), u16::from_be(k.port), k.proto));
     let slots: u32 = programmed.iter().map(|(_, v)| v.backends_count).sum();
-    writeln!(out, 
+    writeln!(
+        out,
         "{} service ports (of {}), {} backend slots (of {}) in {}",
         programmed.len(),
         cap.service_ports,
@@ -26,10 +27,13 @@ pub fn render(pin_root: &Path) -> Result<String> {
     )?;
     for (key, value) in &programmed {
         let backends = maps.backends(value.backends_start, value.backends_count)?;
-        let backends: Vec<String> = backends.iter().map(|b| {
-            let (ip, port) = backend_addr(b);
-            format!("{ip}:{port}")
-        }).collect();
+        let backends: Vec<String> = backends
+            .iter()
+            .map(|b| {
+                let (ip, port) = backend_addr(b);
+                format!("{ip}:{port}")
+            })
+            .collect();
         let drops = value.flags & proxy_common::SERVICE_FLAG_DROP_NO_ENDPOINTS != 0;
         let shown = match (backends.is_empty(), drops) {
             (true, true) => "<no endpoints: drop>".to_owned(),

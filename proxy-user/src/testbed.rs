@@ -53,8 +53,8 @@ impl Netns {
     }
 
     pub fn spawn<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Result<JoinHandle<T>> {
-        let file = File::open(format!("/run/netns/{}", self.name))
-            .with_context(|| format!("netns {} is gone", self.name))?;
+        let file =
+            File::open(format!("/run/netns/{}", self.name)).with_context(|| format!("netns {} is gone", self.name))?;
         let name = self.name.clone();
         Ok(std::thread::spawn(move || {
             // SAFETY: setns on this thread only; the fd is valid for the call.
@@ -154,7 +154,11 @@ impl NameServer {
                     }
                     let mut buf = [0u8; 4096];
                     while let Ok(n @ 1..) = conn.read(&mut buf) {
-                        let reply = if &buf[..n] == b"peer?\n" { format!("{}\n", peer.ip()).into_bytes() } else { buf[..n].to_vec() };
+                        let reply = if &buf[..n] == b"peer?\n" {
+                            format!("{}\n", peer.ip()).into_bytes()
+                        } else {
+                            buf[..n].to_vec()
+                        };
                         if conn.write_all(&reply).is_err() {
                             return;
                         }
@@ -317,10 +321,18 @@ pub fn service_manifest(namespace: &str, name: &str, cluster_ip: Ipv4Addr, ports
 }
 
 /// An EndpointSlice for `service` with ready endpoints `ips` on `ports` (name, port, proto).
-pub fn slice_manifest(namespace: &str, service: &str, slice: &str, ips: &[Ipv4Addr], ports: &[(&str, u16, &str)]) -> String {
+pub fn slice_manifest(
+    namespace: &str,
+    service: &str,
+    slice: &str,
+    ips: &[Ipv4Addr],
+    ports: &[(&str, u16, &str)],
+) -> String {
     let endpoints: Vec<String> = ips
         .iter()
-        .map(|ip| format!("- addresses: [\"{ip}\"]\n  conditions: {{ready: true, serving: true, terminating: false}}\n"))
+        .map(|ip| {
+            format!("- addresses: [\"{ip}\"]\n  conditions: {{ready: true, serving: true, terminating: false}}\n")
+        })
         .collect();
     let ports: Vec<String> =
         ports.iter().map(|(n, p, proto)| format!("- name: {n}\n  port: {p}\n  protocol: {proto}\n")).collect();
@@ -360,7 +372,9 @@ pub fn wait_for_backends(
         if let Ok(maps) = BpfMaps::open_pinned(pin_root) {
             let entry = maps.services()?.into_iter().find(|(k, _)| display_key(k).to_string() == address);
             let have = match entry {
-                Some((_, v)) => Some(maps.backends(v.backends_start, v.backends_count)?.iter().map(backend_addr).collect::<Vec<_>>()),
+                Some((_, v)) => Some(
+                    maps.backends(v.backends_start, v.backends_count)?.iter().map(backend_addr).collect::<Vec<_>>(),
+                ),
                 None => None,
             };
             if ok(have.as_deref()) {

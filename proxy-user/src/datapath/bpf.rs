@@ -13,21 +13,17 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{
-        Array, HashMap, IterableMap as _, LpmTrie, Map, MapData, PerCpuArray,
-        lpm_trie::Key as LpmKey,
-    },
+    maps::{Array, HashMap, IterableMap as _, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Key as LpmKey},
     programs::{
         CgroupAttachMode, CgroupSockAddr, SchedClassifier, TcAttachType,
         cgroup_sock_addr::CgroupSockAddrLink,
-        tc::SchedClassifierLink,
         links::{FdLink, PinnedLink},
+        tc::SchedClassifierLink,
     },
     util::KernelVersion,
 };
 use proxy_common::{
-    Backend, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue, SourceRange, counter, defaults, map_names,
-    program_names,
+    Backend, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue, SourceRange, counter, defaults, map_names, program_names,
 };
 
 use super::{BatchError, Capacity, Maps};
@@ -130,51 +126,52 @@ pub struct BpfDatapath {
 /// Load the eBPF object with its maps created or reused under the pin directory; no program
 /// is loaded into the kernel yet.
 pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
-        if EBPF_OBJECT.is_empty() {
-            bail!("this kpr binary was built without its eBPF object (AYA_BUILD_SKIP); rebuild with `cargo xtask build`");
+    if EBPF_OBJECT.is_empty() {
+        bail!("this kpr binary was built without its eBPF object (AYA_BUILD_SKIP); rebuild with `cargo xtask build`");
+    }
+    let dir = pin_dir(&cfg.pin_root);
+    fs::create_dir_all(&dir)
+        .with_context(|| format!("failed to create the pin directory {} (is bpffs mounted?)", dir.display()))?;
+    // bpf_set_retval (ECONNREFUSED for services without endpoints) exists from 5.18 on.
+    let have_set_retval = u8::from(KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(5, 18, 0)));
+    let snat_addr = cfg.node_ips.first().map_or(0, |ip| u32::from(*ip).to_be());
+    let (cidr_addr, cidr_mask) = match cfg.cluster_cidr {
+        Some((addr, len)) if len > 0 => {
+            let mask = u32::MAX << (32 - u32::from(len.min(32)));
+            ((u32::from(addr) & mask).to_be(), mask.to_be())
         }
-        let dir = pin_dir(&cfg.pin_root);
-        fs::create_dir_all(&dir)
-            .with_context(|| format!("failed to create the pin directory {} (is bpffs mounted?)", dir.display()))?;
-        // bpf_set_retval (ECONNREFUSED for services without endpoints) exists from 5.18 on.
-        let have_set_retval = u8::from(KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(5, 18, 0)));
-        let snat_addr = cfg.node_ips.first().map_or(0, |ip| u32::from(*ip).to_be());
-        let (cidr_addr, cidr_mask) = match cfg.cluster_cidr {
-            Some((addr, len)) if len > 0 => {
-                let mask = u32::MAX << (32 - u32::from(len.min(32)));
-                ((u32::from(addr) & mask).to_be(), mask.to_be())
-            }
-            _ => (0, 0),
-        };
-        EbpfLoader::new()
-            .default_map_pin_directory(&dir)
-            .map_max_entries(map_names::SERVICES, cfg.max_service_ports)
-            .map_max_entries(map_names::BACKENDS, cfg.max_backends)
-            .map_max_entries(map_names::SOCK_REVNAT, cfg.max_sock_revnat)
-            .map_max_entries(map_names::CONNTRACK, cfg.max_conntrack)
-            .override_global("KPR_HAVE_SET_RETVAL", &have_set_retval, true)
-            .override_global("KPR_SNAT_ADDR", &snat_addr, true)
-            .override_global("KPR_CLUSTER_CIDR_ADDR", &cidr_addr, true)
-            .override_global("KPR_CLUSTER_CIDR_MASK", &cidr_mask, true)
-            .load(EBPF_OBJECT)
-            .map_err(|e| match e {
-                aya::EbpfError::MapError(aya::maps::MapError::PinError { .. }) | aya::EbpfError::MapError(_) => {
-                    anyhow::Error::new(e).context(format!(
-                        "failed to create or reuse the maps pinned in {}; if their sizes changed, \
+        _ => (0, 0),
+    };
+    EbpfLoader::new()
+        .default_map_pin_directory(&dir)
+        .map_max_entries(map_names::SERVICES, cfg.max_service_ports)
+        .map_max_entries(map_names::BACKENDS, cfg.max_backends)
+        .map_max_entries(map_names::SOCK_REVNAT, cfg.max_sock_revnat)
+        .map_max_entries(map_names::CONNTRACK, cfg.max_conntrack)
+        .override_global("KPR_HAVE_SET_RETVAL", &have_set_retval, true)
+        .override_global("KPR_SNAT_ADDR", &snat_addr, true)
+        .override_global("KPR_CLUSTER_CIDR_ADDR", &cidr_addr, true)
+        .override_global("KPR_CLUSTER_CIDR_MASK", &cidr_mask, true)
+        .load(EBPF_OBJECT)
+        .map_err(|e| match e {
+            aya::EbpfError::MapError(aya::maps::MapError::PinError { .. }) | aya::EbpfError::MapError(_) => {
+                anyhow::Error::new(e).context(format!(
+                    "failed to create or reuse the maps pinned in {}; if their sizes changed, \
                          `kpr cleanup --pin-root {}` removes them (and detaches kpr)",
-                        dir.display(),
-                        cfg.pin_root.display()
-                    ))
-                }
-                e => anyhow::Error::new(e).context("failed to load the eBPF object"),
-            })
+                    dir.display(),
+                    cfg.pin_root.display()
+                ))
+            }
+            e => anyhow::Error::new(e).context("failed to load the eBPF object"),
+        })
 }
 
 impl BpfDatapath {
     pub fn load(cfg: &DatapathConfig) -> Result<Self> {
         let mut ebpf = open_object(cfg)?;
         let dir = pin_dir(&cfg.pin_root);
-        let cgroup = File::open(&cfg.cgroup).with_context(|| format!("failed to open cgroup {}", cfg.cgroup.display()))?;
+        let cgroup =
+            File::open(&cfg.cgroup).with_context(|| format!("failed to open cgroup {}", cfg.cgroup.display()))?;
         start_ebpf_logger(&mut ebpf);
 
         for name in HOOKS {
@@ -227,7 +224,9 @@ fn attach_tc(ebpf: &mut Ebpf, dir: &Path, interfaces: &[String]) -> Result<()> {
         tracing::info!("no --interfaces: the per-packet (NodePort/external) datapath is off");
         return Ok(());
     }
-    for (name, attach_type) in [(program_names::TC_INGRESS, TcAttachType::Ingress), (program_names::TC_EGRESS, TcAttachType::Egress)] {
+    for (name, attach_type) in
+        [(program_names::TC_INGRESS, TcAttachType::Ingress), (program_names::TC_EGRESS, TcAttachType::Egress)]
+    {
         let prog: &mut SchedClassifier = ebpf
             .program_mut(name)
             .with_context(|| format!("program `{name}` missing from the eBPF object"))?
@@ -260,7 +259,9 @@ fn attach_tc(ebpf: &mut Ebpf, dir: &Path, interfaces: &[String]) -> Result<()> {
                 Ok(link) => {
                     link.pin(&link_path).with_context(|| format!("failed to pin {}", link_path.display()))?;
                 }
-                Err(_) => tracing::info!(interface = %iface, "attached as a netlink filter (no TCX): it stays after exit"),
+                Err(_) => {
+                    tracing::info!(interface = %iface, "attached as a netlink filter (no TCX): it stays after exit")
+                }
             }
         }
         tracing::info!(program = name, interfaces = ?interfaces, "per-packet datapath attached");
@@ -280,7 +281,8 @@ fn start_ebpf_logger(ebpf: &mut Ebpf) {
     };
     let _guard = runtime.enter();
     // SAFETY: the logger owns its map fd for as long as the AsyncFd lives.
-    let Ok(mut logger) = (unsafe { tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE) })
+    let Ok(mut logger) =
+        (unsafe { tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE) })
     else {
         return;
     };
@@ -352,7 +354,9 @@ impl Maps for BpfMaps {
                 }
                 Ok(())
             }
-            Err((e, done)) => Err(anyhow::Error::new(e).context(format!("batch write stopped after {done} backend slots"))),
+            Err((e, done)) => {
+                Err(anyhow::Error::new(e).context(format!("batch write stopped after {done} backend slots")))
+            }
         }
     }
 
@@ -377,7 +381,11 @@ impl Maps for BpfMaps {
             .map(|k| {
                 let k = k?;
                 let data = k.data();
-                Ok((u32::from_be(data.service_id), std::net::Ipv4Addr::from(u32::from_be(data.addr)), (k.prefix_len() - 32) as u8))
+                Ok((
+                    u32::from_be(data.service_id),
+                    std::net::Ipv4Addr::from(u32::from_be(data.addr)),
+                    (k.prefix_len() - 32) as u8,
+                ))
             })
             .collect()
     }
@@ -421,9 +429,7 @@ pub fn read_counters(pin_root: &Path) -> Result<Vec<(&'static str, u64)>> {
     let path = pin_dir(pin_root).join(map_names::COUNTERS);
     let map = MapData::from_pin(&path).with_context(|| format!("no pinned map {}", path.display()))?;
     let counters: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(map))?;
-    (0..counter::COUNT)
-        .map(|i| Ok((counter::NAMES[i as usize], counters.get(&i, 0)?.iter().sum())))
-        .collect()
+    (0..counter::COUNT).map(|i| Ok((counter::NAMES[i as usize], counters.get(&i, 0)?.iter().sum()))).collect()
 }
 
 /// Per-packet conntrack usage: (entries, capacity).

@@ -37,7 +37,11 @@ impl FakeMaps {
     /// What a connect to `key` could pick from right now.
     pub fn visible_backends(&self, key: &ServiceKey) -> Option<Vec<Backend>> {
         let v = self.services.get(key)?;
-        Some((v.backends_start..v.backends_start + v.backends_count).map(|i| self.backends[i as usize].unwrap_or_default()).collect())
+        Some(
+            (v.backends_start..v.backends_start + v.backends_count)
+                .map(|i| self.backends[i as usize].unwrap_or_default())
+                .collect(),
+        )
     }
 }
 
@@ -61,7 +65,11 @@ impl Maps for FakeMaps {
 
     fn set_backends(&mut self, writes: &[(u32, Backend)]) -> Result<()> {
         for (slot, b) in writes {
-            if let Some((key, _)) = self.services.iter().find(|(_, v)| *slot >= v.backends_start && *slot < v.backends_start + v.backends_count) {
+            if let Some((key, _)) = self
+                .services
+                .iter()
+                .find(|(_, v)| *slot >= v.backends_start && *slot < v.backends_start + v.backends_count)
+            {
                 self.violations.push(format!("wrote slot {slot} while {key:?} uses it"));
             }
             match self.backends.get_mut(*slot as usize) {

@@ -191,7 +191,9 @@ impl Programmer {
         for (key, want) in desired {
             let backends: Vec<Backend> = want.backends.iter().map(|(ip, port)| backend(*ip, *port)).collect();
             let old = self.programmed.get(key);
-            if old.is_some_and(|p| p.backends == backends && p.value.flags == want.flags && p.source_ranges == want.source_ranges) {
+            if old.is_some_and(|p| {
+                p.backends == backends && p.value.flags == want.flags && p.source_ranges == want.source_ranges
+            }) {
                 continue;
             }
             let old_ranges = old.map(|p| p.source_ranges.clone()).unwrap_or_default();
@@ -200,7 +202,14 @@ impl Programmer {
                 Ok(value) => {
                     new_entries += usize::from(old.is_none());
                     backend_writes.extend((value.backends_start..).zip(backends.iter().copied()));
-                    pending.push(Pending { key: *key, value, backends, old, old_ranges, ranges: want.source_ranges.clone() });
+                    pending.push(Pending {
+                        key: *key,
+                        value,
+                        backends,
+                        old,
+                        old_ranges,
+                        ranges: want.source_ranges.clone(),
+                    });
                 }
                 Err(e) => {
                     report.failed += 1;
@@ -247,7 +256,8 @@ impl Programmer {
                 if let Err(e) = maps.remove_source_ranges(p.value.service_id, &dropped) {
                     tracing::warn!(address = %display_key(&p.key), "failed to remove old source ranges: {e:#}");
                 }
-                self.programmed.insert(p.key, Programmed { value: p.value, backends: p.backends, source_ranges: p.ranges });
+                self.programmed
+                    .insert(p.key, Programmed { value: p.value, backends: p.backends, source_ranges: p.ranges });
             } else {
                 // Not written: give the reservation back; the old entry (if any) stays as it was.
                 if p.value.backends_count > 0 {
@@ -265,9 +275,18 @@ impl Programmer {
     }
 
     /// Room in the backend array and an id for a service port about to be (re)written.
-    fn reserve(&mut self, old: Option<ServiceValue>, backends: usize, flags: u32, new_so_far: usize) -> Result<ServiceValue> {
+    fn reserve(
+        &mut self,
+        old: Option<ServiceValue>,
+        backends: usize,
+        flags: u32,
+        new_so_far: usize,
+    ) -> Result<ServiceValue> {
         if old.is_none() && self.programmed.len() + new_so_far >= self.capacity.service_ports as usize {
-            bail!("the services map is full ({} service ports); raise --max-service-ports", self.capacity.service_ports);
+            bail!(
+                "the services map is full ({} service ports); raise --max-service-ports",
+                self.capacity.service_ports
+            );
         }
         let count = u32::try_from(backends)?;
         let start = if count == 0 {

@@ -16,7 +16,11 @@ fn key(n: u8) -> ServiceKey {
 
 fn port(n: u8, backends: &[u8]) -> DesiredPort {
     DesiredPort {
-        name: ServicePortName { service: ObjectKey::new("ns", format!("svc{n}")), port: String::new(), protocol: Protocol::Tcp },
+        name: ServicePortName {
+            service: ObjectKey::new("ns", format!("svc{n}")),
+            port: String::new(),
+            protocol: Protocol::Tcp,
+        },
         backends: backends.iter().map(|b| (Ipv4Addr::new(10, 0, 0, *b), 8080)).collect(),
         flags: 0,
         source_ranges: vec![],

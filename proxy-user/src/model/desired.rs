@@ -9,13 +9,11 @@ use std::{
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_common::{
-    IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_INTERNAL, SERVICE_FLAG_DROP_NO_ENDPOINTS,
-    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
+    IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_INTERNAL, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
+    SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
 };
 
-use super::{
-    NodeInfo, ObjectKey, Protocol, ServicePortName, Skip, TrafficPolicy, endpoints, service,
-};
+use super::{NodeInfo, ObjectKey, Protocol, ServicePortName, Skip, TrafficPolicy, endpoints, service};
 
 /// One datapath entry: a frontend (ClusterIP:port, external IP:port or NodePort) of a service
 /// port and the backends to pick from.
@@ -80,10 +78,16 @@ pub fn service_entries<'a>(
         };
         // loadBalancerSourceRanges filter the LoadBalancer IPs only, as in kube-proxy.
         let ranges = source_ranges(&sp.load_balancer_source_ranges, &sp.name, skipped);
-        let mut push = |ip: &IpAddr, port: u16, scope: u8, backends: &Vec<(Ipv4Addr, u16)>, flags: u32, ranges: &Vec<(Ipv4Addr, u8)>| {
+        let mut push = |ip: &IpAddr,
+                        port: u16,
+                        scope: u8,
+                        backends: &Vec<(Ipv4Addr, u16)>,
+                        flags: u32,
+                        ranges: &Vec<(Ipv4Addr, u8)>| {
             let IpAddr::V4(ip) = ip else { return }; // IPv6 frontends: the v6 datapath's job
             let flags = if ranges.is_empty() { flags } else { flags | SERVICE_FLAG_SOURCE_RANGES };
-            let port_entry = DesiredPort { name: sp.name.clone(), backends: backends.clone(), flags, source_ranges: ranges.clone() };
+            let port_entry =
+                DesiredPort { name: sp.name.clone(), backends: backends.clone(), flags, source_ranges: ranges.clone() };
             match frontend_key(*ip, port, sp.protocol, scope) {
                 Some(key) => out.push((key, port_entry)),
                 None => skipped.push((sp.name.port.clone(), Skip::UnsupportedProtocol(sp.protocol))),
@@ -116,7 +120,14 @@ pub fn service_entries<'a>(
                 push(ip, sp.port, SCOPE_EXTERNAL, &external, external_flags, &ranges);
             }
             if let Some(node_port) = sp.node_port {
-                push(&IpAddr::V4(Ipv4Addr::UNSPECIFIED), node_port, SCOPE_EXTERNAL, &external, external_flags, &no_ranges);
+                push(
+                    &IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+                    node_port,
+                    SCOPE_EXTERNAL,
+                    &external,
+                    external_flags,
+                    &no_ranges,
+                );
             }
             // The same frontends seen from inside: sockets on the node and (with
             // --cluster-cidr) pods reach them like the ClusterIP, with the cluster's endpoints

@@ -1,8 +1,5 @@
 //! EndpointSlices → endpoints per service port, and kube-proxy's `CategorizeEndpoints`.
-use std::{
-    collections::BTreeMap,
-    net::IpAddr,
-};
+use std::{collections::BTreeMap, net::IpAddr};
 
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
@@ -17,12 +14,7 @@ pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 /// The Service a slice belongs to (same namespace, `kubernetes.io/service-name` label).
 pub fn owning_service(slice: &EndpointSlice) -> Result<ObjectKey, Skip> {
     let slice_key = object_key(&slice.metadata).ok_or(Skip::Unnamed)?;
-    let name = slice
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|l| l.get(LABEL_SERVICE_NAME))
-        .ok_or(Skip::NoServiceLabel)?;
+    let name = slice.metadata.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME)).ok_or(Skip::NoServiceLabel)?;
     Ok(ObjectKey::new(slice_key.namespace, name.clone()))
 }
 
@@ -47,7 +39,8 @@ pub fn endpoints_by_port<'a>(
         for slice_port in slice.ports.iter().flatten() {
             let name = slice_port.name.clone().unwrap_or_default();
             let Some(protocol) = Protocol::parse(slice_port.protocol.as_deref()) else {
-                skipped.push((slice_name.clone(), Skip::UnknownProtocol(slice_port.protocol.clone().unwrap_or_default())));
+                skipped
+                    .push((slice_name.clone(), Skip::UnknownProtocol(slice_port.protocol.clone().unwrap_or_default())));
                 continue;
             };
             let port_number = match slice_port.port.map(port) {
@@ -272,8 +265,8 @@ endpoints:
         let sp = service_port();
         let eps = [
             ep("10.0.0.1", true, true, false, false),
-            ep("10.0.0.2", false, true, true, false),  // serving, terminating
-            ep("10.0.0.3", false, false, true, false), // terminating, not serving
+            ep("10.0.0.2", false, true, true, false),   // serving, terminating
+            ep("10.0.0.3", false, false, true, false),  // terminating, not serving
             ep("10.0.0.4", false, false, false, false), // not ready
         ];
         assert_eq!(ips(&categorize(&eps, &sp, &node()).cluster), ["10.0.0.1"]);

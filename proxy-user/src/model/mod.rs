@@ -172,7 +172,11 @@ pub(crate) mod tests {
     /// A plain ClusterIP service port (traffic policies Cluster).
     pub fn service_port() -> ServicePort {
         ServicePort {
-            name: ServicePortName { service: ObjectKey::new("ns", "svc"), port: String::new(), protocol: Protocol::Tcp },
+            name: ServicePortName {
+                service: ObjectKey::new("ns", "svc"),
+                port: String::new(),
+                protocol: Protocol::Tcp,
+            },
             cluster_ips: vec!["10.96.0.1".parse().unwrap()],
             port: 80,
             protocol: Protocol::Tcp,

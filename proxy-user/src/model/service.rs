@@ -10,8 +10,7 @@ pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-
 /// Label of headless services (and their slices); kube-proxy skips them.
 pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 /// Label selector kube-proxy's informers use for both Services and EndpointSlices.
-pub const PROXY_LABEL_SELECTOR: &str =
-    "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
+pub const PROXY_LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
 
 /// Default `sessionAffinityConfig.clientIP.timeoutSeconds`.
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
@@ -30,9 +29,7 @@ pub fn object_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectM
 
 /// True when kube-proxy ignores the object because of its labels (the informers' selector).
 pub fn ignored_by_labels(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> bool {
-    meta.labels
-        .as_ref()
-        .is_some_and(|l| l.contains_key(LABEL_SERVICE_PROXY_NAME) || l.contains_key(LABEL_HEADLESS))
+    meta.labels.as_ref().is_some_and(|l| l.contains_key(LABEL_SERVICE_PROXY_NAME) || l.contains_key(LABEL_HEADLESS))
 }
 
 /// The service ports kube-proxy would program for `service`. Headless, ExternalName and

@@ -23,7 +23,8 @@ use crate::model::{NodeInfo, ObjectKey, service::PROXY_LABEL_SELECTOR};
 pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
     let config = match kubeconfig {
         Some(path) => {
-            let kc = Kubeconfig::read_from(path).with_context(|| format!("failed to read kubeconfig {}", path.display()))?;
+            let kc =
+                Kubeconfig::read_from(path).with_context(|| format!("failed to read kubeconfig {}", path.display()))?;
             Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?
         }
         None => Config::infer().await.context("no kubeconfig and not running in a cluster")?,
@@ -82,10 +83,7 @@ where
     K: Resource<DynamicType = ()> + Clone + Debug + serde::de::DeserializeOwned + Send + 'static,
 {
     let kind = K::kind(&());
-    let mut stream = watcher(api, config)
-        .default_backoff()
-        .modify(|o| o.managed_fields_mut().clear())
-        .boxed();
+    let mut stream = watcher(api, config).default_backoff().modify(|o| o.managed_fields_mut().clear()).boxed();
     // Objects of a (re)list, delivered as one replacement when the list is complete.
     let mut listing: Option<Vec<K>> = None;
     loop {
@@ -113,9 +111,7 @@ where
                 listed(all)
             }
             watcher::Event::Apply(obj) => applied(obj),
-            watcher::Event::Delete(obj) => {
-                deleted(ObjectKey::new(obj.namespace().unwrap_or_default(), obj.name_any()))
-            }
+            watcher::Event::Delete(obj) => deleted(ObjectKey::new(obj.namespace().unwrap_or_default(), obj.name_any())),
         };
         if tx.send(out).await.is_err() {
             return Ok(());

@@ -66,7 +66,12 @@ fn load_text(text: &str, origin: &str, out: &mut Loaded, seen: &mut BTreeSet<(&'
     }
 }
 
-fn load_value(value: serde_yaml::Value, origin: &str, out: &mut Loaded, seen: &mut BTreeSet<(&'static str, ObjectKey)>) {
+fn load_value(
+    value: serde_yaml::Value,
+    origin: &str,
+    out: &mut Loaded,
+    seen: &mut BTreeSet<(&'static str, ObjectKey)>,
+) {
     if value.is_null() {
         return;
     }
@@ -118,9 +123,7 @@ pub async fn run(dir: PathBuf, tx: mpsc::Sender<SourceEvent>) -> Result<()> {
             let _ = changed_tx.send(());
         }
     })?;
-    watcher
-        .watch(&dir, RecursiveMode::NonRecursive)
-        .with_context(|| format!("failed to watch {}", dir.display()))?;
+    watcher.watch(&dir, RecursiveMode::NonRecursive).with_context(|| format!("failed to watch {}", dir.display()))?;
     loop {
         let loaded = load_dir(&dir)?;
         tracing::info!(
@@ -168,7 +171,8 @@ mod tests {
         write(&dir, "a.yaml", &format!("{SERVICE}---\n{SLICE}"));
         let list = format!(
             "apiVersion: v1\nkind: List\nitems:\n- {}",
-            serde_json::to_string(&serde_yaml::from_str::<serde_yaml::Value>(&SERVICE.replace("web", "api")).unwrap()).unwrap()
+            serde_json::to_string(&serde_yaml::from_str::<serde_yaml::Value>(&SERVICE.replace("web", "api")).unwrap())
+                .unwrap()
         );
         write(&dir, "b.json", &list);
         write(&dir, "c.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: broken}\nspec: {ports: not-a-list}\n");
