@@ -14,6 +14,9 @@ use kpr::{
     testbed::{self, Cgroup, Topology},
 };
 
+pub mod cluster;
+pub mod probe;
+
 /// Port the pods serve on (TCP and UDP).
 pub const POD_PORT: u16 = 8080;
 pub const TIMEOUT: Duration = Duration::from_secs(2);
@@ -31,6 +34,8 @@ pub struct Harness {
     pub cgroup: Cgroup,
     pub pin_root: PathBuf,
     pub manifests: PathBuf,
+    /// When set, the agent watches the API server of this kubeconfig instead of `manifests`.
+    pub kubeconfig: Option<PathBuf>,
     pub topology: Topology,
 }
 
@@ -47,20 +52,23 @@ impl Harness {
         let mut cgroup = Cgroup::new(&name)?;
         cgroup.enter()?;
         let pin_root = PathBuf::from(format!("/sys/fs/bpf/{name}"));
-        Ok(Self { name, agent: None, cgroup, pin_root, manifests, topology })
+        Ok(Self { name, agent: None, cgroup, pin_root, manifests, kubeconfig: None, topology })
     }
 
     pub fn log_path(&self) -> PathBuf {
         std::env::temp_dir().join(format!("{}.agent.log", self.name))
     }
 
-    /// Start `kpr agent` on this harness's manifests, cgroup and pins.
+    /// Start `kpr agent` on this harness's manifests (or kubeconfig), cgroup and pins.
     pub fn start_agent(&mut self) -> Result<()> {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log_path())?;
+        let source = match &self.kubeconfig {
+            Some(kubeconfig) => ["--kubeconfig".as_ref(), kubeconfig.as_os_str()],
+            None => ["--manifests".as_ref(), self.manifests.as_os_str()],
+        };
         let child = Command::new(kpr_bin())
             .arg("agent")
-            .arg("--manifests")
-            .arg(&self.manifests)
+            .args(source)
             .arg("--cgroup")
             .arg(&self.cgroup.path)
             .arg("--pin-root")
@@ -115,7 +123,11 @@ impl Harness {
 
     /// Wait until `address` (`10.96.0.10:80/TCP`) has `backends` backends (`None`: absent).
     pub fn wait(&self, address: &str, backends: Option<usize>) -> Result<()> {
-        testbed::wait_programmed(&self.pin_root, address, backends, Duration::from_secs(10))
+        self.wait_for(address, backends, Duration::from_secs(10))
+    }
+
+    pub fn wait_for(&self, address: &str, backends: Option<usize>, timeout: Duration) -> Result<()> {
+        testbed::wait_programmed(&self.pin_root, address, backends, timeout)
             .with_context(|| format!("agent log:\n{}", std::fs::read_to_string(self.log_path()).unwrap_or_default()))
     }
 

@@ -2,6 +2,7 @@
 //!
 //! xtask itself builds with whatever stable Rust the machine has; every other crate builds with
 //! the pinned toolchain (`toolchain.pin`), which `setup` installs.
+mod cluster;
 mod setup;
 
 use std::{
@@ -43,6 +44,13 @@ enum Cmd {
         /// Only run tests whose name contains this filter.
         filter: Option<String>,
     },
+    /// Start a local control plane (etcd + kube-apiserver on 127.0.0.1, built from tools/k8s),
+    /// write its admin kubeconfig, and keep it up until Ctrl-C; everything is removed on exit.
+    /// Extra arguments after `--` go to `kpr-cluster` (see its `--help`).
+    Cluster {
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
     /// Run the benchmarks (release build); prints numbers and writes target/bench/*.json.
     Bench {
         /// Extra arguments for the benchmark program (see `--help` of kpr-bench).
@@ -81,6 +89,15 @@ fn main() -> Result<()> {
             let env = setup::ensure_all(&root)?;
             test(&root, &env, filter.as_deref())
         }
+        Cmd::Cluster { args } => {
+            let env = setup::ensure_all(&root)?;
+            let k8s_bin = cluster::ensure_k8s_binaries(&root)?;
+            run(env
+                .cargo(&root)
+                .args(["run", "--package", "kpr-tests", "--bin", "kpr-cluster", "--"])
+                .env("KPR_K8S_BIN", k8s_bin)
+                .args(args))
+        }
         Cmd::Bench { args } => {
             let env = setup::ensure_all(&root)?;
             build(&root, &env, true)?;
@@ -115,10 +132,13 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>) -> Result<()> {
     if !setup::is_root() {
         bail!("the privileged tests need root (network namespaces, cgroups, BPF)");
     }
+    // The control plane and kube-proxy of the API-server tests, built once per pin.
+    let k8s_bin = cluster::ensure_k8s_binaries(root)?;
     let mut privileged = env.cargo(root);
     privileged
         .args(["test", "--package", "kpr-tests", "--", "--test-threads=1"])
-        .env("KPR_BIN", target_bin(root, false, "kpr"));
+        .env("KPR_BIN", target_bin(root, false, "kpr"))
+        .env("KPR_K8S_BIN", k8s_bin);
     if let Some(filter) = filter {
         privileged.arg(filter);
     }

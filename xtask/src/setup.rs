@@ -3,7 +3,10 @@
 //! - the pinned Rust toolchain with `rust-src` (rustup does not auto-install it here);
 //! - `bpf-linker`, built against the LLVM that the pinned toolchain ships (the linker must use the
 //!   same LLVM major as rustc's bitcode, and no prebuilt linker can be downloaded);
-//! - Debian packages the tests and demo use (`bpftool`, `iproute2`);
+//! - Debian packages the tests and demo use (`bpftool`, `iproute2`; `iptables`, `nftables`,
+//!   `conntrack` and `openssl` for the control plane and kube-proxy tests);
+//! - the test control plane, built from `tools/k8s` by `cluster::ensure_k8s_binaries` (called
+//!   by `cargo xtask test` and `cargo xtask cluster`);
 //! - bpffs at /sys/fs/bpf and a cgroup2 mount.
 use std::{
     fs,
@@ -145,7 +148,17 @@ fn ensure_bpf_linker(root: &Path, toolchain: &str) -> Result<PathBuf> {
 
 /// Debian packages used by the tests, the demo and for inspection.
 fn ensure_packages() -> Result<()> {
-    let wanted = [("bpftool", "bpftool"), ("ip", "iproute2")];
+    // iptables, nftables and conntrack: the real kube-proxy, run as kpr's peer in the tests.
+    let wanted = [
+        ("bpftool", "bpftool"),
+        ("ip", "iproute2"),
+        ("iptables", "iptables"),
+        ("nft", "nftables"),
+        ("conntrack", "conntrack"),
+        ("openssl", "openssl"),
+        // iperf3: the NodePort throughput benchmark.
+        ("iperf3", "iperf3"),
+    ];
     let missing: Vec<&str> = wanted
         .iter()
         .filter(|(cmd, _)| !on_path(cmd))

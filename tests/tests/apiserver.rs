@@ -1,0 +1,308 @@
+//! kpr against a real Kubernetes API server (etcd + kube-apiserver built from `tools/k8s`, on
+//! 127.0.0.1, started by each test): Services get their ClusterIP from the API server, the test
+//! writes EndpointSlices as the EndpointSlice controller would, and the real agent watches them
+//! through `--kubeconfig`. Needs root; `cargo xtask test` runs it (and builds the control plane).
+use std::{
+    collections::BTreeMap,
+    io::{BufRead as _, BufReader, ErrorKind, Write as _},
+    net::{Ipv4Addr, SocketAddr, TcpStream},
+    time::Duration,
+};
+
+use kpr::testbed::{tcp_ask, udp_ask};
+use kpr_tests::{Harness, POD_PORT, TIMEOUT, cluster::Cluster, sa};
+
+const HTTP: (&str, u16, &str) = ("http", 80, "TCP");
+const DNS: (&str, u16, &str) = ("dns", 53, "UDP");
+/// Watches resume after a backoff; programming must happen well within this.
+const RESUME: Duration = Duration::from_secs(60);
+
+/// A control plane, and the harness (pods, cgroup, agent) with the agent on its kubeconfig.
+/// The cluster is created first, so its processes stay out of the harness's cgroup.
+struct Env {
+    h: Harness,
+    c: Cluster,
+}
+
+impl Env {
+    fn new(tag: &str, pods: &[&str]) -> Self {
+        let c = Cluster::start(tag).expect("control plane");
+        c.apply("apiVersion: v1\nkind: Namespace\nmetadata: {name: test}\n").unwrap();
+        let mut h = Harness::new(tag, pods).expect("harness");
+        h.kubeconfig = Some(c.admin_kubeconfig.clone());
+        Self { h, c }
+    }
+
+    /// Create or update Service `name` (ClusterIP allocated by the API server); its ClusterIP.
+    fn service(&self, name: &str, ports: &[(&str, u16, &str)]) -> Ipv4Addr {
+        let ports: String = ports
+            .iter()
+            .map(|(n, p, proto)| format!("  - {{name: {n}, port: {p}, protocol: {proto}, targetPort: {POD_PORT}}}\n"))
+            .collect();
+        self.c
+            .apply(&format!("apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: test}}\nspec:\n  ports:\n{ports}"))
+            .unwrap();
+        self.c.cluster_ip("test", name).unwrap()
+    }
+
+    /// The EndpointSlice of `service`, as the EndpointSlice controller writes it: ready pods `pods`.
+    fn endpoints(&self, service: &str, ports: &[(&str, u16, &str)], pods: &[usize]) {
+        let ips: Vec<Ipv4Addr> = pods.iter().map(|&i| self.h.topology.pods[i].ip).collect();
+        let slice_ports: Vec<(&str, u16, &str)> = ports.iter().map(|(n, _, p)| (*n, POD_PORT, *p)).collect();
+        self.c.apply(&kpr::testbed::slice_manifest("test", service, &format!("{service}-abc12"), &ips, &slice_ports)).unwrap();
+    }
+
+    fn wait(&self, address: &str, backends: Option<usize>) {
+        self.h.wait_for(address, backends, RESUME).unwrap();
+    }
+
+    /// Who answers `n` new TCP connections to `ip:80`.
+    fn tcp_spread(&self, ip: Ipv4Addr, n: usize) -> BTreeMap<String, usize> {
+        self.h.client(move || {
+            let mut seen = BTreeMap::new();
+            for _ in 0..n {
+                let (name, _) = tcp_ask(sa(ip, 80), TIMEOUT).expect("TCP through the ClusterIP");
+                *seen.entry(name).or_insert(0) += 1;
+            }
+            seen
+        })
+    }
+
+    fn open_connection(&self, ip: Ipv4Addr) -> (String, TcpStream) {
+        self.h.client(move || {
+            let conn = TcpStream::connect_timeout(&sa(ip, 80).into(), TIMEOUT).unwrap();
+            conn.set_read_timeout(Some(TIMEOUT)).unwrap();
+            let mut line = String::new();
+            BufReader::new(&conn).read_line(&mut line).unwrap();
+            (line.trim_end().to_owned(), conn)
+        })
+    }
+
+    fn agent_log(&self) -> String {
+        std::fs::read_to_string(self.h.log_path()).unwrap_or_default()
+    }
+}
+
+fn assert_echoes(conn: &mut TcpStream, payload: &str) {
+    conn.write_all(format!("{payload}\n").as_bytes()).unwrap();
+    let mut line = String::new();
+    BufReader::new(&*conn).read_line(&mut line).expect("echo over the established connection");
+    assert_eq!(line.trim_end(), payload);
+}
+
+fn in_service_range(ip: Ipv4Addr) -> bool {
+    let [a, b, ..] = ip.octets();
+    (a, b) == (10, 96) && ip != Ipv4Addr::new(10, 96, 0, 1)
+}
+
+#[test]
+fn api_allocated_cluster_ip_reaches_the_pods() {
+    let mut env = Env::new("ka-basic", &["pod-a", "pod-b", "pod-c"]);
+    let ip = env.service("web", &[HTTP, DNS]);
+    assert!(in_service_range(ip), "allocated {ip}");
+    env.endpoints("web", &[HTTP, DNS], &[0, 1, 2]);
+    env.h.start_agent().unwrap();
+    env.wait(&format!("{ip}:80/TCP"), Some(3));
+    env.wait(&format!("{ip}:53/UDP"), Some(3));
+    // The API server's own `default/kubernetes` service (10.96.0.1) is listed too; with no
+    // EndpointSlice controller here it has no slice, so it refuses connections.
+    env.wait("10.96.0.1:443/TCP", Some(0));
+
+    let pods: Vec<String> = (0..3).map(|i| env.h.pod_name(i)).collect();
+    let (tcp, udp) = env.h.client(move || (tcp_ask(sa(ip, 80), TIMEOUT).unwrap(), udp_ask(sa(ip, 53), TIMEOUT).unwrap()));
+    assert!(pods.contains(&tcp.0), "TCP answered by {}", tcp.0);
+    assert_eq!(tcp.1, SocketAddr::from(sa(ip, 80)), "getpeername shows the allocated ClusterIP");
+    assert!(pods.contains(&udp.0), "UDP answered by {}", udp.0);
+    assert_eq!(udp.1, SocketAddr::from(sa(ip, 53)), "recvfrom shows the ClusterIP");
+    assert_eq!(env.tcp_spread(ip, 60).len(), 3, "every pod answers");
+    assert!(env.h.agent_running());
+    assert!(env.agent_log().contains("initial sync done"), "{}", env.agent_log());
+}
+
+#[test]
+fn scale_change_port_and_delete_through_the_api() {
+    let mut env = Env::new("ka-change", &["pod-a", "pod-b", "pod-c"]);
+    let ip = env.service("web", &[HTTP]);
+    env.endpoints("web", &[HTTP], &[0, 1, 2]);
+    env.h.start_agent().unwrap();
+    let addr = format!("{ip}:80/TCP");
+    env.wait(&addr, Some(3));
+    let (first, mut conn) = env.open_connection(ip);
+
+    // Scale down to one pod that is not the one of the open connection.
+    let keep = (0..3).find(|&i| env.h.pod_name(i) != first).unwrap();
+    env.endpoints("web", &[HTTP], &[keep]);
+    env.wait(&addr, Some(1));
+    let seen = env.tcp_spread(ip, 20);
+    assert_eq!(seen.keys().collect::<Vec<_>>(), [&env.h.pod_name(keep)], "scaled down: {seen:?}");
+    assert_echoes(&mut conn, "after-scale-down");
+
+    // Scale up again.
+    env.endpoints("web", &[HTTP], &[0, 1, 2]);
+    env.wait(&addr, Some(3));
+    assert_eq!(env.tcp_spread(ip, 60).len(), 3);
+
+    // Change the service port: 80 → 8000. The ClusterIP stays; the old port is gone.
+    env.c
+        .apply(&format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: test}}\nspec:\n  ports:\n  - {{name: http, port: 8000, protocol: TCP, targetPort: {POD_PORT}}}\n"
+        ))
+        .unwrap();
+    assert_eq!(env.c.cluster_ip("test", "web").unwrap(), ip);
+    env.wait(&format!("{ip}:8000/TCP"), Some(3));
+    env.wait(&addr, None);
+    let (name, peer) = env.h.client(move || tcp_ask(sa(ip, 8000), TIMEOUT).unwrap());
+    assert!(name.starts_with("pod-"), "{name}");
+    assert_eq!(peer, SocketAddr::from(sa(ip, 8000)));
+    let err = env.h.client(move || TcpStream::connect_timeout(&sa(ip, 80).into(), TIMEOUT).map(drop)).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENETUNREACH), "old port is no longer translated: {err}");
+
+    // Delete the service.
+    env.c.kubectl(&["delete", "service", "-n", "test", "web"]).unwrap();
+    env.wait(&format!("{ip}:8000/TCP"), None);
+    let err = env.h.client(move || TcpStream::connect_timeout(&sa(ip, 8000).into(), TIMEOUT).map(drop)).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENETUNREACH), "{err}");
+    assert_echoes(&mut conn, "after-delete");
+}
+
+#[test]
+fn api_server_and_etcd_restart_keeps_serving_and_resumes_the_watch() {
+    let mut env = Env::new("ka-restart", &["pod-a", "pod-b", "pod-c"]);
+    let ip = env.service("web", &[HTTP]);
+    env.endpoints("web", &[HTTP], &[0, 1, 2]);
+    env.h.start_agent().unwrap();
+    let addr = format!("{ip}:80/TCP");
+    env.wait(&addr, Some(3));
+    let (_, mut conn) = env.open_connection(ip);
+
+    env.c.stop();
+    // kpr keeps serving the last known state while the API server is gone.
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(env.h.agent_running(), "the agent survives the outage:\n{}", env.agent_log());
+    assert_eq!(env.tcp_spread(ip, 60).len(), 3, "new connections still balance during the outage");
+    assert_echoes(&mut conn, "during-outage");
+    env.h.wait(&addr, Some(3)).unwrap();
+
+    env.c.restart().unwrap();
+    // Changes made as soon as the API server is back, while the agent's watch is still
+    // backing off: scale down, and a new service.
+    env.endpoints("web", &[HTTP], &[1]);
+    let ip2 = env.service("second", &[HTTP]);
+    env.endpoints("second", &[HTTP], &[2]);
+    env.wait(&addr, Some(1));
+    env.wait(&format!("{ip2}:80/TCP"), Some(1));
+    let seen = env.tcp_spread(ip, 20);
+    assert_eq!(seen.keys().collect::<Vec<_>>(), [&env.h.pod_name(1)], "{seen:?}");
+    let (name, _) = env.h.client(move || tcp_ask(sa(ip2, 80), TIMEOUT).unwrap());
+    assert_eq!(name, env.h.pod_name(2));
+    assert_echoes(&mut conn, "after-restart");
+    assert!(env.h.agent_running());
+    assert!(env.agent_log().contains("watch failed, retrying"), "the outage was noticed:\n{}", env.agent_log());
+}
+
+#[test]
+fn agent_started_while_the_api_server_is_down_waits_and_serves_nothing_stale() {
+    let mut env = Env::new("ka-down", &["pod-a", "pod-b"]);
+    let ip = env.service("web", &[HTTP]);
+    env.endpoints("web", &[HTTP], &[0, 1]);
+    let gone = env.service("gone", &[HTTP]);
+    env.endpoints("gone", &[HTTP], &[0]);
+    env.h.start_agent().unwrap();
+    env.wait(&format!("{ip}:80/TCP"), Some(2));
+    env.wait(&format!("{gone}:80/TCP"), Some(1));
+
+    // The agent goes away; meanwhile the cluster changes, then the API server goes down.
+    env.h.kill_agent().unwrap();
+    env.c.kubectl(&["delete", "service", "-n", "test", "gone"]).unwrap();
+    env.endpoints("web", &[HTTP], &[1]);
+    env.c.stop();
+
+    // A new agent while the API server is down: it stays up, retries, and changes nothing
+    // (like kube-proxy's rules, the pinned state stays until a full list has arrived).
+    let before = env.agent_log().len();
+    env.h.start_agent().unwrap();
+    std::thread::sleep(Duration::from_secs(5));
+    assert!(env.h.agent_running(), "the agent waits for the API server:\n{}", env.agent_log());
+    env.h.wait(&format!("{ip}:80/TCP"), Some(2)).unwrap();
+    env.h.wait(&format!("{gone}:80/TCP"), Some(1)).unwrap();
+    let log = env.agent_log()[before..].to_owned();
+    assert!(log.contains("recovered_service_ports="), "the new agent took over the pins:\n{log}");
+    assert!(!log.contains("initial sync done"), "nothing synced without the API:\n{log}");
+
+    // The API server comes back: the agent lists and drops what is stale.
+    env.c.restart().unwrap();
+    env.wait(&format!("{gone}:80/TCP"), None);
+    env.wait(&format!("{ip}:80/TCP"), Some(1));
+    let seen = env.tcp_spread(ip, 20);
+    assert_eq!(seen.keys().collect::<Vec<_>>(), [&env.h.pod_name(1)], "{seen:?}");
+    let err = env.h.client(move || TcpStream::connect_timeout(&sa(gone, 80).into(), TIMEOUT).map(drop)).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENETUNREACH), "deleted service is not translated: {err}");
+}
+
+#[test]
+fn agent_on_fresh_pins_while_the_api_server_is_down_programs_nothing_until_it_is_up() {
+    let mut env = Env::new("ka-fresh", &["pod-a"]);
+    let ip = env.service("web", &[HTTP]);
+    env.endpoints("web", &[HTTP], &[0]);
+    env.c.stop();
+    env.h.start_agent().unwrap();
+    std::thread::sleep(Duration::from_secs(5));
+    assert!(env.h.agent_running(), "the agent waits for the API server:\n{}", env.agent_log());
+    let programmed = kpr::datapath::bpf::BpfMaps::open_pinned(&env.h.pin_root)
+        .and_then(|m| kpr::datapath::Maps::services(&m))
+        .map(|s| s.len());
+    assert_eq!(programmed.unwrap(), 0, "nothing programmed before the lists arrive");
+    let err = env.h.client(move || TcpStream::connect_timeout(&sa(ip, 80).into(), TIMEOUT).map(drop)).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENETUNREACH), "{err}");
+
+    env.c.restart().unwrap();
+    env.wait(&format!("{ip}:80/TCP"), Some(1));
+    let (name, _) = env.h.client(move || tcp_ask(sa(ip, 80), TIMEOUT).unwrap());
+    assert_eq!(name, "pod-a");
+}
+
+#[test]
+fn rbac_the_agent_works_with_only_the_service_account_of_deploy_rbac_yaml() {
+    let mut env = Env::new("ka-rbac", &["pod-a", "pod-b"]);
+    let rbac = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/rbac.yaml")).unwrap();
+    env.c.apply(&rbac).unwrap();
+    let token = env.c.kubectl(&["create", "token", "kpr", "-n", "kube-system", "--duration=1h"]).unwrap();
+    let kubeconfig = env.c.kubeconfig_for_token("kpr-sa.kubeconfig", token.trim()).unwrap();
+
+    let can = |args: &[&str]| -> bool {
+        let mut full = vec!["auth", "can-i"];
+        full.extend_from_slice(args);
+        // `can-i` exits 1 with "no".
+        env.c.kubectl_as(&kubeconfig, &full, None).map(|o| o.trim() == "yes").unwrap_or(false)
+    };
+    assert!(can(&["watch", "services", "--all-namespaces"]));
+    assert!(can(&["list", "endpointslices.discovery.k8s.io", "--all-namespaces"]));
+    assert!(can(&["get", "nodes"]));
+    assert!(!can(&["create", "services", "-n", "test"]), "no writes");
+    assert!(!can(&["update", "endpointslices.discovery.k8s.io", "-n", "test"]), "no writes");
+    assert!(!can(&["list", "secrets", "--all-namespaces"]), "no secrets");
+    assert!(!can(&["list", "pods", "--all-namespaces"]), "no pods");
+    let whoami = env.c.kubectl_as(&kubeconfig, &["auth", "whoami", "-o", "jsonpath={.status.userInfo.username}"], None).unwrap();
+    assert_eq!(whoami, "system:serviceaccount:kube-system:kpr");
+
+    let ip = env.service("web", &[HTTP]);
+    env.endpoints("web", &[HTTP], &[0, 1]);
+    env.h.kubeconfig = Some(kubeconfig);
+    env.h.start_agent().unwrap();
+    env.wait(&format!("{ip}:80/TCP"), Some(2));
+    assert_eq!(env.tcp_spread(ip, 40).len(), 2);
+    env.endpoints("web", &[HTTP], &[1]);
+    env.wait(&format!("{ip}:80/TCP"), Some(1));
+    let log = env.agent_log();
+    assert!(!log.to_lowercase().contains("forbidden"), "the agent needed more than deploy/rbac.yaml grants:\n{log}");
+}
+
+#[test]
+fn services_without_endpoints_from_the_api_refuse_connections() {
+    let mut env = Env::new("ka-refuse", &["pod-a"]);
+    let ip = env.service("web", &[HTTP]);
+    env.h.start_agent().unwrap();
+    env.wait(&format!("{ip}:80/TCP"), Some(0));
+    let err = env.h.client(move || TcpStream::connect_timeout(&sa(ip, 80).into(), TIMEOUT).map(drop)).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::ConnectionRefused);
+}

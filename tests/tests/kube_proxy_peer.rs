@@ -1,0 +1,323 @@
+//! Differential tests: the real kube-proxy (iptables and nftables modes, built from
+//! `tools/k8s`) and kpr watch the same API server; a table of scenarios is applied once, and the
+//! same client requests go through each. What the clients observe — which backends answer, the
+//! error when none does, the address the client sees — must agree, apart from the differences
+//! kpr intends, listed in [`INTENDED`] with the reason.
+//!
+//! Two copies of the same pods (same names, same addresses) hang off two "node" namespaces:
+//! kube-proxy runs in one (the client runs beside it, outside kpr's cgroup), kpr's client runs
+//! in the other, inside kpr's cgroup. Needs root; `cargo xtask test` runs it.
+use std::{
+    collections::BTreeSet,
+    net::{Ipv4Addr, SocketAddrV4},
+    path::PathBuf,
+    time::Duration,
+};
+
+use kpr::testbed::{NameServer, Topology};
+use kpr_tests::{
+    Harness, POD_PORT,
+    cluster::{Cluster, KubeProxy, unix_now},
+    probe::{Kind, Outcome, probe_in},
+};
+
+const PODS: [&str; 3] = ["pod-a", "pod-b", "pod-c"];
+/// Second port the pods serve (TCP and UDP), answering `<pod>:8081`.
+const ALT_PORT: u16 = 8081;
+const PROBE_TIMEOUT: Duration = Duration::from_millis(1500);
+
+/// An endpoint: pod index and conditions (ready, serving, terminating); `None` = unset.
+#[derive(Clone, Copy)]
+struct Ep(usize, Option<bool>, Option<bool>, Option<bool>);
+const READY: fn(usize) -> Ep = |i| Ep(i, Some(true), Some(true), Some(false));
+const NOT_READY: fn(usize) -> Ep = |i| Ep(i, Some(false), Some(false), Some(false));
+const TERMINATING_SERVING: fn(usize) -> Ep = |i| Ep(i, Some(false), Some(true), Some(true));
+const TERMINATING_NOT_SERVING: fn(usize) -> Ep = |i| Ep(i, Some(false), Some(false), Some(true));
+
+/// What a probe must observe (on both sides, unless an intended difference says otherwise).
+#[derive(Clone, Debug, PartialEq)]
+enum Expect {
+    /// Exactly these backends answer, and the client sees the ClusterIP:port as its peer.
+    Backends(&'static [&'static str]),
+    /// Every attempt fails with these `stage:ERRNO` kinds.
+    Errors(&'static [&'static str]),
+}
+
+struct Scenario {
+    service: &'static str,
+    /// Service ports: (name, port, protocol).
+    ports: &'static [(&'static str, u16, &'static str)],
+    /// EndpointSlice ports: (name, port, protocol); `None`: no slice at all.
+    slice_ports: Option<&'static [(&'static str, u16, &'static str)]>,
+    endpoints: Vec<Ep>,
+    /// (kind, service port, expected outcome).
+    probes: &'static [(Kind, u16, Expect)],
+}
+
+fn scenarios() -> Vec<Scenario> {
+    use Expect::*;
+    use Kind::*;
+    const TCP80: &[(&str, u16, &str)] = &[("http", 80, "TCP")];
+    const SLICE_TCP: &[(&str, u16, &str)] = &[("http", POD_PORT, "TCP")];
+    const REFUSED_TCP: &[(Kind, u16, Expect)] = &[(Tcp, 80, Errors(&["connect:ECONNREFUSED"]))];
+    vec![
+        Scenario {
+            service: "tcp",
+            ports: TCP80,
+            slice_ports: Some(SLICE_TCP),
+            endpoints: vec![READY(0), READY(1), READY(2)],
+            probes: &[(Tcp, 80, Backends(&["pod-a", "pod-b", "pod-c"]))],
+        },
+        Scenario {
+            service: "udp",
+            ports: &[("dns", 53, "UDP")],
+            slice_ports: Some(&[("dns", POD_PORT, "UDP")]),
+            endpoints: vec![READY(0), READY(2)],
+            probes: &[(Udp, 53, Backends(&["pod-a", "pod-c"])), (UdpConnected, 53, Backends(&["pod-a", "pod-c"]))],
+        },
+        // Named ports: the slice lists them in another order, with another unrelated port;
+        // the join is by name (+ protocol), the number comes from the slice.
+        Scenario {
+            service: "multi",
+            ports: &[("web", 80, "TCP"), ("alt", 81, "TCP"), ("alt-udp", 81, "UDP")],
+            slice_ports: Some(&[("metrics", 9999, "TCP"), ("alt-udp", ALT_PORT, "UDP"), ("alt", ALT_PORT, "TCP"), ("web", POD_PORT, "TCP")]),
+            endpoints: vec![READY(1), READY(2)],
+            probes: &[
+                (Tcp, 80, Backends(&["pod-b", "pod-c"])),
+                (Tcp, 81, Backends(&["pod-b:8081", "pod-c:8081"])),
+                (Udp, 81, Backends(&["pod-b:8081", "pod-c:8081"])),
+            ],
+        },
+        // Not-ready endpoints get nothing while a ready one exists.
+        Scenario {
+            service: "not-ready",
+            ports: TCP80,
+            slice_ports: Some(SLICE_TCP),
+            endpoints: vec![READY(0), NOT_READY(1), TERMINATING_SERVING(2)],
+            probes: &[(Tcp, 80, Backends(&["pod-a"]))],
+        },
+        // No ready endpoint: fall back to the serving terminating ones.
+        Scenario {
+            service: "terminating",
+            ports: TCP80,
+            slice_ports: Some(SLICE_TCP),
+            endpoints: vec![NOT_READY(0), TERMINATING_SERVING(1), TERMINATING_NOT_SERVING(2)],
+            probes: &[(Tcp, 80, Backends(&["pod-b"]))],
+        },
+        // Conditions left unset count as ready and serving.
+        Scenario {
+            service: "unset-conditions",
+            ports: TCP80,
+            slice_ports: Some(SLICE_TCP),
+            endpoints: vec![Ep(0, None, None, None), Ep(1, None, None, None)],
+            probes: &[(Tcp, 80, Backends(&["pod-a", "pod-b"]))],
+        },
+        Scenario {
+            service: "none-ready",
+            ports: TCP80,
+            slice_ports: Some(SLICE_TCP),
+            endpoints: vec![NOT_READY(0), TERMINATING_NOT_SERVING(1)],
+            probes: REFUSED_TCP,
+        },
+        Scenario {
+            service: "empty-slice",
+            ports: &[("http", 80, "TCP"), ("dns", 53, "UDP")],
+            slice_ports: Some(&[("http", POD_PORT, "TCP"), ("dns", POD_PORT, "UDP")]),
+            endpoints: vec![],
+            probes: &[
+                (Tcp, 80, Errors(&["connect:ECONNREFUSED"])),
+                (Udp, 53, Errors(&["send:ECONNREFUSED"])),
+                (UdpConnected, 53, Errors(&["connect:ECONNREFUSED"])),
+            ],
+        },
+        Scenario { service: "no-slice", ports: TCP80, slice_ports: None, endpoints: vec![], probes: REFUSED_TCP },
+    ]
+}
+
+/// Differences kpr intends: (mode or "*", service, probe kind, port, what kube-proxy shows, why).
+/// kpr's side must still match the scenario's expectation; kube-proxy's must match the value here.
+const INTENDED: &[(&str, &str, Kind, u16, Expect, &str)] = &[
+    (
+        "*",
+        "empty-slice",
+        Kind::Udp,
+        53,
+        Expect::Errors(&["send:EPERM"]),
+        "kube-proxy REJECTs in the OUTPUT hook: for the node's own datagram the verdict is a drop, \
+         so sendto() fails with EPERM (a pod behind a bridge would get the ICMP port unreachable \
+         instead); kpr answers in the sendmsg hook with ECONNREFUSED, the errno the REJECT's ICMP \
+         error means, as its README documents",
+    ),
+    (
+        "*",
+        "empty-slice",
+        Kind::UdpConnected,
+        53,
+        Expect::Errors(&["send:EPERM"]),
+        "kube-proxy has no say in connect() of a UDP socket (no packet is sent), so connect() \
+         succeeds and the first send() fails with EPERM; kpr's connect4 hook already knows there \
+         is no backend and fails connect() with ECONNREFUSED",
+    ),
+];
+
+fn intended(mode: &str, service: &str, kind: Kind, port: u16) -> Option<&'static (&'static str, &'static str, Kind, u16, Expect, &'static str)> {
+    INTENDED.iter().find(|d| (d.0 == "*" || d.0 == mode) && d.1 == service && d.2 == kind && d.3 == port)
+}
+
+fn service_yaml(s: &Scenario) -> String {
+    let ports: String = s
+        .ports
+        .iter()
+        .map(|(n, p, proto)| format!("  - {{name: {n}, port: {p}, protocol: {proto}, targetPort: {POD_PORT}}}\n"))
+        .collect();
+    format!("apiVersion: v1\nkind: Service\nmetadata: {{name: {}, namespace: test}}\nspec:\n  ports:\n{ports}", s.service)
+}
+
+fn slice_yaml(s: &Scenario, pod_ips: &[Ipv4Addr]) -> Option<String> {
+    let ports: String = s
+        .slice_ports?
+        .iter()
+        .map(|(n, p, proto)| format!("- {{name: {n}, port: {p}, protocol: {proto}}}\n"))
+        .collect();
+    let cond = |name: &str, v: Option<bool>| v.map(|v| format!("{name}: {v}, ")).unwrap_or_default();
+    let endpoints: String = s
+        .endpoints
+        .iter()
+        .map(|Ep(i, ready, serving, terminating)| {
+            format!(
+                "- addresses: [\"{}\"]\n  conditions: {{{}{}{}}}\n",
+                pod_ips[*i],
+                cond("ready", *ready),
+                cond("serving", *serving),
+                cond("terminating", *terminating)
+            )
+            .replace(", }", "}")
+        })
+        .collect();
+    Some(format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {0}-x1y2z\n  namespace: test\n  labels:\n    kubernetes.io/service-name: {0}\n    endpointslice.kubernetes.io/managed-by: endpointslice-controller.k8s.io\naddressType: IPv4\nendpoints:{1}ports:\n{2}",
+        s.service,
+        if endpoints.is_empty() { " []\n".to_owned() } else { format!("\n{endpoints}") },
+        ports
+    ))
+}
+
+/// The number of backends kpr must program for a service port.
+fn programmed_backends(expect: &Expect) -> usize {
+    match expect {
+        Expect::Backends(b) => b.len(),
+        Expect::Errors(_) => 0,
+    }
+}
+
+/// Does `outcome` satisfy `expect` for a probe of `addr`?
+fn check(outcome: &Outcome, expect: &Expect, addr: SocketAddrV4, n: usize) -> Result<(), String> {
+    let ok = match expect {
+        Expect::Backends(b) => {
+            outcome.errors.is_empty()
+                && outcome.backends() == b.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>()
+                && outcome.peers == BTreeSet::from([addr.to_string()])
+        }
+        Expect::Errors(e) => {
+            outcome.answers.is_empty()
+                && outcome.error_kinds() == e.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>()
+                && outcome.errors.values().sum::<usize>() == n
+        }
+    };
+    if ok { Ok(()) } else { Err(format!("expected {expect:?}, observed {outcome:?}")) }
+}
+
+fn differential(mode: &str) {
+    let cluster = Cluster::start(&format!("kp-{}", &mode[..3])).expect("control plane");
+    // Pods, kpr's node namespace and cgroup (this process joins it), the agent on the API.
+    let mut h = Harness::new(&format!("kp{}", &mode[..3]), &PODS).expect("harness");
+    h.kubeconfig = Some(cluster.admin_kubeconfig.clone());
+    // kube-proxy's node: the same pods again (same names and addresses) in their own namespaces.
+    let mut kp_topology = Topology::new(&format!("{}-k", h.name), &PODS).expect("kube-proxy topology");
+    let mut servers = Vec::new();
+    for pod in &mut kp_topology.pods {
+        pod.serve(POD_PORT).unwrap();
+    }
+    for pod in kp_topology.pods.iter().chain(&h.topology.pods) {
+        let addr = SocketAddrV4::new(pod.ip, ALT_PORT);
+        let name = format!("{}:{ALT_PORT}", pod.name);
+        servers.push(NameServer::tcp(&pod.netns, addr, &name).unwrap());
+        servers.push(NameServer::udp(&pod.netns, addr, &name).unwrap());
+    }
+    let pod_ips: Vec<Ipv4Addr> = h.topology.pods.iter().map(|p| p.ip).collect();
+    assert_eq!(pod_ips, kp_topology.pods.iter().map(|p| p.ip).collect::<Vec<_>>());
+
+    // The scenarios, applied once through the API.
+    let scenarios = scenarios();
+    let mut yaml = String::from("apiVersion: v1\nkind: Namespace\nmetadata: {name: test}\n---\napiVersion: v1\nkind: Node\nmetadata: {name: kp-node}\n");
+    for s in &scenarios {
+        yaml += "---\n";
+        yaml += &service_yaml(s);
+        if let Some(slice) = slice_yaml(s, &pod_ips) {
+            yaml += "---\n";
+            yaml += &slice;
+        }
+    }
+    cluster.apply(&yaml).unwrap();
+    let applied = unix_now();
+    let ips: Vec<Ipv4Addr> = scenarios.iter().map(|s| cluster.cluster_ip("test", s.service).unwrap()).collect();
+
+    let mut kube_proxy = KubeProxy::start(&cluster, &kp_topology.client, mode, "kp-node", "veth0").expect("kube-proxy");
+    h.start_agent().unwrap();
+    for (s, ip) in scenarios.iter().zip(&ips) {
+        for (kind, port, expect) in s.probes {
+            let proto = if *kind == Kind::Tcp { "TCP" } else { "UDP" };
+            h.wait_for(&format!("{ip}:{port}/{proto}"), Some(programmed_backends(expect)), Duration::from_secs(30))
+                .unwrap();
+        }
+    }
+    kube_proxy.wait_synced_after(applied, Duration::from_secs(60)).unwrap();
+    assert_eq!(kube_proxy.http_get(10249, "/proxyMode").unwrap().lines().last(), Some(mode), "kube-proxy's mode");
+
+    let probe_exe = PathBuf::from(env!("CARGO_BIN_EXE_kpr-probe"));
+    let mut failures = Vec::new();
+    let mut report = Vec::new();
+    for (s, ip) in scenarios.iter().zip(&ips) {
+        for (kind, port, expect) in s.probes {
+            let addr = SocketAddrV4::new(*ip, *port);
+            let n = if matches!(expect, Expect::Backends(_)) { 30 } else { 3 };
+            let via_kube_proxy =
+                probe_in(&probe_exe, &kp_topology.client.name, cluster.home_cgroup(), *kind, addr, n, PROBE_TIMEOUT).unwrap();
+            let via_kpr = probe_in(&probe_exe, &h.topology.client.name, &h.cgroup.path, *kind, addr, n, PROBE_TIMEOUT).unwrap();
+            let what = format!("{mode} {} {addr} {}", s.service, kind.as_str());
+            report.push(format!("{what}: kube-proxy {via_kube_proxy:?} | kpr {via_kpr:?}"));
+            if let Err(e) = check(&via_kpr, expect, addr, n) {
+                failures.push(format!("{what}: kpr: {e}"));
+            }
+            let kp_expect = match intended(mode, s.service, *kind, *port) {
+                Some(d) => &d.4,
+                None => expect,
+            };
+            if let Err(e) = check(&via_kube_proxy, kp_expect, addr, n) {
+                failures.push(format!("{what}: kube-proxy: {e}"));
+            }
+        }
+    }
+    println!("{}", report.join("\n"));
+    assert!(kube_proxy.running(), "kube-proxy exited:\n{}", kube_proxy.log_tail());
+    assert!(h.agent_running());
+    assert!(
+        failures.is_empty(),
+        "kpr and kube-proxy ({mode}) disagree:\n{}\n\nall outcomes:\n{}\n\nkube-proxy log:\n{}",
+        failures.join("\n"),
+        report.join("\n"),
+        kube_proxy.log_tail()
+    );
+    drop(kube_proxy);
+    drop(servers);
+}
+
+#[test]
+fn kube_proxy_iptables_and_kpr_agree() {
+    differential("iptables");
+}
+
+#[test]
+fn kube_proxy_nftables_and_kpr_agree() {
+    differential("nftables");
+}
