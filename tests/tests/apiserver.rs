@@ -198,6 +198,13 @@ fn api_server_and_etcd_restart_keeps_serving_and_resumes_the_watch() {
     assert_echoes(&mut conn, "after-restart");
     assert!(env.h.agent_running());
     assert!(env.agent_log().contains("watch failed, retrying"), "the outage was noticed:\n{}", env.agent_log());
+    // Changes made before the agent's watch came back usually expire its resourceVersion on the
+    // fresh API server (410 Gone, "too old resource version"): the watcher then relists, and
+    // the relist replaces the state without wiping the datapath (traffic kept flowing above).
+    let log = env.agent_log();
+    if let Some(expired) = log.find("too old resource version") {
+        assert!(log[expired..].contains("listed kind=Service"), "410 Gone led to a relist:\n{log}");
+    }
 }
 
 #[test]
