@@ -84,7 +84,11 @@ impl Cluster {
             let other = 3 - n;
             netns.ip(&["route", "add", &format!("10.244.{other}.0/24"), "via", &format!("10.0.0.{other}")])?;
             sysctls(&netns)?;
-            let servers = vec![NameServer::tcp(&pod, SocketAddrV4::new(pod_ip, POD_PORT), &format!("pod-{}", &name[5..]))?];
+            let pod_name = format!("pod-{}", &name[5..]);
+            let servers = vec![
+                NameServer::tcp(&pod, SocketAddrV4::new(pod_ip, POD_PORT), &pod_name)?,
+                NameServer::udp(&pod, SocketAddrV4::new(pod_ip, POD_PORT), &pod_name)?,
+            ];
             let cgroup = Cgroup::new(&format!("{prefix}-{name}"))?;
             let pins = PathBuf::from(format!("/sys/fs/bpf/{prefix}-{name}"));
             nodes.push(Node { name: (*name).to_owned(), ip, pod_ip, agent: None, pins, _servers: servers, cgroup, _pod: pod, netns });
@@ -310,4 +314,41 @@ fn the_default_interfaces_are_those_holding_the_node_addresses() {
     assert_eq!(found, ["ext0"]);
     let none = ns.run(|| bpf::interfaces_holding(&[Ipv4Addr::new(10, 9, 9, 9)]).is_err()).unwrap();
     assert!(none, "an address no interface holds is an error, not a silent no-op");
+}
+
+#[test]
+fn udp_flows_move_off_a_removed_endpoint() {
+    let c = Cluster::new("km-udp").unwrap();
+    let (pod_a, pod_b) = (c.nodes[0].pod_ip, c.nodes[1].pod_ip);
+    let manifest = |ip: Ipv4Addr, node: &str| {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: dns, namespace: t}}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.53\n  \
+             ports: [{{name: dns, port: 53, protocol: UDP, nodePort: 30053}}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+             metadata: {{name: dns-1, namespace: t, labels: {{kubernetes.io/service-name: dns}}}}\naddressType: IPv4\n\
+             ports: [{{name: dns, port: {POD_PORT}, protocol: UDP}}]\nendpoints: [{{addresses: [\"{ip}\"], nodeName: {node}}}]\n"
+        )
+    };
+    c.write("dns.yaml", &manifest(pod_b, "node-b"));
+    c.wait("*:30053/UDP ext", 1);
+    let a = c.nodes[0].ip;
+    // One connected UDP socket: every datagram has the same 5-tuple, i.e. one conntrack flow.
+    let socket = c.ext(move || {
+        let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.connect(SocketAddrV4::new(a, 30053)).unwrap();
+        s.set_read_timeout(Some(TIMEOUT)).unwrap();
+        s
+    });
+    let ask = |s: &std::net::UdpSocket| {
+        s.send(b"who").unwrap();
+        let mut buf = [0u8; 64];
+        let n = s.recv(&mut buf).expect("a reply through the NodePort");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    assert_eq!(ask(&socket), "pod-b");
+    c.write("dns.yaml", &manifest(pod_a, "node-a"));
+    for node in &c.nodes {
+        testbed::wait_for_backends(&node.pins, "*:30053/UDP ext", Duration::from_secs(10), |b| b == Some(&[(pod_a, POD_PORT)][..])).unwrap();
+    }
+    // pod-b still runs, but the flow was flushed with its endpoint: the next datagram goes to pod-a.
+    assert_eq!(ask(&socket), "pod-a");
 }

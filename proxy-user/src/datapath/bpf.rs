@@ -23,7 +23,8 @@ use aya::{
     util::KernelVersion,
 };
 use proxy_common::{
-    Backend, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue, SourceRange, counter, defaults, map_names, program_names,
+    Backend, CtKey, CtValue, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue, SourceRange, counter, defaults, map_names,
+    program_names,
 };
 
 use super::{BatchError, Capacity, Maps};
@@ -299,6 +300,7 @@ pub struct BpfMaps {
     services: HashMap<MapData, ServiceKey, ServiceValue>,
     backends: Array<MapData, Backend>,
     source_ranges: LpmTrie<MapData, SourceRange, u8>,
+    conntrack: HashMap<MapData, CtKey, CtValue>,
     capacity: Capacity,
 }
 
@@ -308,8 +310,9 @@ impl BpfMaps {
         let services = HashMap::try_from(ebpf.take_map(map_names::SERVICES).context("no services map")?)?;
         let backends = Array::try_from(ebpf.take_map(map_names::BACKENDS).context("no backends map")?)?;
         let source_ranges = LpmTrie::try_from(ebpf.take_map(map_names::SOURCE_RANGES).context("no source range map")?)?;
+        let conntrack = HashMap::try_from(ebpf.take_map(map_names::CONNTRACK).context("no conntrack map")?)?;
         let capacity = Capacity { service_ports: cfg.max_service_ports, backends: cfg.max_backends };
-        Ok(Self { services, backends, source_ranges, capacity })
+        Ok(Self { services, backends, source_ranges, conntrack, capacity })
     }
 
     /// Open the pinned maps of a running (or stopped) agent, e.g. for `kpr services`.
@@ -323,8 +326,9 @@ impl BpfMaps {
         let services: HashMap<MapData, ServiceKey, ServiceValue> = HashMap::try_from(Map::HashMap(services))?;
         let backends: Array<MapData, Backend> = Array::try_from(Map::Array(open(map_names::BACKENDS)?))?;
         let source_ranges = LpmTrie::try_from(Map::LpmTrie(open(map_names::SOURCE_RANGES)?))?;
+        let conntrack = HashMap::try_from(Map::LruHashMap(open(map_names::CONNTRACK)?))?;
         let capacity = Capacity { service_ports, backends: backends.len() };
-        Ok(Self { services, backends, source_ranges, capacity })
+        Ok(Self { services, backends, source_ranges, conntrack, capacity })
     }
 }
 
@@ -405,6 +409,26 @@ impl Maps for BpfMaps {
             }
         }
         Ok(())
+    }
+
+    fn flush_flows(&mut self, service_id: u32, backends: &[Backend]) -> Result<usize> {
+        let goes_to = |addr: u32, port: u16| backends.iter().any(|b| b.addr == addr && b.port == port);
+        let doomed: Vec<CtKey> = self
+            .conntrack
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(k, v)| {
+                v.service_id == service_id && (goes_to(v.dst_addr, v.dst_port) || goes_to(k.src_addr, k.src_port))
+            })
+            .map(|(k, _)| k)
+            .collect();
+        for key in &doomed {
+            match self.conntrack.remove(key) {
+                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(doomed.len())
     }
 
     fn remove_service(&mut self, key: &ServiceKey) -> Result<()> {

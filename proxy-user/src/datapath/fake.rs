@@ -19,6 +19,8 @@ pub struct FakeMaps {
     /// Fail the next N `set_service` calls (simulates a kernel error).
     pub fail_service_writes: usize,
     pub source_ranges: std::collections::BTreeSet<(u32, std::net::Ipv4Addr, u8)>,
+    /// `flush_flows` calls: (service id, backends).
+    pub flushed: Vec<(u32, Vec<Backend>)>,
 }
 
 impl FakeMaps {
@@ -31,6 +33,7 @@ impl FakeMaps {
             writes: 0,
             fail_service_writes: 0,
             source_ranges: Default::default(),
+            flushed: Vec::new(),
         }
     }
 
@@ -117,5 +120,10 @@ impl Maps for FakeMaps {
             self.source_ranges.remove(&(service_id, *a, *l));
         }
         Ok(())
+    }
+
+    fn flush_flows(&mut self, service_id: u32, backends: &[Backend]) -> Result<usize> {
+        self.flushed.push((service_id, backends.to_vec()));
+        Ok(0)
     }
 }

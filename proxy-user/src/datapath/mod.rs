@@ -45,6 +45,9 @@ pub trait Maps: Send {
     fn source_ranges(&self) -> Result<Vec<(u32, Ipv4Addr, u8)>>;
     fn add_source_ranges(&mut self, service_id: u32, ranges: &[(Ipv4Addr, u8)]) -> Result<()>;
     fn remove_source_ranges(&mut self, service_id: u32, ranges: &[(Ipv4Addr, u8)]) -> Result<()>;
+    /// Forget the per-packet flows of `service_id` that go to any of `backends` (both
+    /// directions); returns how many conntrack entries were removed.
+    fn flush_flows(&mut self, service_id: u32, backends: &[Backend]) -> Result<usize>;
 }
 
 /// A batch that stopped part-way: the first `done` elements were written.
@@ -173,6 +176,7 @@ impl Programmer {
                     if let Err(e) = maps.remove_source_ranges(old.value.service_id, &old.source_ranges) {
                         tracing::warn!(service = %display_key(&key), "failed to remove source ranges: {e:#}");
                     }
+                    flush_udp_flows(maps, &key, old.value.service_id, &old.backends);
                     self.used_ids.remove(&old.value.service_id);
                     self.release_range(&old.value);
                     report.removed += 1;
@@ -246,6 +250,9 @@ impl Programmer {
                 if let Some(old) = p.old {
                     self.release_range(&old);
                     report.updated += 1;
+                    let before = self.programmed.get(&p.key).map(|o| o.backends.as_slice()).unwrap_or_default();
+                    let removed: Vec<Backend> = before.iter().filter(|b| !p.backends.contains(b)).copied().collect();
+                    flush_udp_flows(maps, &p.key, old.service_id, &removed);
                 } else {
                     report.added += 1;
                 }
@@ -332,6 +339,20 @@ impl Programmer {
         if value.backends_count > 0 {
             self.slots.quarantine(value.backends_start, value.backends_count);
         }
+    }
+}
+
+/// UDP has no connection end: as kube-proxy deletes the conntrack entries of UDP flows whose
+/// endpoint went away, so the next datagram of such a flow picks a live backend. (TCP flows
+/// keep their endpoint until they end.)
+fn flush_udp_flows(maps: &mut dyn Maps, key: &ServiceKey, service_id: u32, removed: &[Backend]) {
+    if key.proto != IPPROTO_UDP || removed.is_empty() {
+        return;
+    }
+    match maps.flush_flows(service_id, removed) {
+        Ok(0) => {}
+        Ok(n) => tracing::debug!(service = %display_key(key), entries = n, "flushed UDP flows of removed endpoints"),
+        Err(e) => tracing::warn!(service = %display_key(key), "failed to flush UDP flows: {e:#}"),
     }
 }
 

@@ -149,3 +149,27 @@ fn source_ranges_are_written_before_the_entry_and_cleaned_up_after() {
     p.apply(&Desired::new(), &mut maps);
     assert!(maps.source_ranges.is_empty());
 }
+
+#[test]
+fn udp_flows_of_removed_endpoints_are_flushed_tcp_flows_are_not() {
+    let mut maps = FakeMaps::new(CAP);
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    let udp = service_key(Ipv4Addr::new(10, 96, 0, 53), 53, Protocol::Udp).unwrap();
+    let mut d = desired(&[(1, &[1, 2])]);
+    let mut dns = port(53, &[1, 2]);
+    dns.name.protocol = Protocol::Udp;
+    d.insert(udp, dns);
+    p.apply(&d, &mut maps);
+    for entry in d.values_mut() {
+        entry.backends.truncate(1);
+    }
+    p.apply(&d, &mut maps);
+    let id = maps.services[&udp].service_id;
+    assert_eq!(
+        maps.flushed,
+        vec![(id, vec![backend(Ipv4Addr::new(10, 0, 0, 2), 8080)])],
+        "only the UDP service's removed endpoint"
+    );
+    p.apply(&desired(&[(1, &[1])]), &mut maps);
+    assert_eq!(maps.flushed.len(), 2, "deleting the UDP service flushes its flows");
+}
