@@ -121,9 +121,15 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     if let Some(entry) = CONNTRACK.get_ptr(&key) {
         // SAFETY: valid for this program run.
         let entry = unsafe { *entry };
-        rewrite(ctx, &t, &entry)?;
-        count(counter::TC_CT_HIT);
-        return Ok(TC_ACT_OK);
+        if !(ingress && is_syn(ctx, &t) && stale(&t, &entry)) {
+            rewrite(ctx, &t, &entry)?;
+            count(counter::TC_CT_HIT);
+            return Ok(TC_ACT_OK);
+        }
+        // A new connection reusing the 5-tuple of a flow whose endpoint is gone: forget the
+        // old flow and balance it anew (what conntrack does for a SYN after TIME_WAIT).
+        let _ = CONNTRACK.remove(&ct_key(entry.dst_addr, entry.src_addr, entry.dst_port, entry.src_port, t.proto));
+        let _ = CONNTRACK.remove(&key);
     }
     if !ingress {
         return Ok(TC_ACT_OK);
@@ -228,6 +234,35 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue) -> Result<i32, (
     rewrite(ctx, t, &forward)?;
     count(counter::TC_NEW_FLOW);
     Ok(TC_ACT_OK)
+}
+
+/// Endpoints a SYN's old flow is checked against, at most (larger services: trusted).
+const STALE_SCAN: u32 = 64;
+
+#[inline(always)]
+fn is_syn(ctx: &TcContext, t: &Tuple) -> bool {
+    t.proto == IPPROTO_TCP && ctx.load::<u8>(TCP_FLAGS_OFF).is_ok_and(|f| f & (TCP_SYN | TCP_ACK) == TCP_SYN)
+}
+
+/// The flow's endpoint is no longer one of its frontend's endpoints (or the frontend is gone).
+#[inline(always)]
+fn stale(t: &Tuple, entry: &CtValue) -> bool {
+    let Some(service) = lookup_frontend(t) else { return true };
+    if service.backends_count > STALE_SCAN {
+        return false;
+    }
+    for i in 0..STALE_SCAN {
+        if i >= service.backends_count {
+            break;
+        }
+        if let Some(b) = BACKENDS.get(service.backends_start.wrapping_add(i))
+            && b.addr == entry.dst_addr
+            && b.port == entry.dst_port
+        {
+            return false;
+        }
+    }
+    true
 }
 
 #[inline(always)]

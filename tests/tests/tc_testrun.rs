@@ -136,6 +136,8 @@ fn sport_of(packet: &[u8]) -> u16 {
 
 struct Rig {
     ebpf: Ebpf,
+    maps: BpfMaps,
+    programmer: Programmer,
     pin_root: std::path::PathBuf,
 }
 
@@ -160,7 +162,7 @@ impl Rig {
         let mut node_addrs: aya::maps::HashMap<_, u32, u32> =
             aya::maps::HashMap::try_from(ebpf.map_mut(proxy_common::map_names::NODE_ADDRS).unwrap()).unwrap();
         node_addrs.insert(&u32::from(NODE_IP).to_be(), &1, 0).unwrap();
-        let rig = Self { ebpf, pin_root };
+        let rig = Self { ebpf, maps, programmer, pin_root };
         rig
     }
 
@@ -181,6 +183,10 @@ impl Rig {
 
     fn egress(&self, input: &[u8]) -> (u32, Vec<u8>) {
         self.run(program_names::TC_EGRESS, input)
+    }
+
+    fn reprogram(&mut self, desired: &Desired) {
+        assert_eq!(self.programmer.apply(desired, &mut self.maps).failed, 0);
     }
 
     fn counter(&self, index: u32) -> u64 {
@@ -418,4 +424,23 @@ fn what_is_not_ours_passes_untouched() {
     }
     assert_eq!(rig.counter(counter::TC_PASSED_UNSUPPORTED) - before, 4, "fragment and options, both directions");
     assert_eq!(rig.counter(counter::TC_NEW_FLOW), 0);
+}
+
+#[test]
+fn a_new_connection_reusing_the_tuple_of_a_flow_to_a_removed_endpoint_is_balanced_anew() {
+    let mut rig = Rig::new(&services());
+    let syn = tcp(CLIENT, 40040, CLUSTER_IP, 80);
+    assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: POD, dport: 8080, ..syn }.bytes());
+    // The endpoint goes away; another takes its place.
+    let other = Ipv4Addr::new(10, 244, 7, 7);
+    let mut d = services();
+    d.get_mut(&frontend_key(CLUSTER_IP, 80, Protocol::Tcp, SCOPE_INTERNAL).unwrap()).unwrap().backends = vec![(other, 8080)];
+    rig.reprogram(&d);
+    // Established traffic of the old flow keeps its endpoint...
+    let ack = Pkt { tcp_flags: 0x10, seq: 1001, ..syn };
+    assert_eq!(rig.ingress(&ack.bytes()).1, Pkt { dst: POD, dport: 8080, ..ack }.bytes());
+    // ...but a new SYN on the same 5-tuple goes to a live endpoint.
+    assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: other, dport: 8080, ..syn }.bytes());
+    // A retransmitted SYN of a live flow stays where it was.
+    assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: other, dport: 8080, ..syn }.bytes());
 }
