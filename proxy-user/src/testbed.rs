@@ -52,6 +52,25 @@ impl Netns {
         self.spawn(f)?.join().map_err(|_| anyhow::anyhow!("thread in netns {} panicked", self.name))
     }
 
+    /// Make `cmd` join this namespace just before exec (network namespace only: the mount
+    /// namespace, and so bpffs, stays the machine's, unlike with `ip netns exec`).
+    pub fn exec_in(&self, cmd: &mut Command) -> Result<()> {
+        use std::os::unix::process::CommandExt as _;
+        let file = File::open(format!("/run/netns/{}", self.name))
+            .with_context(|| format!("netns {} is gone", self.name))?;
+        // SAFETY: setns is async-signal-safe; the closure owns the file, so the fd is open
+        // until exec (and closed by it: O_CLOEXEC).
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        Ok(())
+    }
+
     pub fn spawn<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Result<JoinHandle<T>> {
         let file =
             File::open(format!("/run/netns/{}", self.name)).with_context(|| format!("netns {} is gone", self.name))?;

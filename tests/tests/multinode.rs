@@ -8,9 +8,7 @@
 //!   node-b 10.0.0.2 ┘                          node-b ── pod-b 10.244.2.2
 //! ```
 use std::{
-    fs::File,
     net::{Ipv4Addr, SocketAddrV4, TcpStream},
-    os::{fd::AsRawFd as _, unix::process::CommandExt as _},
     path::PathBuf,
     process::{Child, Command, Stdio},
     time::Duration,
@@ -105,7 +103,6 @@ impl Cluster {
     /// agent sees the node's interfaces while bpffs stays the machine's).
     fn start_agent(&mut self, i: usize) -> Result<()> {
         let node = &mut self.nodes[i];
-        let netns = File::open(format!("/run/netns/{}", node.netns.name))?;
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
         let mut cmd = Command::new(kpr_tests::kpr_bin());
         cmd.arg("agent")
@@ -121,16 +118,7 @@ impl Cluster {
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
-        let fd = netns.as_raw_fd();
-        // SAFETY: setns is async-signal-safe; the fd stays open until exec.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        node.netns.exec_in(&mut cmd)?;
         node.agent = Some(cmd.spawn().context("failed to start kpr")?);
         Ok(())
     }
@@ -168,14 +156,10 @@ impl Drop for Cluster {
 }
 
 fn sysctls(ns: &Netns) -> Result<()> {
-    let netns = File::open(format!("/run/netns/{}", ns.name))?;
-    let fd = netns.as_raw_fd();
-    let status = unsafe {
-        Command::new("sh")
-            .args(["-c", "echo 1 > /proc/sys/net/ipv4/ip_forward; for f in /proc/sys/net/ipv4/conf/*/rp_filter; do echo 0 > $f; done"])
-            .pre_exec(move || if libc::setns(fd, libc::CLONE_NEWNET) != 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) })
-            .status()?
-    };
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", "echo 1 > /proc/sys/net/ipv4/ip_forward; for f in /proc/sys/net/ipv4/conf/*/rp_filter; do echo 0 > $f; done"]);
+    ns.exec_in(&mut cmd)?;
+    let status = cmd.status()?;
     anyhow::ensure!(status.success(), "sysctl in {} failed", ns.name);
     Ok(())
 }
