@@ -10,7 +10,7 @@
 #![no_std]
 
 /// Version of the pinned map layout; part of the bpffs pin directory (`<pin-root>/v<N>`).
-pub const PIN_LAYOUT_VERSION: u32 = 2;
+pub const PIN_LAYOUT_VERSION: u32 = 3;
 
 /// Map names, as seen by `bpftool map show` and used as pin file names.
 pub mod map_names {
@@ -21,6 +21,8 @@ pub mod map_names {
     pub const CONNTRACK: &str = "KPR_CONNTRACK";
     pub const NODE_ADDRS: &str = "KPR_NODE_ADDRS";
     pub const SOURCE_RANGES: &str = "KPR_SOURCE_RANGES";
+    pub const LOCAL_CIDRS: &str = "KPR_LOCAL_CIDRS";
+    pub const LINKS: &str = "KPR_LINKS";
 }
 
 /// Program names (the Rust function names in `proxy-ebpf`).
@@ -43,24 +45,78 @@ pub mod defaults {
     pub const MAX_SOCK_REVNAT: u32 = 65_536;
     /// Per-packet conntrack entries (two per translated flow), LRU.
     pub const MAX_CONNTRACK: u32 = 262_144;
-    /// Node addresses (NodePort frontends, SNAT).
-    pub const MAX_NODE_ADDRS: u32 = 64;
+    /// Local addresses of the node (NodePort frontends, "from the node" sources).
+    pub const MAX_NODE_ADDRS: u32 = 4_096;
+    /// Links of the node (per-packet datapath: masquerade source, interface-based detection).
+    pub const MAX_LINKS: u32 = 16_384;
+    /// CIDRs of the local-traffic detector (clusterCIDR, the Node's podCIDRs).
+    pub const MAX_LOCAL_CIDRS: u32 = 64;
     /// loadBalancerSourceRanges entries across all LoadBalancer frontends.
     pub const MAX_SOURCE_RANGES: u32 = 16_384;
 }
 
-/// `ServiceKey::scope`: which traffic a frontend entry is for.
-pub const SCOPE_INTERNAL: u8 = 0;
-/// External frontends (NodePort, externalIPs, LoadBalancer IPs): externalTrafficPolicy applies.
+/// `ServiceKey::scope`: where the traffic comes from, as kube-proxy tells its sources apart.
+/// Every frontend has one entry per scope, computed by the agent from the traffic policies,
+/// the local-traffic detector and `masqueradeAll`.
+///
+/// From a pod the local-traffic detector calls local (kube-proxy's "in-cluster"); without a
+/// detector, pods are [`SCOPE_EXTERNAL`] like any other non-node source.
+pub const SCOPE_POD: u8 = 0;
+/// From anywhere else: external clients, routers, pods the detector does not call local.
 pub const SCOPE_EXTERNAL: u8 = 1;
+/// From the node itself (`--src-type LOCAL`): sockets in the host network namespace, packets
+/// whose source is a local address.
+pub const SCOPE_NODE: u8 = 2;
 
-/// `ServiceValue::flags`: masquerade (SNAT to the node) traffic of this frontend (eTP=Cluster).
+/// `ServiceValue::flags`: masquerade (SNAT to the node) traffic of this entry.
 pub const SERVICE_FLAG_SNAT: u32 = 1;
-/// `ServiceValue::flags`: with no endpoints, drop instead of reject (traffic policy Local).
+/// `ServiceValue::flags`: with no endpoints, drop instead of reject (traffic policy Local with
+/// endpoints elsewhere).
 pub const SERVICE_FLAG_DROP_NO_ENDPOINTS: u32 = 2;
 /// `ServiceValue::flags`: only clients in `KPR_SOURCE_RANGES` for this service id may connect
 /// (loadBalancerSourceRanges); others are dropped.
 pub const SERVICE_FLAG_SOURCE_RANGES: u32 = 4;
+/// `ServiceValue::flags`: the socket path leaves this connection untouched for the per-packet
+/// path, which can do what kube-proxy does and `connect()` cannot (masquerade, filtering on the
+/// source address). Only honoured when the per-packet path covers the pods' links.
+pub const SERVICE_FLAG_SOCKET_SKIP: u32 = 8;
+
+/// `KPR_NODE_ADDRS` value bits: the address is local to the node (`--dst-type LOCAL`).
+pub const NODE_ADDR_LOCAL: u32 = 1;
+/// `KPR_NODE_ADDRS` value bits: NodePorts are served on this address (`nodePortAddresses`).
+pub const NODE_ADDR_NODEPORT: u32 = 2;
+
+/// `KPR_DETECT_LOCAL` (a global of the tc programs): how pods are told from other sources.
+pub const DETECT_LOCAL_NONE: u8 = 0;
+/// Sources inside `KPR_LOCAL_CIDRS` (detectLocalMode ClusterCIDR, NodeCIDR).
+pub const DETECT_LOCAL_CIDR: u8 = 1;
+/// Traffic arriving on links marked `LINK_FLAG_LOCAL_TRAFFIC` (BridgeInterface,
+/// InterfaceNamePrefix).
+pub const DETECT_LOCAL_INTERFACE: u8 = 2;
+
+/// `LinkInfo::flags`: the interface-based local-traffic detector calls traffic arriving on
+/// this link local (detectLocalMode BridgeInterface / InterfaceNamePrefix).
+pub const LINK_FLAG_LOCAL_TRAFFIC: u32 = 1;
+
+/// Value of `KPR_LINKS` (key: ifindex; ifindex 0 holds the fallback): what the per-packet path
+/// needs to know about a link.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct LinkInfo {
+    /// The address MASQUERADE would pick on this link (its first IPv4 address), network byte
+    /// order; 0: none (the fallback entry's address is used).
+    pub addr: u32,
+    /// `LINK_FLAG_*`.
+    pub flags: u32,
+}
+
+/// Data of a `KPR_LOCAL_CIDRS` LPM key: an IPv4 CIDR of the local-traffic detector.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LocalCidr {
+    /// Network byte order.
+    pub addr: u32,
+}
 
 /// First and last port used for SNAT (masquerade) of per-packet flows.
 pub const SNAT_PORT_MIN: u16 = 32_768;
@@ -79,8 +135,8 @@ pub struct ServiceKey {
     pub port: u16,
     /// `IPPROTO_TCP` or `IPPROTO_UDP`.
     pub proto: u8,
-    /// `SCOPE_INTERNAL` (ClusterIP) or `SCOPE_EXTERNAL`. A NodePort entry has `addr` 0: it
-    /// matches every address in `KPR_NODE_ADDRS`.
+    /// `SCOPE_POD`, `SCOPE_EXTERNAL` or `SCOPE_NODE`. A NodePort entry has `addr` 0: it
+    /// matches every address in `KPR_NODE_ADDRS` marked `NODE_ADDR_NODEPORT`.
     pub scope: u8,
 }
 
@@ -200,8 +256,14 @@ pub mod counter {
     pub const TC_CT_FULL: u32 = 10;
     /// tc: IPv4 fragment or header with options: passed untranslated.
     pub const TC_PASSED_UNSUPPORTED: u32 = 11;
+    /// Socket path: a connection left to the per-packet path (`SERVICE_FLAG_SOCKET_SKIP`, or a
+    /// pod reaching itself through its service).
+    pub const SOCK_STEPPED_ASIDE: u32 = 12;
+    /// Socket path: refused with EPERM where kube-proxy drops (traffic policy Local without a
+    /// local endpoint, a source outside loadBalancerSourceRanges).
+    pub const SOCK_DROPPED: u32 = 13;
     /// Number of counters.
-    pub const COUNT: u32 = 12;
+    pub const COUNT: u32 = 14;
     /// Names for display, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -216,6 +278,8 @@ pub mod counter {
         "tc_snat_exhausted",
         "tc_ct_full",
         "tc_passed_unsupported",
+        "sock_stepped_aside",
+        "sock_dropped",
     ];
 }
 
@@ -227,6 +291,8 @@ const _: () = assert!(size_of::<SockRevNatValue>() == 12);
 const _: () = assert!(size_of::<CtKey>() == 16);
 const _: () = assert!(size_of::<CtValue>() == 16);
 const _: () = assert!(size_of::<SourceRange>() == 8);
+const _: () = assert!(size_of::<LinkInfo>() == 8);
+const _: () = assert!(size_of::<LocalCidr>() == 4);
 
 #[cfg(feature = "user")]
 mod pod {
@@ -239,4 +305,6 @@ mod pod {
     unsafe impl aya::Pod for super::CtKey {}
     unsafe impl aya::Pod for super::CtValue {}
     unsafe impl aya::Pod for super::SourceRange {}
+    unsafe impl aya::Pod for super::LinkInfo {}
+    unsafe impl aya::Pod for super::LocalCidr {}
 }

@@ -6,7 +6,8 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    Backend, CtKey, CtValue, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRange, counter, defaults,
+    Backend, CtKey, CtValue, LinkInfo, LocalCidr, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
+    SourceRange, counter, defaults,
 };
 
 /// ClusterIP:port/proto → the service's range in `KPR_BACKENDS`.
@@ -37,9 +38,19 @@ pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray
 #[btf_map(name = "KPR_CONNTRACK", pin_by_name)]
 pub static CONNTRACK: LruHashMap<CtKey, CtValue, { defaults::MAX_CONNTRACK as usize }> = LruHashMap::new();
 
-/// This node's addresses (IPv4, network byte order): where NodePorts listen.
+/// This node's addresses (IPv4, network byte order) → `NODE_ADDR_*` bits: local ("from the
+/// node" sources) and where NodePorts are served.
 #[btf_map(name = "KPR_NODE_ADDRS", pin_by_name)]
 pub static NODE_ADDRS: HashMap<u32, u32, { defaults::MAX_NODE_ADDRS as usize }> = HashMap::new();
+
+/// ifindex → what the per-packet path needs of that link (masquerade source, detector flag);
+/// ifindex 0: the fallback masquerade source (the node's primary address).
+#[btf_map(name = "KPR_LINKS", pin_by_name)]
+pub static LINKS: HashMap<u32, LinkInfo, { defaults::MAX_LINKS as usize }> = HashMap::new();
+
+/// CIDRs of the local-traffic detector (clusterCIDR, or the Node's podCIDRs).
+#[btf_map(name = "KPR_LOCAL_CIDRS", pin_by_name)]
+pub static LOCAL_CIDRS: LpmTrie<LocalCidr, u8, { defaults::MAX_LOCAL_CIDRS as usize }> = LpmTrie::new();
 
 /// loadBalancerSourceRanges: (service id, client CIDR) → allowed.
 #[btf_map(name = "KPR_SOURCE_RANGES", pin_by_name)]

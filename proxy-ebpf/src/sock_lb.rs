@@ -3,26 +3,50 @@
 //! reads (getpeername, recvfrom), so it keeps seeing the ClusterIP as its peer.
 use aya_ebpf::{
     EbpfContext as _, Global,
-    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
+    bindings::{bpf_sock_tuple, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1},
+    helpers::{
+        bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval, bpf_sk_lookup_tcp,
+        bpf_sk_lookup_udp, bpf_sk_release,
+    },
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
 use aya_log_ebpf::error;
-use proxy_common::{IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL, ServiceKey, SockRevNatKey, SockRevNatValue, counter};
+use proxy_common::{
+    Backend, IPPROTO_TCP, IPPROTO_UDP, NODE_ADDR_NODEPORT, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
+    SERVICE_FLAG_SOCKET_SKIP, ServiceKey, SockRevNatKey, SockRevNatValue, counter,
+};
 
-use crate::maps::{BACKENDS, SERVICES, SOCK_REVNAT, count};
+use crate::maps::{BACKENDS, NODE_ADDRS, SERVICES, SOCK_REVNAT, count};
 
 /// Return value that lets the syscall proceed.
 const ALLOW: i32 = 1;
 /// Return value that fails the syscall (EPERM, or the errno set with `bpf_set_retval`).
 const REJECT: i32 = 0;
 const ECONNREFUSED: i32 = 111;
+/// `BPF_F_CURRENT_NETNS`: socket lookups in the network namespace of the calling socket.
+const CURRENT_NETNS: u64 = u64::MAX;
 
 /// 1 when the kernel has `bpf_set_retval` for sock_addr hooks (5.18+). Set by the agent at load
 /// time; on older kernels the helper call is dead code the verifier never sees, and a refused
 /// connect surfaces as EPERM instead of ECONNREFUSED.
 #[unsafe(no_mangle)]
 static KPR_HAVE_SET_RETVAL: Global<u8> = Global::new(1);
+
+/// Network namespace cookie of the node (the agent's namespace); sockets in it are "from the
+/// node", others are pods'. 0: unknown, every socket counts as the node's.
+#[unsafe(no_mangle)]
+static KPR_HOST_NETNS_COOKIE: Global<u64> = Global::new(0);
+
+/// 1 when the per-packet path covers the links pods reach the node by: a pod's connection can
+/// be left to it (`SERVICE_FLAG_SOCKET_SKIP`, a pod reaching itself). 0: the socket path
+/// translates everything it can.
+#[unsafe(no_mangle)]
+static KPR_POD_LINKS_COVERED: Global<u8> = Global::new(0);
+
+/// 1 when NodePorts answer on 127.0.0.0/8 for the node's own sockets (`localhostNodePorts`).
+#[unsafe(no_mangle)]
+static KPR_LOCALHOST_NODEPORTS: Global<u8> = Global::new(0);
 
 #[cgroup_sock_addr(connect4)]
 pub fn kpr_connect4(ctx: SockAddrContext) -> i32 {
@@ -44,7 +68,8 @@ pub fn kpr_getpeername4(ctx: SockAddrContext) -> i32 {
     reverse4(&ctx)
 }
 
-/// ClusterIP:port → random backend of that service port.
+/// Service address:port → random backend of that service port, with the verdict kube-proxy
+/// gives this socket's traffic (from the node, or from a pod).
 #[inline(always)]
 fn forward4(ctx: &SockAddrContext) -> i32 {
     // SAFETY: the kernel hands every sock_addr program a valid context.
@@ -53,15 +78,38 @@ fn forward4(ctx: &SockAddrContext) -> i32 {
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return ALLOW;
     }
-    let key = ServiceKey { addr: sa.user_ip4, port: sa.user_port as u16, proto, scope: SCOPE_INTERNAL };
-    // Not a service: one hash lookup and nothing else.
-    let Some(service) = SERVICES.get_ptr(&key) else {
-        return ALLOW;
+    let host = KPR_HOST_NETNS_COOKIE.load();
+    let from_node = host == 0 || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == host;
+    let scope = if from_node { SCOPE_NODE } else { SCOPE_POD };
+    let mut key = ServiceKey { addr: sa.user_ip4, port: sa.user_port as u16, proto, scope };
+    // Not a service: one hash lookup (two for a local address) and nothing else.
+    let service = match SERVICES.get_ptr(&key) {
+        Some(service) => service,
+        None => {
+            if !is_node_port_address(sa.user_ip4, from_node) {
+                return ALLOW;
+            }
+            key.addr = 0;
+            match SERVICES.get_ptr(&key) {
+                Some(service) => service,
+                None => return ALLOW,
+            }
+        }
     };
     // SAFETY: a pointer returned by the map lookup is valid for this program run.
     let service = unsafe { *service };
+    let pod_links_covered = KPR_POD_LINKS_COVERED.load() != 0;
+    if pod_links_covered && service.flags & SERVICE_FLAG_SOCKET_SKIP != 0 {
+        count(counter::SOCK_STEPPED_ASIDE);
+        return ALLOW;
+    }
 
     if service.backends_count == 0 {
+        if service.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0 {
+            // kube-proxy DROPs: a local sender sees EPERM from the dropped packet.
+            count(counter::SOCK_DROPPED);
+            return REJECT;
+        }
         // kube-proxy REJECTs a service port without endpoints.
         count(counter::NO_BACKENDS);
         if KPR_HAVE_SET_RETVAL.load() != 0 {
@@ -78,11 +126,17 @@ fn forward4(ctx: &SockAddrContext) -> i32 {
         return ALLOW;
     };
     let backend = *backend;
+    // A pod reaching itself through its service is masqueraded by kube-proxy (hairpin), which
+    // connect() cannot do: leave it to the per-packet path on the pod's link.
+    if !from_node && pod_links_covered && served_in_this_netns(ctx, proto, &backend) {
+        count(counter::SOCK_STEPPED_ASIDE);
+        return ALLOW;
+    }
 
     // Remember what the application asked for, so getpeername/recvmsg can show it.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let rev_key = SockRevNatKey { cookie, addr: backend.addr, port: backend.port, _pad: 0 };
-    let rev_value = SockRevNatValue { addr: key.addr, port: key.port, _pad: 0, service_id: service.service_id };
+    let rev_value = SockRevNatValue { addr: sa.user_ip4, port: key.port, _pad: 0, service_id: service.service_id };
     if SOCK_REVNAT.insert(&rev_key, &rev_value, 0).is_err() {
         count(counter::REVNAT_UPDATE_FAILED);
     }
@@ -91,6 +145,41 @@ fn forward4(ctx: &SockAddrContext) -> i32 {
     sa.user_port = u32::from(backend.port);
     count(counter::TRANSLATED);
     ALLOW
+}
+
+/// A NodePort frontend for this socket: one of the node's NodePort addresses, or (from the
+/// node, with localhostNodePorts) any 127.0.0.0/8 address.
+#[inline(always)]
+fn is_node_port_address(addr: u32, from_node: bool) -> bool {
+    if from_node && KPR_LOCALHOST_NODEPORTS.load() != 0 && u32::from_be(addr) >> 24 == 127 {
+        return true;
+    }
+    NODE_ADDRS.get_ptr(&addr).is_some_and(|flags| unsafe { *flags } & NODE_ADDR_NODEPORT != 0)
+}
+
+/// A socket in the caller's own network namespace serves `backend` (the backend is this pod).
+#[inline(always)]
+fn served_in_this_netns(ctx: &SockAddrContext, proto: u8, backend: &Backend) -> bool {
+    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
+    tuple.__bindgen_anon_1.ipv4 = bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1 {
+        saddr: 0,
+        daddr: backend.addr,
+        sport: 0,
+        dport: backend.port,
+    };
+    let size = size_of::<bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1>() as u32;
+    let sk = unsafe {
+        if proto == IPPROTO_TCP {
+            bpf_sk_lookup_tcp(ctx.as_ptr(), &mut tuple, size, CURRENT_NETNS, 0)
+        } else {
+            bpf_sk_lookup_udp(ctx.as_ptr(), &mut tuple, size, CURRENT_NETNS, 0)
+        }
+    };
+    if sk.is_null() {
+        return false;
+    }
+    unsafe { bpf_sk_release(sk as *mut _) };
+    true
 }
 
 /// Backend address seen by the socket → the service address the application connected to.

@@ -9,39 +9,37 @@
 //! Packets the program does not understand (not IPv4, IP options, fragments, other protocols)
 //! pass untouched and are counted; the program never fails a packet it did not translate.
 use aya_ebpf::{
-    Global,
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
+    EbpfContext as _, Global,
+    bindings::{
+        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_NOEXIST,
+        TC_ACT_OK, TC_ACT_SHOT, __sk_buff, bpf_fib_lookup,
+    },
     btf_maps::lpm_trie::Key,
-    helpers::bpf_get_prandom_u32,
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_get_prandom_u32},
     macros::classifier,
     programs::TcContext,
 };
 use network_types::{eth::EtherType, ip::Ipv4Hdr};
 use proxy_common::{
-    Backend, CtKey, CtValue, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_INTERNAL, SERVICE_FLAG_DROP_NO_ENDPOINTS,
-    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceKey, ServiceValue, SourceRange,
-    counter,
+    Backend, CtKey, CtValue, DETECT_LOCAL_CIDR, DETECT_LOCAL_INTERFACE, IPPROTO_TCP, IPPROTO_UDP,
+    LINK_FLAG_LOCAL_TRAFFIC, LocalCidr, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
+    SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN,
+    ServiceKey, ServiceValue, SourceRange, counter,
 };
 
 use crate::{
-    maps::{BACKENDS, CONNTRACK, NODE_ADDRS, SERVICES, SOURCE_RANGES, count},
+    maps::{BACKENDS, CONNTRACK, LINKS, LOCAL_CIDRS, NODE_ADDRS, SERVICES, SOURCE_RANGES, count},
     packet::*,
     tc_reject::{reject_tcp, reject_udp},
 };
 
 /// Tries at finding a free SNAT port before giving up on a new flow.
 const SNAT_TRIES: u32 = 8;
+const AF_INET: u8 = 2;
 
-/// The address external traffic is masqueraded to (network byte order); 0: none configured,
-/// masquerade disabled. Set by the agent at load time.
+/// How pods are told from other sources (`DETECT_LOCAL_*`); set by the agent at load time.
 #[unsafe(no_mangle)]
-static KPR_SNAT_ADDR: Global<u32> = Global::new(0);
-
-/// `--cluster-cidr` (network byte order): sources inside it are in-cluster traffic. Mask 0: unset.
-#[unsafe(no_mangle)]
-static KPR_CLUSTER_CIDR_ADDR: Global<u32> = Global::new(0);
-#[unsafe(no_mangle)]
-static KPR_CLUSTER_CIDR_MASK: Global<u32> = Global::new(0);
+static KPR_DETECT_LOCAL: Global<u8> = Global::new(0);
 
 #[classifier]
 pub fn kpr_tc_ingress(ctx: TcContext) -> i32 {
@@ -121,7 +119,7 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     if let Some(entry) = CONNTRACK.get_ptr(&key) {
         // SAFETY: valid for this program run.
         let entry = unsafe { *entry };
-        if !(ingress && is_syn(ctx, &t) && stale(&t, &entry)) {
+        if !(ingress && is_syn(ctx, &t) && stale(ctx, &t, &entry)) {
             rewrite(ctx, &t, &entry)?;
             count(counter::TC_CT_HIT);
             return Ok(TC_ACT_OK);
@@ -134,36 +132,69 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     if !ingress {
         return Ok(TC_ACT_OK);
     }
-    let Some(service) = lookup_frontend(&t) else {
+    let Some(service) = lookup_frontend(&t, source_scope(ctx, &t)) else {
         return Ok(TC_ACT_OK);
     };
     new_flow(ctx, &t, &service)
 }
 
-/// The frontend a packet is addressed to. Traffic from the cluster (a source in
-/// `--cluster-cidr`) sees the internal view first: ClusterIPs, and external addresses with the
-/// cluster's endpoints (kube-proxy's short-circuit of in-cluster traffic). Other traffic sees
-/// the external view first (externalIP, LoadBalancer IP, NodePort on this node's addresses:
-/// externalTrafficPolicy applies), then ClusterIPs.
+/// Where a packet comes from, as kube-proxy tells sources apart: the node itself (a local
+/// source address), a pod the local-traffic detector calls local, or anywhere else.
 #[inline(always)]
-fn lookup_frontend(t: &Tuple) -> Option<ServiceValue> {
-    let mask = KPR_CLUSTER_CIDR_MASK.load();
-    let from_cluster = mask != 0 && t.saddr & mask == KPR_CLUSTER_CIDR_ADDR.load();
-    let internal = ServiceKey { addr: t.daddr, port: t.dport, proto: t.proto, scope: SCOPE_INTERNAL };
-    let get = |key: &ServiceKey| SERVICES.get_ptr(key).map(|v| unsafe { *v });
-    if from_cluster && let Some(v) = get(&internal) {
-        return Some(v);
+fn source_scope(ctx: &TcContext, t: &Tuple) -> u8 {
+    if NODE_ADDRS.get_ptr(&t.saddr).is_some_and(|flags| unsafe { *flags } & NODE_ADDR_LOCAL != 0) {
+        return SCOPE_NODE;
     }
-    let external = ServiceKey { scope: SCOPE_EXTERNAL, ..internal };
-    if let Some(v) = get(&external) {
-        return Some(v);
+    let local = match KPR_DETECT_LOCAL.load() {
+        DETECT_LOCAL_CIDR => LOCAL_CIDRS.get(&Key::new(32, LocalCidr { addr: t.saddr })).is_some(),
+        DETECT_LOCAL_INTERFACE => {
+            let ifindex = ifindex(ctx);
+            LINKS.get_ptr(&ifindex).is_some_and(|link| unsafe { (*link).flags } & LINK_FLAG_LOCAL_TRAFFIC != 0)
+        }
+        _ => false,
+    };
+    if local { SCOPE_POD } else { SCOPE_EXTERNAL }
+}
+
+/// The frontend entry a packet from `scope` is addressed to: a ClusterIP, externalIP or
+/// LoadBalancer IP, or a NodePort on one of the node's NodePort addresses.
+#[inline(always)]
+fn lookup_frontend(t: &Tuple, scope: u8) -> Option<ServiceValue> {
+    let key = ServiceKey { addr: t.daddr, port: t.dport, proto: t.proto, scope };
+    if let Some(v) = SERVICES.get_ptr(&key) {
+        return Some(unsafe { *v });
     }
-    if NODE_ADDRS.get_ptr(&t.daddr).is_some()
-        && let Some(v) = get(&ServiceKey { addr: 0, ..external })
-    {
-        return Some(v);
+    if NODE_ADDRS.get_ptr(&t.daddr).is_some_and(|flags| unsafe { *flags } & NODE_ADDR_NODEPORT != 0) {
+        return SERVICES.get_ptr(&ServiceKey { addr: 0, ..key }).map(|v| unsafe { *v });
     }
-    if from_cluster { None } else { get(&internal) }
+    None
+}
+
+/// The link the program runs on.
+#[inline(always)]
+fn ifindex(ctx: &TcContext) -> u32 {
+    // SAFETY: a tc program's context is the packet's __sk_buff.
+    unsafe { (*(ctx.as_ptr() as *const __sk_buff)).ifindex }
+}
+
+/// The address MASQUERADE would give a packet to `backend`: the first address of the link the
+/// route to it leaves by, else the node's primary address; 0 when there is none.
+#[inline(always)]
+fn masquerade_source(ctx: &TcContext, backend: u32) -> u32 {
+    let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    params.family = AF_INET;
+    params.ifindex = ifindex(ctx);
+    params.__bindgen_anon_4.ipv4_dst = backend;
+    let rc = unsafe { fib_lookup(ctx.as_ptr(), &mut params, size_of::<bpf_fib_lookup>() as i32, 0) };
+    if rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) || rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
+        let out = params.ifindex;
+        if let Some(link) = LINKS.get_ptr(&out)
+            && unsafe { (*link).addr } != 0
+        {
+            return unsafe { (*link).addr };
+        }
+    }
+    LINKS.get_ptr(&0).map_or(0, |link| unsafe { (*link).addr })
 }
 
 #[inline(always)]
@@ -189,10 +220,11 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue) -> Result<i32, (
     };
     let backend: Backend = *backend;
 
-    // Replies must come back through this node: masquerade external traffic (eTP=Cluster) and
-    // a client that is its own backend (hairpin), as kube-proxy does.
-    let snat_addr = KPR_SNAT_ADDR.load();
-    let masquerade = snat_addr != 0 && (service.flags & SERVICE_FLAG_SNAT != 0 || backend.addr == t.saddr);
+    // Replies must come back through this node: masquerade what the entry says and a client
+    // that is its own backend (hairpin), as kube-proxy does.
+    let masquerade = service.flags & SERVICE_FLAG_SNAT != 0 || backend.addr == t.saddr;
+    let snat_addr = if masquerade { masquerade_source(ctx, backend.addr) } else { 0 };
+    let masquerade = snat_addr != 0;
     let reply_value = CtValue {
         src_addr: t.daddr,
         dst_addr: t.saddr,
@@ -246,8 +278,8 @@ fn is_syn(ctx: &TcContext, t: &Tuple) -> bool {
 
 /// The flow's endpoint is no longer one of its frontend's endpoints (or the frontend is gone).
 #[inline(always)]
-fn stale(t: &Tuple, entry: &CtValue) -> bool {
-    let Some(service) = lookup_frontend(t) else { return true };
+fn stale(ctx: &TcContext, t: &Tuple, entry: &CtValue) -> bool {
+    let Some(service) = lookup_frontend(t, source_scope(ctx, t)) else { return true };
     if service.backends_count > STALE_SCAN {
         return false;
     }

@@ -1,10 +1,12 @@
 //! The agent: source → model → plan → datapath, in one loop.
 //!
-//! Events are applied to the [`ClusterState`] as they arrive; after each burst (everything
-//! already queued), the changed services are recomputed and the [`Programmer`] writes the
-//! difference. Nothing is written until both initial lists have arrived, so a restart never
-//! black-holes services whose slices are late. A periodic full reconcile re-reads the maps and
-//! repairs any drift.
+//! Events are applied to the [`ClusterState`] and the node's facts as they arrive; after each
+//! burst (everything already queued), the node plan is recomputed if the node changed, the
+//! changed services are recomputed and the [`Programmer`] writes the difference — at most once
+//! per `minSyncPeriod`, like kube-proxy's bounded-frequency runner (an isolated change is
+//! applied at once, a storm is coalesced). Nothing is written until both initial lists have
+//! arrived, so a restart never black-holes services whose slices are late. A periodic full
+//! reconcile (`syncPeriod`) re-reads the maps and repairs any drift.
 use std::{
     future::Future,
     path::PathBuf,
@@ -17,9 +19,13 @@ use tokio::sync::mpsc;
 use crate::{
     datapath::{
         Maps, Programmer,
-        bpf::{BpfDatapath, DatapathConfig},
+        bpf::{BpfDatapath, DatapathConfig, HostDatapath},
     },
-    model::{NodeInfo, desired::ClusterState},
+    model::{
+        NodeInfo, ProxyOptions,
+        desired::ClusterState,
+        node::{self, HostLink, NodeObject, NodeSettings, TcLinks},
+    },
     source::{self, SourceEvent},
 };
 
@@ -33,8 +39,12 @@ pub enum SourceConfig {
 pub struct AgentConfig {
     pub source: SourceConfig,
     pub datapath: DatapathConfig,
-    pub node_name: String,
-    pub reconcile_interval: Duration,
+    pub node: NodeSettings,
+    pub options: ProxyOptions,
+    /// Full reconcile interval (`syncPeriod`).
+    pub sync_period: Duration,
+    /// Least time between two syncs (`minSyncPeriod`).
+    pub min_sync_period: Duration,
 }
 
 /// Run until `shutdown` completes. The pinned datapath stays in place on exit, like kube-proxy's
@@ -45,29 +55,32 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
     tracing::info!(
         pin_dir = %crate::datapath::bpf::pin_dir(&cfg.datapath.pin_root).display(),
         cgroup = %cfg.datapath.cgroup.display(),
+        node = %cfg.node.name,
         recovered_service_ports = programmer.programmed().len(),
         "datapath attached"
     );
 
     let (tx, rx) = mpsc::channel(4096);
-    let (node, source_task) = match cfg.source {
+    let source_task = match cfg.source {
         SourceConfig::Manifests(dir) => {
-            let task = tokio::spawn(log_exit("manifests", source::manifests::run(dir, tx)));
-            (NodeInfo { name: cfg.node_name, zone: None, addresses: Vec::new() }, task)
+            tokio::spawn(log_exit("manifests", source::manifests::run(dir, cfg.node.name.clone(), tx.clone())))
         }
         SourceConfig::Kube { kubeconfig } => {
             let client = source::kube::client(kubeconfig.as_deref()).await?;
-            let node = source::kube::node_info(&client, &cfg.node_name).await;
-            (node, tokio::spawn(log_exit("kubernetes", source::kube::run(client, tx))))
+            tokio::spawn(log_exit("kubernetes", source::kube::run(client, cfg.node.name.clone(), tx.clone())))
         }
     };
-    let node = NodeInfo { addresses: cfg.datapath.node_ips.clone(), ..node };
-    let mut syncer = Syncer::new(ClusterState::new(node), programmer);
-    if !cfg.datapath.tc_interfaces.is_empty() {
+    let host_task = tokio::spawn(log_exit("host links", source::host::run(tx)));
+    let serve_health = cfg.node.tc_links != TcLinks::Off;
+    let mut syncer = Syncer::new(ClusterState::with_options(NodeInfo::default(), cfg.options), programmer, cfg.node);
+    syncer.host_links = source::host::snapshot()?;
+    syncer.min_sync_period = cfg.min_sync_period;
+    if serve_health {
         syncer.health = Some(crate::health::HealthServers::default());
     }
-    syncer.run(rx, &mut datapath.maps, cfg.reconcile_interval, shutdown).await;
+    syncer.run(rx, &mut datapath.maps, &mut datapath.host, cfg.sync_period, shutdown).await;
     source_task.abort();
+    host_task.abort();
     tracing::info!("stopped; the datapath stays programmed until the next agent takes over");
     Ok(())
 }
@@ -84,51 +97,126 @@ pub struct Syncer {
     pub programmer: Programmer,
     /// healthCheckNodePort servers, with the per-packet (external) datapath.
     pub health: Option<crate::health::HealthServers>,
+    pub node_settings: NodeSettings,
+    pub host_links: Vec<HostLink>,
+    pub node_object: Option<NodeObject>,
+    pub min_sync_period: Duration,
+    /// The node facts changed since the last plan.
+    node_dirty: bool,
+    last_sync: Option<Instant>,
     synced_once: bool,
 }
 
 impl Syncer {
-    pub fn new(state: ClusterState, programmer: Programmer) -> Self {
-        Self { state, programmer, health: None, synced_once: false }
+    pub fn new(state: ClusterState, programmer: Programmer, node_settings: NodeSettings) -> Self {
+        Self {
+            state,
+            programmer,
+            health: None,
+            node_settings,
+            host_links: Vec::new(),
+            node_object: None,
+            min_sync_period: Duration::ZERO,
+            node_dirty: true,
+            last_sync: None,
+            synced_once: false,
+        }
     }
 
     pub async fn run(
         &mut self,
         mut rx: mpsc::Receiver<SourceEvent>,
         maps: &mut dyn Maps,
-        reconcile_interval: Duration,
+        host: &mut dyn HostDatapath,
+        sync_period: Duration,
         shutdown: impl Future<Output = ()>,
     ) {
-        let mut reconcile = tokio::time::interval(reconcile_interval);
+        let mut reconcile = tokio::time::interval(sync_period);
         reconcile.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         reconcile.tick().await; // the first tick is immediate
         tokio::pin!(shutdown);
+        let mut sources_open = true;
         loop {
+            // A change held back by minSyncPeriod is applied when the period is over.
+            let pending = self.pending_until();
             tokio::select! {
-                event = rx.recv() => {
+                event = rx.recv(), if sources_open => {
                     let Some(event) = event else {
                         tracing::warn!("all sources stopped; serving the last programmed state");
-                        shutdown.as_mut().await;
-                        return;
+                        sources_open = false;
+                        continue;
                     };
                     let started = Instant::now();
-                    event.apply_to(&mut self.state);
+                    self.apply(event);
                     while let Ok(event) = rx.try_recv() {
-                        event.apply_to(&mut self.state);
+                        self.apply(event);
                     }
-                    self.sync(maps, started);
+                    self.sync(maps, host, started);
                 }
+                () = sleep_until(pending) => self.sync(maps, host, Instant::now()),
                 _ = reconcile.tick() => self.reconcile(maps),
                 () = &mut shutdown => return,
             }
         }
     }
 
-    /// Write what changed, once both initial lists are in.
-    pub fn sync(&mut self, maps: &mut dyn Maps, started: Instant) {
+    /// Take in one event.
+    pub fn apply(&mut self, event: SourceEvent) {
+        match event {
+            SourceEvent::ServicesListed(all) => self.state.replace_services(all),
+            SourceEvent::SlicesListed(all) => self.state.replace_slices(all),
+            SourceEvent::ServiceApplied(s) => self.state.apply_service(s),
+            SourceEvent::ServiceDeleted(k) => self.state.delete_service(&k),
+            SourceEvent::SliceApplied(s) => self.state.apply_slice(s),
+            SourceEvent::SliceDeleted(k) => self.state.delete_slice(&k),
+            SourceEvent::ManifestsLoaded { services, slices, node } => {
+                self.state.replace_services(services);
+                self.state.replace_slices(slices);
+                self.set_node_object(node);
+            }
+            SourceEvent::Node(node) => self.set_node_object(node),
+            SourceEvent::Host(links) => {
+                if links != self.host_links {
+                    self.host_links = links;
+                    self.node_dirty = true;
+                }
+            }
+        }
+    }
+
+    fn set_node_object(&mut self, node: Option<NodeObject>) {
+        if node != self.node_object {
+            self.node_object = node;
+            self.node_dirty = true;
+        }
+    }
+
+    /// When a held-back change is due; `None` when nothing waits.
+    fn pending_until(&self) -> Option<Instant> {
+        let waiting = self.node_dirty || (self.state.synced() && self.state.has_changes());
+        let last = self.last_sync?;
+        waiting.then(|| last + self.min_sync_period)
+    }
+
+    /// Write what changed, once both initial lists are in and minSyncPeriod allows.
+    pub fn sync(&mut self, maps: &mut dyn Maps, host: &mut dyn HostDatapath, started: Instant) {
+        if self.last_sync.is_some_and(|last| last.elapsed() < self.min_sync_period) {
+            return; // `run` comes back when the period is over
+        }
+        if self.node_dirty {
+            self.node_dirty = false;
+            let plan = node::plan(&self.host_links, self.node_object.as_ref(), &self.node_settings);
+            if let Err(e) = host.apply_node(&plan) {
+                tracing::error!("failed to program the node's addresses and links: {e:#}");
+                self.node_dirty = true; // retried at the next sync
+            }
+            self.state.set_node(plan.info);
+            self.last_sync = Some(Instant::now());
+        }
         if !self.state.synced() || !self.state.has_changes() {
             return;
         }
+        self.last_sync = Some(Instant::now());
         let desired = self.state.desired();
         let report = self.programmer.apply(&desired, maps);
         if let Some(health) = &mut self.health {
@@ -169,11 +257,21 @@ impl Syncer {
     }
 }
 
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::{
-        datapath::{Capacity, backend_addr, fake::FakeMaps},
+        datapath::{
+            Capacity, backend_addr,
+            fake::{FakeHost, FakeMaps},
+        },
         model::{
             Protocol,
             desired::service_key,
@@ -198,7 +296,7 @@ mod tests {
     async fn events_flow_to_the_maps_only_after_both_lists() {
         let mut maps = FakeMaps::new(Capacity { service_ports: 16, backends: 64 });
         let programmer = Programmer::recover(&mut maps).unwrap();
-        let mut syncer = Syncer::new(ClusterState::new(NodeInfo::default()), programmer);
+        let mut syncer = Syncer::new(ClusterState::new(NodeInfo::default()), programmer, NodeSettings::default());
         let (tx, rx) = mpsc::channel(16);
         let svc =
             service_yaml("metadata: {name: web, namespace: d}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}");
@@ -206,8 +304,9 @@ mod tests {
         tx.send(SourceEvent::ServicesListed(vec![svc])).await.unwrap();
         tx.send(SourceEvent::SliceApplied(web_slice(&["10.0.0.1"]))).await.unwrap();
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let mut host = FakeHost::default();
         let run = async {
-            syncer.run(rx, &mut maps, Duration::from_secs(3600), async { stop_rx.await.unwrap() }).await;
+            syncer.run(rx, &mut maps, &mut host, Duration::from_secs(3600), async { stop_rx.await.unwrap() }).await;
             (syncer, maps)
         };
         let drive = async {
@@ -218,21 +317,23 @@ mod tests {
         };
         let ((syncer, maps), ()) = tokio::join!(run, drive);
         assert_eq!(visible(&maps), Some(vec!["10.0.0.1".into(), "10.0.0.2".into()]));
-        assert_eq!(syncer.programmer.programmed().len(), 1);
+        assert_eq!(syncer.programmer.programmed().len(), 3, "one entry per source scope");
     }
 
     #[test]
     fn nothing_is_written_before_sync_and_reconcile_repairs() {
         let mut maps = FakeMaps::new(Capacity { service_ports: 16, backends: 64 });
         let programmer = Programmer::recover(&mut maps).unwrap();
-        let mut syncer = Syncer::new(ClusterState::new(NodeInfo::default()), programmer);
+        let mut syncer = Syncer::new(ClusterState::new(NodeInfo::default()), programmer, NodeSettings::default());
+        let mut host = FakeHost::default();
         let svc =
             service_yaml("metadata: {name: web, namespace: d}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}");
-        SourceEvent::ServicesListed(vec![svc]).apply_to(&mut syncer.state);
-        syncer.sync(&mut maps, Instant::now());
+        syncer.apply(SourceEvent::ServicesListed(vec![svc]));
+        syncer.sync(&mut maps, &mut host, Instant::now());
         assert_eq!(maps.writes, 0, "slices not listed yet: nothing programmed");
-        SourceEvent::SlicesListed(vec![web_slice(&["10.0.0.7"])]).apply_to(&mut syncer.state);
-        syncer.sync(&mut maps, Instant::now());
+        assert_eq!(host.plans.len(), 1, "the node is programmed from the start");
+        syncer.apply(SourceEvent::SlicesListed(vec![web_slice(&["10.0.0.7"])]));
+        syncer.sync(&mut maps, &mut host, Instant::now());
         assert_eq!(visible(&maps), Some(vec!["10.0.0.7".into()]));
 
         maps.services.clear(); // drift: someone emptied the map

@@ -17,6 +17,7 @@ use anyhow::{Context as _, Result, bail};
 
 use crate::{
     agent::{self, AgentConfig, SourceConfig},
+    model::node::{NodeSettings, TcLinks},
     datapath::bpf::{self, DatapathConfig},
     testbed::{self, Cgroup, Topology},
 };
@@ -67,8 +68,12 @@ pub async fn run(keep_running: bool) -> Result<()> {
     let cfg = AgentConfig {
         source: SourceConfig::Manifests(manifests.0.clone()),
         datapath: DatapathConfig::new(pin_root.0.clone(), cgroup.path.clone()),
-        node_name: "demo-node".into(),
-        reconcile_interval: Duration::from_secs(30),
+        // The demo's agent runs in this machine's own network namespace: socket path only,
+        // never the host's interfaces.
+        node: NodeSettings { name: "demo-node".into(), tc_links: TcLinks::Off, ..Default::default() },
+        options: Default::default(),
+        sync_period: Duration::from_secs(30),
+        min_sync_period: Duration::ZERO,
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let agent = tokio::spawn(agent::run(cfg, async {

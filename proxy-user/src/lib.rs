@@ -2,6 +2,7 @@
 //! [`source`] (Kubernetes API or manifests) → [`model`] (kube-proxy's semantics) →
 //! [`datapath::Programmer`] (ordered, minimal map writes) → [`datapath::bpf`] (the kernel).
 pub mod agent;
+pub mod config;
 pub mod datapath;
 pub mod demo;
 pub mod health;

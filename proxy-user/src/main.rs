@@ -1,11 +1,16 @@
 //! `kpr`: the agent and its operator commands.
-use std::{path::PathBuf, time::Duration};
+use std::{net::IpAddr, path::PathBuf, time::Duration};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use kpr::{
     agent::{self, AgentConfig, SourceConfig},
+    config::ProxyConfig,
     datapath::bpf::{self, DatapathConfig},
+    model::{
+        ProxyOptions,
+        node::{DetectLocal, NodeSettings, TcLinks},
+    },
 };
 use proxy_common::defaults;
 
@@ -40,11 +45,16 @@ enum Command {
 
 #[derive(clap::Args)]
 struct AgentArgs {
-    /// Read Services and EndpointSlices from this directory of manifests instead of the API.
+    /// kube-proxy's configuration file (a `KubeProxyConfiguration`, as in kubeadm's
+    /// `kube-system/kube-proxy` ConfigMap). Flags given explicitly override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Read Services, EndpointSlices and this node's Node from this directory of manifests
+    /// instead of the API.
     #[arg(long, conflicts_with = "kubeconfig")]
     manifests: Option<PathBuf>,
-    /// Kubeconfig of the cluster; without it (and without --manifests) the in-cluster config or
-    /// KUBECONFIG is used.
+    /// Kubeconfig of the cluster [default: the file's clientConnection.kubeconfig, else the
+    /// in-cluster config or KUBECONFIG].
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
     /// cgroup2 directory whose sockets are load-balanced [default: the cgroup2 root].
@@ -53,9 +63,10 @@ struct AgentArgs {
     /// bpffs directory for kpr's pinned maps and links (a layout version is appended).
     #[arg(long, default_value = "/sys/fs/bpf/kpr")]
     pin_root: PathBuf,
-    /// This node's name (endpoint locality).
-    #[arg(long, env = "NODE_NAME")]
-    node_name: Option<String>,
+    /// This node's name (endpoint locality, the Node to watch) [default: the file's
+    /// hostnameOverride, else NODE_NAME, else the host name].
+    #[arg(long = "hostname-override", alias = "node-name")]
+    hostname_override: Option<String>,
     #[arg(long, default_value_t = defaults::MAX_SERVICE_PORTS)]
     max_service_ports: u32,
     #[arg(long, default_value_t = defaults::MAX_BACKENDS)]
@@ -65,21 +76,45 @@ struct AgentArgs {
     /// Per-packet conntrack entries (two per flow through NodePort/external frontends).
     #[arg(long, default_value_t = defaults::MAX_CONNTRACK)]
     max_conntrack: u32,
-    /// Interfaces for the per-packet datapath (NodePort, externalIPs, LoadBalancer IPs),
-    /// comma-separated [default: the interfaces holding the --node-ip addresses; without
-    /// --node-ip the per-packet datapath is off].
+    /// Restrict the per-packet datapath to these interfaces (comma-separated), or `none` to
+    /// turn it off [default: every interface but loopback, including ones created later].
     #[arg(long, value_delimiter = ',')]
     interfaces: Vec<String>,
-    /// This node's IPv4 addresses (NodePorts listen on them; masquerade uses the first).
+    /// Addresses that are this node's (NodePorts, "from the node") even if no interface holds
+    /// them; the first is the primary address (masquerade fallback, `primary` NodePorts).
     #[arg(long = "node-ip")]
-    node_ips: Vec<std::net::Ipv4Addr>,
-    /// The pods' IPv4 range (like kube-proxy's --cluster-cidr): traffic from it to external
-    /// addresses is in-cluster traffic and goes to all endpoints.
-    #[arg(long, value_parser = parse_cidr)]
-    cluster_cidr: Option<(std::net::Ipv4Addr, u8)>,
-    /// Seconds between full reconciles of the maps against the desired state.
-    #[arg(long, default_value_t = 30)]
-    reconcile_interval: u64,
+    node_ips: Vec<IpAddr>,
+    /// The pods' range(s), comma-separated (kube-proxy's --cluster-cidr).
+    #[arg(long)]
+    cluster_cidr: Option<String>,
+    /// ClusterCIDR, NodeCIDR, BridgeInterface or InterfaceNamePrefix.
+    #[arg(long)]
+    detect_local_mode: Option<String>,
+    #[arg(long)]
+    pod_bridge_interface: Option<String>,
+    #[arg(long)]
+    pod_interface_name_prefix: Option<String>,
+    /// CIDRs (or `primary`) of the addresses NodePorts are served on.
+    #[arg(long = "nodeport-addresses", value_delimiter = ',')]
+    nodeport_addresses: Option<Vec<String>>,
+    /// Masquerade all traffic to ClusterIPs.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    masquerade_all: Option<bool>,
+    /// Serve NodePorts on 127.0.0.0/8 to the node's own sockets.
+    #[arg(long = "iptables-localhost-nodeports")]
+    localhost_nodeports: Option<bool>,
+    /// The node's primary address (kube-proxy's --bind-address).
+    #[arg(long)]
+    bind_address: Option<IpAddr>,
+    /// Full reconcile interval (Go duration, e.g. 30s).
+    #[arg(long = "iptables-sync-period", value_parser = parse_duration)]
+    sync_period: Option<Duration>,
+    /// Least time between two syncs (Go duration, e.g. 1s; 0s: none).
+    #[arg(long = "iptables-min-sync-period", value_parser = parse_duration)]
+    min_sync_period: Option<Duration>,
+    /// Seconds between full reconciles (older spelling of --iptables-sync-period).
+    #[arg(long)]
+    reconcile_interval: Option<u64>,
 }
 
 #[tokio::main]
@@ -99,43 +134,108 @@ async fn main() -> Result<()> {
     }
 }
 
+/// The configuration file (or kube-proxy's defaults), then the flags given on top.
+fn effective_config(args: &AgentArgs) -> Result<ProxyConfig> {
+    let mut config = match &args.config {
+        Some(path) => ProxyConfig::load(path)?,
+        None => ProxyConfig::default(),
+    };
+    if let Some(name) = &args.hostname_override {
+        config.hostname_override = Some(name.trim().to_lowercase());
+    }
+    if let Some(cidrs) = &args.cluster_cidr {
+        config.set_cluster_cidrs(cidrs)?;
+    }
+    if let Some(bridge) = &args.pod_bridge_interface {
+        config.detect_local.bridge_interface = bridge.clone();
+    }
+    if let Some(prefix) = &args.pod_interface_name_prefix {
+        config.detect_local.interface_name_prefix = prefix.clone();
+    }
+    if let Some(mode) = &args.detect_local_mode {
+        config.set_detect_local_mode(mode)?;
+    }
+    if let Some(addrs) = &args.nodeport_addresses {
+        config.set_node_port_addresses(addrs.clone())?;
+    }
+    if let Some(all) = args.masquerade_all {
+        config.masquerade_all = all;
+    }
+    if let Some(on) = args.localhost_nodeports {
+        config.localhost_node_ports = on;
+    }
+    if let Some(addr) = args.bind_address {
+        config.bind_address = addr;
+    }
+    if let Some(period) = args.sync_period.or(args.reconcile_interval.map(Duration::from_secs)) {
+        config.sync_period = period;
+    }
+    if let Some(period) = args.min_sync_period {
+        config.min_sync_period = period;
+    }
+    if let Some(kubeconfig) = &args.kubeconfig {
+        config.kubeconfig = Some(kubeconfig.clone());
+    }
+    if config.sync_period.is_zero() {
+        anyhow::bail!("--iptables-sync-period: must be greater than 0");
+    }
+    Ok(config)
+}
+
 async fn run_agent(args: AgentArgs) -> Result<()> {
+    let config = effective_config(&args)?;
     let cgroup = match args.cgroup {
         Some(c) => c,
         None => bpf::cgroup2_root()?,
     };
+    let tc_links = match args.interfaces.as_slice() {
+        [] => TcLinks::All,
+        [none] if none == "none" => TcLinks::Off,
+        names => TcLinks::Only(names.to_vec()),
+    };
+    let detector = config.detector();
     let mut datapath = DatapathConfig::new(args.pin_root, cgroup);
     datapath.max_service_ports = args.max_service_ports;
     datapath.max_backends = args.max_backends;
     datapath.max_sock_revnat = args.max_sock_revnat;
     datapath.max_conntrack = args.max_conntrack;
-    datapath.tc_interfaces = if args.interfaces.is_empty() {
-        kpr::datapath::bpf::interfaces_holding(&args.node_ips)?
-    } else {
-        args.interfaces
+    datapath.detect_local = match detector {
+        DetectLocal::None => proxy_common::DETECT_LOCAL_NONE,
+        DetectLocal::ClusterCidr(_) | DetectLocal::NodeCidr => proxy_common::DETECT_LOCAL_CIDR,
+        DetectLocal::BridgeInterface(_) | DetectLocal::InterfaceNamePrefix(_) => proxy_common::DETECT_LOCAL_INTERFACE,
     };
-    datapath.node_ips = args.node_ips;
-    datapath.cluster_cidr = args.cluster_cidr;
+    datapath.localhost_node_ports = config.localhost_node_ports_effective();
+    datapath.pod_links_covered = tc_links == TcLinks::All;
     let source = match args.manifests {
         Some(dir) => SourceConfig::Manifests(dir),
-        None => SourceConfig::Kube { kubeconfig: args.kubeconfig },
+        None => SourceConfig::Kube { kubeconfig: config.kubeconfig.clone() },
     };
-    let node_name = match args.node_name {
+    let name = match config.hostname_override.clone().or_else(|| std::env::var("NODE_NAME").ok()) {
         Some(n) => n,
-        None => std::fs::read_to_string("/proc/sys/kernel/hostname")?.trim().to_owned(),
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")?.trim().to_lowercase(),
     };
-    let cfg =
-        AgentConfig { source, datapath, node_name, reconcile_interval: Duration::from_secs(args.reconcile_interval) };
+    let node = NodeSettings {
+        name,
+        node_port_addresses: config.node_port_addresses(),
+        detect_local: detector.clone(),
+        node_ips: args.node_ips,
+        bind_address: Some(config.bind_address).filter(|a| !a.is_unspecified()),
+        tc_links,
+    };
+    tracing::info!(config = %serde_json::to_string(&config)?, "effective configuration");
+    let cfg = AgentConfig {
+        source,
+        datapath,
+        node,
+        options: ProxyOptions { masquerade_all: config.masquerade_all, detect_local: detector.implemented() },
+        sync_period: config.sync_period,
+        min_sync_period: config.min_sync_period,
+    };
     agent::run(cfg, shutdown_signal()).await
 }
 
-fn parse_cidr(s: &str) -> Result<(std::net::Ipv4Addr, u8), String> {
-    let (addr, len) = s.split_once('/').ok_or("expected A.B.C.D/N")?;
-    let len: u8 = len.parse().map_err(|_| "bad prefix length")?;
-    if len > 32 {
-        return Err("prefix length over 32".into());
-    }
-    Ok((addr.parse().map_err(|_| "bad address")?, len))
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    kpr::config::go_duration::parse(s)
 }
 
 /// SIGTERM (the kubelet stopping the pod) or SIGINT.

@@ -74,6 +74,9 @@ impl Harness {
             .arg("--pin-root")
             .arg(&self.pin_root)
             .args(["--node-name", "test-node", "--max-service-ports", "1024", "--max-backends", "4096"])
+            // The agent runs in this machine's own network namespace: socket path only, never
+            // the host's interfaces.
+            .args(["--interfaces", "none", "--iptables-min-sync-period", "0s"])
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())

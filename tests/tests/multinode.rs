@@ -31,6 +31,8 @@ struct Node {
     pod_ip: Ipv4Addr,
     agent: Option<Child>,
     pins: PathBuf,
+    /// The node's KubeProxyConfiguration.
+    config: PathBuf,
     _servers: Vec<NameServer>,
     cgroup: Cgroup,
     _pod: Netns,
@@ -89,7 +91,13 @@ impl Cluster {
             ];
             let cgroup = Cgroup::new(&format!("{prefix}-{name}"))?;
             let pins = PathBuf::from(format!("/sys/fs/bpf/{prefix}-{name}"));
-            nodes.push(Node { name: (*name).to_owned(), ip, pod_ip, agent: None, pins, _servers: servers, cgroup, _pod: pod, netns });
+            // What kubeadm gives kube-proxy: the pods' range; the node is named by hostnameOverride.
+            let config = std::env::temp_dir().join(format!("{prefix}-{name}.kube-proxy.yaml"));
+            std::fs::write(
+                &config,
+                format!("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: 10.244.0.0/16\nhostnameOverride: {name}\n"),
+            )?;
+            nodes.push(Node { name: (*name).to_owned(), ip, pod_ip, agent: None, pins, config, _servers: servers, cgroup, _pod: pod, netns });
         }
         let log = std::env::temp_dir().join(format!("{prefix}.agents.log"));
         let mut cluster = Self { nodes, manifests, log, ext, _switch: switch };
@@ -112,7 +120,8 @@ impl Cluster {
             .arg(&node.cgroup.path)
             .arg("--pin-root")
             .arg(&node.pins)
-            .args(["--node-name", &node.name, "--node-ip", &node.ip.to_string(), "--interfaces", "eth0,veth-pod"])
+            .arg("--config")
+            .arg(&node.config)
             .args(["--max-service-ports", "256", "--max-backends", "1024", "--max-conntrack", "4096"])
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
@@ -149,6 +158,7 @@ impl Drop for Cluster {
                 let _ = agent.wait();
             }
             let _ = bpf::cleanup(&node.pins);
+            let _ = std::fs::remove_file(&node.config);
         }
         let _ = std::fs::remove_dir_all(&self.manifests);
         let _ = std::fs::remove_file(&self.log);
@@ -289,15 +299,35 @@ fn a_pod_reaching_itself_through_its_service_is_masqueraded() {
 }
 
 #[test]
-fn the_default_interfaces_are_those_holding_the_node_addresses() {
-    let ns = Netns::new(&testbed::unique_name("km-if")).unwrap();
-    ns.ip(&["link", "add", "ext0", "type", "veth", "peer", "name", "int0"]).unwrap();
-    ns.ip(&["addr", "add", "10.0.0.1/24", "dev", "ext0"]).unwrap();
-    ns.ip(&["addr", "add", "10.1.0.1/24", "dev", "int0"]).unwrap();
-    let found = ns.run(|| bpf::interfaces_holding(&[Ipv4Addr::new(10, 0, 0, 1)]).unwrap()).unwrap();
-    assert_eq!(found, ["ext0"]);
-    let none = ns.run(|| bpf::interfaces_holding(&[Ipv4Addr::new(10, 9, 9, 9)]).is_err()).unwrap();
-    assert!(none, "an address no interface holds is an error, not a silent no-op");
+fn links_created_after_the_agent_started_are_covered() {
+    let c = Cluster::new("km-links").unwrap();
+    let pod_b = c.nodes[1].pod_ip;
+    c.write("svc.yaml", &service("Cluster", 30084, &[(pod_b, "node-b")]));
+    c.wait("10.96.0.84:80/TCP", 1);
+    // A new pod on node-a, behind a link that did not exist when the agent started.
+    let node_a = &c.nodes[0].netns;
+    let pod = Netns::new(&format!("{}-late", node_a.name)).unwrap();
+    node_a.ip(&["link", "add", "veth-late", "type", "veth", "peer", "name", "eth0", "netns", &pod.name]).unwrap();
+    node_a.ip(&["addr", "add", "10.244.11.1/24", "dev", "veth-late"]).unwrap();
+    node_a.ip(&["link", "set", "veth-late", "up"]).unwrap();
+    pod.ip(&["addr", "add", "10.244.11.2/24", "dev", "eth0"]).unwrap();
+    pod.ip(&["link", "set", "eth0", "up"]).unwrap();
+    pod.ip(&["route", "add", "default", "via", "10.244.11.1"]).unwrap();
+    c.nodes[1].netns.ip(&["route", "add", "10.244.11.0/24", "via", "10.0.0.1"]).unwrap();
+    let cluster_ip = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 84), 80);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let (name, seen) = loop {
+        match pod.run(move || tcp_ask_peer(cluster_ip, Duration::from_millis(500))).unwrap() {
+            Ok(answer) => break answer,
+            Err(e) if std::time::Instant::now() > deadline => {
+                panic!("the new pod never reached the ClusterIP: {e}; agents' log:\n{}", std::fs::read_to_string(&c.log).unwrap_or_default())
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+        }
+    };
+    assert_eq!(name, "pod-b");
+    // A pod (inside clusterCIDR) reaching a ClusterIP keeps its address, as with kube-proxy.
+    assert_eq!(seen, "10.244.11.2");
 }
 
 #[test]

@@ -19,7 +19,7 @@ use kpr::{
     testbed,
 };
 use proxy_common::{
-    SCOPE_EXTERNAL, SCOPE_INTERNAL, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
+    DETECT_LOCAL_CIDR, LinkInfo, LocalCidr, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
     SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN, counter, program_names,
 };
 
@@ -142,12 +142,12 @@ struct Rig {
 }
 
 impl Rig {
-    /// Load the object on fresh pins with `desired` programmed and NODE_IP as node address.
+    /// Load the object on fresh pins with `desired` programmed, NODE_IP as the node's address
+    /// (NodePorts, masquerade) and 10.244.0.0/16 as the pods' range (local-traffic detector).
     fn new(desired: &Desired) -> Self {
         let pin_root = std::path::PathBuf::from(format!("/sys/fs/bpf/{}", testbed::unique_name("kt-tc")));
         let mut cfg = DatapathConfig::new(pin_root.clone(), "/nonexistent".into());
-        cfg.node_ips = vec![NODE_IP];
-        cfg.cluster_cidr = Some((Ipv4Addr::new(10, 244, 0, 0), 16));
+        cfg.detect_local = DETECT_LOCAL_CIDR;
         cfg.max_service_ports = 64;
         cfg.max_backends = 64;
         let mut ebpf = bpf::open_object(&cfg).expect("load object");
@@ -161,7 +161,15 @@ impl Rig {
         assert_eq!(programmer.apply(desired, &mut maps).failed, 0);
         let mut node_addrs: aya::maps::HashMap<_, u32, u32> =
             aya::maps::HashMap::try_from(ebpf.map_mut(proxy_common::map_names::NODE_ADDRS).unwrap()).unwrap();
-        node_addrs.insert(&u32::from(NODE_IP).to_be(), &1, 0).unwrap();
+        node_addrs.insert(&u32::from(NODE_IP).to_be(), &(NODE_ADDR_LOCAL | NODE_ADDR_NODEPORT), 0).unwrap();
+        // No link of its own: masquerade falls back to the primary address (ifindex 0).
+        let mut links: aya::maps::HashMap<_, u32, LinkInfo> =
+            aya::maps::HashMap::try_from(ebpf.map_mut(proxy_common::map_names::LINKS).unwrap()).unwrap();
+        links.insert(&0, &LinkInfo { addr: u32::from(NODE_IP).to_be(), flags: 0 }, 0).unwrap();
+        let mut cidrs: aya::maps::LpmTrie<_, LocalCidr, u8> =
+            aya::maps::LpmTrie::try_from(ebpf.map_mut(proxy_common::map_names::LOCAL_CIDRS).unwrap()).unwrap();
+        let pods = LocalCidr { addr: u32::from(Ipv4Addr::new(10, 244, 0, 0)).to_be() };
+        cidrs.insert(&aya::maps::lpm_trie::Key::new(16, pods), &1, 0).unwrap();
         let rig = Self { ebpf, maps, programmer, pin_root };
         rig
     }
@@ -207,12 +215,19 @@ fn entry(desired: &mut Desired, ip: Ipv4Addr, port: u16, protocol: Protocol, sco
 
 const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 
+/// A ClusterIP entry for pods and for outside clients alike.
+fn cluster_ip(desired: &mut Desired, port: u16, protocol: Protocol, backends: &[(Ipv4Addr, u16)]) {
+    for scope in [SCOPE_POD, SCOPE_EXTERNAL] {
+        entry(desired, CLUSTER_IP, port, protocol, scope, backends, 0);
+    }
+}
+
 fn services() -> Desired {
     let mut d = Desired::new();
-    entry(&mut d, CLUSTER_IP, 80, Protocol::Tcp, SCOPE_INTERNAL, &[(POD, 8080)], 0);
-    entry(&mut d, CLUSTER_IP, 53, Protocol::Udp, SCOPE_INTERNAL, &[(POD, 5353)], 0);
-    entry(&mut d, CLUSTER_IP, 81, Protocol::Tcp, SCOPE_INTERNAL, &[], 0);
-    entry(&mut d, CLUSTER_IP, 54, Protocol::Udp, SCOPE_INTERNAL, &[], 0);
+    cluster_ip(&mut d, 80, Protocol::Tcp, &[(POD, 8080)]);
+    cluster_ip(&mut d, 53, Protocol::Udp, &[(POD, 5353)]);
+    cluster_ip(&mut d, 81, Protocol::Tcp, &[]);
+    cluster_ip(&mut d, 54, Protocol::Udp, &[]);
     // NodePort 30080: eTP=Cluster (masquerade); 30081: eTP=Local without local endpoints.
     entry(&mut d, Ipv4Addr::UNSPECIFIED, 30080, Protocol::Tcp, SCOPE_EXTERNAL, &[(POD, 8080)], SERVICE_FLAG_SNAT);
     entry(&mut d, Ipv4Addr::UNSPECIFIED, 30081, Protocol::Tcp, SCOPE_EXTERNAL, &[], SERVICE_FLAG_DROP_NO_ENDPOINTS);
@@ -223,7 +238,11 @@ fn services() -> Desired {
     d.get_mut(&frontend_key(LB_IP, 80, Protocol::Tcp, SCOPE_EXTERNAL).unwrap()).unwrap().source_ranges = vec![(Ipv4Addr::new(10, 0, 0, 96), 30)];
     // An externalIP with eTP=Local and no local endpoint; from inside, every endpoint.
     entry(&mut d, EXT_LOCAL, 443, Protocol::Tcp, SCOPE_EXTERNAL, &[], SERVICE_FLAG_DROP_NO_ENDPOINTS);
-    entry(&mut d, EXT_LOCAL, 443, Protocol::Tcp, SCOPE_INTERNAL, &[(REMOTE_POD, 8443)], 0);
+    entry(&mut d, EXT_LOCAL, 443, Protocol::Tcp, SCOPE_POD, &[(REMOTE_POD, 8443)], 0);
+    // NodePort 30082 from the node itself (its own address as source): every endpoint,
+    // masqueraded; from outside it drops (eTP=Local, no local endpoint).
+    entry(&mut d, Ipv4Addr::UNSPECIFIED, 30082, Protocol::Tcp, SCOPE_EXTERNAL, &[], SERVICE_FLAG_DROP_NO_ENDPOINTS);
+    entry(&mut d, Ipv4Addr::UNSPECIFIED, 30082, Protocol::Tcp, SCOPE_NODE, &[(REMOTE_POD, 8080)], SERVICE_FLAG_SNAT);
     d
 }
 
@@ -239,6 +258,24 @@ fn in_cluster_traffic_to_an_external_address_is_short_circuited_to_all_endpoints
     let (verdict, out) = rig.ingress(&from_pod.bytes());
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(out, Pkt { dst: REMOTE_POD, dport: 8443, ..from_pod }.bytes(), "a pod's traffic goes to any endpoint, unmasqueraded");
+}
+
+#[test]
+fn the_source_picks_the_entry_pod_outside_or_node() {
+    let rig = Rig::new(&services());
+    let from_outside = tcp(CLIENT, 40040, NODE_IP, 30082);
+    assert_eq!(rig.ingress(&from_outside.bytes()).0, TC_ACT_SHOT, "from outside: eTP=Local without local endpoint");
+    let from_node = tcp(NODE_IP, 40041, NODE_IP, 30082);
+    let (verdict, out) = rig.ingress(&from_node.bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(out, Pkt { sport: sport_of(&out), dst: REMOTE_POD, dport: 8080, ..from_node }.bytes(), "from the node: any endpoint, masqueraded");
+    assert_ne!(sport_of(&out), 40041, "masquerade gives the flow a port of its own");
+    // A pod has no entry for this NodePort in this table: untouched.
+    let from_pod = tcp(Ipv4Addr::new(10, 244, 1, 5), 40042, NODE_IP, 30082);
+    assert_eq!(rig.ingress(&from_pod.bytes()), (TC_ACT_OK, from_pod.bytes()));
+    // Not a NodePort address: untouched as well.
+    let elsewhere = tcp(CLIENT, 40043, Ipv4Addr::new(10, 0, 0, 2), 30082);
+    assert_eq!(rig.ingress(&elsewhere.bytes()), (TC_ACT_OK, elsewhere.bytes()));
 }
 
 #[test]
@@ -434,7 +471,7 @@ fn a_new_connection_reusing_the_tuple_of_a_flow_to_a_removed_endpoint_is_balance
     // The endpoint goes away; another takes its place.
     let other = Ipv4Addr::new(10, 244, 7, 7);
     let mut d = services();
-    d.get_mut(&frontend_key(CLUSTER_IP, 80, Protocol::Tcp, SCOPE_INTERNAL).unwrap()).unwrap().backends = vec![(other, 8080)];
+    cluster_ip(&mut d, 80, Protocol::Tcp, &[(other, 8080)]);
     rig.reprogram(&d);
     // Established traffic of the old flow keeps its endpoint...
     let ack = Pkt { tcp_flags: 0x10, seq: 1001, ..syn };

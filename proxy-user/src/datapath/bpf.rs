@@ -5,6 +5,7 @@
 //! with their contents and swaps its freshly loaded programs into the pinned links in place
 //! (BPF_LINK_UPDATE), so established connections and the service table are never interrupted.
 use std::{
+    collections::{BTreeMap, BTreeSet},
     fs::{self, File},
     os::fd::{AsFd as _, AsRawFd as _, BorrowedFd},
     path::{Path, PathBuf},
@@ -15,7 +16,7 @@ use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, IterableMap as _, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Key as LpmKey},
     programs::{
-        CgroupAttachMode, CgroupSockAddr, SchedClassifier, TcAttachType,
+        CgroupAttachMode, CgroupSockAddr, NetworkInterface, SchedClassifier, TcAttachType,
         cgroup_sock_addr::CgroupSockAddrLink,
         links::{FdLink, PinnedLink},
         tc::SchedClassifierLink,
@@ -23,11 +24,12 @@ use aya::{
     util::KernelVersion,
 };
 use proxy_common::{
-    Backend, CtKey, CtValue, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue, SourceRange, counter, defaults, map_names,
-    program_names,
+    Backend, CtKey, CtValue, LinkInfo, LocalCidr, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue, SourceRange, counter,
+    defaults, map_names, program_names,
 };
 
 use super::{BatchError, Capacity, Maps};
+use crate::model::node::NodePlan;
 
 /// The eBPF object built from `proxy-ebpf` by build.rs.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy"));
@@ -46,12 +48,13 @@ pub struct DatapathConfig {
     pub max_backends: u32,
     pub max_sock_revnat: u32,
     pub max_conntrack: u32,
-    /// Interfaces that get the per-packet (tc) programs; empty: per-packet datapath off.
-    pub tc_interfaces: Vec<String>,
-    /// This node's addresses: NodePorts listen on them, masquerade uses the first.
-    pub node_ips: Vec<std::net::Ipv4Addr>,
-    /// The pods' address range (kube-proxy's --cluster-cidr): traffic from it is in-cluster.
-    pub cluster_cidr: Option<(std::net::Ipv4Addr, u8)>,
+    /// How the per-packet path tells local pods from other sources (`DETECT_LOCAL_*`).
+    pub detect_local: u8,
+    /// NodePorts answer on 127.0.0.0/8 for the node's own sockets (`localhostNodePorts`).
+    pub localhost_node_ports: bool,
+    /// The per-packet path covers every link (pods' links included): the socket path may leave
+    /// a pod's connection to it.
+    pub pod_links_covered: bool,
 }
 
 impl DatapathConfig {
@@ -63,9 +66,9 @@ impl DatapathConfig {
             max_backends: defaults::MAX_BACKENDS,
             max_sock_revnat: defaults::MAX_SOCK_REVNAT,
             max_conntrack: defaults::MAX_CONNTRACK,
-            tc_interfaces: Vec::new(),
-            node_ips: Vec::new(),
-            cluster_cidr: None,
+            detect_local: proxy_common::DETECT_LOCAL_NONE,
+            localhost_node_ports: false,
+            pod_links_covered: false,
         }
     }
 }
@@ -73,37 +76,6 @@ impl DatapathConfig {
 /// `<pin-root>/v<layout version>`
 pub fn pin_dir(pin_root: &Path) -> PathBuf {
     pin_root.join(format!("v{PIN_LAYOUT_VERSION}"))
-}
-
-/// Names of the interfaces (in this network namespace) that hold any of `addrs`.
-pub fn interfaces_holding(addrs: &[std::net::Ipv4Addr]) -> Result<Vec<String>> {
-    let mut out = Vec::new();
-    if addrs.is_empty() {
-        return Ok(out);
-    }
-    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills a list we free with freeifaddrs; entries are read-only here.
-    if unsafe { libc::getifaddrs(&mut list) } != 0 {
-        return Err(std::io::Error::last_os_error()).context("getifaddrs");
-    }
-    let mut cur = list;
-    while !cur.is_null() {
-        let ifa = unsafe { &*cur };
-        if !ifa.ifa_addr.is_null() && i32::from(unsafe { (*ifa.ifa_addr).sa_family }) == libc::AF_INET {
-            let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
-            let ip = std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
-            let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) }.to_string_lossy().into_owned();
-            if addrs.contains(&ip) && !out.contains(&name) {
-                out.push(name);
-            }
-        }
-        cur = ifa.ifa_next;
-    }
-    unsafe { libc::freeifaddrs(list) };
-    if out.is_empty() {
-        bail!("no interface holds the node addresses {addrs:?}; pass --interfaces");
-    }
-    Ok(out)
 }
 
 /// The cgroup2 mount point, from /proc/self/mounts (hybrid hierarchies put it elsewhere than
@@ -118,10 +90,23 @@ pub fn cgroup2_root() -> Result<PathBuf> {
         .context("no cgroup2 file system is mounted")
 }
 
-/// Loaded programs (kept alive) and the maps the agent writes.
+/// The cookie of this process's network namespace (SO_NETNS_COOKIE, 5.14+): sockets in it are
+/// the node's. `None` when the kernel cannot tell.
+pub fn netns_cookie() -> Option<u64> {
+    let socket = std::net::UdpSocket::bind("127.0.0.1:0").ok()?;
+    let mut cookie = 0u64;
+    let mut len = size_of::<u64>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cookie`.
+    let rc = unsafe {
+        libc::getsockopt(socket.as_raw_fd(), libc::SOL_SOCKET, 71, (&mut cookie as *mut u64).cast(), &mut len)
+    };
+    (rc == 0 && cookie != 0).then_some(cookie)
+}
+
+/// The service maps, and the host side (programs, links, node maps).
 pub struct BpfDatapath {
-    _ebpf: Ebpf,
     pub maps: BpfMaps,
+    pub host: BpfHost,
 }
 
 /// Load the eBPF object with its maps created or reused under the pin directory; no program
@@ -135,14 +120,10 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .with_context(|| format!("failed to create the pin directory {} (is bpffs mounted?)", dir.display()))?;
     // bpf_set_retval (ECONNREFUSED for services without endpoints) exists from 5.18 on.
     let have_set_retval = u8::from(KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(5, 18, 0)));
-    let snat_addr = cfg.node_ips.first().map_or(0, |ip| u32::from(*ip).to_be());
-    let (cidr_addr, cidr_mask) = match cfg.cluster_cidr {
-        Some((addr, len)) if len > 0 => {
-            let mask = u32::MAX << (32 - u32::from(len.min(32)));
-            ((u32::from(addr) & mask).to_be(), mask.to_be())
-        }
-        _ => (0, 0),
-    };
+    let host_netns = netns_cookie().unwrap_or(0);
+    if host_netns == 0 {
+        tracing::warn!("the kernel does not tell network namespaces apart (SO_NETNS_COOKIE): every socket counts as the node's");
+    }
     EbpfLoader::new()
         .default_map_pin_directory(&dir)
         .map_max_entries(map_names::SERVICES, cfg.max_service_ports)
@@ -150,9 +131,10 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .map_max_entries(map_names::SOCK_REVNAT, cfg.max_sock_revnat)
         .map_max_entries(map_names::CONNTRACK, cfg.max_conntrack)
         .override_global("KPR_HAVE_SET_RETVAL", &have_set_retval, true)
-        .override_global("KPR_SNAT_ADDR", &snat_addr, true)
-        .override_global("KPR_CLUSTER_CIDR_ADDR", &cidr_addr, true)
-        .override_global("KPR_CLUSTER_CIDR_MASK", &cidr_mask, true)
+        .override_global("KPR_HOST_NETNS_COOKIE", &host_netns, true)
+        .override_global("KPR_POD_LINKS_COVERED", &u8::from(cfg.pod_links_covered), true)
+        .override_global("KPR_LOCALHOST_NODEPORTS", &u8::from(cfg.localhost_node_ports), true)
+        .override_global("KPR_DETECT_LOCAL", &cfg.detect_local, true)
         .load(EBPF_OBJECT)
         .map_err(|e| match e {
             aya::EbpfError::MapError(aya::maps::MapError::PinError { .. }) | aya::EbpfError::MapError(_) => {
@@ -168,6 +150,8 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
 }
 
 impl BpfDatapath {
+    /// Load everything and attach the socket hooks; the per-packet programs are attached by
+    /// [`HostDatapath::apply_node`] as links are known.
     pub fn load(cfg: &DatapathConfig) -> Result<Self> {
         let mut ebpf = open_object(cfg)?;
         let dir = pin_dir(&cfg.pin_root);
@@ -201,71 +185,179 @@ impl BpfDatapath {
                 tracing::debug!(program = name, cgroup = %cfg.cgroup.display(), "attached and pinned");
             }
         }
-
-        attach_tc(&mut ebpf, &dir, &cfg.tc_interfaces)?;
-        let mut node_addrs: HashMap<MapData, u32, u32> =
-            HashMap::try_from(ebpf.take_map(map_names::NODE_ADDRS).context("no node address map")?)?;
-        let want: Vec<u32> = cfg.node_ips.iter().map(|ip| u32::from(*ip).to_be()).collect();
-        for stale in node_addrs.keys().filter_map(Result::ok).filter(|a| !want.contains(a)).collect::<Vec<_>>() {
-            node_addrs.remove(&stale)?;
-        }
-        for addr in &want {
-            node_addrs.insert(addr, &1, 0)?;
+        for name in TC_PROGRAMS {
+            let prog: &mut SchedClassifier = ebpf
+                .program_mut(name)
+                .with_context(|| format!("program `{name}` missing from the eBPF object"))?
+                .try_into()?;
+            prog.load().with_context(|| format!("the verifier rejected `{name}`"))?;
         }
 
         let maps = BpfMaps::take_from(&mut ebpf, cfg)?;
-        Ok(Self { _ebpf: ebpf, maps })
+        let host = BpfHost::take_from(ebpf, dir)?;
+        Ok(Self { maps, host })
     }
 }
 
-/// The tc programs on every interface in `interfaces`, ingress and egress, as pinned links
-/// (TCX on kernels ≥ 6.6; netlink cls_bpf filters before, which persist without pins).
-fn attach_tc(ebpf: &mut Ebpf, dir: &Path, interfaces: &[String]) -> Result<()> {
-    if interfaces.is_empty() {
-        tracing::info!("no --interfaces: the per-packet (NodePort/external) datapath is off");
-        return Ok(());
+const TC_PROGRAMS: [&str; 2] = [program_names::TC_INGRESS, program_names::TC_EGRESS];
+
+/// The host side of the datapath: where the per-packet programs are attached and what they
+/// know of the node (its addresses, links, the detector's CIDRs).
+pub trait HostDatapath: Send {
+    /// Make the node maps and the per-packet attachments match `plan`. A link that cannot be
+    /// attached is logged and retried at the next call; the rest still applies.
+    fn apply_node(&mut self, plan: &NodePlan) -> Result<()>;
+}
+
+pub struct BpfHost {
+    ebpf: Ebpf,
+    dir: PathBuf,
+    node_addrs: HashMap<MapData, u32, u32>,
+    links: HashMap<MapData, u32, LinkInfo>,
+    local_cidrs: LpmTrie<MapData, LocalCidr, u8>,
+    /// ifindex → name of the links that hold kpr's per-packet programs.
+    attached: BTreeMap<u32, String>,
+}
+
+impl BpfHost {
+    fn take_from(mut ebpf: Ebpf, dir: PathBuf) -> Result<Self> {
+        let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("no map {name}"));
+        let node_addrs = HashMap::try_from(take(map_names::NODE_ADDRS)?)?;
+        let links = HashMap::try_from(take(map_names::LINKS)?)?;
+        let local_cidrs = LpmTrie::try_from(take(map_names::LOCAL_CIDRS)?)?;
+        Ok(Self { ebpf, dir, node_addrs, links, local_cidrs, attached: BTreeMap::new() })
     }
-    for (name, attach_type) in
-        [(program_names::TC_INGRESS, TcAttachType::Ingress), (program_names::TC_EGRESS, TcAttachType::Egress)]
-    {
-        let prog: &mut SchedClassifier = ebpf
-            .program_mut(name)
-            .with_context(|| format!("program `{name}` missing from the eBPF object"))?
-            .try_into()?;
-        prog.load().with_context(|| format!("the verifier rejected `{name}`"))?;
-        for iface in interfaces {
-            // Masquerade rewrites the source to the node's own address before routing; the
-            // kernel drops such "martian" packets unless the interface accepts local sources.
-            let sysctl = format!("/proc/sys/net/ipv4/conf/{iface}/accept_local");
-            if let Err(e) = fs::write(&sysctl, "1") {
-                tracing::warn!(interface = %iface, "failed to set {sysctl}: {e}; masqueraded flows may be dropped");
-            }
-            let link_path = dir.join(format!("link_{name}_{iface}"));
+
+    fn tc_pin(&self, program: &str, ifindex: u32) -> PathBuf {
+        self.dir.join(format!("link_{program}_if{ifindex}"))
+    }
+
+    /// Attach (or, after a restart, swap into the pinned links) both tc programs on a link.
+    fn attach_link(&mut self, ifindex: u32, name: &str) -> Result<()> {
+        // Masquerade rewrites the source to the node's own address before routing; the
+        // kernel drops such "martian" packets unless the interface accepts local sources.
+        let sysctl = format!("/proc/sys/net/ipv4/conf/{name}/accept_local");
+        if let Err(e) = fs::write(&sysctl, "1") {
+            tracing::warn!(interface = %name, "failed to set {sysctl}: {e}; masqueraded flows may be dropped");
+        }
+        for (program, attach_type) in [(TC_PROGRAMS[0], TcAttachType::Ingress), (TC_PROGRAMS[1], TcAttachType::Egress)] {
+            let link_path = self.tc_pin(program, ifindex);
+            let prog: &mut SchedClassifier = self.ebpf.program_mut(program).context("tc program")?.try_into()?;
             if link_path.exists() {
                 let link: FdLink = PinnedLink::from_pin(&link_path)
                     .with_context(|| format!("failed to open pinned link {}", link_path.display()))?
                     .into();
                 prog.attach_to_link(SchedClassifierLink::try_from(link)?)
-                    .with_context(|| format!("failed to update the {name} link on {iface}"))?;
+                    .with_context(|| format!("failed to update the {program} link on {name}"))?;
                 continue;
             }
-            let iface_c = std::ffi::CString::new(iface.as_str())?;
             if !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0)) {
-                let _ = aya::programs::tc::qdisc_add_clsact(iface_c.as_c_str());
+                let _ = aya::programs::tc::qdisc_add_clsact(NetworkInterface::Index(ifindex));
             }
             let id = prog
-                .attach(iface_c.as_c_str(), attach_type)
-                .with_context(|| format!("failed to attach {name} to interface {iface}"))?;
+                .attach(NetworkInterface::Index(ifindex), attach_type)
+                .with_context(|| format!("failed to attach {program} to {name}"))?;
             match FdLink::try_from(prog.take_link(id)?) {
                 Ok(link) => {
                     link.pin(&link_path).with_context(|| format!("failed to pin {}", link_path.display()))?;
                 }
-                Err(_) => {
-                    tracing::info!(interface = %iface, "attached as a netlink filter (no TCX): it stays after exit")
-                }
+                Err(_) => tracing::info!(interface = %name, "attached as a netlink filter (no TCX)"),
             }
         }
-        tracing::info!(program = name, interfaces = ?interfaces, "per-packet datapath attached");
+        Ok(())
+    }
+
+    /// Detach from a link (gone, or no longer selected) by dropping its pinned links.
+    fn detach_link(&mut self, ifindex: u32) {
+        for program in TC_PROGRAMS {
+            let path = self.tc_pin(program, ifindex);
+            if let Ok(pinned) = PinnedLink::from_pin(&path) {
+                match pinned.unpin() {
+                    Ok(link) => drop(link),
+                    Err(e) => tracing::warn!("failed to unpin {}: {e}", path.display()),
+                }
+            } else {
+                let _ = fs::remove_file(&path);
+            }
+        }
+    }
+
+    /// Pinned tc links of earlier runs, by ifindex.
+    fn pinned_links(&self) -> BTreeSet<u32> {
+        let prefix = format!("link_{}_if", TC_PROGRAMS[0]);
+        fs::read_dir(&self.dir)
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix(&prefix)?.parse().ok())
+            .collect()
+    }
+}
+
+impl HostDatapath for BpfHost {
+    fn apply_node(&mut self, plan: &NodePlan) -> Result<()> {
+        // Maps first: a newly attached link must find its addresses and flags.
+        let want: BTreeMap<u32, u32> = plan.node_addrs.iter().map(|(a, f)| (u32::from(*a).to_be(), *f)).collect();
+        sync_hash(&mut self.node_addrs, &want)?;
+        sync_hash(&mut self.links, &plan.links)?;
+        let want: BTreeSet<(u32, u8)> = plan
+            .local_cidrs
+            .iter()
+            .filter_map(|c| match c.addr {
+                std::net::IpAddr::V4(a) => Some((u32::from(a).to_be(), c.len)),
+                std::net::IpAddr::V6(_) => None,
+            })
+            .collect();
+        let have: BTreeSet<(u32, u8)> =
+            self.local_cidrs.keys().filter_map(Result::ok).map(|k| (k.data().addr, k.prefix_len() as u8)).collect();
+        for (addr, len) in have.difference(&want) {
+            self.local_cidrs.remove(&LpmKey::new(u32::from(*len), LocalCidr { addr: *addr }))?;
+        }
+        for (addr, len) in want.difference(&have) {
+            self.local_cidrs.insert(&LpmKey::new(u32::from(*len), LocalCidr { addr: *addr }), &1u8, 0)?;
+        }
+
+        // Links of an earlier run that are gone or no longer selected.
+        let stale: Vec<u32> = self
+            .pinned_links()
+            .into_iter()
+            .chain(self.attached.keys().copied())
+            .filter(|i| !plan.tc_links.contains_key(i))
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        for ifindex in stale {
+            self.detach_link(ifindex);
+            if let Some(name) = self.attached.remove(&ifindex) {
+                tracing::info!(interface = %name, ifindex, "per-packet programs detached");
+            }
+        }
+        for (ifindex, name) in &plan.tc_links {
+            if self.attached.contains_key(ifindex) {
+                continue;
+            }
+            match self.attach_link(*ifindex, name) {
+                Ok(()) => {
+                    tracing::info!(interface = %name, ifindex, "per-packet programs attached");
+                    self.attached.insert(*ifindex, name.clone());
+                }
+                // The link may have vanished since the snapshot: the next one settles it.
+                Err(e) => tracing::warn!(interface = %name, "{e:#}"),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Make a hash map hold exactly `want`.
+fn sync_hash<V: aya::Pod + PartialEq>(map: &mut HashMap<MapData, u32, V>, want: &BTreeMap<u32, V>) -> Result<()> {
+    let have: Vec<(u32, V)> = map.iter().filter_map(Result::ok).collect();
+    for (k, _) in have.iter().filter(|(k, _)| !want.contains_key(k)) {
+        map.remove(k)?;
+    }
+    for (k, v) in want {
+        if !have.iter().any(|(hk, hv)| hk == k && hv == v) {
+            map.insert(k, v, 0)?;
+        }
     }
     Ok(())
 }

@@ -127,3 +127,16 @@ impl Maps for FakeMaps {
         Ok(0)
     }
 }
+
+/// A [`HostDatapath`](super::bpf::HostDatapath) that records the plans it is given.
+#[derive(Default)]
+pub struct FakeHost {
+    pub plans: Vec<crate::model::node::NodePlan>,
+}
+
+impl super::bpf::HostDatapath for FakeHost {
+    fn apply_node(&mut self, plan: &crate::model::node::NodePlan) -> Result<()> {
+        self.plans.push(plan.clone());
+        Ok(())
+    }
+}

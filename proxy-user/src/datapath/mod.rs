@@ -90,7 +90,8 @@ pub fn backend_addr(b: &Backend) -> (Ipv4Addr, u16) {
     (Ipv4Addr::from(u32::from_be(b.addr)), u16::from_be(b.port))
 }
 
-/// `10.96.0.10:80/TCP`; external frontends are marked, a NodePort shows as `*:30080/TCP ext`.
+/// `10.96.0.10:80/TCP` as pods see it; the other scopes are marked (`ext`: from outside,
+/// `node`: from the node); a NodePort shows as `*:30080/TCP ext`.
 pub fn display_key(key: &ServiceKey) -> impl fmt::Display {
     let proto = match key.proto {
         IPPROTO_TCP => "TCP".to_owned(),
@@ -101,7 +102,12 @@ pub fn display_key(key: &ServiceKey) -> impl fmt::Display {
         0 => "*".to_owned(),
         a => Ipv4Addr::from(u32::from_be(a)).to_string(),
     };
-    let scope = if key.scope == proxy_common::SCOPE_EXTERNAL { " ext" } else { "" };
+    let scope = match key.scope {
+        proxy_common::SCOPE_POD => "",
+        proxy_common::SCOPE_EXTERNAL => " ext",
+        proxy_common::SCOPE_NODE => " node",
+        _ => " ?",
+    };
     format!("{addr}:{}/{proto}{scope}", u16::from_be(key.port))
 }
 

@@ -9,11 +9,13 @@ use std::{
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_common::{
-    IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_INTERNAL, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
-    SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
+    IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
+    SERVICE_FLAG_SOCKET_SKIP, SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
 };
 
-use super::{NodeInfo, ObjectKey, Protocol, ServicePortName, Skip, TrafficPolicy, endpoints, service};
+use super::{
+    NodeInfo, ObjectKey, Protocol, ProxyOptions, ServicePort, ServicePortName, Skip, TrafficPolicy, endpoints, service,
+};
 
 /// One datapath entry: a frontend (ClusterIP:port, external IP:port or NodePort) of a service
 /// port and the backends to pick from.
@@ -32,12 +34,12 @@ pub struct DesiredPort {
 
 pub type Desired = BTreeMap<ServiceKey, DesiredPort>;
 
-/// The key of a ClusterIP frontend.
+/// The key of a ClusterIP frontend as a pod sees it.
 pub fn service_key(ip: Ipv4Addr, port: u16, protocol: Protocol) -> Option<ServiceKey> {
-    frontend_key(ip, port, protocol, SCOPE_INTERNAL)
+    frontend_key(ip, port, protocol, SCOPE_POD)
 }
 
-/// The key of a frontend; a NodePort is `0.0.0.0:nodePort` in the external scope.
+/// The key of a frontend for traffic from `scope`; a NodePort is `0.0.0.0:nodePort`.
 pub fn frontend_key(ip: Ipv4Addr, port: u16, protocol: Protocol, scope: u8) -> Option<ServiceKey> {
     let proto = match protocol {
         Protocol::Tcp => IPPROTO_TCP,
@@ -47,11 +49,40 @@ pub fn frontend_key(ip: Ipv4Addr, port: u16, protocol: Protocol, scope: u8) -> O
     Some(ServiceKey { addr: u32::from(ip).to_be(), port: port.to_be(), proto, scope })
 }
 
-/// The datapath entries of one Service, given its slices.
+/// What one scope's entry of a frontend does: the backends to pick from and `SERVICE_FLAG_*`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Verdict {
+    backends: Vec<(Ipv4Addr, u16)>,
+    flags: u32,
+}
+
+impl Verdict {
+    /// kube-proxy's REJECT: the service has no usable endpoint anywhere.
+    fn reject() -> Self {
+        Self { backends: Vec::new(), flags: 0 }
+    }
+
+    /// kube-proxy's DROP: whatever the endpoints, this traffic is not admitted.
+    fn drop() -> Self {
+        Self { backends: Vec::new(), flags: SERVICE_FLAG_DROP_NO_ENDPOINTS }
+    }
+
+    fn masquerade(mut self, yes: bool) -> Self {
+        if yes && !self.backends.is_empty() {
+            self.flags |= SERVICE_FLAG_SNAT;
+        }
+        self
+    }
+}
+
+/// The datapath entries of one Service, given its slices: every frontend (ClusterIPs,
+/// externalIPs, LoadBalancer IPs, the NodePort) once per scope (from a pod, from outside, from
+/// the node), with the endpoints and masquerade kube-proxy's chains give that traffic.
 pub fn service_entries<'a>(
     svc: &Service,
     slices: impl IntoIterator<Item = &'a EndpointSlice>,
     node: &NodeInfo,
+    options: &ProxyOptions,
     skipped: &mut Vec<(String, Skip)>,
 ) -> Result<Vec<(ServiceKey, DesiredPort)>, Skip> {
     let translated = service::translate(svc)?;
@@ -62,87 +93,143 @@ pub fn service_entries<'a>(
     let by_port = endpoints::endpoints_by_port(slices, node, skipped);
     let mut out = Vec::new();
     for sp in &translated.ports {
-        let eps = endpoints::for_port(&by_port, &sp.name);
-        let cat = endpoints::categorize(eps, sp, node);
-        let v4 = |eps: &[crate::model::Endpoint]| -> Vec<(Ipv4Addr, u16)> {
-            let mut v: Vec<(Ipv4Addr, u16)> = eps
-                .iter()
-                .filter_map(|e| match e.ip {
-                    IpAddr::V4(ip) => Some((ip, e.port)),
-                    IpAddr::V6(_) => None,
-                })
-                .collect();
-            v.sort();
-            v.dedup();
-            v
-        };
+        let cat = endpoints::categorize(endpoints::for_port(&by_port, &sp.name), sp, node);
         // loadBalancerSourceRanges filter the LoadBalancer IPs only, as in kube-proxy.
         let ranges = source_ranges(&sp.load_balancer_source_ranges, &sp.name, skipped);
-        let mut push = |ip: &IpAddr,
-                        port: u16,
-                        scope: u8,
-                        backends: &Vec<(Ipv4Addr, u16)>,
-                        flags: u32,
-                        ranges: &Vec<(Ipv4Addr, u8)>| {
-            let IpAddr::V4(ip) = ip else { return }; // IPv6 frontends: the v6 datapath's job
-            let flags = if ranges.is_empty() { flags } else { flags | SERVICE_FLAG_SOURCE_RANGES };
-            let port_entry =
-                DesiredPort { name: sp.name.clone(), backends: backends.clone(), flags, source_ranges: ranges.clone() };
-            match frontend_key(*ip, port, sp.protocol, scope) {
-                Some(key) => out.push((key, port_entry)),
-                None => skipped.push((sp.name.port.clone(), Skip::UnsupportedProtocol(sp.protocol))),
-            }
-        };
-
-        // ClusterIPs: internalTrafficPolicy; Local with no local endpoint drops.
-        let (internal, internal_flags) = if sp.internal_policy == TrafficPolicy::Local {
-            (v4(&cat.local), SERVICE_FLAG_DROP_NO_ENDPOINTS)
-        } else {
-            (v4(&cat.cluster), 0)
-        };
-        let no_ranges = Vec::new();
-        for ip in &sp.cluster_ips {
-            push(ip, sp.port, SCOPE_INTERNAL, &internal, internal_flags, &no_ranges);
-        }
-
-        // External frontends: externalTrafficPolicy. Cluster masquerades; Local keeps the
-        // client address, uses local endpoints only and drops when there are none.
-        if sp.externally_accessible() {
-            let (external, external_flags) = if sp.external_policy == TrafficPolicy::Local {
-                (v4(&cat.local), SERVICE_FLAG_DROP_NO_ENDPOINTS)
-            } else {
-                (v4(&cat.cluster), SERVICE_FLAG_SNAT)
-            };
-            for ip in &sp.external_ips {
-                push(ip, sp.port, SCOPE_EXTERNAL, &external, external_flags, &no_ranges);
-            }
-            for ip in &sp.load_balancer_ips {
-                push(ip, sp.port, SCOPE_EXTERNAL, &external, external_flags, &ranges);
-            }
-            if let Some(node_port) = sp.node_port {
-                push(
-                    &IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-                    node_port,
-                    SCOPE_EXTERNAL,
-                    &external,
-                    external_flags,
-                    &no_ranges,
-                );
-            }
-            // The same frontends seen from inside: sockets on the node and (with
-            // --cluster-cidr) pods reach them like the ClusterIP, with the cluster's endpoints
-            // (kube-proxy short-circuits in-cluster traffic to external addresses).
-            for ip in sp.external_ips.iter().chain(&sp.load_balancer_ips) {
-                push(ip, sp.port, SCOPE_INTERNAL, &internal, internal_flags, &no_ranges);
-            }
-            if let Some(node_port) = sp.node_port {
-                for ip in &node.addresses {
-                    push(&IpAddr::V4(*ip), node_port, SCOPE_INTERNAL, &internal, internal_flags, &no_ranges);
+        let scopes = scoped_verdicts(sp, &cat, node, options, &ranges);
+        let mut push = |ip: Ipv4Addr, port: u16, [pod, external, from_node]: &[Verdict; 3], ranges: &[(Ipv4Addr, u8)]| {
+            for (scope, verdict) in [(SCOPE_POD, pod), (SCOPE_EXTERNAL, external), (SCOPE_NODE, from_node)] {
+                let Some(key) = frontend_key(ip, port, sp.protocol, scope) else {
+                    skipped.push((sp.name.port.clone(), Skip::UnsupportedProtocol(sp.protocol)));
+                    return;
+                };
+                // The node's own traffic was decided at sync time (no per-packet source).
+                let filtered = !ranges.is_empty() && scope != SCOPE_NODE;
+                let mut flags = verdict.flags;
+                if filtered {
+                    flags |= SERVICE_FLAG_SOURCE_RANGES;
                 }
+                // What connect() in a pod cannot do (masquerade, source filtering) is left to
+                // the per-packet path on the pod's link.
+                if scope == SCOPE_POD && (filtered || flags & SERVICE_FLAG_SNAT != 0) {
+                    flags |= SERVICE_FLAG_SOCKET_SKIP;
+                }
+                let source_ranges = if filtered { ranges.to_vec() } else { Vec::new() };
+                out.push((key, DesiredPort { name: sp.name.clone(), backends: verdict.backends.clone(), flags, source_ranges }));
+            }
+        };
+        let v4 = |ips: &[IpAddr]| ips.iter().filter_map(|ip| match ip {
+            IpAddr::V4(ip) => Some(*ip),
+            IpAddr::V6(_) => None, // the IPv6 datapath's job
+        }).collect::<Vec<_>>();
+        for ip in v4(&sp.cluster_ips) {
+            push(ip, sp.port, &scopes.cluster_ip, &[]);
+        }
+        if sp.externally_accessible() {
+            for ip in v4(&sp.external_ips) {
+                push(ip, sp.port, &scopes.external, &[]);
+            }
+            let lb_ranges = allow_from_node(&ranges, &v4(&sp.load_balancer_ips), node);
+            for ip in v4(&sp.load_balancer_ips) {
+                push(ip, sp.port, &scopes.load_balancer, &lb_ranges);
+            }
+            if let Some(node_port) = sp.node_port {
+                push(Ipv4Addr::UNSPECIFIED, node_port, &scopes.external, &[]);
             }
         }
     }
     Ok(out)
+}
+
+/// Per kind of frontend, the verdict for traffic from a pod, from outside, from the node.
+struct ScopedVerdicts {
+    cluster_ip: [Verdict; 3],
+    /// externalIPs and the NodePort.
+    external: [Verdict; 3],
+    load_balancer: [Verdict; 3],
+}
+
+/// kube-proxy's chains, per source (see kube-proxy-semantics.md, "Easily missed"):
+/// - no usable endpoint anywhere: REJECT, whatever the policies and the source;
+/// - ClusterIP: internalTrafficPolicy decides (Local without a local endpoint: DROP);
+///   masqueraded with `masqueradeAll`, or when a detector is in force and the source is not a
+///   local pod (`! -s clusterCIDR -j KUBE-MARK-MASQ`);
+/// - external frontends from outside: externalTrafficPolicy decides (Cluster: all endpoints,
+///   masqueraded; Local: local endpoints, source kept, none local: DROP);
+/// - from a local pod (only with a detector): Cluster as from outside; Local short-circuits to
+///   all endpoints unmasqueraded;
+/// - from the node: all endpoints, masqueraded, whatever the policy (`--src-type LOCAL`);
+/// - LoadBalancer IPs with source ranges: the node is admitted when a range holds one of its
+///   addresses, otherwise dropped (pods and outside clients are checked per packet).
+fn scoped_verdicts(
+    sp: &ServicePort,
+    cat: &endpoints::Categorized,
+    node: &NodeInfo,
+    options: &ProxyOptions,
+    ranges: &[(Ipv4Addr, u8)],
+) -> ScopedVerdicts {
+    let v4 = |eps: &[crate::model::Endpoint]| -> Vec<(Ipv4Addr, u16)> {
+        let mut v: Vec<(Ipv4Addr, u16)> = eps
+            .iter()
+            .filter_map(|e| match e.ip {
+                IpAddr::V4(ip) => Some((ip, e.port)),
+                IpAddr::V6(_) => None,
+            })
+            .collect();
+        v.sort();
+        v.dedup();
+        v
+    };
+    let policy = |local: bool| {
+        if !cat.has_any {
+            Verdict::reject()
+        } else if local {
+            match v4(&cat.local) {
+                b if b.is_empty() => Verdict::drop(),
+                backends => Verdict { backends, flags: 0 },
+            }
+        } else {
+            Verdict { backends: v4(&cat.cluster), flags: 0 }
+        }
+    };
+    let internal = policy(sp.internal_policy == TrafficPolicy::Local);
+    let masquerade_non_local = options.masquerade_all || options.detect_local;
+    let from_outside = internal.clone().masquerade(masquerade_non_local);
+    let from_pod = if options.detect_local { internal.clone().masquerade(options.masquerade_all) } else { from_outside.clone() };
+    let cluster_ip = [from_pod, from_outside, internal.masquerade(masquerade_non_local)];
+
+    let etp_local = sp.external_policy == TrafficPolicy::Local;
+    let all = policy(false);
+    let from_outside = if etp_local { policy(true) } else { all.clone().masquerade(true) };
+    let from_pod = if options.detect_local { all.clone().masquerade(!etp_local) } else { from_outside.clone() };
+    let from_node = all.masquerade(true);
+    let external = [from_pod, from_outside, from_node.clone()];
+
+    let node_admitted = ranges.is_empty()
+        || node.addresses.iter().any(|a| matches!(a, IpAddr::V4(a) if ranges.iter().any(|r| in_cidr(*a, *r))));
+    let mut load_balancer = external.clone();
+    if !node_admitted {
+        load_balancer[2] = Verdict::drop();
+    }
+    ScopedVerdicts { cluster_ip, external, load_balancer }
+}
+
+/// kube-proxy's "allow from node": when a source range holds a node address, traffic whose
+/// source is a LoadBalancer IP itself is admitted too.
+fn allow_from_node(ranges: &[(Ipv4Addr, u8)], lb_ips: &[Ipv4Addr], node: &NodeInfo) -> Vec<(Ipv4Addr, u8)> {
+    let mut out = ranges.to_vec();
+    let holds_node = node.addresses.iter().any(|a| matches!(a, IpAddr::V4(a) if ranges.iter().any(|r| in_cidr(*a, *r))));
+    if holds_node {
+        out.extend(lb_ips.iter().map(|ip| (*ip, 32)));
+        out.sort();
+        out.dedup();
+    }
+    out
+}
+
+fn in_cidr(ip: Ipv4Addr, (base, len): (Ipv4Addr, u8)) -> bool {
+    let mask = if len == 0 { 0 } else { u32::MAX << (32 - u32::from(len.min(32))) };
+    u32::from(ip) & mask == u32::from(base) & mask
 }
 
 /// IPv4 CIDRs of loadBalancerSourceRanges; malformed ones are skipped (and reported), IPv6
@@ -193,6 +280,7 @@ pub struct SkipCounts {
 #[derive(Default)]
 pub struct ClusterState {
     node: NodeInfo,
+    options: ProxyOptions,
     services: BTreeMap<ObjectKey, Service>,
     slices: BTreeMap<ObjectKey, EndpointSlice>,
     /// Service → its slices (by slice key).
@@ -210,7 +298,23 @@ pub struct ClusterState {
 
 impl ClusterState {
     pub fn new(node: NodeInfo) -> Self {
-        Self { node, ..Default::default() }
+        Self::with_options(node, ProxyOptions::default())
+    }
+
+    pub fn with_options(node: NodeInfo, options: ProxyOptions) -> Self {
+        Self { node, options, ..Default::default() }
+    }
+
+    pub fn node(&self) -> &NodeInfo {
+        &self.node
+    }
+
+    /// The node changed (its labels, its addresses): every service is recomputed.
+    pub fn set_node(&mut self, node: NodeInfo) {
+        if node != self.node {
+            self.node = node;
+            self.dirty.extend(self.services.keys().cloned());
+        }
     }
 
     /// Both initial lists have arrived: only now may the datapath be programmed.
@@ -319,7 +423,7 @@ impl ClusterState {
             };
             let slices = slices();
             let mut skipped = Vec::new();
-            match service_entries(svc, slices, &self.node, &mut skipped) {
+            match service_entries(svc, slices, &self.node, &self.options, &mut skipped) {
                 Ok(entries) => {
                     self.entries.insert(key.clone(), entries);
                 }
@@ -339,7 +443,8 @@ impl ClusterState {
         for (owner, entries) in &self.entries {
             for (key, port) in entries {
                 if let Some(winner) = desired.get(key) {
-                    if winner.name.service != *owner {
+                    // Every frontend has a pod-scope entry: one report per frontend.
+                    if winner.name.service != *owner && key.scope == SCOPE_POD {
                         conflicts.insert((*key, owner.clone()));
                     }
                     continue;
@@ -408,7 +513,7 @@ mod tests {
         st.replace_services(vec![web("10.96.0.10")]);
         st.replace_slices(vec![slice("web-1", &["10.0.0.2", "10.0.0.1"])]);
         let d = st.desired();
-        assert_eq!(d.len(), 2);
+        assert_eq!(d.len(), 6, "two ports, three scopes each");
         assert_eq!(backends(&d, "10.96.0.10", 80, Protocol::Tcp), ["10.0.0.1:8080", "10.0.0.2:8080"]);
         assert_eq!(backends(&d, "10.96.0.10", 53, Protocol::Udp), ["10.0.0.1:5353", "10.0.0.2:5353"]);
 
@@ -449,7 +554,7 @@ mod tests {
         let d = st.desired();
         let key = service_key("10.96.0.10".parse().unwrap(), 80, Protocol::Tcp).unwrap();
         assert_eq!(d[&key].name.service, ObjectKey::new("another", "web"));
-        assert_eq!(d.len(), 2);
+        assert_eq!(d.len(), 6, "two ports, three scopes each");
         assert_eq!(st.skips.conflicts, 2);
         assert_eq!(st.skips.objects, 1);
     }
@@ -457,7 +562,8 @@ mod tests {
     #[test]
     fn external_frontends_follow_the_external_traffic_policy() {
         let node = NodeInfo { name: "node-a".into(), zone: None, addresses: vec!["10.0.0.1".parse().unwrap()] };
-        let mut st = ClusterState::new(node);
+        let options = ProxyOptions { masquerade_all: false, detect_local: true };
+        let mut st = ClusterState::with_options(node, options);
         let svc = service_yaml(
             "metadata: {name: web, namespace: shop}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalIPs: [192.0.2.7]\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n  ports: [{name: http, port: 80, nodePort: 30080}]\nstatus: {loadBalancer: {ingress: [{ip: 198.51.100.1}]}}",
         );
@@ -473,14 +579,14 @@ mod tests {
         };
         let all = vec!["10.0.0.1".to_owned(), "10.0.0.2".to_owned()];
         let local = vec!["10.0.0.1".to_owned()];
-        assert_eq!(show("10.96.0.10", 80, SCOPE_INTERNAL), (all, 0), "ClusterIP: every endpoint");
+        assert_eq!(show("10.96.0.10", 80, SCOPE_POD), (all.clone(), 0), "ClusterIP from a pod: every endpoint");
+        assert_eq!(show("10.96.0.10", 80, SCOPE_EXTERNAL), (all.clone(), SERVICE_FLAG_SNAT), "from outside: masqueraded");
         for (ip, port) in [("192.0.2.7", 80), ("198.51.100.1", 80), ("0.0.0.0", 30080)] {
-            assert_eq!(show(ip, port, SCOPE_EXTERNAL), (local.clone(), SERVICE_FLAG_DROP_NO_ENDPOINTS), "{ip}:{port}");
+            assert_eq!(show(ip, port, SCOPE_EXTERNAL), (local.clone(), 0), "{ip}:{port} from outside");
+            // Pods are short-circuited to every endpoint, source kept; the node is masqueraded.
+            assert_eq!(show(ip, port, SCOPE_POD), (all.clone(), 0), "{ip}:{port} from a pod");
+            assert_eq!(show(ip, port, SCOPE_NODE), (all.clone(), SERVICE_FLAG_SNAT), "{ip}:{port} from the node");
         }
         assert_eq!(st.health_checks()[&32000], (ObjectKey::new("shop", "web"), 1));
-        // Seen from inside the node (sockets, pods), the external frontends lead to every endpoint.
-        for (ip, port) in [("192.0.2.7", 80), ("198.51.100.1", 80), ("10.0.0.1", 30080)] {
-            assert_eq!(show(ip, port, SCOPE_INTERNAL).0.len(), 2, "{ip}:{port} from inside");
-        }
     }
 }

@@ -101,9 +101,10 @@ pub struct Categorized {
     pub has_any: bool,
 }
 
+/// kube-proxy's `UsesClusterEndpoints`: even with externalTrafficPolicy Local, an externally
+/// accessible service needs its cluster endpoints to short-circuit in-cluster traffic.
 fn uses_cluster_endpoints(sp: &ServicePort) -> bool {
-    sp.internal_policy == TrafficPolicy::Cluster
-        || (sp.externally_accessible() && sp.external_policy == TrafficPolicy::Cluster)
+    sp.internal_policy == TrafficPolicy::Cluster || sp.externally_accessible()
 }
 
 fn uses_local_endpoints(sp: &ServicePort) -> bool {

@@ -5,9 +5,13 @@
 //! - [`endpoints`]: `EndpointSlice`s → endpoints per service port (port-name join, dedup across
 //!   slices) and kube-proxy's `CategorizeEndpoints` (ready/serving/terminating, topology, local);
 //! - [`desired`]: both together → the datapath's desired contents, one entry per
-//!   `ClusterIP:port/proto`, with the backends kube-proxy would DNAT to.
+//!   frontend and source scope, with the backends kube-proxy would DNAT to;
+//! - [`node`]: the node's links, addresses and `v1/Node` → where NodePorts are served, who is
+//!   local, which links the per-packet path covers.
+pub mod cidr;
 pub mod desired;
 pub mod endpoints;
+pub mod node;
 pub mod service;
 
 use std::{fmt, net::IpAddr};
@@ -133,8 +137,20 @@ pub struct NodeInfo {
     pub name: String,
     /// `topology.kubernetes.io/zone` label of the Node.
     pub zone: Option<String>,
-    /// The node's IPv4 addresses (`--node-ip`): where its NodePorts are reached.
-    pub addresses: Vec<std::net::Ipv4Addr>,
+    /// The node's addresses: every address on its links plus the Node object's (kube-proxy's
+    /// `--src-type LOCAL`); loadBalancerSourceRanges holding one of them admit the node.
+    pub addresses: Vec<IpAddr>,
+}
+
+/// The parts of kube-proxy's configuration that shape the datapath entries.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProxyOptions {
+    /// `masqueradeAll`: masquerade every connection to a ClusterIP.
+    pub masquerade_all: bool,
+    /// A local-traffic detector is in force (`detectLocalMode` with its input present): pods it
+    /// calls local are in-cluster clients, and ClusterIP traffic from any other source is
+    /// masqueraded. Without one, nothing is in-cluster (kube-proxy's no-op detector).
+    pub detect_local: bool,
 }
 
 /// Why an object (or part of one) was skipped; logged with the object's name and counted.

@@ -17,7 +17,7 @@ use kube::{
 use tokio::sync::mpsc;
 
 use super::SourceEvent;
-use crate::model::{NodeInfo, ObjectKey, service::PROXY_LABEL_SELECTOR};
+use crate::model::{ObjectKey, node::NodeObject, service::PROXY_LABEL_SELECTOR};
 
 /// A client from a kubeconfig file, or in-cluster / `KUBECONFIG` inference when none is given.
 pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
@@ -32,24 +32,8 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
     Ok(Client::try_from(config)?)
 }
 
-/// The node's zone label (for topology hints); best effort.
-pub async fn node_info(client: &Client, name: &str) -> NodeInfo {
-    let zone = match Api::<Node>::all(client.clone()).get_opt(name).await {
-        Ok(Some(node)) => node.labels().get("topology.kubernetes.io/zone").cloned(),
-        Ok(None) => {
-            tracing::warn!(node = name, "Node not found: topology hints for this node are ignored");
-            None
-        }
-        Err(e) => {
-            tracing::warn!(node = name, "failed to read the Node: {e}");
-            None
-        }
-    };
-    NodeInfo { name: name.to_owned(), zone, addresses: Vec::new() }
-}
-
-/// Watch both kinds until the receiver goes away.
-pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>) -> Result<()> {
+/// Watch Services, EndpointSlices and this node's Node until the receiver goes away.
+pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<SourceEvent>) -> Result<()> {
     let config = watcher::Config::default().labels(PROXY_LABEL_SELECTOR);
     let services = watch::<Service>(
         Api::all(client.clone()),
@@ -60,15 +44,54 @@ pub async fn run(client: Client, tx: mpsc::Sender<SourceEvent>) -> Result<()> {
         SourceEvent::ServiceDeleted,
     );
     let slices = watch::<EndpointSlice>(
-        Api::all(client),
+        Api::all(client.clone()),
         config,
-        tx,
+        tx.clone(),
         SourceEvent::SlicesListed,
         SourceEvent::SliceApplied,
         SourceEvent::SliceDeleted,
     );
-    tokio::try_join!(services, slices)?;
+    let node = watch_node(Api::all(client), node_name, tx);
+    tokio::try_join!(services, slices, node)?;
     Ok(())
+}
+
+/// This node's Node (labels → topology, addresses, podCIDRs), followed for changes.
+async fn watch_node(api: Api<Node>, name: String, tx: mpsc::Sender<SourceEvent>) -> Result<()> {
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let mut stream = watcher(api, config).default_backoff().boxed();
+    let mut listing: Option<Node> = None;
+    loop {
+        let event = match stream.try_next().await {
+            Ok(Some(event)) => event,
+            Ok(None) => return Ok(()),
+            Err(e) => {
+                tracing::warn!(node = %name, "Node watch failed, retrying: {e}");
+                continue;
+            }
+        };
+        let node = match event {
+            watcher::Event::Init => {
+                listing = None;
+                continue;
+            }
+            watcher::Event::InitApply(node) => {
+                listing = Some(node);
+                continue;
+            }
+            watcher::Event::InitDone => {
+                if listing.is_none() {
+                    tracing::warn!(node = %name, "Node not found: topology hints and the Node's addresses are unused");
+                }
+                listing.take()
+            }
+            watcher::Event::Apply(node) => Some(node),
+            watcher::Event::Delete(_) => None,
+        };
+        if tx.send(SourceEvent::Node(node.as_ref().map(NodeObject::from_node))).await.is_err() {
+            return Ok(());
+        }
+    }
 }
 
 async fn watch<K>(

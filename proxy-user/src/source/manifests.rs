@@ -1,6 +1,8 @@
-//! Services and EndpointSlices from a directory of Kubernetes YAML (or JSON) manifests, as
-//! `kubectl get -o yaml` prints them: single objects, multi-document files, or `List`s.
-//! The directory is reloaded whenever a file in it changes; every reload is a full list.
+//! Services, EndpointSlices and Nodes from a directory of Kubernetes YAML (or JSON) manifests,
+//! as `kubectl get -o yaml` prints them: single objects, multi-document files, or `List`s.
+//! The directory is reloaded whenever a file in it changes; every reload is a full list, sent
+//! as one event. The Node named like this node gives its labels and addresses, as the API
+//! source's Node watch does.
 use std::{
     collections::BTreeSet,
     path::{Path, PathBuf},
@@ -8,19 +10,23 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
 use notify::{RecursiveMode, Watcher as _};
 use serde::Deserialize as _;
 use tokio::sync::mpsc;
 
 use super::SourceEvent;
-use crate::model::{ObjectKey, service::object_key};
+use crate::model::{ObjectKey, node::NodeObject, service::object_key};
 
 /// Everything found in the directory.
 #[derive(Debug, Default)]
 pub struct Loaded {
     pub services: Vec<Service>,
     pub slices: Vec<EndpointSlice>,
+    pub nodes: Vec<Node>,
     /// Documents that could not be used, with the reason (already logged).
     pub errors: Vec<String>,
 }
@@ -87,13 +93,18 @@ fn load_value(
             Ok(_) => {}
             Err(e) => out.error(format!("{origin}: invalid EndpointSlice: {e}")),
         },
+        "Node" => match serde_yaml::from_value::<Node>(value) {
+            Ok(node) if keep_first(seen, "Node", &node.metadata, origin, out) => out.nodes.push(node),
+            Ok(_) => {}
+            Err(e) => out.error(format!("{origin}: invalid Node: {e}")),
+        },
         k if k == "List" || k.ends_with("List") => {
             let items = value.get("items").and_then(|i| i.as_sequence()).cloned().unwrap_or_default();
             for (i, item) in items.into_iter().enumerate() {
                 load_value(item, &format!("{origin} item {}", i + 1), out, seen);
             }
         }
-        other => tracing::debug!(origin, kind = other, "ignored: not a Service or EndpointSlice"),
+        other => tracing::debug!(origin, kind = other, "ignored: not a Service, EndpointSlice or Node"),
     }
 }
 
@@ -116,7 +127,8 @@ fn keep_first(
 }
 
 /// Load `dir`, send it, and again after every change, until the receiver goes away.
-pub async fn run(dir: PathBuf, tx: mpsc::Sender<SourceEvent>) -> Result<()> {
+/// `node_name` picks this node's Node among the manifests.
+pub async fn run(dir: PathBuf, node_name: String, tx: mpsc::Sender<SourceEvent>) -> Result<()> {
     let (changed_tx, mut changed) = mpsc::unbounded_channel();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
         if event.is_ok_and(|e| !e.kind.is_access()) {
@@ -125,18 +137,28 @@ pub async fn run(dir: PathBuf, tx: mpsc::Sender<SourceEvent>) -> Result<()> {
     })?;
     watcher.watch(&dir, RecursiveMode::NonRecursive).with_context(|| format!("failed to watch {}", dir.display()))?;
     loop {
-        let loaded = load_dir(&dir)?;
-        tracing::info!(
-            dir = %dir.display(),
-            services = loaded.services.len(),
-            slices = loaded.slices.len(),
-            skipped = loaded.errors.len(),
-            "loaded manifests"
-        );
-        if tx.send(SourceEvent::ServicesListed(loaded.services)).await.is_err()
-            || tx.send(SourceEvent::SlicesListed(loaded.slices)).await.is_err()
-        {
-            return Ok(());
+        match load_dir(&dir) {
+            Ok(loaded) => {
+                tracing::info!(
+                    dir = %dir.display(),
+                    services = loaded.services.len(),
+                    slices = loaded.slices.len(),
+                    nodes = loaded.nodes.len(),
+                    skipped = loaded.errors.len(),
+                    "loaded manifests"
+                );
+                let node = loaded.nodes.iter().find(|n| n.metadata.name.as_deref() == Some(&node_name));
+                let event = SourceEvent::ManifestsLoaded {
+                    node: node.map(NodeObject::from_node),
+                    services: loaded.services,
+                    slices: loaded.slices,
+                };
+                if tx.send(event).await.is_err() {
+                    return Ok(());
+                }
+            }
+            // The directory is unreadable for now: keep serving the last state, retry on change.
+            Err(e) => tracing::error!("{e:#}; keeping the last loaded state"),
         }
         if changed.recv().await.is_none() {
             return Ok(());
@@ -164,6 +186,8 @@ mod tests {
 
     const SERVICE: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}\n";
     const SLICE: &str = "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}]\nports: [{port: 8080}]\n";
+
+    const NODES: &str = "apiVersion: v1\nkind: Node\nmetadata: {name: node-b, labels: {topology.kubernetes.io/zone: zone-b}}\n---\napiVersion: v1\nkind: Node\nmetadata: {name: node-a, labels: {topology.kubernetes.io/zone: zone-a}}\nspec: {podCIDR: 10.244.1.0/24, podCIDRs: [10.244.1.0/24]}\nstatus: {addresses: [{type: Hostname, address: node-a}, {type: InternalIP, address: 192.168.0.2}]}\n";
 
     #[test]
     fn loads_documents_lists_and_skips_bad_ones() {
@@ -197,15 +221,27 @@ mod tests {
         let dir = tempdir("watch");
         write(&dir, "svc.yaml", SERVICE);
         let (tx, mut rx) = mpsc::channel(16);
-        let task = tokio::spawn(run(dir.clone(), tx));
+        let task = tokio::spawn(run(dir.clone(), "node-a".into(), tx));
         let next = async |rx: &mut mpsc::Receiver<SourceEvent>| {
             tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.expect("an event in time").unwrap()
         };
-        assert!(matches!(next(&mut rx).await, SourceEvent::ServicesListed(s) if s.len() == 1));
-        assert!(matches!(next(&mut rx).await, SourceEvent::SlicesListed(s) if s.is_empty()));
+        assert!(matches!(next(&mut rx).await,
+            SourceEvent::ManifestsLoaded { services, slices, node: None } if services.len() == 1 && slices.is_empty()));
         write(&dir, "slice.yaml", SLICE);
-        assert!(matches!(next(&mut rx).await, SourceEvent::ServicesListed(s) if s.len() == 1));
-        assert!(matches!(next(&mut rx).await, SourceEvent::SlicesListed(s) if s.len() == 1));
+        write(&dir, "nodes.yaml", NODES);
+        let node = loop {
+            match next(&mut rx).await {
+                SourceEvent::ManifestsLoaded { services, slices, node: Some(node) } => {
+                    assert_eq!((services.len(), slices.len()), (1, 1));
+                    break node;
+                }
+                SourceEvent::ManifestsLoaded { .. } => continue, // the first file alone
+                other => panic!("unexpected {other:?}"),
+            }
+        };
+        assert_eq!(node.zone.as_deref(), Some("zone-a"));
+        assert_eq!(node.addresses, ["192.168.0.2".parse::<std::net::IpAddr>().unwrap()]);
+        assert_eq!(node.pod_cidrs, ["10.244.1.0/24".parse().unwrap()]);
         task.abort();
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -17,11 +17,12 @@ use anyhow::{Context as _, Result};
 use kpr::{
     datapath::{
         Programmer,
-        bpf::{self, BpfDatapath, DatapathConfig},
+        bpf::{self, BpfDatapath, DatapathConfig, HostDatapath as _},
     },
     model::{
         ObjectKey, Protocol, ServicePortName,
         desired::{Desired, DesiredPort, service_key},
+        node::{NodeSettings, TcLinks},
     },
     testbed::{self, Cgroup, Topology},
 };
@@ -227,13 +228,17 @@ fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
     use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions};
     let name = testbed::unique_name("kb-tc");
     let pins = PinGuard(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
-    let mut cfg = DatapathConfig::new(pins.0.clone(), "/nonexistent".into());
-    cfg.node_ips = vec![Ipv4Addr::new(10, 0, 0, 1)];
+    let cfg = DatapathConfig::new(pins.0.clone(), "/nonexistent".into());
     let mut ebpf = bpf::open_object(&cfg)?;
     let prog: &mut SchedClassifier = ebpf.program_mut(proxy_common::program_names::TC_INGRESS).context("tc program")?.try_into()?;
     prog.load()?;
     let mut maps = kpr::datapath::bpf::BpfMaps::take_from(&mut ebpf, &cfg)?;
-    Programmer::recover(&mut maps)?.apply(&desired_with(10_000, 4, Ipv4Addr::new(10, 244, 1, 2)), &mut maps);
+    // The test packets come from outside the cluster: the target also gets its entry for
+    // outside clients.
+    let mut desired = desired_with(10_000, 4, Ipv4Addr::new(10, 244, 1, 2));
+    let target = desired[&service_key(TARGET_IP, 80, Protocol::Tcp).context("key")?].clone();
+    desired.insert(kpr::model::desired::frontend_key(TARGET_IP, 80, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL).context("key")?, target);
+    Programmer::recover(&mut maps)?.apply(&desired, &mut maps);
     let prog: &SchedClassifier = ebpf.program(proxy_common::program_names::TC_INGRESS).context("tc program")?.try_into()?;
     let packet = |dst: [u8; 4]| -> Vec<u8> {
         let mut p = vec![0u8; 14 + 20 + 20 + 6];
@@ -316,10 +321,20 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32) -> Result<s
     });
     let cgroup = Cgroup::new(&name)?;
     let pins = PinGuard(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
-    let mut cfg = DatapathConfig::new(pins.0.clone(), cgroup.path.clone());
-    cfg.node_ips = vec![Ipv4Addr::new(10, 0, 0, 1)];
-    cfg.tc_interfaces = vec!["eth0".into(), "veth0".into()];
-    let datapath = node.run(move || BpfDatapath::load(&cfg))??;
+    let cfg = DatapathConfig::new(pins.0.clone(), cgroup.path.clone());
+    let settings = NodeSettings {
+        name: "bench".into(),
+        node_ips: vec![Ipv4Addr::new(10, 0, 0, 1).into()],
+        tc_links: TcLinks::Only(vec!["eth0".into(), "veth0".into()]),
+        ..Default::default()
+    };
+    // Links are per network namespace: read and attach them in the node's.
+    let datapath = node.run(move || -> Result<BpfDatapath> {
+        let mut datapath = BpfDatapath::load(&cfg)?;
+        let plan = kpr::model::node::plan(&kpr::source::host::snapshot()?, None, &settings);
+        datapath.host.apply_node(&plan)?;
+        Ok(datapath)
+    })??;
     let mut datapath = datapath;
     let mut desired = Desired::new();
     let np = kpr::model::desired::frontend_key(Ipv4Addr::UNSPECIFIED, 30080, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL).context("key")?;

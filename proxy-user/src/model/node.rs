@@ -1,0 +1,311 @@
+//! The node as kube-proxy sees it: its links and local addresses (the kernel), its `v1/Node`
+//! (zone, addresses, podCIDRs) and kube-proxy's configuration → where NodePorts are served,
+//! which sources are the node or local pods, which links the per-packet path covers, and the
+//! address masquerade falls back to. Pure: the agent feeds it what the host source reports.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, Ipv4Addr},
+};
+
+use k8s_openapi::api::core::v1::Node;
+use proxy_common::{LINK_FLAG_LOCAL_TRAFFIC, LinkInfo, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT};
+
+use super::{NodeInfo, cidr::Cidr};
+
+/// A network interface of the node, as the kernel reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostLink {
+    pub index: u32,
+    pub name: String,
+    pub loopback: bool,
+    pub addrs: Vec<IpAddr>,
+}
+
+/// What kpr uses of the node's `v1/Node` object.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeObject {
+    /// `topology.kubernetes.io/zone` label.
+    pub zone: Option<String>,
+    /// `status.addresses`: InternalIPs first, then ExternalIPs (kube-proxy's order).
+    pub addresses: Vec<IpAddr>,
+    /// `spec.podCIDRs` (detectLocalMode NodeCIDR).
+    pub pod_cidrs: Vec<Cidr>,
+}
+
+impl NodeObject {
+    pub fn from_node(node: &Node) -> Self {
+        let labels = node.metadata.labels.as_ref();
+        let zone = labels.and_then(|l| l.get("topology.kubernetes.io/zone")).cloned();
+        let status_addrs = node.status.as_ref().and_then(|s| s.addresses.as_ref());
+        let mut addresses = Vec::new();
+        for kind in ["InternalIP", "ExternalIP"] {
+            for a in status_addrs.into_iter().flatten().filter(|a| a.type_ == kind) {
+                if let Ok(ip) = a.address.parse::<IpAddr>()
+                    && !addresses.contains(&ip)
+                {
+                    addresses.push(ip);
+                }
+            }
+        }
+        let spec = node.spec.as_ref();
+        let raw_cidrs = spec
+            .and_then(|s| s.pod_cidrs.clone())
+            .filter(|c| !c.is_empty())
+            .or_else(|| spec.and_then(|s| s.pod_cidr.clone()).map(|c| vec![c]))
+            .unwrap_or_default();
+        let pod_cidrs = raw_cidrs.iter().filter_map(|c| c.parse().ok()).collect();
+        Self { zone, addresses, pod_cidrs }
+    }
+}
+
+/// kube-proxy's local-traffic detector (`detectLocalMode` and its input).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum DetectLocal {
+    /// No detector: nothing is in-cluster.
+    #[default]
+    None,
+    /// Sources inside these CIDRs (`clusterCIDR`).
+    ClusterCidr(Vec<Cidr>),
+    /// Sources inside the Node's `podCIDRs`.
+    NodeCidr,
+    /// Traffic arriving on this bridge.
+    BridgeInterface(String),
+    /// Traffic arriving on links whose name starts with this prefix.
+    InterfaceNamePrefix(String),
+}
+
+impl DetectLocal {
+    pub fn implemented(&self) -> bool {
+        !matches!(self, Self::None)
+    }
+}
+
+/// One entry of `nodePortAddresses`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NodePortAddress {
+    Cidr(Cidr),
+    /// The node's primary IPs.
+    Primary,
+}
+
+/// Which links get the per-packet programs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum TcLinks {
+    /// Every link but loopback, including links created later (kube-proxy sees every packet).
+    #[default]
+    All,
+    /// Only these (`--interfaces`).
+    Only(Vec<String>),
+    /// The per-packet path is off.
+    Off,
+}
+
+/// The settings that shape the node plan (from the KubeProxyConfiguration and flags).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeSettings {
+    pub name: String,
+    /// `nodePortAddresses`; empty: every local address.
+    pub node_port_addresses: Vec<NodePortAddress>,
+    pub detect_local: DetectLocal,
+    /// `--node-ip`: addresses that are the node's even if no link holds them; the first is
+    /// the primary address.
+    pub node_ips: Vec<IpAddr>,
+    /// `bindAddress` when it names an address (the primary address, as in kube-proxy).
+    pub bind_address: Option<IpAddr>,
+    pub tc_links: TcLinks,
+}
+
+/// The host side of the datapath, derived from the links, the Node and the settings.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodePlan {
+    /// IPv4 address → `NODE_ADDR_*`.
+    pub node_addrs: BTreeMap<Ipv4Addr, u32>,
+    /// ifindex → link facts; 0 holds the fallback masquerade address.
+    pub links: BTreeMap<u32, LinkInfo>,
+    /// The detector's IPv4 CIDRs.
+    pub local_cidrs: BTreeSet<Cidr>,
+    /// ifindex → name of the links the per-packet programs go on.
+    pub tc_links: BTreeMap<u32, String>,
+    /// The primary IPv4 address (masquerade fallback, `nodePortAddresses: [primary]`).
+    pub primary: Option<Ipv4Addr>,
+    /// What the service model needs of the node.
+    pub info: NodeInfo,
+}
+
+/// The plan for the node. The primary address is `--node-ip`, else `bindAddress`, else the
+/// Node's first address (kube-proxy's node IP), else the first address of a non-loopback link.
+pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettings) -> NodePlan {
+    let link_addrs = links.iter().flat_map(|l| l.addrs.iter().copied());
+    let node_addrs_obj = node.map(|n| n.addresses.as_slice()).unwrap_or_default();
+    let first_link_v4 =
+        links.iter().filter(|l| !l.loopback).flat_map(|l| &l.addrs).copied().find(IpAddr::is_ipv4);
+    let primary = settings
+        .node_ips
+        .iter()
+        .copied()
+        .chain(settings.bind_address.filter(|a| !a.is_unspecified()))
+        .chain(node_addrs_obj.iter().copied())
+        .chain(first_link_v4)
+        .find_map(|a| match a {
+            IpAddr::V4(a) => Some(a),
+            IpAddr::V6(_) => None,
+        });
+
+    let mut addresses: Vec<IpAddr> = Vec::new();
+    for a in link_addrs.chain(node_addrs_obj.iter().copied()).chain(settings.node_ips.iter().copied()) {
+        if !addresses.contains(&a) {
+            addresses.push(a);
+        }
+    }
+    let local: BTreeSet<IpAddr> = links.iter().flat_map(|l| l.addrs.iter().copied()).collect();
+    let serves_node_ports = |a: &IpAddr| {
+        if settings.node_port_addresses.is_empty() {
+            // Every local address; loopback only through localhostNodePorts (socket path).
+            return !a.is_loopback();
+        }
+        settings.node_port_addresses.iter().any(|npa| match npa {
+            NodePortAddress::Cidr(c) => c.contains(*a),
+            NodePortAddress::Primary => primary.is_some_and(|p| IpAddr::V4(p) == *a),
+        })
+    };
+    let mut node_addrs = BTreeMap::new();
+    for a in &addresses {
+        let IpAddr::V4(v4) = a else { continue };
+        let mut flags = 0;
+        if local.contains(a) || settings.node_ips.contains(a) {
+            flags |= NODE_ADDR_LOCAL;
+        }
+        if serves_node_ports(a) {
+            flags |= NODE_ADDR_NODEPORT;
+        }
+        if flags != 0 {
+            node_addrs.insert(*v4, flags);
+        }
+    }
+
+    let local_traffic_link = |name: &str| match &settings.detect_local {
+        DetectLocal::BridgeInterface(bridge) => name == bridge,
+        DetectLocal::InterfaceNamePrefix(prefix) => name.starts_with(prefix.as_str()),
+        _ => false,
+    };
+    let mut link_info = BTreeMap::new();
+    link_info.insert(0, LinkInfo { addr: primary.map_or(0, |p| u32::from(p).to_be()), flags: 0 });
+    let mut tc_links = BTreeMap::new();
+    for link in links.iter().filter(|l| !l.loopback && l.index != 0) {
+        let addr = link.addrs.iter().find_map(|a| match a {
+            IpAddr::V4(a) => Some(u32::from(*a).to_be()),
+            IpAddr::V6(_) => None,
+        });
+        let flags = if local_traffic_link(&link.name) { LINK_FLAG_LOCAL_TRAFFIC } else { 0 };
+        link_info.insert(link.index, LinkInfo { addr: addr.unwrap_or(0), flags });
+        let covered = match &settings.tc_links {
+            TcLinks::All => true,
+            TcLinks::Only(names) => names.contains(&link.name),
+            TcLinks::Off => false,
+        };
+        if covered {
+            tc_links.insert(link.index, link.name.clone());
+        }
+    }
+
+    let local_cidrs = match &settings.detect_local {
+        DetectLocal::ClusterCidr(cidrs) => cidrs.iter().filter(|c| c.is_ipv4()).copied().collect(),
+        DetectLocal::NodeCidr => node.into_iter().flat_map(|n| &n.pod_cidrs).filter(|c| c.is_ipv4()).copied().collect(),
+        _ => BTreeSet::new(),
+    };
+    let info = NodeInfo { name: settings.name.clone(), zone: node.and_then(|n| n.zone.clone()), addresses };
+    NodePlan { node_addrs, links: link_info, local_cidrs, tc_links, primary, info }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn link(index: u32, name: &str, addrs: &[&str]) -> HostLink {
+        HostLink {
+            index,
+            name: name.into(),
+            loopback: name == "lo",
+            addrs: addrs.iter().map(|a| a.parse().unwrap()).collect(),
+        }
+    }
+
+    fn host() -> Vec<HostLink> {
+        vec![
+            link(1, "lo", &["127.0.0.1", "::1"]),
+            link(2, "eth0", &["192.168.0.2", "fd00::2"]),
+            link(3, "eth1", &["172.16.0.2"]),
+            link(4, "cni0", &["10.244.0.1"]),
+            link(5, "vethabc", &[]),
+        ]
+    }
+
+    fn nodeports(plan: &NodePlan) -> Vec<String> {
+        plan.node_addrs.iter().filter(|(_, f)| *f & NODE_ADDR_NODEPORT != 0).map(|(a, _)| a.to_string()).collect()
+    }
+
+    #[test]
+    fn node_ports_on_every_local_address_by_default_and_within_node_port_addresses() {
+        let settings = NodeSettings { name: "n".into(), ..Default::default() };
+        let node = NodeObject { addresses: vec!["192.168.0.2".parse().unwrap()], ..Default::default() };
+        let p = plan(&host(), Some(&node), &settings);
+        assert_eq!(nodeports(&p), ["10.244.0.1", "172.16.0.2", "192.168.0.2"]);
+        assert_eq!(p.node_addrs[&"127.0.0.1".parse().unwrap()], NODE_ADDR_LOCAL, "loopback: local, no NodePort");
+        assert_eq!(p.primary, Some("192.168.0.2".parse().unwrap()));
+        assert_eq!(p.tc_links.values().collect::<Vec<_>>(), ["eth0", "eth1", "cni0", "vethabc"]);
+
+        let settings = NodeSettings {
+            node_port_addresses: vec![NodePortAddress::Cidr("172.16.0.0/12".parse().unwrap())],
+            ..settings
+        };
+        assert_eq!(nodeports(&plan(&host(), Some(&node), &settings)), ["172.16.0.2"]);
+        let settings = NodeSettings { node_port_addresses: vec![NodePortAddress::Primary], ..settings };
+        assert_eq!(nodeports(&plan(&host(), Some(&node), &settings)), ["192.168.0.2"]);
+        // An address that appears later is served when it falls inside the CIDRs.
+        let settings = NodeSettings {
+            node_port_addresses: vec![NodePortAddress::Cidr("172.16.0.0/12".parse().unwrap())],
+            ..settings
+        };
+        let mut later = host();
+        later.push(link(9, "eth2", &["172.20.0.9"]));
+        assert_eq!(nodeports(&plan(&later, Some(&node), &settings)), ["172.16.0.2", "172.20.0.9"]);
+    }
+
+    #[test]
+    fn detectors_and_masquerade_sources() {
+        let node = NodeObject {
+            zone: Some("z1".into()),
+            addresses: vec![],
+            pod_cidrs: vec!["10.244.0.0/24".parse().unwrap(), "fd00:10::/64".parse().unwrap()],
+        };
+        let settings = NodeSettings { detect_local: DetectLocal::NodeCidr, ..Default::default() };
+        let p = plan(&host(), Some(&node), &settings);
+        assert_eq!(p.local_cidrs.iter().map(|c| c.to_string()).collect::<Vec<_>>(), ["10.244.0.0/24"]);
+        assert_eq!(p.info.zone.as_deref(), Some("z1"));
+        // No Node address, no --node-ip: the first non-loopback link address is primary.
+        assert_eq!(p.primary, Some("192.168.0.2".parse().unwrap()));
+        assert_eq!(p.links[&0].addr, u32::from(Ipv4Addr::new(192, 168, 0, 2)).to_be());
+        assert_eq!(p.links[&3].addr, u32::from(Ipv4Addr::new(172, 16, 0, 2)).to_be());
+        assert_eq!(p.links[&5].addr, 0, "a link without address falls back to the primary");
+
+        let settings = NodeSettings { detect_local: DetectLocal::InterfaceNamePrefix("veth".into()), ..settings };
+        let p = plan(&host(), Some(&node), &settings);
+        assert!(p.local_cidrs.is_empty());
+        let flagged: Vec<u32> =
+            p.links.iter().filter(|(_, l)| l.flags & LINK_FLAG_LOCAL_TRAFFIC != 0).map(|(i, _)| *i).collect();
+        assert_eq!(flagged, [5]);
+        let settings = NodeSettings { detect_local: DetectLocal::BridgeInterface("cni0".into()), ..settings };
+        let p = plan(&host(), Some(&node), &settings);
+        assert_eq!(p.links[&4].flags, LINK_FLAG_LOCAL_TRAFFIC);
+
+        let settings = NodeSettings {
+            tc_links: TcLinks::Only(vec!["eth1".into()]),
+            node_ips: vec!["198.51.100.9".parse().unwrap()],
+            ..settings
+        };
+        let p = plan(&host(), None, &settings);
+        assert_eq!(p.tc_links.values().collect::<Vec<_>>(), ["eth1"]);
+        assert_eq!(p.primary, Some("198.51.100.9".parse().unwrap()), "--node-ip comes first");
+        assert_eq!(p.node_addrs[&"198.51.100.9".parse().unwrap()], NODE_ADDR_LOCAL | NODE_ADDR_NODEPORT);
+    }
+}

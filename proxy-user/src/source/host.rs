@@ -1,0 +1,167 @@
+//! The node's links and addresses, from the kernel of the agent's network namespace: a full
+//! snapshot (getifaddrs) at start and again whenever rtnetlink announces a link or address
+//! change, so links created later (pods come and go) and addresses added at runtime are
+//! followed without a restart.
+use std::{
+    collections::BTreeMap,
+    ffi::CStr,
+    net::IpAddr,
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result};
+use tokio::{io::unix::AsyncFd, sync::mpsc};
+
+use super::SourceEvent;
+use crate::model::node::HostLink;
+
+/// Every link of this network namespace with its addresses, by index.
+pub fn snapshot() -> Result<Vec<HostLink>> {
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills a list we free with freeifaddrs; entries are read-only here.
+    if unsafe { libc::getifaddrs(&mut list) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("getifaddrs");
+    }
+    let mut by_name: BTreeMap<String, HostLink> = BTreeMap::new();
+    let mut addrs: Vec<(String, IpAddr)> = Vec::new();
+    let mut cur = list;
+    while !cur.is_null() {
+        // SAFETY: a node of the list getifaddrs returned.
+        let ifa = unsafe { &*cur };
+        cur = ifa.ifa_next;
+        if ifa.ifa_addr.is_null() {
+            continue;
+        }
+        let name = unsafe { CStr::from_ptr(ifa.ifa_name) }.to_string_lossy().into_owned();
+        let family = i32::from(unsafe { (*ifa.ifa_addr).sa_family });
+        match family {
+            libc::AF_PACKET => {
+                let ll = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_ll) };
+                let loopback = ifa.ifa_flags & libc::IFF_LOOPBACK as u32 != 0;
+                by_name.insert(
+                    name.clone(),
+                    HostLink { index: ll.sll_ifindex as u32, name, loopback, addrs: Vec::new() },
+                );
+            }
+            libc::AF_INET => {
+                let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+                addrs.push((name, IpAddr::from(u32::from_be(sin.sin_addr.s_addr).to_be_bytes())));
+            }
+            libc::AF_INET6 => {
+                let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
+                addrs.push((name, IpAddr::from(sin6.sin6_addr.s6_addr)));
+            }
+            _ => {}
+        }
+    }
+    unsafe { libc::freeifaddrs(list) };
+    for (name, addr) in addrs {
+        // Labels like `eth0:1` hold addresses of `eth0`.
+        let base = name.split(':').next().unwrap_or(&name);
+        if let Some(link) = by_name.get_mut(base)
+            && !link.addrs.contains(&addr)
+        {
+            link.addrs.push(addr);
+        }
+    }
+    let mut links: Vec<HostLink> = by_name.into_values().collect();
+    links.sort_by_key(|l| l.index);
+    Ok(links)
+}
+
+/// Send a snapshot now and after every change, until the receiver goes away. A failure to
+/// open the notification socket falls back to a rescan every few seconds.
+pub async fn run(tx: mpsc::Sender<SourceEvent>) -> Result<()> {
+    let socket = match rtnetlink_socket() {
+        // SAFETY: the AsyncFd owns the socket for as long as it is registered.
+        Ok(s) => Some(unsafe { AsyncFd::register(s) }.map_err(|e| anyhow::anyhow!("{e}"))?),
+        Err(e) => {
+            tracing::warn!("no rtnetlink notifications ({e:#}); rescanning links every 5 s");
+            None
+        }
+    };
+    let mut last = None;
+    loop {
+        match snapshot() {
+            Ok(links) if last.as_ref() != Some(&links) => {
+                last = Some(links.clone());
+                if tx.send(SourceEvent::Host(links)).await.is_err() {
+                    return Ok(());
+                }
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!("failed to read the node's links: {e:#}"),
+        }
+        match &socket {
+            Some(socket) => {
+                wait_and_drain(socket).await?;
+                // Coalesce a burst (a pod's veth pair, its addresses) into one rescan.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                drain(socket.get_ref());
+            }
+            None => tokio::time::sleep(Duration::from_secs(5)).await,
+        }
+    }
+}
+
+/// A non-blocking rtnetlink socket subscribed to link and address changes.
+fn rtnetlink_socket() -> Result<OwnedFd> {
+    // SAFETY: plain socket/bind calls; the fd is owned right after creation.
+    let fd = unsafe {
+        libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE)
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error()).context("socket(AF_NETLINK)");
+    }
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+    addr.nl_family = libc::AF_NETLINK as u16;
+    addr.nl_groups = (libc::RTMGRP_LINK | libc::RTMGRP_IPV4_IFADDR | libc::RTMGRP_IPV6_IFADDR) as u32;
+    let rc = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            &addr as *const libc::sockaddr_nl as *const libc::sockaddr,
+            size_of::<libc::sockaddr_nl>() as u32,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error()).context("bind(rtnetlink groups)");
+    }
+    Ok(fd)
+}
+
+async fn wait_and_drain(socket: &AsyncFd<OwnedFd>) -> Result<()> {
+    let mut guard = socket.readable().await?;
+    drain(socket.get_ref());
+    guard.clear_ready();
+    Ok(())
+}
+
+/// Read and discard every queued notification: the content does not matter, a rescan follows.
+/// An overrun (ENOBUFS) means messages were lost, which the rescan covers too.
+fn drain(fd: &OwnedFd) {
+    let mut buf = [0u8; 16384];
+    loop {
+        let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        if n < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOBUFS) {
+            return;
+        }
+        if n == 0 {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshot_lists_loopback_with_its_address() {
+        let links = snapshot().unwrap();
+        let lo = links.iter().find(|l| l.loopback).expect("a loopback link");
+        assert_eq!(lo.index, 1);
+        assert!(lo.addrs.contains(&"127.0.0.1".parse().unwrap()), "{lo:?}");
+    }
+}
