@@ -14,7 +14,7 @@ use aya_ebpf::{
 use aya_log_ebpf::error;
 use proxy_common::{
     Backend, IPPROTO_TCP, IPPROTO_UDP, NODE_ADDR_NODEPORT, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
-    SERVICE_FLAG_SOCKET_SKIP, ServiceKey, SockRevNatKey, SockRevNatValue, counter,
+    SERVICE_FLAG_SOCKET_SKIP, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, counter,
 };
 
 use crate::maps::{BACKENDS, NODE_ADDRS, SERVICES, SOCK_REVNAT, count};
@@ -105,17 +105,7 @@ fn forward4(ctx: &SockAddrContext) -> i32 {
     }
 
     if service.backends_count == 0 {
-        if service.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0 {
-            // kube-proxy DROPs: a local sender sees EPERM from the dropped packet.
-            count(counter::SOCK_DROPPED);
-            return REJECT;
-        }
-        // kube-proxy REJECTs a service port without endpoints.
-        count(counter::NO_BACKENDS);
-        if KPR_HAVE_SET_RETVAL.load() != 0 {
-            unsafe { bpf_set_retval(-ECONNREFUSED) };
-        }
-        return REJECT;
+        return refuse(&service, proto, from_node, pod_links_covered);
     }
 
     let pick = unsafe { bpf_get_prandom_u32() } % service.backends_count;
@@ -145,6 +135,32 @@ fn forward4(ctx: &SockAddrContext) -> i32 {
     sa.user_port = u32::from(backend.port);
     count(counter::TRANSLATED);
     ALLOW
+}
+
+/// A frontend without backends: kube-proxy REJECTs (no endpoints) or DROPs (traffic policy
+/// Local without a local endpoint, a source outside loadBalancerSourceRanges). What a client
+/// sees of that depends on where it is, and is reproduced:
+/// - a pod's packet is rejected or dropped on the node: the per-packet path on its link does
+///   it (when it covers the links), so the pod sees an ICMP error, a reset or nothing;
+/// - the node's own TCP SYN dropped on its way out makes connect() time out: left to the
+///   per-packet path, which drops it at egress; a rejected one fails with ECONNREFUSED;
+/// - the node's own datagram, dropped or rejected in the OUTPUT hook, fails with EPERM.
+#[inline(always)]
+fn refuse(service: &ServiceValue, proto: u8, from_node: bool, pod_links_covered: bool) -> i32 {
+    let drop = service.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0;
+    if pod_links_covered && (!from_node || (drop && proto == IPPROTO_TCP)) {
+        count(counter::SOCK_STEPPED_ASIDE);
+        return ALLOW;
+    }
+    if drop {
+        count(counter::SOCK_DROPPED);
+        return REJECT;
+    }
+    count(counter::NO_BACKENDS);
+    if KPR_HAVE_SET_RETVAL.load() != 0 && !(from_node && proto == IPPROTO_UDP) {
+        unsafe { bpf_set_retval(-ECONNREFUSED) };
+    }
+    REJECT
 }
 
 /// A NodePort frontend for this socket: one of the node's NodePort addresses, or (from the

@@ -130,12 +130,30 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
         let _ = CONNTRACK.remove(&key);
     }
     if !ingress {
-        return Ok(TC_ACT_OK);
+        return Ok(egress_drop(ctx, &t));
     }
     let Some(service) = lookup_frontend(&t, source_scope(ctx, &t)) else {
         return Ok(TC_ACT_OK);
     };
     new_flow(ctx, &t, &service)
+}
+
+/// A TCP connection of the node itself that kube-proxy would DROP (traffic policy Local
+/// without a local endpoint, a source outside loadBalancerSourceRanges): the socket path lets
+/// it through untranslated and it is dropped here, on its way out, so that `connect()` times
+/// out as it does behind kube-proxy's filter rules.
+#[inline(always)]
+fn egress_drop(ctx: &TcContext, t: &Tuple) -> i32 {
+    if t.proto != IPPROTO_TCP || source_scope(ctx, t) != SCOPE_NODE {
+        return TC_ACT_OK;
+    }
+    match lookup_frontend(t, SCOPE_NODE) {
+        Some(s) if s.backends_count == 0 && s.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0 => {
+            count(counter::TC_DROPPED);
+            TC_ACT_SHOT
+        }
+        _ => TC_ACT_OK,
+    }
 }
 
 /// Where a packet comes from, as kube-proxy tells sources apart: the node itself (a local

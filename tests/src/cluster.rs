@@ -147,6 +147,8 @@ pub struct Cluster {
     home_cgroup: PathBuf,
     etcd: Option<Child>,
     apiserver: Option<Child>,
+    /// More kube-apiserver flags (service ranges of a test).
+    apiserver_args: Vec<String>,
     /// Keep the data directory on drop (for inspection).
     pub keep: bool,
 }
@@ -154,6 +156,11 @@ pub struct Cluster {
 impl Cluster {
     /// Generate certificates and keys, start etcd and the API server, and wait until /readyz.
     pub fn start(tag: &str) -> Result<Self> {
+        Self::start_with(tag, &[])
+    }
+
+    /// [`Self::start`] with more kube-apiserver flags (e.g. `--service-cluster-ip-range=...`).
+    pub fn start_with(tag: &str, apiserver_args: &[&str]) -> Result<Self> {
         let name = testbed::unique_name(tag);
         let dir = std::env::temp_dir().join(format!("{name}.cluster"));
         fs::create_dir_all(&dir)?;
@@ -167,6 +174,7 @@ impl Cluster {
             home_cgroup: current_cgroup()?,
             etcd: None,
             apiserver: None,
+            apiserver_args: apiserver_args.iter().map(|a| (*a).to_owned()).collect(),
             keep: false,
             dir,
         };
@@ -251,6 +259,7 @@ impl Cluster {
             .args(["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1"])
             .arg(format!("--secure-port={}", self.api_port))
             .arg(format!("--service-cluster-ip-range={SERVICE_CIDR}"))
+            .args(&self.apiserver_args)
             .arg(format!("--cert-dir={}", d("certs")))
             .arg(format!("--tls-cert-file={}", d("apiserver.crt")))
             .arg(format!("--tls-private-key-file={}", d("apiserver.key")))
@@ -480,6 +489,34 @@ impl KubeProxy {
             .args(["--iptables-sync-period=2s", "--iptables-min-sync-period=0s", "--v=2"]);
         let child = spawn_child(&mut cmd, &cluster.home_cgroup, &log)?;
         Ok(Self { mode: mode.to_owned(), netns: netns.name.clone(), log, child: Some(child), _relay: relay })
+    }
+
+    /// Start kube-proxy in `netns` with nothing but a configuration file: `config` (a
+    /// KubeProxyConfiguration without `clientConnection`) plus the kubeconfig of a relay to the
+    /// API server on the namespace's loopback. Returns the file written, which kpr can be given
+    /// as it is.
+    pub fn start_with_config(cluster: &Cluster, netns: &Netns, config: &str) -> Result<(Self, PathBuf)> {
+        let relay = Relay::new(
+            netns,
+            SocketAddrV4::new(Ipv4Addr::LOCALHOST, RELAY_PORT),
+            SocketAddrV4::new(Ipv4Addr::LOCALHOST, cluster.api_port),
+        )?;
+        let kubeconfig = cluster.dir.join(format!("kube-proxy-{}.kubeconfig", netns.name));
+        fs::write(
+            &kubeconfig,
+            kubeconfig_yaml(&format!("https://127.0.0.1:{RELAY_PORT}"), &cluster.ca(), cluster.admin_token()),
+        )?;
+        let file = cluster.dir.join(format!("kube-proxy-{}.yaml", netns.name));
+        fs::write(&file, format!("{config}clientConnection:\n  kubeconfig: {}\n", kubeconfig.display()))?;
+        let mode = config.lines().find_map(|l| l.strip_prefix("mode: ")).map_or("iptables", str::trim).to_owned();
+        let log = cluster.dir.join(format!("kube-proxy-{}.log", netns.name));
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &netns.name])
+            .arg(k8s_bin("kube-proxy")?)
+            .arg(format!("--config={}", file.display()))
+            .arg("--v=2");
+        let child = spawn_child(&mut cmd, &cluster.home_cgroup, &log)?;
+        Ok((Self { mode, netns: netns.name.clone(), log, child: Some(child), _relay: relay }, file))
     }
 
     pub fn running(&mut self) -> bool {

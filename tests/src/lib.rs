@@ -16,6 +16,7 @@ use kpr::{
 
 pub mod cluster;
 pub mod probe;
+pub mod world;
 
 /// Port the pods serve on (TCP and UDP).
 pub const POD_PORT: u16 = 8080;

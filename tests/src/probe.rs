@@ -5,7 +5,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     io::ErrorKind,
-    net::{SocketAddrV4, TcpStream, UdpSocket},
+    net::{Ipv4Addr, SocketAddrV4, TcpStream, UdpSocket},
     path::Path,
     process::{Command, Stdio},
     time::Duration,
@@ -22,6 +22,10 @@ pub enum Kind {
     Udp,
     /// connected UDP: connect, send, recv; peer from getpeername.
     UdpConnected,
+    /// TCP, and the backend tells the client address it saw: answers are `name<-source`.
+    TcpSource,
+    /// Connected UDP, likewise: answers are `name<-source`.
+    UdpSource,
 }
 
 impl Kind {
@@ -30,6 +34,8 @@ impl Kind {
             Kind::Tcp => "tcp",
             Kind::Udp => "udp",
             Kind::UdpConnected => "udp-connected",
+            Kind::TcpSource => "tcp-src",
+            Kind::UdpSource => "udp-src",
         }
     }
 
@@ -38,6 +44,8 @@ impl Kind {
             "tcp" => Kind::Tcp,
             "udp" => Kind::Udp,
             "udp-connected" => Kind::UdpConnected,
+            "tcp-src" => Kind::TcpSource,
+            "udp-src" => Kind::UdpSource,
             _ => bail!("unknown probe kind {s}"),
         })
     }
@@ -97,11 +105,11 @@ fn errno_name(e: &std::io::Error) -> String {
     }
 }
 
-/// Ask `addr` `n` times; every attempt uses a new socket.
-pub fn probe(kind: Kind, addr: SocketAddrV4, n: usize, timeout: Duration) -> Outcome {
+/// Ask `addr` `n` times; every attempt uses a new socket, bound to `source` when given.
+pub fn probe(kind: Kind, addr: SocketAddrV4, n: usize, timeout: Duration, source: Option<Ipv4Addr>) -> Outcome {
     let mut out = Outcome::default();
     for _ in 0..n {
-        match ask(kind, addr, timeout) {
+        match ask(kind, addr, timeout, source) {
             Ok((name, peer)) => {
                 *out.answers.entry(name).or_default() += 1;
                 out.peers.insert(peer);
@@ -114,36 +122,57 @@ pub fn probe(kind: Kind, addr: SocketAddrV4, n: usize, timeout: Duration) -> Out
 
 type Attempt = std::result::Result<(String, String), (&'static str, std::io::Error)>;
 
-fn ask(kind: Kind, addr: SocketAddrV4, timeout: Duration) -> Attempt {
-    use std::io::{BufRead as _, BufReader};
+fn ask(kind: Kind, addr: SocketAddrV4, timeout: Duration, source: Option<Ipv4Addr>) -> Attempt {
+    use std::io::{BufRead as _, BufReader, Write as _};
     let mut buf = [0u8; 256];
+    let local = SocketAddrV4::new(source.unwrap_or(Ipv4Addr::UNSPECIFIED), 0);
     match kind {
-        Kind::Tcp => {
-            let conn = TcpStream::connect_timeout(&addr.into(), timeout).map_err(|e| ("connect", e))?;
+        Kind::Tcp | Kind::TcpSource => {
+            let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+                .map_err(|e| ("socket", e))?;
+            if source.is_some() {
+                socket.bind(&local.into()).map_err(|e| ("bind", e))?;
+            }
+            socket.connect_timeout(&addr.into(), timeout).map_err(|e| ("connect", e))?;
+            let mut conn: TcpStream = socket.into();
             conn.set_read_timeout(Some(timeout)).map_err(|e| ("setsockopt", e))?;
             let peer = conn.peer_addr().map_err(|e| ("getpeername", e))?;
+            let mut reader = BufReader::new(conn.try_clone().map_err(|e| ("dup", e))?);
             let mut line = String::new();
-            BufReader::new(&conn).read_line(&mut line).map_err(|e| ("recv", e))?;
+            reader.read_line(&mut line).map_err(|e| ("recv", e))?;
             if line.is_empty() {
                 return Err(("recv", std::io::Error::from(ErrorKind::UnexpectedEof)));
             }
-            Ok((line.trim_end().to_owned(), peer.to_string()))
+            let mut name = line.trim_end().to_owned();
+            if kind == Kind::TcpSource {
+                conn.write_all(b"peer?\n").map_err(|e| ("send", e))?;
+                let mut seen = String::new();
+                reader.read_line(&mut seen).map_err(|e| ("recv", e))?;
+                name = format!("{name}<-{}", seen.trim_end());
+            }
+            Ok((name, peer.to_string()))
         }
         Kind::Udp => {
-            let socket = UdpSocket::bind("0.0.0.0:0").map_err(|e| ("bind", e))?;
+            let socket = UdpSocket::bind(local).map_err(|e| ("bind", e))?;
             socket.set_read_timeout(Some(timeout)).map_err(|e| ("setsockopt", e))?;
             socket.send_to(b"who", addr).map_err(|e| ("send", e))?;
             let (n, from) = socket.recv_from(&mut buf).map_err(|e| ("recv", e))?;
             Ok((String::from_utf8_lossy(&buf[..n]).into_owned(), from.to_string()))
         }
-        Kind::UdpConnected => {
-            let socket = UdpSocket::bind("0.0.0.0:0").map_err(|e| ("bind", e))?;
+        Kind::UdpConnected | Kind::UdpSource => {
+            let socket = UdpSocket::bind(local).map_err(|e| ("bind", e))?;
             socket.set_read_timeout(Some(timeout)).map_err(|e| ("setsockopt", e))?;
             socket.connect(addr).map_err(|e| ("connect", e))?;
             socket.send(b"who").map_err(|e| ("send", e))?;
             let n = socket.recv(&mut buf).map_err(|e| ("recv", e))?;
             let peer = socket.peer_addr().map_err(|e| ("getpeername", e))?;
-            Ok((String::from_utf8_lossy(&buf[..n]).into_owned(), peer.to_string()))
+            let mut name = String::from_utf8_lossy(&buf[..n]).into_owned();
+            if kind == Kind::UdpSource {
+                socket.send(b"peer?").map_err(|e| ("send", e))?;
+                let n = socket.recv(&mut buf).map_err(|e| ("recv", e))?;
+                name = format!("{name}<-{}", String::from_utf8_lossy(&buf[..n]));
+            }
+            Ok((name, peer.to_string()))
         }
     }
 }
@@ -158,10 +187,28 @@ pub fn probe_in(
     n: usize,
     timeout: Duration,
 ) -> Result<Outcome> {
+    probe_from(exe, netns, cgroup, kind, addr, n, timeout, None)
+}
+
+/// [`probe_in`], with the client's sockets bound to `source`.
+#[expect(clippy::too_many_arguments, reason = "a probe is all of these")]
+pub fn probe_from(
+    exe: &Path,
+    netns: &str,
+    cgroup: &Path,
+    kind: Kind,
+    addr: SocketAddrV4,
+    n: usize,
+    timeout: Duration,
+    source: Option<Ipv4Addr>,
+) -> Result<Outcome> {
     let mut cmd = Command::new("ip");
     cmd.args(["netns", "exec", netns])
         .arg(exe)
         .args([kind.as_str(), &addr.to_string(), &n.to_string(), &timeout.as_millis().to_string()]);
+    if let Some(source) = source {
+        cmd.arg(source.to_string());
+    }
     crate::cluster::confine(&mut cmd, cgroup)?;
     let out = cmd.stdin(Stdio::null()).stderr(Stdio::piped()).output().context("failed to run kpr-probe")?;
     if !out.status.success() {

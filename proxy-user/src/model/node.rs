@@ -159,9 +159,12 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
     }
     let local: BTreeSet<IpAddr> = links.iter().flat_map(|l| l.addrs.iter().copied()).collect();
     let serves_node_ports = |a: &IpAddr| {
+        // Loopback NodePorts are localhostNodePorts' business (the socket path), never here.
+        if a.is_loopback() {
+            return false;
+        }
         if settings.node_port_addresses.is_empty() {
-            // Every local address; loopback only through localhostNodePorts (socket path).
-            return !a.is_loopback();
+            return true;
         }
         settings.node_port_addresses.iter().any(|npa| match npa {
             NodePortAddress::Cidr(c) => c.contains(*a),
@@ -260,6 +263,9 @@ mod tests {
         };
         assert_eq!(nodeports(&plan(&host(), Some(&node), &settings)), ["172.16.0.2"]);
         let settings = NodeSettings { node_port_addresses: vec![NodePortAddress::Primary], ..settings };
+        assert_eq!(nodeports(&plan(&host(), Some(&node), &settings)), ["192.168.0.2"]);
+        let with_loopback = vec![NodePortAddress::Cidr("127.0.0.0/8".parse().unwrap()), NodePortAddress::Primary];
+        let settings = NodeSettings { node_port_addresses: with_loopback, ..settings };
         assert_eq!(nodeports(&plan(&host(), Some(&node), &settings)), ["192.168.0.2"]);
         // An address that appears later is served when it falls inside the CIDRs.
         let settings = NodeSettings {

@@ -1,0 +1,132 @@
+//! A node as upstream kube-proxy's packet-flow tests picture it (`pkg/proxy/iptables/
+//! proxier_test.go`: node 192.168.0.2 and 192.168.1.2, external clients 203.0.113.2 and
+//! 203.0.113.130, pods in 10.0.0.0/8), built in network namespaces so that the real kube-proxy
+//! and kpr can each be given an identical copy:
+//!
+//! ```text
+//!   ext 203.0.113.2, .130 ──(203.0.113.1) ext0 ┐
+//!                                              node 192.168.0.2, 192.168.1.2 ── eth0 ── router 192.168.0.1
+//!   pod <ip> (one namespace per pod IP) ── vp<i> ┘ (169.254.1.1 on every pod link, as Calico does)
+//! ```
+//!
+//! The router is the node's default gateway and answers for *every* address (a local route for
+//! 0.0.0.0/0) with the name `router`, and the node itself answers `node` on its own addresses:
+//! a packet no proxy took lands at one of them, so "not handled" is an observable outcome, and
+//! nothing ever leaves the machine. Every pod serves TCP and UDP on
+//! the given ports, answering `<ip>:<port>`; asked `peer?`, it tells the source it saw.
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use anyhow::Result;
+use kpr::testbed::{NameServer, Netns};
+
+pub const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 2);
+pub const NODE_IP_ALT: Ipv4Addr = Ipv4Addr::new(192, 168, 1, 2);
+pub const ROUTER_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 1);
+pub const EXT_GATEWAY: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
+pub const EXT_CLIENT: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
+pub const EXT_CLIENT_BLOCKED: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 130);
+/// The node's address on every pod link.
+pub const POD_GATEWAY: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
+/// Answer of the router: the packet was not handled by the proxy.
+pub const UNHANDLED: &str = "router";
+/// Answer of the node's own listeners: a packet for one of its addresses no proxy took.
+pub const UNHANDLED_LOCAL: &str = "node";
+
+/// The node's own addresses (where an untaken packet is delivered locally).
+pub fn is_node_address(ip: Ipv4Addr) -> bool {
+    ip.is_loopback() || [NODE_IP, NODE_IP_ALT, EXT_GATEWAY, POD_GATEWAY].contains(&ip)
+}
+
+pub struct World {
+    pub prefix: String,
+    pub pods: Vec<(Ipv4Addr, Netns)>,
+    servers: Vec<NameServer>,
+    pub ext: Netns,
+    pub router: Netns,
+    /// Dropped last: the links of the others hang off it.
+    pub node: Netns,
+}
+
+impl World {
+    /// A node with pods at `pod_ips`, each serving `ports` (TCP and UDP); the router answers
+    /// on `probed_ports`.
+    pub fn new(prefix: &str, pod_ips: &[Ipv4Addr], ports: &[u16], probed_ports: &[u16]) -> Result<Self> {
+        let node = Netns::new(&format!("{prefix}-n"))?;
+        let router = Netns::new(&format!("{prefix}-r"))?;
+        let ext = Netns::new(&format!("{prefix}-x"))?;
+        let sh = |ns: &Netns, script: &str| -> Result<()> {
+            let mut cmd = std::process::Command::new("sh");
+            cmd.args(["-c", script]);
+            ns.exec_in(&mut cmd)?;
+            let status = cmd.status()?;
+            anyhow::ensure!(status.success(), "`{script}` failed in {}", ns.name);
+            Ok(())
+        };
+        sh(&node, "echo 1 > /proc/sys/net/ipv4/ip_forward; for f in /proc/sys/net/ipv4/conf/*/rp_filter; do echo 0 > $f; done")?;
+        node.ip(&["link", "set", "lo", "up"])?;
+
+        node.ip(&["link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &router.name])?;
+        node.ip(&["addr", "add", &format!("{NODE_IP}/24"), "dev", "eth0"])?;
+        node.ip(&["addr", "add", &format!("{NODE_IP_ALT}/24"), "dev", "eth0"])?;
+        node.ip(&["link", "set", "eth0", "up"])?;
+        node.ip(&["route", "add", "default", "via", &ROUTER_IP.to_string()])?;
+        router.ip(&["link", "set", "lo", "up"])?;
+        router.ip(&["addr", "add", &format!("{ROUTER_IP}/24"), "dev", "eth0"])?;
+        router.ip(&["link", "set", "eth0", "up"])?;
+        router.ip(&["route", "add", "local", "0.0.0.0/0", "dev", "lo"])?;
+        for back in ["10.0.0.0/8", "203.0.113.0/24", "169.254.0.0/16"] {
+            router.ip(&["route", "add", back, "via", &NODE_IP.to_string()])?;
+        }
+
+        node.ip(&["link", "add", "ext0", "type", "veth", "peer", "name", "eth0", "netns", &ext.name])?;
+        node.ip(&["addr", "add", &format!("{EXT_GATEWAY}/24"), "dev", "ext0"])?;
+        node.ip(&["link", "set", "ext0", "up"])?;
+        ext.ip(&["link", "set", "lo", "up"])?;
+        ext.ip(&["addr", "add", &format!("{EXT_CLIENT}/24"), "dev", "eth0"])?;
+        ext.ip(&["addr", "add", &format!("{EXT_CLIENT_BLOCKED}/24"), "dev", "eth0"])?;
+        ext.ip(&["link", "set", "eth0", "up"])?;
+        ext.ip(&["route", "add", "default", "via", &EXT_GATEWAY.to_string()])?;
+
+        let mut servers = Vec::new();
+        for port in probed_ports {
+            let any = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, *port);
+            servers.push(NameServer::tcp(&router, any, UNHANDLED)?);
+            servers.push(NameServer::udp(&router, any, UNHANDLED)?);
+            servers.push(NameServer::tcp(&node, any, UNHANDLED_LOCAL)?);
+        }
+        let mut pods = Vec::new();
+        for (i, ip) in pod_ips.iter().enumerate() {
+            let pod = Netns::new(&format!("{prefix}-p{i}"))?;
+            let link = format!("vp{i}");
+            node.ip(&["link", "add", &link, "type", "veth", "peer", "name", "eth0", "netns", &pod.name])?;
+            node.ip(&["addr", "add", &format!("{POD_GATEWAY}/32"), "dev", &link])?;
+            node.ip(&["link", "set", &link, "up"])?;
+            node.ip(&["route", "add", &format!("{ip}/32"), "dev", &link])?;
+            pod.ip(&["link", "set", "lo", "up"])?;
+            pod.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
+            pod.ip(&["link", "set", "eth0", "up"])?;
+            pod.ip(&["route", "add", &POD_GATEWAY.to_string(), "dev", "eth0", "scope", "link"])?;
+            pod.ip(&["route", "add", "default", "via", &POD_GATEWAY.to_string()])?;
+            for port in ports {
+                let addr = SocketAddrV4::new(*ip, *port);
+                servers.push(NameServer::tcp(&pod, addr, &addr.to_string())?);
+                servers.push(NameServer::udp(&pod, addr, &addr.to_string())?);
+            }
+            pods.push((*ip, pod));
+        }
+        Ok(Self { prefix: prefix.to_owned(), pods, servers, ext, router, node })
+    }
+
+    /// The namespace of the pod with address `ip`.
+    pub fn pod(&self, ip: Ipv4Addr) -> &Netns {
+        &self.pods.iter().find(|(p, _)| *p == ip).unwrap_or_else(|| panic!("no pod {ip} in {}", self.prefix)).1
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        // Servers first (their sockets live in the namespaces), then pods, then the rest.
+        self.servers.clear();
+        self.pods.clear();
+    }
+}
