@@ -343,6 +343,59 @@ fn internal_traffic_policy() -> Vec<Case> {
         .collect()
 }
 
+/// TestTerminatingEndpointsTrafficPolicyLocal / ...Cluster: ready → serving-terminating
+/// fallback, per traffic policy.
+fn terminating_endpoints(local: bool) -> Vec<Case> {
+    let policy = if local { "Local" } else { "Cluster" };
+    let source = if local { "TestTerminatingEndpointsTrafficPolicyLocal" } else { "TestTerminatingEndpointsTrafficPolicyCluster" };
+    let objects = service("ns1", "svc1", "LoadBalancer", "172.30.1.1", &[("", 80, "TCP", 0, 80)], &format!("  externalTrafficPolicy: {policy}\n"), &["1.2.3.4"]);
+    let other = if local { "node-1" } else { "another-node" };
+    // (address, ready, serving, terminating, on this node)
+    let e = |ip: &'static str, r: bool, s: bool, t: bool, here: bool| -> Ep { (ip, Some(if here { NODE } else { other }), Some(r), Some(s), Some(t)) };
+    let remote = |ip: &'static str, r: bool, s: bool, t: bool| -> Ep { (ip, Some("node-1"), Some(r), Some(s), Some(t)) };
+    let masq = !local;
+    let subtests: Vec<(&'static str, Vec<Ep>, Expect, Expect)> = vec![
+        (
+            "ready endpoints exist",
+            vec![e("10.0.1.1", true, true, false, true), e("10.0.1.2", true, true, false, true), e("10.0.1.3", false, true, true, local), e("10.0.1.4", false, false, true, local), e("10.0.1.5", true, true, false, false)],
+            To(&["10.0.1.1:80", "10.0.1.2:80", "10.0.1.5:80"], false),
+            if local { To(&["10.0.1.1:80", "10.0.1.2:80"], false) } else { To(&["10.0.1.1:80", "10.0.1.2:80", "10.0.1.5:80"], true) },
+        ),
+        (
+            "only terminating endpoints exist",
+            vec![e("10.0.1.2", false, true, true, true), e("10.0.1.3", false, true, true, true), e("10.0.1.4", false, false, true, local), if local { e("10.0.1.5", true, true, false, false) } else { e("10.0.1.5", false, true, true, false) }],
+            if local { To(&["10.0.1.5:80"], false) } else { To(&["10.0.1.2:80", "10.0.1.3:80", "10.0.1.5:80"], false) },
+            if local { To(&["10.0.1.2:80", "10.0.1.3:80"], false) } else { To(&["10.0.1.2:80", "10.0.1.3:80", "10.0.1.5:80"], true) },
+        ),
+        (
+            "terminating endpoints on remote node",
+            vec![remote("10.0.1.5", false, true, true)],
+            To(&["10.0.1.5:80"], false),
+            if local { Drop } else { To(&["10.0.1.5:80"], masq) },
+        ),
+        ("no usable endpoints on any node", vec![e("10.0.1.5", false, false, true, true), remote("10.0.1.5", false, false, true)], Reject, Reject),
+    ];
+    let mut cases: Vec<Case> = subtests
+        .into_iter()
+        .map(|(name, eps, to_cluster_ip, to_lb)| Case {
+            source: Box::leak(format!("{source}/{name}").into_boxed_str()),
+            knobs: BASE,
+            objects: objects.clone() + &slice("ns1", "svc1", &[("", 80, "TCP")], &eps),
+            rows: vec![tcp("pod to clusterIP", POD, "172.30.1.1", 80, to_cluster_ip), tcp("external to LB", EXT, "1.2.3.4", 80, to_lb)],
+        })
+        .collect();
+    cases.push(Case {
+        source,
+        knobs: BASE,
+        objects,
+        rows: vec![
+            tcp("pod to clusterIP after endpoints deleted", POD, "172.30.1.1", 80, Reject),
+            tcp("external to LB after endpoints deleted", EXT, "1.2.3.4", 80, Reject),
+        ],
+    });
+    cases
+}
+
 /// TestInternalExternalMasquerade: one table, four configurations with overrides.
 fn internal_external_masquerade() -> Vec<Case> {
     let lb = |ns: &str, svc: &str, ip: &str, np: u16, spec: &str, lbip: &'static str| {
@@ -453,6 +506,8 @@ fn cases(mode: &str) -> Vec<Case> {
     all.push(external_traffic_policy(true));
     all.push(external_traffic_policy(false));
     all.extend(internal_traffic_policy());
+    all.extend(terminating_endpoints(true));
+    all.extend(terminating_endpoints(false));
     all.extend(internal_external_masquerade());
     for_mode(mode, all)
 }
