@@ -184,6 +184,9 @@ pub fn for_port<'a>(
 }
 
 #[cfg(test)]
+mod upstream_topology;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::model::tests::{service_port, slice_yaml};
