@@ -155,6 +155,23 @@ pub struct DetectLocalSetting {
     pub interface_name_prefix: String,
 }
 
+/// Settings given as flags (kube-proxy's names); `None`: not given, the file decides.
+#[derive(Clone, Debug, Default)]
+pub struct FlagOverrides {
+    pub hostname_override: Option<String>,
+    pub cluster_cidr: Option<String>,
+    pub detect_local_mode: Option<String>,
+    pub pod_bridge_interface: Option<String>,
+    pub pod_interface_name_prefix: Option<String>,
+    pub node_port_addresses: Option<Vec<String>>,
+    pub masquerade_all: Option<bool>,
+    pub localhost_node_ports: Option<bool>,
+    pub bind_address: Option<IpAddr>,
+    pub sync_period: Option<Duration>,
+    pub min_sync_period: Option<Duration>,
+    pub kubeconfig: Option<PathBuf>,
+}
+
 /// The effective configuration: the file with kube-proxy's defaults, then flags on top.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -237,19 +254,62 @@ impl ProxyConfig {
                 || self.node_port_addresses().iter().any(|a| matches!(a, NodePortAddress::Cidr(c) if c.contains(loopback))))
     }
 
+    /// Flags given explicitly override the file (kube-proxy's flag names), checked with the
+    /// file's rules.
+    pub fn apply_flags(&mut self, flags: &FlagOverrides) -> Result<()> {
+        if let Some(name) = &flags.hostname_override {
+            self.hostname_override = Some(name.trim().to_lowercase()).filter(|n| !n.is_empty());
+        }
+        if let Some(cidrs) = &flags.cluster_cidr {
+            self.set_cluster_cidrs(cidrs)?;
+        }
+        if let Some(bridge) = &flags.pod_bridge_interface {
+            self.detect_local.bridge_interface = bridge.clone();
+        }
+        if let Some(prefix) = &flags.pod_interface_name_prefix {
+            self.detect_local.interface_name_prefix = prefix.clone();
+        }
+        if let Some(mode) = &flags.detect_local_mode {
+            self.set_detect_local_mode(mode)?;
+        }
+        if let Some(addrs) = &flags.node_port_addresses {
+            self.set_node_port_addresses(addrs.clone())?;
+        }
+        if let Some(all) = flags.masquerade_all {
+            self.masquerade_all = all;
+        }
+        if let Some(on) = flags.localhost_node_ports {
+            self.localhost_node_ports = on;
+        }
+        if let Some(addr) = flags.bind_address {
+            self.bind_address = addr;
+        }
+        if let Some(period) = flags.sync_period {
+            anyhow::ensure!(!period.is_zero(), "--iptables-sync-period: must be greater than 0");
+            self.sync_period = period;
+        }
+        if let Some(period) = flags.min_sync_period {
+            self.min_sync_period = period;
+        }
+        if let Some(kubeconfig) = &flags.kubeconfig {
+            self.kubeconfig = Some(kubeconfig.clone());
+        }
+        Ok(())
+    }
+
     /// Parse and check settings given as flags, with the file's rules.
-    pub fn set_cluster_cidrs(&mut self, raw: &str) -> Result<()> {
+    fn set_cluster_cidrs(&mut self, raw: &str) -> Result<()> {
         self.cluster_cidrs = parse_cluster_cidrs(raw).map_err(|e| anyhow::anyhow!("--cluster-cidr: {e}"))?;
         Ok(())
     }
 
-    pub fn set_node_port_addresses(&mut self, raw: Vec<String>) -> Result<()> {
+    fn set_node_port_addresses(&mut self, raw: Vec<String>) -> Result<()> {
         check_node_port_addresses(&raw).map_err(|e| anyhow::anyhow!("--nodeport-addresses: {e}"))?;
         self.node_port_addresses = raw;
         Ok(())
     }
 
-    pub fn set_detect_local_mode(&mut self, mode: &str) -> Result<()> {
+    fn set_detect_local_mode(&mut self, mode: &str) -> Result<()> {
         check_detect_local(mode, &self.detect_local.bridge_interface, &self.detect_local.interface_name_prefix, false)
             .map_err(|e| anyhow::anyhow!("--detect-local-mode: {e}"))?;
         self.detect_local.mode = mode.to_owned();
@@ -637,6 +697,36 @@ winkernel:
         assert!(c.localhost_node_ports_effective());
         c.set_node_port_addresses(vec!["primary".into()]).unwrap();
         assert!(!c.localhost_node_ports_effective());
+    }
+
+    #[test]
+    fn flags_override_the_file_and_are_checked_like_it() {
+        let mut c = ProxyConfig::parse(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: 10.244.0.0/16\nhostnameOverride: from-file\niptables: {masqueradeAll: true}\n",
+        )
+        .unwrap();
+        c.apply_flags(&FlagOverrides {
+            hostname_override: Some("Flag-Node".into()),
+            cluster_cidr: Some("10.0.0.0/8,fd00::/48".into()),
+            masquerade_all: Some(false),
+            min_sync_period: Some(Duration::ZERO),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(c.hostname_override.as_deref(), Some("flag-node"));
+        assert_eq!(c.cluster_cidrs.len(), 2);
+        assert!(!c.masquerade_all);
+        assert_eq!(c.min_sync_period, Duration::ZERO);
+        assert_eq!(c.sync_period, Duration::from_secs(30), "not given: the file's (default) value stays");
+        for (flags, field) in [
+            (FlagOverrides { cluster_cidr: Some("10.0.0.0/40".into()), ..Default::default() }, "--cluster-cidr"),
+            (FlagOverrides { node_port_addresses: Some(vec!["nope".into()]), ..Default::default() }, "--nodeport-addresses"),
+            (FlagOverrides { detect_local_mode: Some("InterfaceNamePrefix".into()), ..Default::default() }, "--pod-interface-name-prefix"),
+            (FlagOverrides { sync_period: Some(Duration::ZERO), ..Default::default() }, "--iptables-sync-period"),
+        ] {
+            let err = format!("{:#}", c.clone().apply_flags(&flags).unwrap_err());
+            assert!(err.contains(field), "`{err}` should name {field}");
+        }
     }
 
     #[test]

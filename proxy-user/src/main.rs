@@ -5,7 +5,7 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use kpr::{
     agent::{self, AgentConfig, SourceConfig},
-    config::ProxyConfig,
+    config::{FlagOverrides, ProxyConfig},
     datapath::bpf::{self, DatapathConfig},
     model::{
         ProxyOptions,
@@ -140,45 +140,20 @@ fn effective_config(args: &AgentArgs) -> Result<ProxyConfig> {
         Some(path) => ProxyConfig::load(path)?,
         None => ProxyConfig::default(),
     };
-    if let Some(name) = &args.hostname_override {
-        config.hostname_override = Some(name.trim().to_lowercase());
-    }
-    if let Some(cidrs) = &args.cluster_cidr {
-        config.set_cluster_cidrs(cidrs)?;
-    }
-    if let Some(bridge) = &args.pod_bridge_interface {
-        config.detect_local.bridge_interface = bridge.clone();
-    }
-    if let Some(prefix) = &args.pod_interface_name_prefix {
-        config.detect_local.interface_name_prefix = prefix.clone();
-    }
-    if let Some(mode) = &args.detect_local_mode {
-        config.set_detect_local_mode(mode)?;
-    }
-    if let Some(addrs) = &args.nodeport_addresses {
-        config.set_node_port_addresses(addrs.clone())?;
-    }
-    if let Some(all) = args.masquerade_all {
-        config.masquerade_all = all;
-    }
-    if let Some(on) = args.localhost_nodeports {
-        config.localhost_node_ports = on;
-    }
-    if let Some(addr) = args.bind_address {
-        config.bind_address = addr;
-    }
-    if let Some(period) = args.sync_period.or(args.reconcile_interval.map(Duration::from_secs)) {
-        config.sync_period = period;
-    }
-    if let Some(period) = args.min_sync_period {
-        config.min_sync_period = period;
-    }
-    if let Some(kubeconfig) = &args.kubeconfig {
-        config.kubeconfig = Some(kubeconfig.clone());
-    }
-    if config.sync_period.is_zero() {
-        anyhow::bail!("--iptables-sync-period: must be greater than 0");
-    }
+    config.apply_flags(&FlagOverrides {
+        hostname_override: args.hostname_override.clone(),
+        cluster_cidr: args.cluster_cidr.clone(),
+        detect_local_mode: args.detect_local_mode.clone(),
+        pod_bridge_interface: args.pod_bridge_interface.clone(),
+        pod_interface_name_prefix: args.pod_interface_name_prefix.clone(),
+        node_port_addresses: args.nodeport_addresses.clone(),
+        masquerade_all: args.masquerade_all,
+        localhost_node_ports: args.localhost_nodeports,
+        bind_address: args.bind_address,
+        sync_period: args.sync_period.or(args.reconcile_interval.map(Duration::from_secs)),
+        min_sync_period: args.min_sync_period,
+        kubeconfig: args.kubeconfig.clone(),
+    })?;
     Ok(config)
 }
 
