@@ -23,6 +23,7 @@ pub mod map_names {
     pub const SOURCE_RANGES: &str = "KPR_SOURCE_RANGES";
     pub const LOCAL_CIDRS: &str = "KPR_LOCAL_CIDRS";
     pub const LINKS: &str = "KPR_LINKS";
+    pub const SERVICE_CIDRS: &str = "KPR_SERVICE_CIDRS";
 }
 
 /// Program names (the Rust function names in `proxy-ebpf`).
@@ -51,6 +52,8 @@ pub mod defaults {
     pub const MAX_LINKS: u32 = 16_384;
     /// CIDRs of the local-traffic detector (clusterCIDR, the Node's podCIDRs).
     pub const MAX_LOCAL_CIDRS: u32 = 64;
+    /// The cluster's service ranges (ServiceCIDR objects).
+    pub const MAX_SERVICE_CIDRS: u32 = 64;
     /// loadBalancerSourceRanges entries across all LoadBalancer frontends.
     pub const MAX_SOURCE_RANGES: u32 = 16_384;
 }
@@ -67,6 +70,10 @@ pub const SCOPE_EXTERNAL: u8 = 1;
 /// From the node itself (`--src-type LOCAL`): sockets in the host network namespace, packets
 /// whose source is a local address.
 pub const SCOPE_NODE: u8 = 2;
+
+/// `ServiceKey::proto` of the entry that stands for every other port of a ClusterIP (with
+/// `port` 0): nftables mode rejects traffic to a ClusterIP's unknown ports.
+pub const PROTO_ANY: u8 = 0;
 
 /// `ServiceValue::flags`: masquerade (SNAT to the node) traffic of this entry.
 pub const SERVICE_FLAG_SNAT: u32 = 1;
@@ -110,10 +117,10 @@ pub struct LinkInfo {
     pub flags: u32,
 }
 
-/// Data of a `KPR_LOCAL_CIDRS` LPM key: an IPv4 CIDR of the local-traffic detector.
+/// Data of an IPv4 LPM key (`KPR_LOCAL_CIDRS`, `KPR_SERVICE_CIDRS`): the prefix's address.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct LocalCidr {
+pub struct CidrKey {
     /// Network byte order.
     pub addr: u32,
 }
@@ -292,7 +299,7 @@ const _: () = assert!(size_of::<CtKey>() == 16);
 const _: () = assert!(size_of::<CtValue>() == 16);
 const _: () = assert!(size_of::<SourceRange>() == 8);
 const _: () = assert!(size_of::<LinkInfo>() == 8);
-const _: () = assert!(size_of::<LocalCidr>() == 4);
+const _: () = assert!(size_of::<CidrKey>() == 4);
 
 #[cfg(feature = "user")]
 mod pod {
@@ -306,5 +313,5 @@ mod pod {
     unsafe impl aya::Pod for super::CtValue {}
     unsafe impl aya::Pod for super::SourceRange {}
     unsafe impl aya::Pod for super::LinkInfo {}
-    unsafe impl aya::Pod for super::LocalCidr {}
+    unsafe impl aya::Pod for super::CidrKey {}
 }

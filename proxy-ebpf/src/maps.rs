@@ -6,7 +6,7 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    Backend, CtKey, CtValue, LinkInfo, LocalCidr, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
+    Backend, CtKey, CtValue, LinkInfo, CidrKey, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
     SourceRange, counter, defaults,
 };
 
@@ -50,7 +50,44 @@ pub static LINKS: HashMap<u32, LinkInfo, { defaults::MAX_LINKS as usize }> = Has
 
 /// CIDRs of the local-traffic detector (clusterCIDR, or the Node's podCIDRs).
 #[btf_map(name = "KPR_LOCAL_CIDRS", pin_by_name)]
-pub static LOCAL_CIDRS: LpmTrie<LocalCidr, u8, { defaults::MAX_LOCAL_CIDRS as usize }> = LpmTrie::new();
+pub static LOCAL_CIDRS: LpmTrie<CidrKey, u8, { defaults::MAX_LOCAL_CIDRS as usize }> = LpmTrie::new();
+
+/// The cluster's service ranges (nftables mode: unallocated addresses in them are dropped).
+#[btf_map(name = "KPR_SERVICE_CIDRS", pin_by_name)]
+pub static SERVICE_CIDRS: LpmTrie<CidrKey, u8, { defaults::MAX_SERVICE_CIDRS as usize }> = LpmTrie::new();
+
+/// 1 in kube-proxy's nftables mode: traffic to the service range that no service port takes is
+/// refused — REJECT for an unknown port of a ClusterIP, DROP for an unallocated address.
+#[unsafe(no_mangle)]
+pub static KPR_NFT_SERVICE_RANGE: aya_ebpf::Global<u8> = aya_ebpf::Global::new(0);
+
+/// What nftables mode does with traffic to `addr` that no service port took.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum ServiceRangeMiss {
+    /// Not in the service range (or not nftables mode): not ours.
+    NotInRange,
+    /// An unknown port of a ClusterIP (it has an any-port entry): REJECT.
+    Reject,
+    /// An unallocated address of the service range: DROP.
+    Drop,
+}
+
+#[inline(always)]
+pub fn service_range_miss(addr: u32, scope: u8) -> ServiceRangeMiss {
+    if KPR_NFT_SERVICE_RANGE.load() == 0
+        || SERVICE_CIDRS.get(&aya_ebpf::btf_maps::lpm_trie::Key::new(32, CidrKey { addr })).is_none()
+    {
+        return ServiceRangeMiss::NotInRange;
+    }
+    let any = ServiceKey { addr, port: 0, proto: proxy_common::PROTO_ANY, scope };
+    if SERVICES.get_ptr(&any).is_some() { ServiceRangeMiss::Reject } else { ServiceRangeMiss::Drop }
+}
+
+/// The entry kube-proxy's REJECT (`flags` 0) or DROP stands for: no backends.
+#[inline(always)]
+pub fn refusal(flags: u32) -> ServiceValue {
+    ServiceValue { service_id: 0, backends_start: 0, backends_count: 0, flags }
+}
 
 /// loadBalancerSourceRanges: (service id, client CIDR) → allowed.
 #[btf_map(name = "KPR_SOURCE_RANGES", pin_by_name)]

@@ -17,7 +17,7 @@ use proxy_common::{
     SERVICE_FLAG_SOCKET_SKIP, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, counter,
 };
 
-use crate::maps::{BACKENDS, NODE_ADDRS, SERVICES, SOCK_REVNAT, count};
+use crate::maps::{BACKENDS, NODE_ADDRS, SERVICES, SOCK_REVNAT, ServiceRangeMiss, count, refusal, service_range_miss};
 
 /// Return value that lets the syscall proceed.
 const ALLOW: i32 = 1;
@@ -84,20 +84,23 @@ fn forward4(ctx: &SockAddrContext) -> i32 {
     let mut key = ServiceKey { addr: sa.user_ip4, port: sa.user_port as u16, proto, scope };
     // Not a service: one hash lookup (two for a local address) and nothing else.
     let service = match SERVICES.get_ptr(&key) {
-        Some(service) => service,
-        None => {
-            if !is_node_port_address(sa.user_ip4, from_node) {
-                return ALLOW;
-            }
+        // SAFETY: a pointer returned by the map lookup is valid for this program run.
+        Some(service) => unsafe { *service },
+        None if is_node_port_address(sa.user_ip4, from_node) => {
             key.addr = 0;
             match SERVICES.get_ptr(&key) {
-                Some(service) => service,
+                Some(service) => unsafe { *service },
                 None => return ALLOW,
             }
         }
+        // nftables mode: an unknown port of a ClusterIP is rejected, an unallocated address
+        // of the service range dropped.
+        None => match service_range_miss(sa.user_ip4, scope) {
+            ServiceRangeMiss::NotInRange => return ALLOW,
+            ServiceRangeMiss::Reject => refusal(0),
+            ServiceRangeMiss::Drop => refusal(SERVICE_FLAG_DROP_NO_ENDPOINTS),
+        },
     };
-    // SAFETY: a pointer returned by the map lookup is valid for this program run.
-    let service = unsafe { *service };
     let pod_links_covered = KPR_POD_LINKS_COVERED.load() != 0;
     if pod_links_covered && service.flags & SERVICE_FLAG_SOCKET_SKIP != 0 {
         count(counter::SOCK_STEPPED_ASIDE);
@@ -108,7 +111,11 @@ fn forward4(ctx: &SockAddrContext) -> i32 {
         return refuse(&service, proto, from_node, pod_links_covered);
     }
 
-    let pick = unsafe { bpf_get_prandom_u32() } % service.backends_count;
+    // checked_rem: no division-by-zero panic path for the verifier to reject (the count was
+    // checked above, but the compiler cannot always see it).
+    let Some(pick) = unsafe { bpf_get_prandom_u32() }.checked_rem(service.backends_count) else {
+        return ALLOW;
+    };
     let slot = service.backends_start.wrapping_add(pick);
     let Some(backend) = BACKENDS.get(slot) else {
         count(counter::BAD_BACKEND_SLOT);

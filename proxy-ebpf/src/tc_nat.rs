@@ -22,13 +22,13 @@ use aya_ebpf::{
 use network_types::{eth::EtherType, ip::Ipv4Hdr};
 use proxy_common::{
     Backend, CtKey, CtValue, DETECT_LOCAL_CIDR, DETECT_LOCAL_INTERFACE, IPPROTO_TCP, IPPROTO_UDP,
-    LINK_FLAG_LOCAL_TRAFFIC, LocalCidr, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
+    LINK_FLAG_LOCAL_TRAFFIC, CidrKey, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
     SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN,
     ServiceKey, ServiceValue, SourceRange, counter,
 };
 
 use crate::{
-    maps::{BACKENDS, CONNTRACK, LINKS, LOCAL_CIDRS, NODE_ADDRS, SERVICES, SOURCE_RANGES, count},
+    maps::{BACKENDS, CONNTRACK, LINKS, LOCAL_CIDRS, NODE_ADDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss, count, refusal, service_range_miss},
     packet::*,
     tc_reject::{reject_tcp, reject_udp},
 };
@@ -132,8 +132,19 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     if !ingress {
         return Ok(egress_drop(ctx, &t));
     }
-    let Some(service) = lookup_frontend(&t, source_scope(ctx, &t)) else {
-        return Ok(TC_ACT_OK);
+    let scope = source_scope(ctx, &t);
+    let service = match lookup_frontend(&t, scope) {
+        Some(service) => service,
+        // nftables mode: a ClusterIP's unknown port is rejected, an unallocated address of
+        // the service range dropped.
+        None => match service_range_miss(t.daddr, scope) {
+            ServiceRangeMiss::NotInRange => return Ok(TC_ACT_OK),
+            ServiceRangeMiss::Reject => refusal(0),
+            ServiceRangeMiss::Drop => {
+                count(counter::TC_DROPPED);
+                return Ok(TC_ACT_SHOT);
+            }
+        },
     };
     new_flow(ctx, &t, &service)
 }
@@ -147,13 +158,15 @@ fn egress_drop(ctx: &TcContext, t: &Tuple) -> i32 {
     if t.proto != IPPROTO_TCP || source_scope(ctx, t) != SCOPE_NODE {
         return TC_ACT_OK;
     }
-    match lookup_frontend(t, SCOPE_NODE) {
-        Some(s) if s.backends_count == 0 && s.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0 => {
-            count(counter::TC_DROPPED);
-            TC_ACT_SHOT
-        }
-        _ => TC_ACT_OK,
+    let drop = match lookup_frontend(t, SCOPE_NODE) {
+        Some(s) => s.backends_count == 0 && s.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0,
+        None => service_range_miss(t.daddr, SCOPE_NODE) == ServiceRangeMiss::Drop,
+    };
+    if drop {
+        count(counter::TC_DROPPED);
+        return TC_ACT_SHOT;
     }
+    TC_ACT_OK
 }
 
 /// Where a packet comes from, as kube-proxy tells sources apart: the node itself (a local
@@ -164,7 +177,7 @@ fn source_scope(ctx: &TcContext, t: &Tuple) -> u8 {
         return SCOPE_NODE;
     }
     let local = match KPR_DETECT_LOCAL.load() {
-        DETECT_LOCAL_CIDR => LOCAL_CIDRS.get(&Key::new(32, LocalCidr { addr: t.saddr })).is_some(),
+        DETECT_LOCAL_CIDR => LOCAL_CIDRS.get(&Key::new(32, CidrKey { addr: t.saddr })).is_some(),
         DETECT_LOCAL_INTERFACE => {
             let ifindex = ifindex(ctx);
             LINKS.get_ptr(&ifindex).is_some_and(|link| unsafe { (*link).flags } & LINK_FLAG_LOCAL_TRAFFIC != 0)
@@ -231,7 +244,11 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue) -> Result<i32, (
         }
         return if t.proto == IPPROTO_TCP { reject_tcp(ctx, t) } else { reject_udp(ctx, t) };
     }
-    let pick = unsafe { bpf_get_prandom_u32() } % service.backends_count;
+    // checked_rem: no division-by-zero panic path for the verifier to reject (the count was
+    // checked above, but the compiler cannot always see it).
+    let Some(pick) = unsafe { bpf_get_prandom_u32() }.checked_rem(service.backends_count) else {
+        return Ok(TC_ACT_OK);
+    };
     let Some(backend) = BACKENDS.get(service.backends_start.wrapping_add(pick)) else {
         count(counter::BAD_BACKEND_SLOT);
         return Ok(TC_ACT_OK);

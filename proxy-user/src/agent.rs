@@ -23,6 +23,7 @@ use crate::{
     },
     model::{
         NodeInfo, ProxyOptions,
+        cidr::Cidr,
         desired::ClusterState,
         node::{self, HostLink, NodeObject, NodeSettings, TcLinks},
     },
@@ -67,7 +68,8 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
         }
         SourceConfig::Kube { kubeconfig } => {
             let client = source::kube::client(kubeconfig.as_deref()).await?;
-            tokio::spawn(log_exit("kubernetes", source::kube::run(client, cfg.node.name.clone(), tx.clone())))
+            let cidrs = cfg.options.reject_unknown_ports;
+            tokio::spawn(log_exit("kubernetes", source::kube::run(client, cfg.node.name.clone(), cidrs, tx.clone())))
         }
     };
     let host_task = tokio::spawn(log_exit("host links", source::host::run(tx)));
@@ -100,6 +102,8 @@ pub struct Syncer {
     pub node_settings: NodeSettings,
     pub host_links: Vec<HostLink>,
     pub node_object: Option<NodeObject>,
+    /// The cluster's service ranges (nftables mode).
+    pub service_cidrs: Vec<Cidr>,
     pub min_sync_period: Duration,
     /// The node facts changed since the last plan.
     node_dirty: bool,
@@ -116,6 +120,7 @@ impl Syncer {
             node_settings,
             host_links: Vec::new(),
             node_object: None,
+            service_cidrs: Vec::new(),
             min_sync_period: Duration::ZERO,
             node_dirty: true,
             last_sync: None,
@@ -169,11 +174,13 @@ impl Syncer {
             SourceEvent::ServiceDeleted(k) => self.state.delete_service(&k),
             SourceEvent::SliceApplied(s) => self.state.apply_slice(s),
             SourceEvent::SliceDeleted(k) => self.state.delete_slice(&k),
-            SourceEvent::ManifestsLoaded { services, slices, node } => {
+            SourceEvent::ManifestsLoaded { services, slices, node, service_cidrs } => {
                 self.state.replace_services(services);
                 self.state.replace_slices(slices);
                 self.set_node_object(node);
+                self.set_service_cidrs(service_cidrs);
             }
+            SourceEvent::ServiceCidrs(cidrs) => self.set_service_cidrs(cidrs),
             SourceEvent::Node(node) => self.set_node_object(node),
             SourceEvent::Host(links) => {
                 if links != self.host_links {
@@ -181,6 +188,13 @@ impl Syncer {
                     self.node_dirty = true;
                 }
             }
+        }
+    }
+
+    fn set_service_cidrs(&mut self, cidrs: Vec<Cidr>) {
+        if cidrs != self.service_cidrs {
+            self.service_cidrs = cidrs;
+            self.node_dirty = true;
         }
     }
 
@@ -205,7 +219,8 @@ impl Syncer {
         }
         if self.node_dirty {
             self.node_dirty = false;
-            let plan = node::plan(&self.host_links, self.node_object.as_ref(), &self.node_settings);
+            let mut plan = node::plan(&self.host_links, self.node_object.as_ref(), &self.node_settings);
+            plan.service_cidrs = self.service_cidrs.iter().copied().collect();
             if let Err(e) = host.apply_node(&plan) {
                 tracing::error!("failed to program the node's addresses and links: {e:#}");
                 self.node_dirty = true; // retried at the next sync

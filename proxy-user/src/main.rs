@@ -181,6 +181,9 @@ async fn run_agent(args: AgentArgs) -> Result<()> {
     };
     datapath.localhost_node_ports = config.localhost_node_ports_effective();
     datapath.pod_links_covered = tc_links == TcLinks::All;
+    // kube-proxy's nftables mode refuses what no service port takes in the service range.
+    let nftables = config.mode == "nftables";
+    datapath.nft_service_range = nftables;
     let source = match args.manifests {
         Some(dir) => SourceConfig::Manifests(dir),
         None => SourceConfig::Kube { kubeconfig: config.kubeconfig.clone() },
@@ -202,7 +205,11 @@ async fn run_agent(args: AgentArgs) -> Result<()> {
         source,
         datapath,
         node,
-        options: ProxyOptions { masquerade_all: config.masquerade_all, detect_local: detector.implemented() },
+        options: ProxyOptions {
+            masquerade_all: config.masquerade_all,
+            detect_local: detector.implemented(),
+            reject_unknown_ports: nftables,
+        },
         sync_period: config.sync_period,
         min_sync_period: config.min_sync_period,
     };

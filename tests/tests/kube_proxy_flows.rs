@@ -518,15 +518,7 @@ const DEVIATIONS: &[(&str, &str, &str, &str)] = &[
     ("*", "TestInternalExternalMasquerade/no LocalTrafficDetector", "node to ClusterIP", NODE_SOURCE),
     ("*", "TestInternalExternalMasquerade/no LocalTrafficDetector", "node to ClusterIP with eTP:Local", NODE_SOURCE),
     ("*", "TestInternalExternalMasquerade/no LocalTrafficDetector", "node to ClusterIP with iTP:Local", NODE_SOURCE),
-    ("nftables", "TestClusterIPGeneral", "TCP-only port does not match UDP traffic", NFT_CLUSTER_IPS),
-    ("nftables", "TestClusterIPGeneral", "svc1 does not accept svc2's ports", NFT_CLUSTER_IPS),
-    ("nftables", "TestClusterIPGeneral", "packet to unallocated cluster ip", NFT_CLUSTER_IPS),
 ];
-
-/// nftables mode's own treatment of the service range.
-const NFT_CLUSTER_IPS: &str = "nftables mode rejects traffic to unknown ports of a ClusterIP and drops traffic to \
-     unallocated addresses of the service range (from the ServiceCIDR objects); kpr treats both as iptables mode does \
-     (not a service: untouched) in every mode. Not implemented yet";
 
 /// Why the node's own unmasqueraded connection to a ClusterIP shows another source.
 const NODE_SOURCE: &str = "without a local-traffic detector and without masqueradeAll, kube-proxy DNATs the node's own \
@@ -747,7 +739,7 @@ fn differential(mode: &str) {
             let patch = format!("{{\"status\":{{\"loadBalancer\":{{\"ingress\":[{}]}}}}}}", ips.join(","));
             cluster.kubectl(&["patch", "service", name, "-n", ns, "--subresource=status", "--type=merge", "-p", &patch]).unwrap();
         }
-        let dump = cluster.kubectl(&["get", "services,endpointslices,nodes", "-A", "-o", "yaml"]).unwrap();
+        let dump = cluster.kubectl(&["get", "services,endpointslices,nodes,servicecidrs", "-A", "-o", "yaml"]).unwrap();
         testbed::write_atomic(&kpr.manifests, "cluster.yaml", &dump).unwrap();
         testbed::wait_programmed(&kpr.pins, &format!("{marker}:9/TCP"), Some(0), Duration::from_secs(30))
             .unwrap_or_else(|e| panic!("{}: kpr did not program the case: {e}\n{}", case.source, kpr.log_tail()));

@@ -19,7 +19,7 @@ use kpr::{
     testbed,
 };
 use proxy_common::{
-    DETECT_LOCAL_CIDR, LinkInfo, LocalCidr, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
+    DETECT_LOCAL_CIDR, LinkInfo, CidrKey, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
     SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN, counter, program_names,
 };
 
@@ -166,9 +166,9 @@ impl Rig {
         let mut links: aya::maps::HashMap<_, u32, LinkInfo> =
             aya::maps::HashMap::try_from(ebpf.map_mut(proxy_common::map_names::LINKS).unwrap()).unwrap();
         links.insert(&0, &LinkInfo { addr: u32::from(NODE_IP).to_be(), flags: 0 }, 0).unwrap();
-        let mut cidrs: aya::maps::LpmTrie<_, LocalCidr, u8> =
+        let mut cidrs: aya::maps::LpmTrie<_, CidrKey, u8> =
             aya::maps::LpmTrie::try_from(ebpf.map_mut(proxy_common::map_names::LOCAL_CIDRS).unwrap()).unwrap();
-        let pods = LocalCidr { addr: u32::from(Ipv4Addr::new(10, 244, 0, 0)).to_be() };
+        let pods = CidrKey { addr: u32::from(Ipv4Addr::new(10, 244, 0, 0)).to_be() };
         cidrs.insert(&aya::maps::lpm_trie::Key::new(16, pods), &1, 0).unwrap();
         let rig = Self { ebpf, maps, programmer, pin_root };
         rig

@@ -24,7 +24,7 @@ use aya::{
     util::KernelVersion,
 };
 use proxy_common::{
-    Backend, CtKey, CtValue, LinkInfo, LocalCidr, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue, SourceRange, counter,
+    Backend, CtKey, CtValue, LinkInfo, CidrKey, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue, SourceRange, counter,
     defaults, map_names, program_names,
 };
 
@@ -55,6 +55,8 @@ pub struct DatapathConfig {
     /// The per-packet path covers every link (pods' links included): the socket path may leave
     /// a pod's connection to it.
     pub pod_links_covered: bool,
+    /// kube-proxy's nftables mode: what no service port takes in the service range is refused.
+    pub nft_service_range: bool,
 }
 
 impl DatapathConfig {
@@ -69,6 +71,7 @@ impl DatapathConfig {
             detect_local: proxy_common::DETECT_LOCAL_NONE,
             localhost_node_ports: false,
             pod_links_covered: false,
+            nft_service_range: false,
         }
     }
 }
@@ -135,6 +138,7 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .override_global("KPR_POD_LINKS_COVERED", &u8::from(cfg.pod_links_covered), true)
         .override_global("KPR_LOCALHOST_NODEPORTS", &u8::from(cfg.localhost_node_ports), true)
         .override_global("KPR_DETECT_LOCAL", &cfg.detect_local, true)
+        .override_global("KPR_NFT_SERVICE_RANGE", &u8::from(cfg.nft_service_range), true)
         .load(EBPF_OBJECT)
         .map_err(|e| match e {
             aya::EbpfError::MapError(aya::maps::MapError::PinError { .. }) | aya::EbpfError::MapError(_) => {
@@ -214,7 +218,8 @@ pub struct BpfHost {
     dir: PathBuf,
     node_addrs: HashMap<MapData, u32, u32>,
     links: HashMap<MapData, u32, LinkInfo>,
-    local_cidrs: LpmTrie<MapData, LocalCidr, u8>,
+    local_cidrs: LpmTrie<MapData, CidrKey, u8>,
+    service_cidrs: LpmTrie<MapData, CidrKey, u8>,
     /// ifindex → name of the links that hold kpr's per-packet programs.
     attached: BTreeMap<u32, String>,
 }
@@ -225,7 +230,8 @@ impl BpfHost {
         let node_addrs = HashMap::try_from(take(map_names::NODE_ADDRS)?)?;
         let links = HashMap::try_from(take(map_names::LINKS)?)?;
         let local_cidrs = LpmTrie::try_from(take(map_names::LOCAL_CIDRS)?)?;
-        Ok(Self { ebpf, dir, node_addrs, links, local_cidrs, attached: BTreeMap::new() })
+        let service_cidrs = LpmTrie::try_from(take(map_names::SERVICE_CIDRS)?)?;
+        Ok(Self { ebpf, dir, node_addrs, links, local_cidrs, service_cidrs, attached: BTreeMap::new() })
     }
 
     fn tc_pin(&self, program: &str, ifindex: u32) -> PathBuf {
@@ -299,22 +305,8 @@ impl HostDatapath for BpfHost {
         let want: BTreeMap<u32, u32> = plan.node_addrs.iter().map(|(a, f)| (u32::from(*a).to_be(), *f)).collect();
         sync_hash(&mut self.node_addrs, &want)?;
         sync_hash(&mut self.links, &plan.links)?;
-        let want: BTreeSet<(u32, u8)> = plan
-            .local_cidrs
-            .iter()
-            .filter_map(|c| match c.addr {
-                std::net::IpAddr::V4(a) => Some((u32::from(a).to_be(), c.len)),
-                std::net::IpAddr::V6(_) => None,
-            })
-            .collect();
-        let have: BTreeSet<(u32, u8)> =
-            self.local_cidrs.keys().filter_map(Result::ok).map(|k| (k.data().addr, k.prefix_len() as u8)).collect();
-        for (addr, len) in have.difference(&want) {
-            self.local_cidrs.remove(&LpmKey::new(u32::from(*len), LocalCidr { addr: *addr }))?;
-        }
-        for (addr, len) in want.difference(&have) {
-            self.local_cidrs.insert(&LpmKey::new(u32::from(*len), LocalCidr { addr: *addr }), &1u8, 0)?;
-        }
+        sync_lpm(&mut self.local_cidrs, &plan.local_cidrs)?;
+        sync_lpm(&mut self.service_cidrs, &plan.service_cidrs)?;
 
         // Links of an earlier run that are gone or no longer selected.
         let stale: Vec<u32> = self
@@ -346,6 +338,26 @@ impl HostDatapath for BpfHost {
         }
         Ok(())
     }
+}
+
+/// Make an IPv4 LPM set hold exactly the IPv4 CIDRs of `want`.
+fn sync_lpm(map: &mut LpmTrie<MapData, CidrKey, u8>, want: &BTreeSet<crate::model::cidr::Cidr>) -> Result<()> {
+    let want: BTreeSet<(u32, u8)> = want
+        .iter()
+        .filter_map(|c| match c.addr {
+            std::net::IpAddr::V4(a) => Some((u32::from(a).to_be(), c.len)),
+            std::net::IpAddr::V6(_) => None,
+        })
+        .collect();
+    let have: BTreeSet<(u32, u8)> =
+        map.keys().filter_map(Result::ok).map(|k| (k.data().addr, k.prefix_len() as u8)).collect();
+    for (addr, len) in have.difference(&want) {
+        map.remove(&LpmKey::new(u32::from(*len), CidrKey { addr: *addr }))?;
+    }
+    for (addr, len) in want.difference(&have) {
+        map.insert(&LpmKey::new(u32::from(*len), CidrKey { addr: *addr }), &1u8, 0)?;
+    }
+    Ok(())
 }
 
 /// Make a hash map hold exactly `want`.

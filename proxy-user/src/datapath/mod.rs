@@ -96,6 +96,7 @@ pub fn display_key(key: &ServiceKey) -> impl fmt::Display {
     let proto = match key.proto {
         IPPROTO_TCP => "TCP".to_owned(),
         IPPROTO_UDP => "UDP".to_owned(),
+        proxy_common::PROTO_ANY => "any".to_owned(),
         p => p.to_string(),
     };
     let addr = match key.addr {

@@ -9,7 +9,7 @@ use std::{
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_common::{
-    IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
+    IPPROTO_TCP, IPPROTO_UDP, PROTO_ANY, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
     SERVICE_FLAG_SOCKET_SKIP, SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
 };
 
@@ -135,6 +135,20 @@ pub fn service_entries<'a>(
             }
             if let Some(node_port) = sp.node_port {
                 push(Ipv4Addr::UNSPECIFIED, node_port, &scopes.external, &[]);
+            }
+        }
+    }
+    // nftables mode: every other port of the ClusterIPs is rejected.
+    if options.reject_unknown_ports
+        && let Some(first) = translated.ports.first()
+    {
+        for ip in first.cluster_ips.iter().filter_map(|ip| match ip {
+            IpAddr::V4(ip) => Some(*ip),
+            IpAddr::V6(_) => None,
+        }) {
+            for scope in [SCOPE_POD, SCOPE_EXTERNAL, SCOPE_NODE] {
+                let key = ServiceKey { addr: u32::from(ip).to_be(), port: 0, proto: PROTO_ANY, scope };
+                out.push((key, DesiredPort { name: first.name.clone(), backends: Vec::new(), flags: 0, source_ranges: Vec::new() }));
             }
         }
     }
@@ -560,9 +574,23 @@ mod tests {
     }
 
     #[test]
+    fn nftables_mode_rejects_the_other_ports_of_a_cluster_ip() {
+        let options = ProxyOptions { reject_unknown_ports: true, ..Default::default() };
+        let mut st = ClusterState::with_options(NodeInfo::default(), options);
+        st.replace_services(vec![web("10.96.0.10")]);
+        st.replace_slices(vec![slice("web-1", &["10.0.0.1"])]);
+        let d = st.desired();
+        assert_eq!(d.len(), 9, "two ports and the any-port entry, three scopes each");
+        for scope in [SCOPE_POD, SCOPE_EXTERNAL, SCOPE_NODE] {
+            let any = ServiceKey { addr: u32::from(Ipv4Addr::new(10, 96, 0, 10)).to_be(), port: 0, proto: PROTO_ANY, scope };
+            assert_eq!((d[&any].backends.len(), d[&any].flags), (0, 0), "reject, scope {scope}");
+        }
+    }
+
+    #[test]
     fn external_frontends_follow_the_external_traffic_policy() {
         let node = NodeInfo { name: "node-a".into(), zone: None, addresses: vec!["10.0.0.1".parse().unwrap()] };
-        let options = ProxyOptions { masquerade_all: false, detect_local: true };
+        let options = ProxyOptions { masquerade_all: false, detect_local: true, reject_unknown_ports: false };
         let mut st = ClusterState::with_options(node, options);
         let svc = service_yaml(
             "metadata: {name: web, namespace: shop}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalIPs: [192.0.2.7]\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n  ports: [{name: http, port: 80, nodePort: 30080}]\nstatus: {loadBalancer: {ingress: [{ip: 198.51.100.1}]}}",

@@ -151,6 +151,9 @@ pub struct ProxyOptions {
     /// calls local are in-cluster clients, and ClusterIP traffic from any other source is
     /// masqueraded. Without one, nothing is in-cluster (kube-proxy's no-op detector).
     pub detect_local: bool,
+    /// kube-proxy's nftables mode: an unknown port of a ClusterIP is rejected (and an
+    /// unallocated address of the service range dropped, by the datapath).
+    pub reject_unknown_ports: bool,
 }
 
 /// Why an object (or part of one) was skipped; logged with the object's name and counted.

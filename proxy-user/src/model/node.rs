@@ -128,6 +128,9 @@ pub struct NodePlan {
     pub tc_links: BTreeMap<u32, String>,
     /// The primary IPv4 address (masquerade fallback, `nodePortAddresses: [primary]`).
     pub primary: Option<Ipv4Addr>,
+    /// The cluster's service ranges (nftables mode refuses what no service port takes in them);
+    /// filled by the agent from the ServiceCIDR objects.
+    pub service_cidrs: BTreeSet<Cidr>,
     /// What the service model needs of the node.
     pub info: NodeInfo,
 }
@@ -217,7 +220,7 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
         _ => BTreeSet::new(),
     };
     let info = NodeInfo { name: settings.name.clone(), zone: node.and_then(|n| n.zone.clone()), addresses };
-    NodePlan { node_addrs, links: link_info, local_cidrs, tc_links, primary, info }
+    NodePlan { node_addrs, links: link_info, local_cidrs, tc_links, primary, info, service_cidrs: BTreeSet::new() }
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ use futures::{StreamExt as _, TryStreamExt as _};
 use k8s_openapi::api::{
     core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
+    networking::v1::ServiceCIDR,
 };
 use kube::{
     Api, Client, Config, Resource, ResourceExt as _,
@@ -32,8 +33,9 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
     Ok(Client::try_from(config)?)
 }
 
-/// Watch Services, EndpointSlices and this node's Node until the receiver goes away.
-pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<SourceEvent>) -> Result<()> {
+/// Watch Services, EndpointSlices and this node's Node (and, when `service_cidrs`, the
+/// ServiceCIDRs) until the receiver goes away.
+pub async fn run(client: Client, node_name: String, service_cidrs: bool, tx: mpsc::Sender<SourceEvent>) -> Result<()> {
     let config = watcher::Config::default().labels(PROXY_LABEL_SELECTOR);
     let services = watch::<Service>(
         Api::all(client.clone()),
@@ -51,9 +53,42 @@ pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<SourceEvent
         SourceEvent::SliceApplied,
         SourceEvent::SliceDeleted,
     );
-    let node = watch_node(Api::all(client), node_name, tx);
-    tokio::try_join!(services, slices, node)?;
+    let node = watch_node(Api::all(client.clone()), node_name, tx.clone());
+    let cidrs = async {
+        if service_cidrs { watch_service_cidrs(Api::all(client), tx).await } else { Ok(()) }
+    };
+    tokio::try_join!(services, slices, node, cidrs)?;
     Ok(())
+}
+
+/// The cluster's ServiceCIDRs, sent whole after every change.
+async fn watch_service_cidrs(api: Api<ServiceCIDR>, tx: mpsc::Sender<SourceEvent>) -> Result<()> {
+    let mut stream = watcher(api, watcher::Config::default()).default_backoff().boxed();
+    let mut known: std::collections::BTreeMap<String, ServiceCIDR> = Default::default();
+    let mut listing: Option<std::collections::BTreeMap<String, ServiceCIDR>> = None;
+    loop {
+        match stream.try_next().await {
+            Ok(Some(watcher::Event::Init)) => listing = Some(Default::default()),
+            Ok(Some(watcher::Event::InitApply(o))) => {
+                listing.get_or_insert_with(Default::default).insert(o.name_any(), o);
+            }
+            Ok(Some(watcher::Event::InitDone)) => known = listing.take().unwrap_or_default(),
+            Ok(Some(watcher::Event::Apply(o))) => {
+                known.insert(o.name_any(), o);
+            }
+            Ok(Some(watcher::Event::Delete(o))) => {
+                known.remove(&o.name_any());
+            }
+            Ok(None) => return Ok(()),
+            Err(e) => {
+                tracing::warn!("ServiceCIDR watch failed, retrying: {e}");
+                continue;
+            }
+        }
+        if listing.is_none() && tx.send(SourceEvent::ServiceCidrs(super::service_cidrs(known.values()))).await.is_err() {
+            return Ok(());
+        }
+    }
 }
 
 /// This node's Node (labels → topology, addresses, podCIDRs), followed for changes.

@@ -13,6 +13,7 @@ use anyhow::{Context as _, Result};
 use k8s_openapi::api::{
     core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
+    networking::v1::ServiceCIDR,
 };
 use notify::{RecursiveMode, Watcher as _};
 use serde::Deserialize as _;
@@ -27,6 +28,7 @@ pub struct Loaded {
     pub services: Vec<Service>,
     pub slices: Vec<EndpointSlice>,
     pub nodes: Vec<Node>,
+    pub service_cidrs: Vec<ServiceCIDR>,
     /// Documents that could not be used, with the reason (already logged).
     pub errors: Vec<String>,
 }
@@ -98,6 +100,10 @@ fn load_value(
             Ok(_) => {}
             Err(e) => out.error(format!("{origin}: invalid Node: {e}")),
         },
+        "ServiceCIDR" => match serde_yaml::from_value::<ServiceCIDR>(value) {
+            Ok(cidr) => out.service_cidrs.push(cidr),
+            Err(e) => out.error(format!("{origin}: invalid ServiceCIDR: {e}")),
+        },
         k if k == "List" || k.ends_with("List") => {
             let items = value.get("items").and_then(|i| i.as_sequence()).cloned().unwrap_or_default();
             for (i, item) in items.into_iter().enumerate() {
@@ -150,6 +156,7 @@ pub async fn run(dir: PathBuf, node_name: String, tx: mpsc::Sender<SourceEvent>)
                 let node = loaded.nodes.iter().find(|n| n.metadata.name.as_deref() == Some(&node_name));
                 let event = SourceEvent::ManifestsLoaded {
                     node: node.map(NodeObject::from_node),
+                    service_cidrs: super::service_cidrs(&loaded.service_cidrs),
                     services: loaded.services,
                     slices: loaded.slices,
                 };
@@ -226,12 +233,12 @@ mod tests {
             tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.expect("an event in time").unwrap()
         };
         assert!(matches!(next(&mut rx).await,
-            SourceEvent::ManifestsLoaded { services, slices, node: None } if services.len() == 1 && slices.is_empty()));
+            SourceEvent::ManifestsLoaded { services, slices, node: None, .. } if services.len() == 1 && slices.is_empty()));
         write(&dir, "slice.yaml", SLICE);
         write(&dir, "nodes.yaml", NODES);
         let node = loop {
             match next(&mut rx).await {
-                SourceEvent::ManifestsLoaded { services, slices, node: Some(node) } => {
+                SourceEvent::ManifestsLoaded { services, slices, node: Some(node), .. } => {
                     assert_eq!((services.len(), slices.len()), (1, 1));
                     break node;
                 }

@@ -10,8 +10,21 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
 use crate::model::{
     ObjectKey,
+    cidr::Cidr,
     node::{HostLink, NodeObject},
 };
+
+/// The CIDRs of `networking.k8s.io/v1` ServiceCIDR objects (malformed ones are skipped).
+pub fn service_cidrs<'a>(objects: impl IntoIterator<Item = &'a k8s_openapi::api::networking::v1::ServiceCIDR>) -> Vec<Cidr> {
+    let mut out: Vec<Cidr> = objects
+        .into_iter()
+        .flat_map(|o| o.spec.iter().flat_map(|s| s.cidrs.iter().flatten()))
+        .filter_map(|c| c.parse().ok())
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
 
 #[derive(Debug)]
 pub enum SourceEvent {
@@ -24,7 +37,14 @@ pub enum SourceEvent {
     SliceDeleted(ObjectKey),
     /// A manifest directory (re)loaded: everything at once, so no sync ever sees the new
     /// Services with the old slices.
-    ManifestsLoaded { services: Vec<Service>, slices: Vec<EndpointSlice>, node: Option<NodeObject> },
+    ManifestsLoaded {
+        services: Vec<Service>,
+        slices: Vec<EndpointSlice>,
+        node: Option<NodeObject>,
+        service_cidrs: Vec<Cidr>,
+    },
+    /// The cluster's service ranges (`networking.k8s.io/v1` ServiceCIDRs), all of them.
+    ServiceCidrs(Vec<Cidr>),
     /// This node's `v1/Node` (None: absent or deleted).
     Node(Option<NodeObject>),
     /// The node's links and addresses, all of them.
