@@ -101,6 +101,11 @@ pub const DETECT_LOCAL_CIDR: u8 = 1;
 /// InterfaceNamePrefix).
 pub const DETECT_LOCAL_INTERFACE: u8 = 2;
 
+/// `KPR_LINKS` key holding, as `addr`, the source address routing picks for the ClusterIPs:
+/// the node's own unmasqueraded connections to a ClusterIP keep it (kube-proxy DNATs in OUTPUT,
+/// after the source was chosen).
+pub const LINK_SERVICE_SOURCE: u32 = u32::MAX;
+
 /// `LinkInfo::flags`: the interface-based local-traffic detector calls traffic arriving on
 /// this link local (detectLocalMode BridgeInterface / InterfaceNamePrefix).
 pub const LINK_FLAG_LOCAL_TRAFFIC: u32 = 1;
@@ -125,9 +130,13 @@ pub struct CidrKey {
     pub addr: u32,
 }
 
-/// First and last port used for SNAT (masquerade) of per-packet flows.
-pub const SNAT_PORT_MIN: u16 = 32_768;
-pub const SNAT_PORT_MAX: u16 = 60_999;
+/// First and last port used for SNAT (masquerade) of per-packet flows (defaults; see the
+/// `KPR_SNAT_PORT_*` globals of the tc programs).
+/// The default range, above Linux's default ephemeral range (32768–60999): the node's own
+/// connections must never use a port a masqueraded flow holds, or the replies of one would be
+/// taken for the other's. The agent moves it above `ip_local_port_range` at load time.
+pub const SNAT_PORT_MIN: u16 = 61_000;
+pub const SNAT_PORT_MAX: u16 = 65_535;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;

@@ -3,9 +3,9 @@
 //! reads (getpeername, recvfrom), so it keeps seeing the ClusterIP as its peer.
 use aya_ebpf::{
     EbpfContext as _, Global,
-    bindings::{bpf_sock_tuple, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1},
+    bindings::{bpf_sock_addr, bpf_sock_tuple, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1, sockaddr},
     helpers::{
-        bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval, bpf_sk_lookup_tcp,
+        bpf_bind, bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval, bpf_sk_lookup_tcp,
         bpf_sk_lookup_udp, bpf_sk_release,
     },
     macros::cgroup_sock_addr,
@@ -13,17 +13,18 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::error;
 use proxy_common::{
-    Backend, IPPROTO_TCP, IPPROTO_UDP, NODE_ADDR_NODEPORT, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
-    SERVICE_FLAG_SOCKET_SKIP, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, counter,
+    Backend, IPPROTO_TCP, IPPROTO_UDP, LINK_SERVICE_SOURCE, NODE_ADDR_NODEPORT, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
+    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, counter,
 };
 
-use crate::maps::{BACKENDS, NODE_ADDRS, SERVICES, SOCK_REVNAT, ServiceRangeMiss, count, refusal, service_range_miss};
+use crate::maps::{BACKENDS, LINKS, NODE_ADDRS, SERVICES, SOCK_REVNAT, ServiceRangeMiss, count, refusal, service_range_miss};
 
 /// Return value that lets the syscall proceed.
 const ALLOW: i32 = 1;
 /// Return value that fails the syscall (EPERM, or the errno set with `bpf_set_retval`).
 const REJECT: i32 = 0;
 const ECONNREFUSED: i32 = 111;
+const AF_INET: u16 = 2;
 /// `BPF_F_CURRENT_NETNS`: socket lookups in the network namespace of the calling socket.
 const CURRENT_NETNS: u64 = u64::MAX;
 
@@ -50,12 +51,12 @@ static KPR_LOCALHOST_NODEPORTS: Global<u8> = Global::new(0);
 
 #[cgroup_sock_addr(connect4)]
 pub fn kpr_connect4(ctx: SockAddrContext) -> i32 {
-    forward4(&ctx)
+    forward4(&ctx, true)
 }
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn kpr_sendmsg4(ctx: SockAddrContext) -> i32 {
-    forward4(&ctx)
+    forward4(&ctx, false)
 }
 
 #[cgroup_sock_addr(recvmsg4)]
@@ -69,9 +70,10 @@ pub fn kpr_getpeername4(ctx: SockAddrContext) -> i32 {
 }
 
 /// Service address:port → random backend of that service port, with the verdict kube-proxy
-/// gives this socket's traffic (from the node, or from a pod).
+/// gives this socket's traffic (from the node, or from a pod). `connect`: connect4, else
+/// sendmsg4.
 #[inline(always)]
-fn forward4(ctx: &SockAddrContext) -> i32 {
+fn forward4(ctx: &SockAddrContext, connect: bool) -> i32 {
     // SAFETY: the kernel hands every sock_addr program a valid context.
     let sa = unsafe { &mut *ctx.sock_addr };
     let proto = sa.protocol as u8;
@@ -130,6 +132,12 @@ fn forward4(ctx: &SockAddrContext) -> i32 {
         return ALLOW;
     }
 
+    // The node's own connection that kube-proxy does not masquerade keeps the source routing
+    // chose for the service address (its DNAT comes after that choice).
+    if from_node && service.flags & SERVICE_FLAG_SNAT == 0 {
+        keep_service_source(ctx, sa, connect);
+    }
+
     // Remember what the application asked for, so getpeername/recvmsg can show it.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let rev_key = SockRevNatKey { cookie, addr: backend.addr, port: backend.port, _pad: 0 };
@@ -168,6 +176,35 @@ fn refuse(service: &ServiceValue, proto: u8, from_node: bool, pod_links_covered:
         unsafe { bpf_set_retval(-ECONNREFUSED) };
     }
     REJECT
+}
+
+/// `struct sockaddr_in` for `bpf_bind`.
+#[repr(C)]
+struct SockaddrIn {
+    family: u16,
+    port: u16,
+    addr: u32,
+    zero: [u8; 8],
+}
+
+/// Give the socket the source address routing picks for ClusterIPs (`LINK_SERVICE_SOURCE`),
+/// unless it has one: bind it at connect(); set the datagram's source at sendmsg().
+#[inline(always)]
+fn keep_service_source(ctx: &SockAddrContext, sa: &mut bpf_sock_addr, connect: bool) {
+    let Some(link) = LINKS.get_ptr(&LINK_SERVICE_SOURCE) else { return };
+    let source = unsafe { (*link).addr };
+    if source == 0 {
+        return;
+    }
+    if connect {
+        let mut addr = SockaddrIn { family: AF_INET, port: 0, addr: source, zero: [0; 8] };
+        // A socket bound already keeps its address (the helper fails with EINVAL).
+        let _ = unsafe {
+            bpf_bind(ctx.sock_addr, (&mut addr as *mut SockaddrIn).cast::<sockaddr>(), size_of::<SockaddrIn>() as i32)
+        };
+    } else if sa.msg_src_ip4 == 0 {
+        sa.msg_src_ip4 = source;
+    }
 }
 
 /// A NodePort frontend for this socket: one of the node's NodePort addresses, or (from the

@@ -37,6 +37,12 @@ use crate::{
 const SNAT_TRIES: u32 = 8;
 const AF_INET: u8 = 2;
 
+/// The SNAT port range, disjoint from the node's ephemeral ports; set by the agent at load.
+#[unsafe(no_mangle)]
+static KPR_SNAT_PORT_MIN: Global<u16> = Global::new(SNAT_PORT_MIN);
+#[unsafe(no_mangle)]
+static KPR_SNAT_PORT_MAX: Global<u16> = Global::new(SNAT_PORT_MAX);
+
 /// How pods are told from other sources (`DETECT_LOCAL_*`); set by the agent at load time.
 #[unsafe(no_mangle)]
 static KPR_DETECT_LOCAL: Global<u8> = Global::new(0);
@@ -270,8 +276,9 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue) -> Result<i32, (
     let (src_addr, src_port) = if masquerade {
         let mut found = None;
         for _ in 0..SNAT_TRIES {
-            let span = u32::from(SNAT_PORT_MAX - SNAT_PORT_MIN) + 1;
-            let port = (SNAT_PORT_MIN + (unsafe { bpf_get_prandom_u32() } % span) as u16).to_be();
+            let (min, max) = (KPR_SNAT_PORT_MIN.load(), KPR_SNAT_PORT_MAX.load());
+            let span = u32::from(max.saturating_sub(min)) + 1;
+            let port = min.wrapping_add((unsafe { bpf_get_prandom_u32() } % span) as u16).to_be();
             let reply_key = ct_key(backend.addr, snat_addr, backend.port, port, t.proto);
             if CONNTRACK.insert(&reply_key, &reply_value, u64::from(BPF_NOEXIST)).is_ok() {
                 found = Some(port);

@@ -14,6 +14,7 @@ use std::{
 };
 
 use anyhow::Result;
+use proxy_common::LinkInfo;
 use tokio::sync::mpsc;
 
 use crate::{
@@ -104,6 +105,8 @@ pub struct Syncer {
     pub node_object: Option<NodeObject>,
     /// The cluster's service ranges (nftables mode).
     pub service_cidrs: Vec<Cidr>,
+    /// A ClusterIP whose route tells the source the node's own connections to ClusterIPs get.
+    sample_cluster_ip: Option<std::net::Ipv4Addr>,
     pub min_sync_period: Duration,
     /// The node facts changed since the last plan.
     node_dirty: bool,
@@ -121,6 +124,7 @@ impl Syncer {
             host_links: Vec::new(),
             node_object: None,
             service_cidrs: Vec::new(),
+            sample_cluster_ip: None,
             min_sync_period: Duration::ZERO,
             node_dirty: true,
             last_sync: None,
@@ -159,7 +163,7 @@ impl Syncer {
                     self.sync(maps, host, started);
                 }
                 () = sleep_until(pending) => self.sync(maps, host, Instant::now()),
-                _ = reconcile.tick() => self.reconcile(maps),
+                _ = reconcile.tick() => self.reconcile(maps, host),
                 () = &mut shutdown => return,
             }
         }
@@ -217,19 +221,61 @@ impl Syncer {
         if self.last_sync.is_some_and(|last| last.elapsed() < self.min_sync_period) {
             return; // `run` comes back when the period is over
         }
-        if self.node_dirty {
-            self.node_dirty = false;
-            let mut plan = node::plan(&self.host_links, self.node_object.as_ref(), &self.node_settings);
-            plan.service_cidrs = self.service_cidrs.iter().copied().collect();
-            if let Err(e) = host.apply_node(&plan) {
-                tracing::error!("failed to program the node's addresses and links: {e:#}");
-                self.node_dirty = true; // retried at the next sync
-            }
-            self.state.set_node(plan.info);
-            self.last_sync = Some(Instant::now());
-        }
+        self.program_node(host);
         if !self.state.synced() || !self.state.has_changes() {
             return;
+        }
+        self.program_services(maps, None, started);
+    }
+
+    /// Re-read the maps and rewrite whatever differs from the desired state (pending changes
+    /// included: a full sync).
+    pub fn reconcile(&mut self, maps: &mut dyn Maps, host: &mut dyn HostDatapath) {
+        self.program_node(host);
+        if !self.state.synced() {
+            return;
+        }
+        match Programmer::recover(maps) {
+            Ok(programmer) => self.program_services(maps, Some(programmer), Instant::now()),
+            Err(e) => tracing::error!("reconcile could not read the maps: {e:#}"),
+        }
+    }
+
+    /// The node plan, when the node's facts (or the ClusterIP whose route gives the node's
+    /// source for ClusterIPs) changed.
+    fn program_node(&mut self, host: &mut dyn HostDatapath) {
+        let sample = self.state.sample_cluster_ip();
+        if sample != self.sample_cluster_ip {
+            self.sample_cluster_ip = sample;
+            self.node_dirty = true;
+        }
+        if !self.node_dirty {
+            return;
+        }
+        self.node_dirty = false;
+        let mut plan = node::plan(&self.host_links, self.node_object.as_ref(), &self.node_settings);
+        plan.service_cidrs = self.service_cidrs.iter().copied().collect();
+        // The source routing picks for ClusterIPs (kube-proxy's unmasqueraded node traffic keeps
+        // it), looked up in the kernel's routing table.
+        if let Some(source) = sample.and_then(source::host::route_source) {
+            let link = LinkInfo { addr: u32::from(source).to_be(), flags: 0 };
+            plan.links.insert(proxy_common::LINK_SERVICE_SOURCE, link);
+        }
+        if let Err(e) = host.apply_node(&plan) {
+            tracing::error!("failed to program the node's addresses and links: {e:#}");
+            self.node_dirty = true; // retried at the next sync
+        }
+        self.state.set_node(plan.info);
+        self.last_sync = Some(Instant::now());
+    }
+
+    /// Write the desired service entries; `recovered`: a programmer rebuilt from the maps
+    /// (reconcile), whose writes beyond the pending changes are drift.
+    fn program_services(&mut self, maps: &mut dyn Maps, recovered: Option<Programmer>, started: Instant) {
+        let pending = self.state.has_changes();
+        let reconciling = recovered.is_some();
+        if let Some(programmer) = recovered {
+            self.programmer = programmer;
         }
         self.last_sync = Some(Instant::now());
         let desired = self.state.desired();
@@ -241,7 +287,9 @@ impl Syncer {
             self.synced_once = true;
             tracing::info!(service_ports = desired.len(), "initial sync done");
         }
-        if report.changes() > 0 || report.failed > 0 {
+        if reconciling && !pending && report.changes() > 0 {
+            tracing::warn!(?report, "reconcile repaired drift in the maps");
+        } else if report.changes() > 0 || report.failed > 0 {
             tracing::info!(
                 added = report.added,
                 updated = report.updated,
@@ -250,24 +298,6 @@ impl Syncer {
                 elapsed_us = started.elapsed().as_micros() as u64,
                 "datapath updated"
             );
-        }
-    }
-
-    /// Re-read the maps and rewrite whatever differs from the desired state.
-    pub fn reconcile(&mut self, maps: &mut dyn Maps) {
-        if !self.state.synced() {
-            return;
-        }
-        match Programmer::recover(maps) {
-            Ok(programmer) => {
-                self.programmer = programmer;
-                let desired = self.state.desired();
-                let report = self.programmer.apply(&desired, maps);
-                if report.changes() > 0 {
-                    tracing::warn!(?report, "reconcile repaired drift in the maps");
-                }
-            }
-            Err(e) => tracing::error!("reconcile could not read the maps: {e:#}"),
         }
     }
 }
@@ -352,7 +382,7 @@ mod tests {
         assert_eq!(visible(&maps), Some(vec!["10.0.0.7".into()]));
 
         maps.services.clear(); // drift: someone emptied the map
-        syncer.reconcile(&mut maps);
+        syncer.reconcile(&mut maps, &mut host);
         assert_eq!(visible(&maps), Some(vec!["10.0.0.7".into()]));
     }
 }

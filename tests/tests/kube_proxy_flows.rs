@@ -514,18 +514,7 @@ fn cases(mode: &str) -> Vec<Case> {
 
 /// Where kpr differs from kube-proxy, each with its reason (also in the README): (mode or "*",
 /// case source prefix, row name, why). kube-proxy must still show upstream's outcome there.
-const DEVIATIONS: &[(&str, &str, &str, &str)] = &[
-    ("*", "TestInternalExternalMasquerade/no LocalTrafficDetector", "node to ClusterIP", NODE_SOURCE),
-    ("*", "TestInternalExternalMasquerade/no LocalTrafficDetector", "node to ClusterIP with eTP:Local", NODE_SOURCE),
-    ("*", "TestInternalExternalMasquerade/no LocalTrafficDetector", "node to ClusterIP with iTP:Local", NODE_SOURCE),
-];
-
-/// Why the node's own unmasqueraded connection to a ClusterIP shows another source.
-const NODE_SOURCE: &str = "without a local-traffic detector and without masqueradeAll, kube-proxy DNATs the node's own \
-     connection in OUTPUT and keeps the source address routing chose for the ClusterIP (here the default route's, \
-     192.168.0.2); kpr's socket path connects to the endpoint directly, so the source is the one routing chooses for \
-     the endpoint (the address of its link). Reproducing it needs the per-packet path to translate and redirect the \
-     node's packets at egress";
+const DEVIATIONS: &[(&str, &str, &str, &str)] = &[];
 
 fn deviation(mode: &str, case: &Case, row: &Row) -> Option<&'static str> {
     DEVIATIONS
@@ -694,7 +683,9 @@ fn pods_and_ports(cases: &[Case]) -> (Vec<Ipv4Addr>, Vec<u16>) {
 }
 
 fn differential(mode: &str) {
-    let cases = cases(mode);
+    // KPR_FLOWS_ONLY=<part of a case name>: run only those cases (for debugging).
+    let only = std::env::var("KPR_FLOWS_ONLY").unwrap_or_default();
+    let cases: Vec<Case> = cases(mode).into_iter().filter(|c| c.source.contains(&only)).collect();
     let (pods, probed) = pods_and_ports(&cases);
     let cluster = Cluster::start_with(
         &format!("kf-{}", &mode[..3]),
@@ -757,6 +748,9 @@ fn differential(mode: &str) {
             std::thread::sleep(Duration::from_millis(100));
         }
 
+        if let Ok(ms) = std::env::var("KPR_FLOWS_SETTLE_MS") {
+            std::thread::sleep(Duration::from_millis(ms.parse().unwrap_or(0)));
+        }
         for row in &case.rows {
             rows_checked += 1;
             let client = match row.from {
@@ -785,10 +779,15 @@ fn differential(mode: &str) {
         }
         assert!(kube_proxy.running(), "kube-proxy exited:\n{}", kube_proxy.log_tail());
         report.push(format!("{mode} {}: {} rows in {:.1} s", case.source, case.rows.len(), case_started.elapsed().as_secs_f64()));
-        if std::env::var_os("KPR_FLOWS_DEBUG").is_some() && index == 1 {
-            let out = Command::new("ip").args(["netns", "exec", &kp_world.node.name, "nft", "list", "ruleset"]).output().unwrap();
-            report.push(format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)));
-            report.push(kube_proxy.log_tail());
+        // KPR_FLOWS_DEBUG=<part of a case name>: kube-proxy's rules and kpr's maps after it.
+        if std::env::var("KPR_FLOWS_DEBUG").is_ok_and(|c| case.source.contains(&c)) {
+            let ns = &kp_world.node.name;
+            let out = Command::new("ip").args(["netns", "exec", ns, "iptables-save"]).output().unwrap();
+            report.push(String::from_utf8_lossy(&out.stdout).into_owned());
+            let links = kpr.pins.join(format!("v{}/KPR_LINKS", proxy_common::PIN_LAYOUT_VERSION));
+            let out = Command::new("bpftool").args(["map", "dump", "pinned"]).arg(links).output().unwrap();
+            report.push(String::from_utf8_lossy(&out.stdout).into_owned());
+            report.push(kpr::status::render(&kpr.pins).unwrap_or_default());
         }
     }
     println!("{}", report.join("\n"));

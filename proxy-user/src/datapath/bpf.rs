@@ -93,6 +93,28 @@ pub fn cgroup2_root() -> Result<PathBuf> {
         .context("no cgroup2 file system is mounted")
 }
 
+/// The SNAT port range: above the node's ephemeral ports (`ip_local_port_range`), so that no
+/// connection of the node's own ever shares a port with a masqueraded flow.
+pub fn snat_port_range() -> (u16, u16) {
+    let ephemeral = fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok().and_then(|text| {
+        let mut it = text.split_whitespace().filter_map(|p| p.parse::<u16>().ok());
+        Some((it.next()?, it.next()?))
+    });
+    match ephemeral {
+        Some((_, last)) if last < u16::MAX - 1023 => (last + 1, u16::MAX),
+        Some((first, last)) => {
+            tracing::warn!(
+                first,
+                last,
+                "ip_local_port_range leaves fewer than 1024 ports above it for masquerade; \
+                 masqueraded flows may share ports with the node's own connections"
+            );
+            (proxy_common::SNAT_PORT_MIN, proxy_common::SNAT_PORT_MAX)
+        }
+        None => (proxy_common::SNAT_PORT_MIN, proxy_common::SNAT_PORT_MAX),
+    }
+}
+
 /// The cookie of this process's network namespace (SO_NETNS_COOKIE, 5.14+): sockets in it are
 /// the node's. `None` when the kernel cannot tell.
 pub fn netns_cookie() -> Option<u64> {
@@ -124,6 +146,7 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
     // bpf_set_retval (ECONNREFUSED for services without endpoints) exists from 5.18 on.
     let have_set_retval = u8::from(KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(5, 18, 0)));
     let host_netns = netns_cookie().unwrap_or(0);
+    let snat_ports = snat_port_range();
     if host_netns == 0 {
         tracing::warn!("the kernel does not tell network namespaces apart (SO_NETNS_COOKIE): every socket counts as the node's");
     }
@@ -139,6 +162,8 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .override_global("KPR_LOCALHOST_NODEPORTS", &u8::from(cfg.localhost_node_ports), true)
         .override_global("KPR_DETECT_LOCAL", &cfg.detect_local, true)
         .override_global("KPR_NFT_SERVICE_RANGE", &u8::from(cfg.nft_service_range), true)
+        .override_global("KPR_SNAT_PORT_MIN", &snat_ports.0, true)
+        .override_global("KPR_SNAT_PORT_MAX", &snat_ports.1, true)
         .load(EBPF_OBJECT)
         .map_err(|e| match e {
             aya::EbpfError::MapError(aya::maps::MapError::PinError { .. }) | aya::EbpfError::MapError(_) => {

@@ -479,6 +479,15 @@ impl ClusterState {
         desired
     }
 
+    /// The lowest IPv4 ClusterIP of the services (for the route the node's ClusterIP traffic
+    /// takes); `None` without services.
+    pub fn sample_cluster_ip(&self) -> Option<Ipv4Addr> {
+        self.services
+            .values()
+            .filter_map(|s| s.spec.as_ref()?.cluster_ip.as_deref()?.parse::<Ipv4Addr>().ok())
+            .min()
+    }
+
     /// healthCheckNodePort → (service, local endpoints), as of the last [`Self::desired`].
     pub fn health_checks(&self) -> BTreeMap<u16, (ObjectKey, usize)> {
         self.health.iter().map(|(k, (port, n))| (*port, (k.clone(), *n))).collect()

@@ -70,6 +70,50 @@ pub fn snapshot() -> Result<Vec<HostLink>> {
     Ok(links)
 }
 
+/// The source address routing picks for `dst` (RTM_GETROUTE's preferred source), as a
+/// connect() from this network namespace would get it.
+pub fn route_source(dst: std::net::Ipv4Addr) -> Option<std::net::Ipv4Addr> {
+    // SAFETY: plain socket calls; the fd is owned right after creation.
+    let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE) };
+    if fd < 0 {
+        return None;
+    }
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // nlmsghdr (16) + rtmsg (12) + RTA_DST (4 + 4).
+    let mut req = [0u8; 36];
+    req[0..4].copy_from_slice(&36u32.to_ne_bytes());
+    req[4..6].copy_from_slice(&libc::RTM_GETROUTE.to_ne_bytes());
+    req[6..8].copy_from_slice(&(libc::NLM_F_REQUEST as u16).to_ne_bytes());
+    req[16] = libc::AF_INET as u8; // rtm_family
+    req[17] = 32; // rtm_dst_len
+    req[28..30].copy_from_slice(&8u16.to_ne_bytes());
+    req[30..32].copy_from_slice(&libc::RTA_DST.to_ne_bytes());
+    req[32..36].copy_from_slice(&dst.octets());
+    let sent = unsafe { libc::send(fd.as_raw_fd(), req.as_ptr().cast(), req.len(), 0) };
+    if sent != req.len() as isize {
+        return None;
+    }
+    let mut buf = [0u8; 4096];
+    let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+    let reply = buf.get(..usize::try_from(n).ok()?)?;
+    if reply.len() < 28 || u16::from_ne_bytes([reply[4], reply[5]]) != libc::RTM_NEWROUTE {
+        return None; // NLMSG_ERROR: no route
+    }
+    let mut attrs = &reply[28..];
+    while attrs.len() >= 4 {
+        let len = usize::from(u16::from_ne_bytes([attrs[0], attrs[1]]));
+        let kind = u16::from_ne_bytes([attrs[2], attrs[3]]);
+        if len < 4 || len > attrs.len() {
+            break;
+        }
+        if kind == libc::RTA_PREFSRC && len == 8 {
+            return Some(std::net::Ipv4Addr::new(attrs[4], attrs[5], attrs[6], attrs[7]));
+        }
+        attrs = &attrs[(len + 3) & !3..];
+    }
+    None
+}
+
 /// Send a snapshot now and after every change, until the receiver goes away. A failure to
 /// open the notification socket falls back to a rescan every few seconds.
 pub async fn run(tx: mpsc::Sender<SourceEvent>) -> Result<()> {
@@ -156,6 +200,11 @@ fn drain(fd: &OwnedFd) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn route_source_of_a_local_address_is_itself() {
+        assert_eq!(route_source("127.0.0.1".parse().unwrap()), Some("127.0.0.1".parse().unwrap()));
+    }
 
     #[test]
     fn snapshot_lists_loopback_with_its_address() {
