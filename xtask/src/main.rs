@@ -123,7 +123,7 @@ fn build(root: &Path, env: &setup::Env, release: bool) -> Result<()> {
 fn test(root: &Path, env: &setup::Env, filter: Option<&str>) -> Result<()> {
     build(root, env, false)?;
     let mut unit = env.cargo(root);
-    unit.args(["test", "--package", "proxy-common", "--package", "proxy-user", "--package", "xtask"]);
+    unit.args(["test", "--no-fail-fast", "--package", "proxy-common", "--package", "proxy-user", "--package", "xtask"]);
     if let Some(filter) = filter {
         unit.args(["--", filter]);
     }
@@ -136,7 +136,7 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>) -> Result<()> {
     let k8s_bin = cluster::ensure_k8s_binaries(root)?;
     let mut privileged = env.cargo(root);
     privileged
-        .args(["test", "--package", "kpr-tests", "--", "--test-threads=1"])
+        .args(["test", "--no-fail-fast", "--package", "kpr-tests", "--", "--test-threads=1"])
         .env("KPR_BIN", target_bin(root, false, "kpr"))
         .env("KPR_K8S_BIN", k8s_bin);
     if let Some(filter) = filter {
@@ -149,14 +149,28 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>) -> Result<()> {
     Ok(())
 }
 
-/// Run a `cargo test`, echoing its output, and add up its "test result" lines.
+/// Run a `cargo test`, echoing its output, and add up its "test result" lines. Every suite
+/// runs even when one fails; the failing tests' panic messages are repeated at the end, where
+/// a reader of a long log (or of its tail) finds them.
 fn run_tests(cmd: &mut Command) -> Result<(u64, u64)> {
     use std::io::BufRead as _;
+    // Assertion messages say what went wrong; a backtrace would only push them out of view.
+    cmd.env("RUST_BACKTRACE", "0");
     let mut child = cmd.stdout(std::process::Stdio::piped()).spawn().with_context(|| format!("failed to start {cmd:?}"))?;
     let (mut passed, mut failed) = (0, 0);
+    let mut panics: Vec<String> = Vec::new();
+    let mut in_panic = false;
     for line in std::io::BufReader::new(child.stdout.take().expect("piped")).lines() {
         let line = line?;
         println!("{line}");
+        if line.starts_with("thread '") && line.contains("panicked at") {
+            in_panic = true;
+        } else if in_panic && (line.is_empty() || line.starts_with("note: ") || line.starts_with("---- ")) {
+            in_panic = false;
+        }
+        if in_panic && panics.len() < 400 {
+            panics.push(line.chars().take(600).collect());
+        }
         if let Some(rest) = line.strip_prefix("test result: ") {
             let count = |word: &str| -> u64 {
                 rest.split(';').find_map(|part| part.trim().strip_suffix(word)?.trim().rsplit(' ').next()?.parse().ok()).unwrap_or(0)
@@ -167,6 +181,9 @@ fn run_tests(cmd: &mut Command) -> Result<(u64, u64)> {
     }
     let status = child.wait()?;
     if !status.success() {
+        if !panics.is_empty() {
+            println!("\nxtask: what the failing tests said:\n{}", panics.join("\n"));
+        }
         println!("xtask: {passed} passed, {} failed", failed.max(1));
         bail!("{cmd:?} failed: {status}");
     }
