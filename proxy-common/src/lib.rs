@@ -10,7 +10,7 @@
 #![no_std]
 
 /// Version of the pinned map layout; part of the bpffs pin directory (`<pin-root>/v<N>`).
-pub const PIN_LAYOUT_VERSION: u32 = 3;
+pub const PIN_LAYOUT_VERSION: u32 = 4;
 
 /// Map names, as seen by `bpftool map show` and used as pin file names.
 pub mod map_names {
@@ -130,11 +130,9 @@ pub struct CidrKey {
     pub addr: u32,
 }
 
-/// First and last port used for SNAT (masquerade) of per-packet flows (defaults; see the
-/// `KPR_SNAT_PORT_*` globals of the tc programs).
-/// The default range, above Linux's default ephemeral range (32768–60999): the node's own
-/// connections must never use a port a masqueraded flow holds, or the replies of one would be
-/// taken for the other's. The agent moves it above `ip_local_port_range` at load time.
+/// First and last port used for SNAT (masquerade) of per-packet flows, when the agent finds
+/// nothing better (it sets the `KPR_SNAT_PORT_*` globals of the tc programs at load time to
+/// the ports neither the node's ephemeral range nor the NodePort range uses).
 pub const SNAT_PORT_MIN: u16 = 61_000;
 pub const SNAT_PORT_MAX: u16 = 65_535;
 
@@ -222,7 +220,8 @@ pub struct CtKey {
     pub _pad: [u8; 3],
 }
 
-/// Value of `KPR_CONNTRACK`: what the packet's addresses and ports are rewritten to.
+/// Value of `KPR_CONNTRACK`: what the packet's addresses and ports are rewritten to, and how
+/// long the flow lives.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CtValue {
@@ -231,6 +230,111 @@ pub struct CtValue {
     pub src_port: u16,
     pub dst_port: u16,
     pub service_id: u32,
+    /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) of the flow's latest packet, refreshed at most
+    /// every [`ct::REFRESH_NS`] (both entries of the flow together).
+    pub last_seen: u64,
+    /// `ct::*` bits: which direction this entry is, and what the flow has shown so far.
+    pub flags: u32,
+    pub _pad: u32,
+}
+
+impl CtValue {
+    /// The key of the flow's other entry (replies for a client's entry, and back).
+    pub const fn pair_key(&self, proto: u8) -> CtKey {
+        CtKey {
+            src_addr: self.dst_addr,
+            dst_addr: self.src_addr,
+            src_port: self.dst_port,
+            dst_port: self.src_port,
+            proto,
+            _pad: [0; 3],
+        }
+    }
+}
+
+/// Conntrack flow state (`CtValue::flags`) and lifetimes.
+pub mod ct {
+    /// This entry translates the replies (backend → client).
+    pub const REPLY: u32 = 1;
+    /// The backend has answered: the flow is confirmed (TCP: established).
+    pub const SEEN_REPLY: u32 = 2;
+    /// The client sent a FIN.
+    pub const FIN_ORIG: u32 = 4;
+    /// The backend sent a FIN.
+    pub const FIN_REPLY: u32 = 8;
+    /// Either side sent a RST.
+    pub const RST: u32 = 16;
+    /// Bits that describe the flow (the same in both of its entries).
+    pub const FLOW_BITS: u32 = SEEN_REPLY | FIN_ORIG | FIN_REPLY | RST;
+    /// `last_seen` is rewritten at most this often (a write per packet would bounce the entry's
+    /// cache line between CPUs).
+    pub const REFRESH_NS: u64 = 1_000_000_000;
+    /// A closed TCP flow's SNAT port may go to a new flow after this long (its last ACK has
+    /// long arrived; a backend in TIME_WAIT accepts the new SYN), well before the flow expires.
+    pub const CLOSED_PORT_REUSE_NS: u64 = 1_000_000_000;
+
+    /// TCP after RST or FINs both ways: the connection is over.
+    pub const fn closed(flags: u32) -> bool {
+        flags & RST != 0 || flags & (FIN_ORIG | FIN_REPLY) == FIN_ORIG | FIN_REPLY
+    }
+}
+
+/// How long an idle flow lives, by state (nanoseconds); the tc programs' `KPR_CT_TIMEOUTS`,
+/// set by the agent from kube-proxy's `conntrack.*` settings. The agent's sweep uses the same
+/// function, so both sides agree on what has expired.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CtTimeouts {
+    /// TCP before the backend answered: 60 s (a SYN's retries give up by then).
+    pub tcp_syn: u64,
+    /// TCP established (`conntrack.tcpEstablishedTimeout`, kube-proxy's default 24 h).
+    pub tcp_established: u64,
+    /// TCP after one side's FIN (`conntrack.tcpCloseWaitTimeout`, default 1 h).
+    pub tcp_close_wait: u64,
+    /// TCP after FINs both ways or a RST (nf_conntrack's CLOSE is 10 s).
+    pub tcp_closed: u64,
+    /// UDP not answered (`conntrack.udpTimeout`; the kernel's 30 s when unset).
+    pub udp: u64,
+    /// UDP answered (`conntrack.udpStreamTimeout`; the kernel's 120 s when unset).
+    pub udp_stream: u64,
+}
+
+impl CtTimeouts {
+    const S: u64 = 1_000_000_000;
+    pub const DEFAULT: Self = Self {
+        tcp_syn: 60 * Self::S,
+        tcp_established: 86_400 * Self::S,
+        tcp_close_wait: 3_600 * Self::S,
+        tcp_closed: 10 * Self::S,
+        udp: 30 * Self::S,
+        udp_stream: 120 * Self::S,
+    };
+
+    /// How long a flow of `proto` in state `flags` lives after its latest packet.
+    #[inline(always)]
+    pub const fn lifetime(&self, proto: u8, flags: u32) -> u64 {
+        if proto == IPPROTO_TCP {
+            if ct::closed(flags) {
+                self.tcp_closed
+            } else if flags & (ct::FIN_ORIG | ct::FIN_REPLY) != 0 {
+                self.tcp_close_wait
+            } else if flags & ct::SEEN_REPLY != 0 {
+                self.tcp_established
+            } else {
+                self.tcp_syn
+            }
+        } else if flags & ct::SEEN_REPLY != 0 {
+            self.udp_stream
+        } else {
+            self.udp
+        }
+    }
+
+    /// The entry has been idle longer than its state allows at `now` (CLOCK_MONOTONIC, ns).
+    #[inline(always)]
+    pub const fn expired(&self, proto: u8, entry: &CtValue, now: u64) -> bool {
+        now.saturating_sub(entry.last_seen) > self.lifetime(proto, entry.flags)
+    }
 }
 
 /// Data of a `KPR_SOURCE_RANGES` LPM key: the prefix length covers all of `service_id` (32
@@ -278,8 +382,15 @@ pub mod counter {
     /// Socket path: refused with EPERM where kube-proxy drops (traffic policy Local without a
     /// local endpoint, a source outside loadBalancerSourceRanges).
     pub const SOCK_DROPPED: u32 = 13;
+    /// tc: a TCP packet other than a SYN found no flow and re-created it (same backend and
+    /// SNAT port as before, when they are still free): its entries had been evicted or expired.
+    pub const TC_CT_RECREATED: u32 = 14;
+    /// tc: a flow's other entry was missing (evicted) and was put back.
+    pub const TC_CT_HEALED: u32 = 15;
+    /// tc: an expired flow was removed on the packet path (its tuple or SNAT port reused).
+    pub const TC_CT_EXPIRED: u32 = 16;
     /// Number of counters.
-    pub const COUNT: u32 = 14;
+    pub const COUNT: u32 = 17;
     /// Names for display, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -296,6 +407,9 @@ pub mod counter {
         "tc_passed_unsupported",
         "sock_stepped_aside",
         "sock_dropped",
+        "tc_ct_recreated",
+        "tc_ct_healed",
+        "tc_ct_expired",
     ];
 }
 
@@ -305,7 +419,8 @@ const _: () = assert!(size_of::<Backend>() == 8);
 const _: () = assert!(size_of::<SockRevNatKey>() == 16);
 const _: () = assert!(size_of::<SockRevNatValue>() == 12);
 const _: () = assert!(size_of::<CtKey>() == 16);
-const _: () = assert!(size_of::<CtValue>() == 16);
+const _: () = assert!(size_of::<CtValue>() == 32);
+const _: () = assert!(size_of::<CtTimeouts>() == 48);
 const _: () = assert!(size_of::<SourceRange>() == 8);
 const _: () = assert!(size_of::<LinkInfo>() == 8);
 const _: () = assert!(size_of::<CidrKey>() == 4);
@@ -320,6 +435,7 @@ mod pod {
     unsafe impl aya::Pod for super::SockRevNatValue {}
     unsafe impl aya::Pod for super::CtKey {}
     unsafe impl aya::Pod for super::CtValue {}
+    unsafe impl aya::Pod for super::CtTimeouts {}
     unsafe impl aya::Pod for super::SourceRange {}
     unsafe impl aya::Pod for super::LinkInfo {}
     unsafe impl aya::Pod for super::CidrKey {}

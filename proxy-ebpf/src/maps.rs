@@ -93,6 +93,15 @@ pub fn refusal(flags: u32) -> ServiceValue {
 #[btf_map(name = "KPR_SOURCE_RANGES", pin_by_name)]
 pub static SOURCE_RANGES: LpmTrie<SourceRange, u8, { defaults::MAX_SOURCE_RANGES as usize }> = LpmTrie::new();
 
+/// The address of link `ifindex` in `KPR_LINKS` (0: none). The key is a stack copy: a
+/// promoted constant key would live in a `.rodata.cst*` section, which the loader does not
+/// relocate correctly (the lookup then never matches).
+#[inline(always)]
+pub fn link_addr(ifindex: u32) -> u32 {
+    let key = ifindex;
+    LINKS.get_ptr(&key).map_or(0, |link| unsafe { (*link).addr })
+}
+
 #[inline(always)]
 pub fn count(index: u32) {
     if let Some(slot) = COUNTERS.get_ptr_mut(index) {

@@ -11,6 +11,7 @@ pub const TCP_FLAGS_OFF: usize = L4_OFF + 13;
 pub const TCP_SYN: u8 = 0x02;
 pub const TCP_ACK: u8 = 0x10;
 pub const TCP_RST: u8 = 0x04;
+pub const TCP_FIN: u8 = 0x01;
 
 pub const IPPROTO_ICMP: u8 = 1;
 pub const ICMP_OFF: usize = L4_OFF;

@@ -17,7 +17,7 @@ use proxy_common::{
     SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, counter,
 };
 
-use crate::maps::{BACKENDS, LINKS, NODE_ADDRS, SERVICES, SOCK_REVNAT, ServiceRangeMiss, count, refusal, service_range_miss};
+use crate::maps::{BACKENDS, NODE_ADDRS, link_addr, SERVICES, SOCK_REVNAT, ServiceRangeMiss, count, refusal, service_range_miss};
 
 /// Return value that lets the syscall proceed.
 const ALLOW: i32 = 1;
@@ -191,8 +191,7 @@ struct SockaddrIn {
 /// unless it has one: bind it at connect(); set the datagram's source at sendmsg().
 #[inline(always)]
 fn keep_service_source(ctx: &SockAddrContext, sa: &mut bpf_sock_addr, connect: bool) {
-    let Some(link) = LINKS.get_ptr(&LINK_SERVICE_SOURCE) else { return };
-    let source = unsafe { (*link).addr };
+    let source = link_addr(LINK_SERVICE_SOURCE);
     if source == 0 {
         return;
     }

@@ -1,34 +1,41 @@
 //! Per-packet service translation on node interfaces (tc/TCX).
 //!
 //! Ingress: a packet of a known flow is rewritten from its conntrack entry; a new packet to a
-//! frontend (ClusterIP, externalIP, LoadBalancer IP, NodeIP:nodePort) gets a random backend,
+//! frontend (ClusterIP, externalIP, LoadBalancer IP, NodeIP:nodePort) gets a backend,
 //! masquerade (SNAT to the node) when the frontend says so or the client is its own backend
 //! (hairpin), and two conntrack entries: one for its direction, one for the replies.
 //! Egress: only the conntrack rewrite (replies of local backends leaving toward the client).
 //!
-//! Packets the program does not understand (not IPv4, IP options, fragments, other protocols)
-//! pass untouched and are counted; the program never fails a packet it did not translate.
+//! Flows live as long as their state allows (`CtTimeouts`: SYN sent, established, closing);
+//! an expired flow's tuple and SNAT port are taken back on the packet path, and the agent
+//! sweeps the rest. The backend and SNAT port of a new flow are a hash of its tuple, so a TCP
+//! connection whose entries were evicted is re-created as it was by its next segment.
+//!
+//! Packets the program does not translate go on to the next program of the hook
+//! (`TC_ACT_UNSPEC`: a CNI's or observability program attached after kpr still sees them);
+//! packets it does not understand (not IPv4, IP options, fragments, other protocols) are also
+//! counted. The program never fails a packet it did not translate.
 use aya_ebpf::{
     EbpfContext as _, Global,
     bindings::{
         BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_NOEXIST,
-        TC_ACT_OK, TC_ACT_SHOT, __sk_buff, bpf_fib_lookup,
+        TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, __sk_buff, bpf_fib_lookup,
     },
     btf_maps::lpm_trie::Key,
-    helpers::{bpf_fib_lookup as fib_lookup, bpf_get_prandom_u32},
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_ktime_get_ns},
     macros::classifier,
     programs::TcContext,
 };
 use network_types::{eth::EtherType, ip::Ipv4Hdr};
 use proxy_common::{
-    Backend, CtKey, CtValue, DETECT_LOCAL_CIDR, DETECT_LOCAL_INTERFACE, IPPROTO_TCP, IPPROTO_UDP,
+    Backend, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, DETECT_LOCAL_INTERFACE, IPPROTO_TCP, IPPROTO_UDP,
     LINK_FLAG_LOCAL_TRAFFIC, CidrKey, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
     SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN,
-    ServiceKey, ServiceValue, SourceRange, counter,
+    ServiceKey, ServiceValue, SourceRange, counter, ct,
 };
 
 use crate::{
-    maps::{BACKENDS, CONNTRACK, LINKS, LOCAL_CIDRS, NODE_ADDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss, count, refusal, service_range_miss},
+    maps::{BACKENDS, CONNTRACK, LINKS, LOCAL_CIDRS, link_addr, NODE_ADDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss, count, refusal, service_range_miss},
     packet::*,
     tc_reject::{reject_tcp, reject_udp},
 };
@@ -47,14 +54,26 @@ static KPR_SNAT_PORT_MAX: Global<u16> = Global::new(SNAT_PORT_MAX);
 #[unsafe(no_mangle)]
 static KPR_DETECT_LOCAL: Global<u8> = Global::new(0);
 
+/// Flow lifetimes by state; set by the agent at load time.
+#[unsafe(no_mangle)]
+static KPR_CT_TIMEOUTS: Global<CtTimeouts> = Global::new(CtTimeouts::DEFAULT);
+
+/// Seed of the flow hash (backend and SNAT port choice); set by the agent at load time, the
+/// same for every agent of one boot so that a restarted agent re-creates flows as they were.
+#[unsafe(no_mangle)]
+static KPR_FLOW_HASH_SEED: Global<u32> = Global::new(0);
+
+/// "Not mine": the next program of the hook (TCX) or filter of the chain (cls_bpf) decides.
+const PASS: i32 = TC_ACT_UNSPEC;
+
 #[classifier]
 pub fn kpr_tc_ingress(ctx: TcContext) -> i32 {
-    translate(&ctx, true).unwrap_or(TC_ACT_OK)
+    translate(&ctx, true).unwrap_or(PASS)
 }
 
 #[classifier]
 pub fn kpr_tc_egress(ctx: TcContext) -> i32 {
-    translate(&ctx, false).unwrap_or(TC_ACT_OK)
+    translate(&ctx, false).unwrap_or(PASS)
 }
 
 /// A packet's addresses and ports, as they sit in the packet (network byte order).
@@ -95,22 +114,22 @@ fn headers(ctx: &TcContext) -> Option<Headers> {
 #[inline(always)]
 fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     let Some(h) = headers(ctx) else {
-        return Ok(TC_ACT_OK);
+        return Ok(PASS);
     };
     if h.eth_type != EtherType::Ipv4 as u16 {
-        return Ok(TC_ACT_OK);
+        return Ok(PASS);
     }
     let ip = h.ip;
     if ip.proto == IPPROTO_ICMP && ip.vihl == 0x45 {
         return icmp_error(ctx, &ip);
     }
     if ip.proto != IPPROTO_TCP && ip.proto != IPPROTO_UDP {
-        return Ok(TC_ACT_OK);
+        return Ok(PASS);
     }
     if ip.vihl != 0x45 || u16::from_be_bytes(ip.frags) & 0x3fff != 0 {
         // IP options or a fragment: ports are not where we look (or not there at all).
         count(counter::TC_PASSED_UNSUPPORTED);
-        return Ok(TC_ACT_OK);
+        return Ok(PASS);
     }
     let ports = h.ports;
     let t = Tuple {
@@ -122,18 +141,26 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     };
 
     let key = ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto);
-    if let Some(entry) = CONNTRACK.get_ptr(&key) {
+    let tcp_flags = if t.proto == IPPROTO_TCP { ctx.load::<u8>(TCP_FLAGS_OFF).unwrap_or(0) } else { 0 };
+    let now = unsafe { bpf_ktime_get_ns() };
+    if let Some(entry_ptr) = CONNTRACK.get_ptr_mut(&key) {
         // SAFETY: valid for this program run.
-        let entry = unsafe { *entry };
-        if !(ingress && is_syn(ctx, &t) && stale(ctx, &t, &entry)) {
+        let entry = unsafe { *entry_ptr };
+        let syn = tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+        if KPR_CT_TIMEOUTS.load().expired(t.proto, &entry, now) {
+            count(counter::TC_CT_EXPIRED);
+            forget(&key, &entry, t.proto);
+        } else if ingress && syn && (ct::closed(entry.flags) || stale(ctx, &t, &entry)) {
+            // A new connection reusing the 5-tuple of a closed flow, or of one whose endpoint
+            // is gone: forget the old flow and balance it anew (conntrack does the same for a
+            // SYN after TIME_WAIT).
+            forget(&key, &entry, t.proto);
+        } else {
+            touch(&key, entry_ptr, &entry, seen_bits(&entry, tcp_flags), now);
             rewrite(ctx, &t, &entry)?;
             count(counter::TC_CT_HIT);
             return Ok(TC_ACT_OK);
         }
-        // A new connection reusing the 5-tuple of a flow whose endpoint is gone: forget the
-        // old flow and balance it anew (what conntrack does for a SYN after TIME_WAIT).
-        let _ = CONNTRACK.remove(&ct_key(entry.dst_addr, entry.src_addr, entry.dst_port, entry.src_port, t.proto));
-        let _ = CONNTRACK.remove(&key);
     }
     if !ingress {
         return Ok(egress_drop(ctx, &t));
@@ -144,7 +171,7 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
         // nftables mode: a ClusterIP's unknown port is rejected, an unallocated address of
         // the service range dropped.
         None => match service_range_miss(t.daddr, scope) {
-            ServiceRangeMiss::NotInRange => return Ok(TC_ACT_OK),
+            ServiceRangeMiss::NotInRange => return Ok(PASS),
             ServiceRangeMiss::Reject => refusal(0),
             ServiceRangeMiss::Drop => {
                 count(counter::TC_DROPPED);
@@ -152,7 +179,67 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
             }
         },
     };
-    new_flow(ctx, &t, &service)
+    new_flow(ctx, &t, &service, tcp_flags, now)
+}
+
+/// What this packet tells of its flow: an answer from the backend, a FIN, a RST.
+#[inline(always)]
+fn seen_bits(entry: &CtValue, tcp_flags: u8) -> u32 {
+    let reply = entry.flags & ct::REPLY != 0;
+    let mut bits = if reply { ct::SEEN_REPLY } else { 0 };
+    if tcp_flags & TCP_FIN != 0 {
+        bits |= if reply { ct::FIN_REPLY } else { ct::FIN_ORIG };
+    }
+    if tcp_flags & TCP_RST != 0 {
+        bits |= ct::RST;
+    }
+    bits
+}
+
+/// Record a packet of a live flow: new state bits at once, the time at most every
+/// `REFRESH_NS`; both entries of the flow, putting back the other one if it was evicted.
+#[inline(always)]
+fn touch(key: &CtKey, entry_ptr: *mut CtValue, entry: &CtValue, seen: u32, now: u64) {
+    let flags = entry.flags | seen;
+    if flags == entry.flags && now.saturating_sub(entry.last_seen) < ct::REFRESH_NS {
+        return;
+    }
+    // SAFETY: a map value pointer, valid for this program run; racing writers only ever
+    // move the time forward or add bits.
+    unsafe {
+        (*entry_ptr).flags = flags;
+        (*entry_ptr).last_seen = now;
+    }
+    let pair_key = entry.pair_key(key.proto);
+    match CONNTRACK.get_ptr_mut(&pair_key) {
+        Some(pair) => unsafe {
+            (*pair).flags |= flags & ct::FLOW_BITS;
+            (*pair).last_seen = now;
+        },
+        None => {
+            // The other entry's value is this entry's key, mirrored.
+            let pair = CtValue {
+                src_addr: key.dst_addr,
+                dst_addr: key.src_addr,
+                src_port: key.dst_port,
+                dst_port: key.src_port,
+                service_id: entry.service_id,
+                last_seen: now,
+                flags: (flags & ct::FLOW_BITS) | (!entry.flags & ct::REPLY),
+                _pad: 0,
+            };
+            if CONNTRACK.insert(&pair_key, &pair, u64::from(BPF_NOEXIST)).is_ok() {
+                count(counter::TC_CT_HEALED);
+            }
+        }
+    }
+}
+
+/// Remove both entries of a flow.
+#[inline(always)]
+fn forget(key: &CtKey, entry: &CtValue, proto: u8) {
+    let _ = CONNTRACK.remove(&entry.pair_key(proto));
+    let _ = CONNTRACK.remove(key);
 }
 
 /// A TCP connection of the node itself that kube-proxy would DROP (traffic policy Local
@@ -162,7 +249,7 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
 #[inline(always)]
 fn egress_drop(ctx: &TcContext, t: &Tuple) -> i32 {
     if t.proto != IPPROTO_TCP || source_scope(ctx, t) != SCOPE_NODE {
-        return TC_ACT_OK;
+        return PASS;
     }
     let drop = match lookup_frontend(t, SCOPE_NODE) {
         Some(s) => s.backends_count == 0 && s.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0,
@@ -172,7 +259,7 @@ fn egress_drop(ctx: &TcContext, t: &Tuple) -> i32 {
         count(counter::TC_DROPPED);
         return TC_ACT_SHOT;
     }
-    TC_ACT_OK
+    PASS
 }
 
 /// Where a packet comes from, as kube-proxy tells sources apart: the node itself (a local
@@ -224,18 +311,16 @@ fn masquerade_source(ctx: &TcContext, backend: u32) -> u32 {
     params.__bindgen_anon_4.ipv4_dst = backend;
     let rc = unsafe { fib_lookup(ctx.as_ptr(), &mut params, size_of::<bpf_fib_lookup>() as i32, 0) };
     if rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) || rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
-        let out = params.ifindex;
-        if let Some(link) = LINKS.get_ptr(&out)
-            && unsafe { (*link).addr } != 0
-        {
-            return unsafe { (*link).addr };
+        let addr = link_addr(params.ifindex);
+        if addr != 0 {
+            return addr;
         }
     }
-    LINKS.get_ptr(&0).map_or(0, |link| unsafe { (*link).addr })
+    link_addr(0)
 }
 
 #[inline(always)]
-fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue) -> Result<i32, ()> {
+fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue, tcp_flags: u8, now: u64) -> Result<i32, ()> {
     if service.flags & SERVICE_FLAG_SOURCE_RANGES != 0 {
         let key = Key::new(64, SourceRange { service_id: service.service_id.to_be(), addr: t.saddr });
         if SOURCE_RANGES.get(&key).is_none() {
@@ -250,14 +335,16 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue) -> Result<i32, (
         }
         return if t.proto == IPPROTO_TCP { reject_tcp(ctx, t) } else { reject_udp(ctx, t) };
     }
-    // checked_rem: no division-by-zero panic path for the verifier to reject (the count was
-    // checked above, but the compiler cannot always see it).
-    let Some(pick) = unsafe { bpf_get_prandom_u32() }.checked_rem(service.backends_count) else {
-        return Ok(TC_ACT_OK);
+    // The backend is a hash of the tuple: as random as the client's port for new flows, and
+    // the same again for a connection whose entries were lost. checked_rem: no
+    // division-by-zero panic path for the verifier to reject.
+    let hash = flow_hash(t);
+    let Some(pick) = hash.checked_rem(service.backends_count) else {
+        return Ok(PASS);
     };
     let Some(backend) = BACKENDS.get(service.backends_start.wrapping_add(pick)) else {
         count(counter::BAD_BACKEND_SLOT);
-        return Ok(TC_ACT_OK);
+        return Ok(PASS);
     };
     let backend: Backend = *backend;
 
@@ -265,27 +352,18 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue) -> Result<i32, (
     // that is its own backend (hairpin), as kube-proxy does.
     let masquerade = service.flags & SERVICE_FLAG_SNAT != 0 || backend.addr == t.saddr;
     let snat_addr = if masquerade { masquerade_source(ctx, backend.addr) } else { 0 };
-    let masquerade = snat_addr != 0;
     let reply_value = CtValue {
         src_addr: t.daddr,
         dst_addr: t.saddr,
         src_port: t.dport,
         dst_port: t.sport,
         service_id: service.service_id,
+        last_seen: now,
+        flags: ct::REPLY,
+        _pad: 0,
     };
-    let (src_addr, src_port) = if masquerade {
-        let mut found = None;
-        for _ in 0..SNAT_TRIES {
-            let (min, max) = (KPR_SNAT_PORT_MIN.load(), KPR_SNAT_PORT_MAX.load());
-            let span = u32::from(max.saturating_sub(min)) + 1;
-            let port = min.wrapping_add((unsafe { bpf_get_prandom_u32() } % span) as u16).to_be();
-            let reply_key = ct_key(backend.addr, snat_addr, backend.port, port, t.proto);
-            if CONNTRACK.insert(&reply_key, &reply_value, u64::from(BPF_NOEXIST)).is_ok() {
-                found = Some(port);
-                break;
-            }
-        }
-        let Some(port) = found else {
+    let (src_addr, src_port) = if snat_addr != 0 {
+        let Some(port) = snat_port(t, &backend, snat_addr, &reply_value, hash, now) else {
             count(counter::TC_SNAT_EXHAUSTED);
             return Ok(TC_ACT_SHOT);
         };
@@ -298,25 +376,101 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue) -> Result<i32, (
         }
         (t.saddr, t.sport)
     };
-    let forward =
-        CtValue { src_addr, dst_addr: backend.addr, src_port, dst_port: backend.port, service_id: service.service_id };
-    if CONNTRACK.insert(&ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto), &forward, 0).is_err() {
-        let _ = CONNTRACK.remove(&ct_key(backend.addr, src_addr, backend.port, src_port, t.proto));
+    let forward = CtValue {
+        src_addr,
+        dst_addr: backend.addr,
+        src_port,
+        dst_port: backend.port,
+        service_id: service.service_id,
+        last_seen: now,
+        flags: 0,
+        _pad: 0,
+    };
+    let key = ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto);
+    let reply_key = forward.pair_key(t.proto);
+    let forward = if CONNTRACK.insert(&key, &forward, u64::from(BPF_NOEXIST)).is_ok() {
+        forward
+    } else if let Some(winner) = CONNTRACK.get_ptr(&key) {
+        // Another CPU created the flow first (a SYN and its retransmission at once): take its
+        // translation, and give back what this one held.
+        let winner = unsafe { *winner };
+        if winner.pair_key(t.proto) != reply_key {
+            let _ = CONNTRACK.remove(&reply_key);
+        }
+        winner
+    } else {
+        let _ = CONNTRACK.remove(&reply_key);
         count(counter::TC_CT_FULL);
         return Ok(TC_ACT_SHOT);
-    }
+    };
     rewrite(ctx, t, &forward)?;
-    count(counter::TC_NEW_FLOW);
+    // A TCP flow is new with its SYN; any other segment re-creates a flow that was lost.
+    let recreated = t.proto == IPPROTO_TCP && tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN;
+    count(if recreated { counter::TC_CT_RECREATED } else { counter::TC_NEW_FLOW });
     Ok(TC_ACT_OK)
+}
+
+/// A SNAT port for a flow to `backend` whose reply entry is `reply`: the reply entry is stored
+/// under the first free port of a sequence that the flow's hash fixes, so a re-created flow
+/// gets its old port back. Free: unused, expired, or a closed TCP flow's (as Linux's NAT
+/// reuses the tuples of closed connections). The flow's own leftover reply entry is reused.
+#[inline(always)]
+fn snat_port(t: &Tuple, backend: &Backend, snat_addr: u32, reply: &CtValue, hash: u32, now: u64) -> Option<u16> {
+    let (min, max) = (KPR_SNAT_PORT_MIN.load(), KPR_SNAT_PORT_MAX.load());
+    let span = u32::from(max.saturating_sub(min)) + 1;
+    let start = mix(hash ^ 0x5bd1_e995);
+    for i in 0..SNAT_TRIES {
+        let offset = start.wrapping_add(i.wrapping_mul(0x9e37_79b9)).checked_rem(span)?;
+        let port = min.wrapping_add(offset as u16).to_be();
+        let reply_key = ct_key(backend.addr, snat_addr, backend.port, port, t.proto);
+        if CONNTRACK.insert(&reply_key, reply, u64::from(BPF_NOEXIST)).is_ok() {
+            return Some(port);
+        }
+        let Some(old) = CONNTRACK.get_ptr(&reply_key) else { continue };
+        // SAFETY: valid for this program run.
+        let old = unsafe { *old };
+        if old.src_addr == reply.src_addr
+            && old.dst_addr == reply.dst_addr
+            && old.src_port == reply.src_port
+            && old.dst_port == reply.dst_port
+        {
+            return Some(port);
+        }
+        let idle = now.saturating_sub(old.last_seen);
+        let closed = ct::closed(old.flags) && idle > ct::CLOSED_PORT_REUSE_NS;
+        if closed || KPR_CT_TIMEOUTS.load().expired(t.proto, &old, now) {
+            count(counter::TC_CT_EXPIRED);
+            forget(&reply_key, &old, t.proto);
+            if CONNTRACK.insert(&reply_key, reply, u64::from(BPF_NOEXIST)).is_ok() {
+                return Some(port);
+            }
+        }
+    }
+    None
+}
+
+/// A hash of the tuple, seeded per boot (`KPR_FLOW_HASH_SEED`).
+#[inline(always)]
+fn flow_hash(t: &Tuple) -> u32 {
+    let mut h = KPR_FLOW_HASH_SEED.load();
+    h = mix(h ^ t.saddr);
+    h = mix(h ^ t.daddr);
+    h = mix(h ^ (u32::from(t.sport) << 16 | u32::from(t.dport)));
+    mix(h ^ u32::from(t.proto))
+}
+
+/// murmur3's finalizer: every input bit affects every output bit.
+#[inline(always)]
+fn mix(mut h: u32) -> u32 {
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^ (h >> 16)
 }
 
 /// Endpoints a SYN's old flow is checked against, at most (larger services: trusted).
 const STALE_SCAN: u32 = 64;
-
-#[inline(always)]
-fn is_syn(ctx: &TcContext, t: &Tuple) -> bool {
-    t.proto == IPPROTO_TCP && ctx.load::<u8>(TCP_FLAGS_OFF).is_ok_and(|f| f & (TCP_SYN | TCP_ACK) == TCP_SYN)
-}
 
 /// The flow's endpoint is no longer one of its frontend's endpoints (or the frontend is gone).
 #[inline(always)]
@@ -385,18 +539,18 @@ fn rewrite(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()> {
 fn icmp_error(ctx: &TcContext, outer: &Ipv4Hdr) -> Result<i32, ()> {
     let icmp_type: u8 = ctx.load(ICMP_OFF).map_err(drop)?;
     if icmp_type != 3 && icmp_type != 11 && icmp_type != 12 {
-        return Ok(TC_ACT_OK);
+        return Ok(PASS);
     }
     let inner: Ipv4Hdr = ctx.load(INNER_IP_OFF).map_err(drop)?;
     if inner.vihl != 0x45 || (inner.proto != IPPROTO_TCP && inner.proto != IPPROTO_UDP) {
-        return Ok(TC_ACT_OK);
+        return Ok(PASS);
     }
     let ports: [u16; 2] = ctx.load(INNER_L4_OFF).map_err(drop)?;
     let (isrc, idst) = (u32::from_ne_bytes(inner.src_addr), u32::from_ne_bytes(inner.dst_addr));
     // The quoted packet went from (translated) client to backend: the backend's reply entry
     // holds the original addresses.
     let Some(entry) = CONNTRACK.get_ptr(&ct_key(idst, isrc, ports[1], ports[0], inner.proto)) else {
-        return Ok(TC_ACT_OK);
+        return Ok(PASS);
     };
     let entry = unsafe { *entry };
     let (client, client_port, frontend, frontend_port) =

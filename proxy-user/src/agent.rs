@@ -19,7 +19,7 @@ use tokio::sync::mpsc;
 
 use crate::{
     datapath::{
-        Maps, Programmer,
+        Maps, Programmer, conntrack,
         bpf::{BpfDatapath, DatapathConfig, HostDatapath},
     },
     model::{
@@ -74,6 +74,7 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
         }
     };
     let host_task = tokio::spawn(log_exit("host links", source::host::run(tx)));
+    let sweep_task = tokio::spawn(conntrack::sweep_forever(cfg.datapath.pin_root.clone(), cfg.datapath.ct_timeouts));
     let serve_health = cfg.node.tc_links != TcLinks::Off;
     let mut syncer = Syncer::new(ClusterState::with_options(NodeInfo::default(), cfg.options), programmer, cfg.node);
     syncer.host_links = source::host::snapshot()?;
@@ -84,6 +85,7 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
     syncer.run(rx, &mut datapath.maps, &mut datapath.host, cfg.sync_period, shutdown).await;
     source_task.abort();
     host_task.abort();
+    sweep_task.abort();
     tracing::info!("stopped; the datapath stays programmed until the next agent takes over");
     Ok(())
 }

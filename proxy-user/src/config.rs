@@ -146,6 +146,22 @@ pub struct ConntrackTimeouts {
     pub udp_stream: Duration,
 }
 
+impl ConntrackTimeouts {
+    /// The per-packet path's flow lifetimes: kube-proxy's settings, the kernel's defaults
+    /// where kube-proxy leaves them (0).
+    pub fn datapath(&self) -> proxy_common::CtTimeouts {
+        let d = proxy_common::CtTimeouts::DEFAULT;
+        let ns = |v: Duration, default: u64| if v.is_zero() { default } else { v.as_nanos().min(u128::from(u64::MAX)) as u64 };
+        proxy_common::CtTimeouts {
+            tcp_established: ns(self.tcp_established, d.tcp_established),
+            tcp_close_wait: ns(self.tcp_close_wait, d.tcp_close_wait),
+            udp: ns(self.udp, d.udp),
+            udp_stream: ns(self.udp_stream, d.udp_stream),
+            ..d
+        }
+    }
+}
+
 /// The `detectLocalMode` setting with its inputs, before the Node is known.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]

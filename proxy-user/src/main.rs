@@ -174,6 +174,7 @@ async fn run_agent(args: AgentArgs) -> Result<()> {
     datapath.max_backends = args.max_backends;
     datapath.max_sock_revnat = args.max_sock_revnat;
     datapath.max_conntrack = args.max_conntrack;
+    datapath.ct_timeouts = config.conntrack.datapath();
     datapath.detect_local = match detector {
         DetectLocal::None => proxy_common::DETECT_LOCAL_NONE,
         DetectLocal::ClusterCidr(_) | DetectLocal::NodeCidr => proxy_common::DETECT_LOCAL_CIDR,

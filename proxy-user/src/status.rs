@@ -50,7 +50,8 @@ pub fn render(pin_root: &Path) -> Result<String> {
         let flags = if flags.is_empty() { String::new() } else { format!(" [{}]", flags.join(",")) };
         writeln!(out, "  {:<28} id {:<6} -> {shown}{flags}", display_key(key).to_string(), value.service_id)?;
     }
-    let (ct, ct_capacity) = bpf::conntrack_usage(pin_root)?;
+    let conntrack = crate::datapath::conntrack::Conntrack::open(pin_root)?;
+    let (ct, ct_capacity) = (conntrack.len(), conntrack.capacity());
     writeln!(out, "conntrack: {ct} entries (of {ct_capacity}; two per per-packet flow)")?;
     writeln!(out, "counters:")?;
     for (name, value) in bpf::read_counters(pin_root)? {

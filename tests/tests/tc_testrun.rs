@@ -11,6 +11,7 @@ use kpr::{
     datapath::{
         Programmer,
         bpf::{self, BpfMaps, DatapathConfig},
+        conntrack::{Conntrack, Sweep, monotonic_now},
     },
     model::{
         ObjectKey, Protocol, ServicePortName,
@@ -19,11 +20,13 @@ use kpr::{
     testbed,
 };
 use proxy_common::{
-    DETECT_LOCAL_CIDR, LinkInfo, CidrKey, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
+    CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, LinkInfo, CidrKey, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
     SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MIN, counter, program_names,
 };
 
 const TC_ACT_OK: u32 = 0;
+/// -1: "not mine", the next program or filter of the hook decides.
+const TC_ACT_UNSPEC: u32 = u32::MAX;
 const TC_ACT_SHOT: u32 = 2;
 const TC_ACT_REDIRECT: u32 = 7;
 const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
@@ -145,11 +148,17 @@ impl Rig {
     /// Load the object on fresh pins with `desired` programmed, NODE_IP as the node's address
     /// (NodePorts, masquerade) and 10.244.0.0/16 as the pods' range (local-traffic detector).
     fn new(desired: &Desired) -> Self {
+        Self::with(desired, |_| {})
+    }
+
+    /// Like [`Rig::new`], with datapath settings changed by `tune`.
+    fn with(desired: &Desired, tune: impl FnOnce(&mut DatapathConfig)) -> Self {
         let pin_root = std::path::PathBuf::from(format!("/sys/fs/bpf/{}", testbed::unique_name("kt-tc")));
         let mut cfg = DatapathConfig::new(pin_root.clone(), "/nonexistent".into());
         cfg.detect_local = DETECT_LOCAL_CIDR;
         cfg.max_service_ports = 64;
         cfg.max_backends = 64;
+        tune(&mut cfg);
         let mut ebpf = bpf::open_object(&cfg).expect("load object");
         // Programs first: taking a map out of the object before loading breaks its relocation.
         for name in [program_names::TC_INGRESS, program_names::TC_EGRESS] {
@@ -199,6 +208,30 @@ impl Rig {
 
     fn counter(&self, index: u32) -> u64 {
         bpf::read_counters(&self.pin_root).unwrap()[index as usize].1
+    }
+
+    fn conntrack(&self) -> Conntrack {
+        Conntrack::open(&self.pin_root).unwrap()
+    }
+
+    /// Conntrack entries, as (key, value) pairs.
+    fn flows(&self) -> Vec<(CtKey, CtValue)> {
+        let path = bpf::pin_dir(&self.pin_root).join(proxy_common::map_names::CONNTRACK);
+        let map = aya::maps::MapData::from_pin(path).unwrap();
+        let map: aya::maps::HashMap<_, CtKey, CtValue> = aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(map)).unwrap();
+        map.iter().map(Result::unwrap).collect()
+    }
+
+    /// Remove conntrack entries (an LRU eviction, as the programs would meet it).
+    fn evict(&self, which: impl Fn(&CtKey, &CtValue) -> bool) -> usize {
+        let path = bpf::pin_dir(&self.pin_root).join(proxy_common::map_names::CONNTRACK);
+        let map = aya::maps::MapData::from_pin(path).unwrap();
+        let mut map: aya::maps::HashMap<_, CtKey, CtValue> = aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(map)).unwrap();
+        let doomed: Vec<CtKey> = map.iter().map(Result::unwrap).filter(|(k, v)| which(k, v)).map(|(k, _)| k).collect();
+        for key in &doomed {
+            map.remove(key).unwrap();
+        }
+        doomed.len()
     }
 }
 
@@ -272,10 +305,10 @@ fn the_source_picks_the_entry_pod_outside_or_node() {
     assert_ne!(sport_of(&out), 40041, "masquerade gives the flow a port of its own");
     // A pod has no entry for this NodePort in this table: untouched.
     let from_pod = tcp(Ipv4Addr::new(10, 244, 1, 5), 40042, NODE_IP, 30082);
-    assert_eq!(rig.ingress(&from_pod.bytes()), (TC_ACT_OK, from_pod.bytes()));
+    assert_eq!(rig.ingress(&from_pod.bytes()), (TC_ACT_UNSPEC, from_pod.bytes()));
     // Not a NodePort address: untouched as well.
     let elsewhere = tcp(CLIENT, 40043, Ipv4Addr::new(10, 0, 0, 2), 30082);
-    assert_eq!(rig.ingress(&elsewhere.bytes()), (TC_ACT_OK, elsewhere.bytes()));
+    assert_eq!(rig.ingress(&elsewhere.bytes()), (TC_ACT_UNSPEC, elsewhere.bytes()));
 }
 
 #[test]
@@ -331,7 +364,10 @@ fn node_port_with_cluster_policy_is_masqueraded_and_reversed() {
     let nat_port = sport_of(&out);
     let (min, max) = bpf::snat_port_range();
     assert!((min..=max).contains(&nat_port), "SNAT port {nat_port} outside {min}-{max}");
-    assert!(min > 60_999 || min == SNAT_PORT_MIN, "SNAT ports above the node's ephemeral ports");
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap();
+    let ephemeral: Vec<u16> = ephemeral.split_whitespace().map(|p| p.parse().unwrap()).collect();
+    assert!(max < ephemeral[0] || min > ephemeral[1], "SNAT ports {min}-{max} outside the node's ephemeral ports {ephemeral:?}");
+    assert!(max < 30_000 || min > 32_767, "and outside the NodePort range");
     assert_eq!(out, Pkt { src: NODE_IP, sport: nat_port, dst: POD, dport: 8080, ..syn }.bytes());
 
     // The backend's reply comes back to the node's address and is sent on to the client.
@@ -438,8 +474,10 @@ fn hairpin_is_masqueraded() {
     assert_eq!(out, Pkt { src: NODE_IP, sport: nat_port, dst: POD, dport: 8080, ..syn }.bytes());
 }
 
+/// Untouched packets go on to whatever is attached after kpr (a CNI's or an observability
+/// program): TC_ACT_UNSPEC, not TC_ACT_OK, which would end the chain.
 #[test]
-fn what_is_not_ours_passes_untouched() {
+fn what_is_not_ours_passes_untouched_to_the_next_program() {
     let rig = Rig::new(&services());
     let other = tcp(CLIENT, 40009, Ipv4Addr::new(10, 244, 9, 9), 80);
     let fragment = Pkt { frag: 0x2000, ..tcp(CLIENT, 40010, CLUSTER_IP, 80) };
@@ -457,7 +495,7 @@ fn what_is_not_ours_passes_untouched() {
         ("IP options", options),
     ] {
         for (dir, (verdict, out)) in [("ingress", rig.ingress(&input)), ("egress", rig.egress(&input))] {
-            assert_eq!(verdict, TC_ACT_OK, "{what} ({dir})");
+            assert_eq!(verdict, TC_ACT_UNSPEC, "{what} ({dir})");
             assert_eq!(out, input, "{what} ({dir}) is unchanged");
         }
     }
@@ -482,4 +520,126 @@ fn a_new_connection_reusing_the_tuple_of_a_flow_to_a_removed_endpoint_is_balance
     assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: other, dport: 8080, ..syn }.bytes());
     // A retransmitted SYN of a live flow stays where it was.
     assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: other, dport: 8080, ..syn }.bytes());
+}
+
+const MS: u64 = 1_000_000;
+
+fn dst_of(packet: &[u8]) -> Ipv4Addr {
+    Ipv4Addr::new(packet[30], packet[31], packet[32], packet[33])
+}
+
+/// Four endpoints behind a masqueraded TCP NodePort (30090) and a masqueraded UDP one (30053).
+fn churn_services() -> Desired {
+    let mut d = services();
+    let pods: Vec<(Ipv4Addr, u16)> = (1..=4).map(|i| (Ipv4Addr::new(10, 244, 2, i), 8080)).collect();
+    entry(&mut d, Ipv4Addr::UNSPECIFIED, 30090, Protocol::Tcp, SCOPE_EXTERNAL, &pods, SERVICE_FLAG_SNAT);
+    entry(&mut d, Ipv4Addr::UNSPECIFIED, 30053, Protocol::Udp, SCOPE_EXTERNAL, &[(POD, 5353)], SERVICE_FLAG_SNAT);
+    d
+}
+
+#[test]
+fn an_expired_flow_gives_back_its_snat_port() {
+    // Two SNAT ports; unanswered flows live 50 ms.
+    let rig = Rig::with(&churn_services(), |cfg| {
+        cfg.snat_ports = (SNAT_PORT_MIN, SNAT_PORT_MIN + 1);
+        cfg.ct_timeouts = CtTimeouts { tcp_syn: 50 * MS, udp: 50 * MS, ..CtTimeouts::DEFAULT };
+    });
+    let client = |i: u8| Ipv4Addr::new(203, 0, 113, i);
+    for i in 1..=2 {
+        assert_eq!(rig.ingress(&udp(client(i), 5000, NODE_IP, 30053).bytes()).0, TC_ACT_OK, "flow {i} gets a port");
+    }
+    let third = udp(client(3), 5000, NODE_IP, 30053);
+    assert_eq!(rig.ingress(&third.bytes()).0, TC_ACT_SHOT, "both ports taken");
+    assert_eq!(rig.counter(counter::TC_SNAT_EXHAUSTED), 1);
+    std::thread::sleep(std::time::Duration::from_millis(120));
+    let (verdict, out) = rig.ingress(&third.bytes());
+    assert_eq!(verdict, TC_ACT_OK, "the expired flows' ports are taken back");
+    assert!((SNAT_PORT_MIN..=SNAT_PORT_MIN + 1).contains(&sport_of(&out)));
+    assert!(rig.counter(counter::TC_CT_EXPIRED) >= 1);
+}
+
+#[test]
+fn flows_live_by_state_and_the_sweep_removes_ended_ones() {
+    let rig = Rig::with(&churn_services(), |cfg| {
+        cfg.ct_timeouts = CtTimeouts { tcp_closed: 50 * MS, ..CtTimeouts::DEFAULT };
+    });
+    // Open three connections through the NodePort: SYN, the backend's SYN-ACK (arriving on
+    // the node for the SNAT address), the client's ACK.
+    let open = |sport: u16| -> (Pkt, Pkt) {
+        let syn = tcp(CLIENT, sport, NODE_IP, 30090);
+        let (_, out) = rig.ingress(&syn.bytes());
+        let reply = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out)) };
+        let (verdict, back) = rig.ingress(&reply.bytes());
+        assert_eq!((verdict, sport_of(&back[..]) ), (TC_ACT_OK, 30090), "reply reversed");
+        let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
+        rig.ingress(&ack.bytes());
+        (ack, reply)
+    };
+    let (reset, _) = open(41000);
+    let (fin, fin_reply) = open(41001);
+    let (kept, _) = open(41002);
+    assert_eq!(rig.conntrack().len(), 6);
+    // One is reset by the client; one closed with FINs both ways; one stays established.
+    rig.ingress(&Pkt { tcp_flags: 0x04, ..reset }.bytes());
+    rig.ingress(&Pkt { tcp_flags: 0x11, ..fin }.bytes());
+    rig.ingress(&Pkt { tcp_flags: 0x11, ..fin_reply }.bytes());
+    let closed = |v: &CtValue| proxy_common::ct::closed(v.flags);
+    assert_eq!(rig.flows().iter().filter(|(_, v)| closed(v)).count(), 4, "both entries of both ended flows are closed");
+    std::thread::sleep(std::time::Duration::from_millis(120));
+    let sweep = rig.conntrack().sweep(&CtTimeouts { tcp_closed: 50 * MS, ..CtTimeouts::DEFAULT }, monotonic_now()).unwrap();
+    assert_eq!(sweep, Sweep { live: 2, expired: 4 }, "the ended flows go, the established one stays");
+    let (verdict, out) = rig.ingress(&kept.bytes());
+    assert_eq!((verdict, dst_of(&out).octets()[..3].to_vec()), (TC_ACT_OK, vec![10, 244, 2]), "the established flow still translates");
+}
+
+#[test]
+fn a_connection_whose_entries_were_evicted_is_recreated_as_it_was() {
+    let rig = Rig::new(&churn_services());
+    let mut established = Vec::new();
+    for sport in 42000..42016 {
+        let syn = tcp(CLIENT, sport, NODE_IP, 30090);
+        let (_, out) = rig.ingress(&syn.bytes());
+        established.push((Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn }, out));
+    }
+    let backends: std::collections::BTreeSet<Ipv4Addr> = established.iter().map(|(_, out)| dst_of(out)).collect();
+    assert!(backends.len() > 1, "sixteen connections spread over the endpoints: {backends:?}");
+    // Every entry is lost (an LRU under pressure); each connection's next segment brings its
+    // flow back with the same endpoint and the same SNAT port.
+    assert_eq!(rig.evict(|_, _| true), 32);
+    for (ack, syn_out) in &established {
+        let (verdict, out) = rig.ingress(&ack.bytes());
+        assert_eq!(verdict, TC_ACT_OK);
+        assert_eq!((dst_of(&out), sport_of(&out)), (dst_of(syn_out), sport_of(syn_out)), "same endpoint and SNAT port as before");
+    }
+    assert_eq!(rig.counter(counter::TC_CT_RECREATED), 16);
+
+    // Half a flow lost: the reply entry. The client's next state change puts it back, and
+    // the backend's answer is reversed again.
+    let (ack, syn_out) = &established[0];
+    let snat_port = sport_of(syn_out);
+    assert_eq!(rig.evict(|k, _| k.dst_port == snat_port.to_be()), 1);
+    rig.ingress(&Pkt { tcp_flags: 0x11, ..*ack }.bytes());
+    assert_eq!(rig.counter(counter::TC_CT_HEALED), 1);
+    let reply = Pkt { tcp_flags: 0x10, seq: 7001, ack: 1002, ..tcp(dst_of(syn_out), 8080, NODE_IP, snat_port) };
+    let (verdict, back) = rig.ingress(&reply.bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(back, Pkt { src: NODE_IP, sport: 30090, dst: CLIENT, dport: ack.sport, ..reply }.bytes(), "reply reversed to the client");
+}
+
+#[test]
+fn a_closed_connections_snat_port_goes_to_a_new_one_after_a_second() {
+    // One endpoint, one SNAT port. As Linux's NAT does, a closed connection's tuple is reused: here after a
+    // second (its last ACK has arrived), long before the closed flow expires.
+    let rig = Rig::with(&churn_services(), |cfg| cfg.snat_ports = (SNAT_PORT_MIN, SNAT_PORT_MIN));
+    let syn = tcp(CLIENT, 43000, NODE_IP, 30080);
+    let (_, out) = rig.ingress(&syn.bytes());
+    let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out)) };
+    assert_eq!(rig.ingress(&synack.bytes()).0, TC_ACT_OK);
+    let next = tcp(CLIENT, 43001, NODE_IP, 30080);
+    assert_eq!(rig.ingress(&next.bytes()).0, TC_ACT_SHOT, "the only port is held by a live connection");
+    rig.ingress(&Pkt { tcp_flags: 0x04, seq: 1001, ..syn }.bytes());
+    assert_eq!(rig.ingress(&next.bytes()).0, TC_ACT_SHOT, "just closed: its last packets may still come");
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    let (verdict, out) = rig.ingress(&next.bytes());
+    assert_eq!((verdict, sport_of(&out)), (TC_ACT_OK, SNAT_PORT_MIN), "the closed connection's port is taken over");
 }

@@ -24,7 +24,7 @@ use aya::{
     util::KernelVersion,
 };
 use proxy_common::{
-    Backend, CtKey, CtValue, LinkInfo, CidrKey, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue, SourceRange, counter,
+    Backend, CtKey, CtTimeouts, CtValue, LinkInfo, CidrKey, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue, SourceRange, counter,
     defaults, map_names, program_names,
 };
 
@@ -57,6 +57,10 @@ pub struct DatapathConfig {
     pub pod_links_covered: bool,
     /// kube-proxy's nftables mode: what no service port takes in the service range is refused.
     pub nft_service_range: bool,
+    /// Per-packet flow lifetimes, by state.
+    pub ct_timeouts: CtTimeouts,
+    /// First and last SNAT port (host byte order).
+    pub snat_ports: (u16, u16),
 }
 
 impl DatapathConfig {
@@ -72,8 +76,18 @@ impl DatapathConfig {
             localhost_node_ports: false,
             pod_links_covered: false,
             nft_service_range: false,
+            ct_timeouts: CtTimeouts::DEFAULT,
+            snat_ports: snat_port_range(),
         }
     }
+}
+
+/// The seed of the per-packet path's flow hash: the same for every agent of this boot (a
+/// restarted agent re-creates lost flows as they were), unknown off the node.
+pub fn flow_hash_seed() -> u32 {
+    let boot_id = fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    // FNV-1a: stable across builds (std's hasher is not).
+    boot_id.trim().bytes().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
 }
 
 /// `<pin-root>/v<layout version>`
@@ -93,25 +107,56 @@ pub fn cgroup2_root() -> Result<PathBuf> {
         .context("no cgroup2 file system is mounted")
 }
 
-/// The SNAT port range: above the node's ephemeral ports (`ip_local_port_range`), so that no
-/// connection of the node's own ever shares a port with a masqueraded flow.
+/// kube-proxy's default NodePort range, which operators keep free of other uses
+/// (`ip_local_reserved_ports`): masquerade stays out of it too.
+const NODE_PORT_RANGE: (u16, u16) = (30_000, 32_767);
+
+/// The SNAT port range: the largest run of ports from 1024 up that is neither the node's
+/// ephemeral range (`ip_local_port_range`: no connection of the node's own ever shares a port
+/// with a masqueraded flow, or the replies of one would be taken for the other's) nor the
+/// NodePort range. With Linux's defaults: 1024–29999.
 pub fn snat_port_range() -> (u16, u16) {
     let ephemeral = fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok().and_then(|text| {
         let mut it = text.split_whitespace().filter_map(|p| p.parse::<u16>().ok());
         Some((it.next()?, it.next()?))
     });
-    match ephemeral {
-        Some((_, last)) if last < u16::MAX - 1023 => (last + 1, u16::MAX),
-        Some((first, last)) => {
-            tracing::warn!(
-                first,
-                last,
-                "ip_local_port_range leaves fewer than 1024 ports above it for masquerade; \
-                 masqueraded flows may share ports with the node's own connections"
-            );
-            (proxy_common::SNAT_PORT_MIN, proxy_common::SNAT_PORT_MAX)
+    let ephemeral = ephemeral.unwrap_or((32_768, 60_999));
+    let range = largest_free_run(&[ephemeral, NODE_PORT_RANGE]);
+    if u32::from(range.1) - u32::from(range.0) < 1023 {
+        tracing::warn!(?range, ?ephemeral, "fewer than 1024 ports are free for masquerade; masqueraded flows may run out of ports");
+    }
+    range
+}
+
+/// The largest run of ports in 1024–65535 outside every range of `taken`.
+fn largest_free_run(taken: &[(u16, u16)]) -> (u16, u16) {
+    let mut best = (proxy_common::SNAT_PORT_MIN, proxy_common::SNAT_PORT_MAX);
+    let mut best_len = 0u32;
+    let mut start = 1024u32;
+    let mut edges: Vec<(u32, u32)> = taken.iter().map(|&(a, b)| (u32::from(a.min(b)), u32::from(a.max(b)))).collect();
+    edges.sort();
+    edges.push((65_536, 65_536));
+    for (first, last) in edges {
+        if first > start && first - start > best_len {
+            best_len = first - start;
+            best = (start as u16, (first - 1) as u16);
         }
-        None => (proxy_common::SNAT_PORT_MIN, proxy_common::SNAT_PORT_MAX),
+        start = start.max(last + 1);
+    }
+    best
+}
+
+#[cfg(test)]
+mod snat_range_tests {
+    use super::largest_free_run;
+
+    #[test]
+    fn masquerade_takes_the_largest_run_outside_ephemeral_and_node_ports() {
+        assert_eq!(largest_free_run(&[(32_768, 60_999), (30_000, 32_767)]), (1024, 29_999));
+        // A node that moved its ephemeral ports low: masquerade goes above them.
+        assert_eq!(largest_free_run(&[(1024, 29_999), (30_000, 32_767)]), (32_768, 65_535));
+        assert_eq!(largest_free_run(&[(10_000, 65_000), (30_000, 32_767)]), (1024, 9_999));
+        assert_eq!(largest_free_run(&[(40_000, 50_000)]), (1024, 39_999));
     }
 }
 
@@ -146,7 +191,7 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
     // bpf_set_retval (ECONNREFUSED for services without endpoints) exists from 5.18 on.
     let have_set_retval = u8::from(KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(5, 18, 0)));
     let host_netns = netns_cookie().unwrap_or(0);
-    let snat_ports = snat_port_range();
+    let snat_ports = cfg.snat_ports;
     if host_netns == 0 {
         tracing::warn!("the kernel does not tell network namespaces apart (SO_NETNS_COOKIE): every socket counts as the node's");
     }
@@ -164,6 +209,8 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .override_global("KPR_NFT_SERVICE_RANGE", &u8::from(cfg.nft_service_range), true)
         .override_global("KPR_SNAT_PORT_MIN", &snat_ports.0, true)
         .override_global("KPR_SNAT_PORT_MAX", &snat_ports.1, true)
+        .override_global("KPR_CT_TIMEOUTS", &cfg.ct_timeouts, true)
+        .override_global("KPR_FLOW_HASH_SEED", &flow_hash_seed(), true)
         .load(EBPF_OBJECT)
         .map_err(|e| match e {
             aya::EbpfError::MapError(aya::maps::MapError::PinError { .. }) | aya::EbpfError::MapError(_) => {
@@ -583,15 +630,6 @@ pub fn read_counters(pin_root: &Path) -> Result<Vec<(&'static str, u64)>> {
     let map = MapData::from_pin(&path).with_context(|| format!("no pinned map {}", path.display()))?;
     let counters: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(map))?;
     (0..counter::COUNT).map(|i| Ok((counter::NAMES[i as usize], counters.get(&i, 0)?.iter().sum()))).collect()
-}
-
-/// Per-packet conntrack usage: (entries, capacity).
-pub fn conntrack_usage(pin_root: &Path) -> Result<(usize, u32)> {
-    let path = pin_dir(pin_root).join(map_names::CONNTRACK);
-    let map = MapData::from_pin(&path).with_context(|| format!("no pinned map {}", path.display()))?;
-    let capacity = map.info()?.max_entries();
-    let ct: HashMap<MapData, proxy_common::CtKey, proxy_common::CtValue> = HashMap::try_from(Map::LruHashMap(map))?;
-    Ok((ct.keys().filter(Result::is_ok).count(), capacity))
 }
 
 /// Remove kpr's pins: the links (which detaches the programs once no agent holds them) and

@@ -6,6 +6,7 @@
 //!   hold now (after a restart, the pinned maps): only changed service ports are written, and
 //!   a service port is never visible half-written (see [`Programmer::apply`]).
 pub mod bpf;
+pub mod conntrack;
 pub mod fake;
 mod slots;
 

@@ -1,0 +1,100 @@
+//! The per-packet path's conntrack, seen from the agent: usage, and the sweep that removes
+//! expired flows (the programs take back an expired tuple or SNAT port when they meet it; the
+//! sweep frees the rest, so the table never fills with flows that ended long ago).
+use std::{path::Path, time::Duration};
+
+use anyhow::{Context as _, Result};
+use aya::maps::{HashMap, Map, MapData};
+use proxy_common::{CtKey, CtTimeouts, CtValue, map_names};
+
+use super::bpf::pin_dir;
+
+/// How often the agent sweeps.
+pub const SWEEP_INTERVAL: Duration = Duration::from_secs(10);
+
+/// The pinned conntrack map.
+pub struct Conntrack {
+    map: HashMap<MapData, CtKey, CtValue>,
+    capacity: u32,
+}
+
+/// What one sweep found.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sweep {
+    /// Entries alive after the sweep.
+    pub live: usize,
+    /// Entries removed.
+    pub expired: usize,
+}
+
+impl Conntrack {
+    pub fn open(pin_root: &Path) -> Result<Self> {
+        let path = pin_dir(pin_root).join(map_names::CONNTRACK);
+        let map = MapData::from_pin(&path).with_context(|| format!("no pinned map {}", path.display()))?;
+        let capacity = map.info()?.max_entries();
+        Ok(Self { map: HashMap::try_from(Map::LruHashMap(map))?, capacity })
+    }
+
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    /// Entries now (two per flow).
+    pub fn len(&self) -> usize {
+        self.map.keys().filter(Result::is_ok).count()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Remove the entries that have been idle longer than their state allows at `now`
+    /// (CLOCK_MONOTONIC, the programs' clock).
+    pub fn sweep(&mut self, timeouts: &CtTimeouts, now: u64) -> Result<Sweep> {
+        let mut sweep = Sweep::default();
+        let mut expired = Vec::new();
+        for item in self.map.iter() {
+            let Ok((key, value)) = item else { continue };
+            if timeouts.expired(key.proto, &value, now) {
+                expired.push(key);
+            } else {
+                sweep.live += 1;
+            }
+        }
+        for key in expired {
+            match self.map.remove(&key) {
+                Ok(()) => sweep.expired += 1,
+                // Taken back by the programs meanwhile.
+                Err(aya::maps::MapError::KeyNotFound) => {}
+                Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(sweep)
+    }
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: `bpf_ktime_get_ns()`'s clock.
+pub fn monotonic_now() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Sweep every [`SWEEP_INTERVAL`] until the task is dropped; failures are logged, never fatal.
+pub async fn sweep_forever(pin_root: std::path::PathBuf, timeouts: CtTimeouts) {
+    let mut tick = tokio::time::interval(SWEEP_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let root = pin_root.clone();
+        let result = tokio::task::spawn_blocking(move || Conntrack::open(&root)?.sweep(&timeouts, monotonic_now())).await;
+        match result {
+            Ok(Ok(sweep)) if sweep.expired > 0 => tracing::debug!(live = sweep.live, expired = sweep.expired, "conntrack swept"),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!("conntrack sweep failed: {e:#}"),
+            Err(e) => tracing::warn!("conntrack sweep task failed: {e}"),
+        }
+    }
+}
