@@ -32,6 +32,7 @@ pub mod program_names {
     pub const SENDMSG4: &str = "kpr_sendmsg4";
     pub const RECVMSG4: &str = "kpr_recvmsg4";
     pub const GETPEERNAME4: &str = "kpr_getpeername4";
+    pub const SOCK_RELEASE: &str = "kpr_sock_release";
     pub const TC_INGRESS: &str = "kpr_tc_ingress";
     pub const TC_EGRESS: &str = "kpr_tc_egress";
 }

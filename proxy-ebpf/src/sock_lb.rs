@@ -8,8 +8,8 @@ use aya_ebpf::{
         bpf_bind, bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval, bpf_sk_lookup_tcp,
         bpf_sk_lookup_udp, bpf_sk_release,
     },
-    macros::cgroup_sock_addr,
-    programs::SockAddrContext,
+    macros::{cgroup_sock, cgroup_sock_addr},
+    programs::{SockAddrContext, SockContext},
 };
 use aya_log_ebpf::error;
 use proxy_common::{
@@ -138,11 +138,13 @@ fn forward4(ctx: &SockAddrContext, connect: bool) -> i32 {
         keep_service_source(ctx, sa, connect);
     }
 
-    // Remember what the application asked for, so getpeername/recvmsg can show it.
+    // Remember what the application asked for, so getpeername/recvmsg can show it; a socket
+    // sending to the same service again finds it there already (no write per datagram).
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let rev_key = SockRevNatKey { cookie, addr: backend.addr, port: backend.port, _pad: 0 };
     let rev_value = SockRevNatValue { addr: sa.user_ip4, port: key.port, _pad: 0, service_id: service.service_id };
-    if SOCK_REVNAT.insert(&rev_key, &rev_value, 0).is_err() {
+    let known = SOCK_REVNAT.get_ptr(&rev_key).is_some_and(|v| unsafe { *v } == rev_value);
+    if !known && SOCK_REVNAT.insert(&rev_key, &rev_value, 0).is_err() {
         count(counter::REVNAT_UPDATE_FAILED);
     }
 
@@ -252,6 +254,23 @@ fn reverse4(ctx: &SockAddrContext) -> i32 {
         sa.user_ip4 = orig.addr;
         sa.user_port = u32::from(orig.port);
         count(counter::REVERSE_TRANSLATED);
+    }
+    ALLOW
+}
+
+/// A socket goes away: its reverse-translation entry goes with it (for a connected socket,
+/// the peer is the backend it was given), so the LRU map holds live sockets, not history.
+#[cgroup_sock(sock_release)]
+pub fn kpr_sock_release(ctx: SockContext) -> i32 {
+    // SAFETY: the kernel hands a valid socket.
+    let sk = ctx.sock;
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    // dst_port as a 32-bit load: older kernels allow nothing narrower; the port (network byte
+    // order) is its low half either way.
+    let port = unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*sk).dst_port).cast::<u32>()) } as u16;
+    let addr = unsafe { (*sk).dst_ip4 };
+    if addr != 0 {
+        let _ = SOCK_REVNAT.remove(&SockRevNatKey { cookie, addr, port, _pad: 0 });
     }
     ALLOW
 }

@@ -41,7 +41,7 @@ use crate::{
 };
 
 /// Tries at finding a free SNAT port before giving up on a new flow.
-const SNAT_TRIES: u32 = 8;
+const SNAT_TRIES: u32 = 16;
 const AF_INET: u8 = 2;
 
 /// The SNAT port range, disjoint from the node's ephemeral ports; set by the agent at load.

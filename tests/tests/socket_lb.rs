@@ -203,3 +203,26 @@ fn malformed_manifests_are_skipped_and_good_services_keep_working() {
     assert!(log.contains("0-garbage.yaml"), "the bad file is named in the log:\n{log}");
     assert!(log.contains("test/bad-ip") && log.contains("10.96.0.300"), "the bad object is named:\n{log}");
 }
+
+/// Reverse-translation entries, in the pinned map.
+fn revnat_entries(h: &Harness) -> usize {
+    let path = kpr::datapath::bpf::pin_dir(&h.pin_root).join(proxy_common::map_names::SOCK_REVNAT);
+    let map = aya::maps::MapData::from_pin(path).unwrap();
+    let map: aya::maps::HashMap<_, proxy_common::SockRevNatKey, proxy_common::SockRevNatValue> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(map)).unwrap();
+    map.keys().filter(Result::is_ok).count()
+}
+
+#[test]
+fn closed_sockets_leave_no_reverse_translation_behind() {
+    let h = setup("kt-release", &["pod-a"]);
+    let before = revnat_entries(&h);
+    let (_, mut open) = open_connection(&h);
+    assert_eq!(revnat_entries(&h), before + 1, "an open connection has its entry");
+    let seen = tcp_spread(&h, 200);
+    assert_eq!(seen.values().sum::<usize>(), 200);
+    assert_eq!(revnat_entries(&h), before + 1, "the 200 closed connections left nothing behind");
+    assert_echoes(&mut open, "open-one");
+    drop(open);
+    assert_eq!(revnat_entries(&h), before, "and the last one goes when it closes");
+}

@@ -261,6 +261,10 @@ impl BpfDatapath {
                 tracing::debug!(program = name, cgroup = %cfg.cgroup.display(), "attached and pinned");
             }
         }
+        if let Err(e) = attach_sock_release(&mut ebpf, &cgroup, &dir) {
+            // Without it, reverse-translation entries of closed sockets age out of the LRU map.
+            tracing::warn!("socket release hook not attached: {e:#}");
+        }
         for name in TC_PROGRAMS {
             let prog: &mut SchedClassifier = ebpf
                 .program_mut(name)
@@ -276,6 +280,23 @@ impl BpfDatapath {
 }
 
 const TC_PROGRAMS: [&str; 2] = [program_names::TC_INGRESS, program_names::TC_EGRESS];
+
+/// The socket release hook (cleans up after sockets). Its link cannot take a new program in
+/// place: a previous agent's is replaced by a new one.
+fn attach_sock_release(ebpf: &mut Ebpf, cgroup: &File, dir: &Path) -> Result<()> {
+    let name = program_names::SOCK_RELEASE;
+    let prog: &mut aya::programs::CgroupSock =
+        ebpf.program_mut(name).with_context(|| format!("program `{name}` missing from the eBPF object"))?.try_into()?;
+    prog.load().with_context(|| format!("the verifier rejected `{name}`"))?;
+    let link_path = dir.join(format!("link_{name}"));
+    let id = prog.attach(cgroup, CgroupAttachMode::Single)?;
+    let link: FdLink = prog.take_link(id)?.try_into()?;
+    if link_path.exists() {
+        fs::remove_file(&link_path).with_context(|| format!("failed to remove {}", link_path.display()))?;
+    }
+    link.pin(&link_path).with_context(|| format!("failed to pin {}", link_path.display()))?;
+    Ok(())
+}
 
 /// The host side of the datapath: where the per-packet programs are attached and what they
 /// know of the node (its addresses, links, the detector's CIDRs).

@@ -36,7 +36,9 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
 /// Watch Services, EndpointSlices and this node's Node (and, when `service_cidrs`, the
 /// ServiceCIDRs) until the receiver goes away.
 pub async fn run(client: Client, node_name: String, service_cidrs: bool, tx: mpsc::Sender<SourceEvent>) -> Result<()> {
-    let config = watcher::Config::default().labels(PROXY_LABEL_SELECTOR);
+    // Lists (and relists) are served from the API server's watch cache (resourceVersion 0),
+    // as client-go informers do: a quorum read from etcd per node does not scale to thousands.
+    let config = watcher::Config::default().any_semantic().labels(PROXY_LABEL_SELECTOR);
     let services = watch::<Service>(
         Api::all(client.clone()),
         config.clone(),
@@ -63,7 +65,7 @@ pub async fn run(client: Client, node_name: String, service_cidrs: bool, tx: mps
 
 /// The cluster's ServiceCIDRs, sent whole after every change.
 async fn watch_service_cidrs(api: Api<ServiceCIDR>, tx: mpsc::Sender<SourceEvent>) -> Result<()> {
-    let mut stream = watcher(api, watcher::Config::default()).default_backoff().boxed();
+    let mut stream = watcher(api, watcher::Config::default().any_semantic()).default_backoff().boxed();
     let mut known: std::collections::BTreeMap<String, ServiceCIDR> = Default::default();
     let mut listing: Option<std::collections::BTreeMap<String, ServiceCIDR>> = None;
     loop {
@@ -93,7 +95,7 @@ async fn watch_service_cidrs(api: Api<ServiceCIDR>, tx: mpsc::Sender<SourceEvent
 
 /// This node's Node (labels → topology, addresses, podCIDRs), followed for changes.
 async fn watch_node(api: Api<Node>, name: String, tx: mpsc::Sender<SourceEvent>) -> Result<()> {
-    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let config = watcher::Config::default().any_semantic().fields(&format!("metadata.name={name}"));
     let mut stream = watcher(api, config).default_backoff().boxed();
     let mut listing: Option<Node> = None;
     loop {

@@ -39,6 +39,12 @@ fn main() -> Result<()> {
         println!("{}", tc_ns_per_packet(200_000)?);
         return Ok(());
     }
+    // --soak N: only the NodePort churn, N connections per path.
+    if let Some(n) = args.iter().position(|a| a == "--soak").and_then(|i| args.get(i + 1)?.parse().ok()) {
+        let result = node_port_paths(0, 0, 0, n)?;
+        write_json("node_port_soak.json", &result)?;
+        return Ok(());
+    }
     let sizes: &[usize] = if quick { &[100, 10_000] } else { &[100, 10_000, 50_000] };
     let (rounds, per_round) = if quick { (4, 500) } else { (24, 500) };
 
@@ -46,16 +52,20 @@ fn main() -> Result<()> {
     let program = programming_time(10_000, 4)?;
     let latency = event_latency(if quick { 10 } else { 30 })?;
     let per_packet = tc_ns_per_packet(if quick { 20_000 } else { 200_000 })?;
-    let node_port = node_port_paths(if quick { 4 } else { 12 }, 300, if quick { 1 } else { 3 })?;
+    let node_port = node_port_paths(if quick { 4 } else { 12 }, 300, if quick { 1 } else { 3 }, if quick { 20_000 } else { 100_000 })?;
 
     let result = json!({
         "connection_rate": conn, "programming": program, "event_to_datapath": latency,
         "tc_per_packet": per_packet, "node_port": node_port,
     });
+    write_json("socket_lb.json", &result)
+}
+
+fn write_json(name: &str, result: &serde_json::Value) -> Result<()> {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench");
     std::fs::create_dir_all(&dir)?;
-    let path = dir.join("socket_lb.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&result)?)?;
+    let path = dir.join(name);
+    std::fs::write(&path, serde_json::to_string_pretty(result)?)?;
     println!("\nwrote {}", path.canonicalize()?.display());
     Ok(())
 }
@@ -276,7 +286,10 @@ fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
 
 /// NodePort through kpr's tc datapath vs the direct routed path vs iptables DNAT rules written
 /// the way kube-proxy writes them, in one topology (client ns → node ns → pod ns), A/B/C rounds.
-fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32) -> Result<serde_json::Value> {
+/// NodePort from an external client through kpr and through kube-proxy's iptables rules:
+/// connection rate (`rounds` × `per_round`), throughput (`iperf_secs`), and a churn soak of
+/// `churn` short connections per path (port-space turnovers, failed connections).
+fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32, churn: usize) -> Result<serde_json::Value> {
     let name = testbed::unique_name("kb-np");
     let ext = testbed::Netns::new(&format!("{name}-ext"))?;
     let topology = Topology::new(&name, &["pod"])?;
@@ -322,6 +335,7 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32) -> Result<s
     let cgroup = Cgroup::new(&name)?;
     let pins = PinGuard(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
     let cfg = DatapathConfig::new(pins.0.clone(), cgroup.path.clone());
+    let snat_ports = cfg.snat_ports;
     let settings = NodeSettings {
         name: "bench".into(),
         node_ips: vec![Ipv4Addr::new(10, 0, 0, 1).into()],
@@ -347,6 +361,14 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32) -> Result<s
         ("kpr", SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 30080)),
         ("iptables", SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 30090)),
     ];
+    let mut out = serde_json::Map::new();
+    if churn > 0 {
+        out.insert("churn".into(), node_port_churn(&ext, &pins.0, snat_ports, churn)?);
+    }
+    if rounds == 0 {
+        drop(datapath);
+        return Ok(serde_json::Value::Object(out));
+    }
     let rates = ext.run(move || -> Result<BTreeMap<&'static str, (f64, f64, f64)>> {
         let mut lat: BTreeMap<&str, Vec<Duration>> = BTreeMap::new();
         let mut time: BTreeMap<&str, Duration> = BTreeMap::new();
@@ -376,7 +398,6 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32) -> Result<s
     println!("\nNodePort, new TCP connection per request from an external client ({rounds} rounds × {per_round}, alternating):");
     println!("{:>10} {:>10} {:>10} {:>10} {:>10}", "path", "conn/s", "vs direct", "p50", "p99");
     let direct = rates["direct"].0;
-    let mut out = serde_json::Map::new();
     for (label, _) in paths {
         let (rate, p50, p99) = rates[label];
         println!("{label:>10} {rate:>10.0} {:>10.3} {p50:>8.1}µs {p99:>8.1}µs", rate / direct);
@@ -384,7 +405,7 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32) -> Result<s
     }
 
     // Throughput with iperf3 (when installed): one TCP stream per path.
-    if Command::new("iperf3").arg("--version").output().is_ok() {
+    if iperf_secs > 0 && Command::new("iperf3").arg("--version").output().is_ok() {
         let mut server = Command::new("ip")
             .args(["netns", "exec", &pod_ns.name, "iperf3", "-s", "-p", "5201"])
             .stdout(std::process::Stdio::null())
@@ -416,5 +437,38 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32) -> Result<s
         let _ = server.wait();
     }
     drop(datapath);
+    Ok(serde_json::Value::Object(out))
+}
+
+/// `total` short connections per path, one after another, to the masqueraded NodePort with
+/// one endpoint: every connection takes a SNAT port toward the same backend, so the port
+/// space turns over `total / ports` times. Counts the connections that failed.
+fn node_port_churn(ext: &testbed::Netns, pin_root: &std::path::Path, snat_ports: (u16, u16), total: usize) -> Result<serde_json::Value> {
+    let ports = usize::from(snat_ports.1 - snat_ports.0) + 1;
+    // iptables first: its MASQUERADE picks ports from the whole range, and replies to a port
+    // that one of kpr's flows still holds would be taken for kpr's (two proxies on one node
+    // is this benchmark's arrangement only).
+    let paths = [("iptables", SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 30090)), ("kpr", SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 30080))];
+    println!("\nNodePort churn: {total} short connections per path, one endpoint; kpr's SNAT ports {}-{} ({ports}): {:.1} turnovers", snat_ports.0, snat_ports.1, total as f64 / ports as f64);
+    println!("{:>10} {:>10} {:>10} {:>10}", "path", "failed", "conn/s", "seconds");
+    let mut out = serde_json::Map::new();
+    for (label, addr) in paths {
+        let (failed, elapsed) = ext.run(move || {
+            let started = Instant::now();
+            let failed = (0..total).filter(|_| one_connection(addr).is_err()).count();
+            (failed, started.elapsed())
+        })?;
+        let rate = total as f64 / elapsed.as_secs_f64();
+        println!("{label:>10} {failed:>10} {rate:>10.0} {:>10.1}", elapsed.as_secs_f64());
+        out.insert(label.into(), json!({"connections": total, "failed": failed, "conn_per_s": rate, "seconds": elapsed.as_secs_f64()}));
+    }
+    let counters: BTreeMap<&str, u64> = kpr::datapath::bpf::read_counters(pin_root)?.into_iter().collect();
+    let live = kpr::datapath::conntrack::Conntrack::open(pin_root)?.len();
+    println!("kpr: snat exhausted {}, expired flows taken back {}, conntrack entries at the end {live}", counters["tc_snat_exhausted"], counters["tc_ct_expired"]);
+    out.insert("snat_ports".into(), json!(ports));
+    out.insert("turnovers".into(), json!(total as f64 / ports as f64));
+    out.insert("kpr_snat_exhausted".into(), json!(counters["tc_snat_exhausted"]));
+    out.insert("kpr_ct_taken_back".into(), json!(counters["tc_ct_expired"]));
+    out.insert("kpr_conntrack_entries_after".into(), json!(live));
     Ok(serde_json::Value::Object(out))
 }
