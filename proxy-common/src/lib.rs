@@ -17,6 +17,7 @@ pub mod map_names {
     pub const SERVICES: &str = "KPR_SERVICES";
     pub const BACKENDS: &str = "KPR_BACKENDS";
     pub const SOCK_REVNAT: &str = "KPR_SOCK_REVNAT";
+    pub const SOCK_PICKS: &str = "KPR_SOCK_PICKS";
     pub const COUNTERS: &str = "KPR_COUNTERS";
     pub const CONNTRACK: &str = "KPR_CONNTRACK";
     pub const NODE_ADDRS: &str = "KPR_NODE_ADDRS";
@@ -183,15 +184,16 @@ pub struct Backend {
     pub _pad: u16,
 }
 
-/// Key of `KPR_SOCK_REVNAT`: a socket and the backend it was sent to.
+/// Key of `KPR_SOCK_REVNAT` (a socket and the backend it was sent to) and of `KPR_SOCK_PICKS`
+/// (a socket and the service address it sends to).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SockRevNatKey {
     /// `bpf_get_socket_cookie` of the client socket.
     pub cookie: u64,
-    /// Backend IPv4 address, network byte order.
+    /// Backend (or service) IPv4 address, network byte order.
     pub addr: u32,
-    /// Backend port, network byte order.
+    /// Backend (or service) port, network byte order.
     pub port: u16,
     pub _pad: u16,
 }

@@ -30,6 +30,12 @@ pub static BACKENDS: Array<Backend, { defaults::MAX_BACKENDS as usize }> = Array
 pub static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNatValue, { defaults::MAX_SOCK_REVNAT as usize }> =
     LruHashMap::new();
 
+/// Unconnected UDP: socket cookie + service address → the backend its datagrams go to, so that
+/// one socket's exchange with a service stays on one endpoint (as a conntrack entry keeps a UDP
+/// flow on one endpoint behind kube-proxy). LRU: entries of closed sockets age out.
+#[btf_map(name = "KPR_SOCK_PICKS", pin_by_name)]
+pub static SOCK_PICKS: LruHashMap<SockRevNatKey, Backend, { defaults::MAX_SOCK_REVNAT as usize }> = LruHashMap::new();
+
 /// Per-CPU event counters, indexed by `proxy_common::counter`.
 #[btf_map(name = "KPR_COUNTERS", pin_by_name)]
 pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();
@@ -87,6 +93,29 @@ pub fn service_range_miss(addr: u32, scope: u8) -> ServiceRangeMiss {
 #[inline(always)]
 pub fn refusal(flags: u32) -> ServiceValue {
     ServiceValue { service_id: 0, backends_start: 0, backends_count: 0, flags }
+}
+
+/// Endpoints an earlier choice is checked against, at most (larger services: trusted).
+const SERVES_SCAN: u32 = 64;
+
+/// `addr:port` is still one of `service`'s endpoints (always true past `SERVES_SCAN`).
+#[inline(always)]
+pub fn serves(service: &ServiceValue, addr: u32, port: u16) -> bool {
+    if service.backends_count > SERVES_SCAN {
+        return true;
+    }
+    for i in 0..SERVES_SCAN {
+        if i >= service.backends_count {
+            break;
+        }
+        if let Some(b) = BACKENDS.get(service.backends_start.wrapping_add(i))
+            && b.addr == addr
+            && b.port == port
+        {
+            return true;
+        }
+    }
+    false
 }
 
 /// loadBalancerSourceRanges: (service id, client CIDR) → allowed.

@@ -17,7 +17,7 @@ use proxy_common::{
     SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, counter,
 };
 
-use crate::maps::{BACKENDS, NODE_ADDRS, link_addr, SERVICES, SOCK_REVNAT, ServiceRangeMiss, count, refusal, service_range_miss};
+use crate::maps::{BACKENDS, NODE_ADDRS, SOCK_PICKS, link_addr, serves, SERVICES, SOCK_REVNAT, ServiceRangeMiss, count, refusal, service_range_miss};
 
 /// Return value that lets the syscall proceed.
 const ALLOW: i32 = 1;
@@ -113,18 +113,33 @@ fn forward4(ctx: &SockAddrContext, connect: bool) -> i32 {
         return refuse(&service, proto, from_node, pod_links_covered);
     }
 
-    // checked_rem: no division-by-zero panic path for the verifier to reject (the count was
-    // checked above, but the compiler cannot always see it).
-    let Some(pick) = unsafe { bpf_get_prandom_u32() }.checked_rem(service.backends_count) else {
-        return ALLOW;
+    // An unconnected UDP socket keeps the endpoint it had for this service while that endpoint
+    // lasts; anything else gets a random one.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let pick_key = SockRevNatKey { cookie, addr: sa.user_ip4, port: key.port, _pad: 0 };
+    let sticky = !connect && proto == IPPROTO_UDP;
+    let earlier = if sticky { SOCK_PICKS.get_ptr(&pick_key).map(|b| unsafe { *b }) } else { None };
+    let backend = match earlier {
+        Some(b) if serves(&service, b.addr, b.port) => b,
+        _ => {
+            // checked_rem: no division-by-zero panic path for the verifier to reject (the count
+            // was checked above, but the compiler cannot always see it).
+            let Some(pick) = unsafe { bpf_get_prandom_u32() }.checked_rem(service.backends_count) else {
+                return ALLOW;
+            };
+            let slot = service.backends_start.wrapping_add(pick);
+            let Some(backend) = BACKENDS.get(slot) else {
+                count(counter::BAD_BACKEND_SLOT);
+                error!(ctx, "kpr: service {} points at backend slot {} outside the array", service.service_id, slot);
+                return ALLOW;
+            };
+            let backend = *backend;
+            if sticky {
+                let _ = SOCK_PICKS.insert(&pick_key, &backend, 0);
+            }
+            backend
+        }
     };
-    let slot = service.backends_start.wrapping_add(pick);
-    let Some(backend) = BACKENDS.get(slot) else {
-        count(counter::BAD_BACKEND_SLOT);
-        error!(ctx, "kpr: service {} points at backend slot {} outside the array", service.service_id, slot);
-        return ALLOW;
-    };
-    let backend = *backend;
     // A pod reaching itself through its service is masqueraded by kube-proxy (hairpin), which
     // connect() cannot do: leave it to the per-packet path on the pod's link.
     if !from_node && pod_links_covered && served_in_this_netns(ctx, proto, &backend) {
@@ -140,7 +155,6 @@ fn forward4(ctx: &SockAddrContext, connect: bool) -> i32 {
 
     // Remember what the application asked for, so getpeername/recvmsg can show it; a socket
     // sending to the same service again finds it there already (no write per datagram).
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let rev_key = SockRevNatKey { cookie, addr: backend.addr, port: backend.port, _pad: 0 };
     let rev_value = SockRevNatValue { addr: sa.user_ip4, port: key.port, _pad: 0, service_id: service.service_id };
     let known = SOCK_REVNAT.get_ptr(&rev_key).is_some_and(|v| unsafe { *v } == rev_value);

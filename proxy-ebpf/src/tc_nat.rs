@@ -35,7 +35,7 @@ use proxy_common::{
 };
 
 use crate::{
-    maps::{BACKENDS, CONNTRACK, LINKS, LOCAL_CIDRS, link_addr, NODE_ADDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss, count, refusal, service_range_miss},
+    maps::{BACKENDS, CONNTRACK, LINKS, LOCAL_CIDRS, link_addr, serves, NODE_ADDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss, count, refusal, service_range_miss},
     packet::*,
     tc_reject::{reject_tcp, reject_udp},
 };
@@ -469,28 +469,10 @@ fn mix(mut h: u32) -> u32 {
     h ^ (h >> 16)
 }
 
-/// Endpoints a SYN's old flow is checked against, at most (larger services: trusted).
-const STALE_SCAN: u32 = 64;
-
 /// The flow's endpoint is no longer one of its frontend's endpoints (or the frontend is gone).
 #[inline(always)]
 fn stale(ctx: &TcContext, t: &Tuple, entry: &CtValue) -> bool {
-    let Some(service) = lookup_frontend(t, source_scope(ctx, t)) else { return true };
-    if service.backends_count > STALE_SCAN {
-        return false;
-    }
-    for i in 0..STALE_SCAN {
-        if i >= service.backends_count {
-            break;
-        }
-        if let Some(b) = BACKENDS.get(service.backends_start.wrapping_add(i))
-            && b.addr == entry.dst_addr
-            && b.port == entry.dst_port
-        {
-            return false;
-        }
-    }
-    true
+    lookup_frontend(t, source_scope(ctx, t)).is_none_or(|service| !serves(&service, entry.dst_addr, entry.dst_port))
 }
 
 #[inline(always)]

@@ -226,3 +226,36 @@ fn closed_sockets_leave_no_reverse_translation_behind() {
     drop(open);
     assert_eq!(revnat_entries(&h), before, "and the last one goes when it closes");
 }
+
+#[test]
+fn an_unconnected_udp_socket_stays_on_one_endpoint_while_it_lasts() {
+    let h = setup("kt-udpstick", &["pod-a", "pod-b", "pod-c"]);
+    // One socket, many datagrams (a QUIC or WireGuard exchange): one endpoint answers them all,
+    // as behind kube-proxy, where the flow's conntrack entry keeps it on one endpoint.
+    let socket = h.client(|| {
+        let socket = UdpSocket::bind("0.0.0.0:0").unwrap();
+        socket.set_read_timeout(Some(TIMEOUT)).unwrap();
+        socket
+    });
+    let ask = |socket: &UdpSocket| -> String {
+        socket.send_to(b"who", sa(IP, 53)).unwrap();
+        let mut buf = [0u8; 256];
+        let (n, from) = socket.recv_from(&mut buf).unwrap();
+        assert_eq!(from, SocketAddr::from(sa(IP, 53)), "answers come from the ClusterIP");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    let answers: std::collections::BTreeSet<String> = (0..30).map(|_| ask(&socket)).collect();
+    assert_eq!(answers.len(), 1, "one socket, one endpoint: {answers:?}");
+    // Other sockets still spread.
+    let others: std::collections::BTreeSet<String> = h.client(|| (0..60).map(|_| udp_ask(sa(IP, 53), TIMEOUT).unwrap().0).collect());
+    assert_eq!(others.len(), 3, "{others:?}");
+    // Its endpoint goes away: the socket's next datagram goes to one that is left, and stays.
+    let first = answers.into_iter().next().unwrap();
+    let gone = (0..3).find(|&i| h.pod_name(i) == first).unwrap();
+    let remaining: Vec<usize> = (0..3).filter(|&i| i != gone).collect();
+    h.write_endpoints("web", &[HTTP, DNS], &remaining).unwrap();
+    h.wait("10.96.0.10:53/UDP", Some(2)).unwrap();
+    let after: std::collections::BTreeSet<String> = (0..20).map(|_| ask(&socket)).collect();
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert!(!after.contains(&first), "the removed endpoint {first} no longer answers");
+}

@@ -200,6 +200,7 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .map_max_entries(map_names::SERVICES, cfg.max_service_ports)
         .map_max_entries(map_names::BACKENDS, cfg.max_backends)
         .map_max_entries(map_names::SOCK_REVNAT, cfg.max_sock_revnat)
+        .map_max_entries(map_names::SOCK_PICKS, cfg.max_sock_revnat)
         .map_max_entries(map_names::CONNTRACK, cfg.max_conntrack)
         .override_global("KPR_HAVE_SET_RETVAL", &have_set_retval, true)
         .override_global("KPR_HOST_NETNS_COOKIE", &host_netns, true)
