@@ -63,17 +63,20 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
     );
 
     let (tx, rx) = mpsc::channel(4096);
+    let node_name = cfg.node.name.clone();
     let source_task = match cfg.source {
         SourceConfig::Manifests(dir) => {
-            tokio::spawn(log_exit("manifests", source::manifests::run(dir, cfg.node.name.clone(), tx.clone())))
+            let tx = tx.clone();
+            tokio::spawn(supervise("manifests", move || source::manifests::run(dir.clone(), node_name.clone(), tx.clone())))
         }
         SourceConfig::Kube { kubeconfig } => {
             let client = source::kube::client(kubeconfig.as_deref()).await?;
             let cidrs = cfg.options.reject_unknown_ports;
-            tokio::spawn(log_exit("kubernetes", source::kube::run(client, cfg.node.name.clone(), cidrs, tx.clone())))
+            let tx = tx.clone();
+            tokio::spawn(supervise("kubernetes", move || source::kube::run(client.clone(), node_name.clone(), cidrs, tx.clone())))
         }
     };
-    let host_task = tokio::spawn(log_exit("host links", source::host::run(tx)));
+    let host_task = tokio::spawn(supervise("host links", move || source::host::run(tx.clone())));
     let sweep_task = tokio::spawn(conntrack::sweep_forever(cfg.datapath.pin_root.clone(), cfg.datapath.ct_timeouts));
     let serve_health = cfg.node.tc_links != TcLinks::Off;
     let mut syncer = Syncer::new(ClusterState::with_options(NodeInfo::default(), cfg.options), programmer, cfg.node);
@@ -90,9 +93,22 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
     Ok(())
 }
 
-async fn log_exit(name: &str, task: impl Future<Output = Result<()>>) {
-    if let Err(e) = task.await {
-        tracing::error!(source = name, "source stopped: {e:#}");
+/// Run a source until its receiver goes away; a source that fails (out of file descriptors,
+/// an inotify limit, ...) is logged and started again, backing off up to 30 s, so that one
+/// error never leaves the node without updates.
+async fn supervise<F, Fut>(name: &str, mut start: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<()>>,
+{
+    let mut backoff = Duration::from_secs(1);
+    loop {
+        match start().await {
+            Ok(()) => return,
+            Err(e) => tracing::error!(source = name, "source failed: {e:#}; restarting in {backoff:?}"),
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(30));
     }
 }
 

@@ -159,6 +159,7 @@ fn effective_config(args: &AgentArgs) -> Result<ProxyConfig> {
 
 async fn run_agent(args: AgentArgs) -> Result<()> {
     let config = effective_config(&args)?;
+    raise_fd_limit();
     let cgroup = match args.cgroup {
         Some(c) => c,
         None => bpf::cgroup2_root()?,
@@ -215,6 +216,21 @@ async fn run_agent(args: AgentArgs) -> Result<()> {
         min_sync_period: config.min_sync_period,
     };
     agent::run(cfg, shutdown_signal()).await
+}
+
+/// Raise the soft limit on open files to the hard limit (as Go programs such as kube-proxy
+/// do): watches, sockets and health check clients must not run the agent out of descriptors.
+fn raise_fd_limit() {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit read and write one rlimit.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max {
+            let raised = libc::rlimit { rlim_cur: limit.rlim_max, ..limit };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                tracing::debug!(from = limit.rlim_cur, to = limit.rlim_max, "raised the open files limit");
+            }
+        }
+    }
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
