@@ -231,7 +231,9 @@ impl Syncer {
     fn pending_until(&self) -> Option<Instant> {
         let waiting = self.node_dirty || (self.state.synced() && self.state.has_changes());
         let last = self.last_sync?;
-        waiting.then(|| last + self.min_sync_period)
+        let held = waiting.then(|| last + self.min_sync_period);
+        let retry = self.retry_due().map(|at| at.max(last + self.min_sync_period));
+        held.into_iter().chain(retry).min()
     }
 
     /// Write what changed, once both initial lists are in and minSyncPeriod allows.
@@ -240,10 +242,20 @@ impl Syncer {
             return; // `run` comes back when the period is over
         }
         self.program_node(host);
-        if !self.state.synced() || !self.state.has_changes() {
+        let retry = self.retry_due().is_some_and(|at| at <= Instant::now());
+        if !self.state.synced() || !(self.state.has_changes() || retry) {
             return;
         }
         self.program_services(maps, None, started);
+    }
+
+    /// Service ports that did not fit are tried again when released backend slots leave
+    /// quarantine (they may fit then), not only at the next change or reconcile.
+    fn retry_due(&self) -> Option<Instant> {
+        if !self.programmer.has_failures() {
+            return None;
+        }
+        self.programmer.quarantine_ends()
     }
 
     /// Re-read the maps and rewrite whatever differs from the desired state (pending changes
@@ -292,7 +304,8 @@ impl Syncer {
     fn program_services(&mut self, maps: &mut dyn Maps, recovered: Option<Programmer>, started: Instant) {
         let pending = self.state.has_changes();
         let reconciling = recovered.is_some();
-        if let Some(programmer) = recovered {
+        if let Some(mut programmer) = recovered {
+            programmer.carry_quarantine(&self.programmer);
             self.programmer = programmer;
         }
         self.last_sync = Some(Instant::now());

@@ -68,11 +68,14 @@ impl Maps for FakeMaps {
 
     fn set_backends(&mut self, writes: &[(u32, Backend)]) -> Result<()> {
         for (slot, b) in writes {
-            if let Some((key, _)) = self
-                .services
-                .iter()
-                .find(|(_, v)| *slot >= v.backends_start && *slot < v.backends_start + v.backends_count)
-            {
+            // A live entry's slot may only be given one of that entry's own backends (a
+            // shrink in place): a connect reading it meanwhile still gets a backend it could
+            // have got before the change. Anything else would send it somewhere wrong.
+            let live = |v: &ServiceValue| *slot >= v.backends_start && *slot < v.backends_start + v.backends_count;
+            let own = |v: &ServiceValue| {
+                (v.backends_start..v.backends_start + v.backends_count).any(|i| self.backends.get(i as usize) == Some(&Some(*b)))
+            };
+            if let Some((key, _)) = self.services.iter().find(|(_, v)| live(v) && !own(v)) {
                 self.violations.push(format!("wrote slot {slot} while {key:?} uses it"));
             }
             match self.backends.get_mut(*slot as usize) {

@@ -165,15 +165,47 @@ impl Programmer {
         &self.programmed
     }
 
+    /// Take over `previous`'s released ranges still in quarantine (a reconcile rebuilds the
+    /// programmer from the maps, where those ranges look free).
+    pub fn carry_quarantine(&mut self, previous: &Programmer) {
+        self.slots.carry_quarantine(&previous.slots);
+    }
+
+    /// Some service ports could not be written at the last apply.
+    pub fn has_failures(&self) -> bool {
+        !self.failing.is_empty()
+    }
+
+    /// Released backend slots are reusable at once (tests; the default is
+    /// [`slots::QUARANTINE`]).
+    pub fn without_quarantine(mut self) -> Self {
+        self.slots.set_quarantine(std::time::Duration::ZERO);
+        self
+    }
+
+    /// When released backend slots become reusable (an apply then may succeed where one
+    /// failed for lack of room).
+    pub fn quarantine_ends(&self) -> Option<std::time::Instant> {
+        self.slots.quarantine_ends()
+    }
+
     /// Make the maps hold `desired`, writing only service ports that differ.
     ///
     /// Order: new backends go into fresh ranges of the backend array (one batch), then the
     /// service entries are switched to them (one batch; each entry is one atomic map update),
-    /// then the old ranges are released. Released ranges are reused only from the next `apply`
-    /// on, so a connect that read an old entry an instant before the switch still finds the old
-    /// backends in place. Removals go first so their room can be reused.
+    /// then the old ranges are released. Released ranges are reused only after
+    /// [`slots::QUARANTINE`], so a connect that read an old entry an instant before the switch
+    /// still finds the old backends in place. Removals go first so their room can be reused.
+    ///
+    /// A service is programmed whole or not at all: when one of its service ports finds no
+    /// room, none of its changes are written (a NodePort without its ClusterIP would be half a
+    /// service). Removing endpoints always succeeds, full maps or not: a service port whose
+    /// new backends are a subset of its old ones and finds no fresh range is rewritten in its
+    /// own range (remaining backends first, then the entry's count; a connect in between picks
+    /// among old and remaining backends, as it did before the change).
     pub fn apply(&mut self, desired: &Desired, maps: &mut dyn Maps) -> ApplyReport {
-        self.slots.end_quarantine();
+        let now = std::time::Instant::now();
+        self.slots.end_quarantine(now);
         let mut report = ApplyReport::default();
 
         let gone: Vec<ServiceKey> = self.programmed.keys().filter(|k| !desired.contains_key(k)).copied().collect();
@@ -186,7 +218,7 @@ impl Programmer {
                     }
                     flush_udp_flows(maps, &key, old.value.service_id, &old.backends);
                     self.used_ids.remove(&old.value.service_id);
-                    self.release_range(&old.value);
+                    self.release_range(&old.value, &ServiceValue { backends_count: 0, ..old.value });
                     report.removed += 1;
                 }
                 Err(e) => {
@@ -198,7 +230,7 @@ impl Programmer {
 
         // Reserve room and ids for every changed service port.
         let mut pending: Vec<Pending> = Vec::new();
-        let mut backend_writes: Vec<(u32, Backend)> = Vec::new();
+        let mut failed_services = BTreeSet::new();
         let mut new_entries = 0;
         for (key, want) in desired {
             let backends: Vec<Backend> = want.backends.iter().map(|(ip, port)| backend(*ip, *port)).collect();
@@ -209,11 +241,11 @@ impl Programmer {
                 continue;
             }
             let old_ranges = old.map(|p| p.source_ranges.clone()).unwrap_or_default();
+            let shrinking = old.is_some_and(|p| backends.iter().all(|b| p.backends.contains(b)));
             let old = old.map(|p| p.value);
-            match self.reserve(old, backends.len(), want.flags, new_entries) {
+            match self.reserve(old, backends.len(), want.flags, new_entries, shrinking) {
                 Ok(value) => {
                     new_entries += usize::from(old.is_none());
-                    backend_writes.extend((value.backends_start..).zip(backends.iter().copied()));
                     pending.push(Pending {
                         key: *key,
                         value,
@@ -226,9 +258,21 @@ impl Programmer {
                 Err(e) => {
                     report.failed += 1;
                     self.note_failure(key, want, &e);
+                    failed_services.insert(want.name.service.clone());
                 }
             }
         }
+        // Whole or not at all: the other ports of a service that could not be reserved give
+        // their reservations back and stay as they were.
+        let (pending, undone): (Vec<Pending>, Vec<Pending>) =
+            pending.into_iter().partition(|p| !failed_services.contains(&desired[&p.key].name.service));
+        for p in undone {
+            self.unreserve(&p);
+            report.failed += 1;
+            self.note_failure(&p.key, &desired[&p.key], &anyhow::anyhow!("another port of the service did not fit"));
+        }
+        let backend_writes: Vec<(u32, Backend)> =
+            pending.iter().flat_map(|p| (p.value.backends_start..).zip(p.backends.iter().copied())).collect();
         if pending.is_empty() {
             return report;
         }
@@ -256,7 +300,7 @@ impl Programmer {
         for (i, p) in pending.into_iter().enumerate() {
             if i < done {
                 if let Some(old) = p.old {
-                    self.release_range(&old);
+                    self.release_range(&old, &p.value);
                     report.updated += 1;
                     let before = self.programmed.get(&p.key).map(|o| o.backends.as_slice()).unwrap_or_default();
                     let removed: Vec<Backend> = before.iter().filter(|b| !p.backends.contains(b)).copied().collect();
@@ -275,12 +319,7 @@ impl Programmer {
                     .insert(p.key, Programmed { value: p.value, backends: p.backends, source_ranges: p.ranges });
             } else {
                 // Not written: give the reservation back; the old entry (if any) stays as it was.
-                if p.value.backends_count > 0 {
-                    self.slots.free(p.value.backends_start, p.value.backends_count);
-                }
-                if p.old.is_none() {
-                    self.used_ids.remove(&p.value.service_id);
-                }
+                self.unreserve(&p);
                 report.failed += 1;
                 let want = &desired[&p.key];
                 self.note_failure(&p.key, want, &anyhow::anyhow!("the map write failed"));
@@ -290,12 +329,15 @@ impl Programmer {
     }
 
     /// Room in the backend array and an id for a service port about to be (re)written.
+    /// `shrinking`: the new backends are a subset of the old ones, which may then be rewritten
+    /// in their own range when no fresh one is free.
     fn reserve(
         &mut self,
         old: Option<ServiceValue>,
         backends: usize,
         flags: u32,
         new_so_far: usize,
+        shrinking: bool,
     ) -> Result<ServiceValue> {
         if old.is_none() && self.programmed.len() + new_so_far >= self.capacity.service_ports as usize {
             bail!(
@@ -306,14 +348,16 @@ impl Programmer {
         let count = u32::try_from(backends)?;
         let start = if count == 0 {
             0
+        } else if let Some(start) = self.slots.alloc(count) {
+            start
+        } else if let Some(old) = old.filter(|o| shrinking && o.backends_count >= count) {
+            old.backends_start
         } else {
-            self.slots.alloc(count).ok_or_else(|| {
-                anyhow::anyhow!(
-                    "no room for {count} backends in the backend array ({} slots, {} free); raise --max-backends",
-                    self.capacity.backends,
-                    self.slots.free_slots()
-                )
-            })?
+            bail!(
+                "no room for {count} backends in the backend array ({} slots, {} free); raise --max-backends",
+                self.capacity.backends,
+                self.slots.free_slots()
+            );
         };
         let service_id = match old {
             Some(v) => v.service_id,
@@ -343,9 +387,28 @@ impl Programmer {
         id
     }
 
-    fn release_range(&mut self, value: &ServiceValue) {
-        if value.backends_count > 0 {
-            self.slots.quarantine(value.backends_start, value.backends_count);
+    /// Release `old`'s range now that the entry says `new`: all of it, or the tail past `new`'s
+    /// backends when `new` was rewritten in place.
+    fn release_range(&mut self, old: &ServiceValue, new: &ServiceValue) {
+        let now = std::time::Instant::now();
+        if new.backends_count > 0 && new.backends_start == old.backends_start {
+            let tail = old.backends_count - new.backends_count;
+            if tail > 0 {
+                self.slots.quarantine(old.backends_start + new.backends_count, tail, now);
+            }
+        } else if old.backends_count > 0 {
+            self.slots.quarantine(old.backends_start, old.backends_count, now);
+        }
+    }
+
+    /// Give back what `reserve` took for a port that is not written.
+    fn unreserve(&mut self, p: &Pending) {
+        let in_place = p.old.is_some_and(|o| p.value.backends_count > 0 && o.backends_start == p.value.backends_start);
+        if p.value.backends_count > 0 && !in_place {
+            self.slots.free(p.value.backends_start, p.value.backends_count);
+        }
+        if p.old.is_none() {
+            self.used_ids.remove(&p.value.service_id);
         }
     }
 }

@@ -1,11 +1,19 @@
 //! Allocation of contiguous ranges in the backend array (first fit, coalescing free list).
-use std::collections::BTreeMap;
+use std::{
+    collections::BTreeMap,
+    time::{Duration, Instant},
+};
+
+/// How long a released range stays unused: far longer than any program run that may have
+/// read the entry pointing at it an instant before the switch.
+pub const QUARANTINE: Duration = Duration::from_secs(1);
 
 pub struct SlotAllocator {
     /// start → length of each free range; ranges never touch (they are merged).
     free: BTreeMap<u32, u32>,
-    /// Released ranges not yet reusable (see `Programmer::apply`).
-    quarantined: Vec<(u32, u32)>,
+    /// Released ranges not yet reusable, with the time they were released.
+    quarantined: Vec<(u32, u32, Instant)>,
+    quarantine: Duration,
 }
 
 impl SlotAllocator {
@@ -14,7 +22,11 @@ impl SlotAllocator {
         if slots > 0 {
             free.insert(0, slots);
         }
-        Self { free, quarantined: Vec::new() }
+        Self { free, quarantined: Vec::new(), quarantine: QUARANTINE }
+    }
+
+    pub fn set_quarantine(&mut self, quarantine: Duration) {
+        self.quarantine = quarantine;
     }
 
     pub fn free_slots(&self) -> u64 {
@@ -63,13 +75,33 @@ impl SlotAllocator {
         self.free.insert(start, len);
     }
 
-    pub fn quarantine(&mut self, start: u32, len: u32) {
-        self.quarantined.push((start, len));
+    pub fn quarantine(&mut self, start: u32, len: u32, now: Instant) {
+        self.quarantined.push((start, len, now));
     }
 
-    pub fn end_quarantine(&mut self) {
-        for (start, len) in std::mem::take(&mut self.quarantined) {
-            self.free(start, len);
+    /// Free the ranges released at least the quarantine before `now`.
+    pub fn end_quarantine(&mut self, now: Instant) {
+        for (start, len, since) in std::mem::take(&mut self.quarantined) {
+            if now.duration_since(since) >= self.quarantine {
+                self.free(start, len);
+            } else {
+                self.quarantined.push((start, len, since));
+            }
+        }
+    }
+
+    /// When the next quarantined range becomes free.
+    pub fn quarantine_ends(&self) -> Option<Instant> {
+        self.quarantined.iter().map(|&(_, _, since)| since + self.quarantine).min()
+    }
+
+    /// Keep `other`'s quarantine (an allocator rebuilt from the maps sees those ranges free:
+    /// nothing refers to them any more).
+    pub fn carry_quarantine(&mut self, other: &SlotAllocator) {
+        for &(start, len, since) in &other.quarantined {
+            if self.claim(start, len) {
+                self.quarantined.push((start, len, since));
+            }
         }
     }
 }
@@ -104,12 +136,19 @@ mod tests {
     }
 
     #[test]
-    fn quarantined_ranges_wait() {
+    fn quarantined_ranges_wait_their_time() {
         let mut s = SlotAllocator::new(4);
+        let t0 = Instant::now();
         assert_eq!(s.alloc(4), Some(0));
-        s.quarantine(0, 4);
-        assert_eq!(s.alloc(1), None);
-        s.end_quarantine();
-        assert_eq!(s.alloc(4), Some(0));
+        s.quarantine(0, 4, t0);
+        s.end_quarantine(t0);
+        assert_eq!(s.alloc(1), None, "not free right after release");
+        assert_eq!(s.quarantine_ends(), Some(t0 + QUARANTINE));
+        // A rebuilt allocator keeps the quarantine.
+        let mut rebuilt = SlotAllocator::new(4);
+        rebuilt.carry_quarantine(&s);
+        assert_eq!(rebuilt.alloc(1), None);
+        rebuilt.end_quarantine(t0 + QUARANTINE);
+        assert_eq!(rebuilt.alloc(4), Some(0));
     }
 }

@@ -74,7 +74,7 @@ fn unchanged_services_are_not_rewritten() {
 #[test]
 fn full_maps_skip_the_service_and_keep_the_old_state() {
     let mut maps = FakeMaps::new(Capacity { service_ports: 2, backends: 5 });
-    let mut p = Programmer::recover(&mut maps).unwrap();
+    let mut p = Programmer::recover(&mut maps).unwrap().without_quarantine();
     let r = p.apply(&desired(&[(1, &[1, 2]), (2, &[3, 4]), (3, &[5])]), &mut maps);
     assert_eq!((r.added, r.failed), (2, 1), "third service port does not fit the services map");
     assert_eq!(visible(&maps, 3), None);
@@ -172,4 +172,49 @@ fn udp_flows_of_removed_endpoints_are_flushed_tcp_flows_are_not() {
     );
     p.apply(&desired(&[(1, &[1])]), &mut maps);
     assert_eq!(maps.flushed.len(), 2, "deleting the UDP service flushes its flows");
+}
+
+#[test]
+fn released_slots_wait_out_the_quarantine() {
+    let mut maps = FakeMaps::new(Capacity { service_ports: 4, backends: 4 });
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    p.apply(&desired(&[(1, &[1, 2, 3, 4])]), &mut maps);
+    p.apply(&desired(&[]), &mut maps);
+    let r = p.apply(&desired(&[(2, &[5])]), &mut maps);
+    assert_eq!(r.failed, 1, "the removed service's slots may still be read by a connect in flight");
+    assert!(p.has_failures() && p.quarantine_ends().is_some(), "a retry is due when the quarantine ends");
+    std::thread::sleep(super::slots::QUARANTINE);
+    assert_eq!(p.apply(&desired(&[(2, &[5])]), &mut maps).added, 1);
+    assert!(maps.violations.is_empty(), "{:?}", maps.violations);
+}
+
+#[test]
+fn removing_endpoints_succeeds_with_a_full_backend_array() {
+    let mut maps = FakeMaps::new(Capacity { service_ports: 4, backends: 4 });
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    p.apply(&desired(&[(1, &[1, 2, 3, 4])]), &mut maps);
+    // No free slot for a fresh range of 2: the remaining endpoints are rewritten in place.
+    let r = p.apply(&desired(&[(1, &[2, 4])]), &mut maps);
+    assert_eq!((r.updated, r.failed), (1, 0), "{r:?}");
+    assert_eq!(visible(&maps, 1), Some(vec![2, 4]), "the removed endpoints get no new connections");
+    assert!(maps.violations.is_empty(), "{:?}", maps.violations);
+    // The tail is released (after its quarantine): a new one-endpoint service fits.
+    let mut p = Programmer::recover(&mut maps).unwrap().without_quarantine();
+    assert_eq!(p.apply(&desired(&[(1, &[2, 4]), (2, &[7])]), &mut maps).added, 1);
+    assert_eq!(visible(&maps, 2), Some(vec![7]));
+}
+
+#[test]
+fn a_service_is_programmed_whole_or_not_at_all() {
+    let mut maps = FakeMaps::new(Capacity { service_ports: 8, backends: 3 });
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    // Two ports of one service (as a ClusterIP and its NodePort): 2 + 2 slots, 3 available.
+    let mut d = desired(&[(1, &[1, 2])]);
+    let mut node_port = port(1, &[1, 2]);
+    node_port.name.port = "np".into();
+    d.insert(key(2), node_port);
+    let r = p.apply(&d, &mut maps);
+    assert_eq!((r.added, r.failed), (0, 2), "{r:?}");
+    assert_eq!((visible(&maps, 1), visible(&maps, 2)), (None, None), "neither half is programmed");
+    assert!(maps.violations.is_empty(), "{:?}", maps.violations);
 }
