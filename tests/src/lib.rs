@@ -37,6 +37,8 @@ pub struct Harness {
     pub manifests: PathBuf,
     /// When set, the agent watches the API server of this kubeconfig instead of `manifests`.
     pub kubeconfig: Option<PathBuf>,
+    /// When set, the agent's `--cgroup` instead of `cgroup`.
+    pub agent_cgroup: Option<PathBuf>,
     pub topology: Topology,
 }
 
@@ -53,7 +55,7 @@ impl Harness {
         let mut cgroup = Cgroup::new(&name)?;
         cgroup.enter()?;
         let pin_root = PathBuf::from(format!("/sys/fs/bpf/{name}"));
-        Ok(Self { name, agent: None, cgroup, pin_root, manifests, kubeconfig: None, topology })
+        Ok(Self { name, agent: None, cgroup, pin_root, manifests, kubeconfig: None, agent_cgroup: None, topology })
     }
 
     pub fn log_path(&self) -> PathBuf {
@@ -71,7 +73,7 @@ impl Harness {
             .arg("agent")
             .args(source)
             .arg("--cgroup")
-            .arg(&self.cgroup.path)
+            .arg(self.agent_cgroup.as_ref().unwrap_or(&self.cgroup.path))
             .arg("--pin-root")
             .arg(&self.pin_root)
             .args(["--node-name", "test-node", "--max-service-ports", "1024", "--max-backends", "4096"])

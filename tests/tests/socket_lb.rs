@@ -259,3 +259,41 @@ fn an_unconnected_udp_socket_stays_on_one_endpoint_while_it_lasts() {
     assert_eq!(after.len(), 1, "{after:?}");
     assert!(!after.contains(&first), "the removed endpoint {first} no longer answers");
 }
+
+/// kpr's socket programs attached to `cgroup` (bpftool's view).
+fn kpr_hooks_on(cgroup: &std::path::Path) -> usize {
+    let out = std::process::Command::new("bpftool").args(["cgroup", "show"]).arg(cgroup).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.contains("kpr_")).count()
+}
+
+#[test]
+fn restarts_reconcile_pinned_hooks_with_the_layout_and_the_cgroup() {
+    let mut h = setup("kt-relink", &["pod-a"]);
+    let hooks = kpr_hooks_on(&h.cgroup.path);
+    assert!(hooks >= 4, "connect4, sendmsg4, recvmsg4, getpeername4 (and sock_release): {hooks}");
+
+    // An upgrade to a new pin layout: the old version's links must not keep running first on
+    // maps nobody updates. (The current pins, renamed, play the old version.)
+    h.kill_agent().unwrap();
+    let current = kpr::datapath::bpf::pin_dir(&h.pin_root);
+    let old = h.pin_root.join("v1");
+    std::fs::rename(&current, &old).unwrap();
+    h.start_agent().unwrap();
+    h.wait("10.96.0.10:80/TCP", Some(1)).unwrap();
+    assert!(!old.exists(), "the old layout's pins are removed");
+    assert_eq!(kpr_hooks_on(&h.cgroup.path), hooks, "one set of hooks, not two");
+    assert_eq!(tcp_spread(&h, 10).len(), 1);
+
+    // A restart with another --cgroup moves the hooks there.
+    h.kill_agent().unwrap();
+    let other = kpr::testbed::Cgroup::new(&format!("{}-b", h.name)).unwrap();
+    h.agent_cgroup = Some(other.path.clone());
+    h.start_agent().unwrap();
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    while kpr_hooks_on(&other.path) < hooks && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(kpr_hooks_on(&other.path), hooks, "the hooks are on the new cgroup");
+    assert_eq!(kpr_hooks_on(&h.cgroup.path), 0, "and no longer on the old one");
+    h.kill_agent().unwrap();
+}

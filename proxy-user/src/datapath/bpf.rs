@@ -236,6 +236,7 @@ impl BpfDatapath {
             File::open(&cfg.cgroup).with_context(|| format!("failed to open cgroup {}", cfg.cgroup.display()))?;
         start_ebpf_logger(&mut ebpf);
 
+        let cgroup_id = fs::metadata(&cfg.cgroup).map(|m| std::os::unix::fs::MetadataExt::ino(&m)).ok();
         for name in HOOKS {
             let prog: &mut CgroupSockAddr = ebpf
                 .program_mut(name)
@@ -243,13 +244,18 @@ impl BpfDatapath {
                 .try_into()?;
             prog.load().with_context(|| format!("the verifier rejected `{name}`"))?;
             let link_path = dir.join(format!("link_{name}"));
-            if link_path.exists() {
-                // A previous agent's link: swap our program in, keeping the attachment.
-                let link: FdLink = PinnedLink::from_pin(&link_path)
-                    .with_context(|| format!("failed to open pinned link {}", link_path.display()))?
-                    .into();
-                let link = CgroupSockAddrLink::try_from(link)?;
-                prog.attach_to_link(link).with_context(|| format!("failed to update link of `{name}`"))?;
+            // A previous agent's link: swap our program in, keeping the attachment, when it is
+            // attached where it should be; else (another --cgroup, a cgroup that is gone, a
+            // link that does not take the program) attach anew and drop it.
+            let reused = link_path.exists()
+                && match reuse_cgroup_link(prog, &link_path, cgroup_id) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::warn!(program = name, "not reusing the pinned link: {e:#}; attaching anew");
+                        false
+                    }
+                };
+            if reused {
                 tracing::debug!(program = name, "replaced the program in the pinned link");
             } else {
                 // bpf_link_create takes no attach flags: a cgroup link always coexists with
@@ -258,6 +264,9 @@ impl BpfDatapath {
                     .attach(&cgroup, CgroupAttachMode::Single)
                     .with_context(|| format!("failed to attach `{name}` to {}", cfg.cgroup.display()))?;
                 let link: FdLink = prog.take_link(id)?.try_into()?;
+                if link_path.exists() {
+                    fs::remove_file(&link_path).with_context(|| format!("failed to remove {}", link_path.display()))?;
+                }
                 link.pin(&link_path).with_context(|| format!("failed to pin {}", link_path.display()))?;
                 tracing::debug!(program = name, cgroup = %cfg.cgroup.display(), "attached and pinned");
             }
@@ -276,11 +285,95 @@ impl BpfDatapath {
 
         let maps = BpfMaps::take_from(&mut ebpf, cfg)?;
         let host = BpfHost::take_from(ebpf, dir)?;
+        remove_other_layouts(&cfg.pin_root);
         Ok(Self { maps, host })
     }
 }
 
 const TC_PROGRAMS: [&str; 2] = [program_names::TC_INGRESS, program_names::TC_EGRESS];
+
+/// Swap `prog` into the cgroup link pinned at `path`, if that link is attached to the cgroup
+/// `cgroup_id` (the inode of the cgroup2 directory).
+fn reuse_cgroup_link(prog: &mut CgroupSockAddr, path: &Path, cgroup_id: Option<u64>) -> Result<()> {
+    let attached_to = pinned_link_cgroup_id(path);
+    let link: FdLink = PinnedLink::from_pin(path).with_context(|| format!("failed to open pinned link {}", path.display()))?.into();
+    if cgroup_id.is_some() && attached_to != cgroup_id {
+        bail!("it is attached to another cgroup (id {attached_to:?}, want {cgroup_id:?})");
+    }
+    prog.attach_to_link(CgroupSockAddrLink::try_from(link)?).context("failed to update the link")?;
+    Ok(())
+}
+
+/// The cgroup the link pinned at `path` is attached to (BPF_OBJ_GET, then
+/// BPF_OBJ_GET_INFO_BY_FD); None when it is not a live cgroup link.
+fn pinned_link_cgroup_id(path: &Path) -> Option<u64> {
+    #[repr(C)]
+    struct GetAttr {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+    }
+    const BPF_OBJ_GET: libc::c_long = 7;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    let mut attr = GetAttr { pathname: c_path.as_ptr() as u64, bpf_fd: 0, file_flags: 0 };
+    // SAFETY: the kernel reads the path and returns a new fd (or -1).
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, &raw mut attr, size_of::<GetAttr>()) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: a fresh fd we own.
+    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+    link_cgroup_id(fd.as_fd())
+}
+
+fn link_cgroup_id(fd: BorrowedFd<'_>) -> Option<u64> {
+    #[repr(C)]
+    struct InfoAttr {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    // struct bpf_link_info: type, id, prog_id, then (8-aligned) the cgroup union member.
+    #[repr(C)]
+    #[derive(Default)]
+    struct LinkInfoCgroup {
+        kind: u32,
+        id: u32,
+        prog_id: u32,
+        _pad: u32,
+        cgroup_id: u64,
+        attach_type: u32,
+        _rest: [u32; 9],
+    }
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    const BPF_LINK_TYPE_CGROUP: u32 = 3;
+    let mut info = LinkInfoCgroup::default();
+    let mut attr = InfoAttr { bpf_fd: fd.as_raw_fd() as u32, info_len: size_of::<LinkInfoCgroup>() as u32, info: (&raw mut info) as u64 };
+    // SAFETY: the kernel writes at most info_len bytes into `info`.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET_INFO_BY_FD, &raw mut attr, size_of::<InfoAttr>()) };
+    (rc == 0 && info.kind == BPF_LINK_TYPE_CGROUP && info.cgroup_id != 0).then_some(info.cgroup_id)
+}
+
+/// Pin directories of other layout versions (an upgrade or a downgrade): their programs would
+/// keep running first, on maps nobody updates. Unpinning their links detaches them (once no
+/// agent of that version holds them); their maps go with their last user.
+fn remove_other_layouts(pin_root: &Path) {
+    let current = pin_dir(pin_root);
+    let Ok(entries) = fs::read_dir(pin_root) else { return };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let name = entry.file_name();
+        let is_layout = name.to_str().is_some_and(|n| n.len() > 1 && n.starts_with('v') && n[1..].bytes().all(|b| b.is_ascii_digit()));
+        if !is_layout || path == current {
+            continue;
+        }
+        let removed = fs::read_dir(&path)
+            .map(|files| files.flatten().filter(|f| fs::remove_file(f.path()).is_ok()).count())
+            .unwrap_or(0);
+        let _ = fs::remove_dir(&path);
+        tracing::warn!(dir = %path.display(), removed, "removed the pins of another kpr layout version (its programs are detached)");
+    }
+}
 
 /// The socket release hook (cleans up after sockets). Its link cannot take a new program in
 /// place: a previous agent's is replaced by a new one.
