@@ -35,7 +35,7 @@ pub enum SourceConfig {
     /// A directory of manifests.
     Manifests(PathBuf),
     /// The Kubernetes API; `None` infers the config (in-cluster, or `KUBECONFIG`).
-    Kube { kubeconfig: Option<PathBuf> },
+    Kube { kubeconfig: Option<PathBuf>, master: Option<String> },
 }
 
 pub struct AgentConfig {
@@ -69,8 +69,18 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
             let tx = tx.clone();
             tokio::spawn(supervise("manifests", move || source::manifests::run(dir.clone(), node_name.clone(), tx.clone())))
         }
-        SourceConfig::Kube { kubeconfig } => {
-            let client = source::kube::client(kubeconfig.as_deref()).await?;
+        SourceConfig::Kube { kubeconfig, master } => {
+            let config = source::kube::config(kubeconfig.as_deref(), master.as_deref()).await?;
+            // The API server must be reachable without kpr (after a reboot nothing is
+            // programmed until kpr has synced): not through a Service kpr has not programmed.
+            let programmed: std::collections::BTreeSet<(u32, u16)> =
+                datapath.maps.services()?.into_iter().map(|(k, _)| (k.addr, k.port)).collect();
+            let service_host = std::env::var("KUBERNETES_SERVICE_HOST").ok();
+            let is_programmed = |ip: std::net::Ipv4Addr, port: u16| programmed.contains(&(u32::from(ip).to_be(), port.to_be()));
+            if let Some(problem) = source::kube::bootstrap_problem(&config.cluster_url, service_host.as_deref(), is_programmed) {
+                anyhow::bail!("{problem}");
+            }
+            let client = kube::Client::try_from(config)?;
             let cidrs = cfg.options.reject_unknown_ports;
             let tx = tx.clone();
             tokio::spawn(supervise("kubernetes", move || source::kube::run(client.clone(), node_name.clone(), cidrs, tx.clone())))

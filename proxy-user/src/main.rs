@@ -57,6 +57,11 @@ struct AgentArgs {
     /// in-cluster config or KUBECONFIG].
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
+    /// The API server's address, overriding the kubeconfig's (kube-proxy's --master). In a
+    /// pod without a kubeconfig, give this or a kubeconfig: the in-cluster address is the
+    /// `kubernetes` Service, which kpr itself has to program first.
+    #[arg(long)]
+    master: Option<String>,
     /// cgroup2 directory whose sockets are load-balanced [default: the cgroup2 root].
     #[arg(long)]
     cgroup: Option<PathBuf>,
@@ -188,7 +193,7 @@ async fn run_agent(args: AgentArgs) -> Result<()> {
     datapath.nft_service_range = nftables;
     let source = match args.manifests {
         Some(dir) => SourceConfig::Manifests(dir),
-        None => SourceConfig::Kube { kubeconfig: config.kubeconfig.clone() },
+        None => SourceConfig::Kube { kubeconfig: config.kubeconfig.clone(), master: args.master.clone() },
     };
     let name = match config.hostname_override.clone().or_else(|| std::env::var("NODE_NAME").ok()) {
         Some(n) => n,

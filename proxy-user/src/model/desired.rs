@@ -452,9 +452,17 @@ impl ClusterState {
             }
         }
 
+        // Two services claiming one frontend (an externalIP or LoadBalancer IP another service
+        // already has): the older service keeps it (creationTimestamp, then namespace/name),
+        // so a newcomer cannot take an address by its name.
         let mut desired = Desired::new();
         let mut conflicts = BTreeSet::new();
-        for (owner, entries) in &self.entries {
+        let mut owners: Vec<(&ObjectKey, &Vec<(ServiceKey, DesiredPort)>)> = self.entries.iter().collect();
+        owners.sort_by_key(|(owner, _)| {
+            let created = self.services.get(*owner).and_then(|s| s.metadata.creation_timestamp.clone()).map(|t| t.0);
+            (created.is_none(), created, (*owner).clone())
+        });
+        for (owner, entries) in owners {
             for (key, port) in entries {
                 if let Some(winner) = desired.get(key) {
                     // Every frontend has a pod-scope entry: one report per frontend.
@@ -580,6 +588,26 @@ mod tests {
         assert_eq!(d.len(), 6, "two ports, three scopes each");
         assert_eq!(st.skips.conflicts, 2);
         assert_eq!(st.skips.objects, 1);
+    }
+
+    #[test]
+    fn the_older_service_keeps_a_contested_address() {
+        let mut st = ClusterState::new(NodeInfo::default());
+        let created = |svc: &mut Service, at: &str| {
+            svc.metadata.creation_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at.parse().unwrap()));
+        };
+        let mut owner = web("10.96.0.10");
+        owner.metadata.namespace = Some("zz-owner".into());
+        created(&mut owner, "2026-01-01T00:00:00Z");
+        // A newer service in a namespace that sorts first claims the same address.
+        let mut newcomer = web("10.96.0.10");
+        newcomer.metadata.namespace = Some("aa-newcomer".into());
+        created(&mut newcomer, "2026-06-01T00:00:00Z");
+        st.replace_services(vec![newcomer, owner]);
+        st.replace_slices(vec![]);
+        let d = st.desired();
+        let key = service_key("10.96.0.10".parse().unwrap(), 80, Protocol::Tcp).unwrap();
+        assert_eq!(d[&key].name.service, ObjectKey::new("zz-owner", "web"), "the earlier owner keeps it");
     }
 
     #[test]

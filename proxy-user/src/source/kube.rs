@@ -20,9 +20,10 @@ use tokio::sync::mpsc;
 use super::SourceEvent;
 use crate::model::{ObjectKey, node::NodeObject, service::PROXY_LABEL_SELECTOR};
 
-/// A client from a kubeconfig file, or in-cluster / `KUBECONFIG` inference when none is given.
-pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
-    let config = match kubeconfig {
+/// The client configuration: a kubeconfig file, or in-cluster / `KUBECONFIG` inference when
+/// none is given; `master` overrides the API server's address (kube-proxy's `--master`).
+pub async fn config(kubeconfig: Option<&Path>, master: Option<&str>) -> Result<Config> {
+    let mut config = match kubeconfig {
         Some(path) => {
             let kc =
                 Kubeconfig::read_from(path).with_context(|| format!("failed to read kubeconfig {}", path.display()))?;
@@ -30,7 +31,58 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
         }
         None => Config::infer().await.context("no kubeconfig and not running in a cluster")?,
     };
-    Ok(Client::try_from(config)?)
+    if let Some(master) = master {
+        config.cluster_url = master.parse().with_context(|| format!("--master {master:?} is not a URL"))?;
+    }
+    Ok(config)
+}
+
+/// A client (see [`config`]).
+pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
+    Ok(Client::try_from(config(kubeconfig, None).await?)?)
+}
+
+/// Why the API server at `url` cannot be reached before kpr has programmed anything: it is the
+/// `kubernetes` Service's ClusterIP (`KUBERNETES_SERVICE_HOST`, as in-cluster configuration
+/// gives it) and `programmed` says no service entry translates it yet (after a reboot).
+pub fn bootstrap_problem(
+    url: &http::Uri,
+    service_host: Option<&str>,
+    programmed: impl Fn(std::net::Ipv4Addr, u16) -> bool,
+) -> Option<String> {
+    let host = url.host()?.trim_start_matches('[').trim_end_matches(']');
+    let ip: std::net::Ipv4Addr = host.parse().ok()?;
+    if service_host != Some(host) {
+        return None;
+    }
+    let port = url.port_u16().unwrap_or(443);
+    if programmed(ip, port) {
+        return None; // a restart: the pinned datapath still translates it
+    }
+    Some(format!(
+        "the API server address {url} is the `kubernetes` Service, which nothing translates until kpr has \
+         synced (a deadlock after a reboot): give kpr a direct address of the API server with \
+         --master https://<control-plane>:6443 or a kubeconfig (clientConnection.kubeconfig; \
+         kubeadm's kube-proxy ConfigMap has one)"
+    ))
+}
+
+#[cfg(test)]
+mod bootstrap_tests {
+    use super::bootstrap_problem;
+
+    #[test]
+    fn the_kubernetes_service_is_no_way_to_reach_the_api_server_before_kpr() {
+        let url: http::Uri = "https://10.96.0.1:443".parse().unwrap();
+        let nothing = |_, _| false;
+        let programmed = |ip: std::net::Ipv4Addr, port| ip.octets() == [10, 96, 0, 1] && port == 443;
+        let problem = bootstrap_problem(&url, Some("10.96.0.1"), nothing).expect("a deadlock after a reboot");
+        assert!(problem.contains("--master"), "{problem}");
+        assert_eq!(bootstrap_problem(&url, Some("10.96.0.1"), programmed), None, "a restart on the pinned datapath");
+        let direct: http::Uri = "https://192.168.0.10:6443".parse().unwrap();
+        assert_eq!(bootstrap_problem(&direct, Some("10.96.0.1"), nothing), None, "a direct address");
+        assert_eq!(bootstrap_problem(&url, None, nothing), None, "not in a pod");
+    }
 }
 
 /// Watch Services, EndpointSlices and this node's Node (and, when `service_cidrs`, the
