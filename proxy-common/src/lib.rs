@@ -112,6 +112,10 @@ pub const LINK_SERVICE_SOURCE: u32 = u32::MAX;
 /// this link local (detectLocalMode BridgeInterface / InterfaceNamePrefix).
 pub const LINK_FLAG_LOCAL_TRAFFIC: u32 = 1;
 
+/// `LinkInfo::flags`: kpr turned `accept_local` on for this link (it was off), and turns it
+/// off again when it leaves the link (`kpr cleanup`, a link no longer selected).
+pub const LINK_FLAG_ACCEPT_LOCAL_SET: u32 = 2;
+
 /// Value of `KPR_LINKS` (key: ifindex; ifindex 0 holds the fallback): what the per-packet path
 /// needs to know about a link.
 #[repr(C)]

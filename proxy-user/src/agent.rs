@@ -52,6 +52,7 @@ pub struct AgentConfig {
 /// Run until `shutdown` completes. The pinned datapath stays in place on exit, like kube-proxy's
 /// rules: `kpr cleanup` removes it.
 pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result<()> {
+    let _lock = crate::datapath::bpf::AgentLock::acquire(&cfg.datapath.pin_root)?;
     let mut datapath = BpfDatapath::load(&cfg.datapath)?;
     let programmer = Programmer::recover(&mut datapath.maps)?;
     tracing::info!(

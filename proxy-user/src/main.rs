@@ -30,10 +30,14 @@ enum Command {
         #[arg(long, default_value = "/sys/fs/bpf/kpr")]
         pin_root: PathBuf,
     },
-    /// Detach kpr and remove its pinned maps (like `kube-proxy --cleanup`).
+    /// Detach kpr and remove its pinned maps (like `kube-proxy --cleanup`); turns accept_local
+    /// off where kpr turned it on.
     Cleanup {
         #[arg(long, default_value = "/sys/fs/bpf/kpr")]
         pin_root: PathBuf,
+        /// Even while an agent runs on the pin root.
+        #[arg(long)]
+        force: bool,
     },
     /// The built-in demo: pods in network namespaces behind a ClusterIP, on this machine only.
     Demo {
@@ -130,7 +134,13 @@ async fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Agent(args) => run_agent(args).await,
         Command::Services { pin_root } => show_services(&pin_root),
-        Command::Cleanup { pin_root } => {
+        Command::Cleanup { pin_root, force } => {
+            if bpf::AgentLock::held(&pin_root) && !force {
+                anyhow::bail!(
+                    "a kpr agent is running on {}: stop it first (or --force, which leaves the node without service translation)",
+                    pin_root.display()
+                );
+            }
             bpf::cleanup(&pin_root)?;
             println!("removed kpr's pins under {}", pin_root.display());
             Ok(())

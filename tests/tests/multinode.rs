@@ -370,3 +370,32 @@ fn udp_flows_move_off_a_removed_endpoint() {
     // pod-b still runs, but the flow was flushed with its endpoint: the next datagram goes to pod-a.
     assert_eq!(ask(&socket), "pod-a");
 }
+
+#[test]
+fn cleanup_waits_for_the_agent_and_undoes_what_kpr_changed_on_the_node() {
+    let mut c = Cluster::new("km-clean").unwrap();
+    c.write("svc.yaml", &service("Cluster", 30080, &[(c.nodes[1].pod_ip, "node-b")]));
+    c.wait("*:30080/TCP ext", 1);
+    let node = &c.nodes[0];
+    let accept_local = |ns: &Netns| ns.run(|| std::fs::read_to_string("/proc/sys/net/ipv4/conf/eth0/accept_local").unwrap().trim().to_owned()).unwrap();
+    assert_eq!(accept_local(&node.netns), "1", "kpr turns accept_local on where it masquerades");
+    let cleanup = |node: &Node| {
+        let mut cmd = Command::new(kpr_tests::kpr_bin());
+        cmd.arg("cleanup").arg("--pin-root").arg(&node.pins);
+        node.netns.exec_in(&mut cmd).unwrap();
+        cmd.output().unwrap()
+    };
+    let refused = cleanup(node);
+    assert!(!refused.status.success(), "cleanup refuses while the agent runs");
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("agent is running"), "{}", String::from_utf8_lossy(&refused.stderr));
+    assert!(node.pins.exists(), "and leaves the datapath alone");
+
+    let mut agent = c.nodes[0].agent.take().unwrap();
+    agent.kill().unwrap();
+    agent.wait().unwrap();
+    let node = &c.nodes[0];
+    let done = cleanup(node);
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    assert!(!node.pins.exists(), "the pins are gone");
+    assert_eq!(accept_local(&node.netns), "0", "accept_local is back to what it was");
+}

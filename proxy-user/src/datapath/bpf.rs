@@ -82,6 +82,49 @@ impl DatapathConfig {
     }
 }
 
+/// A pin root someone else created (or can write) could hand kpr maps and links it does not
+/// control: refuse it.
+fn check_owner(pin_root: &Path) -> Result<()> {
+    use std::os::unix::fs::MetadataExt as _;
+    let Ok(meta) = fs::metadata(pin_root) else { return Ok(()) }; // created below, by us
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me {
+        bail!("the pin root {} belongs to uid {}, not to this agent (uid {me}); remove it or choose another --pin-root", pin_root.display(), meta.uid());
+    }
+    if meta.mode() & 0o022 != 0 {
+        bail!("the pin root {} can be written by others (mode {:o}); remove it or choose another --pin-root", pin_root.display(), meta.mode() & 0o777);
+    }
+    Ok(())
+}
+
+/// Held while an agent runs on a pin root (an abstract unix socket, released with the
+/// process): `kpr cleanup` refuses to pull the datapath from under a running agent.
+pub struct AgentLock(#[allow(dead_code)] std::os::unix::net::UnixListener);
+
+impl AgentLock {
+    fn name(pin_root: &Path) -> Vec<u8> {
+        format!("kpr-agent:{}", pin_root.display()).into_bytes()
+    }
+
+    pub fn acquire(pin_root: &Path) -> Result<Self> {
+        use std::os::linux::net::SocketAddrExt as _;
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(Self::name(pin_root))?;
+        match std::os::unix::net::UnixListener::bind_addr(&addr) {
+            Ok(l) => Ok(Self(l)),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+                bail!("another kpr agent runs on {} (in this network namespace)", pin_root.display())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// An agent holds the lock of `pin_root`.
+    pub fn held(pin_root: &Path) -> bool {
+        Self::acquire(pin_root).is_err()
+    }
+}
+
 /// The seed of the per-packet path's flow hash: the same for every agent of this boot (a
 /// restarted agent re-creates lost flows as they were), unknown off the node.
 pub fn flow_hash_seed() -> u32 {
@@ -186,8 +229,11 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         bail!("this kpr binary was built without its eBPF object (AYA_BUILD_SKIP); rebuild with `cargo xtask build`");
     }
     let dir = pin_dir(&cfg.pin_root);
+    check_owner(&cfg.pin_root)?;
     fs::create_dir_all(&dir)
         .with_context(|| format!("failed to create the pin directory {} (is bpffs mounted?)", dir.display()))?;
+    fs::set_permissions(&cfg.pin_root, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+        .with_context(|| format!("failed to restrict {}", cfg.pin_root.display()))?;
     // bpf_set_retval (ECONNREFUSED for services without endpoints) exists from 5.18 on.
     let have_set_retval = u8::from(KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(5, 18, 0)));
     let host_netns = netns_cookie().unwrap_or(0);
@@ -354,6 +400,40 @@ fn link_cgroup_id(fd: BorrowedFd<'_>) -> Option<u64> {
     (rc == 0 && info.kind == BPF_LINK_TYPE_CGROUP && info.cgroup_id != 0).then_some(info.cgroup_id)
 }
 
+/// Links whose `KPR_LINKS` entry says kpr turned accept_local on.
+fn links_with_accept_local_set<T: std::borrow::Borrow<MapData>>(links: &HashMap<T, u32, LinkInfo>) -> BTreeSet<u32> {
+    links
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(_, info)| info.flags & proxy_common::LINK_FLAG_ACCEPT_LOCAL_SET != 0)
+        .map(|(ifindex, _)| ifindex)
+        .collect()
+}
+
+/// Turn accept_local off on link `ifindex` (if it still exists).
+fn reset_accept_local(ifindex: u32) {
+    let mut name = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: if_indextoname writes at most IF_NAMESIZE bytes.
+    if unsafe { libc::if_indextoname(ifindex, name.as_mut_ptr()) }.is_null() {
+        return; // the link is gone, and its setting with it
+    }
+    let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+    let sysctl = format!("/proc/sys/net/ipv4/conf/{name}/accept_local");
+    match fs::write(&sysctl, "0") {
+        Ok(()) => tracing::info!(interface = %name, "accept_local turned off again"),
+        Err(e) => tracing::warn!(interface = %name, "failed to reset {sysctl}: {e}"),
+    }
+}
+
+/// `kpr cleanup`: undo what kpr changed on the node's links.
+fn restore_accept_local(dir: &Path) {
+    let Ok(map) = MapData::from_pin(dir.join(map_names::LINKS)) else { return };
+    let Ok(links) = HashMap::<_, u32, LinkInfo>::try_from(Map::HashMap(map)) else { return };
+    for ifindex in links_with_accept_local_set(&links) {
+        reset_accept_local(ifindex);
+    }
+}
+
 /// Pin directories of other layout versions (an upgrade or a downgrade): their programs would
 /// keep running first, on maps nobody updates. Unpinning their links detaches them (once no
 /// agent of that version holds them); their maps go with their last user.
@@ -409,6 +489,8 @@ pub struct BpfHost {
     service_cidrs: LpmTrie<MapData, CidrKey, u8>,
     /// ifindex → name of the links that hold kpr's per-packet programs.
     attached: BTreeMap<u32, String>,
+    /// Links where kpr turned `accept_local` on (kept in `KPR_LINKS` across restarts).
+    accept_local_set: BTreeSet<u32>,
 }
 
 impl BpfHost {
@@ -418,7 +500,8 @@ impl BpfHost {
         let links = HashMap::try_from(take(map_names::LINKS)?)?;
         let local_cidrs = LpmTrie::try_from(take(map_names::LOCAL_CIDRS)?)?;
         let service_cidrs = LpmTrie::try_from(take(map_names::SERVICE_CIDRS)?)?;
-        Ok(Self { ebpf, dir, node_addrs, links, local_cidrs, service_cidrs, attached: BTreeMap::new() })
+        let accept_local_set = links_with_accept_local_set(&links);
+        Ok(Self { ebpf, dir, node_addrs, links, local_cidrs, service_cidrs, attached: BTreeMap::new(), accept_local_set })
     }
 
     fn tc_pin(&self, program: &str, ifindex: u32) -> PathBuf {
@@ -430,8 +513,13 @@ impl BpfHost {
         // Masquerade rewrites the source to the node's own address before routing; the
         // kernel drops such "martian" packets unless the interface accepts local sources.
         let sysctl = format!("/proc/sys/net/ipv4/conf/{name}/accept_local");
-        if let Err(e) = fs::write(&sysctl, "1") {
-            tracing::warn!(interface = %name, "failed to set {sysctl}: {e}; masqueraded flows may be dropped");
+        if fs::read_to_string(&sysctl).is_ok_and(|v| v.trim() == "0") {
+            match fs::write(&sysctl, "1") {
+                Ok(()) => {
+                    self.accept_local_set.insert(ifindex);
+                }
+                Err(e) => tracing::warn!(interface = %name, "failed to set {sysctl}: {e}; masqueraded flows may be dropped"),
+            }
         }
         for (program, attach_type) in [(TC_PROGRAMS[0], TcAttachType::Ingress), (TC_PROGRAMS[1], TcAttachType::Egress)] {
             let link_path = self.tc_pin(program, ifindex);
@@ -460,8 +548,12 @@ impl BpfHost {
         Ok(())
     }
 
-    /// Detach from a link (gone, or no longer selected) by dropping its pinned links.
+    /// Detach from a link (gone, or no longer selected) by dropping its pinned links, and turn
+    /// accept_local off again if kpr turned it on.
     fn detach_link(&mut self, ifindex: u32) {
+        if self.accept_local_set.remove(&ifindex) {
+            reset_accept_local(ifindex);
+        }
         for program in TC_PROGRAMS {
             let path = self.tc_pin(program, ifindex);
             if let Ok(pinned) = PinnedLink::from_pin(&path) {
@@ -476,6 +568,15 @@ impl BpfHost {
     }
 
     /// Pinned tc links of earlier runs, by ifindex.
+    /// The plan's link entries, with the links where kpr set accept_local marked.
+    fn links_marked(&self, links: &BTreeMap<u32, LinkInfo>) -> BTreeMap<u32, LinkInfo> {
+        let mut links = links.clone();
+        for ifindex in &self.accept_local_set {
+            links.entry(*ifindex).or_default().flags |= proxy_common::LINK_FLAG_ACCEPT_LOCAL_SET;
+        }
+        links
+    }
+
     fn pinned_links(&self) -> BTreeSet<u32> {
         let prefix = format!("link_{}_if", TC_PROGRAMS[0]);
         fs::read_dir(&self.dir)
@@ -491,7 +592,8 @@ impl HostDatapath for BpfHost {
         // Maps first: a newly attached link must find its addresses and flags.
         let want: BTreeMap<u32, u32> = plan.node_addrs.iter().map(|(a, f)| (u32::from(*a).to_be(), *f)).collect();
         sync_hash(&mut self.node_addrs, &want)?;
-        sync_hash(&mut self.links, &plan.links)?;
+        let links = self.links_marked(&plan.links);
+        sync_hash(&mut self.links, &links)?;
         sync_lpm(&mut self.local_cidrs, &plan.local_cidrs)?;
         sync_lpm(&mut self.service_cidrs, &plan.service_cidrs)?;
 
@@ -523,6 +625,9 @@ impl HostDatapath for BpfHost {
                 Err(e) => tracing::warn!(interface = %name, "{e:#}"),
             }
         }
+        // Remember where accept_local is ours to turn off again.
+        let links = self.links_marked(&plan.links);
+        sync_hash(&mut self.links, &links)?;
         Ok(())
     }
 }
@@ -751,6 +856,7 @@ pub fn read_counters(pin_root: &Path) -> Result<Vec<(&'static str, u64)>> {
 /// the maps. What `kube-proxy --cleanup` is to iptables rules.
 pub fn cleanup(pin_root: &Path) -> Result<()> {
     let dir = pin_dir(pin_root);
+    restore_accept_local(&dir);
     if !dir.exists() {
         return Ok(());
     }

@@ -391,7 +391,7 @@ impl Programmer {
     /// backends when `new` was rewritten in place.
     fn release_range(&mut self, old: &ServiceValue, new: &ServiceValue) {
         let now = std::time::Instant::now();
-        if new.backends_count > 0 && new.backends_start == old.backends_start {
+        if in_place(old, new) {
             let tail = old.backends_count - new.backends_count;
             if tail > 0 {
                 self.slots.quarantine(old.backends_start + new.backends_count, tail, now);
@@ -403,7 +403,7 @@ impl Programmer {
 
     /// Give back what `reserve` took for a port that is not written.
     fn unreserve(&mut self, p: &Pending) {
-        let in_place = p.old.is_some_and(|o| p.value.backends_count > 0 && o.backends_start == p.value.backends_start);
+        let in_place = p.old.is_some_and(|o| in_place(&o, &p.value));
         if p.value.backends_count > 0 && !in_place {
             self.slots.free(p.value.backends_start, p.value.backends_count);
         }
@@ -411,6 +411,15 @@ impl Programmer {
             self.used_ids.remove(&p.value.service_id);
         }
     }
+}
+
+/// `new` was written into `old`'s own range (a shrink in place). A fresh range never starts
+/// where a live one does, so sharing the start (with backends in both) says it.
+fn in_place(old: &ServiceValue, new: &ServiceValue) -> bool {
+    old.backends_count > 0
+        && new.backends_count > 0
+        && new.backends_start == old.backends_start
+        && new.backends_count <= old.backends_count
 }
 
 /// UDP has no connection end: as kube-proxy deletes the conntrack entries of UDP flows whose

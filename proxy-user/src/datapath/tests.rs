@@ -218,3 +218,17 @@ fn a_service_is_programmed_whole_or_not_at_all() {
     assert_eq!((visible(&maps, 1), visible(&maps, 2)), (None, None), "neither half is programmed");
     assert!(maps.violations.is_empty(), "{:?}", maps.violations);
 }
+
+#[test]
+fn a_service_without_endpoints_gets_some_and_moves_them() {
+    // An entry with no backends has range start 0; a fresh range at 0 is not "in place".
+    let mut maps = FakeMaps::new(Capacity { service_ports: 4, backends: 4 });
+    let mut p = Programmer::recover(&mut maps).unwrap().without_quarantine();
+    p.apply(&desired(&[(1, &[])]), &mut maps);
+    assert_eq!(p.apply(&desired(&[(1, &[2])]), &mut maps).updated, 1);
+    assert_eq!(p.apply(&desired(&[(1, &[3])]), &mut maps).updated, 1);
+    assert_eq!(visible(&maps, 1), Some(vec![3]));
+    assert_eq!(p.apply(&desired(&[(1, &[])]), &mut maps).updated, 1);
+    assert_eq!(p.apply(&desired(&[(1, &[1, 2, 3, 4])]), &mut maps).updated, 1, "all four slots free again");
+    assert!(maps.violations.is_empty(), "{:?}", maps.violations);
+}
