@@ -141,6 +141,8 @@ pub struct Syncer {
     node_dirty: bool,
     last_sync: Option<Instant>,
     synced_once: bool,
+    /// A full list was applied: give the memory it took back to the system after the sync.
+    release_memory: bool,
 }
 
 impl Syncer {
@@ -158,6 +160,7 @@ impl Syncer {
             node_dirty: true,
             last_sync: None,
             synced_once: false,
+            release_memory: false,
         }
     }
 
@@ -200,6 +203,11 @@ impl Syncer {
 
     /// Take in one event.
     pub fn apply(&mut self, event: SourceEvent) {
+        let full_list = matches!(
+            event,
+            SourceEvent::ServicesListed(_) | SourceEvent::SlicesListed(_) | SourceEvent::ManifestsLoaded { .. }
+        );
+        self.release_memory |= full_list;
         match event {
             SourceEvent::ServicesListed(all) => self.state.replace_services(all),
             SourceEvent::SlicesListed(all) => self.state.replace_slices(all),
@@ -341,6 +349,20 @@ impl Syncer {
                 "datapath updated"
             );
         }
+        if std::mem::take(&mut self.release_memory) {
+            release_free_memory();
+        }
+    }
+}
+
+/// Return the allocator's free memory to the system: a full list (thousands of objects parsed,
+/// then mostly dropped) would otherwise leave the peak behind for good (glibc keeps freed
+/// heap unless asked).
+fn release_free_memory() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only releases free memory.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }
 

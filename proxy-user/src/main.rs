@@ -263,6 +263,10 @@ async fn shutdown_signal() {
 }
 
 fn show_services(pin_root: &std::path::Path) -> Result<()> {
-    print!("{}", kpr::status::render(pin_root)?);
-    Ok(())
+    use std::io::Write as _;
+    match std::io::stdout().lock().write_all(kpr::status::render(pin_root)?.as_bytes()) {
+        // `kpr services | head`: the reader has what it wanted.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => Ok(r?),
+    }
 }

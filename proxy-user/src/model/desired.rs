@@ -340,7 +340,8 @@ impl ClusterState {
         !self.dirty.is_empty()
     }
 
-    pub fn apply_service(&mut self, svc: Service) {
+    pub fn apply_service(&mut self, mut svc: Service) {
+        slim(&mut svc.metadata);
         let Some(key) = service::object_key(&svc.metadata) else {
             self.skip("Service", "<unnamed>", &Skip::Unnamed);
             return;
@@ -357,7 +358,8 @@ impl ClusterState {
         }
     }
 
-    pub fn apply_slice(&mut self, slice: EndpointSlice) {
+    pub fn apply_slice(&mut self, mut slice: EndpointSlice) {
+        slim(&mut slice.metadata);
         let Some(key) = service::object_key(&slice.metadata) else {
             self.skip("EndpointSlice", "<unnamed>", &Skip::Unnamed);
             return;
@@ -504,6 +506,21 @@ impl ClusterState {
     fn skip(&mut self, kind: &str, name: &str, reason: &Skip) {
         self.skips.objects += 1;
         tracing::warn!(kind, name, "skipped: {reason}");
+    }
+}
+
+/// What the model never reads of an object's metadata, dropped on arrival: it is most of an
+/// object's size as the API serves it (managedFields, kubectl's last-applied copy), and the
+/// bookkeeping fields (resourceVersion, uid, generation) would make an unchanged object look
+/// changed.
+fn slim(meta: &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) {
+    meta.managed_fields = None;
+    meta.resource_version = None;
+    meta.uid = None;
+    meta.generation = None;
+    meta.owner_references = None;
+    if let Some(annotations) = &mut meta.annotations {
+        annotations.remove("kubectl.kubernetes.io/last-applied-configuration");
     }
 }
 
