@@ -399,3 +399,42 @@ fn cleanup_waits_for_the_agent_and_undoes_what_kpr_changed_on_the_node() {
     assert!(!node.pins.exists(), "the pins are gone");
     assert_eq!(accept_local(&node.netns), "0", "accept_local is back to what it was");
 }
+
+#[test]
+fn a_program_attached_after_kpr_still_sees_what_kpr_does_not_translate() {
+    let c = Cluster::new("km-chain").unwrap();
+    c.write("svc.yaml", &service("Cluster", 30080, &[(c.nodes[1].pod_ip, "node-b")]));
+    c.wait("*:30080/TCP ext", 1);
+    // Another program after kpr's on node-a's link (a CNI's, a monitor's): a second instance
+    // of kpr's own ingress program on maps of its own, which counts the IP fragments it sees.
+    let pins = PathBuf::from(format!("/sys/fs/bpf/{}", testbed::unique_name("km-chain2")));
+    let cfg = bpf::DatapathConfig::new(pins.clone(), "/nonexistent".into());
+    let second = c.nodes[0]
+        .netns
+        .run(move || -> Result<aya::Ebpf> {
+            let mut ebpf = bpf::open_object(&cfg)?;
+            let prog: &mut aya::programs::SchedClassifier =
+                ebpf.program_mut(proxy_common::program_names::TC_INGRESS).context("program")?.try_into()?;
+            prog.load()?;
+            prog.attach(c"eth0", aya::programs::TcAttachType::Ingress)?; // appended after kpr's
+            Ok(ebpf)
+        })
+        .unwrap()
+        .unwrap();
+    let fragments_seen = || bpf::read_counters(&pins).unwrap()[proxy_common::counter::TC_PASSED_UNSUPPORTED as usize].1;
+    assert_eq!(fragments_seen(), 0);
+    // A datagram larger than the link's MTU reaches node-a in fragments, which kpr does not
+    // translate: the program after it must see them.
+    let ip = c.nodes[0].ip;
+    c.ext(move || {
+        let socket = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        socket.send_to(&[0u8; 4000], SocketAddrV4::new(ip, 9)).unwrap();
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(fragments_seen() >= 3, "the program after kpr saw the fragments: {}", fragments_seen());
+    // And kpr still translates what is its own.
+    let (name, _) = c.ext(move || tcp_ask_peer(SocketAddrV4::new(ip, 30080), TIMEOUT).unwrap());
+    assert_eq!(name, "pod-b");
+    drop(second);
+    let _ = bpf::cleanup(&pins);
+}

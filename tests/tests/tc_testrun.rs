@@ -463,6 +463,18 @@ fn icmp_errors_about_a_translated_flow_are_translated_back() {
     // An ICMP error about an unknown flow passes untouched.
     let stranger = icmp_error(POD, NODE_IP, 3, 3, [0; 4], &tcp(NODE_IP, 1, POD, 2).bytes()[14..]);
     assert_eq!(rig.ingress(&stranger).1, stranger);
+
+    // The other way: a router on the client's side cannot forward the backend's large reply
+    // (as the node sent it on: from the NodePort to the client) and says so to the node. The
+    // backend gets it, quoting its reply as it sent it (to the masquerade address and port),
+    // so that its path MTU drops.
+    let router = Ipv4Addr::new(10, 0, 0, 254);
+    let reply_as_sent = Pkt { tcp_flags: 0x10, ..tcp(POD, 8080, NODE_IP, nat_port) };
+    let reply_as_forwarded = Pkt { src: NODE_IP, sport: 30080, dst: CLIENT, dport: 40020, ..reply_as_sent };
+    let error = icmp_error(router, NODE_IP, 3, 4, [0, 0, 0x05, 0x00], &reply_as_forwarded.bytes()[14..]);
+    let (verdict, out) = rig.ingress(&error);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(out, icmp_error(router, POD, 3, 4, [0, 0, 0x05, 0x00], &reply_as_sent.bytes()[14..]), "to the backend, about its own packet");
 }
 
 #[test]
