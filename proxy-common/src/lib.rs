@@ -18,6 +18,7 @@ pub mod map_names {
     pub const BACKENDS: &str = "KPR_BACKENDS";
     pub const SOCK_REVNAT: &str = "KPR_SOCK_REVNAT";
     pub const SOCK_PICKS: &str = "KPR_SOCK_PICKS";
+    pub const FRAGMENTS: &str = "KPR_FRAGMENTS";
     pub const COUNTERS: &str = "KPR_COUNTERS";
     pub const CONNTRACK: &str = "KPR_CONNTRACK";
     pub const NODE_ADDRS: &str = "KPR_NODE_ADDRS";
@@ -344,6 +345,18 @@ impl CtTimeouts {
     }
 }
 
+/// Key of `KPR_FRAGMENTS`: an IPv4 datagram in fragments, as its first fragment arrived
+/// (addresses and id as in the packet).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FragmentKey {
+    pub src_addr: u32,
+    pub dst_addr: u32,
+    pub id: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+
 /// Data of a `KPR_SOURCE_RANGES` LPM key: the prefix length covers all of `service_id` (32
 /// bits) plus the CIDR's bits of `addr`.
 #[repr(C)]
@@ -381,7 +394,8 @@ pub mod counter {
     pub const TC_SNAT_EXHAUSTED: u32 = 9;
     /// tc: conntrack entry could not be stored: dropped (the flow could not be reversed).
     pub const TC_CT_FULL: u32 = 10;
-    /// tc: IPv4 fragment or header with options: passed untranslated.
+    /// tc: a packet the per-packet path cannot translate (IP options; a later fragment whose
+    /// first fragment was not seen): passed untranslated.
     pub const TC_PASSED_UNSUPPORTED: u32 = 11;
     /// Socket path: a connection left to the per-packet path (`SERVICE_FLAG_SOCKET_SKIP`, or a
     /// pod reaching itself through its service).
@@ -396,8 +410,10 @@ pub mod counter {
     pub const TC_CT_HEALED: u32 = 15;
     /// tc: an expired flow was removed on the packet path (its tuple or SNAT port reused).
     pub const TC_CT_EXPIRED: u32 = 16;
+    /// tc: a later fragment of a translated datagram got its first fragment's addresses.
+    pub const TC_FRAGMENT_TRANSLATED: u32 = 17;
     /// Number of counters.
-    pub const COUNT: u32 = 17;
+    pub const COUNT: u32 = 18;
     /// Names for display, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -417,6 +433,7 @@ pub mod counter {
         "tc_ct_recreated",
         "tc_ct_healed",
         "tc_ct_expired",
+        "tc_fragment_translated",
     ];
 }
 
@@ -429,6 +446,7 @@ const _: () = assert!(size_of::<CtKey>() == 16);
 const _: () = assert!(size_of::<CtValue>() == 32);
 const _: () = assert!(size_of::<CtTimeouts>() == 48);
 const _: () = assert!(size_of::<SourceRange>() == 8);
+const _: () = assert!(size_of::<FragmentKey>() == 12);
 const _: () = assert!(size_of::<LinkInfo>() == 8);
 const _: () = assert!(size_of::<CidrKey>() == 4);
 
@@ -444,6 +462,7 @@ mod pod {
     unsafe impl aya::Pod for super::CtValue {}
     unsafe impl aya::Pod for super::CtTimeouts {}
     unsafe impl aya::Pod for super::SourceRange {}
+    unsafe impl aya::Pod for super::FragmentKey {}
     unsafe impl aya::Pod for super::LinkInfo {}
     unsafe impl aya::Pod for super::CidrKey {}
 }

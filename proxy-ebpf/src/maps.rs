@@ -6,7 +6,7 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    Backend, CtKey, CtValue, LinkInfo, CidrKey, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
+    Backend, CtKey, CtValue, FragmentKey, LinkInfo, CidrKey, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
     SourceRange, counter, defaults,
 };
 
@@ -43,6 +43,11 @@ pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray
 /// Per-packet conntrack: a packet's 5-tuple → its rewrite. LRU: idle flows age out.
 #[btf_map(name = "KPR_CONNTRACK", pin_by_name)]
 pub static CONNTRACK: LruHashMap<CtKey, CtValue, { defaults::MAX_CONNTRACK as usize }> = LruHashMap::new();
+
+/// Datagrams in fragments: the first fragment's rewrite, for the later ones (which carry no
+/// ports). LRU: a datagram's fragments arrive within milliseconds.
+#[btf_map(name = "KPR_FRAGMENTS", pin_by_name)]
+pub static FRAGMENTS: LruHashMap<FragmentKey, CtValue, 8192> = LruHashMap::new();
 
 /// This node's addresses (IPv4, network byte order) → `NODE_ADDR_*` bits: local ("from the
 /// node" sources) and where NodePorts are served.

@@ -11,10 +11,12 @@
 //! sweeps the rest. The backend and SNAT port of a new flow are a hash of its tuple, so a TCP
 //! connection whose entries were evicted is re-created as it was by its next segment.
 //!
+//! A datagram in fragments is translated whole: the first fragment (with the ports) as any
+//! packet, the later ones with the addresses it got (`KPR_FRAGMENTS`).
+//!
 //! Packets the program does not translate go on to the next program of the hook
 //! (`TC_ACT_UNSPEC`: a CNI's or observability program attached after kpr still sees them);
-//! packets it does not understand (not IPv4, IP options, fragments, other protocols) are also
-//! counted. The program never fails a packet it did not translate.
+//! packets it does not understand (not IPv4, IP options, other protocols) are also counted. The program never fails a packet it did not translate.
 use aya_ebpf::{
     EbpfContext as _, Global,
     bindings::{
@@ -28,14 +30,14 @@ use aya_ebpf::{
 };
 use network_types::{eth::EtherType, ip::Ipv4Hdr};
 use proxy_common::{
-    Backend, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, DETECT_LOCAL_INTERFACE, IPPROTO_TCP, IPPROTO_UDP,
+    Backend, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, FragmentKey, DETECT_LOCAL_INTERFACE, IPPROTO_TCP, IPPROTO_UDP,
     LINK_FLAG_LOCAL_TRAFFIC, CidrKey, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
     SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN,
     ServiceKey, ServiceValue, SourceRange, counter, ct,
 };
 
 use crate::{
-    maps::{BACKENDS, CONNTRACK, LINKS, LOCAL_CIDRS, link_addr, serves, NODE_ADDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss, count, refusal, service_range_miss},
+    maps::{BACKENDS, CONNTRACK, FRAGMENTS, LINKS, LOCAL_CIDRS, link_addr, serves, NODE_ADDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss, count, refusal, service_range_miss},
     packet::*,
     tc_reject::{reject_tcp, reject_udp},
 };
@@ -84,6 +86,8 @@ pub struct Tuple {
     pub sport: u16,
     pub dport: u16,
     pub proto: u8,
+    /// The first fragment of a datagram in fragments: its IP id (as in the packet).
+    pub first_fragment: Option<u16>,
 }
 
 /// The Ethernet type, IPv4 header and L4 ports, read straight from the packet (no helper
@@ -114,7 +118,13 @@ fn headers(ctx: &TcContext) -> Option<Headers> {
 #[inline(always)]
 fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     let Some(h) = headers(ctx) else {
-        return Ok(PASS);
+        // Shorter than Ethernet + IPv4 + ports: only a datagram's last fragment may be.
+        return match ctx.load::<Ipv4Hdr>(IP_OFF) {
+            Ok(ip) if ctx.load::<u16>(12) == Ok(EtherType::Ipv4 as u16) && ip.vihl == 0x45 && u16::from_be_bytes(ip.frags) & 0x1fff != 0 => {
+                later_fragment(ctx, &ip)
+            }
+            _ => Ok(PASS),
+        };
     };
     if h.eth_type != EtherType::Ipv4 as u16 {
         return Ok(PASS);
@@ -126,10 +136,14 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     if ip.proto != IPPROTO_TCP && ip.proto != IPPROTO_UDP {
         return Ok(PASS);
     }
-    if ip.vihl != 0x45 || u16::from_be_bytes(ip.frags) & 0x3fff != 0 {
-        // IP options or a fragment: ports are not where we look (or not there at all).
+    if ip.vihl != 0x45 {
+        // IP options: the ports are not where we look.
         count(counter::TC_PASSED_UNSUPPORTED);
         return Ok(PASS);
+    }
+    let frags = u16::from_be_bytes(ip.frags);
+    if frags & 0x1fff != 0 {
+        return later_fragment(ctx, &ip);
     }
     let ports = h.ports;
     let t = Tuple {
@@ -138,6 +152,7 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
         sport: ports[0],
         dport: ports[1],
         proto: ip.proto,
+        first_fragment: (frags & 0x2000 != 0).then_some(u16::from_ne_bytes(ip.id)),
     };
 
     let key = ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto);
@@ -480,9 +495,37 @@ fn ct_key(src_addr: u32, dst_addr: u32, src_port: u16, dst_port: u16, proto: u8)
     CtKey { src_addr, dst_addr, src_port, dst_port, proto, _pad: [0; 3] }
 }
 
-/// Rewrite addresses and ports to `to`, fixing the IP and L4 checksums incrementally.
+/// A later fragment (no ports) of a datagram whose first fragment was translated: the same
+/// addresses (its IP checksum only: the L4 checksum is in the first fragment). A fragment
+/// of anything else passes untouched.
+#[inline(always)]
+fn later_fragment(ctx: &TcContext, ip: &Ipv4Hdr) -> Result<i32, ()> {
+    let (saddr, daddr) = (u32::from_ne_bytes(ip.src_addr), u32::from_ne_bytes(ip.dst_addr));
+    let key = FragmentKey { src_addr: saddr, dst_addr: daddr, id: u16::from_ne_bytes(ip.id), proto: ip.proto, _pad: 0 };
+    let Some(to) = FRAGMENTS.get_ptr(&key) else {
+        count(counter::TC_PASSED_UNSUPPORTED);
+        return Ok(PASS);
+    };
+    // SAFETY: valid for this program run.
+    let to = unsafe { *to };
+    for (off, old, new) in [(IP_SRC_OFF, saddr, to.src_addr), (IP_DST_OFF, daddr, to.dst_addr)] {
+        if old != new {
+            ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(old), u64::from(new), 4).map_err(drop)?;
+            ctx.store(off, &new, 0).map_err(drop)?;
+        }
+    }
+    count(counter::TC_FRAGMENT_TRANSLATED);
+    Ok(TC_ACT_OK)
+}
+
+/// Rewrite addresses and ports to `to`, fixing the IP and L4 checksums incrementally; the
+/// first fragment of a datagram leaves its rewrite for the later ones.
 #[inline(always)]
 fn rewrite(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()> {
+    if let Some(id) = t.first_fragment {
+        let key = FragmentKey { src_addr: t.saddr, dst_addr: t.daddr, id, proto: t.proto, _pad: 0 };
+        let _ = FRAGMENTS.insert(&key, to, 0);
+    }
     let (csum_off, l4_flags) = if t.proto == IPPROTO_TCP {
         (TCP_CSUM_OFF, 0)
     } else {

@@ -492,7 +492,8 @@ fn hairpin_is_masqueraded() {
 fn what_is_not_ours_passes_untouched_to_the_next_program() {
     let rig = Rig::new(&services());
     let other = tcp(CLIENT, 40009, Ipv4Addr::new(10, 244, 9, 9), 80);
-    let fragment = Pkt { frag: 0x2000, ..tcp(CLIENT, 40010, CLUSTER_IP, 80) };
+    // A later fragment (offset 128) of a datagram whose first fragment was never seen.
+    let fragment = Pkt { frag: 0x0010, ..tcp(CLIENT, 40010, CLUSTER_IP, 80) };
     let mut arp = tcp(CLIENT, 1, CLUSTER_IP, 80).bytes();
     arp[12..14].copy_from_slice(&[0x08, 0x06]);
     let truncated = tcp(CLIENT, 40011, CLUSTER_IP, 80).bytes()[..40].to_vec();
@@ -654,4 +655,60 @@ fn a_closed_connections_snat_port_goes_to_a_new_one_after_a_second() {
     std::thread::sleep(std::time::Duration::from_millis(1100));
     let (verdict, out) = rig.ingress(&next.bytes());
     assert_eq!((verdict, sport_of(&out)), (TC_ACT_OK, SNAT_PORT_MIN), "the closed connection's port is taken over");
+}
+
+/// A UDP datagram of `payload` in two fragments split after `first` payload bytes (a multiple
+/// of 8), with checksums computed from scratch over the whole datagram.
+fn udp_fragments(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, payload: &[u8], first: usize, id: u16) -> (Vec<u8>, Vec<u8>) {
+    let mut udp = Vec::new();
+    udp.extend_from_slice(&sport.to_be_bytes());
+    udp.extend_from_slice(&dport.to_be_bytes());
+    udp.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+    udp.extend_from_slice(&[0, 0]);
+    udp.extend_from_slice(payload);
+    let mut pseudo = Vec::new();
+    pseudo.extend_from_slice(&src.octets());
+    pseudo.extend_from_slice(&dst.octets());
+    pseudo.extend_from_slice(&[0, 17]);
+    pseudo.extend_from_slice(&(udp.len() as u16).to_be_bytes());
+    pseudo.extend_from_slice(&udp);
+    let c = csum(&pseudo, 0);
+    udp[6..8].copy_from_slice(&(if c == 0 { 0xffff } else { c }).to_be_bytes());
+    let split = 8 + first;
+    let frame = |data: &[u8], frags: u16| {
+        let mut ip = vec![0x45, 0];
+        ip.extend_from_slice(&((20 + data.len()) as u16).to_be_bytes());
+        ip.extend_from_slice(&id.to_be_bytes());
+        ip.extend_from_slice(&frags.to_be_bytes());
+        ip.extend_from_slice(&[64, 17, 0, 0]);
+        ip.extend_from_slice(&src.octets());
+        ip.extend_from_slice(&dst.octets());
+        let c = csum(&ip, 0);
+        ip[10..12].copy_from_slice(&c.to_be_bytes());
+        let mut out = vec![0xaa; 6];
+        out.extend_from_slice(&[0xbb; 6]);
+        out.extend_from_slice(&[0x08, 0x00]);
+        out.extend_from_slice(&ip);
+        out.extend_from_slice(data);
+        out
+    };
+    (frame(&udp[..split], 0x2000), frame(&udp[split..], (split / 8) as u16))
+}
+
+#[test]
+fn a_large_reply_in_fragments_is_translated_whole() {
+    let rig = Rig::new(&churn_services());
+    // A client's query through the masqueraded UDP NodePort 30053...
+    let query = udp(CLIENT, 5300, NODE_IP, 30053);
+    let (verdict, out) = rig.ingress(&query.bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    let nat_port = sport_of(&out);
+    // ...and the backend's answer, too large for one packet: two fragments, the second
+    // without ports. Both reach the client from the NodePort.
+    let answer: Vec<u8> = (0..1800u32).map(|i| (i % 251) as u8).collect();
+    let (first, second) = udp_fragments(POD, 5353, NODE_IP, nat_port, &answer, 1400, 0x4242);
+    let (expected_first, expected_second) = udp_fragments(NODE_IP, 30053, CLIENT, 5300, &answer, 1400, 0x4242);
+    assert_eq!(rig.ingress(&first), (TC_ACT_OK, expected_first), "first fragment: addresses, ports, checksums");
+    assert_eq!(rig.ingress(&second), (TC_ACT_OK, expected_second), "later fragment: the same addresses");
+    assert_eq!(rig.counter(counter::TC_FRAGMENT_TRANSLATED), 1);
 }
