@@ -21,6 +21,7 @@ pub mod map_names {
     pub const FRAGMENTS: &str = "KPR_FRAGMENTS";
     pub const COUNTERS: &str = "KPR_COUNTERS";
     pub const CONNTRACK: &str = "KPR_CONNTRACK";
+    pub const CT_NEW: &str = "KPR_CT_NEW";
     pub const NODE_ADDRS: &str = "KPR_NODE_ADDRS";
     pub const SOURCE_RANGES: &str = "KPR_SOURCE_RANGES";
     pub const LOCAL_CIDRS: &str = "KPR_LOCAL_CIDRS";

@@ -40,9 +40,18 @@ pub static SOCK_PICKS: LruHashMap<SockRevNatKey, Backend, { defaults::MAX_SOCK_R
 #[btf_map(name = "KPR_COUNTERS", pin_by_name)]
 pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();
 
-/// Per-packet conntrack: a packet's 5-tuple → its rewrite. LRU: idle flows age out.
+/// A conntrack table: a packet's 5-tuple → its rewrite (two entries per flow). LRU: when
+/// full, the least recently used flow goes.
+pub type FlowMap = LruHashMap<CtKey, CtValue, { defaults::MAX_CONNTRACK as usize }>;
+
+/// Per-packet conntrack of established flows (the backend has answered).
 #[btf_map(name = "KPR_CONNTRACK", pin_by_name)]
-pub static CONNTRACK: LruHashMap<CtKey, CtValue, { defaults::MAX_CONNTRACK as usize }> = LruHashMap::new();
+pub static CONNTRACK: FlowMap = LruHashMap::new();
+
+/// Per-packet conntrack of flows not answered yet, kept apart so that a flood of them can
+/// only evict each other.
+#[btf_map(name = "KPR_CT_NEW", pin_by_name)]
+pub static CT_NEW: FlowMap = LruHashMap::new();
 
 /// Datagrams in fragments: the first fragment's rewrite, for the later ones (which carry no
 /// ports). LRU: a datagram's fragments arrive within milliseconds.

@@ -37,7 +37,7 @@ use proxy_common::{
 };
 
 use crate::{
-    maps::{BACKENDS, CONNTRACK, FRAGMENTS, LINKS, LOCAL_CIDRS, link_addr, serves, NODE_ADDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss, count, refusal, service_range_miss},
+    maps::{BACKENDS, CONNTRACK, CT_NEW, FRAGMENTS, FlowMap, LINKS, LOCAL_CIDRS, link_addr, serves, NODE_ADDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss, count, refusal, service_range_miss},
     packet::*,
     tc_reject::{reject_tcp, reject_udp},
 };
@@ -158,7 +158,13 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     let key = ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto);
     let tcp_flags = if t.proto == IPPROTO_TCP { ctx.load::<u8>(TCP_FLAGS_OFF).unwrap_or(0) } else { 0 };
     let now = unsafe { bpf_ktime_get_ns() };
-    if let Some(entry_ptr) = CONNTRACK.get_ptr_mut(&key) {
+    // Established flows first; a flow not yet answered lives apart (`CT_NEW`), so that a flood
+    // of new flows (SYNs, spoofed segments) evicts only its own kind.
+    let found = match CONNTRACK.get_ptr_mut(&key) {
+        Some(entry_ptr) => Some((entry_ptr, true)),
+        None => CT_NEW.get_ptr_mut(&key).map(|entry_ptr| (entry_ptr, false)),
+    };
+    if let Some((entry_ptr, confirmed)) = found {
         // SAFETY: valid for this program run.
         let entry = unsafe { *entry_ptr };
         let syn = tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
@@ -171,7 +177,14 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
             // SYN after TIME_WAIT).
             forget(&key, &entry, t.proto);
         } else {
-            touch(&key, entry_ptr, &entry, seen_bits(&entry, tcp_flags), now);
+            let seen = seen_bits(&entry, tcp_flags);
+            if confirmed {
+                touch(&CONNTRACK, &key, entry_ptr, &entry, seen, now);
+            } else if seen & ct::SEEN_REPLY != 0 && tcp_flags & TCP_RST == 0 {
+                confirm(&key, &entry, seen, now);
+            } else {
+                touch(&CT_NEW, &key, entry_ptr, &entry, seen, now);
+            }
             rewrite(ctx, &t, &entry)?;
             count(counter::TC_CT_HIT);
             return Ok(TC_ACT_OK);
@@ -214,7 +227,7 @@ fn seen_bits(entry: &CtValue, tcp_flags: u8) -> u32 {
 /// Record a packet of a live flow: new state bits at once, the time at most every
 /// `REFRESH_NS`; both entries of the flow, putting back the other one if it was evicted.
 #[inline(always)]
-fn touch(key: &CtKey, entry_ptr: *mut CtValue, entry: &CtValue, seen: u32, now: u64) {
+fn touch(map: &FlowMap, key: &CtKey, entry_ptr: *mut CtValue, entry: &CtValue, seen: u32, now: u64) {
     let flags = entry.flags | seen;
     if flags == entry.flags && now.saturating_sub(entry.last_seen) < ct::REFRESH_NS {
         return;
@@ -226,35 +239,61 @@ fn touch(key: &CtKey, entry_ptr: *mut CtValue, entry: &CtValue, seen: u32, now: 
         (*entry_ptr).last_seen = now;
     }
     let pair_key = entry.pair_key(key.proto);
-    match CONNTRACK.get_ptr_mut(&pair_key) {
+    match map.get_ptr_mut(&pair_key) {
         Some(pair) => unsafe {
             (*pair).flags |= flags & ct::FLOW_BITS;
             (*pair).last_seen = now;
         },
         None => {
-            // The other entry's value is this entry's key, mirrored.
-            let pair = CtValue {
-                src_addr: key.dst_addr,
-                dst_addr: key.src_addr,
-                src_port: key.dst_port,
-                dst_port: key.src_port,
-                service_id: entry.service_id,
-                last_seen: now,
-                flags: (flags & ct::FLOW_BITS) | (!entry.flags & ct::REPLY),
-                _pad: 0,
-            };
-            if CONNTRACK.insert(&pair_key, &pair, u64::from(BPF_NOEXIST)).is_ok() {
+            if map.insert(&pair_key, &mirror(key, entry, flags, now), u64::from(BPF_NOEXIST)).is_ok() {
                 count(counter::TC_CT_HEALED);
             }
         }
     }
 }
 
+/// The other entry of the flow whose entry `key` → `entry` is: its value is this key, mirrored.
+#[inline(always)]
+fn mirror(key: &CtKey, entry: &CtValue, flags: u32, now: u64) -> CtValue {
+    CtValue {
+        src_addr: key.dst_addr,
+        dst_addr: key.src_addr,
+        src_port: key.dst_port,
+        dst_port: key.src_port,
+        service_id: entry.service_id,
+        last_seen: now,
+        flags: (flags & ct::FLOW_BITS) | (!entry.flags & ct::REPLY),
+        _pad: 0,
+    }
+}
+
+/// The backend answered a new flow: both its entries move to the established table.
+#[inline(always)]
+fn confirm(key: &CtKey, entry: &CtValue, seen: u32, now: u64) {
+    let flags = entry.flags | seen;
+    let pair_key = entry.pair_key(key.proto);
+    let this = CtValue { flags, last_seen: now, ..*entry };
+    let _ = CONNTRACK.insert(key, &this, 0);
+    let _ = CONNTRACK.insert(&pair_key, &mirror(key, entry, flags, now), 0);
+    let _ = CT_NEW.remove(&pair_key);
+    let _ = CT_NEW.remove(key);
+}
+
 /// Remove both entries of a flow.
 #[inline(always)]
 fn forget(key: &CtKey, entry: &CtValue, proto: u8) {
-    let _ = CONNTRACK.remove(&entry.pair_key(proto));
-    let _ = CONNTRACK.remove(key);
+    let pair_key = entry.pair_key(proto);
+    for map in [&CONNTRACK, &CT_NEW] {
+        let _ = map.remove(&pair_key);
+        let _ = map.remove(key);
+    }
+}
+
+/// A flow entry under `key`, established or new.
+#[inline(always)]
+fn flow_entry(key: &CtKey) -> Option<CtValue> {
+    // SAFETY: map value pointers are valid for this program run.
+    CONNTRACK.get_ptr(key).or_else(|| CT_NEW.get_ptr(key)).map(|v| unsafe { *v })
 }
 
 /// A TCP connection of the node itself that kube-proxy would DROP (traffic policy Local
@@ -385,7 +424,7 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue, tcp_flags: u8, n
         (snat_addr, port)
     } else {
         let reply_key = ct_key(backend.addr, t.saddr, backend.port, t.sport, t.proto);
-        if CONNTRACK.insert(&reply_key, &reply_value, 0).is_err() {
+        if CT_NEW.insert(&reply_key, &reply_value, 0).is_err() {
             count(counter::TC_CT_FULL);
             return Ok(TC_ACT_SHOT);
         }
@@ -403,18 +442,18 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue, tcp_flags: u8, n
     };
     let key = ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto);
     let reply_key = forward.pair_key(t.proto);
-    let forward = if CONNTRACK.insert(&key, &forward, u64::from(BPF_NOEXIST)).is_ok() {
+    let forward = if CT_NEW.insert(&key, &forward, u64::from(BPF_NOEXIST)).is_ok() {
         forward
-    } else if let Some(winner) = CONNTRACK.get_ptr(&key) {
+    } else if let Some(winner) = CT_NEW.get_ptr(&key) {
         // Another CPU created the flow first (a SYN and its retransmission at once): take its
         // translation, and give back what this one held.
         let winner = unsafe { *winner };
         if winner.pair_key(t.proto) != reply_key {
-            let _ = CONNTRACK.remove(&reply_key);
+            let _ = CT_NEW.remove(&reply_key);
         }
         winner
     } else {
-        let _ = CONNTRACK.remove(&reply_key);
+        let _ = CT_NEW.remove(&reply_key);
         count(counter::TC_CT_FULL);
         return Ok(TC_ACT_SHOT);
     };
@@ -438,12 +477,12 @@ fn snat_port(t: &Tuple, backend: &Backend, snat_addr: u32, reply: &CtValue, hash
         let offset = start.wrapping_add(i.wrapping_mul(0x9e37_79b9)).checked_rem(span)?;
         let port = min.wrapping_add(offset as u16).to_be();
         let reply_key = ct_key(backend.addr, snat_addr, backend.port, port, t.proto);
-        if CONNTRACK.insert(&reply_key, reply, u64::from(BPF_NOEXIST)).is_ok() {
-            return Some(port);
-        }
-        let Some(old) = CONNTRACK.get_ptr(&reply_key) else { continue };
-        // SAFETY: valid for this program run.
-        let old = unsafe { *old };
+        let Some(old) = flow_entry(&reply_key) else {
+            if CT_NEW.insert(&reply_key, reply, u64::from(BPF_NOEXIST)).is_ok() {
+                return Some(port);
+            }
+            continue;
+        };
         if old.src_addr == reply.src_addr
             && old.dst_addr == reply.dst_addr
             && old.src_port == reply.src_port
@@ -456,7 +495,7 @@ fn snat_port(t: &Tuple, backend: &Backend, snat_addr: u32, reply: &CtValue, hash
         if closed || KPR_CT_TIMEOUTS.load().expired(t.proto, &old, now) {
             count(counter::TC_CT_EXPIRED);
             forget(&reply_key, &old, t.proto);
-            if CONNTRACK.insert(&reply_key, reply, u64::from(BPF_NOEXIST)).is_ok() {
+            if CT_NEW.insert(&reply_key, reply, u64::from(BPF_NOEXIST)).is_ok() {
                 return Some(port);
             }
         }
@@ -574,10 +613,9 @@ fn icmp_error(ctx: &TcContext, outer: &Ipv4Hdr) -> Result<i32, ()> {
     let (isrc, idst) = (u32::from_ne_bytes(inner.src_addr), u32::from_ne_bytes(inner.dst_addr));
     // The quoted packet went from (translated) client to backend: the backend's reply entry
     // holds the original addresses.
-    let Some(entry) = CONNTRACK.get_ptr(&ct_key(idst, isrc, ports[1], ports[0], inner.proto)) else {
+    let Some(entry) = flow_entry(&ct_key(idst, isrc, ports[1], ports[0], inner.proto)) else {
         return Ok(PASS);
     };
-    let entry = unsafe { *entry };
     let (client, client_port, frontend, frontend_port) =
         (entry.dst_addr, entry.dst_port, entry.src_addr, entry.src_port);
 

@@ -51,8 +51,8 @@ pub fn render(pin_root: &Path) -> Result<String> {
         writeln!(out, "  {:<28} id {:<6} -> {shown}{flags}", display_key(key).to_string(), value.service_id)?;
     }
     let conntrack = crate::datapath::conntrack::Conntrack::open(pin_root)?;
-    let (ct, ct_capacity) = (conntrack.len(), conntrack.capacity());
-    writeln!(out, "conntrack: {ct} entries (of {ct_capacity}; two per per-packet flow)")?;
+    let ((established, new), capacity) = (conntrack.lens(), conntrack.capacity());
+    writeln!(out, "conntrack: {established} established + {new} new entries (of {capacity} each; two per per-packet flow)")?;
     writeln!(out, "counters:")?;
     for (name, value) in bpf::read_counters(pin_root)? {
         writeln!(out, "  {name:<24} {value}")?;

@@ -214,24 +214,32 @@ impl Rig {
         Conntrack::open(&self.pin_root).unwrap()
     }
 
-    /// Conntrack entries, as (key, value) pairs.
+    /// A conntrack table: established (`KPR_CONNTRACK`) or new (`KPR_CT_NEW`) flows.
+    fn table(&self, name: &str) -> aya::maps::HashMap<aya::maps::MapData, CtKey, CtValue> {
+        let map = aya::maps::MapData::from_pin(bpf::pin_dir(&self.pin_root).join(name)).unwrap();
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(map)).unwrap()
+    }
+
+    /// Conntrack entries of both tables, as (key, value) pairs.
     fn flows(&self) -> Vec<(CtKey, CtValue)> {
-        let path = bpf::pin_dir(&self.pin_root).join(proxy_common::map_names::CONNTRACK);
-        let map = aya::maps::MapData::from_pin(path).unwrap();
-        let map: aya::maps::HashMap<_, CtKey, CtValue> = aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(map)).unwrap();
-        map.iter().map(Result::unwrap).collect()
+        [proxy_common::map_names::CONNTRACK, proxy_common::map_names::CT_NEW]
+            .into_iter()
+            .flat_map(|name| self.table(name).iter().map(Result::unwrap).collect::<Vec<_>>())
+            .collect()
     }
 
     /// Remove conntrack entries (an LRU eviction, as the programs would meet it).
     fn evict(&self, which: impl Fn(&CtKey, &CtValue) -> bool) -> usize {
-        let path = bpf::pin_dir(&self.pin_root).join(proxy_common::map_names::CONNTRACK);
-        let map = aya::maps::MapData::from_pin(path).unwrap();
-        let mut map: aya::maps::HashMap<_, CtKey, CtValue> = aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(map)).unwrap();
-        let doomed: Vec<CtKey> = map.iter().map(Result::unwrap).filter(|(k, v)| which(k, v)).map(|(k, _)| k).collect();
-        for key in &doomed {
-            map.remove(key).unwrap();
+        let mut evicted = 0;
+        for name in [proxy_common::map_names::CONNTRACK, proxy_common::map_names::CT_NEW] {
+            let mut table = self.table(name);
+            let doomed: Vec<CtKey> = table.iter().map(Result::unwrap).filter(|(k, v)| which(k, v)).map(|(k, _)| k).collect();
+            for key in &doomed {
+                table.remove(key).unwrap();
+            }
+            evicted += doomed.len();
         }
-        doomed.len()
+        evicted
     }
 }
 
@@ -711,4 +719,31 @@ fn a_large_reply_in_fragments_is_translated_whole() {
     assert_eq!(rig.ingress(&first), (TC_ACT_OK, expected_first), "first fragment: addresses, ports, checksums");
     assert_eq!(rig.ingress(&second), (TC_ACT_OK, expected_second), "later fragment: the same addresses");
     assert_eq!(rig.counter(counter::TC_FRAGMENT_TRANSLATED), 1);
+}
+
+#[test]
+fn a_flood_of_new_flows_cannot_evict_established_ones() {
+    // Tables of 64 entries each; eight established NodePort connections (answered), then 2000
+    // SYNs from spoofed sources that are never answered.
+    let rig = Rig::with(&churn_services(), |cfg| cfg.max_conntrack = 64);
+    let mut acks = Vec::new();
+    for sport in 44000..44008 {
+        let syn = tcp(CLIENT, sport, NODE_IP, 30090);
+        let (_, out) = rig.ingress(&syn.bytes());
+        let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out)) };
+        assert_eq!(rig.ingress(&synack.bytes()).0, TC_ACT_OK);
+        acks.push(Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn });
+    }
+    assert_eq!(rig.conntrack().lens(), (16, 0), "answered: established");
+    for i in 0..2000u32 {
+        let spoofed = Ipv4Addr::from(u32::from(Ipv4Addr::new(198, 18, 0, 0)) + i);
+        rig.ingress(&tcp(spoofed, 1024 + (i % 60000) as u16, NODE_IP, 30090).bytes());
+    }
+    let (established, new) = rig.conntrack().lens();
+    assert_eq!(established, 16, "the flood stayed among the new flows");
+    assert!(new <= 64, "{new}");
+    for ack in &acks {
+        assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK);
+    }
+    assert_eq!(rig.counter(counter::TC_CT_RECREATED), 0, "every established connection still had its flow");
 }

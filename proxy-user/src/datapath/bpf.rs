@@ -248,6 +248,7 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .map_max_entries(map_names::SOCK_REVNAT, cfg.max_sock_revnat)
         .map_max_entries(map_names::SOCK_PICKS, cfg.max_sock_revnat)
         .map_max_entries(map_names::CONNTRACK, cfg.max_conntrack)
+        .map_max_entries(map_names::CT_NEW, cfg.max_conntrack)
         .override_global("KPR_HAVE_SET_RETVAL", &have_set_retval, true)
         .override_global("KPR_HOST_NETNS_COOKIE", &host_netns, true)
         .override_global("KPR_POD_LINKS_COVERED", &u8::from(cfg.pod_links_covered), true)
@@ -696,7 +697,8 @@ pub struct BpfMaps {
     services: HashMap<MapData, ServiceKey, ServiceValue>,
     backends: Array<MapData, Backend>,
     source_ranges: LpmTrie<MapData, SourceRange, u8>,
-    conntrack: HashMap<MapData, CtKey, CtValue>,
+    /// The established and the new flows' conntrack tables.
+    conntrack: [HashMap<MapData, CtKey, CtValue>; 2],
     capacity: Capacity,
 }
 
@@ -706,7 +708,10 @@ impl BpfMaps {
         let services = HashMap::try_from(ebpf.take_map(map_names::SERVICES).context("no services map")?)?;
         let backends = Array::try_from(ebpf.take_map(map_names::BACKENDS).context("no backends map")?)?;
         let source_ranges = LpmTrie::try_from(ebpf.take_map(map_names::SOURCE_RANGES).context("no source range map")?)?;
-        let conntrack = HashMap::try_from(ebpf.take_map(map_names::CONNTRACK).context("no conntrack map")?)?;
+        let mut table = |name: &str| -> Result<HashMap<MapData, CtKey, CtValue>> {
+            Ok(HashMap::try_from(ebpf.take_map(name).with_context(|| format!("no map {name}"))?)?)
+        };
+        let conntrack = [table(map_names::CONNTRACK)?, table(map_names::CT_NEW)?];
         let capacity = Capacity { service_ports: cfg.max_service_ports, backends: cfg.max_backends };
         Ok(Self { services, backends, source_ranges, conntrack, capacity })
     }
@@ -722,7 +727,10 @@ impl BpfMaps {
         let services: HashMap<MapData, ServiceKey, ServiceValue> = HashMap::try_from(Map::HashMap(services))?;
         let backends: Array<MapData, Backend> = Array::try_from(Map::Array(open(map_names::BACKENDS)?))?;
         let source_ranges = LpmTrie::try_from(Map::LpmTrie(open(map_names::SOURCE_RANGES)?))?;
-        let conntrack = HashMap::try_from(Map::LruHashMap(open(map_names::CONNTRACK)?))?;
+        let conntrack = [
+            HashMap::try_from(Map::LruHashMap(open(map_names::CONNTRACK)?))?,
+            HashMap::try_from(Map::LruHashMap(open(map_names::CT_NEW)?))?,
+        ];
         let capacity = Capacity { service_ports, backends: backends.len() };
         Ok(Self { services, backends, source_ranges, conntrack, capacity })
     }
@@ -809,22 +817,25 @@ impl Maps for BpfMaps {
 
     fn flush_flows(&mut self, service_id: u32, backends: &[Backend]) -> Result<usize> {
         let goes_to = |addr: u32, port: u16| backends.iter().any(|b| b.addr == addr && b.port == port);
-        let doomed: Vec<CtKey> = self
-            .conntrack
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(k, v)| {
-                v.service_id == service_id && (goes_to(v.dst_addr, v.dst_port) || goes_to(k.src_addr, k.src_port))
-            })
-            .map(|(k, _)| k)
-            .collect();
-        for key in &doomed {
-            match self.conntrack.remove(key) {
-                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
-                Err(e) => return Err(e.into()),
+        let mut flushed = 0;
+        for table in &mut self.conntrack {
+            let doomed: Vec<CtKey> = table
+                .iter()
+                .filter_map(Result::ok)
+                .filter(|(k, v)| {
+                    v.service_id == service_id && (goes_to(v.dst_addr, v.dst_port) || goes_to(k.src_addr, k.src_port))
+                })
+                .map(|(k, _)| k)
+                .collect();
+            for key in &doomed {
+                match table.remove(key) {
+                    Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+                    Err(e) => return Err(e.into()),
+                }
             }
+            flushed += doomed.len();
         }
-        Ok(doomed.len())
+        Ok(flushed)
     }
 
     fn remove_service(&mut self, key: &ServiceKey) -> Result<()> {

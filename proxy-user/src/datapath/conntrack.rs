@@ -12,9 +12,9 @@ use super::bpf::pin_dir;
 /// How often the agent sweeps.
 pub const SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 
-/// The pinned conntrack map.
+/// The pinned conntrack tables: established flows, and flows not answered yet.
 pub struct Conntrack {
-    map: HashMap<MapData, CtKey, CtValue>,
+    tables: [HashMap<MapData, CtKey, CtValue>; 2],
     capacity: u32,
 }
 
@@ -29,19 +29,33 @@ pub struct Sweep {
 
 impl Conntrack {
     pub fn open(pin_root: &Path) -> Result<Self> {
-        let path = pin_dir(pin_root).join(map_names::CONNTRACK);
-        let map = MapData::from_pin(&path).with_context(|| format!("no pinned map {}", path.display()))?;
-        let capacity = map.info()?.max_entries();
-        Ok(Self { map: HashMap::try_from(Map::LruHashMap(map))?, capacity })
+        let dir = pin_dir(pin_root);
+        let open = |name: &str| -> Result<MapData> {
+            let path = dir.join(name);
+            MapData::from_pin(&path).with_context(|| format!("no pinned map {}", path.display()))
+        };
+        let established = open(map_names::CONNTRACK)?;
+        let capacity = established.info()?.max_entries();
+        let tables =
+            [HashMap::try_from(Map::LruHashMap(established))?, HashMap::try_from(Map::LruHashMap(open(map_names::CT_NEW)?))?];
+        Ok(Self { tables, capacity })
     }
 
+    /// Entries each table holds at most.
     pub fn capacity(&self) -> u32 {
         self.capacity
     }
 
-    /// Entries now (two per flow).
+    /// Entries now (two per flow): established, new.
+    pub fn lens(&self) -> (usize, usize) {
+        let len = |t: &HashMap<MapData, CtKey, CtValue>| t.keys().filter(Result::is_ok).count();
+        (len(&self.tables[0]), len(&self.tables[1]))
+    }
+
+    /// Entries now, both tables.
     pub fn len(&self) -> usize {
-        self.map.keys().filter(Result::is_ok).count()
+        let (established, new) = self.lens();
+        established + new
     }
 
     pub fn is_empty(&self) -> bool {
@@ -52,22 +66,24 @@ impl Conntrack {
     /// (CLOCK_MONOTONIC, the programs' clock).
     pub fn sweep(&mut self, timeouts: &CtTimeouts, now: u64) -> Result<Sweep> {
         let mut sweep = Sweep::default();
-        let mut expired = Vec::new();
-        for item in self.map.iter() {
-            let Ok((key, value)) = item else { continue };
-            if timeouts.expired(key.proto, &value, now) {
-                expired.push(key);
-            } else {
-                sweep.live += 1;
+        for table in &mut self.tables {
+            let mut expired = Vec::new();
+            for item in table.iter() {
+                let Ok((key, value)) = item else { continue };
+                if timeouts.expired(key.proto, &value, now) {
+                    expired.push(key);
+                } else {
+                    sweep.live += 1;
+                }
             }
-        }
-        for key in expired {
-            match self.map.remove(&key) {
-                Ok(()) => sweep.expired += 1,
-                // Taken back by the programs meanwhile.
-                Err(aya::maps::MapError::KeyNotFound) => {}
-                Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
-                Err(e) => return Err(e.into()),
+            for key in expired {
+                match table.remove(&key) {
+                    Ok(()) => sweep.expired += 1,
+                    // Taken back by the programs meanwhile.
+                    Err(aya::maps::MapError::KeyNotFound) => {}
+                    Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
+                    Err(e) => return Err(e.into()),
+                }
             }
         }
         Ok(sweep)
