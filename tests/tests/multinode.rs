@@ -431,7 +431,9 @@ fn a_program_attached_after_kpr_still_sees_what_kpr_does_not_translate() {
         socket.send_to(&[0u8; 4000], SocketAddrV4::new(ip, 9)).unwrap();
     });
     std::thread::sleep(Duration::from_millis(200));
-    assert!(fragments_seen() >= 3, "the program after kpr saw the fragments: {}", fragments_seen());
+    // 4000 bytes on a 1500-byte link: three fragments; the later two carry no ports, and a
+    // program without their first fragment's flow counts them as untranslatable.
+    assert!(fragments_seen() >= 2, "the program after kpr saw the later fragments: {}", fragments_seen());
     // And kpr still translates what is its own.
     let (name, _) = c.ext(move || tcp_ask_peer(SocketAddrV4::new(ip, 30080), TIMEOUT).unwrap());
     assert_eq!(name, "pod-b");

@@ -59,7 +59,18 @@ enum Cmd {
     },
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    // The error's chain says what failed; a backtrace of xtask itself would bury it.
+    match run_command() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_command() -> Result<()> {
     let cli = Cli::parse();
     let root = workspace_root();
     match cli.command {
