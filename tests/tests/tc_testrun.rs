@@ -108,28 +108,44 @@ impl Pkt {
             let c = if self.proto == 17 && c == 0 { 0xffff } else { c };
             l4[csum_off..csum_off + 2].copy_from_slice(&c.to_be_bytes());
         }
-        let total = (20 + l4.len()) as u16;
-        let ttl = 64;
-        let id: u16 = if self.tcp_flags & 0x04 != 0 { 0 } else { 0x1234 };
-        let frags = if self.tcp_flags & 0x04 != 0 { 0x4000 } else { self.frag };
-        let mut ip = vec![0x45, 0];
-        ip.extend_from_slice(&total.to_be_bytes());
-        ip.extend_from_slice(&id.to_be_bytes());
-        ip.extend_from_slice(&frags.to_be_bytes());
-        ip.extend_from_slice(&[ttl, self.proto, 0, 0]);
-        ip.extend_from_slice(&self.src.octets());
-        ip.extend_from_slice(&self.dst.octets());
-        let c = csum(&ip, 0);
-        ip[10..12].copy_from_slice(&c.to_be_bytes());
-        let mut out = Vec::new();
-        out.extend_from_slice(&dst_mac);
-        out.extend_from_slice(&src_mac);
-        out.extend_from_slice(&[0x08, 0x00]);
-        out.extend_from_slice(&ip);
-        out.extend_from_slice(&l4);
-        out
+        // A reset is sent as the kernel sends one: id 0, don't fragment.
+        let (id, frags) = if self.tcp_flags & 0x04 != 0 { (0, 0x4000) } else { (0x1234, self.frag) };
+        frame((dst_mac, src_mac), Ip { src: self.src, dst: self.dst, proto: self.proto, tos: 0, id, frags }, &l4)
     }
 }
+
+/// IPv4 header fields a test packet varies.
+struct Ip {
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    proto: u8,
+    tos: u8,
+    id: u16,
+    frags: u16,
+}
+
+/// An Ethernet frame (`macs`: destination, source) carrying an IPv4 packet with header `ip`
+/// (checksum computed from scratch) and `payload`.
+fn frame(macs: ([u8; 6], [u8; 6]), ip: Ip, payload: &[u8]) -> Vec<u8> {
+    let mut header = vec![0x45, ip.tos];
+    header.extend_from_slice(&((20 + payload.len()) as u16).to_be_bytes());
+    header.extend_from_slice(&ip.id.to_be_bytes());
+    header.extend_from_slice(&ip.frags.to_be_bytes());
+    header.extend_from_slice(&[64, ip.proto, 0, 0]);
+    header.extend_from_slice(&ip.src.octets());
+    header.extend_from_slice(&ip.dst.octets());
+    let c = csum(&header, 0);
+    header[10..12].copy_from_slice(&c.to_be_bytes());
+    let mut out = Vec::new();
+    out.extend_from_slice(&macs.0);
+    out.extend_from_slice(&macs.1);
+    out.extend_from_slice(&[0x08, 0x00]);
+    out.extend_from_slice(&header);
+    out.extend_from_slice(payload);
+    out
+}
+
+const MACS: ([u8; 6], [u8; 6]) = ([0xaa; 6], [0xbb; 6]);
 
 fn sport_of(packet: &[u8]) -> u16 {
     u16::from_be_bytes([packet[34], packet[35]])
@@ -421,17 +437,8 @@ fn no_endpoints_rejects_udp_with_icmp_port_unreachable() {
     icmp.extend_from_slice(quoted);
     let c = csum(&icmp, 0);
     icmp[2..4].copy_from_slice(&c.to_be_bytes());
-    let mut ip = vec![0x45, 0xc0, 0, 56, 0, 0, 0, 0, 64, 1, 0, 0];
-    ip.extend_from_slice(&CLUSTER_IP.octets());
-    ip.extend_from_slice(&CLIENT.octets());
-    let c = csum(&ip, 0);
-    ip[10..12].copy_from_slice(&c.to_be_bytes());
-    let mut expected = vec![2; 6];
-    expected.extend_from_slice(&[1; 6]);
-    expected.extend_from_slice(&[0x08, 0x00]);
-    expected.extend_from_slice(&ip);
-    expected.extend_from_slice(&icmp);
-    assert_eq!(out, expected);
+    let ip = Ip { src: CLUSTER_IP, dst: CLIENT, proto: 1, tos: 0xc0, id: 0, frags: 0 };
+    assert_eq!(out, frame(([2; 6], [1; 6]), ip, &icmp));
 }
 
 /// An ICMP error from `src` to `dst` quoting the first 28 bytes of `quoted` (an IPv4 packet).
@@ -441,17 +448,7 @@ fn icmp_error(src: Ipv4Addr, dst: Ipv4Addr, icmp_type: u8, code: u8, rest: [u8; 
     icmp.extend_from_slice(&quoted[..28]);
     let c = csum(&icmp, 0);
     icmp[2..4].copy_from_slice(&c.to_be_bytes());
-    let mut ip = vec![0x45, 0, 0, (20 + icmp.len()) as u8, 0, 0, 0, 0, 64, 1, 0, 0];
-    ip.extend_from_slice(&src.octets());
-    ip.extend_from_slice(&dst.octets());
-    let c = csum(&ip, 0);
-    ip[10..12].copy_from_slice(&c.to_be_bytes());
-    let mut out = vec![0xaa; 6];
-    out.extend_from_slice(&[0xbb; 6]);
-    out.extend_from_slice(&[0x08, 0x00]);
-    out.extend_from_slice(&ip);
-    out.extend_from_slice(&icmp);
-    out
+    frame(MACS, Ip { src, dst, proto: 1, tos: 0, id: 0, frags: 0 }, &icmp)
 }
 
 #[test]
@@ -683,24 +680,8 @@ fn udp_fragments(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, payload: 
     let c = csum(&pseudo, 0);
     udp[6..8].copy_from_slice(&(if c == 0 { 0xffff } else { c }).to_be_bytes());
     let split = 8 + first;
-    let frame = |data: &[u8], frags: u16| {
-        let mut ip = vec![0x45, 0];
-        ip.extend_from_slice(&((20 + data.len()) as u16).to_be_bytes());
-        ip.extend_from_slice(&id.to_be_bytes());
-        ip.extend_from_slice(&frags.to_be_bytes());
-        ip.extend_from_slice(&[64, 17, 0, 0]);
-        ip.extend_from_slice(&src.octets());
-        ip.extend_from_slice(&dst.octets());
-        let c = csum(&ip, 0);
-        ip[10..12].copy_from_slice(&c.to_be_bytes());
-        let mut out = vec![0xaa; 6];
-        out.extend_from_slice(&[0xbb; 6]);
-        out.extend_from_slice(&[0x08, 0x00]);
-        out.extend_from_slice(&ip);
-        out.extend_from_slice(data);
-        out
-    };
-    (frame(&udp[..split], 0x2000), frame(&udp[split..], (split / 8) as u16))
+    let ip = |frags: u16| Ip { src, dst, proto: 17, tos: 0, id, frags };
+    (frame(MACS, ip(0x2000), &udp[..split]), frame(MACS, ip((split / 8) as u16), &udp[split..]))
 }
 
 #[test]
