@@ -118,6 +118,10 @@ pub const LINK_FLAG_LOCAL_TRAFFIC: u32 = 1;
 /// off again when it leaves the link (`kpr cleanup`, a link no longer selected).
 pub const LINK_FLAG_ACCEPT_LOCAL_SET: u32 = 2;
 
+/// `LinkInfo::flags`: kpr's per-packet programs are attached to this link as netlink tc filters
+/// (kernels without TCX), which no pin records.
+pub const LINK_FLAG_NETLINK_TC: u32 = 4;
+
 /// Value of `KPR_LINKS` (key: ifindex; ifindex 0 holds the fallback): what the per-packet path
 /// needs to know about a link.
 #[repr(C)]

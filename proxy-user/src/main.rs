@@ -66,6 +66,10 @@ struct AgentArgs {
     /// `kubernetes` Service, which kpr itself has to program first.
     #[arg(long)]
     master: Option<String>,
+    /// Attach the per-packet programs as netlink tc filters (priority 1000) even where TCX
+    /// exists; kernels before 6.6 always do.
+    #[arg(long)]
+    tc_netlink: bool,
     /// cgroup2 directory whose sockets are load-balanced [default: the cgroup2 root].
     #[arg(long)]
     cgroup: Option<PathBuf>,
@@ -191,6 +195,7 @@ async fn run_agent(args: AgentArgs) -> Result<()> {
     datapath.max_sock_revnat = args.max_sock_revnat;
     datapath.max_conntrack = args.max_conntrack;
     datapath.ct_timeouts = config.conntrack.datapath();
+    datapath.tc_netlink = args.tc_netlink;
     datapath.detect_local = match detector {
         DetectLocal::None => proxy_common::DETECT_LOCAL_NONE,
         DetectLocal::ClusterCidr(_) | DetectLocal::NodeCidr => proxy_common::DETECT_LOCAL_CIDR,

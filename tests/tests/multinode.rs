@@ -41,6 +41,8 @@ struct Node {
 
 struct Cluster {
     nodes: Vec<Node>,
+    /// More `kpr agent` arguments, for every node.
+    agent_args: Vec<String>,
     manifests: PathBuf,
     log: PathBuf,
     ext: Netns,
@@ -49,6 +51,10 @@ struct Cluster {
 
 impl Cluster {
     fn new(tag: &str) -> Result<Self> {
+        Self::new_with(tag, &[])
+    }
+
+    fn new_with(tag: &str, agent_args: &[&str]) -> Result<Self> {
         let prefix = testbed::unique_name(tag);
         let switch = Netns::new(&format!("{prefix}-sw"))?;
         switch.ip(&["link", "add", "br0", "type", "bridge"])?;
@@ -100,7 +106,8 @@ impl Cluster {
             nodes.push(Node { name: (*name).to_owned(), ip, pod_ip, agent: None, pins, config, _servers: servers, cgroup, _pod: pod, netns });
         }
         let log = std::env::temp_dir().join(format!("{prefix}.agents.log"));
-        let mut cluster = Self { nodes, manifests, log, ext, _switch: switch };
+        let agent_args = agent_args.iter().map(|a| (*a).to_owned()).collect();
+        let mut cluster = Self { nodes, agent_args, manifests, log, ext, _switch: switch };
         for i in 0..cluster.nodes.len() {
             cluster.start_agent(i)?;
         }
@@ -123,6 +130,7 @@ impl Cluster {
             .arg("--config")
             .arg(&node.config)
             .args(["--max-service-ports", "256", "--max-backends", "1024", "--max-conntrack", "4096"])
+            .args(&self.agent_args)
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
@@ -439,4 +447,45 @@ fn a_program_attached_after_kpr_still_sees_what_kpr_does_not_translate() {
     assert_eq!(name, "pod-b");
     drop(second);
     let _ = bpf::cleanup(&pins);
+}
+
+#[test]
+fn without_tcx_the_netlink_filters_outlive_and_survive_restarts() {
+    // Kernels before 6.6 have no TCX: netlink tc filters, here asked for on a newer kernel.
+    let mut c = Cluster::new_with("km-nl", &["--tc-netlink"]).unwrap();
+    c.write("svc.yaml", &service("Cluster", 30080, &[(c.nodes[1].pod_ip, "node-b")]));
+    c.wait("*:30080/TCP ext", 1);
+    let kpr_filters = |c: &Cluster| -> usize {
+        let mut cmd = Command::new("tc");
+        cmd.args(["filter", "show", "dev", "eth0", "ingress"]);
+        c.nodes[0].netns.exec_in(&mut cmd).unwrap();
+        let out = String::from_utf8_lossy(&cmd.output().unwrap().stdout).into_owned();
+        out.lines().filter(|l| l.contains("kpr_tc_ingress")).count()
+    };
+    let ip = c.nodes[0].ip;
+    let ask = |c: &Cluster| c.ext(move || tcp_ask_peer(SocketAddrV4::new(ip, 30080), TIMEOUT).map(|(name, _)| name).unwrap_or_default());
+    assert_eq!(kpr_filters(&c), 1, "one netlink filter");
+    assert_eq!(ask(&c), "pod-b");
+
+    // The agent goes away: the filter stays (it used to remove itself), NodePorts keep working.
+    let stop = |c: &mut Cluster| {
+        let mut agent = c.nodes[0].agent.take().unwrap();
+        agent.kill().unwrap();
+        agent.wait().unwrap();
+    };
+    stop(&mut c);
+    assert_eq!(kpr_filters(&c), 1, "the filter outlives the agent");
+    assert_eq!(ask(&c), "pod-b");
+    // A restarted agent replaces it in place.
+    c.start_agent(0).unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(kpr_filters(&c), 1, "replaced, not added");
+    assert_eq!(ask(&c), "pod-b");
+    // kpr cleanup removes it.
+    stop(&mut c);
+    let mut cmd = Command::new(kpr_tests::kpr_bin());
+    cmd.arg("cleanup").arg("--pin-root").arg(&c.nodes[0].pins);
+    c.nodes[0].netns.exec_in(&mut cmd).unwrap();
+    assert!(cmd.output().unwrap().status.success());
+    assert_eq!(kpr_filters(&c), 0, "cleanup removed the filter");
 }

@@ -61,6 +61,8 @@ pub struct DatapathConfig {
     pub ct_timeouts: CtTimeouts,
     /// First and last SNAT port (host byte order).
     pub snat_ports: (u16, u16),
+    /// Attach the per-packet programs as netlink tc filters even where TCX exists.
+    pub tc_netlink: bool,
 }
 
 impl DatapathConfig {
@@ -78,6 +80,7 @@ impl DatapathConfig {
             nft_service_range: false,
             ct_timeouts: CtTimeouts::DEFAULT,
             snat_ports: snat_port_range(),
+            tc_netlink: false,
         }
     }
 }
@@ -331,7 +334,8 @@ impl BpfDatapath {
         }
 
         let maps = BpfMaps::take_from(&mut ebpf, cfg)?;
-        let host = BpfHost::take_from(ebpf, dir)?;
+        let tc_netlink = cfg.tc_netlink || !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
+        let host = BpfHost::take_from(ebpf, dir, tc_netlink)?;
         remove_other_layouts(&cfg.pin_root);
         Ok(Self { maps, host })
     }
@@ -401,14 +405,27 @@ fn link_cgroup_id(fd: BorrowedFd<'_>) -> Option<u64> {
     (rc == 0 && info.kind == BPF_LINK_TYPE_CGROUP && info.cgroup_id != 0).then_some(info.cgroup_id)
 }
 
-/// Links whose `KPR_LINKS` entry says kpr turned accept_local on.
-fn links_with_accept_local_set<T: std::borrow::Borrow<MapData>>(links: &HashMap<T, u32, LinkInfo>) -> BTreeSet<u32> {
-    links
-        .iter()
-        .filter_map(Result::ok)
-        .filter(|(_, info)| info.flags & proxy_common::LINK_FLAG_ACCEPT_LOCAL_SET != 0)
-        .map(|(ifindex, _)| ifindex)
-        .collect()
+/// Links whose `KPR_LINKS` entry carries `flag`.
+fn links_flagged<T: std::borrow::Borrow<MapData>>(links: &HashMap<T, u32, LinkInfo>, flag: u32) -> BTreeSet<u32> {
+    links.iter().filter_map(Result::ok).filter(|(_, info)| info.flags & flag != 0).map(|(ifindex, _)| ifindex).collect()
+}
+
+/// kpr's netlink tc filters: this priority and handle on a link's clsact ingress and egress.
+const NETLINK_PRIORITY: u16 = 1000;
+const NETLINK_HANDLE: u32 = 0x4b50;
+
+/// kpr's netlink filter on `ifindex` for `attach_type`, as a link to replace or drop.
+fn netlink_filter(ifindex: u32, attach_type: TcAttachType) -> Result<SchedClassifierLink> {
+    Ok(SchedClassifierLink::attached(NetworkInterface::Index(ifindex), attach_type.into(), NETLINK_PRIORITY, NETLINK_HANDLE.into(), None)?)
+}
+
+/// Remove kpr's netlink filters from `ifindex` (dropping such a link deletes its filter).
+fn remove_netlink_filters(ifindex: u32) {
+    for attach_type in [TcAttachType::Ingress, TcAttachType::Egress] {
+        if let Ok(link) = netlink_filter(ifindex, attach_type) {
+            drop(link);
+        }
+    }
 }
 
 /// Turn accept_local off on link `ifindex` (if it still exists).
@@ -426,12 +443,15 @@ fn reset_accept_local(ifindex: u32) {
     }
 }
 
-/// `kpr cleanup`: undo what kpr changed on the node's links.
+/// `kpr cleanup`: undo what kpr changed on the node's links (accept_local, netlink filters).
 fn restore_accept_local(dir: &Path) {
     let Ok(map) = MapData::from_pin(dir.join(map_names::LINKS)) else { return };
     let Ok(links) = HashMap::<_, u32, LinkInfo>::try_from(Map::HashMap(map)) else { return };
-    for ifindex in links_with_accept_local_set(&links) {
+    for ifindex in links_flagged(&links, proxy_common::LINK_FLAG_ACCEPT_LOCAL_SET) {
         reset_accept_local(ifindex);
+    }
+    for ifindex in links_flagged(&links, proxy_common::LINK_FLAG_NETLINK_TC) {
+        remove_netlink_filters(ifindex);
     }
 }
 
@@ -492,17 +512,33 @@ pub struct BpfHost {
     attached: BTreeMap<u32, String>,
     /// Links where kpr turned `accept_local` on (kept in `KPR_LINKS` across restarts).
     accept_local_set: BTreeSet<u32>,
+    /// Attach as netlink tc filters (no TCX, or asked to).
+    tc_netlink: bool,
+    /// Links holding kpr's netlink filters (kept in `KPR_LINKS` across restarts).
+    netlink_links: BTreeSet<u32>,
 }
 
 impl BpfHost {
-    fn take_from(mut ebpf: Ebpf, dir: PathBuf) -> Result<Self> {
+    fn take_from(mut ebpf: Ebpf, dir: PathBuf, tc_netlink: bool) -> Result<Self> {
         let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("no map {name}"));
         let node_addrs = HashMap::try_from(take(map_names::NODE_ADDRS)?)?;
         let links = HashMap::try_from(take(map_names::LINKS)?)?;
         let local_cidrs = LpmTrie::try_from(take(map_names::LOCAL_CIDRS)?)?;
         let service_cidrs = LpmTrie::try_from(take(map_names::SERVICE_CIDRS)?)?;
-        let accept_local_set = links_with_accept_local_set(&links);
-        Ok(Self { ebpf, dir, node_addrs, links, local_cidrs, service_cidrs, attached: BTreeMap::new(), accept_local_set })
+        let accept_local_set = links_flagged(&links, proxy_common::LINK_FLAG_ACCEPT_LOCAL_SET);
+        let netlink_links = links_flagged(&links, proxy_common::LINK_FLAG_NETLINK_TC);
+        Ok(Self {
+            ebpf,
+            dir,
+            node_addrs,
+            links,
+            local_cidrs,
+            service_cidrs,
+            attached: BTreeMap::new(),
+            accept_local_set,
+            tc_netlink,
+            netlink_links,
+        })
     }
 
     fn tc_pin(&self, program: &str, ifindex: u32) -> PathBuf {
@@ -522,6 +558,9 @@ impl BpfHost {
                 Err(e) => tracing::warn!(interface = %name, "failed to set {sysctl}: {e}; masqueraded flows may be dropped"),
             }
         }
+        if self.tc_netlink {
+            return self.attach_netlink(ifindex, name);
+        }
         for (program, attach_type) in [(TC_PROGRAMS[0], TcAttachType::Ingress), (TC_PROGRAMS[1], TcAttachType::Egress)] {
             let link_path = self.tc_pin(program, ifindex);
             let prog: &mut SchedClassifier = self.ebpf.program_mut(program).context("tc program")?.try_into()?;
@@ -533,19 +572,35 @@ impl BpfHost {
                     .with_context(|| format!("failed to update the {program} link on {name}"))?;
                 continue;
             }
-            if !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0)) {
-                let _ = aya::programs::tc::qdisc_add_clsact(NetworkInterface::Index(ifindex));
-            }
             let id = prog
-                .attach(NetworkInterface::Index(ifindex), attach_type)
+                .attach(NetworkInterface::Index(ifindex), aya::programs::tc::TcAttach::Tcx { attach_type, order: Default::default() })
                 .with_context(|| format!("failed to attach {program} to {name}"))?;
-            match FdLink::try_from(prog.take_link(id)?) {
-                Ok(link) => {
-                    link.pin(&link_path).with_context(|| format!("failed to pin {}", link_path.display()))?;
-                }
-                Err(_) => tracing::info!(interface = %name, "attached as a netlink filter (no TCX)"),
-            }
+            let link: FdLink = prog.take_link(id)?.try_into().context("a TCX link")?;
+            link.pin(&link_path).with_context(|| format!("failed to pin {}", link_path.display()))?;
         }
+        Ok(())
+    }
+
+    /// Kernels without TCX: netlink tc filters at kpr's own priority and handle, replaced in
+    /// place when they exist (a restart), and left attached when the agent exits (like a
+    /// pinned link): `kpr cleanup` or leaving the link removes them.
+    fn attach_netlink(&mut self, ifindex: u32, name: &str) -> Result<()> {
+        let _ = aya::programs::tc::qdisc_add_clsact(NetworkInterface::Index(ifindex));
+        for (program, attach_type) in [(TC_PROGRAMS[0], TcAttachType::Ingress), (TC_PROGRAMS[1], TcAttachType::Egress)] {
+            let prog: &mut SchedClassifier = self.ebpf.program_mut(program).context("tc program")?.try_into()?;
+            let existing = netlink_filter(ifindex, attach_type)?;
+            let id = match prog.attach_to_link(existing) {
+                Ok(id) => id,
+                Err(_) => {
+                    let options = aya::programs::tc::NlOptions { priority: NETLINK_PRIORITY, handle: NETLINK_HANDLE.into(), classid: None };
+                    prog.attach(NetworkInterface::Index(ifindex), aya::programs::tc::TcAttach::Netlink { parent: attach_type.into(), options })
+                        .with_context(|| format!("failed to attach {program} to {name} (netlink)"))?
+                }
+            };
+            // Dropping the link would delete the filter: it outlives the agent on purpose.
+            std::mem::forget(prog.take_link(id)?);
+        }
+        self.netlink_links.insert(ifindex);
         Ok(())
     }
 
@@ -554,6 +609,9 @@ impl BpfHost {
     fn detach_link(&mut self, ifindex: u32) {
         if self.accept_local_set.remove(&ifindex) {
             reset_accept_local(ifindex);
+        }
+        if self.netlink_links.remove(&ifindex) {
+            remove_netlink_filters(ifindex);
         }
         for program in TC_PROGRAMS {
             let path = self.tc_pin(program, ifindex);
@@ -574,6 +632,9 @@ impl BpfHost {
         let mut links = links.clone();
         for ifindex in &self.accept_local_set {
             links.entry(*ifindex).or_default().flags |= proxy_common::LINK_FLAG_ACCEPT_LOCAL_SET;
+        }
+        for ifindex in &self.netlink_links {
+            links.entry(*ifindex).or_default().flags |= proxy_common::LINK_FLAG_NETLINK_TC;
         }
         links
     }
@@ -602,6 +663,7 @@ impl HostDatapath for BpfHost {
         let stale: Vec<u32> = self
             .pinned_links()
             .into_iter()
+            .chain(self.netlink_links.iter().copied())
             .chain(self.attached.keys().copied())
             .filter(|i| !plan.tc_links.contains_key(i))
             .collect::<BTreeSet<_>>()
