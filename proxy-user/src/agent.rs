@@ -65,6 +65,7 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
 
     let (tx, rx) = mpsc::channel(4096);
     let node_name = cfg.node.name.clone();
+    let mut conflict_events = None;
     let source_task = match cfg.source {
         SourceConfig::Manifests(dir) => {
             let tx = tx.clone();
@@ -82,6 +83,8 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
                 anyhow::bail!("{problem}");
             }
             let client = kube::Client::try_from(config)?;
+            let (events, _) = crate::events::publisher(client.clone(), cfg.node.name.clone());
+            conflict_events = Some(events);
             let cidrs = cfg.options.reject_unknown_ports;
             let tx = tx.clone();
             tokio::spawn(supervise("kubernetes", move || source::kube::run(client.clone(), node_name.clone(), cidrs, tx.clone())))
@@ -93,6 +96,7 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
     let mut syncer = Syncer::new(ClusterState::with_options(NodeInfo::default(), cfg.options), programmer, cfg.node);
     syncer.host_links = source::host::snapshot()?;
     syncer.min_sync_period = cfg.min_sync_period;
+    syncer.conflict_events = conflict_events;
     if serve_health {
         syncer.health = Some(crate::health::HealthServers::default());
     }
@@ -143,6 +147,8 @@ pub struct Syncer {
     synced_once: bool,
     /// A full list was applied: give the memory it took back to the system after the sync.
     release_memory: bool,
+    /// Where frontend conflicts go as Kubernetes Events (API source only).
+    pub conflict_events: Option<mpsc::Sender<crate::model::desired::Conflict>>,
 }
 
 impl Syncer {
@@ -161,6 +167,7 @@ impl Syncer {
             last_sync: None,
             synced_once: false,
             release_memory: false,
+            conflict_events: None,
         }
     }
 
@@ -348,6 +355,11 @@ impl Syncer {
                 elapsed_us = started.elapsed().as_micros() as u64,
                 "datapath updated"
             );
+        }
+        for conflict in self.state.take_new_conflicts() {
+            if let Some(events) = &self.conflict_events {
+                let _ = events.try_send(conflict);
+            }
         }
         if std::mem::take(&mut self.release_memory) {
             release_free_memory();

@@ -5,6 +5,7 @@ pub mod agent;
 pub mod config;
 pub mod datapath;
 pub mod demo;
+pub mod events;
 pub mod health;
 pub mod model;
 pub mod source;

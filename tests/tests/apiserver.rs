@@ -285,6 +285,7 @@ fn rbac_the_agent_works_with_only_the_service_account_of_deploy_rbac_yaml() {
     assert!(can(&["watch", "services", "--all-namespaces"]));
     assert!(can(&["list", "endpointslices.discovery.k8s.io", "--all-namespaces"]));
     assert!(can(&["get", "nodes"]));
+    assert!(can(&["create", "events.events.k8s.io", "-n", "test"]), "events, as kube-proxy writes them");
     assert!(!can(&["create", "services", "-n", "test"]), "no writes");
     assert!(!can(&["update", "endpointslices.discovery.k8s.io", "-n", "test"]), "no writes");
     assert!(!can(&["list", "secrets", "--all-namespaces"]), "no secrets");
@@ -300,6 +301,25 @@ fn rbac_the_agent_works_with_only_the_service_account_of_deploy_rbac_yaml() {
     assert_eq!(env.tcp_spread(ip, 40).len(), 2);
     env.endpoints("web", &[HTTP], &[1]);
     env.wait(&format!("{ip}:80/TCP"), Some(1));
+
+    // A newer Service claims web's externalIP: kpr keeps it for web and tells the newcomer's
+    // owner with an Event.
+    env.c.kubectl(&["patch", "service", "web", "-n", "test", "--type=merge", "-p", r#"{"spec":{"externalIPs":["192.0.2.50"]}}"#]).unwrap();
+    env.wait("192.0.2.50:80/TCP", Some(1));
+    std::thread::sleep(Duration::from_millis(1100)); // creationTimestamp has whole seconds
+    env.service("late", &[HTTP]);
+    env.c.kubectl(&["patch", "service", "late", "-n", "test", "--type=merge", "-p", r#"{"spec":{"externalIPs":["192.0.2.50"]}}"#]).unwrap();
+    let deadline = std::time::Instant::now() + RESUME;
+    let event = loop {
+        let out = env.c.kubectl(&["get", "events.events.k8s.io", "-n", "test", "-o", "jsonpath={range .items[*]}{.reason} {.regarding.name} {.note}{\"\\n\"}{end}"]).unwrap_or_default();
+        if let Some(line) = out.lines().find(|l| l.starts_with("AddressInUse late ")) {
+            break line.to_owned();
+        }
+        let created = env.c.kubectl(&["get", "services", "-n", "test", "-o", "custom-columns=NAME:.metadata.name,CREATED:.metadata.creationTimestamp"]).unwrap_or_default();
+        assert!(std::time::Instant::now() < deadline, "no event for the conflict; events:\n{out}\nservices:\n{created}\nagent:\n{}", env.agent_log());
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(event.contains("test/web"), "{event}");
     let log = env.agent_log();
     assert!(!log.to_lowercase().contains("forbidden"), "the agent needed more than deploy/rbac.yaml grants:\n{log}");
 }

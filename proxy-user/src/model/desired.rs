@@ -290,6 +290,14 @@ pub struct SkipCounts {
     pub conflicts: u64,
 }
 
+/// Two services claim one frontend address: `service` lost it to `owner` (the older).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Conflict {
+    pub service: ObjectKey,
+    pub address: String,
+    pub owner: ObjectKey,
+}
+
 /// The objects delivered by a source, and the datapath entries derived from them.
 #[derive(Default)]
 pub struct ClusterState {
@@ -307,6 +315,8 @@ pub struct ClusterState {
     services_synced: bool,
     slices_synced: bool,
     reported_conflicts: BTreeSet<(ServiceKey, ObjectKey)>,
+    /// Conflicts found since [`ClusterState::take_new_conflicts`] last ran.
+    new_conflicts: Vec<Conflict>,
     pub skips: SkipCounts,
 }
 
@@ -338,6 +348,11 @@ impl ClusterState {
 
     pub fn has_changes(&self) -> bool {
         !self.dirty.is_empty()
+    }
+
+    /// Conflicts found by [`ClusterState::desired`] since the last call (each reported once).
+    pub fn take_new_conflicts(&mut self) -> Vec<Conflict> {
+        std::mem::take(&mut self.new_conflicts)
     }
 
     pub fn apply_service(&mut self, mut svc: Service) {
@@ -478,12 +493,10 @@ impl ClusterState {
         }
         for (key, loser) in conflicts.difference(&self.reported_conflicts) {
             self.skips.conflicts += 1;
-            tracing::warn!(
-                service = %loser,
-                address = %crate::datapath::display_key(key),
-                owner = %desired[key].name,
-                "skipped: the address is already used by another service"
-            );
+            let address = crate::datapath::display_key(key).to_string();
+            let owner = desired[key].name.service.clone();
+            tracing::warn!(service = %loser, %address, %owner, "skipped: the address is already used by another service");
+            self.new_conflicts.push(Conflict { service: loser.clone(), address, owner });
         }
         self.reported_conflicts = conflicts;
         desired
@@ -625,6 +638,11 @@ mod tests {
         let d = st.desired();
         let key = service_key("10.96.0.10".parse().unwrap(), 80, Protocol::Tcp).unwrap();
         assert_eq!(d[&key].name.service, ObjectKey::new("zz-owner", "web"), "the earlier owner keeps it");
+        let conflicts = st.take_new_conflicts();
+        assert_eq!(conflicts.len(), 2, "one per port: {conflicts:?}");
+        assert!(conflicts.iter().all(|c| c.service == ObjectKey::new("aa-newcomer", "web") && c.owner == ObjectKey::new("zz-owner", "web")));
+        st.desired();
+        assert!(st.take_new_conflicts().is_empty(), "reported once");
     }
 
     #[test]
