@@ -16,7 +16,8 @@
 //!
 //! Packets the program does not translate go on to the next program of the hook
 //! (`TC_ACT_UNSPEC`: a CNI's or observability program attached after kpr still sees them);
-//! packets it does not understand (not IPv4, IP options, other protocols) are also counted. The program never fails a packet it did not translate.
+//! packets it does not understand (not IPv4, IP options, other protocols) are also counted.
+//! The program never fails a packet it did not translate.
 use aya_ebpf::{
     EbpfContext as _, Global,
     bindings::{
@@ -156,7 +157,7 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     };
 
     let key = ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto);
-    let tcp_flags = if t.proto == IPPROTO_TCP { ctx.load::<u8>(TCP_FLAGS_OFF).unwrap_or(0) } else { 0 };
+    let tcp_flags = if t.proto == IPPROTO_TCP { tcp_flags(ctx) } else { 0 };
     let now = unsafe { bpf_ktime_get_ns() };
     // Established flows first; a flow not yet answered lives apart (`CT_NEW`), so that a flood
     // of new flows (SYNs, spoofed segments) evicts only its own kind.
@@ -208,6 +209,18 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
         },
     };
     new_flow(ctx, &t, &service, tcp_flags, now)
+}
+
+/// The TCP flags byte: read straight from the packet when the header is in the linear area
+/// (nearly always), else through the load helper.
+#[inline(always)]
+fn tcp_flags(ctx: &TcContext) -> u8 {
+    let at = ctx.data() + TCP_FLAGS_OFF;
+    if at < ctx.data_end() {
+        // SAFETY: bounds checked against data_end.
+        return unsafe { *(at as *const u8) };
+    }
+    ctx.load::<u8>(TCP_FLAGS_OFF).unwrap_or(0)
 }
 
 /// What this packet tells of its flow: an answer from the backend, a FIN, a RST.

@@ -75,10 +75,11 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
             let config = source::kube::config(kubeconfig.as_deref(), master.as_deref()).await?;
             // The API server must be reachable without kpr (after a reboot nothing is
             // programmed until kpr has synced): not through a Service kpr has not programmed.
-            let programmed: std::collections::BTreeSet<(u32, u16)> =
-                datapath.maps.services()?.into_iter().map(|(k, _)| (k.addr, k.port)).collect();
             let service_host = std::env::var("KUBERNETES_SERVICE_HOST").ok();
-            let is_programmed = |ip: std::net::Ipv4Addr, port: u16| programmed.contains(&(u32::from(ip).to_be(), port.to_be()));
+            let is_programmed = |ip: std::net::Ipv4Addr, port: u16| {
+                let (addr, port) = (u32::from(ip).to_be(), port.to_be());
+                programmer.programmed().keys().any(|k| k.addr == addr && k.port == port)
+            };
             if let Some(problem) = source::kube::bootstrap_problem(&config.cluster_url, service_host.as_deref(), is_programmed) {
                 anyhow::bail!("{problem}");
             }

@@ -99,6 +99,24 @@ pub struct Cgroup {
     entered_from: Option<PathBuf>,
 }
 
+/// A uniquely named bpffs pin root for a test or benchmark: kpr's pins under it are removed
+/// on drop, also when the test fails.
+pub struct PinRoot(pub PathBuf);
+
+impl PinRoot {
+    pub fn new(tag: &str) -> Self {
+        Self(PathBuf::from(format!("/sys/fs/bpf/{}", unique_name(tag))))
+    }
+}
+
+impl Drop for PinRoot {
+    fn drop(&mut self) {
+        if let Err(e) = crate::datapath::bpf::cleanup(&self.0) {
+            eprintln!("testbed: failed to remove the pins under {}: {e:#}", self.0.display());
+        }
+    }
+}
+
 impl Cgroup {
     pub fn new(name: &str) -> Result<Self> {
         let path = crate::datapath::bpf::cgroup2_root()?.join(name);

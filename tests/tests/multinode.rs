@@ -415,8 +415,8 @@ fn a_program_attached_after_kpr_still_sees_what_kpr_does_not_translate() {
     c.wait("*:30080/TCP ext", 1);
     // Another program after kpr's on node-a's link (a CNI's, a monitor's): a second instance
     // of kpr's own ingress program on maps of its own, which counts the IP fragments it sees.
-    let pins = PathBuf::from(format!("/sys/fs/bpf/{}", testbed::unique_name("km-chain2")));
-    let cfg = bpf::DatapathConfig::new(pins.clone(), "/nonexistent".into());
+    let pins = testbed::PinRoot::new("km-chain2");
+    let cfg = bpf::DatapathConfig::new(pins.0.clone(), "/nonexistent".into());
     let second = c.nodes[0]
         .netns
         .run(move || -> Result<aya::Ebpf> {
@@ -429,7 +429,7 @@ fn a_program_attached_after_kpr_still_sees_what_kpr_does_not_translate() {
         })
         .unwrap()
         .unwrap();
-    let fragments_seen = || bpf::read_counters(&pins).unwrap()[proxy_common::counter::TC_PASSED_UNSUPPORTED as usize].1;
+    let fragments_seen = || bpf::read_counters(&pins.0).unwrap()[proxy_common::counter::TC_PASSED_UNSUPPORTED as usize].1;
     assert_eq!(fragments_seen(), 0);
     // A datagram larger than the link's MTU reaches node-a in fragments, which kpr does not
     // translate: the program after it must see them.
@@ -446,7 +446,6 @@ fn a_program_attached_after_kpr_still_sees_what_kpr_does_not_translate() {
     let (name, _) = c.ext(move || tcp_ask_peer(SocketAddrV4::new(ip, 30080), TIMEOUT).unwrap());
     assert_eq!(name, "pod-b");
     drop(second);
-    let _ = bpf::cleanup(&pins);
 }
 
 #[test]

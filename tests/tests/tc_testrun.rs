@@ -48,6 +48,17 @@ fn csum(data: &[u8], initial: u32) -> u16 {
     !(sum as u16)
 }
 
+/// The TCP/UDP checksum of `l4` (its checksum field zero) with the IPv4 pseudo-header.
+fn l4_csum(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, l4: &[u8]) -> u16 {
+    let mut pseudo = Vec::new();
+    pseudo.extend_from_slice(&src.octets());
+    pseudo.extend_from_slice(&dst.octets());
+    pseudo.extend_from_slice(&[0, proto]);
+    pseudo.extend_from_slice(&(l4.len() as u16).to_be_bytes());
+    pseudo.extend_from_slice(l4);
+    csum(&pseudo, 0)
+}
+
 #[derive(Clone, Copy)]
 struct Pkt {
     src: Ipv4Addr,
@@ -96,13 +107,7 @@ impl Pkt {
             l4.extend_from_slice(&[0, 0]);
         }
         l4.extend_from_slice(payload);
-        let mut pseudo = Vec::new();
-        pseudo.extend_from_slice(&self.src.octets());
-        pseudo.extend_from_slice(&self.dst.octets());
-        pseudo.extend_from_slice(&[0, self.proto]);
-        pseudo.extend_from_slice(&(l4.len() as u16).to_be_bytes());
-        pseudo.extend_from_slice(&l4);
-        let c = csum(&pseudo, 0);
+        let c = l4_csum(self.src, self.dst, self.proto, &l4);
         let csum_off = if self.proto == 6 { 16 } else { 6 };
         if !(self.proto == 17 && self.no_udp_csum) {
             let c = if self.proto == 17 && c == 0 { 0xffff } else { c };
@@ -157,7 +162,8 @@ struct Rig {
     ebpf: Ebpf,
     maps: BpfMaps,
     programmer: Programmer,
-    pin_root: std::path::PathBuf,
+    /// Removed on drop, also when setting the rig up fails.
+    pins: testbed::PinRoot,
 }
 
 impl Rig {
@@ -169,8 +175,8 @@ impl Rig {
 
     /// Like [`Rig::new`], with datapath settings changed by `tune`.
     fn with(desired: &Desired, tune: impl FnOnce(&mut DatapathConfig)) -> Self {
-        let pin_root = std::path::PathBuf::from(format!("/sys/fs/bpf/{}", testbed::unique_name("kt-tc")));
-        let mut cfg = DatapathConfig::new(pin_root.clone(), "/nonexistent".into());
+        let pins = testbed::PinRoot::new("kt-tc");
+        let mut cfg = DatapathConfig::new(pins.0.clone(), "/nonexistent".into());
         cfg.detect_local = DETECT_LOCAL_CIDR;
         cfg.max_service_ports = 64;
         cfg.max_backends = 64;
@@ -195,8 +201,7 @@ impl Rig {
             aya::maps::LpmTrie::try_from(ebpf.map_mut(proxy_common::map_names::LOCAL_CIDRS).unwrap()).unwrap();
         let pods = CidrKey { addr: u32::from(Ipv4Addr::new(10, 244, 0, 0)).to_be() };
         cidrs.insert(&aya::maps::lpm_trie::Key::new(16, pods), &1, 0).unwrap();
-        let rig = Self { ebpf, maps, programmer, pin_root };
-        rig
+        Self { ebpf, maps, programmer, pins }
     }
 
     fn run(&self, program: &str, input: &[u8]) -> (u32, Vec<u8>) {
@@ -223,16 +228,16 @@ impl Rig {
     }
 
     fn counter(&self, index: u32) -> u64 {
-        bpf::read_counters(&self.pin_root).unwrap()[index as usize].1
+        bpf::read_counters(&self.pins.0).unwrap()[index as usize].1
     }
 
     fn conntrack(&self) -> Conntrack {
-        Conntrack::open(&self.pin_root).unwrap()
+        Conntrack::open(&self.pins.0).unwrap()
     }
 
     /// A conntrack table: established (`KPR_CONNTRACK`) or new (`KPR_CT_NEW`) flows.
     fn table(&self, name: &str) -> aya::maps::HashMap<aya::maps::MapData, CtKey, CtValue> {
-        let map = aya::maps::MapData::from_pin(bpf::pin_dir(&self.pin_root).join(name)).unwrap();
+        let map = aya::maps::MapData::from_pin(bpf::pin_dir(&self.pins.0).join(name)).unwrap();
         aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(map)).unwrap()
     }
 
@@ -256,12 +261,6 @@ impl Rig {
             evicted += doomed.len();
         }
         evicted
-    }
-}
-
-impl Drop for Rig {
-    fn drop(&mut self) {
-        let _ = bpf::cleanup(&self.pin_root);
     }
 }
 
@@ -671,13 +670,7 @@ fn udp_fragments(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, payload: 
     udp.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
     udp.extend_from_slice(&[0, 0]);
     udp.extend_from_slice(payload);
-    let mut pseudo = Vec::new();
-    pseudo.extend_from_slice(&src.octets());
-    pseudo.extend_from_slice(&dst.octets());
-    pseudo.extend_from_slice(&[0, 17]);
-    pseudo.extend_from_slice(&(udp.len() as u16).to_be_bytes());
-    pseudo.extend_from_slice(&udp);
-    let c = csum(&pseudo, 0);
+    let c = l4_csum(src, dst, 17, &udp);
     udp[6..8].copy_from_slice(&(if c == 0 { 0xffff } else { c }).to_be_bytes());
     let split = 8 + first;
     let ip = |frags: u16| Ip { src, dst, proto: 17, tos: 0, id, frags };

@@ -28,7 +28,7 @@ use proxy_common::{
     defaults, map_names, program_names,
 };
 
-use super::{BatchError, Capacity, Maps};
+use super::{BatchError, Capacity, Maps, conntrack::Conntrack};
 use crate::model::node::NodePlan;
 
 /// The eBPF object built from `proxy-ebpf` by build.rs.
@@ -444,7 +444,7 @@ fn reset_accept_local(ifindex: u32) {
 }
 
 /// `kpr cleanup`: undo what kpr changed on the node's links (accept_local, netlink filters).
-fn restore_accept_local(dir: &Path) {
+fn undo_host_changes(dir: &Path) {
     let Ok(map) = MapData::from_pin(dir.join(map_names::LINKS)) else { return };
     let Ok(links) = HashMap::<_, u32, LinkInfo>::try_from(Map::HashMap(map)) else { return };
     for ifindex in links_flagged(&links, proxy_common::LINK_FLAG_ACCEPT_LOCAL_SET) {
@@ -604,8 +604,8 @@ impl BpfHost {
         Ok(())
     }
 
-    /// Detach from a link (gone, or no longer selected) by dropping its pinned links, and turn
-    /// accept_local off again if kpr turned it on.
+    /// Detach from a link (gone, or no longer selected): drop its pinned links or netlink
+    /// filters, and turn accept_local off again if kpr turned it on.
     fn detach_link(&mut self, ifindex: u32) {
         if self.accept_local_set.remove(&ifindex) {
             reset_accept_local(ifindex);
@@ -626,8 +626,7 @@ impl BpfHost {
         }
     }
 
-    /// Pinned tc links of earlier runs, by ifindex.
-    /// The plan's link entries, with the links where kpr set accept_local marked.
+    /// The plan's link entries, marked where kpr set accept_local or attached netlink filters.
     fn links_marked(&self, links: &BTreeMap<u32, LinkInfo>) -> BTreeMap<u32, LinkInfo> {
         let mut links = links.clone();
         for ifindex in &self.accept_local_set {
@@ -639,6 +638,7 @@ impl BpfHost {
         links
     }
 
+    /// Pinned tc links of earlier runs, by ifindex.
     fn pinned_links(&self) -> BTreeSet<u32> {
         let prefix = format!("link_{}_if", TC_PROGRAMS[0]);
         fs::read_dir(&self.dir)
@@ -675,6 +675,7 @@ impl HostDatapath for BpfHost {
                 tracing::info!(interface = %name, ifindex, "per-packet programs detached");
             }
         }
+        let marks = (self.accept_local_set.clone(), self.netlink_links.clone());
         for (ifindex, name) in &plan.tc_links {
             if self.attached.contains_key(ifindex) {
                 continue;
@@ -688,9 +689,11 @@ impl HostDatapath for BpfHost {
                 Err(e) => tracing::warn!(interface = %name, "{e:#}"),
             }
         }
-        // Remember where accept_local is ours to turn off again.
-        let links = self.links_marked(&plan.links);
-        sync_hash(&mut self.links, &links)?;
+        // Remember what is ours to undo (accept_local, netlink filters) when it changed.
+        if marks != (self.accept_local_set.clone(), self.netlink_links.clone()) {
+            let links = self.links_marked(&plan.links);
+            sync_hash(&mut self.links, &links)?;
+        }
         Ok(())
     }
 }
@@ -759,8 +762,7 @@ pub struct BpfMaps {
     services: HashMap<MapData, ServiceKey, ServiceValue>,
     backends: Array<MapData, Backend>,
     source_ranges: LpmTrie<MapData, SourceRange, u8>,
-    /// The established and the new flows' conntrack tables.
-    conntrack: [HashMap<MapData, CtKey, CtValue>; 2],
+    conntrack: Conntrack,
     capacity: Capacity,
 }
 
@@ -773,7 +775,7 @@ impl BpfMaps {
         let mut table = |name: &str| -> Result<HashMap<MapData, CtKey, CtValue>> {
             Ok(HashMap::try_from(ebpf.take_map(name).with_context(|| format!("no map {name}"))?)?)
         };
-        let conntrack = [table(map_names::CONNTRACK)?, table(map_names::CT_NEW)?];
+        let conntrack = Conntrack::new([table(map_names::CONNTRACK)?, table(map_names::CT_NEW)?])?;
         let capacity = Capacity { service_ports: cfg.max_service_ports, backends: cfg.max_backends };
         Ok(Self { services, backends, source_ranges, conntrack, capacity })
     }
@@ -789,10 +791,7 @@ impl BpfMaps {
         let services: HashMap<MapData, ServiceKey, ServiceValue> = HashMap::try_from(Map::HashMap(services))?;
         let backends: Array<MapData, Backend> = Array::try_from(Map::Array(open(map_names::BACKENDS)?))?;
         let source_ranges = LpmTrie::try_from(Map::LpmTrie(open(map_names::SOURCE_RANGES)?))?;
-        let conntrack = [
-            HashMap::try_from(Map::LruHashMap(open(map_names::CONNTRACK)?))?,
-            HashMap::try_from(Map::LruHashMap(open(map_names::CT_NEW)?))?,
-        ];
+        let conntrack = Conntrack::open(pin_root)?;
         let capacity = Capacity { service_ports, backends: backends.len() };
         Ok(Self { services, backends, source_ranges, conntrack, capacity })
     }
@@ -879,24 +878,9 @@ impl Maps for BpfMaps {
 
     fn flush_flows(&mut self, service_id: u32, backends: &[Backend]) -> Result<usize> {
         let goes_to = |addr: u32, port: u16| backends.iter().any(|b| b.addr == addr && b.port == port);
-        let mut flushed = 0;
-        for table in &mut self.conntrack {
-            let doomed: Vec<CtKey> = table
-                .iter()
-                .filter_map(Result::ok)
-                .filter(|(k, v)| {
-                    v.service_id == service_id && (goes_to(v.dst_addr, v.dst_port) || goes_to(k.src_addr, k.src_port))
-                })
-                .map(|(k, _)| k)
-                .collect();
-            for key in &doomed {
-                match table.remove(key) {
-                    Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
-                    Err(e) => return Err(e.into()),
-                }
-            }
-            flushed += doomed.len();
-        }
+        let (_, flushed) = self.conntrack.remove_where(|k, v| {
+            v.service_id == service_id && (goes_to(v.dst_addr, v.dst_port) || goes_to(k.src_addr, k.src_port))
+        })?;
         Ok(flushed)
     }
 
@@ -929,7 +913,7 @@ pub fn read_counters(pin_root: &Path) -> Result<Vec<(&'static str, u64)>> {
 /// the maps. What `kube-proxy --cleanup` is to iptables rules.
 pub fn cleanup(pin_root: &Path) -> Result<()> {
     let dir = pin_dir(pin_root);
-    restore_accept_local(&dir);
+    undo_host_changes(&dir);
     if !dir.exists() {
         return Ok(());
     }

@@ -4,7 +4,7 @@
 use std::{path::Path, time::Duration};
 
 use anyhow::{Context as _, Result};
-use aya::maps::{HashMap, Map, MapData};
+use aya::maps::{HashMap, IterableMap as _, Map, MapData};
 use proxy_common::{CtKey, CtTimeouts, CtValue, map_names};
 
 use super::bpf::pin_dir;
@@ -27,17 +27,22 @@ pub struct Sweep {
     pub expired: usize,
 }
 
+type Table = HashMap<MapData, CtKey, CtValue>;
+
 impl Conntrack {
     pub fn open(pin_root: &Path) -> Result<Self> {
         let dir = pin_dir(pin_root);
-        let open = |name: &str| -> Result<MapData> {
+        let open = |name: &str| -> Result<Table> {
             let path = dir.join(name);
-            MapData::from_pin(&path).with_context(|| format!("no pinned map {}", path.display()))
+            let map = MapData::from_pin(&path).with_context(|| format!("no pinned map {}", path.display()))?;
+            Ok(HashMap::try_from(Map::LruHashMap(map))?)
         };
-        let established = open(map_names::CONNTRACK)?;
-        let capacity = established.info()?.max_entries();
-        let tables =
-            [HashMap::try_from(Map::LruHashMap(established))?, HashMap::try_from(Map::LruHashMap(open(map_names::CT_NEW)?))?];
+        Self::new([open(map_names::CONNTRACK)?, open(map_names::CT_NEW)?])
+    }
+
+    /// The tables of a loaded object: established, new.
+    pub fn new(tables: [Table; 2]) -> Result<Self> {
+        let capacity = tables[0].map().info()?.max_entries();
         Ok(Self { tables, capacity })
     }
 
@@ -48,7 +53,7 @@ impl Conntrack {
 
     /// Entries now (two per flow): established, new.
     pub fn lens(&self) -> (usize, usize) {
-        let len = |t: &HashMap<MapData, CtKey, CtValue>| t.keys().filter(Result::is_ok).count();
+        let len = |t: &Table| t.keys().filter(Result::is_ok).count();
         (len(&self.tables[0]), len(&self.tables[1]))
     }
 
@@ -65,20 +70,25 @@ impl Conntrack {
     /// Remove the entries that have been idle longer than their state allows at `now`
     /// (CLOCK_MONOTONIC, the programs' clock).
     pub fn sweep(&mut self, timeouts: &CtTimeouts, now: u64) -> Result<Sweep> {
-        let mut sweep = Sweep::default();
+        let (live, expired) = self.remove_where(|key, value| timeouts.expired(key.proto, value, now))?;
+        Ok(Sweep { live, expired })
+    }
+
+    /// Remove the entries `doomed` picks, in both tables: (entries left, entries removed).
+    pub fn remove_where(&mut self, doomed: impl Fn(&CtKey, &CtValue) -> bool) -> Result<(usize, usize)> {
+        let (mut left, mut removed) = (0, 0);
         for table in &mut self.tables {
-            let mut expired = Vec::new();
-            for item in table.iter() {
-                let Ok((key, value)) = item else { continue };
-                if timeouts.expired(key.proto, &value, now) {
-                    expired.push(key);
+            let mut keys = Vec::new();
+            for (key, value) in table.iter().filter_map(Result::ok) {
+                if doomed(&key, &value) {
+                    keys.push(key);
                 } else {
-                    sweep.live += 1;
+                    left += 1;
                 }
             }
-            for key in expired {
+            for key in keys {
                 match table.remove(&key) {
-                    Ok(()) => sweep.expired += 1,
+                    Ok(()) => removed += 1,
                     // Taken back by the programs meanwhile.
                     Err(aya::maps::MapError::KeyNotFound) => {}
                     Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
@@ -86,7 +96,7 @@ impl Conntrack {
                 }
             }
         }
-        Ok(sweep)
+        Ok((left, removed))
     }
 }
 
@@ -102,13 +112,28 @@ pub fn monotonic_now() -> u64 {
 pub async fn sweep_forever(pin_root: std::path::PathBuf, timeouts: CtTimeouts) {
     let mut tick = tokio::time::interval(SWEEP_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The tables, opened once and handed to each blocking sweep and back.
+    let mut tables: Option<Conntrack> = None;
     loop {
         tick.tick().await;
         let root = pin_root.clone();
-        let result = tokio::task::spawn_blocking(move || Conntrack::open(&root)?.sweep(&timeouts, monotonic_now())).await;
+        let opened = tables.take();
+        let result = tokio::task::spawn_blocking(move || -> Result<(Conntrack, Sweep)> {
+            let mut conntrack = match opened {
+                Some(c) => c,
+                None => Conntrack::open(&root)?,
+            };
+            let sweep = conntrack.sweep(&timeouts, monotonic_now())?;
+            Ok((conntrack, sweep))
+        })
+        .await;
         match result {
-            Ok(Ok(sweep)) if sweep.expired > 0 => tracing::debug!(live = sweep.live, expired = sweep.expired, "conntrack swept"),
-            Ok(Ok(_)) => {}
+            Ok(Ok((conntrack, sweep))) => {
+                tables = Some(conntrack);
+                if sweep.expired > 0 {
+                    tracing::debug!(live = sweep.live, expired = sweep.expired, "conntrack swept");
+                }
+            }
             Ok(Err(e)) => tracing::warn!("conntrack sweep failed: {e:#}"),
             Err(e) => tracing::warn!("conntrack sweep task failed: {e}"),
         }

@@ -37,11 +37,6 @@ pub async fn config(kubeconfig: Option<&Path>, master: Option<&str>) -> Result<C
     Ok(config)
 }
 
-/// A client (see [`config`]).
-pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
-    Ok(Client::try_from(config(kubeconfig, None).await?)?)
-}
-
 /// Why the API server at `url` cannot be reached before kpr has programmed anything: it is the
 /// `kubernetes` Service's ClusterIP (`KUBERNETES_SERVICE_HOST`, as in-cluster configuration
 /// gives it) and `programmed` says no service entry translates it yet (after a reboot).

@@ -122,7 +122,7 @@ fn connection_rate(sizes: &[usize], rounds: usize, per_round: usize) -> Result<s
         }
     });
     let mut cgroup = Cgroup::new(&name)?;
-    let pins = PinGuard(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
+    let pins = testbed::PinRoot(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
     let mut cfg = DatapathConfig::new(pins.0.clone(), cgroup.path.clone());
     cfg.max_service_ports = 65_536;
     let mut datapath = BpfDatapath::load(&cfg)?;
@@ -175,7 +175,7 @@ fn connection_rate(sizes: &[usize], rounds: usize, per_round: usize) -> Result<s
 fn programming_time(services: usize, backends: usize) -> Result<serde_json::Value> {
     let name = testbed::unique_name("kb-prog");
     let cgroup = Cgroup::new(&name)?;
-    let pins = PinGuard(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
+    let pins = testbed::PinRoot(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
     let mut datapath = BpfDatapath::load(&DatapathConfig::new(pins.0.clone(), cgroup.path.clone()))?;
     let mut programmer = Programmer::recover(&mut datapath.maps)?;
     let desired = desired_with(services, backends, Ipv4Addr::new(10, 244, 1, 2));
@@ -222,14 +222,6 @@ fn event_latency(samples: usize) -> Result<serde_json::Value> {
     Ok(json!({ "samples": samples, "p50_ms": p50, "p99_ms": p99, "note": "manifest source; includes 5 ms coalescing of file events and 1 ms polling granularity of the check" }))
 }
 
-struct PinGuard(std::path::PathBuf);
-
-impl Drop for PinGuard {
-    fn drop(&mut self) {
-        let _ = bpf::cleanup(&self.0);
-    }
-}
-
 /// The tc program's cost per packet (BPF_PROG_TEST_RUN): a packet of an established flow
 /// (conntrack hit + rewrite), and a packet that is not for a service. `repeat` re-runs the
 /// program on the same, already rewritten buffer, which would turn every later run into the
@@ -237,7 +229,7 @@ impl Drop for PinGuard {
 fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
     use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions};
     let name = testbed::unique_name("kb-tc");
-    let pins = PinGuard(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
+    let pins = testbed::PinRoot(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
     let cfg = DatapathConfig::new(pins.0.clone(), "/nonexistent".into());
     let mut ebpf = bpf::open_object(&cfg)?;
     let prog: &mut SchedClassifier = ebpf.program_mut(proxy_common::program_names::TC_INGRESS).context("tc program")?.try_into()?;
@@ -333,7 +325,7 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32, churn: usiz
         }
     });
     let cgroup = Cgroup::new(&name)?;
-    let pins = PinGuard(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
+    let pins = testbed::PinRoot(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
     let cfg = DatapathConfig::new(pins.0.clone(), cgroup.path.clone());
     let snat_ports = cfg.snat_ports;
     let settings = NodeSettings {
