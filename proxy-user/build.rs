@@ -10,6 +10,11 @@ fn main() -> anyhow::Result<()> {
     // aya-build passes it when RUSTC_BOOTSTRAP=1. No nightly is needed.
     // SAFETY: build scripts are single-threaded at this point.
     unsafe { std::env::set_var("RUSTC_BOOTSTRAP", "1") };
+    // aya-build relays the inner cargo's stderr as `cargo:warning` lines: keep its progress
+    // ("Compiling proxy-ebpf", "Finished") out of them. Real errors and compiler
+    // diagnostics still come through.
+    // SAFETY: as above.
+    unsafe { std::env::set_var("CARGO_TERM_QUIET", "true") };
     let ebpf = Package {
         name: "proxy-ebpf",
         root_dir: concat!(env!("CARGO_MANIFEST_DIR"), "/../proxy-ebpf"),

@@ -110,6 +110,14 @@ pub const DETECT_LOCAL_INTERFACE: u8 = 2;
 /// after the source was chosen).
 pub const LINK_SERVICE_SOURCE: u32 = u32::MAX;
 
+/// `KPR_LINKS` key holding the cookie of the network namespace the links (ifindexes) belong to
+/// (`addr`: low 32 bits, `flags`: high 32 bits): `kpr cleanup` run from another namespace must
+/// not touch that namespace's ifindexes there.
+pub const LINK_NETNS: u32 = u32::MAX - 1;
+
+/// `KPR_LINKS` keys from here on are not links.
+pub const LINK_FIRST_SPECIAL: u32 = LINK_NETNS;
+
 /// `LinkInfo::flags`: the interface-based local-traffic detector calls traffic arriving on
 /// this link local (detectLocalMode BridgeInterface / InterfaceNamePrefix).
 pub const LINK_FLAG_LOCAL_TRAFFIC: u32 = 1;

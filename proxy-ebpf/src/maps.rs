@@ -6,7 +6,7 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    Backend, CtKey, CtValue, FragmentKey, LinkInfo, CidrKey, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
+    Backend, CidrKey, CtKey, CtValue, FragmentKey, LinkInfo, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
     SourceRange, counter, defaults,
 };
 

@@ -13,11 +13,15 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::error;
 use proxy_common::{
-    Backend, IPPROTO_TCP, IPPROTO_UDP, LINK_SERVICE_SOURCE, NODE_ADDR_NODEPORT, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
-    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, counter,
+    Backend, IPPROTO_TCP, IPPROTO_UDP, LINK_SERVICE_SOURCE, NODE_ADDR_NODEPORT, SCOPE_NODE, SCOPE_POD,
+    SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP, ServiceKey, ServiceValue,
+    SockRevNatKey, SockRevNatValue, counter,
 };
 
-use crate::maps::{BACKENDS, NODE_ADDRS, SOCK_PICKS, link_addr, serves, SERVICES, SOCK_REVNAT, ServiceRangeMiss, count, refusal, service_range_miss};
+use crate::maps::{
+    BACKENDS, NODE_ADDRS, SERVICES, SOCK_PICKS, SOCK_REVNAT, ServiceRangeMiss, count, link_addr, refusal, serves,
+    service_range_miss,
+};
 
 /// Return value that lets the syscall proceed.
 const ALLOW: i32 = 1;
@@ -236,12 +240,8 @@ fn is_node_port_address(addr: u32, from_node: bool) -> bool {
 #[inline(always)]
 fn served_in_this_netns(ctx: &SockAddrContext, proto: u8, backend: &Backend) -> bool {
     let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
-    tuple.__bindgen_anon_1.ipv4 = bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1 {
-        saddr: 0,
-        daddr: backend.addr,
-        sport: 0,
-        dport: backend.port,
-    };
+    tuple.__bindgen_anon_1.ipv4 =
+        bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1 { saddr: 0, daddr: backend.addr, sport: 0, dport: backend.port };
     let size = size_of::<bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1>() as u32;
     let sk = unsafe {
         if proto == IPPROTO_TCP {

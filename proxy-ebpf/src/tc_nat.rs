@@ -21,8 +21,8 @@
 use aya_ebpf::{
     EbpfContext as _, Global,
     bindings::{
-        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_NOEXIST,
-        TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, __sk_buff, bpf_fib_lookup,
+        __sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
+        BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, bpf_fib_lookup,
     },
     btf_maps::lpm_trie::Key,
     helpers::{bpf_fib_lookup as fib_lookup, bpf_ktime_get_ns},
@@ -31,14 +31,17 @@ use aya_ebpf::{
 };
 use network_types::{eth::EtherType, ip::Ipv4Hdr};
 use proxy_common::{
-    Backend, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, FragmentKey, DETECT_LOCAL_INTERFACE, IPPROTO_TCP, IPPROTO_UDP,
-    LINK_FLAG_LOCAL_TRAFFIC, CidrKey, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
+    Backend, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, DETECT_LOCAL_INTERFACE, FragmentKey, IPPROTO_TCP,
+    IPPROTO_UDP, LINK_FLAG_LOCAL_TRAFFIC, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
     SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN,
     ServiceKey, ServiceValue, SourceRange, counter, ct,
 };
 
 use crate::{
-    maps::{BACKENDS, CONNTRACK, CT_NEW, FRAGMENTS, FlowMap, LINKS, LOCAL_CIDRS, link_addr, serves, NODE_ADDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss, count, refusal, service_range_miss},
+    maps::{
+        BACKENDS, CONNTRACK, CT_NEW, FRAGMENTS, FlowMap, LINKS, LOCAL_CIDRS, NODE_ADDRS, SERVICES, SOURCE_RANGES,
+        ServiceRangeMiss, count, link_addr, refusal, serves, service_range_miss,
+    },
     packet::*,
     tc_reject::{reject_tcp, reject_udp},
 };
@@ -121,7 +124,11 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     let Some(h) = headers(ctx) else {
         // Shorter than Ethernet + IPv4 + ports: only a datagram's last fragment may be.
         return match ctx.load::<Ipv4Hdr>(IP_OFF) {
-            Ok(ip) if ctx.load::<u16>(12) == Ok(EtherType::Ipv4 as u16) && ip.vihl == 0x45 && u16::from_be_bytes(ip.frags) & 0x1fff != 0 => {
+            Ok(ip)
+                if ctx.load::<u16>(12) == Ok(EtherType::Ipv4 as u16)
+                    && ip.vihl == 0x45
+                    && u16::from_be_bytes(ip.frags) & 0x1fff != 0 =>
+            {
                 later_fragment(ctx, &ip)
             }
             _ => Ok(PASS),

@@ -9,8 +9,10 @@
 //! reconcile (`syncPeriod`) re-reads the maps and repairs any drift.
 use std::{
     future::Future,
+    net::SocketAddr,
     path::PathBuf,
-    time::{Duration, Instant},
+    sync::Arc,
+    time::{Duration, Instant, SystemTime},
 };
 
 use anyhow::Result;
@@ -19,15 +21,18 @@ use tokio::sync::mpsc;
 
 use crate::{
     datapath::{
-        Maps, Programmer, conntrack,
+        Maps, Programmer,
         bpf::{BpfDatapath, DatapathConfig, HostDatapath},
+        conntrack,
     },
+    metrics::Metrics,
     model::{
         NodeInfo, ProxyOptions,
         cidr::Cidr,
         desired::ClusterState,
         node::{self, HostLink, NodeObject, NodeSettings, TcLinks},
     },
+    proxy_health::ProxyHealth,
     source::{self, SourceEvent},
 };
 
@@ -47,12 +52,24 @@ pub struct AgentConfig {
     pub sync_period: Duration,
     /// Least time between two syncs (`minSyncPeriod`).
     pub min_sync_period: Duration,
+    /// kube-proxy's metrics server (`metricsBindAddress`); `None`: off.
+    pub metrics_bind_address: Option<SocketAddr>,
+    /// kube-proxy's healthz server (`healthzBindAddress`); `None`: off.
+    pub healthz_bind_address: Option<SocketAddr>,
+    /// What `/configz` shows: the effective configuration.
+    pub configz: serde_json::Value,
 }
 
 /// Run until `shutdown` completes. The pinned datapath stays in place on exit, like kube-proxy's
 /// rules: `kpr cleanup` removes it.
 pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result<()> {
     let _lock = crate::datapath::bpf::AgentLock::acquire(&cfg.datapath.pin_root)?;
+    // Bound first: a port in use is a startup error, before anything is attached.
+    let listeners = crate::proxy_servers::Listeners::bind(cfg.metrics_bind_address, cfg.healthz_bind_address).await?;
+    let metrics = Arc::new(Metrics::new(Some(cfg.datapath.pin_root.clone())));
+    // kube-proxy's health timeout: twice syncPeriod.
+    let proxy_health = Arc::new(ProxyHealth::new(2 * cfg.sync_period, metrics.clone()));
+    let server_tasks = listeners.serve(metrics.clone(), proxy_health.clone(), cfg.configz.clone());
     let mut datapath = BpfDatapath::load(&cfg.datapath)?;
     let programmer = Programmer::recover(&mut datapath.maps)?;
     tracing::info!(
@@ -66,10 +83,13 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
     let (tx, rx) = mpsc::channel(4096);
     let node_name = cfg.node.name.clone();
     let mut conflict_events = None;
+    // The API always has this node's Node; a manifest directory may not.
+    let node_required = matches!(cfg.source, SourceConfig::Kube { .. });
     let source_task = match cfg.source {
         SourceConfig::Manifests(dir) => {
             let tx = tx.clone();
-            tokio::spawn(supervise("manifests", move || source::manifests::run(dir.clone(), node_name.clone(), tx.clone())))
+            let run = move || source::manifests::run(dir.clone(), node_name.clone(), tx.clone());
+            tokio::spawn(supervise("manifests", metrics.clone(), run))
         }
         SourceConfig::Kube { kubeconfig, master } => {
             let config = source::kube::config(kubeconfig.as_deref(), master.as_deref()).await?;
@@ -80,7 +100,9 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
                 let (addr, port) = (u32::from(ip).to_be(), port.to_be());
                 programmer.programmed().keys().any(|k| k.addr == addr && k.port == port)
             };
-            if let Some(problem) = source::kube::bootstrap_problem(&config.cluster_url, service_host.as_deref(), is_programmed) {
+            if let Some(problem) =
+                source::kube::bootstrap_problem(&config.cluster_url, service_host.as_deref(), is_programmed)
+            {
                 anyhow::bail!("{problem}");
             }
             let client = kube::Client::try_from(config)?;
@@ -88,31 +110,92 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
             conflict_events = Some(events);
             let cidrs = cfg.options.reject_unknown_ports;
             let tx = tx.clone();
-            tokio::spawn(supervise("kubernetes", move || source::kube::run(client.clone(), node_name.clone(), cidrs, tx.clone())))
+            let run = move || source::kube::run(client.clone(), node_name.clone(), cidrs, tx.clone());
+            tokio::spawn(supervise("kubernetes", metrics.clone(), run))
         }
     };
-    let host_task = tokio::spawn(supervise("host links", move || source::host::run(tx.clone())));
-    let sweep_task = tokio::spawn(conntrack::sweep_forever(cfg.datapath.pin_root.clone(), cfg.datapath.ct_timeouts));
+    let host_task = tokio::spawn(supervise("host links", metrics.clone(), move || source::host::run(tx.clone())));
+    let sweep_task = tokio::spawn(conntrack::sweep_forever(
+        cfg.datapath.pin_root.clone(),
+        cfg.datapath.ct_timeouts,
+        metrics.clone(),
+    ));
     let serve_health = cfg.node.tc_links != TcLinks::Off;
     let mut syncer = Syncer::new(ClusterState::with_options(NodeInfo::default(), cfg.options), programmer, cfg.node);
     syncer.host_links = source::host::snapshot()?;
     syncer.min_sync_period = cfg.min_sync_period;
     syncer.conflict_events = conflict_events;
+    syncer.capacity = (cfg.datapath.max_service_ports, cfg.datapath.max_backends);
+    syncer.node_required = node_required;
+    syncer.metrics = metrics;
+    syncer.proxy_health = proxy_health.clone();
     if serve_health {
-        syncer.health = Some(crate::health::HealthServers::default());
+        syncer.health = Some(crate::health::HealthServers::default().with_proxy_health(proxy_health));
     }
     syncer.run(rx, &mut datapath.maps, &mut datapath.host, cfg.sync_period, shutdown).await;
     source_task.abort();
     host_task.abort();
     sweep_task.abort();
+    for task in server_tasks {
+        task.abort();
+    }
     tracing::info!("stopped; the datapath stays programmed until the next agent takes over");
     Ok(())
+}
+
+/// The datapath content the agent would program now (`kpr diff`): the source's complete
+/// lists (and, from the API, this node's Node) through the same model, with the node's links
+/// as the kernel has them. Nothing is written.
+pub async fn desired_state(
+    source: SourceConfig,
+    node: NodeSettings,
+    options: ProxyOptions,
+    wait: Duration,
+) -> Result<crate::model::desired::Desired> {
+    let (tx, mut rx) = mpsc::channel(4096);
+    let name = node.name.clone();
+    let wants_node = matches!(source, SourceConfig::Kube { .. });
+    let task = match source {
+        SourceConfig::Manifests(dir) => tokio::spawn(source::manifests::run(dir, name, tx)),
+        SourceConfig::Kube { kubeconfig, master } => {
+            let client = kube::Client::try_from(source::kube::config(kubeconfig.as_deref(), master.as_deref()).await?)?;
+            tokio::spawn(source::kube::run(client, name, options.reject_unknown_ports, tx))
+        }
+    };
+    let programmer = Programmer::recover(&mut crate::datapath::fake::FakeMaps::new(crate::datapath::Capacity {
+        service_ports: 0,
+        backends: 0,
+    }))?;
+    let mut syncer = Syncer::new(ClusterState::with_options(NodeInfo::default(), options), programmer, node);
+    syncer.host_links = source::host::snapshot()?;
+    let deadline = tokio::time::sleep(wait);
+    tokio::pin!(deadline);
+    let mut node_seen = false;
+    let outcome = loop {
+        if syncer.state.synced() && (node_seen || !wants_node) {
+            break Ok(());
+        }
+        tokio::select! {
+            event = rx.recv() => match event {
+                Some(event) => {
+                    node_seen |= matches!(event, SourceEvent::Node(_));
+                    syncer.apply(event);
+                }
+                None => break Err(anyhow::anyhow!("the source stopped before listing everything")),
+            },
+            () = &mut deadline => break Err(anyhow::anyhow!("the source did not list Services, EndpointSlices and the Node within {wait:?}")),
+        }
+    };
+    task.abort();
+    outcome?;
+    syncer.program_node(&mut crate::datapath::fake::FakeHost::default());
+    Ok(syncer.state.desired())
 }
 
 /// Run a source until its receiver goes away; a source that fails (out of file descriptors,
 /// an inotify limit, ...) is logged and started again, backing off up to 30 s, so that one
 /// error never leaves the node without updates.
-async fn supervise<F, Fut>(name: &str, mut start: F)
+async fn supervise<F, Fut>(name: &str, metrics: Arc<Metrics>, mut start: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<()>>,
@@ -123,6 +206,7 @@ where
             Ok(()) => return,
             Err(e) => tracing::error!(source = name, "source failed: {e:#}; restarting in {backoff:?}"),
         }
+        metrics.source_restarted(name);
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(30));
     }
@@ -150,6 +234,17 @@ pub struct Syncer {
     release_memory: bool,
     /// Where frontend conflicts go as Kubernetes Events (API source only).
     pub conflict_events: Option<mpsc::Sender<crate::model::desired::Conflict>>,
+    pub metrics: Arc<Metrics>,
+    /// `/healthz` and `/livez`: told when changes arrive and when the datapath has them.
+    pub proxy_health: Arc<ProxyHealth>,
+    /// Without a Node object the node is not eligible for load-balanced traffic (API source).
+    pub node_required: bool,
+    /// The maps' sizes (service ports, backend slots), for the pressure metrics.
+    pub capacity: (u32, u32),
+    /// When the agent started: older EndpointSlice trigger times are not this agent's latency.
+    started: SystemTime,
+    /// `endpoints.kubernetes.io/last-change-trigger-time`s of the slice changes not yet synced.
+    trigger_times: Vec<SystemTime>,
 }
 
 impl Syncer {
@@ -169,6 +264,12 @@ impl Syncer {
             synced_once: false,
             release_memory: false,
             conflict_events: None,
+            metrics: Arc::new(Metrics::default()),
+            proxy_health: Arc::new(ProxyHealth::new(Duration::from_secs(60), Arc::new(Metrics::default()))),
+            node_required: false,
+            capacity: (0, 0),
+            started: SystemTime::now(),
+            trigger_times: Vec::new(),
         }
     }
 
@@ -216,6 +317,7 @@ impl Syncer {
             SourceEvent::ServicesListed(_) | SourceEvent::SlicesListed(_) | SourceEvent::ManifestsLoaded { .. }
         );
         self.release_memory |= full_list;
+        self.count_change(&event);
         match event {
             SourceEvent::ServicesListed(all) => self.state.replace_services(all),
             SourceEvent::SlicesListed(all) => self.state.replace_slices(all),
@@ -240,6 +342,32 @@ impl Syncer {
         }
     }
 
+    /// kube-proxy's change metrics and health: a Service or EndpointSlice change is queued
+    /// until a sync writes it.
+    fn count_change(&mut self, event: &SourceEvent) {
+        let (services, slices): (usize, &[_]) = match event {
+            SourceEvent::ServicesListed(all) => (all.len(), &[]),
+            SourceEvent::ServiceApplied(_) | SourceEvent::ServiceDeleted(_) => (1, &[]),
+            SourceEvent::SlicesListed(all) => (0, all.as_slice()),
+            SourceEvent::SliceApplied(slice) => (0, std::slice::from_ref(slice)),
+            SourceEvent::SliceDeleted(_) => {
+                self.metrics.change_queued(false, 1);
+                self.proxy_health.queued_update();
+                return;
+            }
+            SourceEvent::ManifestsLoaded { services, slices, .. } => (services.len(), slices.as_slice()),
+            _ => return,
+        };
+        self.metrics.change_queued(true, services);
+        self.metrics.change_queued(false, slices.len());
+        for slice in slices {
+            if let Some(t) = last_change_trigger_time(slice).filter(|t| *t > self.started) {
+                self.trigger_times.push(t);
+            }
+        }
+        self.proxy_health.queued_update();
+    }
+
     fn set_service_cidrs(&mut self, cidrs: Vec<Cidr>) {
         if cidrs != self.service_cidrs {
             self.service_cidrs = cidrs;
@@ -248,6 +376,8 @@ impl Syncer {
     }
 
     fn set_node_object(&mut self, node: Option<NodeObject>) {
+        let eligible = node.as_ref().map_or(!self.node_required, |n| !n.draining);
+        self.proxy_health.set_node_eligible(eligible);
         if node != self.node_object {
             self.node_object = node;
             self.node_dirty = true;
@@ -270,7 +400,15 @@ impl Syncer {
         }
         self.program_node(host);
         let retry = self.retry_due().is_some_and(|at| at <= Instant::now());
-        if !self.state.synced() || !(self.state.has_changes() || retry) {
+        if !self.state.synced() {
+            return;
+        }
+        if !(self.state.has_changes() || retry) {
+            // The changes received changed nothing: the datapath is up to date.
+            if !self.programmer.has_failures() {
+                self.proxy_health.updated();
+                self.metrics.synced_nothing();
+            }
             return;
         }
         self.program_services(maps, None, started);
@@ -319,6 +457,7 @@ impl Syncer {
             plan.links.insert(proxy_common::LINK_SERVICE_SOURCE, link);
         }
         if let Err(e) = host.apply_node(&plan) {
+            self.metrics.sync_error();
             tracing::error!("failed to program the node's addresses and links: {e:#}");
             self.node_dirty = true; // retried at the next sync
         }
@@ -341,6 +480,7 @@ impl Syncer {
         if let Some(health) = &mut self.health {
             health.update(self.state.health_checks());
         }
+        self.report_sync(&report, reconciling || !self.synced_once, started);
         if !self.synced_once {
             self.synced_once = true;
             tracing::info!(service_ports = desired.len(), "initial sync done");
@@ -366,6 +506,39 @@ impl Syncer {
             release_free_memory();
         }
     }
+}
+
+impl Syncer {
+    /// Metrics and health after a sync. A sync that left service ports out is not an update:
+    /// the change stays pending, and past the health timeout the proxy is unhealthy, as
+    /// kube-proxy is while its rules cannot be written.
+    fn report_sync(&mut self, report: &crate::datapath::ApplyReport, full: bool, started: Instant) {
+        let m = &self.metrics;
+        m.programming_failures(report.failed);
+        let programmed = self.programmer.programmed();
+        let slots: usize = programmed.values().map(|p| p.backends.len()).sum();
+        m.map_use("services", programmed.len(), self.capacity.0);
+        m.map_use("backends", slots, self.capacity.1);
+        let (internal, external) = self.state.no_local_endpoints();
+        m.no_local_endpoints(internal, external);
+        if report.failed > 0 {
+            return;
+        }
+        let now = SystemTime::now();
+        let latencies: Vec<f64> =
+            self.trigger_times.drain(..).map(|t| now.duration_since(t).unwrap_or_default().as_secs_f64()).collect();
+        m.synced(started.elapsed().as_secs_f64(), full, &latencies);
+        self.proxy_health.updated();
+    }
+}
+
+/// An EndpointSlice's `endpoints.kubernetes.io/last-change-trigger-time` (RFC 3339): when
+/// the change that produced it happened (network programming latency starts there).
+fn last_change_trigger_time(slice: &k8s_openapi::api::discovery::v1::EndpointSlice) -> Option<SystemTime> {
+    let annotations = slice.metadata.annotations.as_ref()?;
+    let text = annotations.get("endpoints.kubernetes.io/last-change-trigger-time")?;
+    let t: jiff::Timestamp = text.parse().ok()?;
+    Some(SystemTime::from(t))
 }
 
 /// Return the allocator's free memory to the system: a full list (thousands of objects parsed,
@@ -442,15 +615,20 @@ mod tests {
         assert_eq!(syncer.programmer.programmed().len(), 3, "one entry per source scope");
     }
 
-    #[test]
-    fn nothing_is_written_before_sync_and_reconcile_repairs() {
+    /// A syncer on fake maps that has listed the Service `d/web` (10.96.0.10:80).
+    fn syncer_with_web_service() -> (Syncer, FakeMaps, FakeHost) {
         let mut maps = FakeMaps::new(Capacity { service_ports: 16, backends: 64 });
         let programmer = Programmer::recover(&mut maps).unwrap();
         let mut syncer = Syncer::new(ClusterState::new(NodeInfo::default()), programmer, NodeSettings::default());
-        let mut host = FakeHost::default();
         let svc =
             service_yaml("metadata: {name: web, namespace: d}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}");
         syncer.apply(SourceEvent::ServicesListed(vec![svc]));
+        (syncer, maps, FakeHost::default())
+    }
+
+    #[test]
+    fn nothing_is_written_before_sync_and_reconcile_repairs() {
+        let (mut syncer, mut maps, mut host) = syncer_with_web_service();
         syncer.sync(&mut maps, &mut host, Instant::now());
         assert_eq!(maps.writes, 0, "slices not listed yet: nothing programmed");
         assert_eq!(host.plans.len(), 1, "the node is programmed from the start");
@@ -461,5 +639,28 @@ mod tests {
         maps.services.clear(); // drift: someone emptied the map
         syncer.reconcile(&mut maps, &mut host);
         assert_eq!(visible(&maps), Some(vec!["10.0.0.7".into()]));
+    }
+
+    #[test]
+    fn network_programming_latency_runs_from_the_slice_trigger_time_to_the_sync() {
+        let (mut syncer, mut maps, mut host) = syncer_with_web_service();
+        syncer.apply(SourceEvent::SlicesListed(vec![]));
+        syncer.sync(&mut maps, &mut host, Instant::now());
+        // The agent has run for a minute; a change made 2.5 s ago (the controller's
+        // annotation) is delivered now.
+        syncer.started = SystemTime::now() - Duration::from_secs(60);
+        let mut slice = web_slice(&["10.0.0.1"]);
+        let changed = jiff::Timestamp::now() - jiff::SignedDuration::from_millis(2500);
+        let annotation = ("endpoints.kubernetes.io/last-change-trigger-time".to_owned(), changed.to_string());
+        slice.metadata.annotations = Some([annotation].into());
+        syncer.apply(SourceEvent::SliceApplied(slice));
+        syncer.sync(&mut maps, &mut host, Instant::now());
+        let text = syncer.metrics.encode();
+        let bucket = |le: &str| {
+            format!("kubeproxy_network_programming_duration_seconds_bucket{{le=\"{le}\",ip_family=\"IPv4\"}}")
+        };
+        assert!(text.contains(&format!("{} 0\n", bucket("2.0"))), "{text}");
+        assert!(text.contains(&format!("{} 1\n", bucket("3.0"))), "{text}");
+        assert!(text.contains("kubeproxy_sync_proxy_rules_endpoint_changes_total 1\n"));
     }
 }

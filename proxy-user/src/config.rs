@@ -151,7 +151,9 @@ impl ConntrackTimeouts {
     /// where kube-proxy leaves them (0).
     pub fn datapath(&self) -> proxy_common::CtTimeouts {
         let d = proxy_common::CtTimeouts::DEFAULT;
-        let ns = |v: Duration, default: u64| if v.is_zero() { default } else { v.as_nanos().min(u128::from(u64::MAX)) as u64 };
+        let ns = |v: Duration, default: u64| {
+            if v.is_zero() { default } else { v.as_nanos().min(u128::from(u64::MAX)) as u64 }
+        };
         proxy_common::CtTimeouts {
             tcp_established: ns(self.tcp_established, d.tcp_established),
             tcp_close_wait: ns(self.tcp_close_wait, d.tcp_close_wait),
@@ -186,6 +188,8 @@ pub struct FlagOverrides {
     pub sync_period: Option<Duration>,
     pub min_sync_period: Option<Duration>,
     pub kubeconfig: Option<PathBuf>,
+    pub metrics_bind_address: Option<String>,
+    pub healthz_bind_address: Option<String>,
 }
 
 /// The effective configuration: the file with kube-proxy's defaults, then flags on top.
@@ -200,7 +204,7 @@ pub struct ProxyConfig {
     pub masquerade_all: bool,
     pub localhost_node_ports: bool,
     pub bind_address: IpAddr,
-    /// None: the server is off (an empty address).
+    /// None: the server is off (an empty `--healthz-bind-address`).
     pub healthz_bind_address: Option<SocketAddr>,
     pub metrics_bind_address: Option<SocketAddr>,
     #[serde(with = "go_duration")]
@@ -262,12 +266,59 @@ impl ProxyConfig {
             .collect()
     }
 
+    /// `/configz`: the effective configuration in `KubeProxyConfiguration` (v1alpha1) form
+    /// under kube-proxy's configz key, with the mode-specific settings in the block of the
+    /// mode in effect.
+    pub fn configz(&self) -> serde_json::Value {
+        use go_duration::format as go;
+        let addr = |a: &Option<SocketAddr>| a.map(|a| a.to_string()).unwrap_or_default();
+        let cluster_cidr: Vec<String> = self.cluster_cidrs.iter().map(ToString::to_string).collect();
+        let mode = if self.mode.is_empty() { "iptables" } else { self.mode.as_str() };
+        let mut mode_block = serde_json::json!({
+            "masqueradeAll": self.masquerade_all,
+            "syncPeriod": go(self.sync_period),
+            "minSyncPeriod": go(self.min_sync_period),
+        });
+        if mode != "nftables" {
+            mode_block["localhostNodePorts"] = self.localhost_node_ports.into();
+        }
+        let ct = &self.conntrack;
+        let mut config = serde_json::json!({
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "clientConnection": {"kubeconfig": self.kubeconfig.as_ref().map(|p| p.display().to_string()).unwrap_or_default()},
+            "hostnameOverride": self.hostname_override.clone().unwrap_or_default(),
+            "bindAddress": self.bind_address.to_string(),
+            "healthzBindAddress": addr(&self.healthz_bind_address),
+            "metricsBindAddress": addr(&self.metrics_bind_address),
+            "mode": self.mode,
+            "detectLocalMode": self.detect_local.mode,
+            "detectLocal": {
+                "bridgeInterface": self.detect_local.bridge_interface,
+                "interfaceNamePrefix": self.detect_local.interface_name_prefix,
+            },
+            "clusterCIDR": cluster_cidr.join(","),
+            "nodePortAddresses": self.node_port_addresses,
+            "conntrack": {
+                "tcpEstablishedTimeout": go(ct.tcp_established),
+                "tcpCloseWaitTimeout": go(ct.tcp_close_wait),
+                "udpTimeout": go(ct.udp),
+                "udpStreamTimeout": go(ct.udp_stream),
+            },
+        });
+        config[if mode == "nftables" { "nftables" } else { "iptables" }] = mode_block;
+        serde_json::json!({ "kubeproxy.config.k8s.io": config })
+    }
+
     /// localhostNodePorts as it takes effect: on, unless nodePortAddresses leaves loopback out.
     pub fn localhost_node_ports_effective(&self) -> bool {
         let loopback: IpAddr = [127, 0, 0, 1].into();
         self.localhost_node_ports
             && (self.node_port_addresses.is_empty()
-                || self.node_port_addresses().iter().any(|a| matches!(a, NodePortAddress::Cidr(c) if c.contains(loopback))))
+                || self
+                    .node_port_addresses()
+                    .iter()
+                    .any(|a| matches!(a, NodePortAddress::Cidr(c) if c.contains(loopback))))
     }
 
     /// Flags given explicitly override the file (kube-proxy's flag names), checked with the
@@ -309,6 +360,13 @@ impl ProxyConfig {
         }
         if let Some(kubeconfig) = &flags.kubeconfig {
             self.kubeconfig = Some(kubeconfig.clone());
+        }
+        // As kube-proxy's flags: empty turns the server off; an IP alone takes the usual port.
+        if let Some(raw) = &flags.metrics_bind_address {
+            self.metrics_bind_address = server_address_flag("--metrics-bind-address", raw, 10249)?;
+        }
+        if let Some(raw) = &flags.healthz_bind_address {
+            self.healthz_bind_address = server_address_flag("--healthz-bind-address", raw, 10256)?;
         }
         Ok(())
     }
@@ -373,7 +431,11 @@ fn resolve(file: KubeProxyConfiguration) -> Result<ProxyConfig> {
 
     let ct = file.conntrack.unwrap_or_default();
     let conntrack = ConntrackTimeouts {
-        tcp_established: field("conntrack.tcpEstablishedTimeout", ct.tcp_established_timeout, Duration::from_secs(86_400))?,
+        tcp_established: field(
+            "conntrack.tcpEstablishedTimeout",
+            ct.tcp_established_timeout,
+            Duration::from_secs(86_400),
+        )?,
         tcp_close_wait: field("conntrack.tcpCloseWaitTimeout", ct.tcp_close_wait_timeout, Duration::from_secs(3_600))?,
         udp: field("conntrack.udpTimeout", ct.udp_timeout, Duration::ZERO)?,
         udp_stream: field("conntrack.udpStreamTimeout", ct.udp_stream_timeout, Duration::ZERO)?,
@@ -401,12 +463,15 @@ fn resolve(file: KubeProxyConfiguration) -> Result<ProxyConfig> {
         None => IpAddr::from([0, 0, 0, 0]),
         Some(s) => s.parse().map_err(|_| anyhow::anyhow!("bindAddress: `{s}` is not a valid IP address"))?,
     };
-    let (healthz_host, metrics_host) = if bind_address.is_ipv4() { ("0.0.0.0", "127.0.0.1") } else { ("[::]", "[::1]") };
-    let healthz_bind_address = bind_address_field("healthzBindAddress", file.healthz_bind_address, healthz_host, 10256)?;
-    let metrics_bind_address = bind_address_field("metricsBindAddress", file.metrics_bind_address, metrics_host, 10249)?;
+    let (healthz_host, metrics_host) =
+        if bind_address.is_ipv4() { ("0.0.0.0", "127.0.0.1") } else { ("[::]", "[::1]") };
+    let healthz_bind_address =
+        bind_address_field("healthzBindAddress", file.healthz_bind_address, healthz_host, 10256)?;
+    let metrics_bind_address =
+        bind_address_field("metricsBindAddress", file.metrics_bind_address, metrics_host, 10249)?;
 
-    let cluster_cidrs =
-        parse_cluster_cidrs(file.cluster_cidr.as_deref().unwrap_or("")).map_err(|e| anyhow::anyhow!("clusterCIDR: {e}"))?;
+    let cluster_cidrs = parse_cluster_cidrs(file.cluster_cidr.as_deref().unwrap_or(""))
+        .map_err(|e| anyhow::anyhow!("clusterCIDR: {e}"))?;
     let mut node_port_addresses = file.node_port_addresses.unwrap_or_default();
     if mode == "nftables" && node_port_addresses.is_empty() {
         // nftables mode serves NodePorts on the node's primary IPs unless told otherwise.
@@ -445,6 +510,13 @@ fn resolve(file: KubeProxyConfiguration) -> Result<ProxyConfig> {
 }
 
 /// `host:port`, `host` (kube-proxy appends the default port), or empty for the default.
+fn server_address_flag(name: &str, raw: &str, port: u16) -> Result<Option<SocketAddr>> {
+    if raw.trim().is_empty() {
+        return Ok(None);
+    }
+    bind_address_field(name, Some(raw.trim().to_owned()), "", port)
+}
+
 fn bind_address_field(name: &str, raw: Option<String>, default_host: &str, port: u16) -> Result<Option<SocketAddr>> {
     let raw = raw.unwrap_or_default();
     let text = if raw.is_empty() {
@@ -494,7 +566,9 @@ fn check_detect_local(mode: &str, bridge: &str, prefix: &str, in_file: bool) -> 
     };
     match mode {
         "" | "ClusterCIDR" | "NodeCIDR" => Ok(()),
-        "BridgeInterface" if bridge.is_empty() => bail!("{bridge_field}: must not be empty with {mode_field} BridgeInterface"),
+        "BridgeInterface" if bridge.is_empty() => {
+            bail!("{bridge_field}: must not be empty with {mode_field} BridgeInterface")
+        }
         "InterfaceNamePrefix" if prefix.is_empty() => {
             bail!("{prefix_field}: must not be empty with {mode_field} InterfaceNamePrefix")
         }
@@ -547,7 +621,8 @@ pub mod go_duration {
         let mut total = 0f64;
         while !rest.is_empty() {
             let num_len = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(rest.len());
-            let unit_len = rest[num_len..].find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(rest.len() - num_len);
+            let unit_len =
+                rest[num_len..].find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(rest.len() - num_len);
             let (num, unit) = (&rest[..num_len], &rest[num_len..num_len + unit_len]);
             let value: f64 = num.parse().map_err(|_| format!("`{s}` is not a duration"))?;
             let scale = match unit {
@@ -576,11 +651,8 @@ pub mod go_duration {
             return if frac % 1_000_000 == 0 { format!("{}ms", frac / 1_000_000) } else { format!("{}ns", frac) };
         }
         let (h, m, s) = (secs / 3600, secs / 60 % 60, secs % 60);
-        let s = if frac == 0 {
-            format!("{s}s")
-        } else {
-            format!("{}s", format!("{s}.{frac:09}").trim_end_matches('0'))
-        };
+        let s =
+            if frac == 0 { format!("{s}s") } else { format!("{}s", format!("{s}.{frac:09}").trim_end_matches('0')) };
         match (h, m) {
             (0, 0) => s,
             (0, m) => format!("{m}m{s}"),
@@ -671,7 +743,10 @@ winkernel:
     #[test]
     fn kubeadm_file_gets_kube_proxy_defaults() {
         let c = ProxyConfig::parse(KUBEADM).unwrap();
-        assert_eq!(c.cluster_cidrs.iter().map(|c| c.to_string()).collect::<Vec<_>>(), ["10.244.0.0/16", "fd00:10:244::/56"]);
+        assert_eq!(
+            c.cluster_cidrs.iter().map(|c| c.to_string()).collect::<Vec<_>>(),
+            ["10.244.0.0/16", "fd00:10:244::/56"]
+        );
         assert_eq!(c.detector(), DetectLocal::ClusterCidr(c.cluster_cidrs.clone()));
         assert_eq!(c.healthz_bind_address, Some("0.0.0.0:10256".parse().unwrap()));
         assert_eq!(c.metrics_bind_address, Some("127.0.0.1:10249".parse().unwrap()));
@@ -736,8 +811,14 @@ winkernel:
         assert_eq!(c.sync_period, Duration::from_secs(30), "not given: the file's (default) value stays");
         for (flags, field) in [
             (FlagOverrides { cluster_cidr: Some("10.0.0.0/40".into()), ..Default::default() }, "--cluster-cidr"),
-            (FlagOverrides { node_port_addresses: Some(vec!["nope".into()]), ..Default::default() }, "--nodeport-addresses"),
-            (FlagOverrides { detect_local_mode: Some("InterfaceNamePrefix".into()), ..Default::default() }, "--pod-interface-name-prefix"),
+            (
+                FlagOverrides { node_port_addresses: Some(vec!["nope".into()]), ..Default::default() },
+                "--nodeport-addresses",
+            ),
+            (
+                FlagOverrides { detect_local_mode: Some("InterfaceNamePrefix".into()), ..Default::default() },
+                "--pod-interface-name-prefix",
+            ),
             (FlagOverrides { sync_period: Some(Duration::ZERO), ..Default::default() }, "--iptables-sync-period"),
         ] {
             let err = format!("{:#}", c.clone().apply_flags(&flags).unwrap_err());
@@ -775,7 +856,9 @@ winkernel:
 
     #[test]
     fn go_durations() {
-        for (text, d) in [("0s", 0.0), ("1m0s", 60.0), ("24h0m0s", 86_400.0), ("1.5s", 1.5), ("500ms", 0.5), ("1h30m", 5400.0)] {
+        for (text, d) in
+            [("0s", 0.0), ("1m0s", 60.0), ("24h0m0s", 86_400.0), ("1.5s", 1.5), ("500ms", 0.5), ("1h30m", 5400.0)]
+        {
             assert_eq!(go_duration::parse(text).unwrap(), Duration::from_secs_f64(d), "{text}");
         }
         assert_eq!(go_duration::format(Duration::from_secs(86_400)), "24h0m0s");

@@ -1,11 +1,15 @@
-//! `kpr demo` (what `cargo xtask run` starts without a kubeconfig): three "pods" in network
-//! namespaces behind a ClusterIP, the agent on a dedicated cgroup reading manifests, and a
-//! client in a "node" namespace showing requests spread over the pods, then a scale-down.
-//! Everything stays on this machine and is removed on exit.
+//! `kpr demo` (what `cargo xtask run` starts without a kubeconfig): a "node" network namespace
+//! with three "pods" behind a NodePort Service and an "external" client beside it; the agent
+//! (this binary, `kpr agent`) runs inside the node namespace on a dedicated cgroup, reading
+//! manifests. It shows connections spread over the pods through the ClusterIP (socket path)
+//! and through the NodePort from outside (per-packet path), a scale-down, `kpr trace`, and
+//! the kube-proxy endpoints. Everything stays in namespaces this demo made and is removed on
+//! exit.
 use std::{
     collections::BTreeMap,
     net::{Ipv4Addr, SocketAddrV4},
     path::PathBuf,
+    process::{Child, Command, Stdio},
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -16,16 +20,27 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 
 use crate::{
-    agent::{self, AgentConfig, SourceConfig},
-    model::node::{NodeSettings, TcLinks},
-    datapath::bpf::{self, DatapathConfig},
-    testbed::{self, Cgroup, Topology},
+    datapath::bpf,
+    testbed::{self, Cgroup, Netns, PinRoot, Topology},
 };
 
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-const PORTS: [(&str, u16, &str); 2] = [("http", 80, "TCP"), ("dns", 53, "UDP")];
+const NODE_PORT: u16 = 30080;
+/// The node's address toward the external client, and the client's.
+const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 1);
+const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 100);
 const POD_PORT: u16 = 8080;
 const REQUESTS: usize = 30;
+const TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The demo's Service: a NodePort for http, a ClusterIP port for dns.
+fn service_manifest() -> String {
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: demo}}\nspec:\n  type: NodePort\n  \
+         clusterIP: {CLUSTER_IP}\n  ports:\n  - {{name: http, port: 80, protocol: TCP, nodePort: {NODE_PORT}}}\n  \
+         - {{name: dns, port: 53, protocol: UDP}}\n"
+    )
+}
 
 pub async fn run(keep_running: bool) -> Result<()> {
     if !crate::testbed::is_root() {
@@ -42,56 +57,56 @@ pub async fn run(keep_running: bool) -> Result<()> {
         });
     }
 
-    // Resources are dropped in reverse order: cgroup, pins, manifests, then namespaces.
-    println!("demo: creating pods pod-a, pod-b, pod-c in network namespaces {tag}-*");
+    // Resources are dropped in reverse order: agent, cgroup, pins, manifests, namespaces.
+    println!("demo: creating node {tag}-node with pods pod-a, pod-b, pod-c and an external client {tag}-ext");
     let mut topology = Topology::new(&tag, &["pod-a", "pod-b", "pod-c"])?;
     for pod in &mut topology.pods {
         pod.serve(POD_PORT)?;
     }
+    let node = &topology.client;
+    node.route_packets()?;
+    let external = Netns::new(&format!("{tag}-ext"))?;
+    node.ip(&["link", "add", "ext0", "type", "veth", "peer", "name", "eth0", "netns", &external.name])?;
+    node.ip(&["addr", "add", &format!("{NODE_IP}/24"), "dev", "ext0"])?;
+    node.ip(&["link", "set", "ext0", "up"])?;
+    external.ip(&["addr", "add", &format!("{EXTERNAL_IP}/24"), "dev", "eth0"])?;
+    external.ip(&["link", "set", "eth0", "up"])?;
+
     let manifests = TempDir::new(std::env::temp_dir().join(&tag))?;
-    let pin_root = PinRoot(PathBuf::from(format!("/sys/fs/bpf/{tag}")));
+    let pin_root = PinRoot::new("kpr-demo");
     let mut cgroup = Cgroup::new(&tag)?;
 
     let pod_ips: Vec<Ipv4Addr> = topology.pods.iter().map(|p| p.ip).collect();
     let slice_ports = [("http", POD_PORT, "TCP"), ("dns", POD_PORT, "UDP")];
-    testbed::write_atomic(&manifests.0, "service.yaml", &testbed::service_manifest("demo", "web", CLUSTER_IP, &PORTS))?;
+    testbed::write_atomic(&manifests.0, "service.yaml", &service_manifest())?;
     testbed::write_atomic(
         &manifests.0,
         "slice.yaml",
         &testbed::slice_manifest("demo", "web", "web-1", &pod_ips, &slice_ports),
     )?;
     println!(
-        "demo: manifests in {} (Service demo/web {CLUSTER_IP}: 80/TCP, 53/UDP -> pods :{POD_PORT})",
+        "demo: manifests in {} (Service demo/web {CLUSTER_IP}: 80/TCP (NodePort {NODE_PORT}), 53/UDP -> pods :{POD_PORT})",
         manifests.0.display()
     );
 
-    let cfg = AgentConfig {
-        source: SourceConfig::Manifests(manifests.0.clone()),
-        datapath: DatapathConfig::new(pin_root.0.clone(), cgroup.path.clone()),
-        // The demo's agent runs in this machine's own network namespace: socket path only,
-        // never the host's interfaces.
-        node: NodeSettings { name: "demo-node".into(), tc_links: TcLinks::Off, ..Default::default() },
-        options: Default::default(),
-        sync_period: Duration::from_secs(30),
-        min_sync_period: Duration::ZERO,
-    };
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let agent = tokio::spawn(agent::run(cfg, async {
-        let _ = stop_rx.await;
-    }));
+    let log = std::env::temp_dir().join(format!("{tag}.agent.log"));
+    let agent = Agent::start(node, &manifests.0, &cgroup.path, &pin_root.0, &log)?;
     let result = async {
         let pins = pin_root.0.clone();
         tokio::task::spawn_blocking(move || {
             testbed::wait_programmed(&pins, "10.96.0.10:80/TCP", Some(3), Duration::from_secs(20))
         })
-        .await??;
+        .await?
+        .with_context(|| format!("agent log:\n{}", std::fs::read_to_string(&log).unwrap_or_default()))?;
         println!(
-            "demo: agent programmed the service; the client runs in cgroup {} and netns {}",
+            "demo: agent (pid {}) programmed the service; the client runs in cgroup {} and netns {}",
+            agent.0.id(),
             cgroup.path.display(),
-            topology.client.name
+            node.name
         );
         cgroup.enter()?;
         show_requests(&topology, "3 endpoints").await?;
+        show_node_port(&external)?;
 
         println!("\ndemo: scaling down: pod-c leaves the EndpointSlice");
         testbed::write_atomic(
@@ -106,8 +121,17 @@ pub async fn run(keep_running: bool) -> Result<()> {
         .await??;
         show_requests(&topology, "2 endpoints").await?;
 
+        println!("\ndemo: why an external connection goes where it goes (`kpr trace {EXTERNAL_IP} {NODE_IP}:{NODE_PORT}/TCP`):");
+        let destination = format!("{NODE_IP}:{NODE_PORT}/TCP").parse()?;
+        print!("{}", crate::inspect::trace::text(&crate::inspect::trace::trace(&pin_root.0, EXTERNAL_IP, destination, None)?));
         println!("\ndemo: what the datapath holds (`kpr services --pin-root {}`):", pin_root.0.display());
-        print!("{}", crate::status::render(&pin_root.0)?);
+        print!("{}", crate::inspect::services::render(&pin_root.0)?);
+        println!("\ndemo: kube-proxy's endpoints, inside the node namespace:");
+        for (port, path) in [(10256, "/healthz"), (10249, "/proxyMode")] {
+            let (code, body) =
+                node.run(move || testbed::http_get(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port).into(), path, TIMEOUT))??;
+            println!("  curl 127.0.0.1:{port}{path} -> {code} {body}");
+        }
         println!(
             "demo: maps can be dumped with `bpftool map dump pinned {}/KPR_SERVICES`",
             bpf::pin_dir(&pin_root.0).display()
@@ -122,12 +146,83 @@ pub async fn run(keep_running: bool) -> Result<()> {
     }
     .await;
     cgroup.leave()?;
-    let _ = stop_tx.send(());
-    agent.await.context("agent task")??;
+    drop(agent);
+    let _ = std::fs::remove_file(&log);
     if result.is_ok() {
         println!("demo: done, cleaning up");
     }
     result
+}
+
+/// `kpr agent` (this binary) inside the node namespace; on drop, stopped (by its pid) and its
+/// datapath removed from inside that namespace (`kpr cleanup`, which undoes the links'
+/// settings there).
+struct Agent(Child, Command);
+
+impl Agent {
+    fn start(
+        node: &Netns,
+        manifests: &std::path::Path,
+        cgroup: &std::path::Path,
+        pins: &std::path::Path,
+        log: &std::path::Path,
+    ) -> Result<Self> {
+        let out = std::fs::File::create(log)?;
+        let mut cmd = Command::new(std::env::current_exe()?);
+        cmd.arg("agent")
+            .arg("--manifests")
+            .arg(manifests)
+            .arg("--cgroup")
+            .arg(cgroup)
+            .arg("--pin-root")
+            .arg(pins)
+            .args(["--node-name", "demo-node", "--iptables-min-sync-period", "0s"])
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out);
+        // Joins the node namespace before exec: the per-packet programs go on the node's links
+        // (the pods' and the external client's veths), never the host's.
+        node.exec_in(&mut cmd)?;
+        let mut cleanup = Command::new(std::env::current_exe()?);
+        cleanup.args(["cleanup", "--pin-root"]).arg(pins).stdout(Stdio::null());
+        node.exec_in(&mut cleanup)?;
+        Ok(Self(cmd.spawn().context("failed to start the agent")?, cleanup))
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        // SIGTERM: the agent's orderly shutdown.
+        // SAFETY: kill on the pid of our own child.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        if self.0.wait().is_err() {
+            let _ = self.0.kill();
+        }
+        let _ = self.1.status();
+    }
+}
+
+/// Connections from the external client to the NodePort (per-packet path): who answered, and
+/// the source address the pods saw.
+fn show_node_port(external: &Netns) -> Result<()> {
+    let target = SocketAddrV4::new(NODE_IP, NODE_PORT);
+    let (counts, seen) = external.run(move || -> Result<_> {
+        let mut counts = BTreeMap::<String, usize>::new();
+        let mut seen = String::new();
+        for _ in 0..REQUESTS {
+            let (name, peer) = testbed::tcp_ask_peer(target, TIMEOUT).context("TCP to the NodePort from outside")?;
+            *counts.entry(name).or_default() += 1;
+            seen = peer;
+        }
+        Ok((counts, seen))
+    })??;
+    println!("demo: {REQUESTS} TCP connections from the external client {EXTERNAL_IP} to the NodePort {target}:");
+    for (pod, n) in &counts {
+        println!("  {pod:<6} {n:>3} {}", "#".repeat(*n));
+    }
+    println!("demo: the pods saw the source {seen} (masqueraded: the node's address toward the pod)");
+    Ok(())
 }
 
 /// Send requests through the ClusterIP from the client namespace; print who answered.
@@ -174,16 +269,5 @@ impl TempDir {
 impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// kpr's pins for this demo, removed on drop (detaching the programs).
-struct PinRoot(PathBuf);
-
-impl Drop for PinRoot {
-    fn drop(&mut self) {
-        if let Err(e) = bpf::cleanup(&self.0) {
-            eprintln!("demo: failed to remove pins under {}: {e:#}", self.0.display());
-        }
     }
 }

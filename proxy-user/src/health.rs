@@ -1,49 +1,33 @@
 //! kube-proxy's healthCheckNodePort servers: for each LoadBalancer service with
 //! externalTrafficPolicy=Local, an HTTP server on the node answering 200 when the node has
-//! local endpoints and 503 when it has none, with kube-proxy's JSON body. Cloud load balancers
-//! use it to send traffic only to nodes that can serve it.
-//!
-//! The servers listen on every address, so they are bounded: at most `Limits::connections`
-//! connections at once over all ports (more wait in the listen backlog), each given
-//! `Limits::timeout` to send its request and take the answer; a failing `accept()` (out of file
-//! descriptors) backs off instead of spinning.
+//! local endpoints (and the proxy itself is healthy) and 503 otherwise, with kube-proxy's JSON
+//! body. Cloud load balancers use it to send traffic only to nodes that can serve it. The
+//! servers listen on every address, so they share one bounded pool of connections
+//! ([`http_server::Limits`]).
 use std::{
     collections::BTreeMap,
     sync::{Arc, Mutex},
-    time::Duration,
 };
 
-use tokio::{
-    io::{AsyncReadExt as _, AsyncWriteExt as _},
-    net::TcpListener,
-    sync::Semaphore,
-    task::JoinHandle,
-};
+use http::StatusCode;
+use tokio::{sync::Semaphore, task::JoinHandle};
 
-use crate::model::ObjectKey;
+pub use crate::http_server::Limits;
+use crate::{
+    http_server::{self, Reply},
+    model::ObjectKey,
+    proxy_health::ProxyHealth,
+};
 
 type Shared = Arc<Mutex<BTreeMap<u16, (ObjectKey, usize)>>>;
-
-/// How much the servers take on.
-#[derive(Clone, Copy, Debug)]
-pub struct Limits {
-    /// Connections served at once, over all ports.
-    pub connections: usize,
-    /// Time a connection has to send its request and read the answer.
-    pub timeout: Duration,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Self { connections: 256, timeout: Duration::from_secs(5) }
-    }
-}
 
 pub struct HealthServers {
     state: Shared,
     servers: BTreeMap<u16, JoinHandle<()>>,
     limits: Limits,
     permits: Arc<Semaphore>,
+    /// The proxy's own health (`serviceProxyHealthy`); healthy when absent.
+    proxy: Option<Arc<ProxyHealth>>,
 }
 
 impl Default for HealthServers {
@@ -54,7 +38,14 @@ impl Default for HealthServers {
 
 impl HealthServers {
     pub fn with_limits(limits: Limits) -> Self {
-        Self { state: Shared::default(), servers: BTreeMap::new(), limits, permits: Arc::new(Semaphore::new(limits.connections)) }
+        let permits = Arc::new(Semaphore::new(limits.connections));
+        Self { state: Shared::default(), servers: BTreeMap::new(), limits, permits, proxy: None }
+    }
+
+    /// Answer 503 on every port while the proxy is unhealthy, as kube-proxy does.
+    pub fn with_proxy_health(mut self, proxy: Arc<ProxyHealth>) -> Self {
+        self.proxy = Some(proxy);
+        self
     }
 
     /// Serve exactly the ports of `wanted` (port → service, local endpoints).
@@ -66,13 +57,29 @@ impl HealthServers {
                 server.abort();
             }
         }
-        for port in wanted.keys() {
-            if !self.servers.contains_key(port) {
-                let server = serve(*port, self.state.clone(), self.limits, self.permits.clone());
-                self.servers.insert(*port, tokio::spawn(server));
+        for &port in wanted.keys() {
+            if !self.servers.contains_key(&port) {
+                let (state, proxy) = (self.state.clone(), self.proxy.clone());
+                let handler: http_server::Handler = Arc::new(move |_request| {
+                    let entry = state.lock().unwrap_or_else(|p| p.into_inner()).get(&port).cloned();
+                    let healthy = proxy.as_ref().is_none_or(|p| p.healthy_at(std::time::SystemTime::now()));
+                    match entry {
+                        Some((service, local)) => response(&service, local, healthy),
+                        None => http_server::not_found(),
+                    }
+                });
+                let (limits, permits) = (self.limits, self.permits.clone());
+                let service = wanted[&port].0.to_string();
+                let server = tokio::spawn(async move {
+                    match tokio::net::TcpListener::bind(("0.0.0.0", port)).await {
+                        Ok(listener) => http_server::serve(listener, limits, permits, handler).await,
+                        Err(e) => tracing::error!(port, %service, "failed to open the health check node port: {e}"),
+                    }
+                });
+                self.servers.insert(port, server);
             }
         }
-        *self.state.lock().expect("not poisoned") = wanted;
+        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = wanted;
     }
 }
 
@@ -84,57 +91,18 @@ impl Drop for HealthServers {
     }
 }
 
-async fn serve(port: u16, state: Shared, limits: Limits, permits: Arc<Semaphore>) {
-    let listener = match TcpListener::bind(("0.0.0.0", port)).await {
-        Ok(l) => l,
-        Err(e) => {
-            tracing::error!(port, "failed to open the health check node port: {e}");
-            return;
-        }
-    };
-    let mut backoff = Duration::from_millis(10);
-    loop {
-        // A connection slot first: past the cap, clients wait in the listen backlog.
-        let Ok(permit) = permits.clone().acquire_owned().await else { return };
-        let mut conn = match listener.accept().await {
-            Ok((conn, _)) => {
-                backoff = Duration::from_millis(10);
-                conn
-            }
-            Err(e) => {
-                tracing::warn!(port, "health check node port: accept failed: {e}; retrying in {backoff:?}");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(1));
-                continue;
-            }
-        };
-        let state = state.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
-            let answer = async {
-                let mut buf = [0u8; 1024];
-                let _ = conn.read(&mut buf).await;
-                let entry = state.lock().expect("not poisoned").get(&port).cloned();
-                let Some((service, local)) = entry else { return };
-                let _ = conn.write_all(response(&service, local).as_bytes()).await;
-            };
-            let _ = tokio::time::timeout(limits.timeout, answer).await;
-        });
-    }
-}
-
-/// The HTTP response kube-proxy's health check server sends.
-pub fn response(service: &ObjectKey, local_endpoints: usize) -> String {
-    let status = if local_endpoints > 0 { "200 OK" } else { "503 Service Unavailable" };
-    let body = format!(
-        "{{\n\t\"service\": {{\n\t\t\"namespace\": {:?},\n\t\t\"name\": {:?}\n\t}},\n\t\"localEndpoints\": {local_endpoints},\n\t\"serviceProxyHealthy\": true\n}}",
-        service.namespace, service.name
-    );
-    format!(
-        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nX-Content-Type-Options: nosniff\r\n\
-         X-Load-Balancing-Endpoint-Weight: {local_endpoints}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
+/// The answer kube-proxy's health check server gives.
+pub fn response(service: &ObjectKey, local_endpoints: usize, proxy_healthy: bool) -> Reply {
+    let ok = local_endpoints > 0 && proxy_healthy;
+    let body = serde_json::json!({
+        "service": {"namespace": service.namespace, "name": service.name},
+        "localEndpoints": local_endpoints,
+        "serviceProxyHealthy": proxy_healthy,
+    });
+    let status = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let mut reply = http_server::json(status, &body);
+    reply.headers_mut().insert("X-Load-Balancing-Endpoint-Weight", local_endpoints.into());
+    reply
 }
 
 #[cfg(test)]
@@ -165,22 +133,29 @@ mod tests {
         let mut probe = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
         probe.write_all(b"GET /healthz HTTP/1.1\r\n\r\n").await.unwrap();
         let mut answer = String::new();
-        tokio::time::timeout(Duration::from_secs(5), probe.read_to_string(&mut answer)).await.expect("answered").unwrap();
+        tokio::time::timeout(Duration::from_secs(5), probe.read_to_string(&mut answer))
+            .await
+            .expect("answered")
+            .unwrap();
         assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
         assert!(started.elapsed() >= Duration::from_millis(300), "it waited for a slot: the cap holds");
     }
 
-    #[test]
-    fn kube_proxy_compatible_response() {
+    #[tokio::test]
+    async fn kube_proxy_compatible_response() {
+        use http_body_util::BodyExt as _;
         let key = super::ObjectKey::new("shop", "web");
-        let ok = super::response(&key, 2);
-        assert!(ok.starts_with("HTTP/1.1 200 OK\r\n") && ok.contains("X-Load-Balancing-Endpoint-Weight: 2\r\n"));
-        let body = ok.split_once("\r\n\r\n").unwrap().1;
-        let json: serde_json::Value = serde_json::from_str(body).unwrap();
+        let ok = super::response(&key, 2, true);
+        assert_eq!(ok.status(), 200);
+        assert_eq!(ok.headers()["X-Load-Balancing-Endpoint-Weight"], "2");
+        assert_eq!(ok.headers()["Content-Type"], "application/json");
+        let body = ok.into_body().collect().await.unwrap().to_bytes();
+        let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(
             json,
             serde_json::json!({"service": {"namespace": "shop", "name": "web"}, "localEndpoints": 2, "serviceProxyHealthy": true})
         );
-        assert!(super::response(&key, 0).starts_with("HTTP/1.1 503 Service Unavailable\r\n"));
+        assert_eq!(super::response(&key, 0, true).status(), 503);
+        assert_eq!(super::response(&key, 2, false).status(), 503, "an unhealthy proxy fails every health check");
     }
 }

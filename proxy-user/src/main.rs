@@ -17,8 +17,17 @@ use proxy_common::defaults;
 #[derive(Parser)]
 #[command(name = "kpr", version, about = "kube-proxy replacement on eBPF")]
 struct Cli {
+    /// Log lines as text or as JSON objects (for log collectors).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -29,6 +38,38 @@ enum Command {
     Services {
         #[arg(long, default_value = "/sys/fs/bpf/kpr")]
         pin_root: PathBuf,
+        #[arg(long, short, value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
+    /// Compare what the agent would program (from the API or the manifests, with the agent's
+    /// flags and configuration file) with the pinned maps; exits 1 when they differ.
+    Diff {
+        #[command(flatten)]
+        agent: AgentArgs,
+        /// How long to wait for the source's complete lists.
+        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        wait: Duration,
+        #[arg(long, short, value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
+    /// What the datapath does with a new connection from SRC to DST:PORT/PROTO: the path, the
+    /// frontend entry, the policies, the candidate endpoints, masquerade, the verdict — from
+    /// the live maps.
+    Trace {
+        source: std::net::Ipv4Addr,
+        destination: kpr::inspect::trace::Destination,
+        /// Where SRC is [default: as the datapath classifies it].
+        #[arg(long, value_enum)]
+        from: Option<kpr::inspect::trace::From>,
+        #[arg(long, default_value = "/sys/fs/bpf/kpr")]
+        pin_root: PathBuf,
+        #[arg(long, short, value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
+    /// The per-packet path's connections (list), or forget a service's (flush).
+    Conntrack {
+        #[command(subcommand)]
+        action: ConntrackAction,
     },
     /// Detach kpr and remove its pinned maps (like `kube-proxy --cleanup`); turns accept_local
     /// off where kpr turned it on.
@@ -45,6 +86,38 @@ enum Command {
         #[arg(long)]
         keep_running: bool,
     },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Output {
+    Text,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum ConntrackAction {
+    /// One line per flow: client, frontend, backend, the source the backend sees, state.
+    List {
+        #[command(flatten)]
+        select: FlowSelect,
+        #[arg(long, short, value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
+    /// Remove the flows of a service port (both directions): their next packets start anew.
+    Flush {
+        #[command(flatten)]
+        select: FlowSelect,
+    },
+}
+
+#[derive(clap::Args)]
+struct FlowSelect {
+    #[arg(long, default_value = "/sys/fs/bpf/kpr")]
+    pin_root: PathBuf,
+    /// Only the flows of this frontend, as `kpr services` shows it (`10.96.0.10:80/TCP`;
+    /// every source class unless one is named, e.g. `192.168.0.2:30080/TCP ext`).
+    #[arg(long)]
+    frontend: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -128,16 +201,30 @@ struct AgentArgs {
     /// Seconds between full reconciles (older spelling of --iptables-sync-period).
     #[arg(long)]
     reconcile_interval: Option<u64>,
+    /// kube-proxy's metrics server: IP:port, or an IP (port 10249); empty: off.
+    #[arg(long)]
+    metrics_bind_address: Option<String>,
+    /// kube-proxy's healthz server: IP:port, or an IP (port 10256); empty: off.
+    #[arg(long)]
+    healthz_bind_address: Option<String>,
 }
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .init();
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    match cli.command {
         Command::Agent(args) => run_agent(args).await,
-        Command::Services { pin_root } => show_services(&pin_root),
+        Command::Services { pin_root, output } => {
+            let report = kpr::inspect::services::report(&pin_root)?;
+            print_out(output, &report, kpr::inspect::services::text)
+        }
+        Command::Diff { agent, wait, output } => diff(agent, wait, output).await,
+        Command::Conntrack { action } => conntrack(action),
+        Command::Trace { source, destination, from, pin_root, output } => {
+            let report = kpr::inspect::trace::trace(&pin_root, source, destination, from)?;
+            print_out(output, &report, kpr::inspect::trace::text)
+        }
         Command::Cleanup { pin_root, force } => {
             if bpf::AgentLock::held(&pin_root) && !force {
                 anyhow::bail!(
@@ -150,6 +237,20 @@ async fn main() -> Result<()> {
             Ok(())
         }
         Command::Demo { keep_running } => kpr::demo::run(keep_running).await,
+    }
+}
+
+/// Logs go to stderr; colours only on a terminal and without `NO_COLOR`.
+fn init_logging(format: LogFormat) {
+    use std::io::IsTerminal as _;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => logs.json().flatten_event(true).init(),
+        LogFormat::Text => {
+            let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+            logs.with_ansi(colour).init();
+        }
     }
 }
 
@@ -172,13 +273,21 @@ fn effective_config(args: &AgentArgs) -> Result<ProxyConfig> {
         sync_period: args.sync_period.or(args.reconcile_interval.map(Duration::from_secs)),
         min_sync_period: args.min_sync_period,
         kubeconfig: args.kubeconfig.clone(),
+        metrics_bind_address: args.metrics_bind_address.clone(),
+        healthz_bind_address: args.healthz_bind_address.clone(),
     })?;
     Ok(config)
 }
 
 async fn run_agent(args: AgentArgs) -> Result<()> {
-    let config = effective_config(&args)?;
+    let cfg = agent_config(args)?;
     raise_fd_limit();
+    agent::run(cfg, shutdown_signal()).await
+}
+
+/// The agent's whole configuration: the file, the flags, and what follows from them.
+fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
+    let config = effective_config(&args)?;
     let cgroup = match args.cgroup {
         Some(c) => c,
         None => bpf::cgroup2_root()?,
@@ -234,8 +343,11 @@ async fn run_agent(args: AgentArgs) -> Result<()> {
         },
         sync_period: config.sync_period,
         min_sync_period: config.min_sync_period,
+        metrics_bind_address: config.metrics_bind_address,
+        healthz_bind_address: config.healthz_bind_address,
+        configz: config.configz(),
     };
-    agent::run(cfg, shutdown_signal()).await
+    Ok(cfg)
 }
 
 /// Raise the soft limit on open files to the hard limit (as Go programs such as kube-proxy
@@ -267,11 +379,68 @@ async fn shutdown_signal() {
     }
 }
 
-fn show_services(pin_root: &std::path::Path) -> Result<()> {
+/// Print a report as text, or as JSON; a closed pipe (`| head`) is not an error.
+fn print_out<T: serde::Serialize>(output: Output, report: &T, text: impl Fn(&T) -> String) -> Result<()> {
     use std::io::Write as _;
-    match std::io::stdout().lock().write_all(kpr::status::render(pin_root)?.as_bytes()) {
-        // `kpr services | head`: the reader has what it wanted.
+    let out = match output {
+        Output::Text => text(report),
+        Output::Json => serde_json::to_string_pretty(report)? + "\n",
+    };
+    match std::io::stdout().lock().write_all(out.as_bytes()) {
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
         r => Ok(r?),
+    }
+}
+
+async fn diff(args: AgentArgs, wait: Duration, output: Output) -> Result<()> {
+    let cfg = agent_config(args)?;
+    let desired = agent::desired_state(cfg.source, cfg.node, cfg.options, wait).await?;
+    let maps = bpf::BpfMaps::open_pinned(&cfg.datapath.pin_root)?;
+    let programmed = kpr::datapath::read_programmed(&maps)?;
+    let report = kpr::inspect::diff::compare(&desired, &programmed);
+    print_out(output, &report, kpr::inspect::diff::text)?;
+    if !report.in_sync {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+/// The service ids of the frontend `kpr services` shows as `frontend` (all its source
+/// classes when no class is named).
+fn frontend_ids(pin_root: &std::path::Path, frontend: &str) -> Result<Vec<u32>> {
+    let maps = bpf::BpfMaps::open_pinned(pin_root)?;
+    let ids: Vec<u32> = kpr::datapath::read_programmed(&maps)?
+        .iter()
+        .filter(|(key, _)| {
+            let shown = kpr::datapath::display_key(key).to_string();
+            shown == frontend || shown.split(' ').next() == Some(frontend)
+        })
+        .map(|(_, p)| p.value.service_id)
+        .collect();
+    anyhow::ensure!(!ids.is_empty(), "no frontend {frontend} in the maps (see `kpr services`)");
+    Ok(ids)
+}
+
+fn conntrack(action: ConntrackAction) -> Result<()> {
+    use kpr::inspect::conntrack as ct;
+    match action {
+        ConntrackAction::List { select, output } => {
+            let ids = select.frontend.as_deref().map(|f| frontend_ids(&select.pin_root, f)).transpose()?;
+            let mut flows = ct::list(&select.pin_root, None, &proxy_common::CtTimeouts::DEFAULT)?;
+            if let Some(ids) = ids {
+                flows.retain(|f| ids.contains(&f.service_id));
+            }
+            print_out(output, &flows, |f| ct::text(f))
+        }
+        ConntrackAction::Flush { select } => {
+            let frontend =
+                select.frontend.as_deref().ok_or_else(|| anyhow::anyhow!("--frontend: which flows to flush"))?;
+            let mut removed = 0;
+            for id in frontend_ids(&select.pin_root, frontend)? {
+                removed += ct::flush(&select.pin_root, id)?;
+            }
+            println!("removed {removed} conntrack entries of {frontend}");
+            Ok(())
+        }
     }
 }

@@ -47,6 +47,22 @@ impl Netns {
         ip(&full)
     }
 
+    /// A router's settings: forward IPv4, no reverse-path filter (the test topologies route
+    /// asymmetrically on purpose).
+    pub fn route_packets(&self) -> Result<()> {
+        self.sh("echo 1 > /proc/sys/net/ipv4/ip_forward; for f in /proc/sys/net/ipv4/conf/*/rp_filter; do echo 0 > $f; done")
+    }
+
+    /// Run a shell script inside this namespace.
+    pub fn sh(&self, script: &str) -> Result<()> {
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", script]);
+        self.exec_in(&mut cmd)?;
+        let status = cmd.status()?;
+        anyhow::ensure!(status.success(), "`{script}` failed in {}", self.name);
+        Ok(())
+    }
+
     /// Run `f` on a thread that has joined this namespace; sockets it creates stay in it.
     pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Result<T> {
         self.spawn(f)?.join().map_err(|_| anyhow::anyhow!("thread in netns {} panicked", self.name))
@@ -56,8 +72,8 @@ impl Netns {
     /// namespace, and so bpffs, stays the machine's, unlike with `ip netns exec`).
     pub fn exec_in(&self, cmd: &mut Command) -> Result<()> {
         use std::os::unix::process::CommandExt as _;
-        let file = File::open(format!("/run/netns/{}", self.name))
-            .with_context(|| format!("netns {} is gone", self.name))?;
+        let file =
+            File::open(format!("/run/netns/{}", self.name)).with_context(|| format!("netns {} is gone", self.name))?;
         // SAFETY: setns is async-signal-safe; the closure owns the file, so the fd is open
         // until exec (and closed by it: O_CLOEXEC).
         unsafe {
@@ -338,6 +354,25 @@ pub fn udp_connected_ask(addr: SocketAddrV4, timeout: Duration) -> std::io::Resu
     Ok((String::from_utf8_lossy(&buf[..n]).into_owned(), socket.peer_addr()?))
 }
 
+/// `GET path` over HTTP/1.1 (one request, then close): (status code, body).
+pub fn http_get(addr: SocketAddr, path: &str, timeout: Duration) -> Result<(u16, String)> {
+    let mut conn = TcpStream::connect_timeout(&addr, timeout)?;
+    conn.set_read_timeout(Some(timeout))?;
+    write!(conn, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer)?;
+    let (head, body) = answer.split_once("\r\n\r\n").context("no end of headers")?;
+    let status = head.split(' ').nth(1).and_then(|c| c.parse().ok()).context("no status code")?;
+    Ok((status, body.to_owned()))
+}
+
+/// `timeout` stretched by `KPR_TEST_TIME_SCALE` (the VM runs under software emulation, where
+/// loading the programs takes seconds): waits for the agent, never the traffic's own timeouts.
+pub fn slow(timeout: Duration) -> Duration {
+    let scale = std::env::var("KPR_TEST_TIME_SCALE").ok().and_then(|s| s.parse::<u32>().ok()).unwrap_or(1);
+    timeout * scale.max(1)
+}
+
 /// Unique, short names for test resources: `<tag>-<pid>-<n>`.
 pub fn unique_name(tag: &str) -> String {
     use std::sync::atomic::AtomicU32;
@@ -403,7 +438,7 @@ pub fn wait_for_backends(
     ok: impl Fn(Option<&[(Ipv4Addr, u16)]>) -> bool,
 ) -> Result<()> {
     use crate::datapath::{Maps as _, backend_addr, bpf::BpfMaps, display_key};
-    let deadline = std::time::Instant::now() + timeout;
+    let deadline = std::time::Instant::now() + slow(timeout);
     let mut last = String::from("maps not pinned yet");
     loop {
         if let Ok(maps) = BpfMaps::open_pinned(pin_root) {

@@ -221,8 +221,21 @@ impl Cluster {
         openssl(
             d,
             &[
-                "x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out",
-                "apiserver.crt", "-days", "3", "-extfile", "apiserver.ext",
+                "x509",
+                "-req",
+                "-in",
+                "apiserver.csr",
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                "apiserver.crt",
+                "-days",
+                "3",
+                "-extfile",
+                "apiserver.ext",
             ],
         )?;
         openssl(d, &["genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-out", "sa.key"])?;
@@ -345,7 +358,9 @@ impl Cluster {
     pub fn kubectl_as(&self, kubeconfig: &Path, args: &[&str], stdin: Option<&str>) -> Result<String> {
         let mut cmd = Command::new(k8s_bin("kubectl")?);
         cmd.arg("--kubeconfig").arg(kubeconfig).args(args);
-        cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() }).stdout(Stdio::piped()).stderr(Stdio::piped());
+        cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         let mut child = cmd.spawn().context("failed to start kubectl")?;
         if let Some(text) = stdin {
             child.stdin.take().expect("piped").write_all(text.as_bytes())?;
@@ -405,12 +420,10 @@ impl Relay {
                 };
                 let _ = inner.set_nonblocking(false);
                 let Ok(outer) = TcpStream::connect(target) else { continue };
-                for (mut from, mut to) in [
-                    (inner.try_clone(), outer.try_clone()),
-                    (outer.try_clone(), inner.try_clone()),
-                ]
-                .into_iter()
-                .filter_map(|(a, b)| Some((a.ok()?, b.ok()?)))
+                for (mut from, mut to) in
+                    [(inner.try_clone(), outer.try_clone()), (outer.try_clone(), inner.try_clone())]
+                        .into_iter()
+                        .filter_map(|(a, b)| Some((a.ok()?, b.ok()?)))
                 {
                     let stop3 = stop2.clone();
                     std::thread::spawn(move || {
@@ -534,7 +547,10 @@ impl KubeProxy {
         let ns = Netns { name: self.netns.clone() };
         let path = path.to_owned();
         let result = ns.run(move || -> Result<String> {
-            let mut conn = TcpStream::connect_timeout(&SocketAddrV4::new(Ipv4Addr::LOCALHOST, port).into(), Duration::from_secs(2))?;
+            let mut conn = TcpStream::connect_timeout(
+                &SocketAddrV4::new(Ipv4Addr::LOCALHOST, port).into(),
+                Duration::from_secs(2),
+            )?;
             conn.set_read_timeout(Some(Duration::from_secs(5)))?;
             conn.write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())?;
             let mut text = String::new();

@@ -2,7 +2,7 @@
 //! manifest directory, a child cgroup this process joins, and the real `kpr` agent as a child
 //! process on unique pins. Everything is removed on drop, also when a test fails.
 use std::{
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener},
     path::PathBuf,
     process::{Child, Command, Stdio},
     time::Duration,
@@ -40,6 +40,15 @@ pub struct Harness {
     /// When set, the agent's `--cgroup` instead of `cgroup`.
     pub agent_cgroup: Option<PathBuf>,
     pub topology: Topology,
+    /// The agent's metrics and healthz servers: free ports on loopback (never the host's
+    /// interfaces, never kube-proxy's ports).
+    pub metrics_addr: SocketAddr,
+    pub healthz_addr: SocketAddr,
+    /// More `kpr agent` arguments (given before the harness's own defaults can clash: only
+    /// flags the harness does not set).
+    pub agent_args: Vec<String>,
+    /// `--max-service-ports` of the agent.
+    pub max_service_ports: u32,
 }
 
 impl Harness {
@@ -55,7 +64,20 @@ impl Harness {
         let mut cgroup = Cgroup::new(&name)?;
         cgroup.enter()?;
         let pin_root = PathBuf::from(format!("/sys/fs/bpf/{name}"));
-        Ok(Self { name, agent: None, cgroup, pin_root, manifests, kubeconfig: None, agent_cgroup: None, topology })
+        Ok(Self {
+            name,
+            agent: None,
+            cgroup,
+            pin_root,
+            manifests,
+            kubeconfig: None,
+            agent_cgroup: None,
+            topology,
+            metrics_addr: free_loopback_port()?,
+            healthz_addr: free_loopback_port()?,
+            agent_args: Vec::new(),
+            max_service_ports: 1024,
+        })
     }
 
     pub fn log_path(&self) -> PathBuf {
@@ -76,7 +98,11 @@ impl Harness {
             .arg(self.agent_cgroup.as_ref().unwrap_or(&self.cgroup.path))
             .arg("--pin-root")
             .arg(&self.pin_root)
-            .args(["--node-name", "test-node", "--max-service-ports", "1024", "--max-backends", "4096"])
+            .args(["--node-name", "test-node", "--max-backends", "4096"])
+            .arg(format!("--max-service-ports={}", self.max_service_ports))
+            .arg(format!("--metrics-bind-address={}", self.metrics_addr))
+            .arg(format!("--healthz-bind-address={}", self.healthz_addr))
+            .args(&self.agent_args)
             // The agent runs in this machine's own network namespace: socket path only, never
             // the host's interfaces.
             .args(["--interfaces", "none", "--iptables-min-sync-period", "0s"])
@@ -165,6 +191,16 @@ impl Drop for Harness {
         let _ = std::fs::remove_dir_all(&self.manifests);
         let _ = std::fs::remove_file(self.log_path());
     }
+}
+
+/// A loopback address with a port free right now.
+pub fn free_loopback_port() -> Result<SocketAddr> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+/// `GET path` over HTTP/1.1: (status code, body).
+pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
+    testbed::http_get(addr, path, TIMEOUT)
 }
 
 /// `addr` as SocketAddrV4.

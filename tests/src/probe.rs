@@ -128,8 +128,8 @@ fn ask(kind: Kind, addr: SocketAddrV4, timeout: Duration, source: Option<Ipv4Add
     let local = SocketAddrV4::new(source.unwrap_or(Ipv4Addr::UNSPECIFIED), 0);
     match kind {
         Kind::Tcp | Kind::TcpSource => {
-            let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
-                .map_err(|e| ("socket", e))?;
+            let socket =
+                socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).map_err(|e| ("socket", e))?;
             if source.is_some() {
                 socket.bind(&local.into()).map_err(|e| ("bind", e))?;
             }
@@ -203,9 +203,12 @@ pub fn probe_from(
     source: Option<Ipv4Addr>,
 ) -> Result<Outcome> {
     let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", netns])
-        .arg(exe)
-        .args([kind.as_str(), &addr.to_string(), &n.to_string(), &timeout.as_millis().to_string()]);
+    cmd.args(["netns", "exec", netns]).arg(exe).args([
+        kind.as_str(),
+        &addr.to_string(),
+        &n.to_string(),
+        &timeout.as_millis().to_string(),
+    ]);
     if let Some(source) = source {
         cmd.arg(source.to_string());
     }

@@ -54,15 +54,7 @@ impl World {
         let node = Netns::new(&format!("{prefix}-n"))?;
         let router = Netns::new(&format!("{prefix}-r"))?;
         let ext = Netns::new(&format!("{prefix}-x"))?;
-        let sh = |ns: &Netns, script: &str| -> Result<()> {
-            let mut cmd = std::process::Command::new("sh");
-            cmd.args(["-c", script]);
-            ns.exec_in(&mut cmd)?;
-            let status = cmd.status()?;
-            anyhow::ensure!(status.success(), "`{script}` failed in {}", ns.name);
-            Ok(())
-        };
-        sh(&node, "echo 1 > /proc/sys/net/ipv4/ip_forward; for f in /proc/sys/net/ipv4/conf/*/rp_filter; do echo 0 > $f; done")?;
+        node.route_packets()?;
         node.ip(&["link", "set", "lo", "up"])?;
 
         node.ip(&["link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &router.name])?;

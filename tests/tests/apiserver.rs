@@ -40,7 +40,9 @@ impl Env {
             .map(|(n, p, proto)| format!("  - {{name: {n}, port: {p}, protocol: {proto}, targetPort: {POD_PORT}}}\n"))
             .collect();
         self.c
-            .apply(&format!("apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: test}}\nspec:\n  ports:\n{ports}"))
+            .apply(&format!(
+                "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: test}}\nspec:\n  ports:\n{ports}"
+            ))
             .unwrap();
         self.c.cluster_ip("test", name).unwrap()
     }
@@ -49,7 +51,9 @@ impl Env {
     fn endpoints(&self, service: &str, ports: &[(&str, u16, &str)], pods: &[usize]) {
         let ips: Vec<Ipv4Addr> = pods.iter().map(|&i| self.h.topology.pods[i].ip).collect();
         let slice_ports: Vec<(&str, u16, &str)> = ports.iter().map(|(n, _, p)| (*n, POD_PORT, *p)).collect();
-        self.c.apply(&kpr::testbed::slice_manifest("test", service, &format!("{service}-abc12"), &ips, &slice_ports)).unwrap();
+        self.c
+            .apply(&kpr::testbed::slice_manifest("test", service, &format!("{service}-abc12"), &ips, &slice_ports))
+            .unwrap();
     }
 
     fn wait(&self, address: &str, backends: Option<usize>) {
@@ -109,7 +113,8 @@ fn api_allocated_cluster_ip_reaches_the_pods() {
     env.wait("10.96.0.1:443/TCP", Some(0));
 
     let pods: Vec<String> = (0..3).map(|i| env.h.pod_name(i)).collect();
-    let (tcp, udp) = env.h.client(move || (tcp_ask(sa(ip, 80), TIMEOUT).unwrap(), udp_ask(sa(ip, 53), TIMEOUT).unwrap()));
+    let (tcp, udp) =
+        env.h.client(move || (tcp_ask(sa(ip, 80), TIMEOUT).unwrap(), udp_ask(sa(ip, 53), TIMEOUT).unwrap()));
     assert!(pods.contains(&tcp.0), "TCP answered by {}", tcp.0);
     assert_eq!(tcp.1, SocketAddr::from(sa(ip, 80)), "getpeername shows the allocated ClusterIP");
     assert!(pods.contains(&udp.0), "UDP answered by {}", udp.0);
@@ -290,7 +295,8 @@ fn rbac_the_agent_works_with_only_the_service_account_of_deploy_rbac_yaml() {
     assert!(!can(&["update", "endpointslices.discovery.k8s.io", "-n", "test"]), "no writes");
     assert!(!can(&["list", "secrets", "--all-namespaces"]), "no secrets");
     assert!(!can(&["list", "pods", "--all-namespaces"]), "no pods");
-    let whoami = env.c.kubectl_as(&kubeconfig, &["auth", "whoami", "-o", "jsonpath={.status.userInfo.username}"], None).unwrap();
+    let whoami =
+        env.c.kubectl_as(&kubeconfig, &["auth", "whoami", "-o", "jsonpath={.status.userInfo.username}"], None).unwrap();
     assert_eq!(whoami, "system:serviceaccount:kube-system:kpr");
 
     let ip = env.service("web", &[HTTP]);
@@ -304,19 +310,65 @@ fn rbac_the_agent_works_with_only_the_service_account_of_deploy_rbac_yaml() {
 
     // A newer Service claims web's externalIP: kpr keeps it for web and tells the newcomer's
     // owner with an Event.
-    env.c.kubectl(&["patch", "service", "web", "-n", "test", "--type=merge", "-p", r#"{"spec":{"externalIPs":["192.0.2.50"]}}"#]).unwrap();
+    env.c
+        .kubectl(&[
+            "patch",
+            "service",
+            "web",
+            "-n",
+            "test",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"externalIPs":["192.0.2.50"]}}"#,
+        ])
+        .unwrap();
     env.wait("192.0.2.50:80/TCP", Some(1));
     std::thread::sleep(Duration::from_millis(1100)); // creationTimestamp has whole seconds
     env.service("late", &[HTTP]);
-    env.c.kubectl(&["patch", "service", "late", "-n", "test", "--type=merge", "-p", r#"{"spec":{"externalIPs":["192.0.2.50"]}}"#]).unwrap();
+    env.c
+        .kubectl(&[
+            "patch",
+            "service",
+            "late",
+            "-n",
+            "test",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"externalIPs":["192.0.2.50"]}}"#,
+        ])
+        .unwrap();
     let deadline = std::time::Instant::now() + RESUME;
     let event = loop {
-        let out = env.c.kubectl(&["get", "events.events.k8s.io", "-n", "test", "-o", "jsonpath={range .items[*]}{.reason} {.regarding.name} {.note}{\"\\n\"}{end}"]).unwrap_or_default();
+        let out = env
+            .c
+            .kubectl(&[
+                "get",
+                "events.events.k8s.io",
+                "-n",
+                "test",
+                "-o",
+                "jsonpath={range .items[*]}{.reason} {.regarding.name} {.note}{\"\\n\"}{end}",
+            ])
+            .unwrap_or_default();
         if let Some(line) = out.lines().find(|l| l.starts_with("AddressInUse late ")) {
             break line.to_owned();
         }
-        let created = env.c.kubectl(&["get", "services", "-n", "test", "-o", "custom-columns=NAME:.metadata.name,CREATED:.metadata.creationTimestamp"]).unwrap_or_default();
-        assert!(std::time::Instant::now() < deadline, "no event for the conflict; events:\n{out}\nservices:\n{created}\nagent:\n{}", env.agent_log());
+        let created = env
+            .c
+            .kubectl(&[
+                "get",
+                "services",
+                "-n",
+                "test",
+                "-o",
+                "custom-columns=NAME:.metadata.name,CREATED:.metadata.creationTimestamp",
+            ])
+            .unwrap_or_default();
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no event for the conflict; events:\n{out}\nservices:\n{created}\nagent:\n{}",
+            env.agent_log()
+        );
         std::thread::sleep(Duration::from_millis(200));
     };
     assert!(event.contains("test/web"), "{event}");

@@ -88,7 +88,8 @@ struct Knobs {
     node_port_addresses: &'static [&'static str],
 }
 
-const BASE: Knobs = Knobs { masquerade_all: false, detect_local: true, localhost_node_ports: true, node_port_addresses: &[] };
+const BASE: Knobs =
+    Knobs { masquerade_all: false, detect_local: true, localhost_node_ports: true, node_port_addresses: &[] };
 
 struct Case {
     /// The upstream test (and subtest) this is transcribed from.
@@ -102,7 +103,15 @@ struct Case {
 // ---------- objects, written as upstream's helpers build them ----------
 
 /// A Service; `ports` are (name, port, protocol, nodePort, targetPort).
-fn service(ns: &str, name: &str, ty: &str, cluster_ip: &str, ports: &[(&str, u16, &str, u16, u16)], spec: &str, lb_ips: &[&str]) -> String {
+fn service(
+    ns: &str,
+    name: &str,
+    ty: &str,
+    cluster_ip: &str,
+    ports: &[(&str, u16, &str, u16, u16)],
+    spec: &str,
+    lb_ips: &[&str],
+) -> String {
     let ports: String = ports
         .iter()
         .map(|(n, p, proto, np, tp)| {
@@ -130,7 +139,8 @@ fn ep(ip: &'static str, node: Option<&'static str>) -> Ep {
 
 /// An EndpointSlice of `svc`; `ports` are (name, port, protocol).
 fn slice(ns: &str, svc: &str, ports: &[(&str, u16, &str)], eps: &[Ep]) -> String {
-    let ports: String = ports.iter().map(|(n, p, proto)| format!("- {{name: \"{n}\", port: {p}, protocol: {proto}}}\n")).collect();
+    let ports: String =
+        ports.iter().map(|(n, p, proto)| format!("- {{name: \"{n}\", port: {p}, protocol: {proto}}}\n")).collect();
     let eps: String = eps
         .iter()
         .map(|(ip, node, ready, serving, terminating)| {
@@ -156,7 +166,15 @@ const NODE_IP_S: &str = "192.168.0.2";
 const NODE_IP_ALT_S: &str = "192.168.1.2";
 
 fn no_endpoints_reject() -> Case {
-    let objects = service("ns1", "svc1", "LoadBalancer", "172.30.0.41", &[("p80", 80, "TCP", 3001, 80)], "  externalIPs: [192.168.99.11]\n", &["1.2.3.4"]);
+    let objects = service(
+        "ns1",
+        "svc1",
+        "LoadBalancer",
+        "172.30.0.41",
+        &[("p80", 80, "TCP", 3001, 80)],
+        "  externalIPs: [192.168.99.11]\n",
+        &["1.2.3.4"],
+    );
     Case {
         source: "TestNoEndpointsReject",
         knobs: BASE,
@@ -179,7 +197,12 @@ fn cluster_ip_general(mode: &str) -> Case {
         "svc2",
         "ClusterIP",
         "172.30.0.42",
-        &[("http", 80, "TCP", 0, 80), ("https", 443, "TCP", 0, 8443), ("dns-udp", 53, "UDP", 0, 53), ("dns-tcp", 53, "TCP", 0, 5353)],
+        &[
+            ("http", 80, "TCP", 0, 80),
+            ("https", 443, "TCP", 0, 8443),
+            ("dns-udp", 53, "UDP", 0, 53),
+            ("dns-tcp", 53, "TCP", 0, 5353),
+        ],
         "",
         &[],
     );
@@ -199,11 +222,41 @@ fn cluster_ip_general(mode: &str) -> Case {
         objects,
         rows: vec![
             tcp("simple clusterIP", client, "172.30.0.41", 80, To(&["10.180.0.1:80"], false)),
-            tcp("hairpin to cluster IP", Client::Pod(Ipv4Addr::new(10, 180, 0, 1)), "172.30.0.41", 80, To(&["10.180.0.1:80"], true)),
-            tcp("clusterIP with multiple endpoints", client, "172.30.0.42", 80, To(&["10.180.0.1:80", "10.180.2.1:80"], false)),
-            tcp("clusterIP with TargetPort", client, "172.30.0.42", 443, To(&["10.180.0.1:8443", "10.180.2.1:8443"], false)),
-            tcp("clusterIP with TCP, UDP, and SCTP on same port (TCP)", client, "172.30.0.42", 53, To(&["10.180.0.1:5353", "10.180.2.1:5353"], false)),
-            udp("clusterIP with TCP, UDP, and SCTP on same port (UDP)", client, "172.30.0.42", 53, To(&["10.180.0.1:53", "10.180.2.1:53"], false)),
+            tcp(
+                "hairpin to cluster IP",
+                Client::Pod(Ipv4Addr::new(10, 180, 0, 1)),
+                "172.30.0.41",
+                80,
+                To(&["10.180.0.1:80"], true),
+            ),
+            tcp(
+                "clusterIP with multiple endpoints",
+                client,
+                "172.30.0.42",
+                80,
+                To(&["10.180.0.1:80", "10.180.2.1:80"], false),
+            ),
+            tcp(
+                "clusterIP with TargetPort",
+                client,
+                "172.30.0.42",
+                443,
+                To(&["10.180.0.1:8443", "10.180.2.1:8443"], false),
+            ),
+            tcp(
+                "clusterIP with TCP, UDP, and SCTP on same port (TCP)",
+                client,
+                "172.30.0.42",
+                53,
+                To(&["10.180.0.1:5353", "10.180.2.1:5353"], false),
+            ),
+            udp(
+                "clusterIP with TCP, UDP, and SCTP on same port (UDP)",
+                client,
+                "172.30.0.42",
+                53,
+                To(&["10.180.0.1:53", "10.180.2.1:53"], false),
+            ),
             udp("TCP-only port does not match UDP traffic", client, "172.30.0.42", 80, unknown_port.clone()),
             tcp("svc1 does not accept svc2's ports", client, "172.30.0.41", 443, unknown_port),
         ]
@@ -251,22 +304,39 @@ fn node_ports(mode: &str) -> Vec<Case> {
     let subtests: &[(&'static str, bool, &'static [&'static str], bool)] = if mode == "nftables" {
         &[
             ("TestNodePorts/ipv4", false, &[], false),
-            ("TestNodePorts/ipv4, multiple nodeport-addresses", false, &["192.168.0.0/24", "192.168.1.0/24", "2001:db8::/64"], true),
+            (
+                "TestNodePorts/ipv4, multiple nodeport-addresses",
+                false,
+                &["192.168.0.0/24", "192.168.1.0/24", "2001:db8::/64"],
+                true,
+            ),
         ]
     } else {
         &[
             ("TestNodePorts/ipv4, localhost-nodeports enabled", true, &[], true),
             ("TestNodePorts/ipv4, localhost-nodeports disabled", false, &[], true),
-            ("TestNodePorts/ipv4, localhost-nodeports disabled, localhost in nodeport-addresses", false, &["192.168.0.0/24", "127.0.0.1/32"], false),
-            ("TestNodePorts/ipv4, localhost-nodeports enabled, multiple nodeport-addresses", false, &["192.168.0.0/24", "192.168.1.0/24", "2001:db8::/64"], true),
+            (
+                "TestNodePorts/ipv4, localhost-nodeports disabled, localhost in nodeport-addresses",
+                false,
+                &["192.168.0.0/24", "127.0.0.1/32"],
+                false,
+            ),
+            (
+                "TestNodePorts/ipv4, localhost-nodeports enabled, multiple nodeport-addresses",
+                false,
+                &["192.168.0.0/24", "192.168.1.0/24", "2001:db8::/64"],
+                true,
+            ),
         ]
     };
     subtests
         .iter()
         .map(|(source, localhost, npa, alt)| {
-            let mut objects = service("ns1", "svc1", "NodePort", "172.30.0.41", &[("p80", 80, "TCP", 3001, 80)], "", &[]);
+            let mut objects =
+                service("ns1", "svc1", "NodePort", "172.30.0.41", &[("p80", 80, "TCP", 3001, 80)], "", &[]);
             let other = if mode == "nftables" { Some("other-node") } else { None };
-            objects += &slice("ns1", "svc1", &[("p80", 80, "TCP")], &[ep("10.180.0.1", other), ep("10.180.2.1", Some(NODE))]);
+            objects +=
+                &slice("ns1", "svc1", &[("p80", 80, "TCP")], &[ep("10.180.0.1", other), ep("10.180.2.1", Some(NODE))]);
             let both = To(&["10.180.0.1:80", "10.180.2.1:80"], true);
             let mut rows = vec![
                 tcp("pod to cluster IP", POD, "172.30.0.41", 80, To(&["10.180.0.1:80", "10.180.2.1:80"], false)),
@@ -279,7 +349,12 @@ fn node_ports(mode: &str) -> Vec<Case> {
             }
             let alt_expect = if *alt { both } else { Unhandled };
             rows.push(tcp("external to nodePort on secondary IP", EXT, NODE_IP_ALT_S, 3001, alt_expect));
-            Case { source, knobs: Knobs { localhost_node_ports: *localhost, node_port_addresses: npa, ..BASE }, objects, rows }
+            Case {
+                source,
+                knobs: Knobs { localhost_node_ports: *localhost, node_port_addresses: npa, ..BASE },
+                objects,
+                rows,
+            }
         })
         .collect()
 }
@@ -301,11 +376,29 @@ fn external_traffic_policy(local: bool) -> Case {
         vec![
             tcp("pod to cluster IP hits both endpoints, unmasqueraded", POD, "172.30.0.41", 80, To(BOTH, false)),
             tcp("pod to external IP hits both endpoints, unmasqueraded", POD, "192.168.99.11", 80, To(BOTH, false)),
-            tcp("external to external IP hits only local endpoint, unmasqueraded", EXT, "192.168.99.11", 80, To(&["10.180.2.1:80"], false)),
+            tcp(
+                "external to external IP hits only local endpoint, unmasqueraded",
+                EXT,
+                "192.168.99.11",
+                80,
+                To(&["10.180.2.1:80"], false),
+            ),
             tcp("pod to LB IP hits only both endpoints, unmasqueraded", POD, "1.2.3.4", 80, To(BOTH, false)),
-            tcp("external to LB IP hits only local endpoint, unmasqueraded", EXT, "1.2.3.4", 80, To(&["10.180.2.1:80"], false)),
+            tcp(
+                "external to LB IP hits only local endpoint, unmasqueraded",
+                EXT,
+                "1.2.3.4",
+                80,
+                To(&["10.180.2.1:80"], false),
+            ),
             tcp("pod to NodePort hits both endpoints, unmasqueraded", POD, NODE_IP_S, 3001, To(BOTH, false)),
-            tcp("external to NodePort hits only local endpoint, unmasqueraded", EXT, NODE_IP_S, 3001, To(&["10.180.2.1:80"], false)),
+            tcp(
+                "external to NodePort hits only local endpoint, unmasqueraded",
+                EXT,
+                NODE_IP_S,
+                3001,
+                To(&["10.180.2.1:80"], false),
+            ),
         ]
     } else {
         vec![
@@ -318,26 +411,69 @@ fn external_traffic_policy(local: bool) -> Case {
             tcp("external to NodePort hits both endpoints, masqueraded", EXT, NODE_IP_S, 3001, To(BOTH, true)),
         ]
     };
-    Case { source: if local { "TestExternalTrafficPolicyLocal" } else { "TestExternalTrafficPolicyCluster" }, knobs: BASE, objects, rows }
+    Case {
+        source: if local { "TestExternalTrafficPolicyLocal" } else { "TestExternalTrafficPolicyCluster" },
+        knobs: BASE,
+        objects,
+        rows,
+    }
 }
 
 fn internal_traffic_policy() -> Vec<Case> {
     let subtests: [(&'static str, &str, [(&'static str, &'static str); 3], Expect); 4] = [
-        ("TestInternalTrafficPolicy/internalTrafficPolicy is cluster", "Cluster", [("10.0.1.1", NODE), ("10.0.1.2", "node1"), ("10.0.1.3", "node2")], To(&["10.0.1.1:80", "10.0.1.2:80", "10.0.1.3:80"], false)),
-        ("TestInternalTrafficPolicy/internalTrafficPolicy is local and there is one local endpoint", "Local", [("10.0.1.1", NODE), ("10.0.1.2", "node1"), ("10.0.1.3", "node2")], To(&["10.0.1.1:80"], false)),
-        ("TestInternalTrafficPolicy/internalTrafficPolicy is local and there are multiple local endpoints", "Local", [("10.0.1.1", NODE), ("10.0.1.2", NODE), ("10.0.1.3", "node2")], To(&["10.0.1.1:80", "10.0.1.2:80"], false)),
-        ("TestInternalTrafficPolicy/internalTrafficPolicy is local and there are no local endpoints", "Local", [("10.0.1.1", "node0"), ("10.0.1.2", "node1"), ("10.0.1.3", "node2")], Drop),
+        (
+            "TestInternalTrafficPolicy/internalTrafficPolicy is cluster",
+            "Cluster",
+            [("10.0.1.1", NODE), ("10.0.1.2", "node1"), ("10.0.1.3", "node2")],
+            To(&["10.0.1.1:80", "10.0.1.2:80", "10.0.1.3:80"], false),
+        ),
+        (
+            "TestInternalTrafficPolicy/internalTrafficPolicy is local and there is one local endpoint",
+            "Local",
+            [("10.0.1.1", NODE), ("10.0.1.2", "node1"), ("10.0.1.3", "node2")],
+            To(&["10.0.1.1:80"], false),
+        ),
+        (
+            "TestInternalTrafficPolicy/internalTrafficPolicy is local and there are multiple local endpoints",
+            "Local",
+            [("10.0.1.1", NODE), ("10.0.1.2", NODE), ("10.0.1.3", "node2")],
+            To(&["10.0.1.1:80", "10.0.1.2:80"], false),
+        ),
+        (
+            "TestInternalTrafficPolicy/internalTrafficPolicy is local and there are no local endpoints",
+            "Local",
+            [("10.0.1.1", "node0"), ("10.0.1.2", "node1"), ("10.0.1.3", "node2")],
+            Drop,
+        ),
     ];
     subtests
         .into_iter()
         .flat_map(|(source, policy, eps, expect)| {
-            let objects = service("ns1", "svc1", "ClusterIP", "172.30.1.1", &[("", 80, "TCP", 0, 80)], &format!("  internalTrafficPolicy: {policy}\n"), &[]);
+            let objects = service(
+                "ns1",
+                "svc1",
+                "ClusterIP",
+                "172.30.1.1",
+                &[("", 80, "TCP", 0, 80)],
+                &format!("  internalTrafficPolicy: {policy}\n"),
+                &[],
+            );
             let eps: Vec<Ep> = eps.iter().map(|(ip, node)| (*ip, Some(*node), Some(true), None, None)).collect();
             let with = objects.clone() + &slice("ns1", "svc1", &[("", 80, "TCP")], &eps);
             [
-                Case { source, knobs: BASE, objects: with, rows: vec![tcp("pod to ClusterIP", POD, "172.30.1.1", 80, expect)] },
+                Case {
+                    source,
+                    knobs: BASE,
+                    objects: with,
+                    rows: vec![tcp("pod to ClusterIP", POD, "172.30.1.1", 80, expect)],
+                },
                 // Then the slice is deleted.
-                Case { source, knobs: BASE, objects, rows: vec![tcp("endpoints deleted", POD, "172.30.1.1", 80, Reject)] },
+                Case {
+                    source,
+                    knobs: BASE,
+                    objects,
+                    rows: vec![tcp("endpoints deleted", POD, "172.30.1.1", 80, Reject)],
+                },
             ]
         })
         .collect()
@@ -347,25 +483,59 @@ fn internal_traffic_policy() -> Vec<Case> {
 /// fallback, per traffic policy.
 fn terminating_endpoints(local: bool) -> Vec<Case> {
     let policy = if local { "Local" } else { "Cluster" };
-    let source = if local { "TestTerminatingEndpointsTrafficPolicyLocal" } else { "TestTerminatingEndpointsTrafficPolicyCluster" };
-    let objects = service("ns1", "svc1", "LoadBalancer", "172.30.1.1", &[("", 80, "TCP", 0, 80)], &format!("  externalTrafficPolicy: {policy}\n"), &["1.2.3.4"]);
+    let source = if local {
+        "TestTerminatingEndpointsTrafficPolicyLocal"
+    } else {
+        "TestTerminatingEndpointsTrafficPolicyCluster"
+    };
+    let objects = service(
+        "ns1",
+        "svc1",
+        "LoadBalancer",
+        "172.30.1.1",
+        &[("", 80, "TCP", 0, 80)],
+        &format!("  externalTrafficPolicy: {policy}\n"),
+        &["1.2.3.4"],
+    );
     let other = if local { "node-1" } else { "another-node" };
     // (address, ready, serving, terminating, on this node)
-    let e = |ip: &'static str, r: bool, s: bool, t: bool, here: bool| -> Ep { (ip, Some(if here { NODE } else { other }), Some(r), Some(s), Some(t)) };
-    let remote = |ip: &'static str, r: bool, s: bool, t: bool| -> Ep { (ip, Some("node-1"), Some(r), Some(s), Some(t)) };
+    let e = |ip: &'static str, r: bool, s: bool, t: bool, here: bool| -> Ep {
+        (ip, Some(if here { NODE } else { other }), Some(r), Some(s), Some(t))
+    };
+    let remote =
+        |ip: &'static str, r: bool, s: bool, t: bool| -> Ep { (ip, Some("node-1"), Some(r), Some(s), Some(t)) };
     let masq = !local;
     let subtests: Vec<(&'static str, Vec<Ep>, Expect, Expect)> = vec![
         (
             "ready endpoints exist",
-            vec![e("10.0.1.1", true, true, false, true), e("10.0.1.2", true, true, false, true), e("10.0.1.3", false, true, true, local), e("10.0.1.4", false, false, true, local), e("10.0.1.5", true, true, false, false)],
+            vec![
+                e("10.0.1.1", true, true, false, true),
+                e("10.0.1.2", true, true, false, true),
+                e("10.0.1.3", false, true, true, local),
+                e("10.0.1.4", false, false, true, local),
+                e("10.0.1.5", true, true, false, false),
+            ],
             To(&["10.0.1.1:80", "10.0.1.2:80", "10.0.1.5:80"], false),
-            if local { To(&["10.0.1.1:80", "10.0.1.2:80"], false) } else { To(&["10.0.1.1:80", "10.0.1.2:80", "10.0.1.5:80"], true) },
+            if local {
+                To(&["10.0.1.1:80", "10.0.1.2:80"], false)
+            } else {
+                To(&["10.0.1.1:80", "10.0.1.2:80", "10.0.1.5:80"], true)
+            },
         ),
         (
             "only terminating endpoints exist",
-            vec![e("10.0.1.2", false, true, true, true), e("10.0.1.3", false, true, true, true), e("10.0.1.4", false, false, true, local), if local { e("10.0.1.5", true, true, false, false) } else { e("10.0.1.5", false, true, true, false) }],
+            vec![
+                e("10.0.1.2", false, true, true, true),
+                e("10.0.1.3", false, true, true, true),
+                e("10.0.1.4", false, false, true, local),
+                if local { e("10.0.1.5", true, true, false, false) } else { e("10.0.1.5", false, true, true, false) },
+            ],
             if local { To(&["10.0.1.5:80"], false) } else { To(&["10.0.1.2:80", "10.0.1.3:80", "10.0.1.5:80"], false) },
-            if local { To(&["10.0.1.2:80", "10.0.1.3:80"], false) } else { To(&["10.0.1.2:80", "10.0.1.3:80", "10.0.1.5:80"], true) },
+            if local {
+                To(&["10.0.1.2:80", "10.0.1.3:80"], false)
+            } else {
+                To(&["10.0.1.2:80", "10.0.1.3:80", "10.0.1.5:80"], true)
+            },
         ),
         (
             "terminating endpoints on remote node",
@@ -373,7 +543,12 @@ fn terminating_endpoints(local: bool) -> Vec<Case> {
             To(&["10.0.1.5:80"], false),
             if local { Drop } else { To(&["10.0.1.5:80"], masq) },
         ),
-        ("no usable endpoints on any node", vec![e("10.0.1.5", false, false, true, true), remote("10.0.1.5", false, false, true)], Reject, Reject),
+        (
+            "no usable endpoints on any node",
+            vec![e("10.0.1.5", false, false, true, true), remote("10.0.1.5", false, false, true)],
+            Reject,
+            Reject,
+        ),
     ];
     let mut cases: Vec<Case> = subtests
         .into_iter()
@@ -381,7 +556,10 @@ fn terminating_endpoints(local: bool) -> Vec<Case> {
             source: Box::leak(format!("{source}/{name}").into_boxed_str()),
             knobs: BASE,
             objects: objects.clone() + &slice("ns1", "svc1", &[("", 80, "TCP")], &eps),
-            rows: vec![tcp("pod to clusterIP", POD, "172.30.1.1", 80, to_cluster_ip), tcp("external to LB", EXT, "1.2.3.4", 80, to_lb)],
+            rows: vec![
+                tcp("pod to clusterIP", POD, "172.30.1.1", 80, to_cluster_ip),
+                tcp("external to LB", EXT, "1.2.3.4", 80, to_lb),
+            ],
         })
         .collect();
     cases.push(Case {
@@ -530,12 +708,12 @@ fn config_yaml(mode: &str, knobs: &Knobs) -> String {
     let npa = if knobs.node_port_addresses.is_empty() {
         String::new()
     } else {
-        format!("nodePortAddresses: [{}]\n", knobs.node_port_addresses.iter().map(|a| format!("\"{a}\"")).collect::<Vec<_>>().join(", "))
+        format!(
+            "nodePortAddresses: [{}]\n",
+            knobs.node_port_addresses.iter().map(|a| format!("\"{a}\"")).collect::<Vec<_>>().join(", ")
+        )
     };
-    let block = format!(
-        "  masqueradeAll: {}\n  syncPeriod: 1s\n  minSyncPeriod: 0s\n",
-        knobs.masquerade_all
-    );
+    let block = format!("  masqueradeAll: {}\n  syncPeriod: 1s\n  minSyncPeriod: 0s\n", knobs.masquerade_all);
     format!(
         "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: {mode}\nhostnameOverride: {NODE}\n\
          bindAddress: {NODE_IP}\nmetricsBindAddress: 127.0.0.1:10249\nhealthzBindAddress: 127.0.0.1:10256\n{detect}{npa}\
@@ -628,9 +806,14 @@ fn check(s: &Seen, expect: &Expect, udp: bool, dst: Ipv4Addr, client: Option<Ipv
             };
             s.errors.is_empty() && s.endpoints == names && source_ok
         }
-        Drop => s.endpoints.is_empty() && s.errors == BTreeSet::from([if udp { "recv:timeout" } else { "connect:timeout" }.to_owned()]),
+        Drop => {
+            s.endpoints.is_empty()
+                && s.errors == BTreeSet::from([if udp { "recv:timeout" } else { "connect:timeout" }.to_owned()])
+        }
         Reject => {
-            s.endpoints.is_empty() && s.errors == BTreeSet::from([if udp { "recv:ECONNREFUSED" } else { "connect:ECONNREFUSED" }.to_owned()])
+            s.endpoints.is_empty()
+                && s.errors
+                    == BTreeSet::from([if udp { "recv:ECONNREFUSED" } else { "connect:ECONNREFUSED" }.to_owned()])
         }
         // A datagram answered by the router comes back from the router's own address, which a
         // connected socket ignores: for UDP, "not handled" is a timeout.
@@ -696,7 +879,14 @@ fn differential(mode: &str) {
     let kp_world = World::new(&format!("{tag}k"), &pods, &[80, 53, 8443, 5353], &probed).expect("kube-proxy's world");
     let kpr_world = World::new(&format!("{tag}r"), &pods, &[80, 53, 8443, 5353], &probed).expect("kpr's world");
     let cgroup = Cgroup::new(&tag).expect("kpr's cgroup");
-    cluster.apply(&format!("apiVersion: v1\nkind: Node\nmetadata: {{name: {NODE}}}\n---\n{}", (1..=3).map(|i| format!("apiVersion: v1\nkind: Namespace\nmetadata: {{name: ns{i}}}\n---\n")).collect::<String>())).unwrap();
+    cluster
+        .apply(&format!(
+            "apiVersion: v1\nkind: Node\nmetadata: {{name: {NODE}}}\n---\n{}",
+            (1..=3)
+                .map(|i| format!("apiVersion: v1\nkind: Namespace\nmetadata: {{name: ns{i}}}\n---\n"))
+                .collect::<String>()
+        ))
+        .unwrap();
 
     // kube-proxy (and kpr) take the node's primary IP from the Node's status.
     let status = format!("{{\"status\":{{\"addresses\":[{{\"type\":\"InternalIP\",\"address\":\"{NODE_IP}\"}}]}}}}");
@@ -710,7 +900,9 @@ fn differential(mode: &str) {
         let case_started = std::time::Instant::now();
         if running.as_ref().is_none_or(|(k, _, _)| *k != case.knobs) {
             drop(running.take()); // stop the previous pair first
-            let (kube_proxy, file) = KubeProxy::start_with_config(&cluster, &kp_world.node, &config_yaml(mode, &case.knobs)).expect("kube-proxy");
+            let (kube_proxy, file) =
+                KubeProxy::start_with_config(&cluster, &kp_world.node, &config_yaml(mode, &case.knobs))
+                    .expect("kube-proxy");
             let kpr = Kpr::start(&kpr_world, &file, &cgroup, &format!("{tag}-{index}"));
             running = Some((case.knobs.clone(), kube_proxy, kpr));
         }
@@ -719,16 +911,29 @@ fn differential(mode: &str) {
         // The case's objects replace the previous case's, in the API and in kpr's manifests.
         cluster.kubectl(&["delete", "services,endpointslices", "-A", "-l", "kpr-flows", "--wait=true"]).unwrap();
         let marker = format!("172.30.255.{}", index + 1);
-        let objects = format!("{}{}", case.objects, service("ns1", "marker", "ClusterIP", &marker, &[("m", 9, "TCP", 0, 9)], "", &[]));
-        let objects = objects.replace("metadata: {name: ", "metadata: {labels: {kpr-flows: \"\"}, name: ").replace("  labels: {kubernetes.io/service-name:", "  labels: {kpr-flows: \"\", kubernetes.io/service-name:");
+        let objects = format!(
+            "{}{}",
+            case.objects,
+            service("ns1", "marker", "ClusterIP", &marker, &[("m", 9, "TCP", 0, 9)], "", &[])
+        );
+        let objects = objects.replace("metadata: {name: ", "metadata: {labels: {kpr-flows: \"\"}, name: ").replace(
+            "  labels: {kubernetes.io/service-name:",
+            "  labels: {kpr-flows: \"\", kubernetes.io/service-name:",
+        );
         cluster.apply(&objects).unwrap_or_else(|e| panic!("{}: {e}", case.source));
         for doc in objects.split("---\n").filter(|d| d.contains("kind: Service\n") && d.contains("status:")) {
             let name = doc.split("name: ").nth(1).unwrap().split(',').next().unwrap();
             let ns = doc.split("namespace: ").nth(1).unwrap().split('}').next().unwrap();
             let status = &doc[doc.find("status:").unwrap()..];
-            let ips: Vec<String> = status.split("ip: \"").skip(1).map(|s| format!("{{\"ip\":\"{}\"}}", s.split('"').next().unwrap())).collect();
+            let ips: Vec<String> = status
+                .split("ip: \"")
+                .skip(1)
+                .map(|s| format!("{{\"ip\":\"{}\"}}", s.split('"').next().unwrap()))
+                .collect();
             let patch = format!("{{\"status\":{{\"loadBalancer\":{{\"ingress\":[{}]}}}}}}", ips.join(","));
-            cluster.kubectl(&["patch", "service", name, "-n", ns, "--subresource=status", "--type=merge", "-p", &patch]).unwrap();
+            cluster
+                .kubectl(&["patch", "service", name, "-n", ns, "--subresource=status", "--type=merge", "-p", &patch])
+                .unwrap();
         }
         let dump = cluster.kubectl(&["get", "services,endpointslices,nodes,servicecidrs", "-A", "-o", "yaml"]).unwrap();
         testbed::write_atomic(&kpr.manifests, "cluster.yaml", &dump).unwrap();
@@ -740,11 +945,26 @@ fn differential(mode: &str) {
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
         loop {
             let exe = PathBuf::from(env!("CARGO_BIN_EXE_kpr-probe"));
-            let o = probe_from(&exe, &kp_world.node.name, cluster.home_cgroup(), Kind::Tcp, marker_addr, 1, Duration::from_millis(300), None).unwrap();
+            let o = probe_from(
+                &exe,
+                &kp_world.node.name,
+                cluster.home_cgroup(),
+                Kind::Tcp,
+                marker_addr,
+                1,
+                Duration::from_millis(300),
+                None,
+            )
+            .unwrap();
             if o.errors.contains_key("connect:ECONNREFUSED") {
                 break;
             }
-            assert!(std::time::Instant::now() < deadline && kube_proxy.running(), "{}: kube-proxy did not program the case:\n{}", case.source, kube_proxy.log_tail());
+            assert!(
+                std::time::Instant::now() < deadline && kube_proxy.running(),
+                "{}: kube-proxy did not program the case:\n{}",
+                case.source,
+                kube_proxy.log_tail()
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
 
@@ -790,7 +1010,12 @@ fn differential(mode: &str) {
             failures.append(&mut problems);
         }
         assert!(kube_proxy.running(), "kube-proxy exited:\n{}", kube_proxy.log_tail());
-        report.push(format!("{mode} {}: {} rows in {:.1} s", case.source, case.rows.len(), case_started.elapsed().as_secs_f64()));
+        report.push(format!(
+            "{mode} {}: {} rows in {:.1} s",
+            case.source,
+            case.rows.len(),
+            case_started.elapsed().as_secs_f64()
+        ));
         // KPR_FLOWS_DEBUG=<part of a case name>: kube-proxy's rules and kpr's maps after it.
         if std::env::var("KPR_FLOWS_DEBUG").is_ok_and(|c| case.source.contains(&c)) {
             let ns = &kp_world.node.name;
@@ -799,7 +1024,7 @@ fn differential(mode: &str) {
             let links = kpr.pins.join(format!("v{}/KPR_LINKS", proxy_common::PIN_LAYOUT_VERSION));
             let out = Command::new("bpftool").args(["map", "dump", "pinned"]).arg(links).output().unwrap();
             report.push(String::from_utf8_lossy(&out.stdout).into_owned());
-            report.push(kpr::status::render(&kpr.pins).unwrap_or_default());
+            report.push(kpr::inspect::services::render(&kpr.pins).unwrap_or_default());
         }
     }
     println!("{}", report.join("\n"));

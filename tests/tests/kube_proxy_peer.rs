@@ -80,7 +80,12 @@ fn scenarios() -> Vec<Scenario> {
         Scenario {
             service: "multi",
             ports: &[("web", 80, "TCP"), ("alt", 81, "TCP"), ("alt-udp", 81, "UDP")],
-            slice_ports: Some(&[("metrics", 9999, "TCP"), ("alt-udp", ALT_PORT, "UDP"), ("alt", ALT_PORT, "TCP"), ("web", POD_PORT, "TCP")]),
+            slice_ports: Some(&[
+                ("metrics", 9999, "TCP"),
+                ("alt-udp", ALT_PORT, "UDP"),
+                ("alt", ALT_PORT, "TCP"),
+                ("web", POD_PORT, "TCP"),
+            ]),
             endpoints: vec![READY(1), READY(2)],
             probes: &[
                 (Tcp, 80, Backends(&["pod-b", "pod-c"])),
@@ -160,7 +165,12 @@ const INTENDED: &[(&str, &str, Kind, u16, Expect, &str)] = &[
     ),
 ];
 
-fn intended(mode: &str, service: &str, kind: Kind, port: u16) -> Option<&'static (&'static str, &'static str, Kind, u16, Expect, &'static str)> {
+fn intended(
+    mode: &str,
+    service: &str,
+    kind: Kind,
+    port: u16,
+) -> Option<&'static (&'static str, &'static str, Kind, u16, Expect, &'static str)> {
     INTENDED.iter().find(|d| (d.0 == "*" || d.0 == mode) && d.1 == service && d.2 == kind && d.3 == port)
 }
 
@@ -170,15 +180,15 @@ fn service_yaml(s: &Scenario) -> String {
         .iter()
         .map(|(n, p, proto)| format!("  - {{name: {n}, port: {p}, protocol: {proto}, targetPort: {POD_PORT}}}\n"))
         .collect();
-    format!("apiVersion: v1\nkind: Service\nmetadata: {{name: {}, namespace: test}}\nspec:\n  ports:\n{ports}", s.service)
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {}, namespace: test}}\nspec:\n  ports:\n{ports}",
+        s.service
+    )
 }
 
 fn slice_yaml(s: &Scenario, pod_ips: &[Ipv4Addr]) -> Option<String> {
-    let ports: String = s
-        .slice_ports?
-        .iter()
-        .map(|(n, p, proto)| format!("- {{name: {n}, port: {p}, protocol: {proto}}}\n"))
-        .collect();
+    let ports: String =
+        s.slice_ports?.iter().map(|(n, p, proto)| format!("- {{name: {n}, port: {p}, protocol: {proto}}}\n")).collect();
     let cond = |name: &str, v: Option<bool>| v.map(|v| format!("{name}: {v}, ")).unwrap_or_default();
     let endpoints: String = s
         .endpoints
@@ -249,7 +259,9 @@ fn differential(mode: &str) {
 
     // The scenarios, applied once through the API.
     let scenarios = scenarios();
-    let mut yaml = String::from("apiVersion: v1\nkind: Namespace\nmetadata: {name: test}\n---\napiVersion: v1\nkind: Node\nmetadata: {name: kp-node}\n");
+    let mut yaml = String::from(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {name: test}\n---\napiVersion: v1\nkind: Node\nmetadata: {name: kp-node}\n",
+    );
     for s in &scenarios {
         yaml += "---\n";
         yaml += &service_yaml(s);
@@ -282,8 +294,10 @@ fn differential(mode: &str) {
             let addr = SocketAddrV4::new(*ip, *port);
             let n = if matches!(expect, Expect::Backends(_)) { 30 } else { 3 };
             let via_kube_proxy =
-                probe_in(&probe_exe, &kp_topology.client.name, cluster.home_cgroup(), *kind, addr, n, PROBE_TIMEOUT).unwrap();
-            let via_kpr = probe_in(&probe_exe, &h.topology.client.name, &h.cgroup.path, *kind, addr, n, PROBE_TIMEOUT).unwrap();
+                probe_in(&probe_exe, &kp_topology.client.name, cluster.home_cgroup(), *kind, addr, n, PROBE_TIMEOUT)
+                    .unwrap();
+            let via_kpr =
+                probe_in(&probe_exe, &h.topology.client.name, &h.cgroup.path, *kind, addr, n, PROBE_TIMEOUT).unwrap();
             let what = format!("{mode} {} {addr} {}", s.service, kind.as_str());
             report.push(format!("{what}: kube-proxy {via_kube_proxy:?} | kpr {via_kpr:?}"));
             if let Err(e) = check(&via_kpr, expect, addr, n) {

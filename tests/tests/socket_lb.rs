@@ -77,7 +77,12 @@ fn tcp_and_udp_reach_a_backend_and_the_app_sees_the_cluster_ip() {
     assert!(h.counter("translated") >= 3);
 
     // The operator's view: `kpr services` lists the service port and its backends.
-    let out = std::process::Command::new(kpr_tests::kpr_bin()).arg("services").arg("--pin-root").arg(&h.pin_root).output().unwrap();
+    let out = std::process::Command::new(kpr_tests::kpr_bin())
+        .arg("services")
+        .arg("--pin-root")
+        .arg(&h.pin_root)
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     let line = text.lines().find(|l| l.contains("10.96.0.10:80/TCP")).unwrap_or_else(|| panic!("{text}"));
     for i in 0..3 {
@@ -191,7 +196,16 @@ fn malformed_manifests_are_skipped_and_good_services_keep_working() {
             .replace("10.96.0.20", "10.96.0.300"),
     )
     .unwrap();
-    h.write("2-bad-port.yaml", &kpr::testbed::service_manifest("test", "bad-port", Ipv4Addr::new(10, 96, 0, 21), &[("x", 0, "TCP"), ("y", 81, "TCP")])).unwrap();
+    h.write(
+        "2-bad-port.yaml",
+        &kpr::testbed::service_manifest(
+            "test",
+            "bad-port",
+            Ipv4Addr::new(10, 96, 0, 21),
+            &[("x", 0, "TCP"), ("y", 81, "TCP")],
+        ),
+    )
+    .unwrap();
     h.write_service("web", IP, &[HTTP], &[0]).unwrap();
     h.start_agent().unwrap();
     h.wait("10.96.0.10:80/TCP", Some(1)).unwrap();
@@ -247,7 +261,8 @@ fn an_unconnected_udp_socket_stays_on_one_endpoint_while_it_lasts() {
     let answers: std::collections::BTreeSet<String> = (0..30).map(|_| ask(&socket)).collect();
     assert_eq!(answers.len(), 1, "one socket, one endpoint: {answers:?}");
     // Other sockets still spread.
-    let others: std::collections::BTreeSet<String> = h.client(|| (0..60).map(|_| udp_ask(sa(IP, 53), TIMEOUT).unwrap().0).collect());
+    let others: std::collections::BTreeSet<String> =
+        h.client(|| (0..60).map(|_| udp_ask(sa(IP, 53), TIMEOUT).unwrap().0).collect());
     assert_eq!(others.len(), 3, "{others:?}");
     // Its endpoint goes away: the socket's next datagram goes to one that is left, and stays.
     let first = answers.into_iter().next().unwrap();
@@ -289,7 +304,7 @@ fn restarts_reconcile_pinned_hooks_with_the_layout_and_the_cgroup() {
     let other = kpr::testbed::Cgroup::new(&format!("{}-b", h.name)).unwrap();
     h.agent_cgroup = Some(other.path.clone());
     h.start_agent().unwrap();
-    let deadline = std::time::Instant::now() + TIMEOUT;
+    let deadline = std::time::Instant::now() + kpr::testbed::slow(TIMEOUT);
     while kpr_hooks_on(&other.path) < hooks && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
     }

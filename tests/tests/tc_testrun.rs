@@ -20,7 +20,8 @@ use kpr::{
     testbed,
 };
 use proxy_common::{
-    CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, LinkInfo, CidrKey, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
+    CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, LinkInfo, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT,
+    SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
     SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MIN, counter, program_names,
 };
 
@@ -39,7 +40,8 @@ const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 fn csum(data: &[u8], initial: u32) -> u16 {
     let mut sum = initial;
     for chunk in data.chunks(2) {
-        let word = if chunk.len() == 2 { u16::from_be_bytes([chunk[0], chunk[1]]) } else { u16::from_be_bytes([chunk[0], 0]) };
+        let word =
+            if chunk.len() == 2 { u16::from_be_bytes([chunk[0], chunk[1]]) } else { u16::from_be_bytes([chunk[0], 0]) };
         sum += u32::from(word);
     }
     while sum > 0xffff {
@@ -254,7 +256,8 @@ impl Rig {
         let mut evicted = 0;
         for name in [proxy_common::map_names::CONNTRACK, proxy_common::map_names::CT_NEW] {
             let mut table = self.table(name);
-            let doomed: Vec<CtKey> = table.iter().map(Result::unwrap).filter(|(k, v)| which(k, v)).map(|(k, _)| k).collect();
+            let doomed: Vec<CtKey> =
+                table.iter().map(Result::unwrap).filter(|(k, v)| which(k, v)).map(|(k, _)| k).collect();
             for key in &doomed {
                 table.remove(key).unwrap();
             }
@@ -264,9 +267,20 @@ impl Rig {
     }
 }
 
-fn entry(desired: &mut Desired, ip: Ipv4Addr, port: u16, protocol: Protocol, scope: u8, backends: &[(Ipv4Addr, u16)], flags: u32) {
+fn entry(
+    desired: &mut Desired,
+    ip: Ipv4Addr,
+    port: u16,
+    protocol: Protocol,
+    scope: u8,
+    backends: &[(Ipv4Addr, u16)],
+    flags: u32,
+) {
     let name = ServicePortName { service: ObjectKey::new("t", format!("{ip}:{port}")), port: String::new(), protocol };
-    desired.insert(frontend_key(ip, port, protocol, scope).unwrap(), DesiredPort { name, backends: backends.to_vec(), flags, source_ranges: vec![] });
+    desired.insert(
+        frontend_key(ip, port, protocol, scope).unwrap(),
+        DesiredPort { name, backends: backends.to_vec(), flags, source_ranges: vec![] },
+    );
 }
 
 const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
@@ -288,10 +302,27 @@ fn services() -> Desired {
     entry(&mut d, Ipv4Addr::UNSPECIFIED, 30080, Protocol::Tcp, SCOPE_EXTERNAL, &[(POD, 8080)], SERVICE_FLAG_SNAT);
     entry(&mut d, Ipv4Addr::UNSPECIFIED, 30081, Protocol::Tcp, SCOPE_EXTERNAL, &[], SERVICE_FLAG_DROP_NO_ENDPOINTS);
     // An externalIP with eTP=Local and a local endpoint: no masquerade.
-    entry(&mut d, Ipv4Addr::new(192, 0, 2, 7), 443, Protocol::Tcp, SCOPE_EXTERNAL, &[(POD, 8443)], SERVICE_FLAG_DROP_NO_ENDPOINTS);
+    entry(
+        &mut d,
+        Ipv4Addr::new(192, 0, 2, 7),
+        443,
+        Protocol::Tcp,
+        SCOPE_EXTERNAL,
+        &[(POD, 8443)],
+        SERVICE_FLAG_DROP_NO_ENDPOINTS,
+    );
     // A LoadBalancer IP open to 10.0.0.96/30 (which holds CLIENT, .99) only.
-    entry(&mut d, LB_IP, 80, Protocol::Tcp, SCOPE_EXTERNAL, &[(POD, 8080)], SERVICE_FLAG_SNAT | SERVICE_FLAG_SOURCE_RANGES);
-    d.get_mut(&frontend_key(LB_IP, 80, Protocol::Tcp, SCOPE_EXTERNAL).unwrap()).unwrap().source_ranges = vec![(Ipv4Addr::new(10, 0, 0, 96), 30)];
+    entry(
+        &mut d,
+        LB_IP,
+        80,
+        Protocol::Tcp,
+        SCOPE_EXTERNAL,
+        &[(POD, 8080)],
+        SERVICE_FLAG_SNAT | SERVICE_FLAG_SOURCE_RANGES,
+    );
+    d.get_mut(&frontend_key(LB_IP, 80, Protocol::Tcp, SCOPE_EXTERNAL).unwrap()).unwrap().source_ranges =
+        vec![(Ipv4Addr::new(10, 0, 0, 96), 30)];
     // An externalIP with eTP=Local and no local endpoint; from inside, every endpoint.
     entry(&mut d, EXT_LOCAL, 443, Protocol::Tcp, SCOPE_EXTERNAL, &[], SERVICE_FLAG_DROP_NO_ENDPOINTS);
     entry(&mut d, EXT_LOCAL, 443, Protocol::Tcp, SCOPE_POD, &[(REMOTE_POD, 8443)], 0);
@@ -313,7 +344,11 @@ fn in_cluster_traffic_to_an_external_address_is_short_circuited_to_all_endpoints
     let from_pod = tcp(Ipv4Addr::new(10, 244, 1, 5), 40031, EXT_LOCAL, 443);
     let (verdict, out) = rig.ingress(&from_pod.bytes());
     assert_eq!(verdict, TC_ACT_OK);
-    assert_eq!(out, Pkt { dst: REMOTE_POD, dport: 8443, ..from_pod }.bytes(), "a pod's traffic goes to any endpoint, unmasqueraded");
+    assert_eq!(
+        out,
+        Pkt { dst: REMOTE_POD, dport: 8443, ..from_pod }.bytes(),
+        "a pod's traffic goes to any endpoint, unmasqueraded"
+    );
 }
 
 #[test]
@@ -324,7 +359,11 @@ fn the_source_picks_the_entry_pod_outside_or_node() {
     let from_node = tcp(NODE_IP, 40041, NODE_IP, 30082);
     let (verdict, out) = rig.ingress(&from_node.bytes());
     assert_eq!(verdict, TC_ACT_OK);
-    assert_eq!(out, Pkt { sport: sport_of(&out), dst: REMOTE_POD, dport: 8080, ..from_node }.bytes(), "from the node: any endpoint, masqueraded");
+    assert_eq!(
+        out,
+        Pkt { sport: sport_of(&out), dst: REMOTE_POD, dport: 8080, ..from_node }.bytes(),
+        "from the node: any endpoint, masqueraded"
+    );
     assert_ne!(sport_of(&out), 40041, "masquerade gives the flow a port of its own");
     // A pod has no entry for this NodePort in this table: untouched.
     let from_pod = tcp(Ipv4Addr::new(10, 244, 1, 5), 40042, NODE_IP, 30082);
@@ -389,7 +428,10 @@ fn node_port_with_cluster_policy_is_masqueraded_and_reversed() {
     assert!((min..=max).contains(&nat_port), "SNAT port {nat_port} outside {min}-{max}");
     let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap();
     let ephemeral: Vec<u16> = ephemeral.split_whitespace().map(|p| p.parse().unwrap()).collect();
-    assert!(max < ephemeral[0] || min > ephemeral[1], "SNAT ports {min}-{max} outside the node's ephemeral ports {ephemeral:?}");
+    assert!(
+        max < ephemeral[0] || min > ephemeral[1],
+        "SNAT ports {min}-{max} outside the node's ephemeral ports {ephemeral:?}"
+    );
     assert!(max < 30_000 || min > 32_767, "and outside the NodePort range");
     assert_eq!(out, Pkt { src: NODE_IP, sport: nat_port, dst: POD, dport: 8080, ..syn }.bytes());
 
@@ -478,7 +520,11 @@ fn icmp_errors_about_a_translated_flow_are_translated_back() {
     let error = icmp_error(router, NODE_IP, 3, 4, [0, 0, 0x05, 0x00], &reply_as_forwarded.bytes()[14..]);
     let (verdict, out) = rig.ingress(&error);
     assert_eq!(verdict, TC_ACT_OK);
-    assert_eq!(out, icmp_error(router, POD, 3, 4, [0, 0, 0x05, 0x00], &reply_as_sent.bytes()[14..]), "to the backend, about its own packet");
+    assert_eq!(
+        out,
+        icmp_error(router, POD, 3, 4, [0, 0, 0x05, 0x00], &reply_as_sent.bytes()[14..]),
+        "to the backend, about its own packet"
+    );
 }
 
 #[test]
@@ -587,7 +633,7 @@ fn flows_live_by_state_and_the_sweep_removes_ended_ones() {
         let (_, out) = rig.ingress(&syn.bytes());
         let reply = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out)) };
         let (verdict, back) = rig.ingress(&reply.bytes());
-        assert_eq!((verdict, sport_of(&back[..]) ), (TC_ACT_OK, 30090), "reply reversed");
+        assert_eq!((verdict, sport_of(&back[..])), (TC_ACT_OK, 30090), "reply reversed");
         let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
         rig.ingress(&ack.bytes());
         (ack, reply)
@@ -603,10 +649,15 @@ fn flows_live_by_state_and_the_sweep_removes_ended_ones() {
     let closed = |v: &CtValue| proxy_common::ct::closed(v.flags);
     assert_eq!(rig.flows().iter().filter(|(_, v)| closed(v)).count(), 4, "both entries of both ended flows are closed");
     std::thread::sleep(std::time::Duration::from_millis(120));
-    let sweep = rig.conntrack().sweep(&CtTimeouts { tcp_closed: 50 * MS, ..CtTimeouts::DEFAULT }, monotonic_now()).unwrap();
+    let sweep =
+        rig.conntrack().sweep(&CtTimeouts { tcp_closed: 50 * MS, ..CtTimeouts::DEFAULT }, monotonic_now()).unwrap();
     assert_eq!(sweep, Sweep { live: 2, expired: 4 }, "the ended flows go, the established one stays");
     let (verdict, out) = rig.ingress(&kept.bytes());
-    assert_eq!((verdict, dst_of(&out).octets()[..3].to_vec()), (TC_ACT_OK, vec![10, 244, 2]), "the established flow still translates");
+    assert_eq!(
+        (verdict, dst_of(&out).octets()[..3].to_vec()),
+        (TC_ACT_OK, vec![10, 244, 2]),
+        "the established flow still translates"
+    );
 }
 
 #[test]
@@ -626,7 +677,11 @@ fn a_connection_whose_entries_were_evicted_is_recreated_as_it_was() {
     for (ack, syn_out) in &established {
         let (verdict, out) = rig.ingress(&ack.bytes());
         assert_eq!(verdict, TC_ACT_OK);
-        assert_eq!((dst_of(&out), sport_of(&out)), (dst_of(syn_out), sport_of(syn_out)), "same endpoint and SNAT port as before");
+        assert_eq!(
+            (dst_of(&out), sport_of(&out)),
+            (dst_of(syn_out), sport_of(syn_out)),
+            "same endpoint and SNAT port as before"
+        );
     }
     assert_eq!(rig.counter(counter::TC_CT_RECREATED), 16);
 
@@ -640,7 +695,11 @@ fn a_connection_whose_entries_were_evicted_is_recreated_as_it_was() {
     let reply = Pkt { tcp_flags: 0x10, seq: 7001, ack: 1002, ..tcp(dst_of(syn_out), 8080, NODE_IP, snat_port) };
     let (verdict, back) = rig.ingress(&reply.bytes());
     assert_eq!(verdict, TC_ACT_OK);
-    assert_eq!(back, Pkt { src: NODE_IP, sport: 30090, dst: CLIENT, dport: ack.sport, ..reply }.bytes(), "reply reversed to the client");
+    assert_eq!(
+        back,
+        Pkt { src: NODE_IP, sport: 30090, dst: CLIENT, dport: ack.sport, ..reply }.bytes(),
+        "reply reversed to the client"
+    );
 }
 
 #[test]
@@ -663,7 +722,15 @@ fn a_closed_connections_snat_port_goes_to_a_new_one_after_a_second() {
 
 /// A UDP datagram of `payload` in two fragments split after `first` payload bytes (a multiple
 /// of 8), with checksums computed from scratch over the whole datagram.
-fn udp_fragments(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, payload: &[u8], first: usize, id: u16) -> (Vec<u8>, Vec<u8>) {
+fn udp_fragments(
+    src: Ipv4Addr,
+    sport: u16,
+    dst: Ipv4Addr,
+    dport: u16,
+    payload: &[u8],
+    first: usize,
+    id: u16,
+) -> (Vec<u8>, Vec<u8>) {
     let mut udp = Vec::new();
     udp.extend_from_slice(&sport.to_be_bytes());
     udp.extend_from_slice(&dport.to_be_bytes());

@@ -140,7 +140,8 @@ mod tests {
 
     #[test]
     fn reads_the_pinned_version() {
-        let go_mod = "module x\n\nrequire k8s.io/kubernetes v1.36.3\n\nreplace (\n\tk8s.io/api => k8s.io/api v0.36.3\n)\n";
+        let go_mod =
+            "module x\n\nrequire k8s.io/kubernetes v1.36.3\n\nreplace (\n\tk8s.io/api => k8s.io/api v0.36.3\n)\n";
         assert_eq!(pinned_version(go_mod).unwrap(), "v1.36.3");
         let block = "require (\n\tk8s.io/kubernetes v1.34.4 // indirect\n)\n";
         assert_eq!(pinned_version(block).unwrap(), "v1.34.4");

@@ -4,6 +4,7 @@
 //! the pinned toolchain (`toolchain.pin`), which `setup` installs.
 mod cluster;
 mod setup;
+mod vm;
 
 use std::{
     path::{Path, PathBuf},
@@ -43,6 +44,10 @@ enum Cmd {
     Test {
         /// Only run tests whose name contains this filter.
         filter: Option<String>,
+        /// Run only the privileged suites, in a VM booting this Debian kernel (`6.1`, `6.12`;
+        /// repeatable). Without it: everything on this machine's kernel, then every VM kernel.
+        #[arg(long = "kernel")]
+        kernels: Vec<String>,
     },
     /// Start a local control plane (etcd + kube-apiserver on 127.0.0.1, built from tools/k8s),
     /// write its admin kubeconfig, and keep it up until Ctrl-C; everything is removed on exit.
@@ -96,9 +101,9 @@ fn run_command() -> Result<()> {
             }
             run(cmd.args(args))
         }
-        Cmd::Test { filter } => {
+        Cmd::Test { filter, kernels } => {
             let env = setup::ensure_all(&root)?;
-            test(&root, &env, filter.as_deref())
+            test(&root, &env, filter.as_deref(), &kernels)
         }
         Cmd::Cluster { args } => {
             let env = setup::ensure_all(&root)?;
@@ -130,9 +135,20 @@ fn build(root: &Path, env: &setup::Env, release: bool) -> Result<()> {
     run(&mut cmd)
 }
 
-/// Unit tests for every crate, then the privileged tests one at a time (they share the kernel).
-fn test(root: &Path, env: &setup::Env, filter: Option<&str>) -> Result<()> {
+/// Unit tests for every crate, then the privileged tests one at a time (they share the kernel),
+/// then the privileged suites on each VM kernel. With `kernels`, only those VM runs.
+fn test(root: &Path, env: &setup::Env, filter: Option<&str>, kernels: &[String]) -> Result<()> {
     build(root, env, false)?;
+    if !kernels.is_empty() {
+        let mut failed = 0;
+        for kernel in kernels {
+            failed += test_in_vm(root, env, kernel, filter)?.1;
+        }
+        if failed > 0 {
+            bail!("{failed} tests failed in VMs");
+        }
+        return Ok(());
+    }
     let mut unit = env.cargo(root);
     unit.args(["test", "--no-fail-fast", "--package", "proxy-common", "--package", "proxy-user", "--package", "xtask"]);
     if let Some(filter) = filter {
@@ -156,8 +172,65 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>) -> Result<()> {
     let (passed, failed) = run_tests(&mut privileged)?;
     tally.0 += passed;
     tally.1 += failed;
+    println!("xtask: {} passed, {} failed (this machine's kernel)", tally.0, tally.1);
+
+    let mut lines = Vec::new();
+    for (short, _) in vm::KERNELS {
+        let (passed, failed, line) = test_in_vm(root, env, short, filter)?;
+        tally.0 += passed;
+        tally.1 += failed;
+        lines.push(line);
+    }
+    println!("{}", lines.join("\n"));
     println!("xtask: {} passed, {} failed", tally.0, tally.1);
+    if tally.1 > 0 {
+        bail!("{} tests failed", tally.1);
+    }
     Ok(())
+}
+
+/// The privileged suites in a VM booting Debian's `short` kernel: (passed, failed, the
+/// `kernel <uname -r>: N passed, M failed` line, also printed).
+fn test_in_vm(root: &Path, env: &setup::Env, short: &str, filter: Option<&str>) -> Result<(u64, u64, String)> {
+    let Some((_, pattern)) = vm::KERNELS.iter().find(|(k, _)| *k == short) else {
+        bail!("--kernel {short}: one of {}", vm::KERNELS.map(|(k, _)| k).join(", "));
+    };
+    let binaries = test_binaries(root, env, vm::SUITES.as_slice())?;
+    let k8s_bin = cluster::ensure_k8s_binaries(root)?;
+    let vars = [
+        ("KPR_BIN", target_bin(root, false, "kpr").display().to_string()),
+        ("KPR_K8S_BIN", k8s_bin.display().to_string()),
+    ];
+    let (release, passed, failed) = vm::run_tests(short, pattern, &binaries, &vars, filter)?;
+    let line = format!("kernel {release}: {passed} passed, {failed} failed");
+    println!("{line}");
+    Ok((passed, failed, line))
+}
+
+/// The executables of the privileged test suites named `suites` (built if needed).
+fn test_binaries(root: &Path, env: &setup::Env, suites: &[&str]) -> Result<Vec<PathBuf>> {
+    let out = env.cargo(root).args(["test", "--no-run", "--package", "kpr-tests"]).output()?;
+    anyhow::ensure!(out.status.success(), "building the tests failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stderr);
+    let found: Vec<(String, PathBuf)> = text
+        .lines()
+        .filter_map(|l| {
+            // `  Executable tests/socket_lb.rs (target/debug/deps/socket_lb-0123abcd)`
+            let rest = l.trim().strip_prefix("Executable tests/")?;
+            let (source, path) = rest.split_once(" (")?;
+            Some((source.trim_end_matches(".rs").to_owned(), root.join(path.trim_end_matches(')'))))
+        })
+        .collect();
+    suites
+        .iter()
+        .map(|suite| {
+            found
+                .iter()
+                .find(|(s, _)| s == suite)
+                .map(|(_, p)| p.clone())
+                .with_context(|| format!("no test binary for {suite}"))
+        })
+        .collect()
 }
 
 /// Run a `cargo test`, echoing its output, and add up its "test result" lines. Every suite
@@ -167,7 +240,8 @@ fn run_tests(cmd: &mut Command) -> Result<(u64, u64)> {
     use std::io::BufRead as _;
     // Assertion messages say what went wrong; a backtrace would only push them out of view.
     cmd.env("RUST_BACKTRACE", "0");
-    let mut child = cmd.stdout(std::process::Stdio::piped()).spawn().with_context(|| format!("failed to start {cmd:?}"))?;
+    let mut child =
+        cmd.stdout(std::process::Stdio::piped()).spawn().with_context(|| format!("failed to start {cmd:?}"))?;
     let (mut passed, mut failed) = (0, 0);
     let mut panics: Vec<String> = Vec::new();
     let mut in_panic = false;
@@ -182,12 +256,9 @@ fn run_tests(cmd: &mut Command) -> Result<(u64, u64)> {
         if in_panic && panics.len() < 400 {
             panics.push(line.chars().take(600).collect());
         }
-        if let Some(rest) = line.strip_prefix("test result: ") {
-            let count = |word: &str| -> u64 {
-                rest.split(';').find_map(|part| part.trim().strip_suffix(word)?.trim().rsplit(' ').next()?.parse().ok()).unwrap_or(0)
-            };
-            passed += count("passed");
-            failed += count("failed");
+        if let Some((p, f)) = test_result(&line) {
+            passed += p;
+            failed += f;
         }
     }
     let status = child.wait()?;
@@ -199,6 +270,17 @@ fn run_tests(cmd: &mut Command) -> Result<(u64, u64)> {
         bail!("{cmd:?} failed: {status}");
     }
     Ok((passed, failed))
+}
+
+/// A libtest `test result: ... N passed; M failed; ...` line (anywhere in `line`): (N, M).
+fn test_result(line: &str) -> Option<(u64, u64)> {
+    let (_, rest) = line.split_once("test result: ")?;
+    let count = |word: &str| -> u64 {
+        rest.split(';')
+            .find_map(|part| part.trim().strip_suffix(word)?.trim().rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    Some((count("passed"), count("failed")))
 }
 
 fn run(cmd: &mut Command) -> Result<()> {

@@ -44,10 +44,8 @@ impl Env {
 }
 
 pub fn ensure_all(root: &Path) -> Result<Env> {
-    let toolchain = fs::read_to_string(root.join("toolchain.pin"))
-        .context("failed to read toolchain.pin")?
-        .trim()
-        .to_owned();
+    let toolchain =
+        fs::read_to_string(root.join("toolchain.pin")).context("failed to read toolchain.pin")?.trim().to_owned();
     ensure_toolchain(&toolchain)?;
     let linker_bin = ensure_bpf_linker(root, &toolchain)?;
     ensure_packages()?;
@@ -129,7 +127,9 @@ fn ensure_bpf_linker(root: &Path, toolchain: &str) -> Result<PathBuf> {
         symlink(&libllvm, &link)?;
     }
 
-    println!("setup: building bpf-linker {BPF_LINKER_VERSION} against LLVM {llvm_major} of Rust {toolchain} (about a minute)");
+    println!(
+        "setup: building bpf-linker {BPF_LINKER_VERSION} against LLVM {llvm_major} of Rust {toolchain} (about a minute)"
+    );
     let status = Command::new("rustup")
         .args(["run", toolchain, "cargo", "install", "--locked", "--force"])
         .arg("--root")
@@ -158,12 +158,11 @@ fn ensure_packages() -> Result<()> {
         ("openssl", "openssl"),
         // iperf3: the NodePort throughput benchmark.
         ("iperf3", "iperf3"),
+        // qemu: the privileged tests on other kernels (`xtask/src/vm.rs`); xz unpacks modules.
+        ("qemu-system-x86_64", "qemu-system-x86"),
+        ("xz", "xz-utils"),
     ];
-    let missing: Vec<&str> = wanted
-        .iter()
-        .filter(|(cmd, _)| !on_path(cmd))
-        .map(|(_, pkg)| *pkg)
-        .collect();
+    let missing: Vec<&str> = wanted.iter().filter(|(cmd, _)| !on_path(cmd)).map(|(_, pkg)| *pkg).collect();
     if missing.is_empty() {
         return Ok(());
     }
@@ -211,9 +210,7 @@ fn ensure_mounts() -> Result<()> {
 }
 
 fn on_path(cmd: &str) -> bool {
-    std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).any(|d| d.join(cmd).is_file()))
-        .unwrap_or(false)
+    std::env::var_os("PATH").map(|p| std::env::split_paths(&p).any(|d| d.join(cmd).is_file())).unwrap_or(false)
 }
 
 fn capture(cmd: &mut Command) -> Result<String> {

@@ -7,6 +7,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs::{self, File},
+    net::Ipv4Addr,
     os::fd::{AsFd as _, AsRawFd as _, BorrowedFd},
     path::{Path, PathBuf},
 };
@@ -24,8 +25,8 @@ use aya::{
     util::KernelVersion,
 };
 use proxy_common::{
-    Backend, CtKey, CtTimeouts, CtValue, LinkInfo, CidrKey, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue, SourceRange, counter,
-    defaults, map_names, program_names,
+    Backend, CidrKey, CtKey, CtTimeouts, CtValue, LinkInfo, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue, SourceRange,
+    counter, defaults, map_names, program_names,
 };
 
 use super::{BatchError, Capacity, Maps, conntrack::Conntrack};
@@ -93,10 +94,18 @@ fn check_owner(pin_root: &Path) -> Result<()> {
     // SAFETY: geteuid cannot fail.
     let me = unsafe { libc::geteuid() };
     if meta.uid() != me {
-        bail!("the pin root {} belongs to uid {}, not to this agent (uid {me}); remove it or choose another --pin-root", pin_root.display(), meta.uid());
+        bail!(
+            "the pin root {} belongs to uid {}, not to this agent (uid {me}); remove it or choose another --pin-root",
+            pin_root.display(),
+            meta.uid()
+        );
     }
     if meta.mode() & 0o022 != 0 {
-        bail!("the pin root {} can be written by others (mode {:o}); remove it or choose another --pin-root", pin_root.display(), meta.mode() & 0o777);
+        bail!(
+            "the pin root {} can be written by others (mode {:o}); remove it or choose another --pin-root",
+            pin_root.display(),
+            meta.mode() & 0o777
+        );
     }
     Ok(())
 }
@@ -169,7 +178,11 @@ pub fn snat_port_range() -> (u16, u16) {
     let ephemeral = ephemeral.unwrap_or((32_768, 60_999));
     let range = largest_free_run(&[ephemeral, NODE_PORT_RANGE]);
     if u32::from(range.1) - u32::from(range.0) < 1023 {
-        tracing::warn!(?range, ?ephemeral, "fewer than 1024 ports are free for masquerade; masqueraded flows may run out of ports");
+        tracing::warn!(
+            ?range,
+            ?ephemeral,
+            "fewer than 1024 ports are free for masquerade; masqueraded flows may run out of ports"
+        );
     }
     range
 }
@@ -242,7 +255,9 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
     let host_netns = netns_cookie().unwrap_or(0);
     let snat_ports = cfg.snat_ports;
     if host_netns == 0 {
-        tracing::warn!("the kernel does not tell network namespaces apart (SO_NETNS_COOKIE): every socket counts as the node's");
+        tracing::warn!(
+            "the kernel does not tell network namespaces apart (SO_NETNS_COOKIE): every socket counts as the node's"
+        );
     }
     EbpfLoader::new()
         .default_map_pin_directory(&dir)
@@ -347,7 +362,8 @@ const TC_PROGRAMS: [&str; 2] = [program_names::TC_INGRESS, program_names::TC_EGR
 /// `cgroup_id` (the inode of the cgroup2 directory).
 fn reuse_cgroup_link(prog: &mut CgroupSockAddr, path: &Path, cgroup_id: Option<u64>) -> Result<()> {
     let attached_to = pinned_link_cgroup_id(path);
-    let link: FdLink = PinnedLink::from_pin(path).with_context(|| format!("failed to open pinned link {}", path.display()))?.into();
+    let link: FdLink =
+        PinnedLink::from_pin(path).with_context(|| format!("failed to open pinned link {}", path.display()))?.into();
     if cgroup_id.is_some() && attached_to != cgroup_id {
         bail!("it is attached to another cgroup (id {attached_to:?}, want {cgroup_id:?})");
     }
@@ -399,7 +415,11 @@ fn link_cgroup_id(fd: BorrowedFd<'_>) -> Option<u64> {
     const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
     const BPF_LINK_TYPE_CGROUP: u32 = 3;
     let mut info = LinkInfoCgroup::default();
-    let mut attr = InfoAttr { bpf_fd: fd.as_raw_fd() as u32, info_len: size_of::<LinkInfoCgroup>() as u32, info: (&raw mut info) as u64 };
+    let mut attr = InfoAttr {
+        bpf_fd: fd.as_raw_fd() as u32,
+        info_len: size_of::<LinkInfoCgroup>() as u32,
+        info: (&raw mut info) as u64,
+    };
     // SAFETY: the kernel writes at most info_len bytes into `info`.
     let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET_INFO_BY_FD, &raw mut attr, size_of::<InfoAttr>()) };
     (rc == 0 && info.kind == BPF_LINK_TYPE_CGROUP && info.cgroup_id != 0).then_some(info.cgroup_id)
@@ -407,7 +427,18 @@ fn link_cgroup_id(fd: BorrowedFd<'_>) -> Option<u64> {
 
 /// Links whose `KPR_LINKS` entry carries `flag`.
 fn links_flagged<T: std::borrow::Borrow<MapData>>(links: &HashMap<T, u32, LinkInfo>, flag: u32) -> BTreeSet<u32> {
-    links.iter().filter_map(Result::ok).filter(|(_, info)| info.flags & flag != 0).map(|(ifindex, _)| ifindex).collect()
+    links
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(ifindex, info)| *ifindex < proxy_common::LINK_FIRST_SPECIAL && info.flags & flag != 0)
+        .map(|(ifindex, _)| ifindex)
+        .collect()
+}
+
+/// The network namespace cookie recorded in `KPR_LINKS` (see [`proxy_common::LINK_NETNS`]).
+fn links_netns<T: std::borrow::Borrow<MapData>>(links: &HashMap<T, u32, LinkInfo>) -> Option<u64> {
+    let info = links.get(&proxy_common::LINK_NETNS, 0).ok()?;
+    Some(u64::from(info.flags) << 32 | u64::from(info.addr))
 }
 
 /// kpr's netlink tc filters: this priority and handle on a link's clsact ingress and egress.
@@ -416,7 +447,13 @@ const NETLINK_HANDLE: u32 = 0x4b50;
 
 /// kpr's netlink filter on `ifindex` for `attach_type`, as a link to replace or drop.
 fn netlink_filter(ifindex: u32, attach_type: TcAttachType) -> Result<SchedClassifierLink> {
-    Ok(SchedClassifierLink::attached(NetworkInterface::Index(ifindex), attach_type.into(), NETLINK_PRIORITY, NETLINK_HANDLE.into(), None)?)
+    Ok(SchedClassifierLink::attached(
+        NetworkInterface::Index(ifindex),
+        attach_type.into(),
+        NETLINK_PRIORITY,
+        NETLINK_HANDLE.into(),
+        None,
+    )?)
 }
 
 /// Remove kpr's netlink filters from `ifindex` (dropping such a link deletes its filter).
@@ -447,6 +484,16 @@ fn reset_accept_local(ifindex: u32) {
 fn undo_host_changes(dir: &Path) {
     let Ok(map) = MapData::from_pin(dir.join(map_names::LINKS)) else { return };
     let Ok(links) = HashMap::<_, u32, LinkInfo>::try_from(Map::HashMap(map)) else { return };
+    // The ifindexes are those of the agent's network namespace: here they may name other links.
+    if let (Some(theirs), Some(ours)) = (links_netns(&links), netns_cookie())
+        && theirs != ours
+    {
+        tracing::warn!(
+            "the agent ran in another network namespace: its links' settings (accept_local, netlink \
+             filters) are left to that namespace (run `kpr cleanup` there to undo them)"
+        );
+        return;
+    }
     for ifindex in links_flagged(&links, proxy_common::LINK_FLAG_ACCEPT_LOCAL_SET) {
         reset_accept_local(ifindex);
     }
@@ -464,7 +511,9 @@ fn remove_other_layouts(pin_root: &Path) {
     for entry in entries.flatten() {
         let path = entry.path();
         let name = entry.file_name();
-        let is_layout = name.to_str().is_some_and(|n| n.len() > 1 && n.starts_with('v') && n[1..].bytes().all(|b| b.is_ascii_digit()));
+        let is_layout = name
+            .to_str()
+            .is_some_and(|n| n.len() > 1 && n.starts_with('v') && n[1..].bytes().all(|b| b.is_ascii_digit()));
         if !is_layout || path == current {
             continue;
         }
@@ -555,13 +604,16 @@ impl BpfHost {
                 Ok(()) => {
                     self.accept_local_set.insert(ifindex);
                 }
-                Err(e) => tracing::warn!(interface = %name, "failed to set {sysctl}: {e}; masqueraded flows may be dropped"),
+                Err(e) => {
+                    tracing::warn!(interface = %name, "failed to set {sysctl}: {e}; masqueraded flows may be dropped")
+                }
             }
         }
         if self.tc_netlink {
             return self.attach_netlink(ifindex, name);
         }
-        for (program, attach_type) in [(TC_PROGRAMS[0], TcAttachType::Ingress), (TC_PROGRAMS[1], TcAttachType::Egress)] {
+        for (program, attach_type) in [(TC_PROGRAMS[0], TcAttachType::Ingress), (TC_PROGRAMS[1], TcAttachType::Egress)]
+        {
             let link_path = self.tc_pin(program, ifindex);
             let prog: &mut SchedClassifier = self.ebpf.program_mut(program).context("tc program")?.try_into()?;
             if link_path.exists() {
@@ -573,7 +625,10 @@ impl BpfHost {
                 continue;
             }
             let id = prog
-                .attach(NetworkInterface::Index(ifindex), aya::programs::tc::TcAttach::Tcx { attach_type, order: Default::default() })
+                .attach(
+                    NetworkInterface::Index(ifindex),
+                    aya::programs::tc::TcAttach::Tcx { attach_type, order: Default::default() },
+                )
                 .with_context(|| format!("failed to attach {program} to {name}"))?;
             let link: FdLink = prog.take_link(id)?.try_into().context("a TCX link")?;
             link.pin(&link_path).with_context(|| format!("failed to pin {}", link_path.display()))?;
@@ -586,15 +641,23 @@ impl BpfHost {
     /// pinned link): `kpr cleanup` or leaving the link removes them.
     fn attach_netlink(&mut self, ifindex: u32, name: &str) -> Result<()> {
         let _ = aya::programs::tc::qdisc_add_clsact(NetworkInterface::Index(ifindex));
-        for (program, attach_type) in [(TC_PROGRAMS[0], TcAttachType::Ingress), (TC_PROGRAMS[1], TcAttachType::Egress)] {
+        for (program, attach_type) in [(TC_PROGRAMS[0], TcAttachType::Ingress), (TC_PROGRAMS[1], TcAttachType::Egress)]
+        {
             let prog: &mut SchedClassifier = self.ebpf.program_mut(program).context("tc program")?.try_into()?;
             let existing = netlink_filter(ifindex, attach_type)?;
             let id = match prog.attach_to_link(existing) {
                 Ok(id) => id,
                 Err(_) => {
-                    let options = aya::programs::tc::NlOptions { priority: NETLINK_PRIORITY, handle: NETLINK_HANDLE.into(), classid: None };
-                    prog.attach(NetworkInterface::Index(ifindex), aya::programs::tc::TcAttach::Netlink { parent: attach_type.into(), options })
-                        .with_context(|| format!("failed to attach {program} to {name} (netlink)"))?
+                    let options = aya::programs::tc::NlOptions {
+                        priority: NETLINK_PRIORITY,
+                        handle: NETLINK_HANDLE.into(),
+                        classid: None,
+                    };
+                    prog.attach(
+                        NetworkInterface::Index(ifindex),
+                        aya::programs::tc::TcAttach::Netlink { parent: attach_type.into(), options },
+                    )
+                    .with_context(|| format!("failed to attach {program} to {name} (netlink)"))?
                 }
             };
             // Dropping the link would delete the filter: it outlives the agent on purpose.
@@ -634,6 +697,10 @@ impl BpfHost {
         }
         for ifindex in &self.netlink_links {
             links.entry(*ifindex).or_default().flags |= proxy_common::LINK_FLAG_NETLINK_TC;
+        }
+        if let Some(cookie) = netns_cookie() {
+            let info = LinkInfo { addr: cookie as u32, flags: (cookie >> 32) as u32 };
+            links.insert(proxy_common::LINK_NETNS, info);
         }
         links
     }
@@ -899,6 +966,39 @@ fn range_key(service_id: u32, addr: std::net::Ipv4Addr, len: u8) -> LpmKey<Sourc
     let mask = if len == 0 { 0 } else { u32::MAX << (32 - u32::from(len)) };
     let addr = (u32::from(addr) & mask).to_be();
     LpmKey::new(32 + u32::from(len), SourceRange { service_id: service_id.to_be(), addr })
+}
+
+/// The node facts the programs look packets up in, read from the pins (`kpr trace`).
+#[derive(Clone, Debug, Default)]
+pub struct NodeView {
+    /// This node's addresses → `NODE_ADDR_*` bits.
+    pub node_addrs: BTreeMap<Ipv4Addr, u32>,
+    /// The local-traffic detector's CIDRs.
+    pub local_cidrs: Vec<(Ipv4Addr, u8)>,
+    /// The cluster's service ranges.
+    pub service_cidrs: Vec<(Ipv4Addr, u8)>,
+}
+
+pub fn read_node_view(pin_root: &Path) -> Result<NodeView> {
+    let dir = pin_dir(pin_root);
+    let open = |name: &str| {
+        MapData::from_pin(dir.join(name)).with_context(|| format!("no pinned map {}", dir.join(name).display()))
+    };
+    let addrs: HashMap<MapData, u32, u32> = HashMap::try_from(Map::HashMap(open(map_names::NODE_ADDRS)?))?;
+    let cidrs = |name: &str| -> Result<Vec<(Ipv4Addr, u8)>> {
+        let trie: LpmTrie<MapData, CidrKey, u8> = LpmTrie::try_from(Map::LpmTrie(open(name)?))?;
+        trie.keys()
+            .map(|k| {
+                let k = k?;
+                Ok((Ipv4Addr::from(u32::from_be(k.data().addr)), k.prefix_len() as u8))
+            })
+            .collect()
+    };
+    Ok(NodeView {
+        node_addrs: addrs.iter().filter_map(Result::ok).map(|(a, f)| (Ipv4Addr::from(u32::from_be(a)), f)).collect(),
+        local_cidrs: cidrs(map_names::LOCAL_CIDRS)?,
+        service_cidrs: cidrs(map_names::SERVICE_CIDRS)?,
+    })
 }
 
 /// The datapath's per-CPU counters, summed, by name.

@@ -57,6 +57,12 @@ impl Conntrack {
         (len(&self.tables[0]), len(&self.tables[1]))
     }
 
+    /// Every entry: (in the table of flows not answered yet, key, value).
+    pub fn entries(&self) -> Vec<(bool, CtKey, CtValue)> {
+        let table = |i: usize| self.tables[i].iter().filter_map(Result::ok).map(move |(k, v)| (i == 1, k, v));
+        table(0).chain(table(1)).collect()
+    }
+
     /// Entries now, both tables.
     pub fn len(&self) -> usize {
         let (established, new) = self.lens();
@@ -109,7 +115,11 @@ pub fn monotonic_now() -> u64 {
 }
 
 /// Sweep every [`SWEEP_INTERVAL`] until the task is dropped; failures are logged, never fatal.
-pub async fn sweep_forever(pin_root: std::path::PathBuf, timeouts: CtTimeouts) {
+pub async fn sweep_forever(
+    pin_root: std::path::PathBuf,
+    timeouts: CtTimeouts,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
+) {
     let mut tick = tokio::time::interval(SWEEP_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The tables, opened once and handed to each blocking sweep and back.
@@ -129,6 +139,8 @@ pub async fn sweep_forever(pin_root: std::path::PathBuf, timeouts: CtTimeouts) {
         .await;
         match result {
             Ok(Ok((conntrack, sweep))) => {
+                // Two tables (established, new) of `capacity` each.
+                metrics.conntrack_swept(sweep.live, sweep.expired, conntrack.capacity() * 2);
                 tables = Some(conntrack);
                 if sweep.expired > 0 {
                     tracing::debug!(live = sweep.live, expired = sweep.expired, "conntrack swept");

@@ -73,7 +73,8 @@ impl Maps for FakeMaps {
             // have got before the change. Anything else would send it somewhere wrong.
             let live = |v: &ServiceValue| *slot >= v.backends_start && *slot < v.backends_start + v.backends_count;
             let own = |v: &ServiceValue| {
-                (v.backends_start..v.backends_start + v.backends_count).any(|i| self.backends.get(i as usize) == Some(&Some(*b)))
+                (v.backends_start..v.backends_start + v.backends_count)
+                    .any(|i| self.backends.get(i as usize) == Some(&Some(*b)))
             };
             if let Some((key, _)) = self.services.iter().find(|(_, v)| live(v) && !own(v)) {
                 self.violations.push(format!("wrote slot {slot} while {key:?} uses it"));

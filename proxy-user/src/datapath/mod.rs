@@ -67,6 +67,56 @@ pub struct Programmed {
     pub source_ranges: Vec<(Ipv4Addr, u8)>,
 }
 
+impl Programmed {
+    /// The maps hold what `want` asks for.
+    pub fn matches(&self, want: &DesiredPort) -> bool {
+        let backends = want.backends.iter().map(|(ip, port)| backend(*ip, *port));
+        self.backends.iter().copied().eq(backends)
+            && self.value.flags == want.flags
+            && self.source_ranges == want.source_ranges
+    }
+}
+
+/// Every service port in the maps, read without writing anything (`kpr diff`, `kpr trace`).
+pub fn read_programmed(maps: &dyn Maps) -> Result<BTreeMap<ServiceKey, Programmed>> {
+    let mut ranges: BTreeMap<u32, Vec<(Ipv4Addr, u8)>> = BTreeMap::new();
+    for (id, addr, len) in maps.source_ranges()? {
+        ranges.entry(id).or_default().push((addr, len));
+    }
+    let mut out = BTreeMap::new();
+    for (key, value) in maps.services()? {
+        let backends = maps.backends(value.backends_start, value.backends_count)?;
+        let mut source_ranges = ranges.get(&value.service_id).cloned().unwrap_or_default();
+        source_ranges.sort();
+        out.insert(key, Programmed { value, backends, source_ranges });
+    }
+    Ok(out)
+}
+
+/// How the maps differ from the desired state for one service port.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Drift {
+    /// Desired, not in the maps.
+    Missing,
+    /// In the maps, not desired.
+    Unexpected,
+    /// In both, with other backends, flags or source ranges.
+    Differs,
+}
+
+/// Every service port where the maps and the desired state disagree, in key order.
+pub fn drift(desired: &Desired, programmed: &BTreeMap<ServiceKey, Programmed>) -> Vec<(ServiceKey, Drift)> {
+    let keys: BTreeSet<&ServiceKey> = desired.keys().chain(programmed.keys()).collect();
+    keys.into_iter()
+        .filter_map(|key| match (desired.get(key), programmed.get(key)) {
+            (Some(_), None) => Some((*key, Drift::Missing)),
+            (None, Some(_)) => Some((*key, Drift::Unexpected)),
+            (Some(want), Some(have)) if !have.matches(want) => Some((*key, Drift::Differs)),
+            _ => None,
+        })
+        .collect()
+}
+
 /// What one [`Programmer::apply`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ApplyReport {
@@ -235,9 +285,7 @@ impl Programmer {
         for (key, want) in desired {
             let backends: Vec<Backend> = want.backends.iter().map(|(ip, port)| backend(*ip, *port)).collect();
             let old = self.programmed.get(key);
-            if old.is_some_and(|p| {
-                p.backends == backends && p.value.flags == want.flags && p.source_ranges == want.source_ranges
-            }) {
+            if old.is_some_and(|p| p.matches(want)) {
                 continue;
             }
             let old_ranges = old.map(|p| p.source_ranges.clone()).unwrap_or_default();

@@ -9,8 +9,8 @@ use std::{
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_common::{
-    IPPROTO_TCP, IPPROTO_UDP, PROTO_ANY, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
-    SERVICE_FLAG_SOCKET_SKIP, SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
+    IPPROTO_TCP, IPPROTO_UDP, PROTO_ANY, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
+    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP, SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
 };
 
 use super::{
@@ -97,31 +97,39 @@ pub fn service_entries<'a>(
         // loadBalancerSourceRanges filter the LoadBalancer IPs only, as in kube-proxy.
         let ranges = source_ranges(&sp.load_balancer_source_ranges, &sp.name, skipped);
         let scopes = scoped_verdicts(sp, &cat, node, options, &ranges);
-        let mut push = |ip: Ipv4Addr, port: u16, [pod, external, from_node]: &[Verdict; 3], ranges: &[(Ipv4Addr, u8)]| {
-            for (scope, verdict) in [(SCOPE_POD, pod), (SCOPE_EXTERNAL, external), (SCOPE_NODE, from_node)] {
-                let Some(key) = frontend_key(ip, port, sp.protocol, scope) else {
-                    skipped.push((sp.name.port.clone(), Skip::UnsupportedProtocol(sp.protocol)));
-                    return;
-                };
-                // The node's own traffic was decided at sync time (no per-packet source).
-                let filtered = !ranges.is_empty() && scope != SCOPE_NODE;
-                let mut flags = verdict.flags;
-                if filtered {
-                    flags |= SERVICE_FLAG_SOURCE_RANGES;
+        let mut push =
+            |ip: Ipv4Addr, port: u16, [pod, external, from_node]: &[Verdict; 3], ranges: &[(Ipv4Addr, u8)]| {
+                for (scope, verdict) in [(SCOPE_POD, pod), (SCOPE_EXTERNAL, external), (SCOPE_NODE, from_node)] {
+                    let Some(key) = frontend_key(ip, port, sp.protocol, scope) else {
+                        skipped.push((sp.name.port.clone(), Skip::UnsupportedProtocol(sp.protocol)));
+                        return;
+                    };
+                    // The node's own traffic was decided at sync time (no per-packet source).
+                    let filtered = !ranges.is_empty() && scope != SCOPE_NODE;
+                    let mut flags = verdict.flags;
+                    if filtered {
+                        flags |= SERVICE_FLAG_SOURCE_RANGES;
+                    }
+                    // What connect() in a pod cannot do (masquerade, source filtering) is left to
+                    // the per-packet path on the pod's link.
+                    if scope == SCOPE_POD && (filtered || flags & SERVICE_FLAG_SNAT != 0) {
+                        flags |= SERVICE_FLAG_SOCKET_SKIP;
+                    }
+                    let source_ranges = if filtered { ranges.to_vec() } else { Vec::new() };
+                    out.push((
+                        key,
+                        DesiredPort { name: sp.name.clone(), backends: verdict.backends.clone(), flags, source_ranges },
+                    ));
                 }
-                // What connect() in a pod cannot do (masquerade, source filtering) is left to
-                // the per-packet path on the pod's link.
-                if scope == SCOPE_POD && (filtered || flags & SERVICE_FLAG_SNAT != 0) {
-                    flags |= SERVICE_FLAG_SOCKET_SKIP;
-                }
-                let source_ranges = if filtered { ranges.to_vec() } else { Vec::new() };
-                out.push((key, DesiredPort { name: sp.name.clone(), backends: verdict.backends.clone(), flags, source_ranges }));
-            }
+            };
+        let v4 = |ips: &[IpAddr]| {
+            ips.iter()
+                .filter_map(|ip| match ip {
+                    IpAddr::V4(ip) => Some(*ip),
+                    IpAddr::V6(_) => None, // the IPv6 datapath's job
+                })
+                .collect::<Vec<_>>()
         };
-        let v4 = |ips: &[IpAddr]| ips.iter().filter_map(|ip| match ip {
-            IpAddr::V4(ip) => Some(*ip),
-            IpAddr::V6(_) => None, // the IPv6 datapath's job
-        }).collect::<Vec<_>>();
         for ip in v4(&sp.cluster_ips) {
             push(ip, sp.port, &scopes.cluster_ip, &[]);
         }
@@ -148,7 +156,10 @@ pub fn service_entries<'a>(
         }) {
             for scope in [SCOPE_POD, SCOPE_EXTERNAL, SCOPE_NODE] {
                 let key = ServiceKey { addr: u32::from(ip).to_be(), port: 0, proto: PROTO_ANY, scope };
-                out.push((key, DesiredPort { name: first.name.clone(), backends: Vec::new(), flags: 0, source_ranges: Vec::new() }));
+                out.push((
+                    key,
+                    DesiredPort { name: first.name.clone(), backends: Vec::new(), flags: 0, source_ranges: Vec::new() },
+                ));
             }
         }
     }
@@ -209,7 +220,8 @@ fn scoped_verdicts(
     let internal = policy(sp.internal_policy == TrafficPolicy::Local);
     let masquerade_non_local = options.masquerade_all || options.detect_local;
     let from_outside = internal.clone().masquerade(masquerade_non_local);
-    let from_pod = if options.detect_local { internal.clone().masquerade(options.masquerade_all) } else { from_outside.clone() };
+    let from_pod =
+        if options.detect_local { internal.clone().masquerade(options.masquerade_all) } else { from_outside.clone() };
     let cluster_ip = [from_pod, from_outside, internal.masquerade(masquerade_non_local)];
 
     let etp_local = sp.external_policy == TrafficPolicy::Local;
@@ -232,7 +244,8 @@ fn scoped_verdicts(
 /// source is a LoadBalancer IP itself is admitted too.
 fn allow_from_node(ranges: &[(Ipv4Addr, u8)], lb_ips: &[Ipv4Addr], node: &NodeInfo) -> Vec<(Ipv4Addr, u8)> {
     let mut out = ranges.to_vec();
-    let holds_node = node.addresses.iter().any(|a| matches!(a, IpAddr::V4(a) if ranges.iter().any(|r| in_cidr(*a, *r))));
+    let holds_node =
+        node.addresses.iter().any(|a| matches!(a, IpAddr::V4(a) if ranges.iter().any(|r| in_cidr(*a, *r))));
     if holds_node {
         out.extend(lb_ips.iter().map(|ip| (*ip, 32)));
         out.sort();
@@ -264,22 +277,45 @@ fn source_ranges(raw: &[String], name: &ServicePortName, skipped: &mut Vec<(Stri
     out
 }
 
-/// kube-proxy's healthCheckNodePort for a LoadBalancer service with eTP=Local: the port,
-/// and how many ready endpoints of the service run on this node.
-pub fn health_check<'a>(
-    svc: &Service,
-    slices: impl IntoIterator<Item = &'a EndpointSlice>,
-    node: &NodeInfo,
-) -> Option<(u16, usize)> {
-    let translated = service::translate(svc).ok()?;
-    let port = translated
+/// What a service's endpoints on this node mean for health checks and metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Locality {
+    /// kube-proxy's healthCheckNodePort for a LoadBalancer service with eTP=Local: the port,
+    /// and how many ready endpoints of the service run on this node.
+    pub health_check: Option<(u16, usize)>,
+    /// Ports with endpoints whose internal / external traffic policy is Local and that have
+    /// none on this node (kube-proxy's `sync_proxy_rules_no_local_endpoints_total`).
+    pub no_local_internal: usize,
+    pub no_local_external: usize,
+}
+
+pub fn locality<'a>(svc: &Service, slices: impl IntoIterator<Item = &'a EndpointSlice>, node: &NodeInfo) -> Locality {
+    let Ok(translated) = service::translate(svc) else { return Locality::default() };
+    let by_port = endpoints::endpoints_by_port(slices, node, &mut Vec::new());
+    let mut out = Locality::default();
+    if let Some(port) = translated
         .ports
         .iter()
         .find(|p| p.external_policy == TrafficPolicy::Local)
-        .and_then(|p| p.health_check_node_port)?;
-    let by_port = endpoints::endpoints_by_port(slices, node, &mut Vec::new());
-    let local: BTreeSet<IpAddr> = by_port.values().flatten().filter(|e| e.is_local && e.ready).map(|e| e.ip).collect();
-    Some((port, local.len()))
+        .and_then(|p| p.health_check_node_port)
+    {
+        let local: BTreeSet<IpAddr> =
+            by_port.values().flatten().filter(|e| e.is_local && e.ready).map(|e| e.ip).collect();
+        out.health_check = Some((port, local.len()));
+    }
+    // Usable as kube-proxy categorizes: ready, or serving while terminating (the fallback).
+    let usable = |e: &&crate::model::Endpoint| e.ready || (e.serving && e.terminating);
+    for port in &translated.ports {
+        let endpoints = by_port.get(&(port.name.port.clone(), port.protocol)).into_iter().flatten();
+        let usable: Vec<_> = endpoints.filter(usable).collect();
+        if usable.is_empty() || usable.iter().any(|e| e.is_local) {
+            continue;
+        }
+        out.no_local_internal += usize::from(port.internal_policy == TrafficPolicy::Local);
+        out.no_local_external +=
+            usize::from(port.external_policy == TrafficPolicy::Local && port.externally_accessible());
+    }
+    out
 }
 
 /// Counts of what was skipped, for logs and status.
@@ -309,8 +345,8 @@ pub struct ClusterState {
     slices_of: BTreeMap<ObjectKey, BTreeSet<ObjectKey>>,
     /// Cached per-service entries; recomputed for services in `dirty`.
     entries: BTreeMap<ObjectKey, Vec<(ServiceKey, DesiredPort)>>,
-    /// Cached health check (port, local endpoints) of eTP=Local LoadBalancer services.
-    health: BTreeMap<ObjectKey, (u16, usize)>,
+    /// Cached locality facts (health check, services without local endpoints).
+    locality: BTreeMap<ObjectKey, Locality>,
     dirty: BTreeSet<ObjectKey>,
     services_synced: bool,
     slices_synced: bool,
@@ -444,14 +480,11 @@ impl ClusterState {
         for key in std::mem::take(&mut self.dirty) {
             let Some(svc) = self.services.get(&key) else {
                 self.entries.remove(&key);
-                self.health.remove(&key);
+                self.locality.remove(&key);
                 continue;
             };
             let slices = || self.slices_of.get(&key).into_iter().flatten().filter_map(|k| self.slices.get(k));
-            match health_check(svc, slices(), &self.node) {
-                Some(h) => self.health.insert(key.clone(), h),
-                None => self.health.remove(&key),
-            };
+            self.locality.insert(key.clone(), locality(svc, slices(), &self.node));
             let slices = slices();
             let mut skipped = Vec::new();
             match service_entries(svc, slices, &self.node, &self.options, &mut skipped) {
@@ -505,15 +538,19 @@ impl ClusterState {
     /// The lowest IPv4 ClusterIP of the services (for the route the node's ClusterIP traffic
     /// takes); `None` without services.
     pub fn sample_cluster_ip(&self) -> Option<Ipv4Addr> {
-        self.services
-            .values()
-            .filter_map(|s| s.spec.as_ref()?.cluster_ip.as_deref()?.parse::<Ipv4Addr>().ok())
-            .min()
+        self.services.values().filter_map(|s| s.spec.as_ref()?.cluster_ip.as_deref()?.parse::<Ipv4Addr>().ok()).min()
     }
 
     /// healthCheckNodePort → (service, local endpoints), as of the last [`Self::desired`].
     pub fn health_checks(&self) -> BTreeMap<u16, (ObjectKey, usize)> {
-        self.health.iter().map(|(k, (port, n))| (*port, (k.clone(), *n))).collect()
+        let checks = self.locality.iter().filter_map(|(k, l)| l.health_check.map(|(port, n)| (port, (k.clone(), n))));
+        checks.collect()
+    }
+
+    /// Service ports with a Local policy and no local endpoints (internal, external), as of
+    /// the last [`Self::desired`].
+    pub fn no_local_endpoints(&self) -> (usize, usize) {
+        self.locality.values().fold((0, 0), |(i, x), l| (i + l.no_local_internal, x + l.no_local_external))
     }
 
     fn skip(&mut self, kind: &str, name: &str, reason: &Skip) {
@@ -624,7 +661,8 @@ mod tests {
     fn the_older_service_keeps_a_contested_address() {
         let mut st = ClusterState::new(NodeInfo::default());
         let created = |svc: &mut Service, at: &str| {
-            svc.metadata.creation_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at.parse().unwrap()));
+            svc.metadata.creation_timestamp =
+                Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at.parse().unwrap()));
         };
         let mut owner = web("10.96.0.10");
         owner.metadata.namespace = Some("zz-owner".into());
@@ -640,7 +678,12 @@ mod tests {
         assert_eq!(d[&key].name.service, ObjectKey::new("zz-owner", "web"), "the earlier owner keeps it");
         let conflicts = st.take_new_conflicts();
         assert_eq!(conflicts.len(), 2, "one per port: {conflicts:?}");
-        assert!(conflicts.iter().all(|c| c.service == ObjectKey::new("aa-newcomer", "web") && c.owner == ObjectKey::new("zz-owner", "web")));
+        assert!(
+            conflicts
+                .iter()
+                .all(|c| c.service == ObjectKey::new("aa-newcomer", "web")
+                    && c.owner == ObjectKey::new("zz-owner", "web"))
+        );
         st.desired();
         assert!(st.take_new_conflicts().is_empty(), "reported once");
     }
@@ -654,7 +697,8 @@ mod tests {
         let d = st.desired();
         assert_eq!(d.len(), 9, "two ports and the any-port entry, three scopes each");
         for scope in [SCOPE_POD, SCOPE_EXTERNAL, SCOPE_NODE] {
-            let any = ServiceKey { addr: u32::from(Ipv4Addr::new(10, 96, 0, 10)).to_be(), port: 0, proto: PROTO_ANY, scope };
+            let any =
+                ServiceKey { addr: u32::from(Ipv4Addr::new(10, 96, 0, 10)).to_be(), port: 0, proto: PROTO_ANY, scope };
             assert_eq!((d[&any].backends.len(), d[&any].flags), (0, 0), "reject, scope {scope}");
         }
     }
@@ -680,7 +724,11 @@ mod tests {
         let all = vec!["10.0.0.1".to_owned(), "10.0.0.2".to_owned()];
         let local = vec!["10.0.0.1".to_owned()];
         assert_eq!(show("10.96.0.10", 80, SCOPE_POD), (all.clone(), 0), "ClusterIP from a pod: every endpoint");
-        assert_eq!(show("10.96.0.10", 80, SCOPE_EXTERNAL), (all.clone(), SERVICE_FLAG_SNAT), "from outside: masqueraded");
+        assert_eq!(
+            show("10.96.0.10", 80, SCOPE_EXTERNAL),
+            (all.clone(), SERVICE_FLAG_SNAT),
+            "from outside: masqueraded"
+        );
         for (ip, port) in [("192.0.2.7", 80), ("198.51.100.1", 80), ("0.0.0.0", 30080)] {
             assert_eq!(show(ip, port, SCOPE_EXTERNAL), (local.clone(), 0), "{ip}:{port} from outside");
             // Pods are short-circuited to every endpoint, source kept; the node is masqueraded.

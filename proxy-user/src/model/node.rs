@@ -30,6 +30,9 @@ pub struct NodeObject {
     pub addresses: Vec<IpAddr>,
     /// `spec.podCIDRs` (detectLocalMode NodeCIDR).
     pub pod_cidrs: Vec<Cidr>,
+    /// Being deleted, or tainted `ToBeDeletedByClusterAutoscaler`: load balancers should
+    /// drain it (`/healthz` answers 503).
+    pub draining: bool,
 }
 
 impl NodeObject {
@@ -54,7 +57,11 @@ impl NodeObject {
             .or_else(|| spec.and_then(|s| s.pod_cidr.clone()).map(|c| vec![c]))
             .unwrap_or_default();
         let pod_cidrs = raw_cidrs.iter().filter_map(|c| c.parse().ok()).collect();
-        Self { zone, addresses, pod_cidrs }
+        let tainted = spec
+            .and_then(|s| s.taints.as_ref())
+            .is_some_and(|t| t.iter().any(|t| t.key == crate::proxy_health::TO_BE_DELETED_TAINT));
+        let draining = node.metadata.deletion_timestamp.is_some() || tainted;
+        Self { zone, addresses, pod_cidrs, draining }
     }
 }
 
@@ -140,8 +147,7 @@ pub struct NodePlan {
 pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettings) -> NodePlan {
     let link_addrs = links.iter().flat_map(|l| l.addrs.iter().copied());
     let node_addrs_obj = node.map(|n| n.addresses.as_slice()).unwrap_or_default();
-    let first_link_v4 =
-        links.iter().filter(|l| !l.loopback).flat_map(|l| &l.addrs).copied().find(IpAddr::is_ipv4);
+    let first_link_v4 = links.iter().filter(|l| !l.loopback).flat_map(|l| &l.addrs).copied().find(IpAddr::is_ipv4);
     let primary = settings
         .node_ips
         .iter()
@@ -281,11 +287,27 @@ mod tests {
     }
 
     #[test]
+    fn a_node_being_deleted_or_marked_for_deletion_is_draining() {
+        let node = |extra: &str| {
+            let yaml = format!("metadata: {{name: n1{extra}}}\nspec: {{taints: [{{key: other, effect: NoSchedule}}]}}");
+            NodeObject::from_node(&serde_yaml::from_str(&yaml).unwrap())
+        };
+        assert!(!node("").draining);
+        assert!(node(", deletionTimestamp: '2026-01-01T00:00:00Z'").draining);
+        let tainted: k8s_openapi::api::core::v1::Node = serde_yaml::from_str(
+            "metadata: {name: n1}\nspec: {taints: [{key: ToBeDeletedByClusterAutoscaler, value: '1', effect: NoSchedule}]}",
+        )
+        .unwrap();
+        assert!(NodeObject::from_node(&tainted).draining);
+    }
+
+    #[test]
     fn detectors_and_masquerade_sources() {
         let node = NodeObject {
             zone: Some("z1".into()),
             addresses: vec![],
             pod_cidrs: vec!["10.244.0.0/24".parse().unwrap(), "fd00:10::/64".parse().unwrap()],
+            draining: false,
         };
         let settings = NodeSettings { detect_local: DetectLocal::NodeCidr, ..Default::default() };
         let p = plan(&host(), Some(&node), &settings);

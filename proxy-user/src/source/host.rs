@@ -39,10 +39,8 @@ pub fn snapshot() -> Result<Vec<HostLink>> {
             libc::AF_PACKET => {
                 let ll = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_ll) };
                 let loopback = ifa.ifa_flags & libc::IFF_LOOPBACK as u32 != 0;
-                by_name.insert(
-                    name.clone(),
-                    HostLink { index: ll.sll_ifindex as u32, name, loopback, addrs: Vec::new() },
-                );
+                by_name
+                    .insert(name.clone(), HostLink { index: ll.sll_ifindex as u32, name, loopback, addrs: Vec::new() });
             }
             libc::AF_INET => {
                 let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };

@@ -103,9 +103,7 @@ pub async fn run(client: Client, node_name: String, service_cidrs: bool, tx: mps
         SourceEvent::SliceDeleted,
     );
     let node = watch_node(Api::all(client.clone()), node_name, tx.clone());
-    let cidrs = async {
-        if service_cidrs { watch_service_cidrs(Api::all(client), tx).await } else { Ok(()) }
-    };
+    let cidrs = async { if service_cidrs { watch_service_cidrs(Api::all(client), tx).await } else { Ok(()) } };
     tokio::try_join!(services, slices, node, cidrs)?;
     Ok(())
 }
@@ -134,7 +132,8 @@ async fn watch_service_cidrs(api: Api<ServiceCIDR>, tx: mpsc::Sender<SourceEvent
                 continue;
             }
         }
-        if listing.is_none() && tx.send(SourceEvent::ServiceCidrs(super::service_cidrs(known.values()))).await.is_err() {
+        if listing.is_none() && tx.send(SourceEvent::ServiceCidrs(super::service_cidrs(known.values()))).await.is_err()
+        {
             return Ok(());
         }
     }

@@ -15,7 +15,9 @@ use crate::model::{
 };
 
 /// The CIDRs of `networking.k8s.io/v1` ServiceCIDR objects (malformed ones are skipped).
-pub fn service_cidrs<'a>(objects: impl IntoIterator<Item = &'a k8s_openapi::api::networking::v1::ServiceCIDR>) -> Vec<Cidr> {
+pub fn service_cidrs<'a>(
+    objects: impl IntoIterator<Item = &'a k8s_openapi::api::networking::v1::ServiceCIDR>,
+) -> Vec<Cidr> {
     let mut out: Vec<Cidr> = objects
         .into_iter()
         .flat_map(|o| o.spec.iter().flat_map(|s| s.cidrs.iter().flatten()))

@@ -6,10 +6,10 @@
 //! 3. Time from a manifest change to the map update, through the real agent.
 use std::{
     collections::BTreeMap,
-    process::Command,
     io::Read as _,
     net::{Ipv4Addr, SocketAddrV4, TcpStream},
     os::fd::AsRawFd as _,
+    process::Command,
     time::{Duration, Instant},
 };
 
@@ -52,7 +52,12 @@ fn main() -> Result<()> {
     let program = programming_time(10_000, 4)?;
     let latency = event_latency(if quick { 10 } else { 30 })?;
     let per_packet = tc_ns_per_packet(if quick { 20_000 } else { 200_000 })?;
-    let node_port = node_port_paths(if quick { 4 } else { 12 }, 300, if quick { 1 } else { 3 }, if quick { 20_000 } else { 100_000 })?;
+    let node_port = node_port_paths(
+        if quick { 4 } else { 12 },
+        300,
+        if quick { 1 } else { 3 },
+        if quick { 20_000 } else { 100_000 },
+    )?;
 
     let result = json!({
         "connection_rate": conn, "programming": program, "event_to_datapath": latency,
@@ -78,11 +83,20 @@ fn desired_with(n: usize, backends_per_service: usize, target_backend: Ipv4Addr)
         } else {
             // Fillers on 10.100.0.0/16 and up, each with its own backends.
             let ip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 100, 0, 0)) + i as u32);
-            let bs = (0..backends_per_service).map(|b| (Ipv4Addr::new(10, 200, (b % 250) as u8, (i % 250) as u8 + 1), 8080)).collect();
+            let bs = (0..backends_per_service)
+                .map(|b| (Ipv4Addr::new(10, 200, (b % 250) as u8, (i % 250) as u8 + 1), 8080))
+                .collect();
             (ip, bs)
         };
-        let name = ServicePortName { service: ObjectKey::new("bench", format!("svc-{i}")), port: String::new(), protocol: Protocol::Tcp };
-        desired.insert(service_key(ip, 80, Protocol::Tcp).expect("tcp"), DesiredPort { name, backends, flags: 0, source_ranges: vec![] });
+        let name = ServicePortName {
+            service: ObjectKey::new("bench", format!("svc-{i}")),
+            port: String::new(),
+            protocol: Protocol::Tcp,
+        };
+        desired.insert(
+            service_key(ip, 80, Protocol::Tcp).expect("tcp"),
+            DesiredPort { name, backends, flags: 0, source_ranges: vec![] },
+        );
     }
     desired
 }
@@ -97,7 +111,13 @@ fn one_connection(addr: SocketAddrV4) -> Result<Duration> {
     let linger = libc::linger { l_onoff: 1, l_linger: 0 };
     // SAFETY: valid fd, correctly sized struct.
     unsafe {
-        libc::setsockopt(conn.as_raw_fd(), libc::SOL_SOCKET, libc::SO_LINGER, (&raw const linger).cast(), size_of_val(&linger) as _);
+        libc::setsockopt(
+            conn.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&raw const linger).cast(),
+            size_of_val(&linger) as _,
+        );
     }
     Ok(connected)
 }
@@ -130,7 +150,10 @@ fn connection_rate(sizes: &[usize], rounds: usize, per_round: usize) -> Result<s
     cgroup.enter()?;
 
     println!("connection rate, one client thread, new TCP connection per request ({rounds} A/B rounds × {per_round})");
-    println!("{:>8} {:>12} {:>12} {:>7} {:>10} {:>10} {:>10} {:>10}", "services", "direct c/s", "kpr c/s", "ratio", "direct p50", "kpr p50", "direct p99", "kpr p99");
+    println!(
+        "{:>8} {:>12} {:>12} {:>7} {:>10} {:>10} {:>10} {:>10}",
+        "services", "direct c/s", "kpr c/s", "ratio", "direct p50", "kpr p50", "direct p99", "kpr p99"
+    );
     let mut out = Vec::new();
     for &n in sizes {
         programmer.apply(&desired_with(n, 4, pod), &mut datapath.maps);
@@ -141,10 +164,14 @@ fn connection_rate(sizes: &[usize], rounds: usize, per_round: usize) -> Result<s
                 one_connection(SocketAddrV4::new(TARGET_IP, 80))?; // warm-up
             }
             for _ in 0..rounds {
-                for (label, addr) in [("direct", SocketAddrV4::new(pod, BENCH_PORT)), ("kpr", SocketAddrV4::new(TARGET_IP, 80))] {
+                for (label, addr) in
+                    [("direct", SocketAddrV4::new(pod, BENCH_PORT)), ("kpr", SocketAddrV4::new(TARGET_IP, 80))]
+                {
                     let started = Instant::now();
                     for _ in 0..per_round {
-                        lat.entry(label).or_default().push(one_connection(addr).with_context(|| format!("{label} connect"))?);
+                        lat.entry(label)
+                            .or_default()
+                            .push(one_connection(addr).with_context(|| format!("{label} connect"))?);
                     }
                     *time.entry(label).or_default() += started.elapsed();
                 }
@@ -159,7 +186,13 @@ fn connection_rate(sizes: &[usize], rounds: usize, per_round: usize) -> Result<s
         })??;
         println!(
             "{n:>8} {:>12.0} {:>12.0} {:>7.3} {:>8.1}µs {:>8.1}µs {:>8.1}µs {:>8.1}µs",
-            direct.0, via.0, via.0 / direct.0, direct.1, via.1, direct.2, via.2
+            direct.0,
+            via.0,
+            via.0 / direct.0,
+            direct.1,
+            via.1,
+            direct.2,
+            via.2
         );
         out.push(json!({
             "services": n, "direct_conn_per_s": direct.0, "kpr_conn_per_s": via.0, "ratio": via.0 / direct.0,
@@ -195,7 +228,11 @@ fn programming_time(services: usize, backends: usize) -> Result<serde_json::Valu
     println!(
         "\nprogramming {services} service ports × {backends} endpoints from cold: {:.1} ms ({} added, {} failed); \
          then {} changed: {:.2} ms",
-        cold.as_secs_f64() * 1e3, report.added, report.failed, incr.updated, incremental.as_secs_f64() * 1e3
+        cold.as_secs_f64() * 1e3,
+        report.added,
+        report.failed,
+        incr.updated,
+        incremental.as_secs_f64() * 1e3
     );
     Ok(json!({ "service_ports": services, "endpoints_each": backends, "cold_ms": cold.as_secs_f64() * 1e3,
                "incremental_changed": incr.updated, "incremental_ms": incremental.as_secs_f64() * 1e3 }))
@@ -218,8 +255,12 @@ fn event_latency(samples: usize) -> Result<serde_json::Value> {
     }
     times.sort();
     let (p50, p99) = (percentile(&times, 0.5) / 1e3, percentile(&times, 0.99) / 1e3);
-    println!("manifest change → datapath ({samples} changes, includes the 5 ms reload coalescing): p50 {p50:.1} ms, p99 {p99:.1} ms");
-    Ok(json!({ "samples": samples, "p50_ms": p50, "p99_ms": p99, "note": "manifest source; includes 5 ms coalescing of file events and 1 ms polling granularity of the check" }))
+    println!(
+        "manifest change → datapath ({samples} changes, includes the 5 ms reload coalescing): p50 {p50:.1} ms, p99 {p99:.1} ms"
+    );
+    Ok(
+        json!({ "samples": samples, "p50_ms": p50, "p99_ms": p99, "note": "manifest source; includes 5 ms coalescing of file events and 1 ms polling granularity of the check" }),
+    )
 }
 
 /// The tc program's cost per packet (BPF_PROG_TEST_RUN): a packet of an established flow
@@ -232,20 +273,27 @@ fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
     let pins = testbed::PinRoot(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
     let cfg = DatapathConfig::new(pins.0.clone(), "/nonexistent".into());
     let mut ebpf = bpf::open_object(&cfg)?;
-    let prog: &mut SchedClassifier = ebpf.program_mut(proxy_common::program_names::TC_INGRESS).context("tc program")?.try_into()?;
+    let prog: &mut SchedClassifier =
+        ebpf.program_mut(proxy_common::program_names::TC_INGRESS).context("tc program")?.try_into()?;
     prog.load()?;
     let mut maps = kpr::datapath::bpf::BpfMaps::take_from(&mut ebpf, &cfg)?;
     // The test packets come from outside the cluster: the target also gets its entry for
     // outside clients.
     let mut desired = desired_with(10_000, 4, Ipv4Addr::new(10, 244, 1, 2));
     let target = desired[&service_key(TARGET_IP, 80, Protocol::Tcp).context("key")?].clone();
-    desired.insert(kpr::model::desired::frontend_key(TARGET_IP, 80, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL).context("key")?, target);
+    desired.insert(
+        kpr::model::desired::frontend_key(TARGET_IP, 80, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL).context("key")?,
+        target,
+    );
     Programmer::recover(&mut maps)?.apply(&desired, &mut maps);
-    let prog: &SchedClassifier = ebpf.program(proxy_common::program_names::TC_INGRESS).context("tc program")?.try_into()?;
+    let prog: &SchedClassifier =
+        ebpf.program(proxy_common::program_names::TC_INGRESS).context("tc program")?.try_into()?;
     let packet = |dst: [u8; 4]| -> Vec<u8> {
         let mut p = vec![0u8; 14 + 20 + 20 + 6];
         p[12..14].copy_from_slice(&[0x08, 0x00]);
-        p[14..34].copy_from_slice(&[0x45, 0, 0, 46, 0, 0, 0x40, 0, 64, 6, 0, 0, 10, 0, 0, 99, dst[0], dst[1], dst[2], dst[3]]);
+        p[14..34].copy_from_slice(&[
+            0x45, 0, 0, 46, 0, 0, 0x40, 0, 64, 6, 0, 0, 10, 0, 0, 99, dst[0], dst[1], dst[2], dst[3],
+        ]);
         p[34..38].copy_from_slice(&[0x9c, 0x40, 0, 80]);
         p[46] = 0x50;
         p[47] = 0x10;
@@ -343,9 +391,20 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32, churn: usiz
     })??;
     let mut datapath = datapath;
     let mut desired = Desired::new();
-    let np = kpr::model::desired::frontend_key(Ipv4Addr::UNSPECIFIED, 30080, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL).context("key")?;
-    let name_port = ServicePortName { service: ObjectKey::new("bench", "np"), port: String::new(), protocol: Protocol::Tcp };
-    desired.insert(np, DesiredPort { name: name_port, backends: vec![(pod, BENCH_PORT)], flags: proxy_common::SERVICE_FLAG_SNAT, source_ranges: vec![] });
+    let np =
+        kpr::model::desired::frontend_key(Ipv4Addr::UNSPECIFIED, 30080, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL)
+            .context("key")?;
+    let name_port =
+        ServicePortName { service: ObjectKey::new("bench", "np"), port: String::new(), protocol: Protocol::Tcp };
+    desired.insert(
+        np,
+        DesiredPort {
+            name: name_port,
+            backends: vec![(pod, BENCH_PORT)],
+            flags: proxy_common::SERVICE_FLAG_SNAT,
+            source_ranges: vec![],
+        },
+    );
     Programmer::recover(&mut datapath.maps)?.apply(&desired, &mut datapath.maps);
 
     let paths = [
@@ -373,7 +432,9 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32, churn: usiz
             for (label, addr) in paths {
                 let started = Instant::now();
                 for _ in 0..per_round {
-                    lat.entry(label).or_default().push(one_connection(addr).with_context(|| format!("{label} connect"))?);
+                    lat.entry(label)
+                        .or_default()
+                        .push(one_connection(addr).with_context(|| format!("{label} connect"))?);
                 }
                 *time.entry(label).or_default() += started.elapsed();
             }
@@ -387,13 +448,18 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32, churn: usiz
             })
             .collect())
     })??;
-    println!("\nNodePort, new TCP connection per request from an external client ({rounds} rounds × {per_round}, alternating):");
+    println!(
+        "\nNodePort, new TCP connection per request from an external client ({rounds} rounds × {per_round}, alternating):"
+    );
     println!("{:>10} {:>10} {:>10} {:>10} {:>10}", "path", "conn/s", "vs direct", "p50", "p99");
     let direct = rates["direct"].0;
     for (label, _) in paths {
         let (rate, p50, p99) = rates[label];
         println!("{label:>10} {rate:>10.0} {:>10.3} {p50:>8.1}µs {p99:>8.1}µs", rate / direct);
-        out.insert(label.to_owned(), json!({"conn_per_s": rate, "ratio_vs_direct": rate / direct, "connect_p50_us": p50, "connect_p99_us": p99}));
+        out.insert(
+            label.to_owned(),
+            json!({"conn_per_s": rate, "ratio_vs_direct": rate / direct, "connect_p50_us": p50, "connect_p99_us": p99}),
+        );
     }
 
     // Throughput with iperf3 (when installed): one TCP stream per path.
@@ -404,7 +470,13 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32, churn: usiz
             .spawn()?;
         std::thread::sleep(Duration::from_millis(300));
         let mut desired2 = desired.clone();
-        let np2 = kpr::model::desired::frontend_key(Ipv4Addr::UNSPECIFIED, 30081, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL).context("key")?;
+        let np2 = kpr::model::desired::frontend_key(
+            Ipv4Addr::UNSPECIFIED,
+            30081,
+            Protocol::Tcp,
+            proxy_common::SCOPE_EXTERNAL,
+        )
+        .context("key")?;
         let mut entry = desired[&np].clone();
         entry.backends = vec![(pod, 5201)];
         desired2.insert(np2, entry);
@@ -415,9 +487,25 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32, churn: usiz
              iptables -t nat -A KUBE-NODEPORTS -p tcp --dport 30091 -j KUBE-EXT-BENCH2)"
         ))?;
         let mut tput = serde_json::Map::new();
-        for (label, host, port) in [("direct", pod.to_string(), 5201), ("kpr", "10.0.0.1".into(), 30081), ("iptables", "10.0.0.1".into(), 30091)] {
+        for (label, host, port) in [
+            ("direct", pod.to_string(), 5201),
+            ("kpr", "10.0.0.1".into(), 30081),
+            ("iptables", "10.0.0.1".into(), 30091),
+        ] {
             let outp = Command::new("ip")
-                .args(["netns", "exec", &ext.name, "iperf3", "-c", &host, "-p", &port.to_string(), "-t", &iperf_secs.to_string(), "-J"])
+                .args([
+                    "netns",
+                    "exec",
+                    &ext.name,
+                    "iperf3",
+                    "-c",
+                    &host,
+                    "-p",
+                    &port.to_string(),
+                    "-t",
+                    &iperf_secs.to_string(),
+                    "-J",
+                ])
                 .output()?;
             let v: serde_json::Value = serde_json::from_slice(&outp.stdout).unwrap_or_default();
             let bps = v["end"]["sum_received"]["bits_per_second"].as_f64().unwrap_or(0.0);
@@ -435,13 +523,26 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32, churn: usiz
 /// `total` short connections per path, one after another, to the masqueraded NodePort with
 /// one endpoint: every connection takes a SNAT port toward the same backend, so the port
 /// space turns over `total / ports` times. Counts the connections that failed.
-fn node_port_churn(ext: &testbed::Netns, pin_root: &std::path::Path, snat_ports: (u16, u16), total: usize) -> Result<serde_json::Value> {
+fn node_port_churn(
+    ext: &testbed::Netns,
+    pin_root: &std::path::Path,
+    snat_ports: (u16, u16),
+    total: usize,
+) -> Result<serde_json::Value> {
     let ports = usize::from(snat_ports.1 - snat_ports.0) + 1;
     // iptables first: its MASQUERADE picks ports from the whole range, and replies to a port
     // that one of kpr's flows still holds would be taken for kpr's (two proxies on one node
     // is this benchmark's arrangement only).
-    let paths = [("iptables", SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 30090)), ("kpr", SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 30080))];
-    println!("\nNodePort churn: {total} short connections per path, one endpoint; kpr's SNAT ports {}-{} ({ports}): {:.1} turnovers", snat_ports.0, snat_ports.1, total as f64 / ports as f64);
+    let paths = [
+        ("iptables", SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 30090)),
+        ("kpr", SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 30080)),
+    ];
+    println!(
+        "\nNodePort churn: {total} short connections per path, one endpoint; kpr's SNAT ports {}-{} ({ports}): {:.1} turnovers",
+        snat_ports.0,
+        snat_ports.1,
+        total as f64 / ports as f64
+    );
     println!("{:>10} {:>10} {:>10} {:>10}", "path", "failed", "conn/s", "seconds");
     let mut out = serde_json::Map::new();
     for (label, addr) in paths {
@@ -452,11 +553,17 @@ fn node_port_churn(ext: &testbed::Netns, pin_root: &std::path::Path, snat_ports:
         })?;
         let rate = total as f64 / elapsed.as_secs_f64();
         println!("{label:>10} {failed:>10} {rate:>10.0} {:>10.1}", elapsed.as_secs_f64());
-        out.insert(label.into(), json!({"connections": total, "failed": failed, "conn_per_s": rate, "seconds": elapsed.as_secs_f64()}));
+        out.insert(
+            label.into(),
+            json!({"connections": total, "failed": failed, "conn_per_s": rate, "seconds": elapsed.as_secs_f64()}),
+        );
     }
     let counters: BTreeMap<&str, u64> = kpr::datapath::bpf::read_counters(pin_root)?.into_iter().collect();
     let live = kpr::datapath::conntrack::Conntrack::open(pin_root)?.len();
-    println!("kpr: snat exhausted {}, expired flows taken back {}, conntrack entries at the end {live}", counters["tc_snat_exhausted"], counters["tc_ct_expired"]);
+    println!(
+        "kpr: snat exhausted {}, expired flows taken back {}, conntrack entries at the end {live}",
+        counters["tc_snat_exhausted"], counters["tc_ct_expired"]
+    );
     out.insert("snat_ports".into(), json!(ports));
     out.insert("turnovers".into(), json!(total as f64 / ports as f64));
     out.insert("kpr_snat_exhausted".into(), json!(counters["tc_snat_exhausted"]));

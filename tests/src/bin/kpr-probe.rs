@@ -11,7 +11,9 @@ fn main() -> Result<()> {
     let (kind, addr, count, timeout, source) = match args.as_slice() {
         [kind, addr, count, timeout] => (kind, addr, count, timeout, None),
         [kind, addr, count, timeout, source] => (kind, addr, count, timeout, Some(source.parse().context("source")?)),
-        _ => anyhow::bail!("usage: kpr-probe <tcp|udp|udp-connected|tcp-src|udp-src> <ip:port> <count> <timeout-ms> [source-ip]"),
+        _ => anyhow::bail!(
+            "usage: kpr-probe <tcp|udp|udp-connected|tcp-src|udp-src> <ip:port> <count> <timeout-ms> [source-ip]"
+        ),
     };
     let outcome = probe(
         Kind::parse(kind)?,

@@ -1,0 +1,7 @@
+//! The operator's commands that read the datapath: `kpr services`, `kpr diff`,
+//! `kpr conntrack`, `kpr trace`. Each builds a report (serializable for `--output json`) and renders it as
+//! text.
+pub mod conntrack;
+pub mod diff;
+pub mod services;
+pub mod trace;

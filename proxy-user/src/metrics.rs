@@ -1,0 +1,363 @@
+//! `/metrics`: kube-proxy's metrics under kube-proxy's names and labels
+//! (`pkg/proxy/metrics/metrics.go`), so existing dashboards and alerts keep working, and kpr's
+//! own: map pressure, conntrack, programming errors, source restarts and the datapath's
+//! counters (read from the pinned map at each scrape).
+use std::{path::PathBuf, sync::Mutex, time::SystemTime};
+
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric as _},
+    metrics::{
+        counter::{ConstCounter, Counter},
+        family::Family,
+        gauge::Gauge,
+        histogram::{Histogram, exponential_buckets},
+    },
+    registry::Registry,
+};
+
+/// kpr's one datapath serves this family today; kube-proxy labels per-family proxiers.
+const IP_FAMILY: &str = "IPv4";
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct IpFamily {
+    ip_family: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TrafficPolicy {
+    traffic_policy: String,
+    ip_family: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Code {
+    code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Named {
+    name: String,
+}
+
+type Timestamp = Gauge<f64, std::sync::atomic::AtomicU64>;
+type Histograms = Family<IpFamily, Histogram, fn() -> Histogram>;
+
+fn sync_buckets() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 15))
+}
+
+/// kube-proxy's: 0.25 s, 0.5 s, 1–59 s, 60–115 s by 5, 2–5 min by 30 s.
+fn programming_buckets() -> Histogram {
+    let buckets = [0.25, 0.5]
+        .into_iter()
+        .chain((1..=59).map(f64::from))
+        .chain((0..12).map(|i| 60.0 + 5.0 * f64::from(i)))
+        .chain((0..7).map(|i| 120.0 + 30.0 * f64::from(i)));
+    Histogram::new(buckets)
+}
+
+/// The agent's metrics. Cheap to update from the sync loop (atomics).
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    sync_duration: Histograms,
+    sync_full_duration: Histograms,
+    sync_partial_duration: Histograms,
+    network_programming: Histograms,
+    last_synced: Family<IpFamily, Timestamp>,
+    last_queued: Family<IpFamily, Timestamp>,
+    endpoint_changes: Counter,
+    endpoint_changes_pending: Gauge,
+    service_changes: Counter,
+    service_changes_pending: Gauge,
+    no_local_endpoints: Family<TrafficPolicy, Gauge>,
+    healthz: Family<Code, Counter>,
+    livez: Family<Code, Counter>,
+    map_entries: Family<Named, Gauge>,
+    map_capacity: Family<Named, Gauge>,
+    service_ports_failed: Gauge,
+    sync_errors: Counter,
+    source_restarts: Family<Named, Counter>,
+    conntrack_expired: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new(None)
+    }
+}
+
+impl Metrics {
+    /// `pin_root`: the datapath whose counters each scrape reads.
+    pub fn new(pin_root: Option<PathBuf>) -> Self {
+        let mut m = Self {
+            registry: Registry::default(),
+            sync_duration: Histograms::new_with_constructor(sync_buckets),
+            sync_full_duration: Histograms::new_with_constructor(sync_buckets),
+            sync_partial_duration: Histograms::new_with_constructor(sync_buckets),
+            network_programming: Histograms::new_with_constructor(programming_buckets),
+            last_synced: Family::default(),
+            last_queued: Family::default(),
+            endpoint_changes: Counter::default(),
+            endpoint_changes_pending: Gauge::default(),
+            service_changes: Counter::default(),
+            service_changes_pending: Gauge::default(),
+            no_local_endpoints: Family::default(),
+            healthz: Family::default(),
+            livez: Family::default(),
+            map_entries: Family::default(),
+            map_capacity: Family::default(),
+            service_ports_failed: Gauge::default(),
+            sync_errors: Counter::default(),
+            source_restarts: Family::default(),
+            conntrack_expired: Counter::default(),
+        };
+        let r = &mut m.registry;
+        // Counters get their `_total` suffix from the encoder.
+        r.register(
+            "kubeproxy_sync_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds",
+            m.sync_duration.clone(),
+        );
+        r.register(
+            "kubeproxy_sync_full_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for full resyncs",
+            m.sync_full_duration.clone(),
+        );
+        r.register(
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for partial resyncs",
+            m.sync_partial_duration.clone(),
+        );
+        r.register(
+            "kubeproxy_network_programming_duration_seconds",
+            "In Cluster Network Programming Latency in seconds",
+            m.network_programming.clone(),
+        );
+        r.register(
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "The last time proxy rules were successfully synced",
+            m.last_synced.clone(),
+        );
+        r.register(
+            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+            "The last time a sync of proxy rules was queued",
+            m.last_queued.clone(),
+        );
+        r.register(
+            "kubeproxy_sync_proxy_rules_endpoint_changes",
+            "Cumulative proxy rules Endpoint changes",
+            m.endpoint_changes.clone(),
+        );
+        r.register(
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            "Pending proxy rules Endpoint changes",
+            m.endpoint_changes_pending.clone(),
+        );
+        r.register(
+            "kubeproxy_sync_proxy_rules_service_changes",
+            "Cumulative proxy rules Service changes",
+            m.service_changes.clone(),
+        );
+        r.register(
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "Pending proxy rules Service changes",
+            m.service_changes_pending.clone(),
+        );
+        r.register(
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+            "Number of services with a Local traffic policy and no endpoints",
+            m.no_local_endpoints.clone(),
+        );
+        r.register("kubeproxy_proxy_healthz", "Cumulative proxy healthz HTTP status", m.healthz.clone());
+        r.register("kubeproxy_proxy_livez", "Cumulative proxy livez HTTP status", m.livez.clone());
+        r.register(
+            "kpr_map_entries",
+            "Entries in kpr's BPF maps (services: service ports; backends: slots in use)",
+            m.map_entries.clone(),
+        );
+        r.register("kpr_map_capacity", "Capacity of kpr's BPF maps", m.map_capacity.clone());
+        r.register(
+            "kpr_service_ports_not_programmed",
+            "Service ports left out of the datapath at the last sync (did not fit the maps)",
+            m.service_ports_failed.clone(),
+        );
+        r.register("kpr_sync_errors", "Syncs that could not write the datapath completely", m.sync_errors.clone());
+        r.register(
+            "kpr_source_restarts",
+            "Restarts of a failed source (kubernetes, manifests, host links)",
+            m.source_restarts.clone(),
+        );
+        r.register(
+            "kpr_conntrack_expired",
+            "Per-packet conntrack entries removed by the agent's sweep",
+            m.conntrack_expired.clone(),
+        );
+        if let Some(pin_root) = pin_root {
+            r.register_collector(Box::new(DatapathCounters { pin_root }));
+        }
+        m
+    }
+
+    /// The Prometheus text exposition (OpenMetrics).
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("writing to a String");
+        out
+    }
+
+    fn family() -> IpFamily {
+        IpFamily { ip_family: IP_FAMILY.into() }
+    }
+
+    /// `count` Service (`service`) or EndpointSlice changes arrived.
+    pub fn change_queued(&self, service: bool, count: usize) {
+        let (total, pending) = if service {
+            (&self.service_changes, &self.service_changes_pending)
+        } else {
+            (&self.endpoint_changes, &self.endpoint_changes_pending)
+        };
+        total.inc_by(count as u64);
+        pending.inc_by(count as i64);
+        self.last_queued.get_or_create(&Self::family()).set(unix_now());
+    }
+
+    /// A sync wrote the datapath: how long it took, whether it was a full one, and the
+    /// network programming latencies (seconds since each change's trigger time).
+    pub fn synced(&self, seconds: f64, full: bool, programming: &[f64]) {
+        let family = Self::family();
+        self.sync_duration.get_or_create(&family).observe(seconds);
+        let by_kind = if full { &self.sync_full_duration } else { &self.sync_partial_duration };
+        by_kind.get_or_create(&family).observe(seconds);
+        for latency in programming {
+            self.network_programming.get_or_create(&family).observe(*latency);
+        }
+        self.last_synced.get_or_create(&family).set(unix_now());
+        self.endpoint_changes_pending.set(0);
+        self.service_changes_pending.set(0);
+    }
+
+    /// Changes arrived that changed nothing in the datapath: none is pending.
+    pub fn synced_nothing(&self) {
+        self.endpoint_changes_pending.set(0);
+        self.service_changes_pending.set(0);
+    }
+
+    /// Services with a Local traffic policy and no local endpoints, by policy.
+    pub fn no_local_endpoints(&self, internal: usize, external: usize) {
+        for (policy, count) in [("internal", internal), ("external", external)] {
+            let labels = TrafficPolicy { traffic_policy: policy.into(), ip_family: IP_FAMILY.into() };
+            self.no_local_endpoints.get_or_create(&labels).set(count as i64);
+        }
+    }
+
+    /// A map's use and size.
+    pub fn map_use(&self, map: &str, entries: usize, capacity: u32) {
+        let labels = Named { name: map.into() };
+        self.map_entries.get_or_create(&labels).set(entries as i64);
+        self.map_capacity.get_or_create(&labels).set(i64::from(capacity));
+    }
+
+    /// Service ports that did not fit at the last sync; a sync with any is an error.
+    pub fn programming_failures(&self, service_ports: usize) {
+        self.service_ports_failed.set(service_ports as i64);
+        if service_ports > 0 {
+            self.sync_errors.inc();
+        }
+    }
+
+    /// The node's addresses or links could not be programmed.
+    pub fn sync_error(&self) {
+        self.sync_errors.inc();
+    }
+
+    pub fn source_restarted(&self, source: &str) {
+        self.source_restarts.get_or_create(&Named { name: source.into() }).inc();
+    }
+
+    pub fn conntrack_swept(&self, live: usize, expired: usize, capacity: u32) {
+        self.conntrack_expired.inc_by(expired as u64);
+        self.map_use("conntrack", live, capacity);
+    }
+
+    pub fn healthz(&self, ok: bool) {
+        self.healthz.get_or_create(&code(ok)).inc();
+    }
+
+    pub fn livez(&self, ok: bool) {
+        self.livez.get_or_create(&code(ok)).inc();
+    }
+}
+
+fn code(ok: bool) -> Code {
+    Code { code: if ok { "200" } else { "503" }.into() }
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64()
+}
+
+/// The datapath's event counters (translations, rejects, drops by reason, ...), read from the
+/// pinned per-CPU array at each scrape: `kpr_datapath_events_total{event="..."}`.
+#[derive(Debug)]
+struct DatapathCounters {
+    pin_root: PathBuf,
+}
+
+/// One scrape at a time reads the map.
+static SCRAPE: Mutex<()> = Mutex::new(());
+
+impl Collector for DatapathCounters {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let _one = SCRAPE.lock().unwrap_or_else(|p| p.into_inner());
+        let Ok(counters) = crate::datapath::bpf::read_counters(&self.pin_root) else {
+            return Ok(()); // no datapath (yet): nothing to report
+        };
+        let mut family = encoder.encode_descriptor(
+            "kpr_datapath_events",
+            "Datapath events by kind: translations, rejects, drops and their reasons",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for (name, value) in counters {
+            let labels = [("event", name)];
+            ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Metrics;
+
+    #[test]
+    fn kube_proxy_names_and_values() {
+        let m = Metrics::default();
+        m.change_queued(true, 1);
+        m.change_queued(false, 2);
+        let text = m.encode();
+        assert!(text.contains("kubeproxy_sync_proxy_rules_endpoint_changes_total 2\n"), "{text}");
+        assert!(text.contains("kubeproxy_sync_proxy_rules_endpoint_changes_pending 2\n"));
+        assert!(text.contains("kubeproxy_sync_proxy_rules_service_changes_total 1\n"));
+        m.synced(0.003, false, &[0.7]);
+        m.no_local_endpoints(1, 2);
+        m.healthz(false);
+        let text = m.encode();
+        assert!(text.contains("kubeproxy_sync_proxy_rules_endpoint_changes_pending 0\n"), "{text}");
+        assert!(text.contains("kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} 1\n"));
+        assert!(text.contains("kubeproxy_sync_partial_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} 1\n"));
+        assert!(
+            text.contains("kubeproxy_network_programming_duration_seconds_bucket{le=\"1.0\",ip_family=\"IPv4\"} 1\n")
+        );
+        assert!(
+            text.contains("kubeproxy_network_programming_duration_seconds_bucket{le=\"0.5\",ip_family=\"IPv4\"} 0\n")
+        );
+        assert!(text.contains(
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"external\",ip_family=\"IPv4\"} 2\n"
+        ));
+        assert!(text.contains("kubeproxy_proxy_healthz_total{code=\"503\"} 1\n"));
+        assert!(text.contains("# TYPE kubeproxy_sync_proxy_rules_last_timestamp_seconds gauge\n"));
+    }
+}

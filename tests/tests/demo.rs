@@ -1,0 +1,34 @@
+//! `kpr demo` (what `cargo xtask run` starts on a machine without a cluster) runs to the end
+//! and shows what it claims: every pod answering through the ClusterIP, the NodePort reached
+//! from the external client (masqueraded), `kpr trace` of it, and kube-proxy's endpoints.
+//! Needs root.
+use std::process::Command;
+
+#[test]
+fn the_demo_shows_cluster_ip_node_port_trace_and_endpoints() {
+    let out = Command::new(kpr_tests::kpr_bin()).arg("demo").env("NO_COLOR", "1").output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");
+    let section = |start: &str| -> String {
+        let at = stdout.find(start).unwrap_or_else(|| panic!("no `{start}` in:\n{stdout}"));
+        stdout[at..].lines().skip(1).take_while(|l| l.starts_with("  ")).collect::<Vec<_>>().join("\n")
+    };
+    let cluster_ip = section("TCP connections to 10.96.0.10:80 (3 endpoints)");
+    for pod in ["pod-a", "pod-b", "pod-c"] {
+        assert!(cluster_ip.contains(pod), "{pod} answered through the ClusterIP:\n{cluster_ip}");
+    }
+    let node_port = section("TCP connections from the external client 192.168.77.100 to the NodePort");
+    assert_eq!(node_port.lines().count(), 3, "all three pods behind the NodePort:\n{node_port}");
+    assert!(
+        stdout.contains("the pods saw the source 10.244."),
+        "masqueraded to the node's pod-side address:\n{stdout}"
+    );
+    let scaled = section("TCP connections to 10.96.0.10:80 (2 endpoints)");
+    assert!(!scaled.contains("pod-c"), "pod-c left:\n{scaled}");
+    assert!(stdout.contains("  verdict: to one of 2 endpoints"), "{stdout}");
+    assert!(stdout.contains("curl 127.0.0.1:10256/healthz -> 200 "), "{stdout}");
+    assert!(stdout.contains("curl 127.0.0.1:10249/proxyMode -> 200 kpr"), "{stdout}");
+    assert!(stdout.ends_with("demo: done, cleaning up\n"), "{stdout}");
+    assert!(!stderr.contains("WARN") && !stderr.contains("ERROR"), "a clean run logs no warnings:\n{stderr}");
+}

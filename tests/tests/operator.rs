@@ -1,0 +1,230 @@
+//! kube-proxy's operator surface, end to end on the real agent: the metrics server
+//! (`/metrics`, `/proxyMode`, `/configz`) and the healthz server (`/healthz`, `/livez`), their
+//! content changing as Services, the Node and the datapath change, and bind failures.
+//! Needs root; run one at a time (`cargo xtask test` does).
+use std::{
+    net::{Ipv4Addr, TcpListener},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use kpr::testbed::tcp_ask;
+use kpr_tests::{Harness, TIMEOUT, http_get, sa};
+
+const IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const OTHER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 11);
+const HTTP: (&str, u16, &str) = ("http", 80, "TCP");
+
+/// The value of the sample `name` (with its labels, as exposed) in `/metrics`.
+fn metric(h: &Harness, sample: &str) -> f64 {
+    let (status, text) = http_get(h.metrics_addr, "/metrics").expect("/metrics answers");
+    assert_eq!(status, 200, "{text}");
+    let line = text.lines().find(|l| l.rsplit_once(' ').is_some_and(|(name, _)| name == sample));
+    let line = line.unwrap_or_else(|| panic!("no {sample} in /metrics:\n{text}"));
+    line.rsplit_once(' ').unwrap().1.parse().unwrap()
+}
+
+fn json(h: &Harness, path: &str) -> (u16, serde_json::Value) {
+    let addr = if path == "/configz" { h.metrics_addr } else { h.healthz_addr };
+    let (status, body) = http_get(addr, path).unwrap();
+    (status, serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path}: {e}: {body}")))
+}
+
+/// Poll `f` until it holds (the agent applies changes asynchronously).
+fn eventually(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn node_manifest(taints: &str) -> String {
+    format!("apiVersion: v1\nkind: Node\nmetadata: {{name: test-node}}\nspec: {{taints: [{taints}]}}\n")
+}
+
+#[test]
+fn metrics_server_reports_kube_proxy_metrics_that_follow_service_changes() {
+    let mut h = Harness::new("kop-metrics", &["pod-a", "pod-b"]).unwrap();
+    h.write_service("web", IP, &[HTTP], &[0, 1]).unwrap();
+    h.start_agent().unwrap();
+    h.wait("10.96.0.10:80/TCP", Some(2)).unwrap();
+
+    assert_eq!(http_get(h.metrics_addr, "/proxyMode").unwrap(), (200, "kpr".to_owned()));
+    let (status, configz) = json(&h, "/configz");
+    assert_eq!(status, 200);
+    let config = &configz["kubeproxy.config.k8s.io"];
+    assert_eq!(config["kind"], "KubeProxyConfiguration");
+    assert_eq!(config["metricsBindAddress"], h.metrics_addr.to_string());
+    assert_eq!(config["iptables"]["minSyncPeriod"], "0s", "the agent's flag is in effect");
+
+    let service_changes = metric(&h, "kubeproxy_sync_proxy_rules_service_changes_total");
+    let endpoint_changes = metric(&h, "kubeproxy_sync_proxy_rules_endpoint_changes_total");
+    assert!(service_changes >= 1.0 && endpoint_changes >= 1.0);
+    let service_ports = metric(&h, "kpr_map_entries{name=\"services\"}");
+    assert_eq!(metric(&h, "kpr_map_capacity{name=\"services\"}"), 1024.0);
+    assert_eq!(metric(&h, "kpr_map_entries{name=\"backends\"}") / service_ports, 2.0, "two backends per entry");
+    assert!(metric(&h, "kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"}") > 1.7e9);
+    assert!(metric(&h, "kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"}") >= 1.0);
+    assert_eq!(metric(&h, "kubeproxy_sync_proxy_rules_service_changes_pending"), 0.0);
+
+    // A second Service: the change counters and the map's entries move.
+    h.write_service("api", OTHER_IP, &[HTTP], &[0]).unwrap();
+    h.wait("10.96.0.11:80/TCP", Some(1)).unwrap();
+    eventually("the service change counted", Duration::from_secs(5), || {
+        metric(&h, "kubeproxy_sync_proxy_rules_service_changes_total") > service_changes
+    });
+    assert!(metric(&h, "kubeproxy_sync_proxy_rules_endpoint_changes_total") > endpoint_changes);
+    assert_eq!(metric(&h, "kpr_map_entries{name=\"services\"}"), 2.0 * service_ports);
+
+    // Traffic through the ClusterIP shows in the datapath's counters.
+    let translated = metric(&h, "kpr_datapath_events_total{event=\"translated\"}");
+    h.client(|| tcp_ask(sa(IP, 80), TIMEOUT).expect("TCP through the ClusterIP"));
+    assert_eq!(metric(&h, "kpr_datapath_events_total{event=\"translated\"}"), translated + 1.0);
+
+    // Not a kube-proxy path: 404, as kube-proxy's mux answers.
+    assert_eq!(http_get(h.metrics_addr, "/nope").unwrap().0, 404);
+}
+
+#[test]
+fn healthz_drains_a_node_being_deleted_and_livez_does_not() {
+    let mut h = Harness::new("kop-health", &["pod-a"]).unwrap();
+    h.write_service("web", IP, &[HTTP], &[0]).unwrap();
+    h.write("node.yaml", &node_manifest("")).unwrap();
+    h.start_agent().unwrap();
+    h.wait("10.96.0.10:80/TCP", Some(1)).unwrap();
+
+    let (status, healthz) = json(&h, "/healthz");
+    assert_eq!(status, 200, "{healthz}");
+    assert_eq!((healthz["healthy"].as_bool(), healthz["nodeEligible"].as_bool()), (Some(true), Some(true)));
+    assert_eq!(healthz["status"]["IPv4"]["healthy"], true);
+    for field in ["lastUpdated", "currentTime"] {
+        let t: jiff::Timestamp = healthz[field].as_str().unwrap().parse().expect("RFC 3339");
+        assert!((jiff::Timestamp::now() - t).get_seconds().abs() < 10, "{field}: {t}");
+    }
+
+    // The cluster autoscaler marks the node for deletion: load balancers must drain it.
+    h.write(
+        "node.yaml",
+        &node_manifest("{key: ToBeDeletedByClusterAutoscaler, value: '1700000000', effect: NoSchedule}"),
+    )
+    .unwrap();
+    eventually("/healthz to fail", Duration::from_secs(5), || json(&h, "/healthz").0 == 503);
+    let (_, healthz) = json(&h, "/healthz");
+    assert_eq!((healthz["healthy"].as_bool(), healthz["nodeEligible"].as_bool()), (Some(true), Some(false)));
+    let (status, livez) = json(&h, "/livez");
+    assert_eq!(status, 200, "the proxy itself is healthy: {livez}");
+    assert!(livez.get("nodeEligible").is_none());
+
+    h.write("node.yaml", &node_manifest("")).unwrap();
+    eventually("/healthz to recover", Duration::from_secs(5), || json(&h, "/healthz").0 == 200);
+    assert!(metric(&h, "kubeproxy_proxy_healthz_total{code=\"503\"}") >= 1.0);
+    assert!(metric(&h, "kubeproxy_proxy_healthz_total{code=\"200\"}") >= 2.0);
+}
+
+#[test]
+fn a_change_the_datapath_cannot_take_makes_the_proxy_unhealthy_until_it_can() {
+    let mut h = Harness::new("kop-stuck", &["pod-a"]).unwrap();
+    // Room for one service port's entries only; health timeout: twice the 1 s sync period.
+    h.max_service_ports = 4;
+    h.agent_args = vec!["--iptables-sync-period=1s".into()];
+    h.write_service("web", IP, &[HTTP], &[0]).unwrap();
+    h.start_agent().unwrap();
+    h.wait("10.96.0.10:80/TCP", Some(1)).unwrap();
+    assert_eq!(json(&h, "/livez").0, 200);
+
+    h.write_service("api", OTHER_IP, &[HTTP], &[0]).unwrap();
+    eventually("the failure to show", Duration::from_secs(5), || metric(&h, "kpr_service_ports_not_programmed") > 0.0);
+    eventually("/livez to fail", Duration::from_secs(6), || json(&h, "/livez").0 == 503);
+    let (_, livez) = json(&h, "/livez");
+    assert_eq!(livez["healthy"], false);
+    assert!(metric(&h, "kpr_sync_errors_total") >= 1.0);
+    // The programmed service keeps working meanwhile.
+    h.client(|| tcp_ask(sa(IP, 80), TIMEOUT).expect("the programmed service still answers"));
+
+    h.remove("api-svc.yaml").unwrap();
+    eventually("/livez to recover", Duration::from_secs(6), || json(&h, "/livez").0 == 200);
+    assert_eq!(json(&h, "/healthz").0, 200);
+}
+
+#[test]
+fn a_taken_server_port_is_a_startup_error_naming_it() {
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap();
+    let h = Harness::new("kop-bind", &[]).unwrap();
+    let out = Command::new(kpr_tests::kpr_bin())
+        .args(["agent", "--manifests"])
+        .arg(&h.manifests)
+        .arg("--pin-root")
+        .arg(&h.pin_root)
+        .arg("--cgroup")
+        .arg(&h.cgroup.path)
+        .args(["--interfaces", "none"])
+        .arg(format!("--metrics-bind-address={addr}"))
+        .arg(format!("--healthz-bind-address={}", h.healthz_addr))
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the agent must not run without its metrics server: {stderr}");
+    assert!(stderr.contains(&format!("failed to serve metrics on {addr}")), "{stderr}");
+    assert!(!stderr.contains("\x1b["), "no colour codes off a terminal: {stderr}");
+    // Nothing was attached: the bind is checked first.
+    assert!(!kpr::datapath::bpf::pin_dir(&h.pin_root).exists());
+}
+
+/// `kpr diff` with the harness agent's flags: (exit code, stdout).
+fn kpr_diff(h: &Harness, json: bool) -> (i32, String) {
+    let mut cmd = Command::new(kpr_tests::kpr_bin());
+    cmd.args(["diff", "--manifests"])
+        .arg(&h.manifests)
+        .arg("--pin-root")
+        .arg(&h.pin_root)
+        .args(["--node-name", "test-node", "--interfaces", "none", "--wait", "10s"])
+        .env("NO_COLOR", "1");
+    if json {
+        cmd.args(["--output", "json"]);
+    }
+    let out = cmd.output().unwrap();
+    (out.status.code().unwrap_or(-1), String::from_utf8(out.stdout).unwrap())
+}
+
+#[test]
+fn kpr_diff_is_quiet_in_sync_and_names_each_drifted_service_port() {
+    let mut h = Harness::new("kop-diff", &["pod-a", "pod-b"]).unwrap();
+    h.write_service("web", IP, &[HTTP], &[0]).unwrap();
+    h.write_service("old", OTHER_IP, &[HTTP], &[0]).unwrap();
+    h.start_agent().unwrap();
+    h.wait("10.96.0.10:80/TCP", Some(1)).unwrap();
+    h.wait("10.96.0.11:80/TCP", Some(1)).unwrap();
+    let (code, text) = kpr_diff(&h, false);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.starts_with("in sync: "), "{text}");
+
+    // The agent is gone; the cluster moves on: web gains an endpoint, old is deleted.
+    h.kill_agent().unwrap();
+    h.write_endpoints("web", &[HTTP], &[0, 1]).unwrap();
+    h.remove("old-svc.yaml").unwrap();
+    let (code, json) = kpr_diff(&h, true);
+    assert_eq!(code, 1, "drift exits 1: {json}");
+    let report: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(report["inSync"], false);
+    let differences = report["differences"].as_array().unwrap();
+    let web = differences.iter().find(|d| d["frontend"] == "10.96.0.10:80/TCP").expect("web differs");
+    assert_eq!(web["kind"], "differs");
+    assert_eq!(web["service"], "test/web:http/TCP");
+    let pod = |i: usize| format!("{}:{}", h.topology.pods[i].ip, kpr_tests::POD_PORT);
+    assert_eq!(web["desired"]["backends"], serde_json::json!([pod(0), pod(1)]));
+    assert_eq!(web["maps"]["backends"], serde_json::json!([pod(0)]));
+    let old = differences.iter().find(|d| d["frontend"] == "10.96.0.11:80/TCP").expect("old is unexpected");
+    assert_eq!(old["kind"], "unexpected");
+    assert!(old.get("desired").is_none());
+
+    // The agent comes back and repairs: in sync again.
+    h.start_agent().unwrap();
+    h.wait("10.96.0.10:80/TCP", Some(2)).unwrap();
+    h.wait("10.96.0.11:80/TCP", None).unwrap();
+    let (code, text) = kpr_diff(&h, false);
+    assert_eq!(code, 0, "{text}");
+}

@@ -1,0 +1,392 @@
+//! The privileged tests on other kernels: Debian's kernel packages booted under qemu/KVM, with
+//! this machine's root file system shared read-only over 9p (KVM where it works, else
+//! software emulation) (the test binaries, `ip`, the
+//! control-plane binaries are the host's), tmpfs where the tests write, and the tests run
+//! inside. Nothing here touches the host's network: the VM has no network card.
+//!
+//! The kernel package is downloaded and unpacked (never installed) into the cache; a tiny
+//! initramfs (busybox from Debian's `busybox-static`, the modules the tests need) mounts the
+//! shared root and runs the test script in a chroot, printing to the serial console.
+use std::{
+    fs,
+    io::{BufRead as _, BufReader, Write as _},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+/// The kernels `cargo xtask test` boots: (short name, apt package pattern). The newest
+/// matching package of the Debian release configured here is used.
+pub const KERNELS: [(&str, &str); 2] = [
+    ("6.1", r"^linux-image-6\.1\.0-[0-9]+-amd64$"),
+    ("6.12", r"^linux-image-6\.12\.[0-9]+\+deb[0-9]+-amd64-unsigned$"),
+];
+
+/// The privileged test suites run in a VM: TestRun tables, socket LB, the demo, the operator
+/// surface, multi-node. The API-server suite (etcd and kube-apiserver under emulation take
+/// most of the VM's time) and the kube-proxy differential suites (the real kube-proxy's
+/// iptables/nftables modules) stay on the host.
+pub const SUITES: [&str; 5] = ["tc_testrun", "socket_lb", "demo", "operator", "multinode"];
+
+/// Modules loaded before the tests (with their dependencies): the 9p root, and what the tests'
+/// topologies use (veth, bridge; clsact and cls_bpf for netlink tc attachments).
+const MODULES: [&str; 7] = ["virtio_pci", "9pnet_virtio", "9p", "veth", "bridge", "sch_ingress", "cls_bpf"];
+
+/// `KPR_VM_ACCEL` (`kvm`), else software emulation: this machine's `/dev/kvm` (nested) hangs
+/// a guest kernel at its first instruction, while emulation boots it in seconds.
+fn accelerator() -> String {
+    std::env::var("KPR_VM_ACCEL").unwrap_or_else(|_| "tcg,thread=multi".to_owned())
+}
+
+/// How long one kernel's run may take.
+const DEADLINE: Duration = Duration::from_secs(25 * 60);
+
+/// A kernel unpacked in the cache.
+struct Kernel {
+    release: String,
+    vmlinuz: PathBuf,
+    modules: PathBuf,
+}
+
+fn cache_dir() -> PathBuf {
+    std::env::var_os("KPR_KERNEL_CACHE").map(PathBuf::from).unwrap_or_else(|| {
+        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| "/root".into());
+        home.join(".cache/kpr/kernels")
+    })
+}
+
+/// The newest package matching `pattern` that apt knows.
+fn newest_package(pattern: &str) -> Result<String> {
+    let out = Command::new("apt-cache").args(["search", "--names-only", pattern]).output()?;
+    let mut names: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
+        .collect();
+    names.sort_by_key(|n| version_key(n));
+    names.pop().with_context(|| format!("no Debian package matches {pattern} (apt-get update?)"))
+}
+
+/// Numbers in a package name, for ordering `6.1.0-9` before `6.1.0-10`.
+fn version_key(name: &str) -> Vec<u64> {
+    name.split(|c: char| !c.is_ascii_digit()).filter(|p| !p.is_empty()).filter_map(|p| p.parse().ok()).collect()
+}
+
+/// Download and unpack `package` (once) into the cache: its root directory.
+fn unpacked(package: &str) -> Result<PathBuf> {
+    let dir = cache_dir().join(package);
+    let done = dir.join(".unpacked");
+    if done.exists() {
+        return Ok(dir);
+    }
+    println!("vm: downloading and unpacking {package} (not installed) into {}", dir.display());
+    let download = cache_dir().join(".download");
+    let _ = fs::remove_dir_all(&download);
+    fs::create_dir_all(&download)?;
+    let ok = Command::new("apt-get").arg("download").arg(package).current_dir(&download).status()?.success()
+        || (Command::new("apt-get").args(["update", "-qq"]).status()?.success()
+            && Command::new("apt-get").arg("download").arg(package).current_dir(&download).status()?.success());
+    if !ok {
+        bail!("apt-get download {package} failed");
+    }
+    let deb = fs::read_dir(&download)?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "deb"))
+        .context("apt-get download left no .deb")?;
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir)?;
+    crate::run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&dir))?;
+    fs::remove_dir_all(&download)?;
+    fs::write(&done, "")?;
+    Ok(dir)
+}
+
+fn busybox() -> Result<PathBuf> {
+    Ok(unpacked("busybox-static")?.join("bin/busybox"))
+}
+
+fn kernel(pattern: &str) -> Result<Kernel> {
+    let root = unpacked(&newest_package(pattern)?)?;
+    let release = fs::read_dir(root.join("lib/modules"))?
+        .flatten()
+        .find_map(|e| e.file_name().into_string().ok())
+        .context("the kernel package has no modules")?;
+    let modules = root.join("lib/modules").join(&release);
+    if !modules.join("modules.dep").exists() {
+        crate::run(Command::new(busybox()?).arg("depmod").arg("-b").arg(&root).arg(&release))?;
+    }
+    let vmlinuz = root.join("boot").join(format!("vmlinuz-{release}"));
+    anyhow::ensure!(vmlinuz.exists(), "no {}", vmlinuz.display());
+    Ok(Kernel { release, vmlinuz, modules })
+}
+
+/// `wanted` and their dependencies, dependencies first, as paths relative to the modules
+/// directory (from `modules.dep`).
+fn module_order(modules: &Path, wanted: &[&str]) -> Result<Vec<String>> {
+    let dep = fs::read_to_string(modules.join("modules.dep"))?;
+    let table: Vec<(String, Vec<String>)> = dep
+        .lines()
+        .filter_map(|l| {
+            let (module, deps) = l.split_once(':')?;
+            Some((module.to_owned(), deps.split_whitespace().map(str::to_owned).collect()))
+        })
+        .collect();
+    let find = |name: &str| {
+        table.iter().find(|(path, _)| {
+            let file = path.rsplit('/').next().unwrap_or(path);
+            file.split('.').next() == Some(name) || file.split('.').next() == Some(&name.replace('_', "-"))
+        })
+    };
+    fn visit(path: &str, table: &[(String, Vec<String>)], out: &mut Vec<String>) {
+        if out.iter().any(|p| p == path) {
+            return;
+        }
+        if let Some((_, deps)) = table.iter().find(|(p, _)| p == path) {
+            for dep in deps {
+                visit(dep, table, out);
+            }
+        }
+        out.push(path.to_owned());
+    }
+    let mut out = Vec::new();
+    for name in wanted {
+        match find(name) {
+            Some((path, _)) => visit(path, &table, &mut out),
+            // Built into this kernel.
+            None => {}
+        }
+    }
+    Ok(out)
+}
+
+/// A cpio "newc" archive (what the kernel unpacks as its initramfs).
+struct Cpio(Vec<u8>, u32);
+
+impl Cpio {
+    fn entry(&mut self, name: &str, mode: u32, data: &[u8]) {
+        self.1 += 1;
+        let header = format!(
+            "070701{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}",
+            self.1,
+            mode,
+            0,
+            0,
+            1,
+            0,
+            data.len(),
+            0,
+            0,
+            0,
+            0,
+            name.len() + 1,
+            0
+        );
+        self.0.extend_from_slice(header.as_bytes());
+        self.0.extend_from_slice(name.as_bytes());
+        self.0.push(0);
+        self.pad();
+        self.0.extend_from_slice(data);
+        self.pad();
+    }
+
+    fn pad(&mut self) {
+        while self.0.len() % 4 != 0 {
+            self.0.push(0);
+        }
+    }
+
+    fn dir(&mut self, name: &str) {
+        self.entry(name, 0o040755, &[]);
+    }
+
+    fn file(&mut self, name: &str, mode: u32, data: &[u8]) {
+        self.entry(name, 0o100000 | mode, data);
+    }
+
+    fn finish(mut self) -> Vec<u8> {
+        self.entry("TRAILER!!!", 0, &[]);
+        self.0
+    }
+}
+
+/// PID 1 in the VM: modules, the shared root, then the test script (named on the kernel
+/// command line) in a chroot; power off when it is done.
+const INIT: &str = r#"#!/bin/busybox sh
+/bin/busybox --install -s /bin
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+for m in $(cat /modules.list); do insmod "/modules/$m" || echo "kpr-vm: insmod $m failed"; done
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=262144 hostroot /host || echo "kpr-vm: no shared root"
+script=$(sed -n 's/.*kpr\.script=\([^ ]*\).*/\1/p' /proc/cmdline)
+chroot /host /bin/sh "$script"
+echo "kpr-vm: script exited $?"
+poweroff -f
+"#;
+
+fn initramfs(kernel: &Kernel, path: &Path) -> Result<()> {
+    let mut cpio = Cpio(Vec::new(), 0);
+    for dir in ["bin", "proc", "sys", "dev", "host", "modules"] {
+        cpio.dir(dir);
+    }
+    cpio.file("init", 0o755, INIT.as_bytes());
+    cpio.file("bin/busybox", 0o755, &fs::read(busybox()?)?);
+    let mut list = Vec::new();
+    for (i, module) in module_order(&kernel.modules, &MODULES)?.iter().enumerate() {
+        let file = kernel.modules.join(module);
+        let data = if module.ends_with(".xz") {
+            let out = Command::new("xz").arg("-dc").arg(&file).output()?;
+            anyhow::ensure!(out.status.success(), "xz -d {} failed", file.display());
+            out.stdout
+        } else {
+            fs::read(&file)?
+        };
+        let name = format!("{i:02}.ko");
+        cpio.file(&format!("modules/{name}"), 0o644, &data);
+        list.push(name);
+    }
+    cpio.file("modules.list", 0o644, (list.join("\n") + "\n").as_bytes());
+    fs::write(path, cpio.finish())?;
+    Ok(())
+}
+
+/// What runs inside the VM (in the chroot of the shared root): the mounts the tests need, then
+/// every suite, one test at a time. The tests write under a tmpfs on /run (TMPDIR): /tmp stays
+/// the shared one, where the checkout and this script may live.
+fn test_script(binaries: &[PathBuf], env: &[(&str, String)], filter: Option<&str>) -> String {
+    let mut s = String::from(
+        "set -u\n\
+         mount -t proc proc /proc; mount -t sysfs sysfs /sys; mount -t devtmpfs devtmpfs /dev\n\
+         mount -t tmpfs tmpfs /run; mkdir -p /run/netns /run/tmp /run/home\n\
+         mount -t bpf bpf /sys/fs/bpf; mount -t cgroup2 cgroup2 /sys/fs/cgroup\n\
+         ip link set lo up\n\
+         echo \"kpr-vm: kernel $(uname -r)\"\n\
+         export TMPDIR=/run/tmp HOME=/run/home NO_COLOR=1 RUST_BACKTRACE=0 KPR_TEST_TIME_SCALE=8\n",
+    );
+    for (key, value) in env {
+        s.push_str(&format!("export {key}='{value}'\n"));
+    }
+    for binary in binaries {
+        let filter = filter.map(|f| format!(" '{f}'")).unwrap_or_default();
+        s.push_str(&format!("'{}' --test-threads=1 --color never{filter}\n", binary.display()));
+    }
+    s
+}
+
+/// Boot `short` (e.g. `6.1`) and run the privileged suites in it: (uname -r, passed, failed).
+pub fn run_tests(
+    short: &str,
+    pattern: &str,
+    binaries: &[PathBuf],
+    env: &[(&str, String)],
+    filter: Option<&str>,
+) -> Result<(String, u64, u64)> {
+    let kernel = kernel(pattern)?;
+    let work = std::env::temp_dir().join(format!("kpr-vm-{short}-{}", std::process::id()));
+    fs::create_dir_all(&work)?;
+    let result = boot(&kernel, &work, short, binaries, env, filter);
+    let _ = fs::remove_dir_all(&work);
+    result
+}
+
+fn boot(
+    kernel: &Kernel,
+    work: &Path,
+    short: &str,
+    binaries: &[PathBuf],
+    env: &[(&str, String)],
+    filter: Option<&str>,
+) -> Result<(String, u64, u64)> {
+    let initrd = work.join("initramfs.cpio");
+    initramfs(kernel, &initrd)?;
+    let script = work.join("run.sh");
+    fs::write(&script, test_script(binaries, env, filter))?;
+    println!("vm: booting {} ({short}) under qemu ({}); the suites run inside", kernel.release, accelerator());
+    let mut qemu = Command::new("qemu-system-x86_64")
+        .args([
+            "-accel",
+            &accelerator(),
+            "-cpu",
+            "max",
+            "-m",
+            "4096",
+            "-smp",
+            "2",
+            "-nographic",
+            "-no-reboot",
+            "-nic",
+            "none",
+        ])
+        .arg("-kernel")
+        .arg(&kernel.vmlinuz)
+        .arg("-initrd")
+        .arg(&initrd)
+        .arg("-append")
+        .arg(format!("console=ttyS0 panic=-1 quiet kpr.script={}", script.display()))
+        .args(["-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("failed to start qemu-system-x86_64")?;
+    let stdout = qemu.stdout.take().expect("piped");
+    let pid = qemu.id();
+    // A hung VM must not hang the run: killed (by its pid) at the deadline.
+    let watchdog = std::thread::spawn(move || {
+        let started = Instant::now();
+        while started.elapsed() < DEADLINE {
+            std::thread::sleep(Duration::from_secs(1));
+            if !Path::new(&format!("/proc/{pid}")).exists() {
+                return;
+            }
+        }
+        let _ = Command::new("kill").arg(pid.to_string()).status();
+    });
+    let (mut passed, mut failed, mut release, mut suites) = (0, 0, String::new(), 0);
+    let mut out = std::io::stdout();
+    for line in BufReader::new(stdout).lines() {
+        let line = line?.replace('\r', "");
+        let _ = writeln!(out, "vm {short}: {line}");
+        // The console's first line carries terminal escapes before the text.
+        if let Some((_, r)) = line.split_once("kpr-vm: kernel ") {
+            release = r.trim().to_owned();
+        }
+        if let Some((p, f)) = crate::test_result(&line) {
+            passed += p;
+            failed += f;
+            suites += 1;
+        }
+    }
+    qemu.wait()?;
+    let _ = watchdog.join();
+    if release.is_empty() {
+        bail!("the {short} VM never ran the tests (see its console above)");
+    }
+    // A suite that did not start (a binary the VM cannot see) reports nothing: a failure.
+    if suites < binaries.len() {
+        bail!("in the {short} VM only {suites} of {} test suites reported (see its console above)", binaries.len());
+    }
+    Ok((release, passed, failed))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn package_versions_order_numerically() {
+        let mut names = vec!["linux-image-6.1.0-9-amd64", "linux-image-6.1.0-56-amd64", "linux-image-6.1.0-10-amd64"];
+        names.sort_by_key(|n| super::version_key(n));
+        assert_eq!(names.last(), Some(&"linux-image-6.1.0-56-amd64"));
+    }
+
+    #[test]
+    fn cpio_entries_are_aligned_and_terminated() {
+        let mut cpio = super::Cpio(Vec::new(), 0);
+        cpio.file("init", 0o755, b"#!/bin/sh\n");
+        let bytes = cpio.finish();
+        assert!(bytes.starts_with(b"070701"));
+        assert_eq!(bytes.len() % 4, 0);
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(text.contains("init\0") && text.contains("TRAILER!!!\0"));
+    }
+}
