@@ -89,7 +89,7 @@ impl Cluster {
             pod.ip(&["route", "add", "default", "via", &format!("10.244.{n}.1")])?;
             let other = 3 - n;
             netns.ip(&["route", "add", &format!("10.244.{other}.0/24"), "via", &format!("10.0.0.{other}")])?;
-            sysctls(&netns)?;
+            netns.route_packets()?;
             let pod_name = format!("pod-{}", &name[5..]);
             let servers = vec![
                 NameServer::tcp(&pod, SocketAddrV4::new(pod_ip, POD_PORT), &pod_name)?,
@@ -101,9 +101,22 @@ impl Cluster {
             let config = std::env::temp_dir().join(format!("{prefix}-{name}.kube-proxy.yaml"));
             std::fs::write(
                 &config,
-                format!("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: 10.244.0.0/16\nhostnameOverride: {name}\n"),
+                format!(
+                    "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: 10.244.0.0/16\nhostnameOverride: {name}\n"
+                ),
             )?;
-            nodes.push(Node { name: (*name).to_owned(), ip, pod_ip, agent: None, pins, config, _servers: servers, cgroup, _pod: pod, netns });
+            nodes.push(Node {
+                name: (*name).to_owned(),
+                ip,
+                pod_ip,
+                agent: None,
+                pins,
+                config,
+                _servers: servers,
+                cgroup,
+                _pod: pod,
+                netns,
+            });
         }
         let log = std::env::temp_dir().join(format!("{prefix}.agents.log"));
         let agent_args = agent_args.iter().map(|a| (*a).to_owned()).collect();
@@ -148,7 +161,9 @@ impl Cluster {
     fn wait(&self, address: &str, backends: usize) {
         for node in &self.nodes {
             testbed::wait_programmed(&node.pins, address, Some(backends), Duration::from_secs(10))
-                .with_context(|| format!("{}: agents' log:\n{}", node.name, std::fs::read_to_string(&self.log).unwrap_or_default()))
+                .with_context(|| {
+                    format!("{}: agents' log:\n{}", node.name, std::fs::read_to_string(&self.log).unwrap_or_default())
+                })
                 .unwrap();
         }
     }
@@ -171,15 +186,6 @@ impl Drop for Cluster {
         let _ = std::fs::remove_dir_all(&self.manifests);
         let _ = std::fs::remove_file(&self.log);
     }
-}
-
-fn sysctls(ns: &Netns) -> Result<()> {
-    let mut cmd = Command::new("sh");
-    cmd.args(["-c", "echo 1 > /proc/sys/net/ipv4/ip_forward; for f in /proc/sys/net/ipv4/conf/*/rp_filter; do echo 0 > $f; done"]);
-    ns.exec_in(&mut cmd)?;
-    let status = cmd.status()?;
-    anyhow::ensure!(status.success(), "sysctl in {} failed", ns.name);
-    Ok(())
 }
 
 /// A Service with one TCP port, a NodePort, an optional LoadBalancer IP, the given
@@ -223,6 +229,107 @@ fn node_port_reaches_a_pod_on_another_node_masqueraded() {
     assert_eq!((name.as_str(), seen.as_str()), ("pod-b", "10.0.0.1"));
 }
 
+/// `kpr COMMAND ARGS --pin-root pins`: stdout, after checking the command succeeded.
+fn kpr(command: &str, pins: &std::path::Path, args: &[&str]) -> String {
+    let out = Command::new(kpr_tests::kpr_bin())
+        .arg(command)
+        .args(args)
+        .arg("--pin-root")
+        .arg(pins)
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "kpr {command} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn kpr_conntrack(pins: &std::path::Path, args: &[&str]) -> String {
+    kpr("conntrack", pins, args)
+}
+
+#[test]
+fn kpr_conntrack_lists_a_node_port_flow_and_flushing_it_keeps_the_connection() {
+    use std::io::{BufRead as _, BufReader, Write as _};
+    let c = Cluster::new("km-ct").unwrap();
+    let pod_b = c.nodes[1].pod_ip;
+    c.write("svc.yaml", &service("Cluster", 30080, &[(pod_b, "node-b")]));
+    c.wait("*:30080/TCP ext", 1);
+    let node_a = c.nodes[0].ip;
+    let conn = c.ext(move || {
+        let conn = TcpStream::connect_timeout(&SocketAddrV4::new(node_a, 30080).into(), TIMEOUT).unwrap();
+        conn.set_read_timeout(Some(TIMEOUT)).unwrap();
+        let mut line = String::new();
+        BufReader::new(&conn).read_line(&mut line).unwrap();
+        assert_eq!(line.trim_end(), "pod-b");
+        conn
+    });
+    let client = conn.local_addr().unwrap().to_string();
+
+    let pins = &c.nodes[0].pins;
+    let flows: serde_json::Value = serde_json::from_str(&kpr_conntrack(pins, &["list", "-o", "json"])).unwrap();
+    let flow = flows.as_array().unwrap().iter().find(|f| f["client"] == client.as_str());
+    let flow = flow.unwrap_or_else(|| panic!("no flow of {client} in {flows:#}"));
+    assert_eq!(flow["frontend"], format!("{node_a}:30080"));
+    assert_eq!(flow["backend"], format!("{pod_b}:{POD_PORT}"));
+    assert_eq!(flow["state"], "established");
+    // Masqueraded (eTP=Cluster): the pod sees node-a's address.
+    assert!(flow["sourceSeen"].as_str().unwrap().starts_with(&format!("{node_a}:")), "{flow}");
+    assert!(kpr_conntrack(pins, &["list", "--frontend", "*:30080/TCP ext"]).contains(&client));
+
+    let flushed = kpr_conntrack(pins, &["flush", "--frontend", "*:30080/TCP"]);
+    assert!(flushed.starts_with("removed 2 conntrack entries"), "{flushed}");
+    assert!(!kpr_conntrack(pins, &["list"]).contains(&client));
+    // The connection's next segment finds no flow and re-creates it: same backend, same
+    // masquerade port (a hash of the tuple), so the connection goes on.
+    let mut conn = conn;
+    conn.write_all(b"still here\n").unwrap();
+    let mut line = String::new();
+    BufReader::new(&conn).read_line(&mut line).expect("the connection survives the flush");
+    assert_eq!(line.trim_end(), "still here");
+    assert!(kpr_conntrack(pins, &["list"]).contains(&client), "the flow is back");
+}
+
+/// `kpr trace ARGS -o json` on `pins`.
+fn kpr_trace(pins: &std::path::Path, args: &[&str]) -> serde_json::Value {
+    let args: Vec<&str> = args.iter().copied().chain(["-o", "json"]).collect();
+    serde_json::from_str(&kpr("trace", pins, &args)).unwrap()
+}
+
+#[test]
+fn kpr_trace_explains_each_source_class_from_the_live_maps() {
+    let c = Cluster::new("km-trace").unwrap();
+    let (pod_a, pod_b) = (c.nodes[0].pod_ip, c.nodes[1].pod_ip);
+    c.write("svc.yaml", &service("Local", 30082, &[(pod_a, "node-a")]));
+    testbed::wait_programmed(&c.nodes[0].pins, "*:30082/TCP ext", Some(1), Duration::from_secs(10)).unwrap();
+    testbed::wait_programmed(&c.nodes[1].pins, "*:30082/TCP ext", Some(0), Duration::from_secs(10)).unwrap();
+    let (a, b) = (c.nodes[0].ip, c.nodes[1].ip);
+    let ext = EXT_CLIENT.to_string();
+
+    // An external client on node-a's NodePort: per-packet, its address kept (eTP=Local).
+    let t = kpr_trace(&c.nodes[0].pins, &[&ext, &format!("{a}:30082/TCP")]);
+    assert_eq!((t["from"].as_str(), t["path"].as_str()), (Some("external"), Some("per-packet")), "{t:#}");
+    assert_eq!(t["frontend"]["frontend"], "*:30082/TCP ext");
+    assert_eq!(t["candidates"], serde_json::json!([format!("{pod_a}:{POD_PORT}")]));
+    assert_eq!(t["masquerade"], false);
+    assert_eq!(t["verdict"], "to one of 1 endpoints");
+    // The same on node-b, which has no local endpoint: dropped, as the real test above sees.
+    let t = kpr_trace(&c.nodes[1].pins, &[&ext, &format!("{b}:30082/TCP")]);
+    assert_eq!(t["verdict"], "dropped", "{t:#}");
+    // A pod on node-b (inside clusterCIDR) reaching the ClusterIP: the socket path, any endpoint.
+    let t = kpr_trace(&c.nodes[1].pins, &[&pod_b.to_string(), "10.96.0.82:80/TCP"]);
+    assert_eq!((t["from"].as_str(), t["path"].as_str()), (Some("pod"), Some("socket")), "{t:#}");
+    assert_eq!(t["verdict"], "to one of 1 endpoints");
+    assert!(t.get("masquerade").is_none());
+    // Not a service.
+    let t = kpr_trace(&c.nodes[0].pins, &[&ext, &format!("{a}:22/TCP")]);
+    assert_eq!(t["verdict"], "not a service: passed untouched", "{t:#}");
+    // Masquerade with eTP=Cluster from outside.
+    c.write("svc2.yaml", &service("Cluster", 30083, &[(pod_b, "node-b")]));
+    c.wait("*:30083/TCP ext", 1);
+    let t = kpr_trace(&c.nodes[0].pins, &[&ext, &format!("{a}:30083/TCP")]);
+    assert_eq!(t["masquerade"], true, "{t:#}");
+}
+
 #[test]
 fn local_traffic_policy_keeps_the_client_address_and_drops_without_local_endpoints() {
     let c = Cluster::new("km-local").unwrap();
@@ -234,7 +341,11 @@ fn local_traffic_policy_keeps_the_client_address_and_drops_without_local_endpoin
     let (name, seen) = c.ext(move || tcp_ask_peer(SocketAddrV4::new(a, 30081), TIMEOUT).unwrap());
     assert_eq!(name, "pod-a");
     assert_eq!(seen, EXT_CLIENT.to_string(), "eTP=Local preserves the client source address");
-    let err = c.ext(move || TcpStream::connect_timeout(&SocketAddrV4::new(b, 30081).into(), Duration::from_millis(700)).map(drop)).unwrap_err();
+    let err = c
+        .ext(move || {
+            TcpStream::connect_timeout(&SocketAddrV4::new(b, 30081).into(), Duration::from_millis(700)).map(drop)
+        })
+        .unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "node-b has no local endpoint: dropped, not refused ({err})");
 
     // The healthCheckNodePort tells a cloud load balancer which node can serve.
@@ -243,7 +354,10 @@ fn local_traffic_policy_keeps_the_client_address_and_drops_without_local_endpoin
     assert!(status_a.starts_with("HTTP/1.1 200"), "{status_a}");
     assert!(status_b.starts_with("HTTP/1.1 503"), "{status_b}");
     let json = |body: &str| serde_json::from_str::<serde_json::Value>(body).unwrap();
-    assert_eq!(json(&body_a), serde_json::json!({"service": {"namespace": "t", "name": "web-30081"}, "localEndpoints": 1, "serviceProxyHealthy": true}));
+    assert_eq!(
+        json(&body_a),
+        serde_json::json!({"service": {"namespace": "t", "name": "web-30081"}, "localEndpoints": 1, "serviceProxyHealthy": true})
+    );
     assert_eq!(json(&body_b)["localEndpoints"], 0);
 }
 
@@ -269,7 +383,8 @@ fn no_endpoints_is_refused_and_an_endpoint_can_move_while_traffic_runs() {
     c.write("svc.yaml", &service("Cluster", 30082, &[]));
     c.wait("*:30082/TCP ext", 0);
     let a = c.nodes[0].ip;
-    let err = c.ext(move || TcpStream::connect_timeout(&SocketAddrV4::new(a, 30082).into(), TIMEOUT).map(drop)).unwrap_err();
+    let err =
+        c.ext(move || TcpStream::connect_timeout(&SocketAddrV4::new(a, 30082).into(), TIMEOUT).map(drop)).unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
 
     c.write("svc.yaml", &service("Cluster", 30082, &[(pod_b, "node-b")]));
@@ -288,9 +403,13 @@ fn no_endpoints_is_refused_and_an_endpoint_can_move_while_traffic_runs() {
     // ...survives the endpoint moving to node-a; new connections go to the new endpoint.
     c.write("svc.yaml", &service("Cluster", 30082, &[(pod_a, "node-a")]));
     for node in &c.nodes {
-        testbed::wait_for_backends(&node.pins, "*:30082/TCP ext", Duration::from_secs(10), |b| b == Some(&[(pod_a, POD_PORT)][..])).unwrap();
+        testbed::wait_for_backends(&node.pins, "*:30082/TCP ext", Duration::from_secs(10), |b| {
+            b == Some(&[(pod_a, POD_PORT)][..])
+        })
+        .unwrap();
     }
-    let names: Vec<String> = c.ext(move || (0..10).map(|_| tcp_ask(SocketAddrV4::new(a, 30082), TIMEOUT).unwrap().0).collect());
+    let names: Vec<String> =
+        c.ext(move || (0..10).map(|_| tcp_ask(SocketAddrV4::new(a, 30082), TIMEOUT).unwrap().0).collect());
     assert!(names.iter().all(|n| n == "pod-a"), "{names:?}");
     std::io::Write::write_all(&mut conn, b"still there\n").unwrap();
     line.clear();
@@ -304,7 +423,10 @@ fn a_pod_reaching_itself_through_its_service_is_masqueraded() {
     let pod_a = c.nodes[0].pod_ip;
     c.write("svc.yaml", &service("Cluster", 30083, &[(pod_a, "node-a")]));
     c.wait("10.96.0.83:80/TCP", 1);
-    let (name, seen) = c.nodes[0]._pod.run(|| tcp_ask_peer(SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 83), 80), TIMEOUT).unwrap()).unwrap();
+    let (name, seen) = c.nodes[0]
+        ._pod
+        .run(|| tcp_ask_peer(SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 83), 80), TIMEOUT).unwrap())
+        .unwrap();
     assert_eq!(name, "pod-a");
     // Masqueraded to the node's address on the pod's link (MASQUERADE's choice).
     assert_eq!(seen, "10.244.1.1", "hairpin traffic comes from the node, so the reply returns through it");
@@ -332,7 +454,10 @@ fn links_created_after_the_agent_started_are_covered() {
         match pod.run(move || tcp_ask_peer(cluster_ip, Duration::from_millis(500))).unwrap() {
             Ok(answer) => break answer,
             Err(e) if std::time::Instant::now() > deadline => {
-                panic!("the new pod never reached the ClusterIP: {e}; agents' log:\n{}", std::fs::read_to_string(&c.log).unwrap_or_default())
+                panic!(
+                    "the new pod never reached the ClusterIP: {e}; agents' log:\n{}",
+                    std::fs::read_to_string(&c.log).unwrap_or_default()
+                )
             }
             Err(_) => std::thread::sleep(Duration::from_millis(200)),
         }
@@ -373,9 +498,20 @@ fn udp_flows_move_off_a_removed_endpoint() {
     assert_eq!(ask(&socket), "pod-b");
     c.write("dns.yaml", &manifest(pod_a, "node-a"));
     for node in &c.nodes {
-        testbed::wait_for_backends(&node.pins, "*:30053/UDP ext", Duration::from_secs(10), |b| b == Some(&[(pod_a, POD_PORT)][..])).unwrap();
+        testbed::wait_for_backends(&node.pins, "*:30053/UDP ext", Duration::from_secs(10), |b| {
+            b == Some(&[(pod_a, POD_PORT)][..])
+        })
+        .unwrap();
     }
-    // pod-b still runs, but the flow was flushed with its endpoint: the next datagram goes to pod-a.
+    // The agent flushes the flow right after switching the backends (as kube-proxy deletes
+    // conntrack entries after iptables-restore); a datagram in between still finds the old
+    // flow. Wait for the flush itself, then: pod-b still runs, but the next datagram goes to pod-a.
+    let old_backend = format!("{pod_b}:{POD_PORT}");
+    let deadline = std::time::Instant::now() + testbed::slow(Duration::from_secs(10));
+    while kpr_conntrack(&c.nodes[0].pins, &["list"]).contains(&old_backend) {
+        assert!(std::time::Instant::now() < deadline, "the UDP flow to the removed endpoint was never flushed");
+        std::thread::sleep(Duration::from_millis(100));
+    }
     assert_eq!(ask(&socket), "pod-a");
 }
 
@@ -385,7 +521,10 @@ fn cleanup_waits_for_the_agent_and_undoes_what_kpr_changed_on_the_node() {
     c.write("svc.yaml", &service("Cluster", 30080, &[(c.nodes[1].pod_ip, "node-b")]));
     c.wait("*:30080/TCP ext", 1);
     let node = &c.nodes[0];
-    let accept_local = |ns: &Netns| ns.run(|| std::fs::read_to_string("/proc/sys/net/ipv4/conf/eth0/accept_local").unwrap().trim().to_owned()).unwrap();
+    let accept_local = |ns: &Netns| {
+        ns.run(|| std::fs::read_to_string("/proc/sys/net/ipv4/conf/eth0/accept_local").unwrap().trim().to_owned())
+            .unwrap()
+    };
     assert_eq!(accept_local(&node.netns), "1", "kpr turns accept_local on where it masquerades");
     let cleanup = |node: &Node| {
         let mut cmd = Command::new(kpr_tests::kpr_bin());
@@ -395,7 +534,11 @@ fn cleanup_waits_for_the_agent_and_undoes_what_kpr_changed_on_the_node() {
     };
     let refused = cleanup(node);
     assert!(!refused.status.success(), "cleanup refuses while the agent runs");
-    assert!(String::from_utf8_lossy(&refused.stderr).contains("agent is running"), "{}", String::from_utf8_lossy(&refused.stderr));
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("agent is running"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
     assert!(node.pins.exists(), "and leaves the datapath alone");
 
     let mut agent = c.nodes[0].agent.take().unwrap();
@@ -429,7 +572,8 @@ fn a_program_attached_after_kpr_still_sees_what_kpr_does_not_translate() {
         })
         .unwrap()
         .unwrap();
-    let fragments_seen = || bpf::read_counters(&pins.0).unwrap()[proxy_common::counter::TC_PASSED_UNSUPPORTED as usize].1;
+    let fragments_seen =
+        || bpf::read_counters(&pins.0).unwrap()[proxy_common::counter::TC_PASSED_UNSUPPORTED as usize].1;
     assert_eq!(fragments_seen(), 0);
     // A datagram larger than the link's MTU reaches node-a in fragments, which kpr does not
     // translate: the program after it must see them.
@@ -462,7 +606,9 @@ fn without_tcx_the_netlink_filters_outlive_and_survive_restarts() {
         out.lines().filter(|l| l.contains("kpr_tc_ingress")).count()
     };
     let ip = c.nodes[0].ip;
-    let ask = |c: &Cluster| c.ext(move || tcp_ask_peer(SocketAddrV4::new(ip, 30080), TIMEOUT).map(|(name, _)| name).unwrap_or_default());
+    let ask = |c: &Cluster| {
+        c.ext(move || tcp_ask_peer(SocketAddrV4::new(ip, 30080), TIMEOUT).map(|(name, _)| name).unwrap_or_default())
+    };
     assert_eq!(kpr_filters(&c), 1, "one netlink filter");
     assert_eq!(ask(&c), "pod-b");
 
