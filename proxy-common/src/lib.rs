@@ -10,7 +10,7 @@
 #![no_std]
 
 /// Version of the pinned map layout; part of the bpffs pin directory (`<pin-root>/v<N>`).
-pub const PIN_LAYOUT_VERSION: u32 = 4;
+pub const PIN_LAYOUT_VERSION: u32 = 5;
 
 /// Map names, as seen by `bpftool map show` and used as pin file names.
 pub mod map_names {
@@ -91,6 +91,11 @@ pub const SERVICE_FLAG_SOURCE_RANGES: u32 = 4;
 /// path, which can do what kube-proxy does and `connect()` cannot (masquerade, filtering on the
 /// source address). Only honoured when the per-packet path covers the pods' links.
 pub const SERVICE_FLAG_SOCKET_SKIP: u32 = 8;
+/// `ServiceValue::flags` (node scope): the frontend is an externalIP or LoadBalancer IP, an
+/// address whoever writes a Service (or its status) chooses. The agent's own sockets are not
+/// translated to it, so no Service can take over the agent's connection to the API server
+/// (CVE-2020-8554).
+pub const SERVICE_FLAG_EXTERNAL_ADDR: u32 = 16;
 
 /// `KPR_NODE_ADDRS` value bits: the address is local to the node (`--dst-type LOCAL`).
 pub const NODE_ADDR_LOCAL: u32 = 1;
@@ -425,8 +430,16 @@ pub mod counter {
     pub const TC_CT_EXPIRED: u32 = 16;
     /// tc: a later fragment of a translated datagram got its first fragment's addresses.
     pub const TC_FRAGMENT_TRANSLATED: u32 = 17;
+    /// Socket path: the agent's own connect/sendmsg to an externalIP or LoadBalancer IP, left
+    /// untranslated (`SERVICE_FLAG_EXTERNAL_ADDR`).
+    pub const SOCK_AGENT_EXEMPT: u32 = 18;
+    /// tc: two CPUs created the same new flow at once (a SYN and its retransmission); the
+    /// later one took the first one's translation.
+    pub const TC_CT_RACE_ADOPTED: u32 = 19;
+    /// tc: a translated packet was sent straight out of the link its route leaves by.
+    pub const TC_FORWARDED_DIRECT: u32 = 20;
     /// Number of counters.
-    pub const COUNT: u32 = 18;
+    pub const COUNT: u32 = 21;
     /// Names for display, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -447,6 +460,9 @@ pub mod counter {
         "tc_ct_healed",
         "tc_ct_expired",
         "tc_fragment_translated",
+        "sock_agent_exempt",
+        "tc_ct_race_adopted",
+        "tc_forwarded_direct",
     ];
 }
 

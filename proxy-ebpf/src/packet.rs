@@ -1,6 +1,7 @@
 //! Offsets into an Ethernet + IPv4 (no options) packet, shared by the tc programs.
 pub const ETH_LEN: usize = 14;
 pub const IP_OFF: usize = ETH_LEN;
+pub const IP_TTL_OFF: usize = IP_OFF + 8;
 pub const IP_CSUM_OFF: usize = IP_OFF + 10;
 pub const IP_SRC_OFF: usize = IP_OFF + 12;
 pub const IP_DST_OFF: usize = IP_OFF + 16;

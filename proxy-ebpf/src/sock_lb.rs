@@ -5,8 +5,8 @@ use aya_ebpf::{
     EbpfContext as _, Global,
     bindings::{bpf_sock_addr, bpf_sock_tuple, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1, sockaddr},
     helpers::{
-        bpf_bind, bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval, bpf_sk_lookup_tcp,
-        bpf_sk_lookup_udp, bpf_sk_release,
+        bpf_bind, bpf_get_current_cgroup_id, bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie,
+        bpf_set_retval, bpf_sk_lookup_tcp, bpf_sk_lookup_udp, bpf_sk_release,
     },
     macros::{cgroup_sock, cgroup_sock_addr},
     programs::{SockAddrContext, SockContext},
@@ -14,8 +14,8 @@ use aya_ebpf::{
 use aya_log_ebpf::error;
 use proxy_common::{
     Backend, IPPROTO_TCP, IPPROTO_UDP, LINK_SERVICE_SOURCE, NODE_ADDR_NODEPORT, SCOPE_NODE, SCOPE_POD,
-    SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP, ServiceKey, ServiceValue,
-    SockRevNatKey, SockRevNatValue, counter,
+    SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP,
+    ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, counter,
 };
 
 use crate::maps::{
@@ -52,6 +52,11 @@ static KPR_POD_LINKS_COVERED: Global<u8> = Global::new(0);
 /// 1 when NodePorts answer on 127.0.0.0/8 for the node's own sockets (`localhostNodePorts`).
 #[unsafe(no_mangle)]
 static KPR_LOCALHOST_NODEPORTS: Global<u8> = Global::new(0);
+
+/// cgroup id of the agent when it is alone in its cgroup (a DaemonSet's container): its
+/// sockets are not translated to externalIPs and LoadBalancer IPs. 0: no exemption.
+#[unsafe(no_mangle)]
+static KPR_AGENT_CGROUP_ID: Global<u64> = Global::new(0);
 
 #[cgroup_sock_addr(connect4)]
 pub fn kpr_connect4(ctx: SockAddrContext) -> i32 {
@@ -107,6 +112,10 @@ fn forward4(ctx: &SockAddrContext, connect: bool) -> i32 {
             ServiceRangeMiss::Drop => refusal(SERVICE_FLAG_DROP_NO_ENDPOINTS),
         },
     };
+    if from_node && service.flags & SERVICE_FLAG_EXTERNAL_ADDR != 0 && is_agent() {
+        count(counter::SOCK_AGENT_EXEMPT);
+        return ALLOW;
+    }
     let pod_links_covered = KPR_POD_LINKS_COVERED.load() != 0;
     if pod_links_covered && service.flags & SERVICE_FLAG_SOCKET_SKIP != 0 {
         count(counter::SOCK_STEPPED_ASIDE);
@@ -170,6 +179,14 @@ fn forward4(ctx: &SockAddrContext, connect: bool) -> i32 {
     sa.user_port = u32::from(backend.port);
     count(counter::TRANSLATED);
     ALLOW
+}
+
+/// The calling task is the agent (its cgroup is the agent's own).
+#[inline(always)]
+fn is_agent() -> bool {
+    let agent = KPR_AGENT_CGROUP_ID.load();
+    // SAFETY: a helper without arguments.
+    agent != 0 && unsafe { bpf_get_current_cgroup_id() } == agent
 }
 
 /// A frontend without backends: kube-proxy REJECTs (no endpoints) or DROPs (traffic policy

@@ -25,7 +25,7 @@ use aya_ebpf::{
         BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, bpf_fib_lookup,
     },
     btf_maps::lpm_trie::Key,
-    helpers::{bpf_fib_lookup as fib_lookup, bpf_ktime_get_ns},
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_ktime_get_ns, bpf_redirect_neigh},
     macros::classifier,
     programs::TcContext,
 };
@@ -72,9 +72,18 @@ static KPR_FLOW_HASH_SEED: Global<u32> = Global::new(0);
 /// "Not mine": the next program of the hook (TCX) or filter of the chain (cls_bpf) decides.
 const PASS: i32 = TC_ACT_UNSPEC;
 
+/// 1: a packet translated on its way in is sent straight out of the link its route leaves by;
+/// 0: it goes on through the host's forwarding path (`--host-routing`). Set by the agent.
+#[unsafe(no_mangle)]
+static KPR_FORWARD_DIRECT: Global<u8> = Global::new(1);
+
 #[classifier]
 pub fn kpr_tc_ingress(ctx: TcContext) -> i32 {
-    translate(&ctx, true).unwrap_or(PASS)
+    match translate(&ctx, true) {
+        Ok(TC_ACT_OK) if KPR_FORWARD_DIRECT.load() != 0 => forward_direct(&ctx),
+        Ok(verdict) => verdict,
+        Err(()) => PASS,
+    }
 }
 
 #[classifier]
@@ -393,6 +402,46 @@ fn masquerade_source(ctx: &TcContext, backend: u32) -> u32 {
     link_addr(0)
 }
 
+/// Send a packet translated on its way in straight out of the link its route leaves by
+/// (`bpf_fib_lookup`, then `bpf_redirect_neigh`, which fills in the MAC addresses), as Cilium
+/// does: the host's forwarding path (netfilter's FORWARD policy, INVALID-state drops) never
+/// sees it. What the route does not settle that way (a local destination, no route, forwarding
+/// off, too big for the link, a TTL running out) goes on into the host stack, which handles
+/// it as it would have without kpr.
+#[inline(always)]
+fn forward_direct(ctx: &TcContext) -> i32 {
+    let Ok(ip) = ctx.load::<Ipv4Hdr>(IP_OFF) else {
+        return TC_ACT_OK;
+    };
+    if ip.ttl <= 1 {
+        return TC_ACT_OK; // the stack answers with "time exceeded"
+    }
+    let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    params.family = AF_INET;
+    params.l4_protocol = ip.proto;
+    params.ifindex = ifindex(ctx);
+    params.__bindgen_anon_2.tos = ip.tos;
+    params.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(ip.src_addr);
+    params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(ip.dst_addr);
+    // tot_len 0: the kernel checks the packet against the MTU of the link found (GSO aware).
+    let rc = unsafe { fib_lookup(ctx.as_ptr(), &mut params, size_of::<bpf_fib_lookup>() as i32, 0) };
+    if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) && rc != i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
+        return TC_ACT_OK;
+    }
+    // Forwarding takes one off the TTL (the checksum covers it with the protocol byte).
+    let ttl = ip.ttl - 1;
+    let (old, new) = (u16::from_ne_bytes([ip.ttl, ip.proto]), u16::from_ne_bytes([ttl, ip.proto]));
+    if ctx.store(IP_TTL_OFF, &ttl, 0).is_err()
+        || ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(old), u64::from(new), 2).is_err()
+    {
+        return TC_ACT_SHOT; // half rewritten: never let it out with a wrong checksum
+    }
+    count(counter::TC_FORWARDED_DIRECT);
+    // No neighbour parameters: the kernel resolves the next hop (5.10's two-argument form reads
+    // the null pointer as flags 0).
+    unsafe { bpf_redirect_neigh(params.ifindex, core::ptr::null_mut(), 0, 0) as i32 }
+}
+
 #[inline(always)]
 fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue, tcp_flags: u8, now: u64) -> Result<i32, ()> {
     if service.flags & SERVICE_FLAG_SOURCE_RANGES != 0 {
@@ -468,6 +517,7 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue, tcp_flags: u8, n
         // Another CPU created the flow first (a SYN and its retransmission at once): take its
         // translation, and give back what this one held.
         let winner = unsafe { *winner };
+        count(counter::TC_CT_RACE_ADOPTED);
         if winner.pair_key(t.proto) != reply_key {
             let _ = CT_NEW.remove(&reply_key);
         }

@@ -143,6 +143,10 @@ struct AgentArgs {
     /// exists; kernels before 6.6 always do.
     #[arg(long)]
     tc_netlink: bool,
+    /// Hand packets the per-packet path translated to the host's forwarding path (netfilter's
+    /// FORWARD chain, routing) instead of sending them straight out of their link.
+    #[arg(long)]
+    host_routing: bool,
     /// cgroup2 directory whose sockets are load-balanced [default: the cgroup2 root].
     #[arg(long)]
     cgroup: Option<PathBuf>,
@@ -305,6 +309,7 @@ fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
     datapath.max_conntrack = args.max_conntrack;
     datapath.ct_timeouts = config.conntrack.datapath();
     datapath.tc_netlink = args.tc_netlink;
+    datapath.forward_direct = !args.host_routing;
     datapath.detect_local = match detector {
         DetectLocal::None => proxy_common::DETECT_LOCAL_NONE,
         DetectLocal::ClusterCidr(_) | DetectLocal::NodeCidr => proxy_common::DETECT_LOCAL_CIDR,
@@ -312,6 +317,20 @@ fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
     };
     datapath.localhost_node_ports = config.localhost_node_ports_effective();
     datapath.pod_links_covered = tc_links == TcLinks::All;
+    datapath.agent_cgroup_id = match bpf::agent_cgroup_id() {
+        Ok(Some(id)) => id,
+        Ok(None) => {
+            tracing::info!(
+                "kpr shares its cgroup with other processes: its own connections are translated like theirs \
+                 (externalIPs and LoadBalancer IPs included)"
+            );
+            0
+        }
+        Err(e) => {
+            tracing::warn!("cannot tell kpr's own cgroup ({e:#}): its own connections are translated like others'");
+            0
+        }
+    };
     // kube-proxy's nftables mode refuses what no service port takes in the service range.
     let nftables = config.mode == "nftables";
     datapath.nft_service_range = nftables;

@@ -142,7 +142,7 @@ impl Cgroup {
 
     pub fn enter(&mut self) -> Result<()> {
         if self.entered_from.is_none() {
-            self.entered_from = Some(current_cgroup()?);
+            self.entered_from = Some(crate::datapath::bpf::own_cgroup()?);
         }
         fs::write(self.path.join("cgroup.procs"), std::process::id().to_string())
             .with_context(|| format!("failed to join cgroup {}", self.path.display()))
@@ -170,13 +170,6 @@ impl Drop for Cgroup {
         }
         eprintln!("testbed: failed to remove cgroup {}", self.path.display());
     }
-}
-
-/// This process's cgroup2 directory.
-fn current_cgroup() -> Result<PathBuf> {
-    let text = fs::read_to_string("/proc/self/cgroup")?;
-    let rel = text.lines().find_map(|l| l.strip_prefix("0::")).context("no cgroup2 entry in /proc/self/cgroup")?;
-    Ok(crate::datapath::bpf::cgroup2_root()?.join(rel.trim_start_matches('/')))
 }
 
 /// A server thread answering with a fixed name. TCP: sends `name\n`, then echoes what it

@@ -42,13 +42,6 @@ pub fn k8s_bin(name: &str) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// This process's cgroup2 directory.
-fn current_cgroup() -> Result<PathBuf> {
-    let text = fs::read_to_string("/proc/self/cgroup")?;
-    let rel = text.lines().find_map(|l| l.strip_prefix("0::")).context("no cgroup2 entry in /proc/self/cgroup")?;
-    Ok(kpr::datapath::bpf::cgroup2_root()?.join(rel.trim_start_matches('/')))
-}
-
 /// Start `cmd` as our child: in cgroup `home` (not the caller's socket-LB cgroup), killed when
 /// the starting thread exits, output appended to `log`.
 pub fn spawn_child(cmd: &mut Command, home: &Path, log: &Path) -> Result<Child> {
@@ -171,7 +164,7 @@ impl Cluster {
             api_port: free_port()?,
             etcd_ports: (free_port()?, free_port()?),
             admin_token,
-            home_cgroup: current_cgroup()?,
+            home_cgroup: kpr::datapath::bpf::own_cgroup()?,
             etcd: None,
             apiserver: None,
             apiserver_args: apiserver_args.iter().map(|a| (*a).to_owned()).collect(),

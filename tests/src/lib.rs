@@ -32,6 +32,9 @@ pub fn kpr_bin() -> PathBuf {
 pub struct Harness {
     pub name: String,
     agent: Option<Child>,
+    /// With [`Harness::agent_own_cgroup`]: the agent's own cgroup, a child of `cgroup` (dropped
+    /// before it).
+    pub agent_home: Option<Cgroup>,
     pub cgroup: Cgroup,
     pub pin_root: PathBuf,
     pub manifests: PathBuf,
@@ -49,6 +52,12 @@ pub struct Harness {
     pub agent_args: Vec<String>,
     /// `--max-service-ports` of the agent.
     pub max_service_ports: u32,
+    /// Run the agent in the node's network namespace (the client's), as a DaemonSet's
+    /// hostNetwork container, rather than in this machine's.
+    pub agent_in_node_netns: bool,
+    /// Run the agent alone in a cgroup of its own (under the socket hooks), as a container,
+    /// rather than in this process's.
+    pub agent_own_cgroup: bool,
 }
 
 impl Harness {
@@ -67,6 +76,7 @@ impl Harness {
         Ok(Self {
             name,
             agent: None,
+            agent_home: None,
             cgroup,
             pin_root,
             manifests,
@@ -77,6 +87,8 @@ impl Harness {
             healthz_addr: free_loopback_port()?,
             agent_args: Vec::new(),
             max_service_ports: 1024,
+            agent_in_node_netns: false,
+            agent_own_cgroup: false,
         })
     }
 
@@ -91,7 +103,18 @@ impl Harness {
             Some(kubeconfig) => ["--kubeconfig".as_ref(), kubeconfig.as_os_str()],
             None => ["--manifests".as_ref(), self.manifests.as_os_str()],
         };
-        let child = Command::new(kpr_bin())
+        let mut cmd = Command::new(kpr_bin());
+        if self.agent_own_cgroup {
+            if self.agent_home.is_none() {
+                self.agent_home = Some(Cgroup::new(&format!("{}/agent", self.name))?);
+            }
+            let home = &self.agent_home.as_ref().expect("created above").path;
+            cluster::confine(&mut cmd, home)?;
+        }
+        if self.agent_in_node_netns {
+            self.topology.client.exec_in(&mut cmd)?;
+        }
+        let child = cmd
             .arg("agent")
             .args(source)
             .arg("--cgroup")
@@ -103,9 +126,14 @@ impl Harness {
             .arg(format!("--metrics-bind-address={}", self.metrics_addr))
             .arg(format!("--healthz-bind-address={}", self.healthz_addr))
             .args(&self.agent_args)
-            // The agent runs in this machine's own network namespace: socket path only, never
-            // the host's interfaces.
-            .args(["--interfaces", "none", "--iptables-min-sync-period", "0s"])
+            // No links unless asked for: in this machine's own network namespace, never the
+            // host's interfaces.
+            .args(if self.agent_args.iter().any(|a| a.starts_with("--interfaces")) {
+                &[][..]
+            } else {
+                &["--interfaces", "none"][..]
+            })
+            .args(["--iptables-min-sync-period", "0s"])
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())

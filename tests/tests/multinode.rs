@@ -229,6 +229,26 @@ fn node_port_reaches_a_pod_on_another_node_masqueraded() {
     assert_eq!((name.as_str(), seen.as_str()), ("pod-b", "10.0.0.1"));
 }
 
+#[test]
+fn node_ports_are_forwarded_past_a_forward_chain_that_drops() {
+    let c = Cluster::new("km-fwd").unwrap();
+    // Docker's FORWARD policy on node-a: the host's forwarding path drops whatever it sees.
+    c.nodes[0]
+        .netns
+        .sh("nft add table ip kprtest && nft add chain ip kprtest kprforward '{ type filter hook forward priority 0; policy drop; }'")
+        .unwrap();
+    let pod_b = c.nodes[1].pod_ip;
+    c.write("svc.yaml", &service("Cluster", 30080, &[(pod_b, "node-b")]));
+    c.wait("*:30080/TCP ext", 1);
+    let a = c.nodes[0].ip;
+    let (name, seen) = c.ext(move || tcp_ask_peer(SocketAddrV4::new(a, 30080), TIMEOUT).unwrap());
+    // Translated on node-a's eth0 and sent straight back out of it, the reply likewise.
+    assert_eq!((name.as_str(), seen), ("pod-b", a.to_string()));
+    let forwarded =
+        bpf::read_counters(&c.nodes[0].pins).unwrap()[proxy_common::counter::TC_FORWARDED_DIRECT as usize].1;
+    assert!(forwarded >= 2, "the SYN and the SYN-ACK at least: {forwarded}");
+}
+
 /// `kpr COMMAND ARGS --pin-root pins`: stdout, after checking the command succeeded.
 fn kpr(command: &str, pins: &std::path::Path, args: &[&str]) -> String {
     let out = Command::new(kpr_tests::kpr_bin())

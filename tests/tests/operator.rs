@@ -228,3 +228,26 @@ fn kpr_diff_is_quiet_in_sync_and_names_each_drifted_service_port() {
     let (code, text) = kpr_diff(&h, false);
     assert_eq!(code, 0, "{text}");
 }
+
+#[test]
+fn a_node_that_does_not_forward_is_told_so_at_start() {
+    let warning = "net.ipv4.ip_forward is 0";
+    let start = |forward: u8| {
+        let mut h = Harness::new("ko-fwd", &["pod-a"]).unwrap();
+        h.write_service("web", IP, &[HTTP], &[0]).unwrap();
+        h.topology.client.sh(&format!("echo {forward} > /proc/sys/net/ipv4/ip_forward")).unwrap();
+        // The per-packet path on the node's link to pod-a, in the node's namespace.
+        h.agent_in_node_netns = true;
+        h.agent_args = vec!["--interfaces".into(), "veth0".into()];
+        h.start_agent().unwrap();
+        h.wait("10.96.0.10:80/TCP", Some(1)).unwrap();
+        eventually("the link attached", TIMEOUT, || {
+            std::fs::read_to_string(h.log_path()).unwrap().contains("per-packet programs attached")
+        });
+        std::fs::read_to_string(h.log_path()).unwrap()
+    };
+    let log = start(0);
+    assert!(log.contains(warning), "{log}");
+    let log = start(1);
+    assert!(!log.contains(warning), "{log}");
+}

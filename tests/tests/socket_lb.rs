@@ -312,3 +312,58 @@ fn restarts_reconcile_pinned_hooks_with_the_layout_and_the_cgroup() {
     assert_eq!(kpr_hooks_on(&h.cgroup.path), 0, "and no longer on the old one");
     h.kill_agent().unwrap();
 }
+
+/// A node address with its real owner listening (the API server, say), a Service `web` that
+/// claims it as an externalIP (CVE-2020-8554) with pod-a behind it, and the agent started as
+/// `own_cgroup` says, in the node's namespace. Returns the address.
+fn external_ip_takeover(h: &mut Harness, own_cgroup: bool) -> (Ipv4Addr, kpr::testbed::NameServer) {
+    const OWNED: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
+    h.topology.client.ip(&["addr", "add", &format!("{OWNED}/32"), "dev", "lo"]).unwrap();
+    let owner = kpr::testbed::NameServer::tcp(&h.topology.client, sa(OWNED, 80), "owner").unwrap();
+    let manifest = kpr::testbed::service_manifest("test", "web", IP, &[HTTP])
+        .replace("  ports:\n", &format!("  externalIPs: [{OWNED}]\n  ports:\n"));
+    h.write("web-svc.yaml", &manifest).unwrap();
+    h.write_endpoints("web", &[HTTP], &[0]).unwrap();
+    h.agent_in_node_netns = true;
+    h.agent_own_cgroup = own_cgroup;
+    h.start_agent().unwrap();
+    h.wait(&format!("{OWNED}:80/TCP node"), Some(1)).unwrap();
+    (OWNED, owner)
+}
+
+/// Who answers 4 TCP connections to `addr`:80 from a process in `cgroup` on the node.
+fn answers_from(h: &Harness, cgroup: &std::path::Path, addr: Ipv4Addr) -> BTreeMap<String, usize> {
+    use kpr_tests::probe::{Kind, probe_in};
+    let exe = std::path::PathBuf::from(env!("CARGO_BIN_EXE_kpr-probe"));
+    probe_in(&exe, &h.topology.client.name, cgroup, Kind::Tcp, sa(addr, 80), 4, TIMEOUT).unwrap().answers
+}
+
+fn four(name: &str) -> BTreeMap<String, usize> {
+    BTreeMap::from([(name.to_owned(), 4)])
+}
+
+#[test]
+fn the_agents_own_sockets_are_not_taken_over_by_an_external_ip() {
+    // The agent as a DaemonSet runs it: alone in its container's cgroup.
+    let mut h = Harness::new("kt-agentx", &["pod-a"]).unwrap();
+    let (owned, _owner) = external_ip_takeover(&mut h, true);
+    let agent_home = h.agent_home.as_ref().unwrap().path.clone();
+    // Everyone else on the node is sent to the Service's endpoints, as kube-proxy does.
+    assert_eq!(answers_from(&h, &h.cgroup.path, owned), four("pod-a"));
+    // The agent's own cgroup reaches the address's owner, and still gets ClusterIPs translated.
+    assert_eq!(answers_from(&h, &agent_home, owned), four("owner"));
+    assert_eq!(answers_from(&h, &agent_home, IP), four("pod-a"));
+    assert_eq!(h.counter("sock_agent_exempt"), 4);
+}
+
+#[test]
+fn an_agent_sharing_its_cgroup_exempts_nobody() {
+    // An agent sharing its cgroup (a shell's session on a dev node; here the test's):
+    // exempting that cgroup would exempt everything else in it.
+    let mut h = Harness::new("kt-agentshared", &["pod-a"]).unwrap();
+    let (owned, _owner) = external_ip_takeover(&mut h, false);
+    assert_eq!(answers_from(&h, &h.cgroup.path, owned), four("pod-a"));
+    assert_eq!(h.counter("sock_agent_exempt"), 0);
+    let log = std::fs::read_to_string(h.log_path()).unwrap();
+    assert!(log.contains("kpr shares its cgroup with other processes"), "{log}");
+}

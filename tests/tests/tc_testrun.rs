@@ -182,6 +182,8 @@ impl Rig {
         cfg.detect_local = DETECT_LOCAL_CIDR;
         cfg.max_service_ports = 64;
         cfg.max_backends = 64;
+        // Verdicts independent of this machine's routes, unless a test asks (in a namespace).
+        cfg.forward_direct = false;
         tune(&mut cfg);
         let mut ebpf = bpf::open_object(&cfg).expect("load object");
         // Programs first: taking a map out of the object before loading breaks its relocation.
@@ -787,4 +789,115 @@ fn a_flood_of_new_flows_cannot_evict_established_ones() {
         assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK);
     }
     assert_eq!(rig.counter(counter::TC_CT_RECREATED), 0, "every established connection still had its flow");
+}
+
+/// Run this thread on CPU `cpu` only.
+fn pin_to_cpu(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is empty; CPU_SET and sched_setaffinity only touch it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        assert_eq!(libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set), 0, "pin to CPU {cpu}");
+    }
+}
+
+#[test]
+fn the_same_syn_on_two_cpus_at_once_makes_one_flow() {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    let rig = Rig::new(&churn_services());
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // A SYN and its retransmission (or a SYN seen on two queues) handled by two CPUs at once,
+    // in rounds until the CPUs have really raced (or give up: one CPU cannot race).
+    let (mut flows, mut next_port) = (0usize, 20000u16);
+    while flows < 20_000 && (flows == 0 || cpus >= 2 && rig.counter(counter::TC_CT_RACE_ADOPTED) == 0) {
+        let syns: Vec<Vec<u8>> = (0..1000).map(|i| tcp(CLIENT, next_port + i, NODE_IP, 30090).bytes()).collect();
+        next_port += 1000;
+        flows += syns.len();
+        let arrived = AtomicUsize::new(0);
+        let [first, second]: [Vec<(u32, Vec<u8>)>; 2] = std::thread::scope(|s| {
+            let run = |cpu: usize| {
+                let (rig, syns, arrived) = (&rig, &syns, &arrived);
+                s.spawn(move || {
+                    pin_to_cpu(cpu % cpus);
+                    let mut outputs = Vec::new();
+                    for (i, syn) in syns.iter().enumerate() {
+                        // Both threads send each SYN together: a spin barrier (a sleeping one
+                        // wakes microseconds apart, longer than the program runs).
+                        arrived.fetch_add(1, SeqCst);
+                        let mut spins = 0u32;
+                        while arrived.load(SeqCst) < 2 * (i + 1) {
+                            spins += 1;
+                            if spins % 10_000 == 0 {
+                                std::thread::yield_now();
+                            }
+                            std::hint::spin_loop();
+                        }
+                        outputs.push(rig.ingress(syn));
+                    }
+                    outputs
+                })
+            };
+            let (a, b) = (run(0), run(1));
+            [a.join().unwrap(), b.join().unwrap()]
+        });
+        for (i, (a, b)) in first.iter().zip(&second).enumerate() {
+            assert_eq!(a.0, TC_ACT_OK, "SYN {i}");
+            assert_eq!(a, b, "SYN {i}: both CPUs gave it the same endpoint and SNAT port");
+        }
+    }
+    let raced = rig.counter(counter::TC_CT_RACE_ADOPTED);
+    eprintln!("{raced} of {flows} SYN pairs raced ({cpus} CPUs)");
+    if cpus >= 2 {
+        assert!(raced > 0, "in {flows} SYN pairs the two CPUs never raced: nothing was tested");
+    }
+    // One flow per tuple: its two entries and nothing else (no second SNAT port held).
+    assert_eq!(rig.flows().len(), 2 * flows);
+    let (new, hit) = (rig.counter(counter::TC_NEW_FLOW), rig.counter(counter::TC_CT_HIT));
+    assert_eq!(new + hit, flows as u64 * 2, "each SYN made or found its flow");
+}
+
+/// `frame` (Ethernet + IPv4) with TTL `ttl` and its header checksum computed anew.
+fn with_ttl(mut frame: Vec<u8>, ttl: u8) -> Vec<u8> {
+    frame[22] = ttl;
+    frame[24..26].copy_from_slice(&[0, 0]);
+    let c = csum(&frame[14..34], 0);
+    frame[24..26].copy_from_slice(&c.to_be_bytes());
+    frame
+}
+
+#[test]
+fn translated_packets_go_straight_out_of_the_link_their_route_takes() {
+    // A node of our own: the pods are routed over a link, forwarding is on; the client is
+    // not routed at all.
+    let ns = testbed::Netns::new(&testbed::unique_name("kt-fwd")).unwrap();
+    ns.ip(&["link", "add", "out0", "type", "veth", "peer", "name", "out1"]).unwrap();
+    ns.ip(&["link", "set", "out1", "up"]).unwrap();
+    ns.ip(&["link", "set", "out0", "up"]).unwrap();
+    ns.ip(&["route", "add", "10.244.0.0/16", "dev", "out0"]).unwrap();
+    ns.sh("echo 1 > /proc/sys/net/ipv4/ip_forward").unwrap();
+    ns.run(|| {
+        let rig = Rig::with(&services(), |cfg| cfg.forward_direct = true);
+        let syn = tcp(CLIENT, 40003, NODE_IP, 30080);
+        let (verdict, out) = rig.ingress(&syn.bytes());
+        assert_eq!(verdict, TC_ACT_REDIRECT, "sent out of out0, not into the host stack");
+        let nat_port = sport_of(&out);
+        let expected = Pkt { src: NODE_IP, sport: nat_port, dst: POD, dport: 8080, ..syn }.bytes();
+        assert_eq!(out, with_ttl(expected, 63), "translated, one hop older");
+        assert_eq!(rig.counter(counter::TC_FORWARDED_DIRECT), 1);
+
+        // A TTL about to run out: left to the host stack (which answers "time exceeded").
+        let (verdict, out) = rig.ingress(&with_ttl(tcp(CLIENT, 40004, NODE_IP, 30080).bytes(), 1));
+        assert_eq!((verdict, out[22]), (TC_ACT_OK, 1));
+        // The reply, to a client this node has no route to: the host stack decides.
+        let reply = Pkt { tcp_flags: 0x12, ..tcp(POD, 8080, NODE_IP, nat_port) };
+        let (verdict, out) = rig.ingress(&reply.bytes());
+        assert_eq!(verdict, TC_ACT_OK);
+        assert_eq!(out, Pkt { src: NODE_IP, sport: 30080, dst: CLIENT, dport: 40003, ..reply }.bytes());
+        // Forwarding off: nothing is forwarded behind the node's back.
+        std::fs::write("/proc/sys/net/ipv4/ip_forward", "0").unwrap();
+        let (verdict, _) = rig.ingress(&tcp(CLIENT, 40005, NODE_IP, 30080).bytes());
+        assert_eq!(verdict, TC_ACT_OK);
+        assert_eq!(rig.counter(counter::TC_FORWARDED_DIRECT), 1);
+    })
+    .unwrap();
 }

@@ -31,8 +31,10 @@ pub const KERNELS: [(&str, &str); 2] = [
 pub const SUITES: [&str; 5] = ["tc_testrun", "socket_lb", "demo", "operator", "multinode"];
 
 /// Modules loaded before the tests (with their dependencies): the 9p root, and what the tests'
-/// topologies use (veth, bridge; clsact and cls_bpf for netlink tc attachments).
-const MODULES: [&str; 7] = ["virtio_pci", "9pnet_virtio", "9p", "veth", "bridge", "sch_ingress", "cls_bpf"];
+/// topologies use (veth, bridge; clsact and cls_bpf for netlink tc attachments; nf_tables for
+/// a node whose FORWARD chain drops).
+const MODULES: [&str; 8] =
+    ["virtio_pci", "9pnet_virtio", "9p", "veth", "bridge", "sch_ingress", "cls_bpf", "nf_tables"];
 
 /// `KPR_VM_ACCEL` (`kvm`), else software emulation: this machine's `/dev/kvm` (nested) hangs
 /// a guest kernel at its first instruction, while emulation boots it in seconds.

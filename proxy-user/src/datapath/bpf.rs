@@ -64,6 +64,12 @@ pub struct DatapathConfig {
     pub snat_ports: (u16, u16),
     /// Attach the per-packet programs as netlink tc filters even where TCX exists.
     pub tc_netlink: bool,
+    /// Send packets translated on their way in straight out of their link (else through the
+    /// host's forwarding path).
+    pub forward_direct: bool,
+    /// cgroup id whose sockets are not translated to externalIPs and LoadBalancer IPs (the
+    /// agent's own, see [`agent_cgroup_id`]); 0: none.
+    pub agent_cgroup_id: u64,
 }
 
 impl DatapathConfig {
@@ -78,6 +84,8 @@ impl DatapathConfig {
             detect_local: proxy_common::DETECT_LOCAL_NONE,
             localhost_node_ports: false,
             pod_links_covered: false,
+            forward_direct: true,
+            agent_cgroup_id: 0,
             nft_service_range: false,
             ct_timeouts: CtTimeouts::DEFAULT,
             snat_ports: snat_port_range(),
@@ -160,6 +168,29 @@ pub fn cgroup2_root() -> Result<PathBuf> {
         .find(|f| f.len() > 2 && f[2] == "cgroup2")
         .map(|f| PathBuf::from(f[1]))
         .context("no cgroup2 file system is mounted")
+}
+
+/// This process's cgroup2 directory.
+pub fn own_cgroup() -> Result<PathBuf> {
+    let text = fs::read_to_string("/proc/self/cgroup")?;
+    let rel = text.lines().find_map(|l| l.strip_prefix("0::")).context("no cgroup2 entry in /proc/self/cgroup")?;
+    Ok(cgroup2_root()?.join(rel.trim_start_matches('/')))
+}
+
+/// The id of this process's cgroup when the process is alone in it (a DaemonSet's container),
+/// so that exempting the cgroup from translation exempts the agent and nothing else.
+/// `Ok(None)` when other processes share it (a shell's session on a dev node).
+pub fn agent_cgroup_id() -> Result<Option<u64>> {
+    let dir = own_cgroup()?;
+    let procs = fs::read_to_string(dir.join("cgroup.procs"))
+        .with_context(|| format!("failed to read {}", dir.join("cgroup.procs").display()))?;
+    let me = std::process::id().to_string();
+    if procs.lines().any(|pid| pid != me) {
+        return Ok(None);
+    }
+    // A cgroup's id, as bpf_get_current_cgroup_id returns it, is its directory's inode number.
+    let id = std::os::unix::fs::MetadataExt::ino(&fs::metadata(&dir)?);
+    Ok(Some(id))
 }
 
 /// kube-proxy's default NodePort range, which operators keep free of other uses
@@ -271,6 +302,8 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .override_global("KPR_HOST_NETNS_COOKIE", &host_netns, true)
         .override_global("KPR_POD_LINKS_COVERED", &u8::from(cfg.pod_links_covered), true)
         .override_global("KPR_LOCALHOST_NODEPORTS", &u8::from(cfg.localhost_node_ports), true)
+        .override_global("KPR_AGENT_CGROUP_ID", &cfg.agent_cgroup_id, true)
+        .override_global("KPR_FORWARD_DIRECT", &u8::from(cfg.forward_direct), true)
         .override_global("KPR_DETECT_LOCAL", &cfg.detect_local, true)
         .override_global("KPR_NFT_SERVICE_RANGE", &u8::from(cfg.nft_service_range), true)
         .override_global("KPR_SNAT_PORT_MIN", &snat_ports.0, true)
@@ -565,6 +598,8 @@ pub struct BpfHost {
     tc_netlink: bool,
     /// Links holding kpr's netlink filters (kept in `KPR_LINKS` across restarts).
     netlink_links: BTreeSet<u32>,
+    /// The host's forwarding was checked (at the first attach).
+    forwarding_checked: bool,
 }
 
 impl BpfHost {
@@ -587,7 +622,24 @@ impl BpfHost {
             accept_local_set,
             tc_netlink,
             netlink_links,
+            forwarding_checked: false,
         })
+    }
+
+    /// Translated packets go back to the host stack, which forwards them between links only
+    /// with forwarding on (kube-proxy needs it as well; the CNI or kubelet usually turns it
+    /// on). Checked once the per-packet path is on a link: off, it is said clearly.
+    fn check_forwarding(&mut self) {
+        if self.forwarding_checked || self.attached.is_empty() {
+            return;
+        }
+        self.forwarding_checked = true;
+        if fs::read_to_string("/proc/sys/net/ipv4/ip_forward").is_ok_and(|v| v.trim() == "0") {
+            tracing::warn!(
+                "net.ipv4.ip_forward is 0: the node drops translated packets that go from one link to another \
+                 (NodePort, externalIP and LoadBalancer traffic to pods); set it to 1"
+            );
+        }
     }
 
     fn tc_pin(&self, program: &str, ifindex: u32) -> PathBuf {
@@ -756,6 +808,7 @@ impl HostDatapath for BpfHost {
                 Err(e) => tracing::warn!(interface = %name, "{e:#}"),
             }
         }
+        self.check_forwarding();
         // Remember what is ours to undo (accept_local, netlink filters) when it changed.
         if marks != (self.accept_local_set.clone(), self.netlink_links.clone()) {
             let links = self.links_marked(&plan.links);

@@ -7,8 +7,8 @@ use std::{fmt::Write as _, net::Ipv4Addr, path::Path, str::FromStr};
 use anyhow::{Context as _, Result, bail};
 use proxy_common::{
     IPPROTO_TCP, IPPROTO_UDP, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, PROTO_ANY, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
-    SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP, SERVICE_FLAG_SOURCE_RANGES,
-    ServiceKey,
+    SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP,
+    SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
 };
 use serde::Serialize;
 
@@ -186,6 +186,9 @@ fn verdict(report: &mut TraceReport, entry: &Programmed, socket: bool, proto: u8
         );
         report.path = "socket, then per-packet";
         socket = false;
+    }
+    if socket && value.flags & SERVICE_FLAG_EXTERNAL_ADDR != 0 {
+        steps.push("an externalIP or LoadBalancer IP: the agent's own sockets are not translated to it".into());
     }
     if value.flags & SERVICE_FLAG_SOURCE_RANGES != 0 {
         let allowed = contains(&entry.source_ranges, report.source);

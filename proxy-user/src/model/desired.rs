@@ -10,7 +10,7 @@ use std::{
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_common::{
     IPPROTO_TCP, IPPROTO_UDP, PROTO_ANY, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
-    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP, SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
+    SERVICE_FLAG_EXTERNAL_ADDR, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP, SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
 };
 
 use super::{
@@ -97,31 +97,39 @@ pub fn service_entries<'a>(
         // loadBalancerSourceRanges filter the LoadBalancer IPs only, as in kube-proxy.
         let ranges = source_ranges(&sp.load_balancer_source_ranges, &sp.name, skipped);
         let scopes = scoped_verdicts(sp, &cat, node, options, &ranges);
-        let mut push =
-            |ip: Ipv4Addr, port: u16, [pod, external, from_node]: &[Verdict; 3], ranges: &[(Ipv4Addr, u8)]| {
-                for (scope, verdict) in [(SCOPE_POD, pod), (SCOPE_EXTERNAL, external), (SCOPE_NODE, from_node)] {
-                    let Some(key) = frontend_key(ip, port, sp.protocol, scope) else {
-                        skipped.push((sp.name.port.clone(), Skip::UnsupportedProtocol(sp.protocol)));
-                        return;
-                    };
-                    // The node's own traffic was decided at sync time (no per-packet source).
-                    let filtered = !ranges.is_empty() && scope != SCOPE_NODE;
-                    let mut flags = verdict.flags;
-                    if filtered {
-                        flags |= SERVICE_FLAG_SOURCE_RANGES;
-                    }
-                    // What connect() in a pod cannot do (masquerade, source filtering) is left to
-                    // the per-packet path on the pod's link.
-                    if scope == SCOPE_POD && (filtered || flags & SERVICE_FLAG_SNAT != 0) {
-                        flags |= SERVICE_FLAG_SOCKET_SKIP;
-                    }
-                    let source_ranges = if filtered { ranges.to_vec() } else { Vec::new() };
-                    out.push((
-                        key,
-                        DesiredPort { name: sp.name.clone(), backends: verdict.backends.clone(), flags, source_ranges },
-                    ));
+        // `chosen`: an externalIP or LoadBalancer IP, an address the Service (or its status) picks.
+        let mut push = |ip: Ipv4Addr,
+                        port: u16,
+                        [pod, external, from_node]: &[Verdict; 3],
+                        ranges: &[(Ipv4Addr, u8)],
+                        chosen: bool| {
+            for (scope, verdict) in [(SCOPE_POD, pod), (SCOPE_EXTERNAL, external), (SCOPE_NODE, from_node)] {
+                let Some(key) = frontend_key(ip, port, sp.protocol, scope) else {
+                    skipped.push((sp.name.port.clone(), Skip::UnsupportedProtocol(sp.protocol)));
+                    return;
+                };
+                // The node's own traffic was decided at sync time (no per-packet source).
+                let filtered = !ranges.is_empty() && scope != SCOPE_NODE;
+                let mut flags = verdict.flags;
+                if filtered {
+                    flags |= SERVICE_FLAG_SOURCE_RANGES;
                 }
-            };
+                // What connect() in a pod cannot do (masquerade, source filtering) is left to
+                // the per-packet path on the pod's link.
+                if scope == SCOPE_POD && (filtered || flags & SERVICE_FLAG_SNAT != 0) {
+                    flags |= SERVICE_FLAG_SOCKET_SKIP;
+                }
+                // Not even the agent's own connection to the API server can be taken over.
+                if scope == SCOPE_NODE && chosen {
+                    flags |= SERVICE_FLAG_EXTERNAL_ADDR;
+                }
+                let source_ranges = if filtered { ranges.to_vec() } else { Vec::new() };
+                out.push((
+                    key,
+                    DesiredPort { name: sp.name.clone(), backends: verdict.backends.clone(), flags, source_ranges },
+                ));
+            }
+        };
         let v4 = |ips: &[IpAddr]| {
             ips.iter()
                 .filter_map(|ip| match ip {
@@ -131,18 +139,18 @@ pub fn service_entries<'a>(
                 .collect::<Vec<_>>()
         };
         for ip in v4(&sp.cluster_ips) {
-            push(ip, sp.port, &scopes.cluster_ip, &[]);
+            push(ip, sp.port, &scopes.cluster_ip, &[], false);
         }
         if sp.externally_accessible() {
             for ip in v4(&sp.external_ips) {
-                push(ip, sp.port, &scopes.external, &[]);
+                push(ip, sp.port, &scopes.external, &[], true);
             }
             let lb_ranges = allow_from_node(&ranges, &v4(&sp.load_balancer_ips), node);
             for ip in v4(&sp.load_balancer_ips) {
-                push(ip, sp.port, &scopes.load_balancer, &lb_ranges);
+                push(ip, sp.port, &scopes.load_balancer, &lb_ranges, true);
             }
             if let Some(node_port) = sp.node_port {
-                push(Ipv4Addr::UNSPECIFIED, node_port, &scopes.external, &[]);
+                push(Ipv4Addr::UNSPECIFIED, node_port, &scopes.external, &[], false);
             }
         }
     }
@@ -733,8 +741,15 @@ mod tests {
             assert_eq!(show(ip, port, SCOPE_EXTERNAL), (local.clone(), 0), "{ip}:{port} from outside");
             // Pods are short-circuited to every endpoint, source kept; the node is masqueraded.
             assert_eq!(show(ip, port, SCOPE_POD), (all.clone(), 0), "{ip}:{port} from a pod");
-            assert_eq!(show(ip, port, SCOPE_NODE), (all.clone(), SERVICE_FLAG_SNAT), "{ip}:{port} from the node");
+            // externalIPs and LoadBalancer IPs are not for the agent's own sockets.
+            let chosen = if port == 80 { SERVICE_FLAG_EXTERNAL_ADDR } else { 0 };
+            assert_eq!(
+                show(ip, port, SCOPE_NODE),
+                (all.clone(), SERVICE_FLAG_SNAT | chosen),
+                "{ip}:{port} from the node"
+            );
         }
+        assert_eq!(show("10.96.0.10", 80, SCOPE_NODE).1 & SERVICE_FLAG_EXTERNAL_ADDR, 0, "a ClusterIP is for everyone");
         assert_eq!(st.health_checks()[&32000], (ObjectKey::new("shop", "web"), 1));
     }
 }
