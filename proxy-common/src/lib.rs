@@ -27,6 +27,7 @@ pub mod map_names {
     pub const LOCAL_CIDRS: &str = "KPR_LOCAL_CIDRS";
     pub const LINKS: &str = "KPR_LINKS";
     pub const SERVICE_CIDRS: &str = "KPR_SERVICE_CIDRS";
+    pub const AFFINITY: &str = "KPR_AFFINITY";
 }
 
 /// Program names (the Rust function names in `proxy-ebpf`).
@@ -58,6 +59,8 @@ pub mod defaults {
     pub const MAX_LOCAL_CIDRS: u32 = 64;
     /// The cluster's service ranges (ServiceCIDR objects).
     pub const MAX_SERVICE_CIDRS: u32 = 64;
+    /// sessionAffinity ClientIP: (service entry, client) pairs remembered, LRU.
+    pub const MAX_AFFINITY: u32 = 65_536;
     /// loadBalancerSourceRanges entries across all LoadBalancer frontends.
     pub const MAX_SOURCE_RANGES: u32 = 16_384;
 }
@@ -194,6 +197,36 @@ pub struct ServiceValue {
     pub backends_count: u32,
     /// `SERVICE_FLAG_*` bits.
     pub flags: u32,
+    /// sessionAffinity ClientIP: seconds a client keeps its backend after its last new
+    /// connection (`timeoutSeconds`); 0: no affinity.
+    pub affinity_timeout: u32,
+}
+
+/// `AffinityKey::kind`: the client is a source address (the per-packet path, as kube-proxy's
+/// `recent` match sees it).
+pub const AFFINITY_BY_ADDR: u32 = 0;
+/// `AffinityKey::kind`: the client is a network namespace (the socket path, which runs before
+/// the source address is chosen; a pod's namespace has the pod's address).
+pub const AFFINITY_BY_NETNS: u32 = 1;
+
+/// Key of `KPR_AFFINITY`: a service entry and a client.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AffinityKey {
+    pub service_id: u32,
+    /// `AFFINITY_BY_*`.
+    pub kind: u32,
+    /// IPv4 source address (network byte order) or network namespace cookie.
+    pub client: u64,
+}
+
+/// Value of `KPR_AFFINITY`: the client's backend and when it last got a connection to it
+/// (CLOCK_MONOTONIC ns).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AffinityValue {
+    pub backend: Backend,
+    pub last_used: u64,
 }
 
 /// Value of `KPR_BACKENDS` (an array indexed by slot).
@@ -467,7 +500,9 @@ pub mod counter {
 }
 
 const _: () = assert!(size_of::<ServiceKey>() == 8);
-const _: () = assert!(size_of::<ServiceValue>() == 16);
+const _: () = assert!(size_of::<ServiceValue>() == 20);
+const _: () = assert!(size_of::<AffinityKey>() == 16);
+const _: () = assert!(size_of::<AffinityValue>() == 16);
 const _: () = assert!(size_of::<Backend>() == 8);
 const _: () = assert!(size_of::<SockRevNatKey>() == 16);
 const _: () = assert!(size_of::<SockRevNatValue>() == 12);
@@ -494,4 +529,6 @@ mod pod {
     unsafe impl aya::Pod for super::FragmentKey {}
     unsafe impl aya::Pod for super::LinkInfo {}
     unsafe impl aya::Pod for super::CidrKey {}
+    unsafe impl aya::Pod for super::AffinityKey {}
+    unsafe impl aya::Pod for super::AffinityValue {}
 }

@@ -6,21 +6,21 @@ use aya_ebpf::{
     bindings::{bpf_sock_addr, bpf_sock_tuple, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1, sockaddr},
     helpers::{
         bpf_bind, bpf_get_current_cgroup_id, bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie,
-        bpf_set_retval, bpf_sk_lookup_tcp, bpf_sk_lookup_udp, bpf_sk_release,
+        bpf_ktime_get_ns, bpf_set_retval, bpf_sk_lookup_tcp, bpf_sk_lookup_udp, bpf_sk_release,
     },
     macros::{cgroup_sock, cgroup_sock_addr},
     programs::{SockAddrContext, SockContext},
 };
 use aya_log_ebpf::error;
 use proxy_common::{
-    Backend, IPPROTO_TCP, IPPROTO_UDP, LINK_SERVICE_SOURCE, NODE_ADDR_NODEPORT, SCOPE_NODE, SCOPE_POD,
-    SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP,
+    AFFINITY_BY_NETNS, Backend, IPPROTO_TCP, IPPROTO_UDP, LINK_SERVICE_SOURCE, NODE_ADDR_NODEPORT, SCOPE_NODE,
+    SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP,
     ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, counter,
 };
 
 use crate::maps::{
-    BACKENDS, NODE_ADDRS, SERVICES, SOCK_PICKS, SOCK_REVNAT, ServiceRangeMiss, count, link_addr, refusal, serves,
-    service_range_miss,
+    BACKENDS, NODE_ADDRS, SERVICES, SOCK_PICKS, SOCK_REVNAT, ServiceRangeMiss, affinity_backend, count, link_addr,
+    refusal, remember_affinity, serves, service_range_miss,
 };
 
 /// Return value that lets the syscall proceed.
@@ -90,7 +90,8 @@ fn forward4(ctx: &SockAddrContext, connect: bool) -> i32 {
         return ALLOW;
     }
     let host = KPR_HOST_NETNS_COOKIE.load();
-    let from_node = host == 0 || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == host;
+    let netns = if host == 0 { 0 } else { unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } };
+    let from_node = host == 0 || netns == host;
     let scope = if from_node { SCOPE_NODE } else { SCOPE_POD };
     let mut key = ServiceKey { addr: sa.user_ip4, port: sa.user_port as u16, proto, scope };
     // Not a service: one hash lookup (two for a local address) and nothing else.
@@ -135,18 +136,30 @@ fn forward4(ctx: &SockAddrContext, connect: bool) -> i32 {
     let backend = match earlier {
         Some(b) if serves(&service, b.addr, b.port) => b,
         _ => {
-            // checked_rem: no division-by-zero panic path for the verifier to reject (the count
-            // was checked above, but the compiler cannot always see it).
-            let Some(pick) = unsafe { bpf_get_prandom_u32() }.checked_rem(service.backends_count) else {
-                return ALLOW;
+            // sessionAffinity ClientIP: the client (this namespace: a pod, or the node) keeps
+            // its backend; otherwise a random one.
+            let now = if service.affinity_timeout == 0 { 0 } else { unsafe { bpf_ktime_get_ns() } };
+            let backend = match affinity_backend(&service, AFFINITY_BY_NETNS, netns, now) {
+                Some(backend) => backend,
+                None => {
+                    // checked_rem: no division-by-zero panic path for the verifier to reject
+                    // (the count was checked above, but the compiler cannot always see it).
+                    let Some(pick) = unsafe { bpf_get_prandom_u32() }.checked_rem(service.backends_count) else {
+                        return ALLOW;
+                    };
+                    let slot = service.backends_start.wrapping_add(pick);
+                    let Some(backend) = BACKENDS.get(slot) else {
+                        count(counter::BAD_BACKEND_SLOT);
+                        error!(
+                            ctx,
+                            "kpr: service {} points at backend slot {} outside the array", service.service_id, slot
+                        );
+                        return ALLOW;
+                    };
+                    *backend
+                }
             };
-            let slot = service.backends_start.wrapping_add(pick);
-            let Some(backend) = BACKENDS.get(slot) else {
-                count(counter::BAD_BACKEND_SLOT);
-                error!(ctx, "kpr: service {} points at backend slot {} outside the array", service.service_id, slot);
-                return ALLOW;
-            };
-            let backend = *backend;
+            remember_affinity(&service, AFFINITY_BY_NETNS, netns, &backend, now);
             if sticky {
                 let _ = SOCK_PICKS.insert(&pick_key, &backend, 0);
             }

@@ -31,16 +31,16 @@ use aya_ebpf::{
 };
 use network_types::{eth::EtherType, ip::Ipv4Hdr};
 use proxy_common::{
-    Backend, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, DETECT_LOCAL_INTERFACE, FragmentKey, IPPROTO_TCP,
-    IPPROTO_UDP, LINK_FLAG_LOCAL_TRAFFIC, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
-    SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN,
-    ServiceKey, ServiceValue, SourceRange, counter, ct,
+    AFFINITY_BY_ADDR, Backend, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, DETECT_LOCAL_INTERFACE,
+    FragmentKey, IPPROTO_TCP, IPPROTO_UDP, LINK_FLAG_LOCAL_TRAFFIC, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT,
+    SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
+    SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceKey, ServiceValue, SourceRange, counter, ct,
 };
 
 use crate::{
     maps::{
         BACKENDS, CONNTRACK, CT_NEW, FRAGMENTS, FlowMap, LINKS, LOCAL_CIDRS, NODE_ADDRS, SERVICES, SOURCE_RANGES,
-        ServiceRangeMiss, count, link_addr, refusal, serves, service_range_miss,
+        ServiceRangeMiss, affinity_backend, count, link_addr, refusal, remember_affinity, serves, service_range_miss,
     },
     packet::*,
     tc_reject::{reject_tcp, reject_udp},
@@ -462,14 +462,21 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue, tcp_flags: u8, n
     // the same again for a connection whose entries were lost. checked_rem: no
     // division-by-zero panic path for the verifier to reject.
     let hash = flow_hash(t);
-    let Some(pick) = hash.checked_rem(service.backends_count) else {
-        return Ok(PASS);
+    let client = u64::from(t.saddr);
+    let backend = match affinity_backend(service, AFFINITY_BY_ADDR, client, now) {
+        Some(backend) => backend,
+        None => {
+            let Some(pick) = hash.checked_rem(service.backends_count) else {
+                return Ok(PASS);
+            };
+            let Some(backend) = BACKENDS.get(service.backends_start.wrapping_add(pick)) else {
+                count(counter::BAD_BACKEND_SLOT);
+                return Ok(PASS);
+            };
+            *backend
+        }
     };
-    let Some(backend) = BACKENDS.get(service.backends_start.wrapping_add(pick)) else {
-        count(counter::BAD_BACKEND_SLOT);
-        return Ok(PASS);
-    };
-    let backend: Backend = *backend;
+    remember_affinity(service, AFFINITY_BY_ADDR, client, &backend, now);
 
     // Replies must come back through this node: masquerade what the entry says and a client
     // that is its own backend (hairpin), as kube-proxy does.

@@ -310,33 +310,15 @@ fn rbac_the_agent_works_with_only_the_service_account_of_deploy_rbac_yaml() {
 
     // A newer Service claims web's externalIP: kpr keeps it for web and tells the newcomer's
     // owner with an Event.
-    env.c
-        .kubectl(&[
-            "patch",
-            "service",
-            "web",
-            "-n",
-            "test",
-            "--type=merge",
-            "-p",
-            r#"{"spec":{"externalIPs":["192.0.2.50"]}}"#,
-        ])
-        .unwrap();
+    let claim = |service: &str| {
+        let patch = r#"{"spec":{"externalIPs":["192.0.2.50"]}}"#;
+        env.c.kubectl(&["patch", "service", service, "-n", "test", "--type=merge", "-p", patch]).unwrap();
+    };
+    claim("web");
     env.wait("192.0.2.50:80/TCP", Some(1));
     std::thread::sleep(Duration::from_millis(1100)); // creationTimestamp has whole seconds
     env.service("late", &[HTTP]);
-    env.c
-        .kubectl(&[
-            "patch",
-            "service",
-            "late",
-            "-n",
-            "test",
-            "--type=merge",
-            "-p",
-            r#"{"spec":{"externalIPs":["192.0.2.50"]}}"#,
-        ])
-        .unwrap();
+    claim("late");
     let deadline = std::time::Instant::now() + RESUME;
     let event = loop {
         let out = env

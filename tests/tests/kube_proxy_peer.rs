@@ -41,6 +41,8 @@ enum Expect {
     Backends(&'static [&'static str]),
     /// Every attempt fails with these `stage:ERRNO` kinds.
     Errors(&'static [&'static str]),
+    /// sessionAffinity: every answer comes from one backend, one of these.
+    OneOf(&'static [&'static str]),
 }
 
 struct Scenario {
@@ -50,6 +52,8 @@ struct Scenario {
     /// EndpointSlice ports: (name, port, protocol); `None`: no slice at all.
     slice_ports: Option<&'static [(&'static str, u16, &'static str)]>,
     endpoints: Vec<Ep>,
+    /// sessionAffinity ClientIP with this timeout (seconds).
+    affinity: Option<u32>,
     /// (kind, service port, expected outcome).
     probes: &'static [(Kind, u16, Expect)],
 }
@@ -66,6 +70,7 @@ fn scenarios() -> Vec<Scenario> {
             ports: TCP80,
             slice_ports: Some(SLICE_TCP),
             endpoints: vec![READY(0), READY(1), READY(2)],
+            affinity: None,
             probes: &[(Tcp, 80, Backends(&["pod-a", "pod-b", "pod-c"]))],
         },
         Scenario {
@@ -73,6 +78,7 @@ fn scenarios() -> Vec<Scenario> {
             ports: &[("dns", 53, "UDP")],
             slice_ports: Some(&[("dns", POD_PORT, "UDP")]),
             endpoints: vec![READY(0), READY(2)],
+            affinity: None,
             probes: &[(Udp, 53, Backends(&["pod-a", "pod-c"])), (UdpConnected, 53, Backends(&["pod-a", "pod-c"]))],
         },
         // Named ports: the slice lists them in another order, with another unrelated port;
@@ -87,6 +93,7 @@ fn scenarios() -> Vec<Scenario> {
                 ("web", POD_PORT, "TCP"),
             ]),
             endpoints: vec![READY(1), READY(2)],
+            affinity: None,
             probes: &[
                 (Tcp, 80, Backends(&["pod-b", "pod-c"])),
                 (Tcp, 81, Backends(&["pod-b:8081", "pod-c:8081"])),
@@ -99,6 +106,7 @@ fn scenarios() -> Vec<Scenario> {
             ports: TCP80,
             slice_ports: Some(SLICE_TCP),
             endpoints: vec![READY(0), NOT_READY(1), TERMINATING_SERVING(2)],
+            affinity: None,
             probes: &[(Tcp, 80, Backends(&["pod-a"]))],
         },
         // No ready endpoint: fall back to the serving terminating ones.
@@ -107,6 +115,7 @@ fn scenarios() -> Vec<Scenario> {
             ports: TCP80,
             slice_ports: Some(SLICE_TCP),
             endpoints: vec![NOT_READY(0), TERMINATING_SERVING(1), TERMINATING_NOT_SERVING(2)],
+            affinity: None,
             probes: &[(Tcp, 80, Backends(&["pod-b"]))],
         },
         // Conditions left unset count as ready and serving.
@@ -115,6 +124,7 @@ fn scenarios() -> Vec<Scenario> {
             ports: TCP80,
             slice_ports: Some(SLICE_TCP),
             endpoints: vec![Ep(0, None, None, None), Ep(1, None, None, None)],
+            affinity: None,
             probes: &[(Tcp, 80, Backends(&["pod-a", "pod-b"]))],
         },
         Scenario {
@@ -122,6 +132,7 @@ fn scenarios() -> Vec<Scenario> {
             ports: TCP80,
             slice_ports: Some(SLICE_TCP),
             endpoints: vec![NOT_READY(0), TERMINATING_NOT_SERVING(1)],
+            affinity: None,
             probes: REFUSED_TCP,
         },
         Scenario {
@@ -129,13 +140,30 @@ fn scenarios() -> Vec<Scenario> {
             ports: &[("http", 80, "TCP"), ("dns", 53, "UDP")],
             slice_ports: Some(&[("http", POD_PORT, "TCP"), ("dns", POD_PORT, "UDP")]),
             endpoints: vec![],
+            affinity: None,
             probes: &[
                 (Tcp, 80, Errors(&["connect:ECONNREFUSED"])),
                 (Udp, 53, Errors(&["send:ECONNREFUSED"])),
                 (UdpConnected, 53, Errors(&["connect:ECONNREFUSED"])),
             ],
         },
-        Scenario { service: "no-slice", ports: TCP80, slice_ports: None, endpoints: vec![], probes: REFUSED_TCP },
+        // sessionAffinity ClientIP: one client, every connection and datagram to one endpoint.
+        Scenario {
+            service: "affinity",
+            ports: &[("http", 80, "TCP"), ("dns", 53, "UDP")],
+            slice_ports: Some(&[("http", POD_PORT, "TCP"), ("dns", POD_PORT, "UDP")]),
+            endpoints: vec![READY(0), READY(1), READY(2)],
+            affinity: Some(10_800),
+            probes: &[(Tcp, 80, OneOf(&["pod-a", "pod-b", "pod-c"])), (Udp, 53, OneOf(&["pod-a", "pod-b", "pod-c"]))],
+        },
+        Scenario {
+            service: "no-slice",
+            ports: TCP80,
+            slice_ports: None,
+            endpoints: vec![],
+            affinity: None,
+            probes: REFUSED_TCP,
+        },
     ]
 }
 
@@ -180,8 +208,14 @@ fn service_yaml(s: &Scenario) -> String {
         .iter()
         .map(|(n, p, proto)| format!("  - {{name: {n}, port: {p}, protocol: {proto}, targetPort: {POD_PORT}}}\n"))
         .collect();
+    let affinity = s
+        .affinity
+        .map(|t| {
+            format!("  sessionAffinity: ClientIP\n  sessionAffinityConfig: {{clientIP: {{timeoutSeconds: {t}}}}}\n")
+        })
+        .unwrap_or_default();
     format!(
-        "apiVersion: v1\nkind: Service\nmetadata: {{name: {}, namespace: test}}\nspec:\n  ports:\n{ports}",
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {}, namespace: test}}\nspec:\n{affinity}  ports:\n{ports}",
         s.service
     )
 }
@@ -215,7 +249,7 @@ fn slice_yaml(s: &Scenario, pod_ips: &[Ipv4Addr]) -> Option<String> {
 /// The number of backends kpr must program for a service port.
 fn programmed_backends(expect: &Expect) -> usize {
     match expect {
-        Expect::Backends(b) => b.len(),
+        Expect::Backends(b) | Expect::OneOf(b) => b.len(),
         Expect::Errors(_) => 0,
     }
 }
@@ -226,6 +260,12 @@ fn check(outcome: &Outcome, expect: &Expect, addr: SocketAddrV4, n: usize) -> Re
         Expect::Backends(b) => {
             outcome.errors.is_empty()
                 && outcome.backends() == b.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>()
+                && outcome.peers == BTreeSet::from([addr.to_string()])
+        }
+        Expect::OneOf(b) => {
+            outcome.errors.is_empty()
+                && outcome.answers.len() == 1
+                && outcome.backends().iter().all(|name| b.contains(&name.as_str()))
                 && outcome.peers == BTreeSet::from([addr.to_string()])
         }
         Expect::Errors(e) => {
@@ -292,7 +332,7 @@ fn differential(mode: &str) {
     for (s, ip) in scenarios.iter().zip(&ips) {
         for (kind, port, expect) in s.probes {
             let addr = SocketAddrV4::new(*ip, *port);
-            let n = if matches!(expect, Expect::Backends(_)) { 30 } else { 3 };
+            let n = if matches!(expect, Expect::Errors(_)) { 3 } else { 30 };
             let via_kube_proxy =
                 probe_in(&probe_exe, &kp_topology.client.name, cluster.home_cgroup(), *kind, addr, n, PROBE_TIMEOUT)
                     .unwrap();

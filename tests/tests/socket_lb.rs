@@ -367,3 +367,99 @@ fn an_agent_sharing_its_cgroup_exempts_nobody() {
     let log = std::fs::read_to_string(h.log_path()).unwrap();
     assert!(log.contains("kpr shares its cgroup with other processes"), "{log}");
 }
+
+#[test]
+fn session_affinity_keeps_a_client_on_its_endpoint_until_it_leaves_or_times_out() {
+    let mut h = Harness::new("kt-affinity", &["pod-a", "pod-b", "pod-c"]).unwrap();
+    let manifest = kpr::testbed::service_manifest("test", "web", IP, &[HTTP, DNS]).replace(
+        "  ports:\n",
+        "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 1}}\n  ports:\n",
+    );
+    h.write("web-svc.yaml", &manifest).unwrap();
+    h.write_endpoints("web", &[HTTP, DNS], &[0, 1, 2]).unwrap();
+    h.start_agent().unwrap();
+    h.wait("10.96.0.10:80/TCP", Some(3)).unwrap();
+    // Every new connection and every new socket's datagram of this client: one endpoint.
+    let first = tcp_spread(&h, 30);
+    assert_eq!(first.len(), 1, "{first:?}");
+    let endpoint = first.keys().next().unwrap().clone();
+    let udp: BTreeMap<String, usize> = h.client(|| {
+        let mut seen = BTreeMap::new();
+        for _ in 0..10 {
+            *seen.entry(udp_ask(sa(IP, 53), TIMEOUT).unwrap().0).or_insert(0) += 1;
+        }
+        seen
+    });
+    assert_eq!(udp.len(), 1, "{udp:?}");
+
+    // Its endpoint leaves: balanced anew, and kept.
+    let gone = (0..3).find(|&i| h.pod_name(i) == endpoint).unwrap();
+    let remaining: Vec<usize> = (0..3).filter(|&i| i != gone).collect();
+    h.write_endpoints("web", &[HTTP, DNS], &remaining).unwrap();
+    h.wait("10.96.0.10:80/TCP", Some(2)).unwrap();
+    let after = tcp_spread(&h, 20);
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert!(!after.contains_key(&endpoint), "not {endpoint}, which left");
+
+    // Idle past timeoutSeconds: balanced anew each time (both endpoints over twelve rounds;
+    // one alone has odds (1/2)^11).
+    let mut seen = BTreeMap::new();
+    for _ in 0..12 {
+        std::thread::sleep(Duration::from_millis(1100));
+        seen.extend(tcp_spread(&h, 1));
+    }
+    assert_eq!(seen.len(), 2, "the affinity never timed out: {seen:?}");
+}
+
+#[test]
+fn a_connected_udp_socket_whose_endpoint_leaves_is_aborted_and_reconnects_elsewhere() {
+    let h = setup("kt-udpabort", &["pod-a", "pod-b"]);
+    let ask = |socket: &UdpSocket| -> std::io::Result<String> {
+        socket.send(b"who")?;
+        let mut buf = [0u8; 64];
+        let n = socket.recv(&mut buf)?;
+        Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+    };
+    // One connected socket on each endpoint (a resolver's socket, say).
+    let mut sockets: BTreeMap<String, UdpSocket> = BTreeMap::new();
+    for _ in 0..64 {
+        let socket = h.client(|| {
+            let socket = UdpSocket::bind("0.0.0.0:0").unwrap();
+            socket.connect(sa(IP, 53)).unwrap();
+            socket.set_read_timeout(Some(TIMEOUT)).unwrap();
+            socket
+        });
+        sockets.entry(ask(&socket).unwrap()).or_insert(socket);
+        if sockets.len() == 2 {
+            break;
+        }
+    }
+    let [(gone, doomed), (stays, kept)]: [(String, UdpSocket); 2] =
+        sockets.into_iter().collect::<Vec<_>>().try_into().expect("a socket on each endpoint");
+
+    let remaining = (0..2).find(|&i| h.pod_name(i) == stays).unwrap();
+    h.write_endpoints("web", &[HTTP, DNS], &[remaining]).unwrap();
+    let removed = std::time::Instant::now();
+    // The socket on the endpoint that left (which still runs) is aborted as the agent applies
+    // the change: it fails within a second, and not with an answer from the old endpoint
+    // after the first failure.
+    let error = loop {
+        match ask(&doomed) {
+            Ok(name) => assert_eq!(name, gone, "before the abort it still talks to its endpoint"),
+            Err(e) => break e,
+        }
+        assert!(removed.elapsed() < kpr::testbed::slow(Duration::from_secs(1)), "never aborted");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let kinds = [Some(libc::ECONNABORTED), Some(libc::EDESTADDRREQ)];
+    assert!(kinds.contains(&error.raw_os_error()), "aborted, not {error}");
+    println!("aborted {:?} after the endpoint was removed", removed.elapsed());
+    // Connecting again reaches the endpoint that is left; the other socket never noticed.
+    doomed.connect(sa(IP, 53)).unwrap();
+    let mut last = ask(&doomed);
+    if last.as_ref().is_err_and(|e| e.raw_os_error() == Some(libc::ECONNABORTED)) {
+        last = ask(&doomed); // the abort's error, reported once
+    }
+    assert_eq!(last.unwrap(), stays);
+    assert_eq!(ask(&kept).unwrap(), stays);
+}

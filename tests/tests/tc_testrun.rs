@@ -281,7 +281,7 @@ fn entry(
     let name = ServicePortName { service: ObjectKey::new("t", format!("{ip}:{port}")), port: String::new(), protocol };
     desired.insert(
         frontend_key(ip, port, protocol, scope).unwrap(),
-        DesiredPort { name, backends: backends.to_vec(), flags, source_ranges: vec![] },
+        DesiredPort { name, backends: backends.to_vec(), flags, source_ranges: vec![], affinity_timeout: 0 },
     );
 }
 
@@ -900,4 +900,58 @@ fn translated_packets_go_straight_out_of_the_link_their_route_takes() {
         assert_eq!(rig.counter(counter::TC_FORWARDED_DIRECT), 1);
     })
     .unwrap();
+}
+
+/// `churn_services` with sessionAffinity ClientIP (`timeout` seconds) on the TCP NodePort.
+fn affinity_services(timeout: u32) -> Desired {
+    let mut d = churn_services();
+    for port in d.values_mut() {
+        port.affinity_timeout = timeout;
+    }
+    d
+}
+
+/// The backends `client`'s SYNs from ports `sports` to the TCP NodePort go to.
+fn syn_backends(rig: &Rig, client: Ipv4Addr, sports: std::ops::Range<u16>) -> std::collections::BTreeSet<Ipv4Addr> {
+    sports
+        .map(|sport| {
+            let (verdict, out) = rig.ingress(&tcp(client, sport, NODE_IP, 30090).bytes());
+            assert_eq!(verdict, TC_ACT_OK);
+            dst_of(&out)
+        })
+        .collect()
+}
+
+#[test]
+fn session_affinity_keeps_a_client_on_its_endpoint_until_it_leaves_or_times_out() {
+    use std::collections::BTreeSet;
+    // Without affinity, one client's new connections spread over the four endpoints.
+    let rig = Rig::new(&affinity_services(0));
+    assert!(syn_backends(&rig, CLIENT, 41000..41016).len() > 1);
+
+    let mut rig = Rig::new(&affinity_services(1));
+    let first = syn_backends(&rig, CLIENT, 41000..41016);
+    assert_eq!(first.len(), 1, "one client, one endpoint: {first:?}");
+    let other_client = Ipv4Addr::new(10, 0, 0, 98);
+    assert_eq!(syn_backends(&rig, other_client, 41000..41016).len(), 1, "every client has its own");
+
+    // Its endpoint leaves: the client is balanced anew, and keeps the new one.
+    let gone = *first.iter().next().unwrap();
+    let mut d = affinity_services(1);
+    for port in d.values_mut() {
+        port.backends.retain(|(ip, _)| *ip != gone);
+    }
+    rig.reprogram(&d);
+    let after = syn_backends(&rig, CLIENT, 42000..42016);
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert!(!after.contains(&gone), "not the endpoint that left");
+
+    // A client idle for longer than the timeout is balanced anew: over rounds, it lands on
+    // more than one endpoint (all in one with three endpoints left: (1/3)^7).
+    let mut seen = BTreeSet::new();
+    for round in 0..8u16 {
+        std::thread::sleep(std::time::Duration::from_millis(1100));
+        seen.extend(syn_backends(&rig, CLIENT, 43000 + 10 * round..43001 + 10 * round));
+    }
+    assert!(seen.len() > 1, "the affinity never timed out: {seen:?}");
 }

@@ -32,9 +32,20 @@ pub const SUITES: [&str; 5] = ["tc_testrun", "socket_lb", "demo", "operator", "m
 
 /// Modules loaded before the tests (with their dependencies): the 9p root, and what the tests'
 /// topologies use (veth, bridge; clsact and cls_bpf for netlink tc attachments; nf_tables for
-/// a node whose FORWARD chain drops).
-const MODULES: [&str; 8] =
-    ["virtio_pci", "9pnet_virtio", "9p", "veth", "bridge", "sch_ingress", "cls_bpf", "nf_tables"];
+/// a node whose FORWARD chain drops, after crc32c_generic, which libcrc32c needs at init but
+/// names only as a soft dependency; udp_diag for aborting UDP sockets).
+const MODULES: [&str; 10] = [
+    "virtio_pci",
+    "9pnet_virtio",
+    "9p",
+    "veth",
+    "bridge",
+    "sch_ingress",
+    "cls_bpf",
+    "crc32c_generic",
+    "nf_tables",
+    "udp_diag",
+];
 
 /// `KPR_VM_ACCEL` (`kvm`), else software emulation: this machine's `/dev/kvm` (nested) hangs
 /// a guest kernel at its first instruction, while emulation boots it in seconds.
@@ -154,10 +165,9 @@ fn module_order(modules: &Path, wanted: &[&str]) -> Result<Vec<String>> {
     }
     let mut out = Vec::new();
     for name in wanted {
-        match find(name) {
-            Some((path, _)) => visit(path, &table, &mut out),
-            // Built into this kernel.
-            None => {}
+        // Not found: built into this kernel.
+        if let Some((path, _)) = find(name) {
+            visit(path, &table, &mut out);
         }
     }
     Ok(out)
@@ -194,7 +204,7 @@ impl Cpio {
     }
 
     fn pad(&mut self) {
-        while self.0.len() % 4 != 0 {
+        while !self.0.len().is_multiple_of(4) {
             self.0.push(0);
         }
     }
@@ -376,7 +386,7 @@ fn boot(
 mod tests {
     #[test]
     fn package_versions_order_numerically() {
-        let mut names = vec!["linux-image-6.1.0-9-amd64", "linux-image-6.1.0-56-amd64", "linux-image-6.1.0-10-amd64"];
+        let mut names = ["linux-image-6.1.0-9-amd64", "linux-image-6.1.0-56-amd64", "linux-image-6.1.0-10-amd64"];
         names.sort_by_key(|n| super::version_key(n));
         assert_eq!(names.last(), Some(&"linux-image-6.1.0-56-amd64"));
     }

@@ -25,8 +25,8 @@ use aya::{
     util::KernelVersion,
 };
 use proxy_common::{
-    Backend, CidrKey, CtKey, CtTimeouts, CtValue, LinkInfo, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue, SourceRange,
-    counter, defaults, map_names, program_names,
+    Backend, CidrKey, CtKey, CtTimeouts, CtValue, LinkInfo, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue,
+    SockRevNatKey, SockRevNatValue, SourceRange, counter, defaults, map_names, program_names,
 };
 
 use super::{BatchError, Capacity, Maps, conntrack::Conntrack};
@@ -883,6 +883,9 @@ pub struct BpfMaps {
     backends: Array<MapData, Backend>,
     source_ranges: LpmTrie<MapData, SourceRange, u8>,
     conntrack: Conntrack,
+    /// The socket path's translations (socket cookie + backend → service), to find the
+    /// connected UDP sockets of an endpoint that left.
+    sock_revnat: HashMap<MapData, SockRevNatKey, SockRevNatValue>,
     capacity: Capacity,
 }
 
@@ -896,8 +899,9 @@ impl BpfMaps {
             Ok(HashMap::try_from(ebpf.take_map(name).with_context(|| format!("no map {name}"))?)?)
         };
         let conntrack = Conntrack::new([table(map_names::CONNTRACK)?, table(map_names::CT_NEW)?])?;
+        let sock_revnat = HashMap::try_from(ebpf.take_map(map_names::SOCK_REVNAT).context("no sock_revnat map")?)?;
         let capacity = Capacity { service_ports: cfg.max_service_ports, backends: cfg.max_backends };
-        Ok(Self { services, backends, source_ranges, conntrack, capacity })
+        Ok(Self { services, backends, source_ranges, conntrack, sock_revnat, capacity })
     }
 
     /// Open the pinned maps of a running (or stopped) agent, e.g. for `kpr services`.
@@ -913,7 +917,8 @@ impl BpfMaps {
         let source_ranges = LpmTrie::try_from(Map::LpmTrie(open(map_names::SOURCE_RANGES)?))?;
         let conntrack = Conntrack::open(pin_root)?;
         let capacity = Capacity { service_ports, backends: backends.len() };
-        Ok(Self { services, backends, source_ranges, conntrack, capacity })
+        let sock_revnat = HashMap::try_from(Map::LruHashMap(open(map_names::SOCK_REVNAT)?))?;
+        Ok(Self { services, backends, source_ranges, conntrack, sock_revnat, capacity })
     }
 }
 
@@ -1001,7 +1006,16 @@ impl Maps for BpfMaps {
         let (_, flushed) = self.conntrack.remove_where(|k, v| {
             v.service_id == service_id && (goes_to(v.dst_addr, v.dst_port) || goes_to(k.src_addr, k.src_port))
         })?;
-        Ok(flushed)
+        // The socket path's flows: sockets it connected to these backends through this service.
+        let cookies: std::collections::BTreeSet<u64> = self
+            .sock_revnat
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(k, v)| v.service_id == service_id && goes_to(k.addr, k.port))
+            .map(|(k, _)| k.cookie)
+            .collect();
+        let aborted = if cookies.is_empty() { 0 } else { super::sockets::abort_udp(&cookies, backends) };
+        Ok(flushed + aborted)
     }
 
     fn remove_service(&mut self, key: &ServiceKey) -> Result<()> {

@@ -9,6 +9,7 @@ pub mod bpf;
 pub mod conntrack;
 pub mod fake;
 mod slots;
+mod sockets;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -46,8 +47,9 @@ pub trait Maps: Send {
     fn source_ranges(&self) -> Result<Vec<(u32, Ipv4Addr, u8)>>;
     fn add_source_ranges(&mut self, service_id: u32, ranges: &[(Ipv4Addr, u8)]) -> Result<()>;
     fn remove_source_ranges(&mut self, service_id: u32, ranges: &[(Ipv4Addr, u8)]) -> Result<()>;
-    /// Forget the per-packet flows of `service_id` that go to any of `backends` (both
-    /// directions); returns how many conntrack entries were removed.
+    /// Forget the flows of `service_id` that go to any of `backends`: per-packet conntrack
+    /// entries (both directions) and, for UDP, the sockets the socket path connected to them
+    /// (aborted); returns how many entries and sockets went.
     fn flush_flows(&mut self, service_id: u32, backends: &[Backend]) -> Result<usize>;
 }
 
@@ -73,6 +75,7 @@ impl Programmed {
         let backends = want.backends.iter().map(|(ip, port)| backend(*ip, *port));
         self.backends.iter().copied().eq(backends)
             && self.value.flags == want.flags
+            && self.value.affinity_timeout == want.affinity_timeout
             && self.source_ranges == want.source_ranges
     }
 }
@@ -293,6 +296,7 @@ impl Programmer {
             let old = old.map(|p| p.value);
             match self.reserve(old, backends.len(), want.flags, new_entries, shrinking) {
                 Ok(value) => {
+                    let value = ServiceValue { affinity_timeout: want.affinity_timeout, ..value };
                     new_entries += usize::from(old.is_none());
                     pending.push(Pending {
                         key: *key,
@@ -411,7 +415,7 @@ impl Programmer {
             Some(v) => v.service_id,
             None => self.alloc_id(),
         };
-        Ok(ServiceValue { service_id, backends_start: start, backends_count: count, flags })
+        Ok(ServiceValue { service_id, backends_start: start, backends_count: count, flags, affinity_timeout: 0 })
     }
 
     fn note_failure(&mut self, key: &ServiceKey, want: &DesiredPort, e: &anyhow::Error) {
@@ -471,15 +475,16 @@ fn in_place(old: &ServiceValue, new: &ServiceValue) -> bool {
 }
 
 /// UDP has no connection end: as kube-proxy deletes the conntrack entries of UDP flows whose
-/// endpoint went away, so the next datagram of such a flow picks a live backend. (TCP flows
-/// keep their endpoint until they end.)
+/// endpoint went away, so the next datagram of such a flow picks a live backend (a connected
+/// socket of the socket path is aborted: connecting again picks one). TCP flows keep their
+/// endpoint until they end.
 fn flush_udp_flows(maps: &mut dyn Maps, key: &ServiceKey, service_id: u32, removed: &[Backend]) {
     if key.proto != IPPROTO_UDP || removed.is_empty() {
         return;
     }
     match maps.flush_flows(service_id, removed) {
         Ok(0) => {}
-        Ok(n) => tracing::debug!(service = %display_key(key), entries = n, "flushed UDP flows of removed endpoints"),
+        Ok(n) => tracing::info!(service = %display_key(key), flows = n, "flushed UDP flows of removed endpoints"),
         Err(e) => tracing::warn!(service = %display_key(key), "failed to flush UDP flows: {e:#}"),
     }
 }

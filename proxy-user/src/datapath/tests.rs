@@ -24,6 +24,7 @@ fn port(n: u8, backends: &[u8]) -> DesiredPort {
         backends: backends.iter().map(|b| (Ipv4Addr::new(10, 0, 0, *b), 8080)).collect(),
         flags: 0,
         source_ranges: vec![],
+        affinity_timeout: 0,
     }
 }
 
@@ -117,7 +118,10 @@ fn recovers_from_existing_maps_and_repairs_drift() {
     // Someone deletes an entry and corrupts another behind our back: a reconcile repairs both.
     maps.services.remove(&key(1));
     maps.services.get_mut(&key(2)).unwrap().backends_start = 16; // runs past the array end
-    maps.services.insert(key(9), ServiceValue { service_id: ids[0], backends_start: 0, backends_count: 1, flags: 0 });
+    maps.services.insert(
+        key(9),
+        ServiceValue { service_id: ids[0], backends_start: 0, backends_count: 1, flags: 0, affinity_timeout: 0 },
+    );
     let mut p = Programmer::recover(&mut maps).unwrap();
     let r = p.apply(&d, &mut maps);
     assert_eq!((r.added, r.removed), (2, 1), "{r:?}");

@@ -46,6 +46,7 @@ fn as_programmed(want: &DesiredPort, service_id: u32) -> Programmed {
         backends_start: 0,
         backends_count: want.backends.len() as u32,
         flags: want.flags,
+        affinity_timeout: want.affinity_timeout,
     };
     let backends = want.backends.iter().map(|(ip, port)| backend(*ip, *port)).collect();
     Programmed { value, backends, source_ranges: want.source_ranges.clone() }

@@ -25,6 +25,9 @@ pub struct PortView {
     pub flags: Vec<&'static str>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub source_ranges: Vec<String>,
+    /// sessionAffinity ClientIP timeout.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub affinity_seconds: Option<u32>,
 }
 
 impl PortView {
@@ -48,6 +51,7 @@ impl PortView {
             no_endpoints,
             flags,
             source_ranges,
+            affinity_seconds: (value.affinity_timeout != 0).then_some(value.affinity_timeout),
         }
     }
 
@@ -57,7 +61,9 @@ impl PortView {
             Some(verdict) => format!("<no endpoints: {verdict}>"),
             None => self.backends.join(" "),
         };
-        let flags = if self.flags.is_empty() { String::new() } else { format!(" [{}]", self.flags.join(",")) };
+        let mut flags = self.flags.iter().map(|f| f.to_string()).collect::<Vec<_>>();
+        flags.extend(self.affinity_seconds.map(|s| format!("affinity={s}s")));
+        let flags = if flags.is_empty() { String::new() } else { format!(" [{}]", flags.join(",")) };
         format!("{:<28} id {:<6} -> {shown}{flags}", self.frontend, self.service_id)
     }
 }

@@ -187,6 +187,12 @@ fn verdict(report: &mut TraceReport, entry: &Programmed, socket: bool, proto: u8
         report.path = "socket, then per-packet";
         socket = false;
     }
+    if value.affinity_timeout != 0 {
+        steps.push(format!(
+            "sessionAffinity ClientIP: a client that got a connection in the last {}s keeps its endpoint",
+            value.affinity_timeout
+        ));
+    }
     if socket && value.flags & SERVICE_FLAG_EXTERNAL_ADDR != 0 {
         steps.push("an externalIP or LoadBalancer IP: the agent's own sockets are not translated to it".into());
     }

@@ -30,6 +30,8 @@ pub struct DesiredPort {
     /// loadBalancerSourceRanges (LoadBalancer IP frontends only), sorted; with
     /// `SERVICE_FLAG_SOURCE_RANGES`.
     pub source_ranges: Vec<(Ipv4Addr, u8)>,
+    /// sessionAffinity ClientIP timeout in seconds; 0: none.
+    pub affinity_timeout: u32,
 }
 
 pub type Desired = BTreeMap<ServiceKey, DesiredPort>;
@@ -126,7 +128,13 @@ pub fn service_entries<'a>(
                 let source_ranges = if filtered { ranges.to_vec() } else { Vec::new() };
                 out.push((
                     key,
-                    DesiredPort { name: sp.name.clone(), backends: verdict.backends.clone(), flags, source_ranges },
+                    DesiredPort {
+                        name: sp.name.clone(),
+                        backends: verdict.backends.clone(),
+                        flags,
+                        source_ranges,
+                        affinity_timeout: sp.session_affinity_timeout.unwrap_or(0),
+                    },
                 ));
             }
         };
@@ -166,7 +174,13 @@ pub fn service_entries<'a>(
                 let key = ServiceKey { addr: u32::from(ip).to_be(), port: 0, proto: PROTO_ANY, scope };
                 out.push((
                     key,
-                    DesiredPort { name: first.name.clone(), backends: Vec::new(), flags: 0, source_ranges: Vec::new() },
+                    DesiredPort {
+                        name: first.name.clone(),
+                        backends: Vec::new(),
+                        flags: 0,
+                        source_ranges: Vec::new(),
+                        affinity_timeout: 0,
+                    },
                 ));
             }
         }
@@ -709,6 +723,25 @@ mod tests {
                 ServiceKey { addr: u32::from(Ipv4Addr::new(10, 96, 0, 10)).to_be(), port: 0, proto: PROTO_ANY, scope };
             assert_eq!((d[&any].backends.len(), d[&any].flags), (0, 0), "reject, scope {scope}");
         }
+    }
+
+    #[test]
+    fn session_affinity_goes_to_every_frontend_of_the_port() {
+        let with = |affinity: &str| {
+            let node = NodeInfo { name: "node-a".into(), zone: None, addresses: vec!["10.0.0.1".parse().unwrap()] };
+            let mut st = ClusterState::with_options(node, ProxyOptions::default());
+            st.replace_services(vec![service_yaml(&format!(
+                "metadata: {{name: web, namespace: shop}}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.10\n{affinity}  ports: [{{name: http, port: 80, nodePort: 30080}}]"
+            ))]);
+            st.replace_slices(vec![slice("web-1", &["10.0.0.1"])]);
+            let d = st.desired();
+            assert_eq!(d.len(), 6, "ClusterIP and NodePort, three scopes each");
+            d.values().map(|p| p.affinity_timeout).collect::<BTreeSet<u32>>()
+        };
+        let custom = "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n";
+        assert_eq!(with(custom), BTreeSet::from([60]));
+        assert_eq!(with("  sessionAffinity: ClientIP\n"), BTreeSet::from([10_800]), "the default timeout");
+        assert_eq!(with(""), BTreeSet::from([0]), "no affinity");
     }
 
     #[test]

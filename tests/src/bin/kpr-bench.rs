@@ -95,7 +95,7 @@ fn desired_with(n: usize, backends_per_service: usize, target_backend: Ipv4Addr)
         };
         desired.insert(
             service_key(ip, 80, Protocol::Tcp).expect("tcp"),
-            DesiredPort { name, backends, flags: 0, source_ranges: vec![] },
+            DesiredPort { name, backends, flags: 0, source_ranges: vec![], affinity_timeout: 0 },
         );
     }
     desired
@@ -403,6 +403,7 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32, churn: usiz
             backends: vec![(pod, BENCH_PORT)],
             flags: proxy_common::SERVICE_FLAG_SNAT,
             source_ranges: vec![],
+            affinity_timeout: 0,
         },
     );
     Programmer::recover(&mut datapath.maps)?.apply(&desired, &mut datapath.maps);
