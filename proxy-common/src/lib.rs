@@ -200,6 +200,10 @@ pub struct ServiceValue {
     /// sessionAffinity ClientIP: seconds a client keeps its backend after its last new
     /// connection (`timeoutSeconds`); 0: no affinity.
     pub affinity_timeout: u32,
+    /// The service port this entry is a frontend of (a hash of its name): a client keeps its
+    /// endpoint across the port's frontends (ClusterIP, NodePort, ...), as kube-proxy's
+    /// per-endpoint `recent` lists do.
+    pub affinity_id: u32,
 }
 
 /// `AffinityKey::kind`: the client is a source address (the per-packet path, as kube-proxy's
@@ -209,11 +213,12 @@ pub const AFFINITY_BY_ADDR: u32 = 0;
 /// the source address is chosen; a pod's namespace has the pod's address).
 pub const AFFINITY_BY_NETNS: u32 = 1;
 
-/// Key of `KPR_AFFINITY`: a service entry and a client.
+/// Key of `KPR_AFFINITY`: a service port and a client.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct AffinityKey {
-    pub service_id: u32,
+    /// `ServiceValue::affinity_id`.
+    pub port_id: u32,
     /// `AFFINITY_BY_*`.
     pub kind: u32,
     /// IPv4 source address (network byte order) or network namespace cookie.
@@ -500,7 +505,7 @@ pub mod counter {
 }
 
 const _: () = assert!(size_of::<ServiceKey>() == 8);
-const _: () = assert!(size_of::<ServiceValue>() == 20);
+const _: () = assert!(size_of::<ServiceValue>() == 24);
 const _: () = assert!(size_of::<AffinityKey>() == 16);
 const _: () = assert!(size_of::<AffinityValue>() == 16);
 const _: () = assert!(size_of::<Backend>() == 8);

@@ -106,7 +106,7 @@ pub fn service_range_miss(addr: u32, scope: u8) -> ServiceRangeMiss {
 /// The entry kube-proxy's REJECT (`flags` 0) or DROP stands for: no backends.
 #[inline(always)]
 pub fn refusal(flags: u32) -> ServiceValue {
-    ServiceValue { service_id: 0, backends_start: 0, backends_count: 0, flags, affinity_timeout: 0 }
+    ServiceValue { service_id: 0, backends_start: 0, backends_count: 0, flags, affinity_timeout: 0, affinity_id: 0 }
 }
 
 /// Endpoints an earlier choice is checked against, at most (larger services: trusted).
@@ -132,31 +132,31 @@ pub fn serves(service: &ServiceValue, addr: u32, port: u16) -> bool {
     false
 }
 
-/// sessionAffinity ClientIP: (service entry, client) → the client's backend and when it last
+/// sessionAffinity ClientIP: (service port, client) → the client's backend and when it last
 /// got a connection. LRU: clients that stopped coming age out.
 #[btf_map(name = "KPR_AFFINITY", pin_by_name)]
 pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue, { defaults::MAX_AFFINITY as usize }> = LruHashMap::new();
 
 /// sessionAffinity ClientIP, as kube-proxy's `recent` match: the backend `client` got its last
-/// connection through this entry from, if that was within the timeout and the backend still
-/// serves the entry (an endpoint that left breaks the affinity).
+/// connection to this service port from (through any of its frontends), if that was within
+/// the timeout and the backend serves this entry (an endpoint that left breaks the affinity).
 #[inline(always)]
 pub fn affinity_backend(service: &ServiceValue, kind: u32, client: u64, now: u64) -> Option<Backend> {
     if service.affinity_timeout == 0 {
         return None;
     }
-    let key = AffinityKey { service_id: service.service_id, kind, client };
+    let key = AffinityKey { port_id: service.affinity_id, kind, client };
     // SAFETY: a pointer returned by the map lookup is valid for this program run.
     let last = unsafe { *AFFINITY.get_ptr(&key)? };
     let fresh = now.saturating_sub(last.last_used) <= u64::from(service.affinity_timeout) * 1_000_000_000;
     (fresh && serves(service, last.backend.addr, last.backend.port)).then_some(last.backend)
 }
 
-/// Remember (or refresh) that `client` got a connection to `backend` through this entry.
+/// Remember (or refresh) that `client` got a connection to `backend` of this service port.
 #[inline(always)]
 pub fn remember_affinity(service: &ServiceValue, kind: u32, client: u64, backend: &Backend, now: u64) {
     if service.affinity_timeout != 0 {
-        let key = AffinityKey { service_id: service.service_id, kind, client };
+        let key = AffinityKey { port_id: service.affinity_id, kind, client };
         let _ = AFFINITY.insert(&key, &AffinityValue { backend: *backend, last_used: now }, 0);
     }
 }

@@ -902,9 +902,14 @@ fn translated_packets_go_straight_out_of_the_link_their_route_takes() {
     .unwrap();
 }
 
-/// `churn_services` with sessionAffinity ClientIP (`timeout` seconds) on the TCP NodePort.
+/// `churn_services` with sessionAffinity ClientIP (`timeout` seconds), and the TCP NodePort's
+/// service port also on CLUSTER_IP:90 from outside.
 fn affinity_services(timeout: u32) -> Desired {
     let mut d = churn_services();
+    let node_port = frontend_key(Ipv4Addr::UNSPECIFIED, 30090, Protocol::Tcp, SCOPE_EXTERNAL).unwrap();
+    let mut cluster_ip = d[&node_port].clone();
+    cluster_ip.flags = 0;
+    d.insert(frontend_key(CLUSTER_IP, 90, Protocol::Tcp, SCOPE_EXTERNAL).unwrap(), cluster_ip);
     for port in d.values_mut() {
         port.affinity_timeout = timeout;
     }
@@ -934,6 +939,11 @@ fn session_affinity_keeps_a_client_on_its_endpoint_until_it_leaves_or_times_out(
     assert_eq!(first.len(), 1, "one client, one endpoint: {first:?}");
     let other_client = Ipv4Addr::new(10, 0, 0, 98);
     assert_eq!(syn_backends(&rig, other_client, 41000..41016).len(), 1, "every client has its own");
+    // The same service port through its ClusterIP: the same endpoint.
+    for sport in 41100..41108 {
+        let (verdict, out) = rig.ingress(&tcp(CLIENT, sport, CLUSTER_IP, 90).bytes());
+        assert_eq!((verdict, dst_of(&out)), (TC_ACT_OK, *first.iter().next().unwrap()), "via the ClusterIP");
+    }
 
     // Its endpoint leaves: the client is balanced anew, and keeps the new one.
     let gone = *first.iter().next().unwrap();

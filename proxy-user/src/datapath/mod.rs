@@ -76,6 +76,7 @@ impl Programmed {
         self.backends.iter().copied().eq(backends)
             && self.value.flags == want.flags
             && self.value.affinity_timeout == want.affinity_timeout
+            && self.value.affinity_id == affinity_id(&want.name)
             && self.source_ranges == want.source_ranges
     }
 }
@@ -296,7 +297,11 @@ impl Programmer {
             let old = old.map(|p| p.value);
             match self.reserve(old, backends.len(), want.flags, new_entries, shrinking) {
                 Ok(value) => {
-                    let value = ServiceValue { affinity_timeout: want.affinity_timeout, ..value };
+                    let value = ServiceValue {
+                        affinity_timeout: want.affinity_timeout,
+                        affinity_id: affinity_id(&want.name),
+                        ..value
+                    };
                     new_entries += usize::from(old.is_none());
                     pending.push(Pending {
                         key: *key,
@@ -415,7 +420,14 @@ impl Programmer {
             Some(v) => v.service_id,
             None => self.alloc_id(),
         };
-        Ok(ServiceValue { service_id, backends_start: start, backends_count: count, flags, affinity_timeout: 0 })
+        Ok(ServiceValue {
+            service_id,
+            backends_start: start,
+            backends_count: count,
+            flags,
+            affinity_timeout: 0,
+            affinity_id: 0,
+        })
     }
 
     fn note_failure(&mut self, key: &ServiceKey, want: &DesiredPort, e: &anyhow::Error) {
@@ -472,6 +484,13 @@ fn in_place(old: &ServiceValue, new: &ServiceValue) -> bool {
         && new.backends_count > 0
         && new.backends_start == old.backends_start
         && new.backends_count <= old.backends_count
+}
+
+/// The id that ties a service port's frontends together for sessionAffinity: a hash (FNV-1a)
+/// of its name, the same in every agent and across restarts; never 0.
+pub fn affinity_id(name: &crate::model::ServicePortName) -> u32 {
+    let hash = name.to_string().bytes().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193));
+    hash.max(1)
 }
 
 /// UDP has no connection end: as kube-proxy deletes the conntrack entries of UDP flows whose

@@ -120,7 +120,14 @@ fn recovers_from_existing_maps_and_repairs_drift() {
     maps.services.get_mut(&key(2)).unwrap().backends_start = 16; // runs past the array end
     maps.services.insert(
         key(9),
-        ServiceValue { service_id: ids[0], backends_start: 0, backends_count: 1, flags: 0, affinity_timeout: 0 },
+        ServiceValue {
+            service_id: ids[0],
+            backends_start: 0,
+            backends_count: 1,
+            flags: 0,
+            affinity_timeout: 0,
+            affinity_id: 0,
+        },
     );
     let mut p = Programmer::recover(&mut maps).unwrap();
     let r = p.apply(&d, &mut maps);

@@ -47,6 +47,7 @@ fn as_programmed(want: &DesiredPort, service_id: u32) -> Programmed {
         backends_count: want.backends.len() as u32,
         flags: want.flags,
         affinity_timeout: want.affinity_timeout,
+        affinity_id: crate::datapath::affinity_id(&want.name),
     };
     let backends = want.backends.iter().map(|(ip, port)| backend(*ip, *port)).collect();
     Programmed { value, backends, source_ranges: want.source_ranges.clone() }
