@@ -309,7 +309,6 @@ fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
     datapath.max_conntrack = args.max_conntrack;
     datapath.ct_timeouts = config.conntrack.datapath();
     datapath.tc_netlink = args.tc_netlink;
-    datapath.forward_direct = !args.host_routing;
     datapath.detect_local = match detector {
         DetectLocal::None => proxy_common::DETECT_LOCAL_NONE,
         DetectLocal::ClusterCidr(_) | DetectLocal::NodeCidr => proxy_common::DETECT_LOCAL_CIDR,
@@ -317,6 +316,9 @@ fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
     };
     datapath.localhost_node_ports = config.localhost_node_ports_effective();
     datapath.pod_links_covered = tc_links == TcLinks::All;
+    // Straight out only where kpr is on every link: a reply that comes back by a link kpr is
+    // not on meets the host's conntrack, which must then have seen the flow's first packet.
+    datapath.forward_direct = !args.host_routing && datapath.pod_links_covered;
     datapath.agent_cgroup_id = match bpf::agent_cgroup_id() {
         Ok(Some(id)) => id,
         Ok(None) => {
