@@ -132,6 +132,20 @@ pub fn serves(service: &ServiceValue, addr: u32, port: u16) -> bool {
     false
 }
 
+/// The backend in slot `pick` (modulo the count) of `service`'s range; a slot outside the array
+/// (should never happen) is counted and gives none.
+#[inline(always)]
+pub fn backend_at(service: &ServiceValue, pick: u32) -> Option<Backend> {
+    // checked_rem: no division-by-zero panic path for the verifier to reject (callers checked
+    // the count, but the compiler cannot always see it).
+    let slot = service.backends_start.wrapping_add(pick.checked_rem(service.backends_count)?);
+    let backend = BACKENDS.get(slot).copied();
+    if backend.is_none() {
+        count(counter::BAD_BACKEND_SLOT);
+    }
+    backend
+}
+
 /// sessionAffinity ClientIP: (service port, client) → the client's backend and when it last
 /// got a connection. LRU: clients that stopped coming age out.
 #[btf_map(name = "KPR_AFFINITY", pin_by_name)]

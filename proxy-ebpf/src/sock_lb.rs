@@ -19,7 +19,7 @@ use proxy_common::{
 };
 
 use crate::maps::{
-    BACKENDS, NODE_ADDRS, SERVICES, SOCK_PICKS, SOCK_REVNAT, ServiceRangeMiss, affinity_backend, count, link_addr,
+    NODE_ADDRS, SERVICES, SOCK_PICKS, SOCK_REVNAT, ServiceRangeMiss, affinity_backend, backend_at, count, link_addr,
     refusal, remember_affinity, serves, service_range_miss,
 };
 
@@ -139,25 +139,10 @@ fn forward4(ctx: &SockAddrContext, connect: bool) -> i32 {
             // sessionAffinity ClientIP: the client (this namespace: a pod, or the node) keeps
             // its backend; otherwise a random one.
             let now = if service.affinity_timeout == 0 { 0 } else { unsafe { bpf_ktime_get_ns() } };
-            let backend = match affinity_backend(&service, AFFINITY_BY_NETNS, netns, now) {
-                Some(backend) => backend,
-                None => {
-                    // checked_rem: no division-by-zero panic path for the verifier to reject
-                    // (the count was checked above, but the compiler cannot always see it).
-                    let Some(pick) = unsafe { bpf_get_prandom_u32() }.checked_rem(service.backends_count) else {
-                        return ALLOW;
-                    };
-                    let slot = service.backends_start.wrapping_add(pick);
-                    let Some(backend) = BACKENDS.get(slot) else {
-                        count(counter::BAD_BACKEND_SLOT);
-                        error!(
-                            ctx,
-                            "kpr: service {} points at backend slot {} outside the array", service.service_id, slot
-                        );
-                        return ALLOW;
-                    };
-                    *backend
-                }
+            let random = || backend_at(&service, unsafe { bpf_get_prandom_u32() });
+            let Some(backend) = affinity_backend(&service, AFFINITY_BY_NETNS, netns, now).or_else(random) else {
+                error!(ctx, "kpr: service {} points at a backend slot outside the array", service.service_id);
+                return ALLOW;
             };
             remember_affinity(&service, AFFINITY_BY_NETNS, netns, &backend, now);
             if sticky {

@@ -39,8 +39,9 @@ use proxy_common::{
 
 use crate::{
     maps::{
-        BACKENDS, CONNTRACK, CT_NEW, FRAGMENTS, FlowMap, LINKS, LOCAL_CIDRS, NODE_ADDRS, SERVICES, SOURCE_RANGES,
-        ServiceRangeMiss, affinity_backend, count, link_addr, refusal, remember_affinity, serves, service_range_miss,
+        CONNTRACK, CT_NEW, FRAGMENTS, FlowMap, LINKS, LOCAL_CIDRS, NODE_ADDRS, SERVICES, SOURCE_RANGES,
+        ServiceRangeMiss, affinity_backend, backend_at, count, link_addr, refusal, remember_affinity, serves,
+        service_range_miss,
     },
     packet::*,
     tc_reject::{reject_tcp, reject_udp},
@@ -463,18 +464,9 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue, tcp_flags: u8, n
     // division-by-zero panic path for the verifier to reject.
     let hash = flow_hash(t);
     let client = u64::from(t.saddr);
-    let backend = match affinity_backend(service, AFFINITY_BY_ADDR, client, now) {
-        Some(backend) => backend,
-        None => {
-            let Some(pick) = hash.checked_rem(service.backends_count) else {
-                return Ok(PASS);
-            };
-            let Some(backend) = BACKENDS.get(service.backends_start.wrapping_add(pick)) else {
-                count(counter::BAD_BACKEND_SLOT);
-                return Ok(PASS);
-            };
-            *backend
-        }
+    let Some(backend) = affinity_backend(service, AFFINITY_BY_ADDR, client, now).or_else(|| backend_at(service, hash))
+    else {
+        return Ok(PASS);
     };
     remember_affinity(service, AFFINITY_BY_ADDR, client, &backend, now);
 

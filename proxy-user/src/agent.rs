@@ -125,7 +125,6 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
     syncer.host_links = source::host::snapshot()?;
     syncer.min_sync_period = cfg.min_sync_period;
     syncer.conflict_events = conflict_events;
-    syncer.capacity = (cfg.datapath.max_service_ports, cfg.datapath.max_backends);
     syncer.node_required = node_required;
     syncer.metrics = metrics;
     syncer.proxy_health = proxy_health.clone();
@@ -239,8 +238,6 @@ pub struct Syncer {
     pub proxy_health: Arc<ProxyHealth>,
     /// Without a Node object the node is not eligible for load-balanced traffic (API source).
     pub node_required: bool,
-    /// The maps' sizes (service ports, backend slots), for the pressure metrics.
-    pub capacity: (u32, u32),
     /// When the agent started: older EndpointSlice trigger times are not this agent's latency.
     started: SystemTime,
     /// `endpoints.kubernetes.io/last-change-trigger-time`s of the slice changes not yet synced.
@@ -267,7 +264,6 @@ impl Syncer {
             metrics: Arc::new(Metrics::default()),
             proxy_health: Arc::new(ProxyHealth::new(Duration::from_secs(60), Arc::new(Metrics::default()))),
             node_required: false,
-            capacity: (0, 0),
             started: SystemTime::now(),
             trigger_times: Vec::new(),
         }
@@ -345,21 +341,18 @@ impl Syncer {
     /// kube-proxy's change metrics and health: a Service or EndpointSlice change is queued
     /// until a sync writes it.
     fn count_change(&mut self, event: &SourceEvent) {
-        let (services, slices): (usize, &[_]) = match event {
-            SourceEvent::ServicesListed(all) => (all.len(), &[]),
-            SourceEvent::ServiceApplied(_) | SourceEvent::ServiceDeleted(_) => (1, &[]),
-            SourceEvent::SlicesListed(all) => (0, all.as_slice()),
-            SourceEvent::SliceApplied(slice) => (0, std::slice::from_ref(slice)),
-            SourceEvent::SliceDeleted(_) => {
-                self.metrics.change_queued(false, 1);
-                self.proxy_health.queued_update();
-                return;
-            }
-            SourceEvent::ManifestsLoaded { services, slices, .. } => (services.len(), slices.as_slice()),
+        // (service changes, endpoint changes, the slices that came with them)
+        let (services, endpoints, slices): (usize, usize, &[_]) = match event {
+            SourceEvent::ServicesListed(all) => (all.len(), 0, &[]),
+            SourceEvent::ServiceApplied(_) | SourceEvent::ServiceDeleted(_) => (1, 0, &[]),
+            SourceEvent::SlicesListed(all) => (0, all.len(), all.as_slice()),
+            SourceEvent::SliceApplied(slice) => (0, 1, std::slice::from_ref(slice)),
+            SourceEvent::SliceDeleted(_) => (0, 1, &[]),
+            SourceEvent::ManifestsLoaded { services, slices, .. } => (services.len(), slices.len(), slices.as_slice()),
             _ => return,
         };
         self.metrics.change_queued(true, services);
-        self.metrics.change_queued(false, slices.len());
+        self.metrics.change_queued(false, endpoints);
         for slice in slices {
             if let Some(t) = last_change_trigger_time(slice).filter(|t| *t > self.started) {
                 self.trigger_times.push(t);
@@ -517,8 +510,9 @@ impl Syncer {
         m.programming_failures(report.failed);
         let programmed = self.programmer.programmed();
         let slots: usize = programmed.values().map(|p| p.backends.len()).sum();
-        m.map_use("services", programmed.len(), self.capacity.0);
-        m.map_use("backends", slots, self.capacity.1);
+        let capacity = self.programmer.capacity();
+        m.map_use("services", programmed.len(), capacity.service_ports);
+        m.map_use("backends", slots, capacity.backends);
         let (internal, external) = self.state.no_local_endpoints();
         m.no_local_endpoints(internal, external);
         if report.failed > 0 {

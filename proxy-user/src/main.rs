@@ -447,10 +447,7 @@ fn conntrack(action: ConntrackAction) -> Result<()> {
     match action {
         ConntrackAction::List { select, output } => {
             let ids = select.frontend.as_deref().map(|f| frontend_ids(&select.pin_root, f)).transpose()?;
-            let mut flows = ct::list(&select.pin_root, None, &proxy_common::CtTimeouts::DEFAULT)?;
-            if let Some(ids) = ids {
-                flows.retain(|f| ids.contains(&f.service_id));
-            }
+            let flows = ct::list(&select.pin_root, ids.as_deref(), &proxy_common::CtTimeouts::DEFAULT)?;
             print_out(output, &flows, |f| ct::text(f))
         }
         ConntrackAction::Flush { select } => {

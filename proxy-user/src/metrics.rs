@@ -234,8 +234,7 @@ impl Metrics {
             self.network_programming.get_or_create(&family).observe(*latency);
         }
         self.last_synced.get_or_create(&family).set(unix_now());
-        self.endpoint_changes_pending.set(0);
-        self.service_changes_pending.set(0);
+        self.synced_nothing();
     }
 
     /// Changes arrived that changed nothing in the datapath: none is pending.

@@ -88,15 +88,18 @@ impl ProxyHealth {
 
     /// The proxy's health at `now`, ignoring the node.
     pub fn healthy_at(&self, now: SystemTime) -> bool {
-        let state = self.state();
+        self.healthy_in(&self.state(), now)
+    }
+
+    fn healthy_in(&self, state: &State, now: SystemTime) -> bool {
         state.oldest_pending.is_none_or(|since| now.duration_since(since).unwrap_or_default() < self.timeout)
     }
 
     /// The report and whether it is a 200; `with_node`: `/healthz`, which also needs the node.
     fn report(&self, with_node: bool) -> (bool, Report) {
         let now = SystemTime::now();
-        let healthy = self.healthy_at(now);
         let state = self.state();
+        let healthy = self.healthy_in(&state, now);
         let node_eligible = with_node.then_some(state.node_eligible);
         let ok = healthy && node_eligible != Some(false);
         let last_updated = rfc3339(state.last_updated);

@@ -103,7 +103,7 @@ pub fn stop_child(child: &mut Child, grace: Duration) {
 }
 
 fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(crate::free_loopback_port()?.port())
 }
 
 fn openssl(dir: &Path, args: &[&str]) -> Result<()> {

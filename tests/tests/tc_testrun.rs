@@ -827,7 +827,7 @@ fn the_same_syn_on_two_cpus_at_once_makes_one_flow() {
                         let mut spins = 0u32;
                         while arrived.load(SeqCst) < 2 * (i + 1) {
                             spins += 1;
-                            if spins % 10_000 == 0 {
+                            if spins.is_multiple_of(10_000) {
                                 std::thread::yield_now();
                             }
                             std::hint::spin_loop();

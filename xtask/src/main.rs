@@ -196,11 +196,8 @@ fn test_in_vm(root: &Path, env: &setup::Env, short: &str, filter: Option<&str>) 
         bail!("--kernel {short}: one of {}", vm::KERNELS.map(|(k, _)| k).join(", "));
     };
     let binaries = test_binaries(root, env, vm::SUITES.as_slice())?;
-    let k8s_bin = cluster::ensure_k8s_binaries(root)?;
-    let vars = [
-        ("KPR_BIN", target_bin(root, false, "kpr").display().to_string()),
-        ("KPR_K8S_BIN", k8s_bin.display().to_string()),
-    ];
+    // The suites run in VMs need no control plane (`vm::SUITES`).
+    let vars = [("KPR_BIN", target_bin(root, false, "kpr").display().to_string())];
     let (release, passed, failed) = vm::run_tests(short, pattern, &binaries, &vars, filter)?;
     let line = format!("kernel {release}: {passed} passed, {failed} failed");
     println!("{line}");

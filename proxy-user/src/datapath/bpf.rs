@@ -158,6 +158,12 @@ pub fn pin_dir(pin_root: &Path) -> PathBuf {
     pin_root.join(format!("v{PIN_LAYOUT_VERSION}"))
 }
 
+/// The pinned map `name` under `pin_root` (the versioned pin directory).
+pub fn open_pinned_map(pin_root: &Path, name: &str) -> Result<MapData> {
+    let path = pin_dir(pin_root).join(name);
+    MapData::from_pin(&path).with_context(|| format!("no pinned map {}", path.display()))
+}
+
 /// The cgroup2 mount point, from /proc/self/mounts (hybrid hierarchies put it elsewhere than
 /// /sys/fs/cgroup).
 pub fn cgroup2_root() -> Result<PathBuf> {
@@ -906,10 +912,7 @@ impl BpfMaps {
 
     /// Open the pinned maps of a running (or stopped) agent, e.g. for `kpr services`.
     pub fn open_pinned(pin_root: &Path) -> Result<Self> {
-        let dir = pin_dir(pin_root);
-        let open = |name: &str| {
-            MapData::from_pin(dir.join(name)).with_context(|| format!("no pinned map {}", dir.join(name).display()))
-        };
+        let open = |name: &str| open_pinned_map(pin_root, name);
         let services = open(map_names::SERVICES)?;
         let service_ports = services.info()?.max_entries();
         let services: HashMap<MapData, ServiceKey, ServiceValue> = HashMap::try_from(Map::HashMap(services))?;
@@ -1047,10 +1050,7 @@ pub struct NodeView {
 }
 
 pub fn read_node_view(pin_root: &Path) -> Result<NodeView> {
-    let dir = pin_dir(pin_root);
-    let open = |name: &str| {
-        MapData::from_pin(dir.join(name)).with_context(|| format!("no pinned map {}", dir.join(name).display()))
-    };
+    let open = |name: &str| open_pinned_map(pin_root, name);
     let addrs: HashMap<MapData, u32, u32> = HashMap::try_from(Map::HashMap(open(map_names::NODE_ADDRS)?))?;
     let cidrs = |name: &str| -> Result<Vec<(Ipv4Addr, u8)>> {
         let trie: LpmTrie<MapData, CidrKey, u8> = LpmTrie::try_from(Map::LpmTrie(open(name)?))?;
@@ -1070,8 +1070,7 @@ pub fn read_node_view(pin_root: &Path) -> Result<NodeView> {
 
 /// The datapath's per-CPU counters, summed, by name.
 pub fn read_counters(pin_root: &Path) -> Result<Vec<(&'static str, u64)>> {
-    let path = pin_dir(pin_root).join(map_names::COUNTERS);
-    let map = MapData::from_pin(&path).with_context(|| format!("no pinned map {}", path.display()))?;
+    let map = open_pinned_map(pin_root, map_names::COUNTERS)?;
     let counters: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(map))?;
     (0..counter::COUNT).map(|i| Ok((counter::NAMES[i as usize], counters.get(&i, 0)?.iter().sum()))).collect()
 }

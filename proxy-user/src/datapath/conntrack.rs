@@ -3,11 +3,9 @@
 //! sweep frees the rest, so the table never fills with flows that ended long ago).
 use std::{path::Path, time::Duration};
 
-use anyhow::{Context as _, Result};
+use anyhow::Result;
 use aya::maps::{HashMap, IterableMap as _, Map, MapData};
 use proxy_common::{CtKey, CtTimeouts, CtValue, map_names};
-
-use super::bpf::pin_dir;
 
 /// How often the agent sweeps.
 pub const SWEEP_INTERVAL: Duration = Duration::from_secs(10);
@@ -31,11 +29,8 @@ type Table = HashMap<MapData, CtKey, CtValue>;
 
 impl Conntrack {
     pub fn open(pin_root: &Path) -> Result<Self> {
-        let dir = pin_dir(pin_root);
         let open = |name: &str| -> Result<Table> {
-            let path = dir.join(name);
-            let map = MapData::from_pin(&path).with_context(|| format!("no pinned map {}", path.display()))?;
-            Ok(HashMap::try_from(Map::LruHashMap(map))?)
+            Ok(HashMap::try_from(Map::LruHashMap(super::bpf::open_pinned_map(pin_root, name)?))?)
         };
         Self::new([open(map_names::CONNTRACK)?, open(map_names::CT_NEW)?])
     }

@@ -257,6 +257,11 @@ impl Programmer {
     /// new backends are a subset of its old ones and finds no fresh range is rewritten in its
     /// own range (remaining backends first, then the entry's count; a connect in between picks
     /// among old and remaining backends, as it did before the change).
+    /// The sizes of the maps it writes.
+    pub fn capacity(&self) -> Capacity {
+        self.capacity
+    }
+
     pub fn apply(&mut self, desired: &Desired, maps: &mut dyn Maps) -> ApplyReport {
         let now = std::time::Instant::now();
         self.slots.end_quarantine(now);
@@ -295,13 +300,8 @@ impl Programmer {
             let old_ranges = old.map(|p| p.source_ranges.clone()).unwrap_or_default();
             let shrinking = old.is_some_and(|p| backends.iter().all(|b| p.backends.contains(b)));
             let old = old.map(|p| p.value);
-            match self.reserve(old, backends.len(), want.flags, new_entries, shrinking) {
+            match self.reserve(old, want, new_entries, shrinking) {
                 Ok(value) => {
-                    let value = ServiceValue {
-                        affinity_timeout: want.affinity_timeout,
-                        affinity_id: affinity_id(&want.name),
-                        ..value
-                    };
                     new_entries += usize::from(old.is_none());
                     pending.push(Pending {
                         key: *key,
@@ -391,8 +391,7 @@ impl Programmer {
     fn reserve(
         &mut self,
         old: Option<ServiceValue>,
-        backends: usize,
-        flags: u32,
+        want: &DesiredPort,
         new_so_far: usize,
         shrinking: bool,
     ) -> Result<ServiceValue> {
@@ -402,7 +401,7 @@ impl Programmer {
                 self.capacity.service_ports
             );
         }
-        let count = u32::try_from(backends)?;
+        let count = u32::try_from(want.backends.len())?;
         let start = if count == 0 {
             0
         } else if let Some(start) = self.slots.alloc(count) {
@@ -424,9 +423,9 @@ impl Programmer {
             service_id,
             backends_start: start,
             backends_count: count,
-            flags,
-            affinity_timeout: 0,
-            affinity_id: 0,
+            flags: want.flags,
+            affinity_timeout: want.affinity_timeout,
+            affinity_id: affinity_id(&want.name),
         })
     }
 

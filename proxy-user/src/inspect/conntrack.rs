@@ -59,15 +59,15 @@ fn view(key: &CtKey, value: &CtValue, timeouts: &CtTimeouts, now: u64) -> FlowVi
     }
 }
 
-/// The flows (one per flow: the client's entry), of `service_id` when given. Lifetimes are
+/// The flows (one per flow: the client's entry), of `service_ids` when given. Lifetimes are
 /// shown with `timeouts` (the agent's configuration; kube-proxy's defaults otherwise).
-pub fn list(pin_root: &Path, service_id: Option<u32>, timeouts: &CtTimeouts) -> Result<Vec<FlowView>> {
+pub fn list(pin_root: &Path, service_ids: Option<&[u32]>, timeouts: &CtTimeouts) -> Result<Vec<FlowView>> {
     let now = monotonic_now();
     let conntrack = Conntrack::open(pin_root)?;
     let mut flows: Vec<FlowView> = conntrack
         .entries()
         .iter()
-        .filter(|(_, _, v)| v.flags & ct::REPLY == 0 && service_id.is_none_or(|id| v.service_id == id))
+        .filter(|(_, _, v)| v.flags & ct::REPLY == 0 && service_ids.is_none_or(|ids| ids.contains(&v.service_id)))
         .map(|(_, k, v)| view(k, v, timeouts, now))
         .collect();
     flows.sort_by(|a, b| (a.service_id, &a.frontend, &a.client).cmp(&(b.service_id, &b.frontend, &b.client)));

@@ -18,6 +18,7 @@ use crate::datapath::{
     bpf::{self, BpfMaps, NodeView},
     read_programmed,
 };
+use crate::model::cidr::Cidr;
 
 /// Where a connection comes from, as kube-proxy tells sources apart.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
@@ -78,10 +79,7 @@ pub struct TraceReport {
 }
 
 fn contains(cidrs: &[(Ipv4Addr, u8)], ip: Ipv4Addr) -> bool {
-    cidrs.iter().any(|(base, len)| {
-        let mask = if *len == 0 { 0 } else { u32::MAX << (32 - u32::from(*len)) };
-        u32::from(ip) & mask == u32::from(*base) & mask
-    })
+    cidrs.iter().any(|&(base, len)| Cidr::new(base.into(), len).is_some_and(|c| c.contains(ip.into())))
 }
 
 /// Where `source` comes from, as the programs classify it (`tc_nat::source_scope`).

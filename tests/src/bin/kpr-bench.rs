@@ -341,14 +341,9 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32, churn: usiz
     ext.ip(&["addr", "add", "10.0.0.100/24", "dev", "eth0"])?;
     ext.ip(&["link", "set", "eth0", "up"])?;
     ext.ip(&["route", "add", "10.244.0.0/16", "via", "10.0.0.1"])?;
-    let in_node = |script: &str| -> Result<()> {
-        let ok = Command::new("ip").args(["netns", "exec", &node.name, "sh", "-c", script]).status()?.success();
-        anyhow::ensure!(ok, "`{script}` failed in {}", node.name);
-        Ok(())
-    };
-    in_node("echo 1 > /proc/sys/net/ipv4/ip_forward")?;
+    node.sh("echo 1 > /proc/sys/net/ipv4/ip_forward")?;
     // kube-proxy's iptables rules for one NodePort service (30090 → pod:8081), masqueraded.
-    in_node(&format!(
+    node.sh(&format!(
         "iptables -t nat -N KUBE-SERVICES && iptables -t nat -N KUBE-NODEPORTS && iptables -t nat -N KUBE-EXT-BENCH && \
          iptables -t nat -N KUBE-SVC-BENCH && iptables -t nat -N KUBE-SEP-BENCH && iptables -t nat -N KUBE-MARK-MASQ && \
          iptables -t nat -N KUBE-POSTROUTING && \
@@ -482,7 +477,7 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32, churn: usiz
         entry.backends = vec![(pod, 5201)];
         desired2.insert(np2, entry);
         Programmer::recover(&mut datapath.maps)?.apply(&desired2, &mut datapath.maps);
-        in_node(&format!(
+        node.sh(&format!(
             "iptables -t nat -A KUBE-NODEPORTS -p tcp --dport 30091 -j KUBE-EXT-BENCH2 2>/dev/null || (iptables -t nat -N KUBE-EXT-BENCH2 && \
              iptables -t nat -A KUBE-EXT-BENCH2 -j KUBE-MARK-MASQ && iptables -t nat -A KUBE-EXT-BENCH2 -p tcp -j DNAT --to-destination {pod}:5201 && \
              iptables -t nat -A KUBE-NODEPORTS -p tcp --dport 30091 -j KUBE-EXT-BENCH2)"
