@@ -166,6 +166,24 @@ pub const SNAT_PORT_MAX: u16 = 65_535;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
+pub const IPPROTO_SCTP: u8 = 132;
+
+/// A protocol's name as Services spell it (`any`: the any-port entries of a refused service range).
+pub const fn proto_name(proto: u8) -> &'static str {
+    match proto {
+        IPPROTO_TCP => "TCP",
+        IPPROTO_UDP => "UDP",
+        IPPROTO_SCTP => "SCTP",
+        PROTO_ANY => "any",
+        _ => "other",
+    }
+}
+
+/// The flow has connection states (TCP, and SCTP's association mapped onto them): a SYN/INIT
+/// starts it, a FIN/SHUTDOWN closes it slowly, a RST/ABORT at once.
+pub const fn has_states(proto: u8) -> bool {
+    proto == IPPROTO_TCP || proto == IPPROTO_SCTP
+}
 
 /// Key of `KPR_SERVICES`: one service port.
 #[repr(C)]
@@ -175,7 +193,7 @@ pub struct ServiceKey {
     pub addr: u32,
     /// Port, network byte order.
     pub port: u16,
-    /// `IPPROTO_TCP` or `IPPROTO_UDP`.
+    /// `IPPROTO_TCP`, `IPPROTO_UDP`, `IPPROTO_SCTP` (or `PROTO_ANY`).
     pub proto: u8,
     /// `SCOPE_POD`, `SCOPE_EXTERNAL` or `SCOPE_NODE`. A NodePort entry has `addr` 0: it
     /// matches every address in `KPR_NODE_ADDRS` marked `NODE_ADDR_NODEPORT`.
@@ -377,7 +395,7 @@ impl CtTimeouts {
     /// How long a flow of `proto` in state `flags` lives after its latest packet.
     #[inline(always)]
     pub const fn lifetime(&self, proto: u8, flags: u32) -> u64 {
-        if proto == IPPROTO_TCP {
+        if has_states(proto) {
             if ct::closed(flags) {
                 self.tcp_closed
             } else if flags & (ct::FIN_ORIG | ct::FIN_REPLY) != 0 {
@@ -518,6 +536,8 @@ const _: () = assert!(size_of::<SourceRange>() == 8);
 const _: () = assert!(size_of::<FragmentKey>() == 12);
 const _: () = assert!(size_of::<LinkInfo>() == 8);
 const _: () = assert!(size_of::<CidrKey>() == 4);
+
+pub mod crc32c;
 
 #[cfg(feature = "user")]
 mod pod {

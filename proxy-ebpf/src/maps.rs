@@ -72,19 +72,19 @@ pub static LINKS: HashMap<u32, LinkInfo, { defaults::MAX_LINKS as usize }> = Has
 #[btf_map(name = "KPR_LOCAL_CIDRS", pin_by_name)]
 pub static LOCAL_CIDRS: LpmTrie<CidrKey, u8, { defaults::MAX_LOCAL_CIDRS as usize }> = LpmTrie::new();
 
-/// The cluster's service ranges (nftables mode: unallocated addresses in them are dropped).
+/// The cluster's service ranges (unallocated addresses in them are dropped when refused).
 #[btf_map(name = "KPR_SERVICE_CIDRS", pin_by_name)]
 pub static SERVICE_CIDRS: LpmTrie<CidrKey, u8, { defaults::MAX_SERVICE_CIDRS as usize }> = LpmTrie::new();
 
-/// 1 in kube-proxy's nftables mode: traffic to the service range that no service port takes is
-/// refused — REJECT for an unknown port of a ClusterIP, DROP for an unallocated address.
+/// 1 (kube-proxy's nftables mode, and kpr's default): traffic to the service range that no
+/// service port takes is refused — REJECT for an unknown port of a ClusterIP, DROP for an unallocated address.
 #[unsafe(no_mangle)]
-pub static KPR_NFT_SERVICE_RANGE: aya_ebpf::Global<u8> = aya_ebpf::Global::new(0);
+pub static KPR_REFUSE_SERVICE_RANGE: aya_ebpf::Global<u8> = aya_ebpf::Global::new(0);
 
-/// What nftables mode does with traffic to `addr` that no service port took.
+/// What a refused service range means for traffic to `addr` that no service port took.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum ServiceRangeMiss {
-    /// Not in the service range (or not nftables mode): not ours.
+    /// Not in the service range (or the range is not refused): not ours.
     NotInRange,
     /// An unknown port of a ClusterIP (it has an any-port entry): REJECT.
     Reject,
@@ -94,7 +94,7 @@ pub enum ServiceRangeMiss {
 
 #[inline(always)]
 pub fn service_range_miss(addr: u32, scope: u8) -> ServiceRangeMiss {
-    if KPR_NFT_SERVICE_RANGE.load() == 0
+    if KPR_REFUSE_SERVICE_RANGE.load() == 0
         || SERVICE_CIDRS.get(&aya_ebpf::btf_maps::lpm_trie::Key::new(32, CidrKey { addr })).is_none()
     {
         return ServiceRangeMiss::NotInRange;

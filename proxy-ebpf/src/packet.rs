@@ -9,6 +9,9 @@ pub const L4_OFF: usize = IP_OFF + 20;
 pub const TCP_CSUM_OFF: usize = L4_OFF + 16;
 pub const UDP_CSUM_OFF: usize = L4_OFF + 6;
 pub const TCP_FLAGS_OFF: usize = L4_OFF + 13;
+/// SCTP's CRC32c (little-endian) and the type of the packet's first chunk.
+pub const SCTP_CSUM_OFF: usize = L4_OFF + 8;
+pub const SCTP_CHUNK_TYPE_OFF: usize = L4_OFF + 12;
 pub const TCP_SYN: u8 = 0x02;
 pub const TCP_ACK: u8 = 0x10;
 pub const TCP_RST: u8 = 0x04;

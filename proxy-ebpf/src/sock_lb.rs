@@ -105,7 +105,7 @@ fn forward4(ctx: &SockAddrContext, connect: bool) -> i32 {
                 None => return ALLOW,
             }
         }
-        // nftables mode: an unknown port of a ClusterIP is rejected, an unallocated address
+        // A refused service range: an unknown port of a ClusterIP is rejected, an unallocated address
         // of the service range dropped.
         None => match service_range_miss(sa.user_ip4, scope) {
             ServiceRangeMiss::NotInRange => return ALLOW,

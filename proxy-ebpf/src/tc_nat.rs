@@ -32,9 +32,10 @@ use aya_ebpf::{
 use network_types::{eth::EtherType, ip::Ipv4Hdr};
 use proxy_common::{
     AFFINITY_BY_ADDR, Backend, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, DETECT_LOCAL_INTERFACE,
-    FragmentKey, IPPROTO_TCP, IPPROTO_UDP, LINK_FLAG_LOCAL_TRAFFIC, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT,
+    FragmentKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, LINK_FLAG_LOCAL_TRAFFIC, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT,
     SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
-    SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceKey, ServiceValue, SourceRange, counter, ct,
+    SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceKey, ServiceValue, SourceRange, counter, crc32c,
+    ct, has_states,
 };
 
 use crate::{
@@ -44,7 +45,7 @@ use crate::{
         service_range_miss,
     },
     packet::*,
-    tc_reject::{reject_tcp, reject_udp},
+    tc_reject::{reject_port_unreachable, reject_tcp},
 };
 
 /// Tries at finding a free SNAT port before giving up on a new flow.
@@ -151,7 +152,7 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     if ip.proto == IPPROTO_ICMP && ip.vihl == 0x45 {
         return icmp_error(ctx, &ip);
     }
-    if ip.proto != IPPROTO_TCP && ip.proto != IPPROTO_UDP {
+    if ip.proto != IPPROTO_TCP && ip.proto != IPPROTO_UDP && ip.proto != IPPROTO_SCTP {
         return Ok(PASS);
     }
     if ip.vihl != 0x45 {
@@ -162,6 +163,12 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     let frags = u16::from_be_bytes(ip.frags);
     if frags & 0x1fff != 0 {
         return later_fragment(ctx, &ip);
+    }
+    if frags & 0x2000 != 0 && ip.proto == IPPROTO_SCTP {
+        // SCTP splits its own chunks to the path MTU; the CRC of a datagram in IP fragments
+        // covers bytes this packet does not have.
+        count(counter::TC_PASSED_UNSUPPORTED);
+        return Ok(PASS);
     }
     let ports = h.ports;
     let t = Tuple {
@@ -174,7 +181,11 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     };
 
     let key = ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto);
-    let tcp_flags = if t.proto == IPPROTO_TCP { tcp_flags(ctx) } else { 0 };
+    let tcp_flags = match t.proto {
+        IPPROTO_TCP => tcp_flags(ctx),
+        IPPROTO_SCTP => sctp_as_tcp_flags(ctx),
+        _ => 0,
+    };
     let now = unsafe { bpf_ktime_get_ns() };
     // Established flows first; a flow not yet answered lives apart (`CT_NEW`), so that a flood
     // of new flows (SYNs, spoofed segments) evicts only its own kind.
@@ -214,7 +225,7 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     let scope = source_scope(ctx, &t);
     let service = match lookup_frontend(&t, scope) {
         Some(service) => service,
-        // nftables mode: a ClusterIP's unknown port is rejected, an unallocated address of
+        // A refused service range: a ClusterIP's unknown port is rejected, an unallocated address of
         // the service range dropped.
         None => match service_range_miss(t.daddr, scope) {
             ServiceRangeMiss::NotInRange => return Ok(PASS),
@@ -238,6 +249,19 @@ fn tcp_flags(ctx: &TcContext) -> u8 {
         return unsafe { *(at as *const u8) };
     }
     ctx.load::<u8>(TCP_FLAGS_OFF).unwrap_or(0)
+}
+
+/// An SCTP packet's first chunk as the TCP flags with the same meaning for the flow's state:
+/// INIT is a SYN, INIT ACK a SYN-ACK, SHUTDOWN and SHUTDOWN ACK are FINs, ABORT a RST.
+#[inline(always)]
+fn sctp_as_tcp_flags(ctx: &TcContext) -> u8 {
+    match ctx.load::<u8>(SCTP_CHUNK_TYPE_OFF).unwrap_or(0) {
+        1 => TCP_SYN,
+        2 => TCP_SYN | TCP_ACK,
+        6 => TCP_RST | TCP_ACK,
+        7 | 8 => TCP_FIN | TCP_ACK,
+        _ => TCP_ACK,
+    }
 }
 
 /// What this packet tells of its flow: an answer from the backend, a FIN, a RST.
@@ -457,7 +481,8 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue, tcp_flags: u8, n
             count(counter::TC_DROPPED);
             return Ok(TC_ACT_SHOT);
         }
-        return if t.proto == IPPROTO_TCP { reject_tcp(ctx, t) } else { reject_udp(ctx, t) };
+        // kube-proxy's REJECT: a TCP reset, else ICMP port unreachable (UDP and SCTP).
+        return if t.proto == IPPROTO_TCP { reject_tcp(ctx, t) } else { reject_port_unreachable(ctx, t) };
     }
     // The backend is a hash of the tuple: as random as the client's port for new flows, and
     // the same again for a connection whose entries were lost. checked_rem: no
@@ -527,8 +552,9 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue, tcp_flags: u8, n
         return Ok(TC_ACT_SHOT);
     };
     rewrite(ctx, t, &forward)?;
-    // A TCP flow is new with its SYN; any other segment re-creates a flow that was lost.
-    let recreated = t.proto == IPPROTO_TCP && tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN;
+    // A TCP flow is new with its SYN (SCTP with its INIT); any other packet re-creates a flow
+    // that was lost.
+    let recreated = has_states(t.proto) && tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN;
     count(if recreated { counter::TC_CT_RECREATED } else { counter::TC_NEW_FLOW });
     Ok(TC_ACT_OK)
 }
@@ -634,34 +660,70 @@ fn rewrite(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()> {
         let key = FragmentKey { src_addr: t.saddr, dst_addr: t.daddr, id, proto: t.proto, _pad: 0 };
         let _ = FRAGMENTS.insert(&key, to, 0);
     }
-    let (csum_off, l4_flags) = if t.proto == IPPROTO_TCP {
-        (TCP_CSUM_OFF, 0)
-    } else {
+    // TCP's and UDP's checksums cover the addresses (pseudo header); SCTP's CRC32c does not.
+    let inet_csum = match t.proto {
+        IPPROTO_TCP => Some((TCP_CSUM_OFF, 0)),
         // A UDP checksum of 0 means "none" and must stay 0.
-        (UDP_CSUM_OFF, u64::from(BPF_F_MARK_MANGLED_0))
+        IPPROTO_UDP => Some((UDP_CSUM_OFF, u64::from(BPF_F_MARK_MANGLED_0))),
+        _ => None,
     };
-    let pseudo = u64::from(BPF_F_PSEUDO_HDR);
-    if to.src_addr != t.saddr {
-        ctx.l4_csum_replace(csum_off, u64::from(t.saddr), u64::from(to.src_addr), l4_flags | pseudo | 4)
-            .map_err(drop)?;
-        ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(t.saddr), u64::from(to.src_addr), 4).map_err(drop)?;
-        ctx.store(IP_SRC_OFF, &to.src_addr, 0).map_err(drop)?;
+    // (Calls, not a loop over an array: the compiler would index the array on the stack with
+    // pointer arithmetic the verifier refuses.)
+    let address = |off: usize, old: u32, new: u32| -> Result<(), ()> {
+        if old != new {
+            if let Some((csum_off, flags)) = inet_csum {
+                let flags = flags | u64::from(BPF_F_PSEUDO_HDR) | 4;
+                ctx.l4_csum_replace(csum_off, u64::from(old), u64::from(new), flags).map_err(drop)?;
+            }
+            ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(old), u64::from(new), 4).map_err(drop)?;
+            ctx.store(off, &new, 0).map_err(drop)?;
+        }
+        Ok(())
+    };
+    address(IP_SRC_OFF, t.saddr, to.src_addr)?;
+    address(IP_DST_OFF, t.daddr, to.dst_addr)?;
+    if (to.src_port, to.dst_port) == (t.sport, t.dport) {
+        return Ok(());
     }
-    if to.dst_addr != t.daddr {
-        ctx.l4_csum_replace(csum_off, u64::from(t.daddr), u64::from(to.dst_addr), l4_flags | pseudo | 4)
-            .map_err(drop)?;
-        ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(t.daddr), u64::from(to.dst_addr), 4).map_err(drop)?;
-        ctx.store(IP_DST_OFF, &to.dst_addr, 0).map_err(drop)?;
+    match inet_csum {
+        Some((csum_off, flags)) => {
+            let port = |old: u16, new: u16| ctx.l4_csum_replace(csum_off, u64::from(old), u64::from(new), flags | 2);
+            port(t.sport, to.src_port).map_err(drop)?;
+            port(t.dport, to.dst_port).map_err(drop)?;
+        }
+        None => sctp_ports_crc(ctx, ports_word(t.sport, t.dport), ports_word(to.src_port, to.dst_port))?,
     }
-    if to.src_port != t.sport {
-        ctx.l4_csum_replace(csum_off, u64::from(t.sport), u64::from(to.src_port), l4_flags | 2).map_err(drop)?;
-        ctx.store(L4_OFF, &to.src_port, 0).map_err(drop)?;
+    ctx.store(L4_OFF, &[to.src_port, to.dst_port], 0).map_err(drop)
+}
+
+/// Two ports as the four bytes they are in the packet, read as one native word.
+#[inline(always)]
+fn ports_word(first: u16, second: u16) -> u32 {
+    let (a, b) = (first.to_ne_bytes(), second.to_ne_bytes());
+    u32::from_ne_bytes([a[0], a[1], b[0], b[1]])
+}
+
+/// Fix an SCTP packet's CRC32c for its ports going from `old` to `new` (`crc32c`: no second
+/// read of the packet). A checksum of 0 is left alone: the sender's kernel left it to the
+/// device (`CHECKSUM_PARTIAL`), which computes it over the rewritten packet.
+#[inline(always)]
+fn sctp_ports_crc(ctx: &TcContext, old: u32, new: u32) -> Result<(), ()> {
+    let sum = u32::from_le_bytes(ctx.load::<[u8; 4]>(SCTP_CSUM_OFF).map_err(drop)?);
+    if sum == 0 {
+        return Ok(());
     }
-    if to.dst_port != t.dport {
-        ctx.l4_csum_replace(csum_off, u64::from(t.dport), u64::from(to.dst_port), l4_flags | 2).map_err(drop)?;
-        ctx.store(L4_OFF + 2, &to.dst_port, 0).map_err(drop)?;
-    }
-    Ok(())
+    let ip_len = u16::from_be_bytes(ctx.load::<[u8; 2]>(IP_OFF + 2).map_err(drop)?);
+    let sctp_len = ip_len.saturating_sub(20);
+    let sum = sum ^ kpr_sctp_crc_delta(old, new, u32::from(sctp_len));
+    ctx.store(SCTP_CSUM_OFF, &sum.to_le_bytes(), 0).map_err(drop)
+}
+
+/// [`crc32c::port_rewrite_delta`] as a global function: the verifier checks it once, not once
+/// per path of the program that reaches it.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn kpr_sctp_crc_delta(old: u32, new: u32, len: u32) -> u32 {
+    crc32c::port_rewrite_delta(old, new, len as u16)
 }
 
 /// An ICMP error (unreachable, time exceeded, parameter problem) about a translated flow, e.g.
@@ -675,7 +737,9 @@ fn icmp_error(ctx: &TcContext, outer: &Ipv4Hdr) -> Result<i32, ()> {
         return Ok(PASS);
     }
     let inner: Ipv4Hdr = ctx.load(INNER_IP_OFF).map_err(drop)?;
-    if inner.vihl != 0x45 || (inner.proto != IPPROTO_TCP && inner.proto != IPPROTO_UDP) {
+    // The quoted ports are where TCP, UDP and SCTP all have them (SCTP's quoted CRC stays: the
+    // quote is cut short, and its receiver checks the verification tag instead).
+    if inner.vihl != 0x45 || (inner.proto != IPPROTO_TCP && inner.proto != IPPROTO_UDP && inner.proto != IPPROTO_SCTP) {
         return Ok(PASS);
     }
     let ports: [u16; 2] = ctx.load(INNER_L4_OFF).map_err(drop)?;

@@ -1,5 +1,5 @@
 //! kube-proxy REJECTs traffic to a service without endpoints: a TCP SYN is answered with a
-//! reset, a UDP datagram with ICMP port unreachable. The packet is rewritten in place into the
+//! reset, a UDP datagram or SCTP packet with ICMP port unreachable. The packet is rewritten in place into the
 //! answer and sent back out of the interface it came in on; the client sees ECONNREFUSED.
 use aya_ebpf::{
     EbpfContext as _,
@@ -101,10 +101,10 @@ struct IcmpUnreachable {
     quoted_l4: [u8; 8],
 }
 
-/// kube-proxy REJECTs UDP to a service without endpoints with ICMP port unreachable: turn the
-/// datagram into one, in place, and send it back out of the interface it came in on.
+/// kube-proxy REJECTs UDP and SCTP to a service without endpoints with ICMP port unreachable:
+/// turn the packet into one, in place, and send it back out of the interface it came in on.
 #[inline(always)]
-pub fn reject_udp(ctx: &TcContext, t: &Tuple) -> Result<i32, ()> {
+pub fn reject_port_unreachable(ctx: &TcContext, t: &Tuple) -> Result<i32, ()> {
     count(counter::TC_REJECTED);
     let quoted_ip: Ipv4Hdr = ctx.load(IP_OFF).map_err(drop)?;
     let quoted_l4: [u8; 8] = ctx.load(L4_OFF).map_err(drop)?;
@@ -119,8 +119,8 @@ pub fn reject_udp(ctx: &TcContext, t: &Tuple) -> Result<i32, ()> {
     let ip_sum = unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, ip.as_mut_ptr().cast(), 20, 0) };
     ip[10..12].copy_from_slice(&fold(ip_sum).to_ne_bytes());
 
-    // Room for the new IP and ICMP headers goes after the IP header; the UDP header that
-    // follows is the quoted datagram's first 8 bytes, already in place.
+    // Room for the new IP and ICMP headers goes after the IP header; the L4 header that
+    // follows is the quoted packet's first 8 bytes, already in place.
     ctx.adjust_room(28, BPF_ADJ_ROOM_NET, 0).map_err(drop)?;
     ctx.change_tail((ETH_LEN + 20 + 36) as u32, 0).map_err(drop)?;
     let recompute = u64::from(BPF_F_RECOMPUTE_CSUM);

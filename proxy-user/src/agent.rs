@@ -108,7 +108,7 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
             let client = kube::Client::try_from(config)?;
             let (events, _) = crate::events::publisher(client.clone(), cfg.node.name.clone());
             conflict_events = Some(events);
-            let cidrs = cfg.options.reject_unknown_ports;
+            let cidrs = cfg.options.refuse_service_range;
             let tx = tx.clone();
             let run = move || source::kube::run(client.clone(), node_name.clone(), cidrs, tx.clone());
             tokio::spawn(supervise("kubernetes", metrics.clone(), run))
@@ -158,7 +158,7 @@ pub async fn desired_state(
         SourceConfig::Manifests(dir) => tokio::spawn(source::manifests::run(dir, name, tx)),
         SourceConfig::Kube { kubeconfig, master } => {
             let client = kube::Client::try_from(source::kube::config(kubeconfig.as_deref(), master.as_deref()).await?)?;
-            tokio::spawn(source::kube::run(client, name, options.reject_unknown_ports, tx))
+            tokio::spawn(source::kube::run(client, name, options.refuse_service_range, tx))
         }
     };
     let programmer = Programmer::recover(&mut crate::datapath::fake::FakeMaps::new(crate::datapath::Capacity {
@@ -220,7 +220,7 @@ pub struct Syncer {
     pub node_settings: NodeSettings,
     pub host_links: Vec<HostLink>,
     pub node_object: Option<NodeObject>,
-    /// The cluster's service ranges (nftables mode).
+    /// The cluster's service ranges (watched when the service range is refused).
     pub service_cidrs: Vec<Cidr>,
     /// A ClusterIP whose route tells the source the node's own connections to ClusterIPs get.
     sample_cluster_ip: Option<std::net::Ipv4Addr>,
@@ -577,7 +577,7 @@ mod tests {
     }
 
     fn visible(maps: &FakeMaps) -> Option<Vec<String>> {
-        let key = service_key("10.96.0.10".parse().unwrap(), 80, Protocol::Tcp).unwrap();
+        let key = service_key("10.96.0.10".parse().unwrap(), 80, Protocol::Tcp);
         maps.visible_backends(&key).map(|bs| bs.iter().map(|b| backend_addr(b).0.to_string()).collect())
     }
 

@@ -147,6 +147,12 @@ struct AgentArgs {
     /// FORWARD chain, routing) instead of sending them straight out of their link.
     #[arg(long)]
     host_routing: bool,
+    /// `mode: iptables`: leave packets to the service range that no service port takes to the
+    /// routing table, as kube-proxy's iptables mode does. By default kpr refuses them as its
+    /// nftables mode does (an unknown port of a ClusterIP rejected, an unallocated address
+    /// dropped) instead of letting them leave the node.
+    #[arg(long)]
+    pass_service_range: bool,
     /// cgroup2 directory whose sockets are load-balanced [default: the cgroup2 root].
     #[arg(long)]
     cgroup: Option<PathBuf>,
@@ -333,9 +339,10 @@ fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
             0
         }
     };
-    // kube-proxy's nftables mode refuses what no service port takes in the service range.
-    let nftables = config.mode == "nftables";
-    datapath.nft_service_range = nftables;
+    // What no service port takes in the service range is refused, as kube-proxy's nftables
+    // mode does; iptables mode passes it to the routing table, which kpr does on request only.
+    let refuse_service_range = config.mode == "nftables" || !args.pass_service_range;
+    datapath.refuse_service_range = refuse_service_range;
     let source = match args.manifests {
         Some(dir) => SourceConfig::Manifests(dir),
         None => SourceConfig::Kube { kubeconfig: config.kubeconfig.clone(), master: args.master.clone() },
@@ -360,7 +367,7 @@ fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
         options: ProxyOptions {
             masquerade_all: config.masquerade_all,
             detect_local: detector.implemented(),
-            reject_unknown_ports: nftables,
+            refuse_service_range: refuse_service_range,
         },
         sync_period: config.sync_period,
         min_sync_period: config.min_sync_period,

@@ -160,13 +160,15 @@ fn scale_change_port_and_delete_through_the_api() {
     assert!(name.starts_with("pod-"), "{name}");
     assert_eq!(peer, SocketAddr::from(sa(ip, 8000)));
     let err = env.h.client(move || TcpStream::connect_timeout(&sa(ip, 80).into(), TIMEOUT).map(drop)).unwrap_err();
-    assert_eq!(err.raw_os_error(), Some(libc::ENETUNREACH), "old port is no longer translated: {err}");
+    // The ClusterIP's old port is refused (kpr refuses the service range by default).
+    assert_eq!(err.raw_os_error(), Some(libc::ECONNREFUSED), "old port is no longer translated: {err}");
 
     // Delete the service.
     env.c.kubectl(&["delete", "service", "-n", "test", "web"]).unwrap();
     env.wait(&format!("{ip}:8000/TCP"), None);
+    // An unallocated address of the service range is dropped (EPERM on the socket path).
     let err = env.h.client(move || TcpStream::connect_timeout(&sa(ip, 8000).into(), TIMEOUT).map(drop)).unwrap_err();
-    assert_eq!(err.raw_os_error(), Some(libc::ENETUNREACH), "{err}");
+    assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{err}");
     assert_echoes(&mut conn, "after-delete");
 }
 
@@ -248,7 +250,7 @@ fn agent_started_while_the_api_server_is_down_waits_and_serves_nothing_stale() {
     let seen = env.tcp_spread(ip, 20);
     assert_eq!(seen.keys().collect::<Vec<_>>(), [&env.h.pod_name(1)], "{seen:?}");
     let err = env.h.client(move || TcpStream::connect_timeout(&sa(gone, 80).into(), TIMEOUT).map(drop)).unwrap_err();
-    assert_eq!(err.raw_os_error(), Some(libc::ENETUNREACH), "deleted service is not translated: {err}");
+    assert_eq!(err.raw_os_error(), Some(libc::EPERM), "deleted service's address is dropped: {err}");
 }
 
 #[test]

@@ -71,13 +71,41 @@ struct Pkt {
     tcp_flags: u8,
     seq: u32,
     ack: u32,
-    /// UDP only: send a zero (absent) checksum.
+    /// UDP: send a zero (absent) checksum; SCTP: a zero checksum, left to the device.
     no_udp_csum: bool,
     frag: u16,
+    /// SCTP: the type of the packet's one chunk.
+    chunk: u8,
 }
 
 fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Pkt {
-    Pkt { src, dst, sport, dport, proto: 6, tcp_flags: 0x02, seq: 1000, ack: 0, no_udp_csum: false, frag: 0 }
+    Pkt { src, dst, sport, dport, proto: 6, tcp_flags: 0x02, seq: 1000, ack: 0, no_udp_csum: false, frag: 0, chunk: 0 }
+}
+
+/// An SCTP packet with one INIT chunk (type 1).
+fn sctp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Pkt {
+    Pkt { proto: 132, tcp_flags: 0, chunk: 1, ..tcp(src, sport, dst, dport) }
+}
+
+/// CRC32c as RFC 9260 appendix A computes it, bit by bit (independent of kpr's code).
+fn crc32c(data: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &byte in data {
+        crc ^= u32::from(byte);
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 { (crc >> 1) ^ 0x82f6_3b78 } else { crc >> 1 };
+        }
+    }
+    !crc
+}
+
+/// The SCTP checksum of an IPv4 frame is right: the CRC32c of the SCTP packet with its
+/// checksum field zero, stored little-endian.
+fn sctp_crc_ok(frame: &[u8]) -> bool {
+    let mut sctp = frame[34..].to_vec();
+    let stored = u32::from_le_bytes(sctp[8..12].try_into().unwrap());
+    sctp[8..12].fill(0);
+    stored == crc32c(&sctp)
 }
 
 fn udp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Pkt {
@@ -98,6 +126,23 @@ impl Pkt {
         let mut l4 = Vec::new();
         l4.extend_from_slice(&self.sport.to_be_bytes());
         l4.extend_from_slice(&self.dport.to_be_bytes());
+        if self.proto == 132 {
+            // Verification tag, checksum (below), one chunk: type, flags, length, value, padding.
+            l4.extend_from_slice(&[0xc0, 0xff, 0xee, 0x01, 0, 0, 0, 0]);
+            l4.extend_from_slice(&[self.chunk, 0]);
+            l4.extend_from_slice(&((4 + payload.len()) as u16).to_be_bytes());
+            l4.extend_from_slice(payload);
+            l4.resize(l4.len().next_multiple_of(4), 0);
+            if !self.no_udp_csum {
+                let c = crc32c(&l4);
+                l4[8..12].copy_from_slice(&c.to_le_bytes());
+            }
+            return frame(
+                (dst_mac, src_mac),
+                Ip { src: self.src, dst: self.dst, proto: 132, tos: 0, id: 0x1234, frags: self.frag },
+                &l4,
+            );
+        }
         if self.proto == 6 {
             l4.extend_from_slice(&self.seq.to_be_bytes());
             l4.extend_from_slice(&self.ack.to_be_bytes());
@@ -280,7 +325,7 @@ fn entry(
 ) {
     let name = ServicePortName { service: ObjectKey::new("t", format!("{ip}:{port}")), port: String::new(), protocol };
     desired.insert(
-        frontend_key(ip, port, protocol, scope).unwrap(),
+        frontend_key(ip, port, protocol, scope),
         DesiredPort { name, backends: backends.to_vec(), flags, source_ranges: vec![], affinity_timeout: 0 },
     );
 }
@@ -300,6 +345,10 @@ fn services() -> Desired {
     cluster_ip(&mut d, 53, Protocol::Udp, &[(POD, 5353)]);
     cluster_ip(&mut d, 81, Protocol::Tcp, &[]);
     cluster_ip(&mut d, 54, Protocol::Udp, &[]);
+    // SCTP (Diameter's port), with a targetPort of another number; one without endpoints.
+    cluster_ip(&mut d, 3868, Protocol::Sctp, &[(POD, 3869)]);
+    cluster_ip(&mut d, 3870, Protocol::Sctp, &[]);
+    entry(&mut d, Ipv4Addr::UNSPECIFIED, 30868, Protocol::Sctp, SCOPE_EXTERNAL, &[(POD, 3869)], SERVICE_FLAG_SNAT);
     // NodePort 30080: eTP=Cluster (masquerade); 30081: eTP=Local without local endpoints.
     entry(&mut d, Ipv4Addr::UNSPECIFIED, 30080, Protocol::Tcp, SCOPE_EXTERNAL, &[(POD, 8080)], SERVICE_FLAG_SNAT);
     entry(&mut d, Ipv4Addr::UNSPECIFIED, 30081, Protocol::Tcp, SCOPE_EXTERNAL, &[], SERVICE_FLAG_DROP_NO_ENDPOINTS);
@@ -323,7 +372,7 @@ fn services() -> Desired {
         &[(POD, 8080)],
         SERVICE_FLAG_SNAT | SERVICE_FLAG_SOURCE_RANGES,
     );
-    d.get_mut(&frontend_key(LB_IP, 80, Protocol::Tcp, SCOPE_EXTERNAL).unwrap()).unwrap().source_ranges =
+    d.get_mut(&frontend_key(LB_IP, 80, Protocol::Tcp, SCOPE_EXTERNAL)).unwrap().source_ranges =
         vec![(Ipv4Addr::new(10, 0, 0, 96), 30)];
     // An externalIP with eTP=Local and no local endpoint; from inside, every endpoint.
     entry(&mut d, EXT_LOCAL, 443, Protocol::Tcp, SCOPE_EXTERNAL, &[], SERVICE_FLAG_DROP_NO_ENDPOINTS);
@@ -482,6 +531,82 @@ fn no_endpoints_rejects_udp_with_icmp_port_unreachable() {
     icmp[2..4].copy_from_slice(&c.to_be_bytes());
     let ip = Ip { src: CLUSTER_IP, dst: CLIENT, proto: 1, tos: 0xc0, id: 0, frags: 0 };
     assert_eq!(out, frame(([2; 6], [1; 6]), ip, &icmp));
+}
+
+#[test]
+fn sctp_is_translated_both_ways_with_its_crc32c_updated() {
+    let rig = Rig::new(&services());
+    let init = sctp(CLIENT, 40100, CLUSTER_IP, 3868);
+    assert!(sctp_crc_ok(&init.bytes()), "the test's own packet is right");
+    let (verdict, out) = rig.ingress(&init.bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(out, Pkt { dst: POD, dport: 3869, ..init }.bytes(), "DNAT to the backend and its port");
+    assert!(sctp_crc_ok(&out), "the CRC32c covers the new port");
+
+    // The backend's INIT ACK, leaving toward the client: the ClusterIP and port come back.
+    let init_ack = Pkt { chunk: 2, ..sctp(POD, 3869, CLIENT, 40100) };
+    let (verdict, out) = rig.egress(&init_ack.bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(out, Pkt { src: CLUSTER_IP, sport: 3868, ..init_ack }.bytes(), "reverse NAT");
+    assert!(sctp_crc_ok(&out));
+
+    // DATA (chunk 0) of the association: the same backend, from conntrack.
+    let data = Pkt { chunk: 0, ..init };
+    assert_eq!(rig.ingress(&data.bytes()).1, Pkt { dst: POD, dport: 3869, ..data }.bytes());
+    let established = rig.flows().into_iter().filter(|(k, _)| k.proto == 132).collect::<Vec<_>>();
+    assert_eq!(established.len(), 2, "one flow, two entries: {established:?}");
+    assert!(established.iter().all(|(_, v)| v.flags & proxy_common::ct::SEEN_REPLY != 0), "answered");
+
+    // ABORT closes the association at once, as a RST closes a TCP connection.
+    let abort = Pkt { chunk: 6, ..init };
+    assert_eq!(rig.ingress(&abort.bytes()).0, TC_ACT_OK);
+    assert!(
+        rig.flows().iter().filter(|(k, _)| k.proto == 132).all(|(_, v)| proxy_common::ct::closed(v.flags)),
+        "closed after ABORT"
+    );
+    assert_eq!(rig.counter(counter::TC_NEW_FLOW), 1);
+}
+
+#[test]
+fn sctp_node_port_is_masqueraded_and_a_zero_checksum_stays_zero() {
+    let rig = Rig::new(&services());
+    let init = sctp(CLIENT, 40101, NODE_IP, 30868);
+    let (verdict, out) = rig.ingress(&init.bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    let nat_port = sport_of(&out);
+    assert_ne!(nat_port, 40101, "masquerade gives the flow a port of its own");
+    assert_eq!(out, Pkt { src: NODE_IP, sport: nat_port, dst: POD, dport: 3869, ..init }.bytes());
+    assert!(sctp_crc_ok(&out), "both ports changed: the CRC32c follows");
+    let reply = Pkt { chunk: 2, ..sctp(POD, 3869, NODE_IP, nat_port) };
+    let (_, out) = rig.ingress(&reply.bytes());
+    assert_eq!(out, Pkt { src: NODE_IP, sport: 30868, dst: CLIENT, dport: 40101, ..reply }.bytes());
+
+    // The sender's kernel left the checksum to the device (0): it stays 0, to be computed over
+    // the rewritten packet.
+    let offloaded = Pkt { no_udp_csum: true, ..sctp(CLIENT, 40102, CLUSTER_IP, 3868) };
+    let (verdict, out) = rig.ingress(&offloaded.bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(out, Pkt { dst: POD, dport: 3869, ..offloaded }.bytes());
+    assert_eq!(&out[42..46], &[0, 0, 0, 0], "checksum left to the device");
+}
+
+#[test]
+fn sctp_without_endpoints_gets_icmp_port_unreachable_and_fragments_pass() {
+    let rig = Rig::new(&services());
+    let init = sctp(CLIENT, 40103, CLUSTER_IP, 3870);
+    let input = init.bytes_with_macs([1; 6], [2; 6]);
+    let (verdict, out) = rig.ingress(&input);
+    assert_eq!(verdict, TC_ACT_REDIRECT, "REJECT: ICMP port unreachable, as iptables REJECTs non-TCP");
+    let mut icmp = vec![3, 3, 0, 0, 0, 0, 0, 0];
+    icmp.extend_from_slice(&input[14..14 + 28]);
+    let c = csum(&icmp, 0);
+    icmp[2..4].copy_from_slice(&c.to_be_bytes());
+    let ip = Ip { src: CLUSTER_IP, dst: CLIENT, proto: 1, tos: 0xc0, id: 0, frags: 0 };
+    assert_eq!(out, frame(([2; 6], [1; 6]), ip, &icmp));
+
+    // The first fragment of an SCTP packet in IP fragments: its CRC covers bytes it lacks.
+    let first = Pkt { frag: 0x2000, ..sctp(CLIENT, 40104, CLUSTER_IP, 3868) };
+    assert_eq!(rig.ingress(&first.bytes()), (TC_ACT_UNSPEC, first.bytes()));
 }
 
 /// An ICMP error from `src` to `dst` quoting the first 28 bytes of `quoted` (an IPv4 packet).
@@ -906,10 +1031,10 @@ fn translated_packets_go_straight_out_of_the_link_their_route_takes() {
 /// service port also on CLUSTER_IP:90 from outside.
 fn affinity_services(timeout: u32) -> Desired {
     let mut d = churn_services();
-    let node_port = frontend_key(Ipv4Addr::UNSPECIFIED, 30090, Protocol::Tcp, SCOPE_EXTERNAL).unwrap();
+    let node_port = frontend_key(Ipv4Addr::UNSPECIFIED, 30090, Protocol::Tcp, SCOPE_EXTERNAL);
     let mut cluster_ip = d[&node_port].clone();
     cluster_ip.flags = 0;
-    d.insert(frontend_key(CLUSTER_IP, 90, Protocol::Tcp, SCOPE_EXTERNAL).unwrap(), cluster_ip);
+    d.insert(frontend_key(CLUSTER_IP, 90, Protocol::Tcp, SCOPE_EXTERNAL), cluster_ip);
     for port in d.values_mut() {
         port.affinity_timeout = timeout;
     }

@@ -56,8 +56,8 @@ pub struct DatapathConfig {
     /// The per-packet path covers every link (pods' links included): the socket path may leave
     /// a pod's connection to it.
     pub pod_links_covered: bool,
-    /// kube-proxy's nftables mode: what no service port takes in the service range is refused.
-    pub nft_service_range: bool,
+    /// What no service port takes in the service range is refused (kube-proxy's nftables mode).
+    pub refuse_service_range: bool,
     /// Per-packet flow lifetimes, by state.
     pub ct_timeouts: CtTimeouts,
     /// First and last SNAT port (host byte order).
@@ -86,7 +86,7 @@ impl DatapathConfig {
             pod_links_covered: false,
             forward_direct: true,
             agent_cgroup_id: 0,
-            nft_service_range: false,
+            refuse_service_range: false,
             ct_timeouts: CtTimeouts::DEFAULT,
             snat_ports: snat_port_range(),
             tc_netlink: false,
@@ -311,7 +311,7 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .override_global("KPR_AGENT_CGROUP_ID", &cfg.agent_cgroup_id, true)
         .override_global("KPR_FORWARD_DIRECT", &u8::from(cfg.forward_direct), true)
         .override_global("KPR_DETECT_LOCAL", &cfg.detect_local, true)
-        .override_global("KPR_NFT_SERVICE_RANGE", &u8::from(cfg.nft_service_range), true)
+        .override_global("KPR_REFUSE_SERVICE_RANGE", &u8::from(cfg.refuse_service_range), true)
         .override_global("KPR_SNAT_PORT_MIN", &snat_ports.0, true)
         .override_global("KPR_SNAT_PORT_MAX", &snat_ports.1, true)
         .override_global("KPR_CT_TIMEOUTS", &cfg.ct_timeouts, true)

@@ -18,7 +18,7 @@ use std::{
 };
 
 use anyhow::{Result, bail};
-use proxy_common::{Backend, IPPROTO_TCP, IPPROTO_UDP, ServiceKey, ServiceValue};
+use proxy_common::{Backend, IPPROTO_UDP, ServiceKey, ServiceValue};
 
 use crate::model::desired::{Desired, DesiredPort};
 use slots::SlotAllocator;
@@ -148,12 +148,7 @@ pub fn backend_addr(b: &Backend) -> (Ipv4Addr, u16) {
 /// `10.96.0.10:80/TCP` as pods see it; the other scopes are marked (`ext`: from outside,
 /// `node`: from the node); a NodePort shows as `*:30080/TCP ext`.
 pub fn display_key(key: &ServiceKey) -> impl fmt::Display {
-    let proto = match key.proto {
-        IPPROTO_TCP => "TCP".to_owned(),
-        IPPROTO_UDP => "UDP".to_owned(),
-        proxy_common::PROTO_ANY => "any".to_owned(),
-        p => p.to_string(),
-    };
+    let proto = proxy_common::proto_name(key.proto);
     let addr = match key.addr {
         0 => "*".to_owned(),
         a => Ipv4Addr::from(u32::from_be(a)).to_string(),

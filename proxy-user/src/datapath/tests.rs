@@ -11,7 +11,7 @@ use crate::model::{
 const CAP: Capacity = Capacity { service_ports: 8, backends: 16 };
 
 fn key(n: u8) -> ServiceKey {
-    service_key(Ipv4Addr::new(10, 96, 0, n), 80, Protocol::Tcp).unwrap()
+    service_key(Ipv4Addr::new(10, 96, 0, n), 80, Protocol::Tcp)
 }
 
 fn port(n: u8, backends: &[u8]) -> DesiredPort {
@@ -165,7 +165,7 @@ fn source_ranges_are_written_before_the_entry_and_cleaned_up_after() {
 fn udp_flows_of_removed_endpoints_are_flushed_tcp_flows_are_not() {
     let mut maps = FakeMaps::new(CAP);
     let mut p = Programmer::recover(&mut maps).unwrap();
-    let udp = service_key(Ipv4Addr::new(10, 96, 0, 53), 53, Protocol::Udp).unwrap();
+    let udp = service_key(Ipv4Addr::new(10, 96, 0, 53), 53, Protocol::Udp);
     let mut d = desired(&[(1, &[1, 2])]);
     let mut dns = port(53, &[1, 2]);
     dns.name.protocol = Protocol::Udp;

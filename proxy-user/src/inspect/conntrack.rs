@@ -3,7 +3,7 @@
 use std::{fmt::Write as _, net::Ipv4Addr, path::Path};
 
 use anyhow::Result;
-use proxy_common::{CtKey, CtTimeouts, CtValue, IPPROTO_TCP, ct};
+use proxy_common::{CtKey, CtTimeouts, CtValue, ct};
 use serde::Serialize;
 
 use crate::datapath::conntrack::{Conntrack, monotonic_now};
@@ -33,7 +33,7 @@ fn addr(a: u32, port: u16) -> String {
 }
 
 fn state(proto: u8, flags: u32) -> &'static str {
-    match (proto == IPPROTO_TCP, flags) {
+    match (proxy_common::has_states(proto), flags) {
         (true, f) if ct::closed(f) => "closed",
         (true, f) if f & (ct::FIN_ORIG | ct::FIN_REPLY) != 0 => "closing",
         (true, f) if f & ct::SEEN_REPLY != 0 => "established",
@@ -47,7 +47,7 @@ fn view(key: &CtKey, value: &CtValue, timeouts: &CtTimeouts, now: u64) -> FlowVi
     let idle = now.saturating_sub(value.last_seen);
     let lifetime = timeouts.lifetime(key.proto, value.flags);
     FlowView {
-        protocol: if key.proto == IPPROTO_TCP { "TCP" } else { "UDP" },
+        protocol: proxy_common::proto_name(key.proto),
         client: addr(key.src_addr, key.src_port),
         frontend: addr(key.dst_addr, key.dst_port),
         backend: addr(value.dst_addr, value.dst_port),

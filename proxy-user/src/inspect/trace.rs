@@ -6,8 +6,8 @@ use std::{fmt::Write as _, net::Ipv4Addr, path::Path, str::FromStr};
 
 use anyhow::{Context as _, Result, bail};
 use proxy_common::{
-    IPPROTO_TCP, IPPROTO_UDP, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, PROTO_ANY, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
-    SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP,
+    IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, PROTO_ANY, SCOPE_EXTERNAL, SCOPE_NODE,
+    SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP,
     SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
 };
 use serde::Serialize;
@@ -45,11 +45,12 @@ impl FromStr for Destination {
 
     fn from_str(s: &str) -> Result<Self> {
         let (addr_port, proto) = s.split_once('/').unwrap_or((s, "TCP"));
-        let (addr, port) = addr_port.rsplit_once(':').context("expected ADDRESS:PORT[/TCP|UDP]")?;
+        let (addr, port) = addr_port.rsplit_once(':').context("expected ADDRESS:PORT[/TCP|UDP|SCTP]")?;
         let proto = match proto.to_ascii_uppercase().as_str() {
             "TCP" => IPPROTO_TCP,
             "UDP" => IPPROTO_UDP,
-            other => bail!("protocol `{other}`: TCP or UDP"),
+            "SCTP" => IPPROTO_SCTP,
+            other => bail!("protocol `{other}`: TCP, UDP or SCTP"),
         };
         Ok(Self { addr: addr.parse().context("address")?, port: port.parse().context("port")?, proto })
     }
@@ -105,8 +106,10 @@ pub fn trace(pin_root: &Path, source: Ipv4Addr, dst: Destination, from: Option<F
         From::Node => SCOPE_NODE,
         From::External => SCOPE_EXTERNAL,
     };
-    let socket = from != From::External;
-    let proto_name = if dst.proto == IPPROTO_TCP { "TCP" } else { "UDP" };
+    // The kernel runs no socket hook for SCTP: a pod's SCTP is translated per packet, at the
+    // node's side of its link.
+    let socket = from != From::External && dst.proto != IPPROTO_SCTP;
+    let proto_name = proxy_common::proto_name(dst.proto);
     let mut report = TraceReport {
         source,
         destination: format!("{}:{}/{proto_name}", dst.addr, dst.port),
@@ -144,11 +147,18 @@ pub fn trace(pin_root: &Path, source: Ipv4Addr, dst: Destination, from: Option<F
         return Ok(report);
     };
     report.frontend = Some(PortView::new(&key, entry));
+    if from == From::Node && dst.proto == IPPROTO_SCTP {
+        report.path = "none";
+        report.verdict = "not translated: the kernel runs no socket hook for SCTP, and the node's own packets \
+                          meet kpr's per-packet path only on their way out (a README deviation)"
+            .into();
+        return Ok(report);
+    }
     report.verdict = verdict(&mut report, entry, socket, dst.proto);
     Ok(report)
 }
 
-/// No entry: kube-proxy's nftables mode still refuses what it owns in the service range.
+/// No entry: a refused service range (nftables mode's rule) still covers the address.
 fn miss(
     node: &NodeView,
     programmed: &std::collections::BTreeMap<ServiceKey, Programmed>,
@@ -157,17 +167,17 @@ fn miss(
     steps: &mut Vec<String>,
 ) -> String {
     steps.push("frontend: no entry for this address, port and source class".into());
-    // Any-port entries exist only in nftables mode.
-    let nftables = programmed.keys().any(|k| k.proto == PROTO_ANY);
-    if !nftables || !contains(&node.service_cidrs, addr) {
+    // Any-port entries exist only when the service range is refused.
+    let refused = programmed.keys().any(|k| k.proto == PROTO_ANY);
+    if !refused || !contains(&node.service_cidrs, addr) {
         return "not a service: passed untouched".into();
     }
     let any = ServiceKey { addr: u32::from(addr).to_be(), port: 0, proto: PROTO_ANY, scope };
     if programmed.contains_key(&any) {
-        steps.push("nftables mode: a ClusterIP's port that no service port has".into());
+        steps.push("service range: a ClusterIP's port that no service port has".into());
         "rejected (TCP reset / ICMP port unreachable; ECONNREFUSED on the socket path)".into()
     } else {
-        steps.push("nftables mode: an address of the service range that no service has".into());
+        steps.push("service range: an address of it that no service has".into());
         "dropped".into()
     }
 }
@@ -267,7 +277,8 @@ mod tests {
         let d: Destination = "10.96.0.10:53/udp".parse().unwrap();
         assert_eq!((d.addr, d.port, d.proto), (Ipv4Addr::new(10, 96, 0, 10), 53, IPPROTO_UDP));
         assert_eq!("10.96.0.10:80".parse::<Destination>().unwrap().proto, IPPROTO_TCP);
-        assert!("10.96.0.10:80/SCTP".parse::<Destination>().is_err());
+        assert_eq!("10.96.0.10:80/sctp".parse::<Destination>().unwrap().proto, IPPROTO_SCTP);
+        assert!("10.96.0.10:80/DCCP".parse::<Destination>().is_err());
         assert!("10.96.0.10".parse::<Destination>().is_err());
     }
 

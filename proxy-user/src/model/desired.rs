@@ -9,8 +9,9 @@ use std::{
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_common::{
-    IPPROTO_TCP, IPPROTO_UDP, PROTO_ANY, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
-    SERVICE_FLAG_EXTERNAL_ADDR, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP, SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
+    IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, PROTO_ANY, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
+    SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP,
+    SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
 };
 
 use super::{
@@ -37,18 +38,18 @@ pub struct DesiredPort {
 pub type Desired = BTreeMap<ServiceKey, DesiredPort>;
 
 /// The key of a ClusterIP frontend as a pod sees it.
-pub fn service_key(ip: Ipv4Addr, port: u16, protocol: Protocol) -> Option<ServiceKey> {
+pub fn service_key(ip: Ipv4Addr, port: u16, protocol: Protocol) -> ServiceKey {
     frontend_key(ip, port, protocol, SCOPE_POD)
 }
 
 /// The key of a frontend for traffic from `scope`; a NodePort is `0.0.0.0:nodePort`.
-pub fn frontend_key(ip: Ipv4Addr, port: u16, protocol: Protocol, scope: u8) -> Option<ServiceKey> {
+pub fn frontend_key(ip: Ipv4Addr, port: u16, protocol: Protocol, scope: u8) -> ServiceKey {
     let proto = match protocol {
         Protocol::Tcp => IPPROTO_TCP,
         Protocol::Udp => IPPROTO_UDP,
-        Protocol::Sctp => return None,
+        Protocol::Sctp => IPPROTO_SCTP,
     };
-    Some(ServiceKey { addr: u32::from(ip).to_be(), port: port.to_be(), proto, scope })
+    ServiceKey { addr: u32::from(ip).to_be(), port: port.to_be(), proto, scope }
 }
 
 /// What one scope's entry of a frontend does: the backends to pick from and `SERVICE_FLAG_*`.
@@ -106,10 +107,7 @@ pub fn service_entries<'a>(
                         ranges: &[(Ipv4Addr, u8)],
                         chosen: bool| {
             for (scope, verdict) in [(SCOPE_POD, pod), (SCOPE_EXTERNAL, external), (SCOPE_NODE, from_node)] {
-                let Some(key) = frontend_key(ip, port, sp.protocol, scope) else {
-                    skipped.push((sp.name.port.clone(), Skip::UnsupportedProtocol(sp.protocol)));
-                    return;
-                };
+                let key = frontend_key(ip, port, sp.protocol, scope);
                 // The node's own traffic was decided at sync time (no per-packet source).
                 let filtered = !ranges.is_empty() && scope != SCOPE_NODE;
                 let mut flags = verdict.flags;
@@ -162,8 +160,8 @@ pub fn service_entries<'a>(
             }
         }
     }
-    // nftables mode: every other port of the ClusterIPs is rejected.
-    if options.reject_unknown_ports
+    // A refused service range: every other port of the ClusterIPs is rejected.
+    if options.refuse_service_range
         && let Some(first) = translated.ports.first()
     {
         for ip in first.cluster_ips.iter().filter_map(|ip| match ip {
@@ -614,7 +612,7 @@ mod tests {
         ))
     }
     fn backends(d: &Desired, ip: &str, port: u16, protocol: Protocol) -> Vec<String> {
-        let key = service_key(ip.parse().unwrap(), port, protocol).unwrap();
+        let key = service_key(ip.parse().unwrap(), port, protocol);
         d[&key].backends.iter().map(|(ip, p)| format!("{ip}:{p}")).collect()
     }
 
@@ -672,7 +670,7 @@ mod tests {
         st.replace_services(vec![web("10.96.0.10"), other, bad]);
         st.replace_slices(vec![slice("web-1", &["10.0.0.1"])]);
         let d = st.desired();
-        let key = service_key("10.96.0.10".parse().unwrap(), 80, Protocol::Tcp).unwrap();
+        let key = service_key("10.96.0.10".parse().unwrap(), 80, Protocol::Tcp);
         assert_eq!(d[&key].name.service, ObjectKey::new("another", "web"));
         assert_eq!(d.len(), 6, "two ports, three scopes each");
         assert_eq!(st.skips.conflicts, 2);
@@ -696,7 +694,7 @@ mod tests {
         st.replace_services(vec![newcomer, owner]);
         st.replace_slices(vec![]);
         let d = st.desired();
-        let key = service_key("10.96.0.10".parse().unwrap(), 80, Protocol::Tcp).unwrap();
+        let key = service_key("10.96.0.10".parse().unwrap(), 80, Protocol::Tcp);
         assert_eq!(d[&key].name.service, ObjectKey::new("zz-owner", "web"), "the earlier owner keeps it");
         let conflicts = st.take_new_conflicts();
         assert_eq!(conflicts.len(), 2, "one per port: {conflicts:?}");
@@ -712,7 +710,7 @@ mod tests {
 
     #[test]
     fn nftables_mode_rejects_the_other_ports_of_a_cluster_ip() {
-        let options = ProxyOptions { reject_unknown_ports: true, ..Default::default() };
+        let options = ProxyOptions { refuse_service_range: true, ..Default::default() };
         let mut st = ClusterState::with_options(NodeInfo::default(), options);
         st.replace_services(vec![web("10.96.0.10")]);
         st.replace_slices(vec![slice("web-1", &["10.0.0.1"])]);
@@ -747,7 +745,7 @@ mod tests {
     #[test]
     fn external_frontends_follow_the_external_traffic_policy() {
         let node = NodeInfo { name: "node-a".into(), zone: None, addresses: vec!["10.0.0.1".parse().unwrap()] };
-        let options = ProxyOptions { masquerade_all: false, detect_local: true, reject_unknown_ports: false };
+        let options = ProxyOptions { masquerade_all: false, detect_local: true, refuse_service_range: false };
         let mut st = ClusterState::with_options(node, options);
         let svc = service_yaml(
             "metadata: {name: web, namespace: shop}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalIPs: [192.0.2.7]\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n  ports: [{name: http, port: 80, nodePort: 30080}]\nstatus: {loadBalancer: {ingress: [{ip: 198.51.100.1}]}}",
@@ -759,7 +757,7 @@ mod tests {
         st.replace_slices(vec![slice]);
         let d = st.desired();
         let show = |ip: &str, port: u16, scope: u8| {
-            let p = &d[&frontend_key(ip.parse().unwrap(), port, Protocol::Tcp, scope).unwrap()];
+            let p = &d[&frontend_key(ip.parse().unwrap(), port, Protocol::Tcp, scope)];
             (p.backends.iter().map(|(ip, _)| ip.to_string()).collect::<Vec<_>>(), p.flags)
         };
         let all = vec!["10.0.0.1".to_owned(), "10.0.0.2".to_owned()];

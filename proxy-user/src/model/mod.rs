@@ -151,9 +151,10 @@ pub struct ProxyOptions {
     /// calls local are in-cluster clients, and ClusterIP traffic from any other source is
     /// masqueraded. Without one, nothing is in-cluster (kube-proxy's no-op detector).
     pub detect_local: bool,
-    /// kube-proxy's nftables mode: an unknown port of a ClusterIP is rejected (and an
-    /// unallocated address of the service range dropped, by the datapath).
-    pub reject_unknown_ports: bool,
+    /// What no service port takes in the service range is refused, as kube-proxy's nftables
+    /// mode does: an unknown port of a ClusterIP is rejected (and an unallocated address of
+    /// the service range dropped, by the datapath). Also: the ServiceCIDRs are watched.
+    pub refuse_service_range: bool,
 }
 
 /// Why an object (or part of one) was skipped; logged with the object's name and counted.
@@ -165,8 +166,6 @@ pub enum Skip {
     InvalidPort(i32),
     #[error("unknown protocol `{0}`")]
     UnknownProtocol(String),
-    #[error("{0} is not supported by the socket datapath")]
-    UnsupportedProtocol(Protocol),
     #[error("the object has no name")]
     Unnamed,
     #[error("the slice has no `kubernetes.io/service-name` label")]

@@ -135,7 +135,7 @@ pub struct NodePlan {
     pub tc_links: BTreeMap<u32, String>,
     /// The primary IPv4 address (masquerade fallback, `nodePortAddresses: [primary]`).
     pub primary: Option<Ipv4Addr>,
-    /// The cluster's service ranges (nftables mode refuses what no service port takes in them);
+    /// The cluster's service ranges (what no service port takes in them is refused by default);
     /// filled by the agent from the ServiceCIDR objects.
     pub service_cidrs: BTreeSet<Cidr>,
     /// What the service model needs of the node.

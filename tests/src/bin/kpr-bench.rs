@@ -94,7 +94,7 @@ fn desired_with(n: usize, backends_per_service: usize, target_backend: Ipv4Addr)
             protocol: Protocol::Tcp,
         };
         desired.insert(
-            service_key(ip, 80, Protocol::Tcp).expect("tcp"),
+            service_key(ip, 80, Protocol::Tcp),
             DesiredPort { name, backends, flags: 0, source_ranges: vec![], affinity_timeout: 0 },
         );
     }
@@ -280,11 +280,9 @@ fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
     // The test packets come from outside the cluster: the target also gets its entry for
     // outside clients.
     let mut desired = desired_with(10_000, 4, Ipv4Addr::new(10, 244, 1, 2));
-    let target = desired[&service_key(TARGET_IP, 80, Protocol::Tcp).context("key")?].clone();
-    desired.insert(
-        kpr::model::desired::frontend_key(TARGET_IP, 80, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL).context("key")?,
-        target,
-    );
+    let target = desired[&service_key(TARGET_IP, 80, Protocol::Tcp)].clone();
+    desired
+        .insert(kpr::model::desired::frontend_key(TARGET_IP, 80, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL), target);
     Programmer::recover(&mut maps)?.apply(&desired, &mut maps);
     let prog: &SchedClassifier =
         ebpf.program(proxy_common::program_names::TC_INGRESS).context("tc program")?.try_into()?;
@@ -387,8 +385,7 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32, churn: usiz
     let mut datapath = datapath;
     let mut desired = Desired::new();
     let np =
-        kpr::model::desired::frontend_key(Ipv4Addr::UNSPECIFIED, 30080, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL)
-            .context("key")?;
+        kpr::model::desired::frontend_key(Ipv4Addr::UNSPECIFIED, 30080, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL);
     let name_port =
         ServicePortName { service: ObjectKey::new("bench", "np"), port: String::new(), protocol: Protocol::Tcp };
     desired.insert(
@@ -471,8 +468,7 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32, churn: usiz
             30081,
             Protocol::Tcp,
             proxy_common::SCOPE_EXTERNAL,
-        )
-        .context("key")?;
+        );
         let mut entry = desired[&np].clone();
         entry.backends = vec![(pod, 5201)];
         desired2.insert(np2, entry);
