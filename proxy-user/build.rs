@@ -6,6 +6,8 @@ const PINNED_TOOLCHAIN: &str = include_str!("../toolchain.pin");
 
 fn main() -> anyhow::Result<()> {
     println!("cargo::rerun-if-changed=../toolchain.pin");
+    // aya-build watches proxy-ebpf's own sources; the eBPF object also compiles proxy-common.
+    println!("cargo::rerun-if-changed=../proxy-common/src");
     // A pinned stable toolchain builds `core` for the BPF target only with unstable `-Z build-std`;
     // aya-build passes it when RUSTC_BOOTSTRAP=1. No nightly is needed.
     // SAFETY: build scripts are single-threaded at this point.

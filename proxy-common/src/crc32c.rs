@@ -46,7 +46,7 @@ const fn zeros_table(step_bits: u32) -> [u32; 256] {
 static ZEROS_LOW: [u32; 256] = zeros_table(0);
 static ZEROS_HIGH: [u32; 256] = zeros_table(8);
 
-/// The byte-at-a-time CRC32c table.
+/// The byte-at-a-time CRC32c table (zero start).
 static BYTES: [u32; 256] = {
     let mut table = [0u32; 256];
     let mut i = 0;
@@ -68,14 +68,22 @@ static BYTES: [u32; 256] = {
 /// `new` (each as read from the packet in native order).
 #[inline(always)]
 pub fn port_rewrite_delta(old: u32, new: u32, len: u16) -> u32 {
-    // The CRC of the four changed bytes from a zero start...
+    // The CRC of the four changed bytes from a zero start, a byte at a time. The table is
+    // linear, so `BYTES[crc ^ byte]` is looked up as `BYTES[crc] ^ BYTES[byte]`: every index is
+    // a plain mask or shift, whose bounds every verifier follows (older ones lose them
+    // through an XOR).
+    // The changed bytes in packet order, the first in the low byte.
+    let diff = u32::from_le_bytes((old ^ new).to_ne_bytes());
     let mut crc = 0u32;
-    for byte in (old ^ new).to_ne_bytes() {
-        crc = (crc >> 8) ^ BYTES[((crc ^ u32::from(byte)) & 0xff) as usize];
+    let mut i = 0;
+    while i < 4 {
+        let byte = (diff >> (8 * i)) & 0xff;
+        crc = (crc >> 8) ^ BYTES[(crc & 0xff) as usize] ^ BYTES[byte as usize];
+        i += 1;
     }
     // ...followed by the rest of the packet, which did not change, as zeros.
     let zeros = len.saturating_sub(4);
-    mul_mod(ZEROS_HIGH[usize::from(zeros >> 8)], mul_mod(ZEROS_LOW[usize::from(zeros & 0xff)], crc))
+    mul_mod(ZEROS_HIGH[(zeros >> 8) as usize], mul_mod(ZEROS_LOW[(zeros & 0xff) as usize], crc))
 }
 
 #[cfg(test)]

@@ -654,3 +654,157 @@ fn without_tcx_the_netlink_filters_outlive_and_survive_restarts() {
     assert!(cmd.output().unwrap().status.success());
     assert_eq!(kpr_filters(&c), 0, "cleanup removed the filter");
 }
+
+/// SCTP sockets, one-to-one style (as TCP), through libc: the standard library has none.
+mod sctp {
+    use std::{
+        net::{Ipv4Addr, SocketAddrV4},
+        os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+        sync::{
+            Arc,
+            atomic::{AtomicBool, Ordering},
+        },
+        time::Duration,
+    };
+
+    use anyhow::{Result, bail};
+    use kpr::testbed::Netns;
+
+    fn socket(timeout: Duration) -> std::io::Result<OwnedFd> {
+        // SAFETY: plain syscalls on a descriptor this function owns.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, libc::IPPROTO_SCTP);
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let fd = OwnedFd::from_raw_fd(fd);
+            let tv = libc::timeval { tv_sec: timeout.as_secs() as _, tv_usec: timeout.subsec_micros() as _ };
+            for opt in [libc::SO_RCVTIMEO, libc::SO_SNDTIMEO] {
+                let size = size_of::<libc::timeval>() as u32;
+                libc::setsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, opt, (&raw const tv).cast(), size);
+            }
+            Ok(fd)
+        }
+    }
+
+    fn sockaddr(addr: SocketAddrV4) -> libc::sockaddr_in {
+        libc::sockaddr_in {
+            sin_family: libc::AF_INET as u16,
+            sin_port: addr.port().to_be(),
+            sin_addr: libc::in_addr { s_addr: u32::from(*addr.ip()).to_be() },
+            sin_zero: [0; 8],
+        }
+    }
+
+    /// Whether this kernel has SCTP sockets (this machine's may not; the VM kernels do).
+    pub fn available() -> bool {
+        socket(Duration::from_secs(1)).is_ok()
+    }
+
+    /// Connect to `addr` and read what the server says.
+    pub fn ask(addr: SocketAddrV4, timeout: Duration) -> Result<String> {
+        let fd = socket(timeout)?;
+        let sa = sockaddr(addr);
+        let size = size_of::<libc::sockaddr_in>() as u32;
+        // SAFETY: `sa` and `buf` outlive the calls.
+        unsafe {
+            if libc::connect(fd.as_raw_fd(), (&raw const sa).cast(), size) != 0 {
+                bail!("connect {addr}: {}", std::io::Error::last_os_error());
+            }
+            let mut buf = [0u8; 128];
+            let n = libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0);
+            if n <= 0 {
+                bail!("recv from {addr}: {}", std::io::Error::last_os_error());
+            }
+            Ok(String::from_utf8_lossy(&buf[..n as usize]).into_owned())
+        }
+    }
+
+    /// A server in `ns` that answers every association with `name` and the address it saw.
+    pub struct Server(Arc<AtomicBool>);
+
+    impl Server {
+        pub fn start(ns: &Netns, addr: SocketAddrV4, name: &str) -> Result<Self> {
+            let fd = ns.run(move || -> std::io::Result<OwnedFd> {
+                let fd = socket(Duration::from_millis(200))?;
+                let sa = sockaddr(addr);
+                // SAFETY: `sa` outlives the calls.
+                unsafe {
+                    if libc::bind(fd.as_raw_fd(), (&raw const sa).cast(), size_of::<libc::sockaddr_in>() as u32) != 0
+                        || libc::listen(fd.as_raw_fd(), 16) != 0
+                    {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(fd)
+            })??;
+            let stop = Arc::new(AtomicBool::new(false));
+            let (flag, name) = (stop.clone(), name.to_owned());
+            std::thread::spawn(move || {
+                while !flag.load(Ordering::Relaxed) {
+                    let mut peer: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+                    let mut len = size_of::<libc::sockaddr_in>() as u32;
+                    // SAFETY: `peer` and `len` outlive the call; the new descriptor is owned at once.
+                    let conn = unsafe { libc::accept(fd.as_raw_fd(), (&raw mut peer).cast(), &mut len) };
+                    if conn < 0 {
+                        continue; // the receive timeout: look at the stop flag again
+                    }
+                    let conn = unsafe { OwnedFd::from_raw_fd(conn) };
+                    let seen = Ipv4Addr::from(u32::from_be(peer.sin_addr.s_addr));
+                    let answer = format!("{name} {seen}");
+                    unsafe { libc::send(conn.as_raw_fd(), answer.as_ptr().cast(), answer.len(), 0) };
+                    std::thread::sleep(Duration::from_millis(50)); // let the answer go before the close
+                }
+            });
+            Ok(Self(stop))
+        }
+    }
+
+    impl Drop for Server {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+#[test]
+fn sctp_services_are_translated_for_pods_and_outside_clients() {
+    if !sctp::available() {
+        assert!(std::env::var_os("KPR_REQUIRE_SCTP").is_none(), "this kernel must have SCTP sockets");
+        println!("skipped: this kernel has no SCTP sockets (the VM kernels of `cargo xtask test` run it)");
+        return;
+    }
+    let c = Cluster::new("km-sctp").unwrap();
+    let (pod_a, pod_b) = (c.nodes[0].pod_ip, c.nodes[1].pod_ip);
+    let _server = sctp::Server::start(&c.nodes[1]._pod, SocketAddrV4::new(pod_b, POD_PORT), "pod-b").unwrap();
+    c.write(
+        "sctp.yaml",
+        &format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: diameter, namespace: t}}\nspec:\n  type: NodePort\n  \
+             clusterIP: 10.96.0.90\n  ports: [{{name: diameter, port: 3868, protocol: SCTP, nodePort: 30090}}]\n---\n\
+             apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: diameter-1\n  namespace: t\n  \
+             labels: {{kubernetes.io/service-name: diameter}}\naddressType: IPv4\n\
+             ports: [{{name: diameter, port: {POD_PORT}, protocol: SCTP}}]\n\
+             endpoints:\n- addresses: [\"{pod_b}\"]\n  nodeName: node-b\n  conditions: {{ready: true}}\n"
+        ),
+    );
+    c.wait("10.96.0.90:3868/SCTP", 1);
+    c.wait("*:30090/SCTP ext", 1);
+    // From outside, through node-a's NodePort (another port than the pod's): masqueraded to
+    // node-a, as eTP=Cluster is.
+    let a = c.nodes[0].ip;
+    let answer = c.ext(move || sctp::ask(SocketAddrV4::new(a, 30090), TIMEOUT)).unwrap();
+    assert_eq!(answer, format!("pod-b {a}"), "NodePort from outside");
+    // From pod-a, through the ClusterIP: a pod of the cluster keeps its address.
+    let answer = c.nodes[0]
+        ._pod
+        .run(|| sctp::ask(SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 90), 3868), TIMEOUT))
+        .unwrap()
+        .unwrap();
+    assert_eq!(answer, format!("pod-b {pod_a}"), "ClusterIP from a pod");
+    let flows = kpr_conntrack(&c.nodes[0].pins, &["list", "--frontend", "*:30090/SCTP ext"]);
+    assert!(
+        flows.contains("SCTP") && flows.contains(&format!("{EXT_CLIENT}:")),
+        "node-a tracks the outside client's association:\n{flows}"
+    );
+}

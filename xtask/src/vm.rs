@@ -33,8 +33,8 @@ pub const SUITES: [&str; 5] = ["tc_testrun", "socket_lb", "demo", "operator", "m
 /// Modules loaded before the tests (with their dependencies): the 9p root, and what the tests'
 /// topologies use (veth, bridge; clsact and cls_bpf for netlink tc attachments; nf_tables for
 /// a node whose FORWARD chain drops, after crc32c_generic, which libcrc32c needs at init but
-/// names only as a soft dependency; udp_diag for aborting UDP sockets).
-const MODULES: [&str; 10] = [
+/// names only as a soft dependency; udp_diag for aborting UDP sockets; sctp for SCTP Services).
+const MODULES: [&str; 11] = [
     "virtio_pci",
     "9pnet_virtio",
     "9p",
@@ -45,6 +45,7 @@ const MODULES: [&str; 10] = [
     "crc32c_generic",
     "nf_tables",
     "udp_diag",
+    "sctp",
 ];
 
 /// `KPR_VM_ACCEL` (`kvm`), else software emulation: this machine's `/dev/kvm` (nested) hangs
