@@ -93,13 +93,14 @@ pub enum ServiceRangeMiss {
 }
 
 #[inline(always)]
-pub fn service_range_miss(addr: u32, scope: u8) -> ServiceRangeMiss {
+pub fn service_range_miss(addr: u32) -> ServiceRangeMiss {
     if KPR_REFUSE_SERVICE_RANGE.load() == 0
         || SERVICE_CIDRS.get(&aya_ebpf::btf_maps::lpm_trie::Key::new(32, CidrKey { addr })).is_none()
     {
         return ServiceRangeMiss::NotInRange;
     }
-    let any = ServiceKey { addr, port: 0, proto: proxy_common::PROTO_ANY, scope };
+    // One entry per ClusterIP, for every source.
+    let any = ServiceKey { addr, port: 0, proto: proxy_common::PROTO_ANY, scope: proxy_common::SCOPE_POD };
     if SERVICES.get_ptr(&any).is_some() { ServiceRangeMiss::Reject } else { ServiceRangeMiss::Drop }
 }
 

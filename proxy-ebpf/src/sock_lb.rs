@@ -107,7 +107,7 @@ fn forward4(ctx: &SockAddrContext, connect: bool) -> i32 {
         }
         // A refused service range: an unknown port of a ClusterIP is rejected, an unallocated address
         // of the service range dropped.
-        None => match service_range_miss(sa.user_ip4, scope) {
+        None => match service_range_miss(sa.user_ip4) {
             ServiceRangeMiss::NotInRange => return ALLOW,
             ServiceRangeMiss::Reject => refusal(0),
             ServiceRangeMiss::Drop => refusal(SERVICE_FLAG_DROP_NO_ENDPOINTS),

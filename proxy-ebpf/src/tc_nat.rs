@@ -227,7 +227,7 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
         Some(service) => service,
         // A refused service range: a ClusterIP's unknown port is rejected, an unallocated address of
         // the service range dropped.
-        None => match service_range_miss(t.daddr, scope) {
+        None => match service_range_miss(t.daddr) {
             ServiceRangeMiss::NotInRange => return Ok(PASS),
             ServiceRangeMiss::Reject => refusal(0),
             ServiceRangeMiss::Drop => {
@@ -361,7 +361,7 @@ fn egress_drop(ctx: &TcContext, t: &Tuple) -> i32 {
     }
     let drop = match lookup_frontend(t, SCOPE_NODE) {
         Some(s) => s.backends_count == 0 && s.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0,
-        None => service_range_miss(t.daddr, SCOPE_NODE) == ServiceRangeMiss::Drop,
+        None => service_range_miss(t.daddr) == ServiceRangeMiss::Drop,
     };
     if drop {
         count(counter::TC_DROPPED);

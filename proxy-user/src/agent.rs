@@ -443,6 +443,7 @@ impl Syncer {
         self.node_dirty = false;
         let mut plan = node::plan(&self.host_links, self.node_object.as_ref(), &self.node_settings);
         plan.service_cidrs = self.service_cidrs.iter().copied().collect();
+        plan.info.service_cidrs = self.service_cidrs.clone();
         // The source routing picks for ClusterIPs (kube-proxy's unmasqueraded node traffic keeps
         // it), looked up in the kernel's routing table.
         if let Some(source) = sample.and_then(source::host::route_source) {

@@ -162,6 +162,46 @@ fn a_deleted_service_is_no_longer_translated_and_other_traffic_is_untouched() {
     assert_eq!(err.raw_os_error(), Some(libc::ENETUNREACH), "{err}");
 }
 
+/// The cluster's service range is refused by default (as kube-proxy's nftables mode does), in
+/// iptables mode too; `--pass-service-range` leaves it to routing, as iptables mode does.
+#[test]
+fn the_service_range_is_refused_unless_passed_to_routing() {
+    let mut h = setup("kt-range", &["pod-a"]);
+    h.write(
+        "range.yaml",
+        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16]}\n",
+    )
+    .unwrap();
+    let connect = |h: &Harness, ip: Ipv4Addr, port: u16| {
+        h.client(move || TcpStream::connect_timeout(&sa(ip, port).into(), TIMEOUT).map(drop)).unwrap_err()
+    };
+    // Until the agent has the range, the address is passed to routing (ENETUNREACH here).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let unknown_port = loop {
+        let err = connect(&h, IP, 81);
+        if err.raw_os_error() != Some(libc::ENETUNREACH) || std::time::Instant::now() > deadline {
+            break err;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(unknown_port.raw_os_error(), Some(libc::ECONNREFUSED), "unknown port of a ClusterIP: {unknown_port}");
+    let unallocated = connect(&h, Ipv4Addr::new(10, 96, 0, 99), 80);
+    assert_eq!(unallocated.raw_os_error(), Some(libc::EPERM), "unallocated address: {unallocated}");
+    let outside = connect(&h, Ipv4Addr::new(10, 97, 0, 1), 80);
+    assert_eq!(outside.raw_os_error(), Some(libc::ENETUNREACH), "outside the range: untouched: {outside}");
+
+    h.kill_agent().unwrap();
+    h.agent_args.push("--pass-service-range".into());
+    h.start_agent().unwrap();
+    h.wait("10.96.0.10:80/TCP", Some(1)).unwrap();
+    h.wait("10.96.0.10:0/any", None).unwrap();
+    // The node namespace has no route to the service range: untranslated, connect() fails locally.
+    for (ip, port) in [(IP, 81), (Ipv4Addr::new(10, 96, 0, 99), 80)] {
+        let err = connect(&h, ip, port);
+        assert_eq!(err.raw_os_error(), Some(libc::ENETUNREACH), "{ip}:{port} passed to routing: {err}");
+    }
+}
+
 #[test]
 fn the_agent_can_be_killed_and_restarted_without_dropping_connections() {
     let mut h = setup("kt-restart", &["pod-a", "pod-b", "pod-c"]);

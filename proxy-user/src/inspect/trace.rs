@@ -143,7 +143,7 @@ pub fn trace(pin_root: &Path, source: Ipv4Addr, dst: Destination, from: Option<F
         None => None,
     };
     let Some((key, entry)) = found else {
-        report.verdict = miss(&node, &programmed, dst.addr, scope, &mut report.steps);
+        report.verdict = miss(&node, &programmed, dst.addr, &mut report.steps);
         return Ok(report);
     };
     report.frontend = Some(PortView::new(&key, entry));
@@ -163,7 +163,6 @@ fn miss(
     node: &NodeView,
     programmed: &std::collections::BTreeMap<ServiceKey, Programmed>,
     addr: Ipv4Addr,
-    scope: u8,
     steps: &mut Vec<String>,
 ) -> String {
     steps.push("frontend: no entry for this address, port and source class".into());
@@ -172,7 +171,7 @@ fn miss(
     if !refused || !contains(&node.service_cidrs, addr) {
         return "not a service: passed untouched".into();
     }
-    let any = ServiceKey { addr: u32::from(addr).to_be(), port: 0, proto: PROTO_ANY, scope };
+    let any = ServiceKey { addr: u32::from(addr).to_be(), port: 0, proto: PROTO_ANY, scope: SCOPE_POD };
     if programmed.contains_key(&any) {
         steps.push("service range: a ClusterIP's port that no service port has".into());
         "rejected (TCP reset / ICMP port unreachable; ECONNREFUSED on the socket path)".into()

@@ -160,27 +160,22 @@ pub fn service_entries<'a>(
             }
         }
     }
-    // A refused service range: every other port of the ClusterIPs is rejected.
+    // A refused service range: every other port of its ClusterIPs is rejected, whatever the
+    // source (one entry, looked up with SCOPE_POD; the datapath asks only inside the range).
     if options.refuse_service_range
         && let Some(first) = translated.ports.first()
     {
-        for ip in first.cluster_ips.iter().filter_map(|ip| match ip {
-            IpAddr::V4(ip) => Some(*ip),
-            IpAddr::V6(_) => None,
-        }) {
-            for scope in [SCOPE_POD, SCOPE_EXTERNAL, SCOPE_NODE] {
-                let key = ServiceKey { addr: u32::from(ip).to_be(), port: 0, proto: PROTO_ANY, scope };
-                out.push((
-                    key,
-                    DesiredPort {
-                        name: first.name.clone(),
-                        backends: Vec::new(),
-                        flags: 0,
-                        source_ranges: Vec::new(),
-                        affinity_timeout: 0,
-                    },
-                ));
-            }
+        for ip in first.cluster_ips.iter().filter(|ip| node.service_cidrs.iter().any(|c| c.contains(**ip))) {
+            let IpAddr::V4(ip) = ip else { continue };
+            let key = ServiceKey { addr: u32::from(*ip).to_be(), port: 0, proto: PROTO_ANY, scope: SCOPE_POD };
+            let port = DesiredPort {
+                name: first.name.clone(),
+                backends: Vec::new(),
+                flags: 0,
+                source_ranges: Vec::new(),
+                affinity_timeout: 0,
+            };
+            out.push((key, port));
         }
     }
     Ok(out)
@@ -709,24 +704,33 @@ mod tests {
     }
 
     #[test]
-    fn nftables_mode_rejects_the_other_ports_of_a_cluster_ip() {
+    fn a_refused_service_range_rejects_the_other_ports_of_its_cluster_ips() {
         let options = ProxyOptions { refuse_service_range: true, ..Default::default() };
         let mut st = ClusterState::with_options(NodeInfo::default(), options);
         st.replace_services(vec![web("10.96.0.10")]);
         st.replace_slices(vec![slice("web-1", &["10.0.0.1"])]);
+        assert_eq!(st.desired().len(), 6, "no known service range: two ports, three scopes each");
+        let range = crate::model::cidr::Cidr::new("10.96.0.0".parse().unwrap(), 16).unwrap();
+        st.set_node(NodeInfo { service_cidrs: vec![range], ..NodeInfo::default() });
         let d = st.desired();
-        assert_eq!(d.len(), 9, "two ports and the any-port entry, three scopes each");
-        for scope in [SCOPE_POD, SCOPE_EXTERNAL, SCOPE_NODE] {
-            let any =
-                ServiceKey { addr: u32::from(Ipv4Addr::new(10, 96, 0, 10)).to_be(), port: 0, proto: PROTO_ANY, scope };
-            assert_eq!((d[&any].backends.len(), d[&any].flags), (0, 0), "reject, scope {scope}");
-        }
+        assert_eq!(d.len(), 7, "and one any-port entry for every source");
+        let any = ServiceKey {
+            addr: u32::from(Ipv4Addr::new(10, 96, 0, 10)).to_be(),
+            port: 0,
+            proto: PROTO_ANY,
+            scope: SCOPE_POD,
+        };
+        assert_eq!((d[&any].backends.len(), d[&any].flags), (0, 0), "reject");
+        let other = crate::model::cidr::Cidr::new("10.100.0.0".parse().unwrap(), 16).unwrap();
+        st.set_node(NodeInfo { service_cidrs: vec![other], ..NodeInfo::default() });
+        assert_eq!(st.desired().len(), 6, "a ClusterIP outside the range gets none");
     }
 
     #[test]
     fn session_affinity_goes_to_every_frontend_of_the_port() {
         let with = |affinity: &str| {
-            let node = NodeInfo { name: "node-a".into(), zone: None, addresses: vec!["10.0.0.1".parse().unwrap()] };
+            let node =
+                NodeInfo { name: "node-a".into(), addresses: vec!["10.0.0.1".parse().unwrap()], ..NodeInfo::default() };
             let mut st = ClusterState::with_options(node, ProxyOptions::default());
             st.replace_services(vec![service_yaml(&format!(
                 "metadata: {{name: web, namespace: shop}}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.10\n{affinity}  ports: [{{name: http, port: 80, nodePort: 30080}}]"
@@ -744,7 +748,8 @@ mod tests {
 
     #[test]
     fn external_frontends_follow_the_external_traffic_policy() {
-        let node = NodeInfo { name: "node-a".into(), zone: None, addresses: vec!["10.0.0.1".parse().unwrap()] };
+        let node =
+            NodeInfo { name: "node-a".into(), addresses: vec!["10.0.0.1".parse().unwrap()], ..NodeInfo::default() };
         let options = ProxyOptions { masquerade_all: false, detect_local: true, refuse_service_range: false };
         let mut st = ClusterState::with_options(node, options);
         let svc = service_yaml(

@@ -125,7 +125,7 @@ fn topology_mode(endpoints: &[Endpoint], node: &NodeInfo) -> Topology {
     for ep in endpoints.iter().filter(|e| e.ready) {
         match &ep.node_hints {
             None => all_node = false,
-            Some(h) => for_node |= h.iter().any(|n| *n == node.name),
+            Some(h) => for_node |= h.contains(&node.name),
         }
         match &ep.zone_hints {
             None => all_zone = false,
@@ -207,7 +207,7 @@ mod tests {
         eps.iter().map(|e| e.ip.to_string()).collect()
     }
     fn node() -> NodeInfo {
-        NodeInfo { name: "node-a".into(), zone: Some("zone-1".into()), addresses: vec![] }
+        NodeInfo { name: "node-a".into(), zone: Some("zone-1".into()), ..NodeInfo::default() }
     }
 
     #[test]

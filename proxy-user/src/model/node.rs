@@ -225,7 +225,12 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
         DetectLocal::NodeCidr => node.into_iter().flat_map(|n| &n.pod_cidrs).filter(|c| c.is_ipv4()).copied().collect(),
         _ => BTreeSet::new(),
     };
-    let info = NodeInfo { name: settings.name.clone(), zone: node.and_then(|n| n.zone.clone()), addresses };
+    let info = NodeInfo {
+        name: settings.name.clone(),
+        zone: node.and_then(|n| n.zone.clone()),
+        addresses,
+        service_cidrs: Vec::new(),
+    };
     NodePlan { node_addrs, links: link_info, local_cidrs, tc_links, primary, info, service_cidrs: BTreeSet::new() }
 }
 

@@ -621,7 +621,7 @@ fn categorize_endpoints_matches_upstream() {
         sp.internal_policy = if c.itp_local { TrafficPolicy::Local } else { TrafficPolicy::Cluster };
         sp.external_policy = if c.etp_local { TrafficPolicy::Local } else { TrafficPolicy::Cluster };
         sp.node_port = c.node_port.then_some(30080);
-        let node = NodeInfo { name: c.node.to_owned(), zone: c.zone.map(str::to_owned), addresses: vec![] };
+        let node = NodeInfo { name: c.node.to_owned(), zone: c.zone.map(str::to_owned), ..NodeInfo::default() };
         let got = categorize(&c.endpoints, &sp, &node);
         assert_eq!(names(&got.cluster), set(c.cluster), "{}: cluster endpoints", c.name);
         assert_eq!(names(&got.local), set(c.local), "{}: local endpoints", c.name);
