@@ -538,6 +538,7 @@ const _: () = assert!(size_of::<LinkInfo>() == 8);
 const _: () = assert!(size_of::<CidrKey>() == 4);
 
 pub mod crc32c;
+pub mod csum;
 
 #[cfg(feature = "user")]
 mod pod {

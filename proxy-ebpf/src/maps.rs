@@ -196,3 +196,20 @@ pub fn count(index: u32) {
         unsafe { *slot += 1 };
     }
 }
+
+/// 1 where the kernel has `bpf_ktime_get_coarse_ns` (5.11+); set by the agent at load time.
+/// Elsewhere the call below is dead code the verifier never sees.
+#[unsafe(no_mangle)]
+pub static KPR_COARSE_CLOCK: aya_ebpf::Global<u8> = aya_ebpf::Global::new(0);
+
+/// CLOCK_MONOTONIC in nanoseconds, as flows and sessionAffinity count time: the coarse clock
+/// (the last tick, a few milliseconds behind) where the kernel has it, which costs a fraction of
+/// reading the clock source on every packet; timeouts are seconds.
+#[inline(always)]
+pub fn now() -> u64 {
+    if KPR_COARSE_CLOCK.load() != 0 {
+        unsafe { aya_ebpf::helpers::bpf_ktime_get_coarse_ns() }
+    } else {
+        unsafe { aya_ebpf::helpers::bpf_ktime_get_ns() }
+    }
+}

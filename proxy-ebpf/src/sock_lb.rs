@@ -6,7 +6,7 @@ use aya_ebpf::{
     bindings::{bpf_sock_addr, bpf_sock_tuple, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1, sockaddr},
     helpers::{
         bpf_bind, bpf_get_current_cgroup_id, bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie,
-        bpf_ktime_get_ns, bpf_set_retval, bpf_sk_lookup_tcp, bpf_sk_lookup_udp, bpf_sk_release,
+        bpf_set_retval, bpf_sk_lookup_tcp, bpf_sk_lookup_udp, bpf_sk_release,
     },
     macros::{cgroup_sock, cgroup_sock_addr},
     programs::{SockAddrContext, SockContext},
@@ -20,7 +20,7 @@ use proxy_common::{
 
 use crate::maps::{
     NODE_ADDRS, SERVICES, SOCK_PICKS, SOCK_REVNAT, ServiceRangeMiss, affinity_backend, backend_at, count, link_addr,
-    refusal, remember_affinity, serves, service_range_miss,
+    now, refusal, remember_affinity, serves, service_range_miss,
 };
 
 /// Return value that lets the syscall proceed.
@@ -138,7 +138,7 @@ fn forward4(ctx: &SockAddrContext, connect: bool) -> i32 {
         _ => {
             // sessionAffinity ClientIP: the client (this namespace: a pod, or the node) keeps
             // its backend; otherwise a random one.
-            let now = if service.affinity_timeout == 0 { 0 } else { unsafe { bpf_ktime_get_ns() } };
+            let now = if service.affinity_timeout == 0 { 0 } else { now() };
             let random = || backend_at(&service, unsafe { bpf_get_prandom_u32() });
             let Some(backend) = affinity_backend(&service, AFFINITY_BY_NETNS, netns, now).or_else(random) else {
                 error!(ctx, "kpr: service {} points at a backend slot outside the array", service.service_id);

@@ -25,7 +25,7 @@ use aya_ebpf::{
         BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, bpf_fib_lookup,
     },
     btf_maps::lpm_trie::Key,
-    helpers::{bpf_fib_lookup as fib_lookup, bpf_ktime_get_ns, bpf_redirect_neigh},
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect_neigh},
     macros::classifier,
     programs::TcContext,
 };
@@ -35,13 +35,13 @@ use proxy_common::{
     FragmentKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, LINK_FLAG_LOCAL_TRAFFIC, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT,
     SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
     SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceKey, ServiceValue, SourceRange, counter, crc32c,
-    ct, has_states,
+    csum, ct, has_states,
 };
 
 use crate::{
     maps::{
         CONNTRACK, CT_NEW, FRAGMENTS, FlowMap, LINKS, LOCAL_CIDRS, NODE_ADDRS, SERVICES, SOURCE_RANGES,
-        ServiceRangeMiss, affinity_backend, backend_at, count, link_addr, refusal, remember_affinity, serves,
+        ServiceRangeMiss, affinity_backend, backend_at, count, link_addr, now, refusal, remember_affinity, serves,
         service_range_miss,
     },
     packet::*,
@@ -186,7 +186,6 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
         IPPROTO_SCTP => sctp_as_tcp_flags(ctx),
         _ => 0,
     };
-    let now = unsafe { bpf_ktime_get_ns() };
     // Established flows first; a flow not yet answered lives apart (`CT_NEW`), so that a flood
     // of new flows (SYNs, spoofed segments) evicts only its own kind.
     let found = match CONNTRACK.get_ptr_mut(&key) {
@@ -196,6 +195,7 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     if let Some((entry_ptr, confirmed)) = found {
         // SAFETY: valid for this program run.
         let entry = unsafe { *entry_ptr };
+        let now = now();
         let syn = tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
         if KPR_CT_TIMEOUTS.load().expired(t.proto, &entry, now) {
             count(counter::TC_CT_EXPIRED);
@@ -236,7 +236,7 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
             }
         },
     };
-    new_flow(ctx, &t, &service, tcp_flags, now)
+    new_flow(ctx, &t, &service, tcp_flags, now())
 }
 
 /// The TCP flags byte: read straight from the packet when the header is in the linear area
@@ -435,9 +435,12 @@ fn masquerade_source(ctx: &TcContext, backend: u32) -> u32 {
 /// it as it would have without kpr.
 #[inline(always)]
 fn forward_direct(ctx: &TcContext) -> i32 {
-    let Ok(ip) = ctx.load::<Ipv4Hdr>(IP_OFF) else {
+    let data = ctx.data();
+    if data + IP_OFF + size_of::<Ipv4Hdr>() > ctx.data_end() {
         return TC_ACT_OK;
-    };
+    }
+    // SAFETY: within [data, data_end), checked above.
+    let ip = unsafe { ((data + IP_OFF) as *const Ipv4Hdr).read_unaligned() };
     if ip.ttl <= 1 {
         return TC_ACT_OK; // the stack answers with "time exceeded"
     }
@@ -453,13 +456,18 @@ fn forward_direct(ctx: &TcContext) -> i32 {
     if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) && rc != i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
         return TC_ACT_OK;
     }
-    // Forwarding takes one off the TTL (the checksum covers it with the protocol byte).
-    let ttl = ip.ttl - 1;
-    let (old, new) = (u16::from_ne_bytes([ip.ttl, ip.proto]), u16::from_ne_bytes([ttl, ip.proto]));
-    if ctx.store(IP_TTL_OFF, &ttl, 0).is_err()
-        || ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(old), u64::from(new), 2).is_err()
-    {
-        return TC_ACT_SHOT; // half rewritten: never let it out with a wrong checksum
+    // Forwarding takes one off the TTL (the checksum covers it with the protocol byte); the
+    // lookup did not move the packet, but the bounds are checked again for the verifier.
+    let data = ctx.data();
+    if data + IP_OFF + size_of::<Ipv4Hdr>() > ctx.data_end() {
+        return TC_ACT_OK;
+    }
+    let (old, new) = (u16::from_ne_bytes([ip.ttl, ip.proto]), u16::from_ne_bytes([ip.ttl - 1, ip.proto]));
+    // SAFETY: within [data, data_end), checked above.
+    unsafe {
+        let check = (data + IP_CSUM_OFF) as *mut u16;
+        check.write_unaligned(csum::replace(check.read_unaligned(), csum::half_diff(old, new)));
+        ((data + IP_TTL_OFF) as *mut u8).write(ip.ttl - 1);
     }
     count(counter::TC_FORWARDED_DIRECT);
     // No neighbour parameters: the kernel resolves the next hop (5.10's two-argument form reads
@@ -654,12 +662,21 @@ fn later_fragment(ctx: &TcContext, ip: &Ipv4Hdr) -> Result<i32, ()> {
 
 /// Rewrite addresses and ports to `to`, fixing the IP and L4 checksums incrementally; the
 /// first fragment of a datagram leaves its rewrite for the later ones.
+///
+/// The common case costs at most two helper calls: the L4 checksum goes through the kernel
+/// (only it knows whether the checksum is partial, left to the device, which changes the
+/// arithmetic), once for both addresses of the pseudo header and once for both ports. The
+/// header fields and the IP checksum, which covers only its own header, are written in place.
 #[inline(always)]
 fn rewrite(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()> {
     if let Some(id) = t.first_fragment {
         let key = FragmentKey { src_addr: t.saddr, dst_addr: t.daddr, id, proto: t.proto, _pad: 0 };
         let _ = FRAGMENTS.insert(&key, to, 0);
     }
+    let addrs_changed = (to.src_addr, to.dst_addr) != (t.saddr, t.daddr);
+    let (old_ports, new_ports) = (ports_word(t.sport, t.dport), ports_word(to.src_port, to.dst_port));
+    // One's complement difference of the addresses: for the IP checksum and the pseudo header.
+    let addr_diff = csum::word_diff(t.saddr, to.src_addr) + csum::word_diff(t.daddr, to.dst_addr);
     // TCP's and UDP's checksums cover the addresses (pseudo header); SCTP's CRC32c does not.
     let inet_csum = match t.proto {
         IPPROTO_TCP => Some((TCP_CSUM_OFF, 0)),
@@ -667,33 +684,38 @@ fn rewrite(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()> {
         IPPROTO_UDP => Some((UDP_CSUM_OFF, u64::from(BPF_F_MARK_MANGLED_0))),
         _ => None,
     };
-    // (Calls, not a loop over an array: the compiler would index the array on the stack with
-    // pointer arithmetic the verifier refuses.)
-    let address = |off: usize, old: u32, new: u32| -> Result<(), ()> {
-        if old != new {
-            if let Some((csum_off, flags)) = inet_csum {
-                let flags = flags | u64::from(BPF_F_PSEUDO_HDR) | 4;
-                ctx.l4_csum_replace(csum_off, u64::from(old), u64::from(new), flags).map_err(drop)?;
-            }
-            ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(old), u64::from(new), 4).map_err(drop)?;
-            ctx.store(off, &new, 0).map_err(drop)?;
-        }
-        Ok(())
-    };
-    address(IP_SRC_OFF, t.saddr, to.src_addr)?;
-    address(IP_DST_OFF, t.daddr, to.dst_addr)?;
-    if (to.src_port, to.dst_port) == (t.sport, t.dport) {
-        return Ok(());
-    }
     match inet_csum {
         Some((csum_off, flags)) => {
-            let port = |old: u16, new: u16| ctx.l4_csum_replace(csum_off, u64::from(old), u64::from(new), flags | 2);
-            port(t.sport, to.src_port).map_err(drop)?;
-            port(t.dport, to.dst_port).map_err(drop)?;
+            if addrs_changed {
+                // Size 0: `to` is a precomputed difference.
+                let diff = u64::from(csum::fold32(addr_diff));
+                ctx.l4_csum_replace(csum_off, 0, diff, flags | u64::from(BPF_F_PSEUDO_HDR)).map_err(drop)?;
+            }
+            if old_ports != new_ports {
+                ctx.l4_csum_replace(csum_off, u64::from(old_ports), u64::from(new_ports), flags | 4).map_err(drop)?;
+            }
         }
-        None => sctp_ports_crc(ctx, ports_word(t.sport, t.dport), ports_word(to.src_port, to.dst_port))?,
+        None if old_ports != new_ports => sctp_ports_crc(ctx, old_ports, new_ports)?,
+        None => {}
     }
-    ctx.store(L4_OFF, &[to.src_port, to.dst_port], 0).map_err(drop)
+    // The helpers may have moved the packet: bounds are checked again.
+    let data = ctx.data();
+    if data + L4_OFF + 4 > ctx.data_end() {
+        return Err(());
+    }
+    // SAFETY: within [data, data_end), checked above; unaligned writes of plain bytes.
+    unsafe {
+        if addrs_changed {
+            let check = (data + IP_CSUM_OFF) as *mut u16;
+            check.write_unaligned(csum::replace(check.read_unaligned(), addr_diff));
+            ((data + IP_SRC_OFF) as *mut u32).write_unaligned(to.src_addr);
+            ((data + IP_DST_OFF) as *mut u32).write_unaligned(to.dst_addr);
+        }
+        if old_ports != new_ports {
+            ((data + L4_OFF) as *mut u32).write_unaligned(new_ports);
+        }
+    }
+    Ok(())
 }
 
 /// Two ports as the four bytes they are in the packet, read as one native word.

@@ -648,7 +648,11 @@ pub mod go_duration {
             return "0s".into();
         }
         if secs == 0 {
-            return if frac.is_multiple_of(1_000_000) { format!("{}ms", frac / 1_000_000) } else { format!("{}ns", frac) };
+            return if frac.is_multiple_of(1_000_000) {
+                format!("{}ms", frac / 1_000_000)
+            } else {
+                format!("{}ns", frac)
+            };
         }
         let (h, m, s) = (secs / 3600, secs / 60 % 60, secs % 60);
         let s =

@@ -289,6 +289,7 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .with_context(|| format!("failed to restrict {}", cfg.pin_root.display()))?;
     // bpf_set_retval (ECONNREFUSED for services without endpoints) exists from 5.18 on.
     let have_set_retval = u8::from(KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(5, 18, 0)));
+    let have_coarse_clock = u8::from(KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(5, 11, 0)));
     let host_netns = netns_cookie().unwrap_or(0);
     let snat_ports = cfg.snat_ports;
     if host_netns == 0 {
@@ -305,6 +306,7 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .map_max_entries(map_names::CONNTRACK, cfg.max_conntrack)
         .map_max_entries(map_names::CT_NEW, cfg.max_conntrack)
         .override_global("KPR_HAVE_SET_RETVAL", &have_set_retval, true)
+        .override_global("KPR_COARSE_CLOCK", &have_coarse_clock, true)
         .override_global("KPR_HOST_NETNS_COOKIE", &host_netns, true)
         .override_global("KPR_POD_LINKS_COVERED", &u8::from(cfg.pod_links_covered), true)
         .override_global("KPR_LOCALHOST_NODEPORTS", &u8::from(cfg.localhost_node_ports), true)

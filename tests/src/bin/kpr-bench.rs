@@ -264,14 +264,33 @@ fn event_latency(samples: usize) -> Result<serde_json::Value> {
 }
 
 /// The tc program's cost per packet (BPF_PROG_TEST_RUN): a packet of an established flow
-/// (conntrack hit + rewrite), and a packet that is not for a service. `repeat` re-runs the
-/// program on the same, already rewritten buffer, which would turn every later run into the
-/// miss path; so each packet is a separate run (repeat 1) and the in-kernel durations are summed.
+/// (conntrack hit + rewrite, then sent straight out: a route lookup; and with
+/// `--host-routing`, handed to the host stack), and a packet that is not for a service.
+/// `repeat` re-runs the program on the same, already rewritten buffer, which would turn every
+/// later run into the miss path; so each packet is a separate run (repeat 1) and the
+/// in-kernel durations are summed.
 fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
+    let mut results = serde_json::Map::new();
+    for forward_direct in [true, false] {
+        for (label, ns) in tc_program_runs(repeat, forward_direct)? {
+            let label = if forward_direct { label.to_owned() } else { format!("{label}_host_routing") };
+            let what = if forward_direct { "" } else { ", --host-routing" };
+            println!("tc ingress, {label}: {ns:.1} ns/packet (TestRun, {repeat} runs, 10k services programmed{what})");
+            results.insert(label, json!(ns));
+        }
+    }
+    results.insert("repeat".into(), json!(repeat));
+    Ok(serde_json::Value::Object(results))
+}
+
+/// One object loaded with `forward_direct`: (label, ns per run) for each test packet (with
+/// host routing, the established flow only: the other packets take the same path either way).
+fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static str, f64)>> {
     use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions};
     let name = testbed::unique_name("kb-tc");
     let pins = testbed::PinRoot(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
-    let cfg = DatapathConfig::new(pins.0.clone(), "/nonexistent".into());
+    let mut cfg = DatapathConfig::new(pins.0.clone(), "/nonexistent".into());
+    cfg.forward_direct = forward_direct;
     let mut ebpf = bpf::open_object(&cfg)?;
     let prog: &mut SchedClassifier =
         ebpf.program_mut(proxy_common::program_names::TC_INGRESS).context("tc program")?.try_into()?;
@@ -297,29 +316,26 @@ fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
         p[47] = 0x10;
         p
     };
-    let mut results = serde_json::Map::new();
     // An ARP frame returns at the first check: the harness's own cost per run (the floor).
     let mut arp = packet([0, 0, 0, 0]);
     arp[12..14].copy_from_slice(&[0x08, 0x06]);
-    for (label, input) in [
-        ("established_flow", packet(TARGET_IP.octets())),
-        ("not_a_service", packet([10, 244, 9, 9])),
-        ("floor_non_ip", arp),
-    ] {
+    let mut inputs = vec![("established_flow", packet(TARGET_IP.octets()))];
+    if forward_direct {
+        inputs.extend([("not_a_service", packet([10, 244, 9, 9])), ("floor_non_ip", arp)]);
+    }
+    let mut out = Vec::new();
+    for (label, input) in inputs {
         let mut total = Duration::ZERO;
         for _ in 0..repeat {
-            let mut out = vec![0u8; 256];
+            let mut buf = vec![0u8; 256];
             let mut opts = TestRunOptions::default();
             opts.data_in = Some(&input);
-            opts.data_out = Some(&mut out);
+            opts.data_out = Some(&mut buf);
             total += prog.test_run(opts)?.duration;
         }
-        let ns = total.as_nanos() as f64 / f64::from(repeat);
-        println!("tc ingress, {label}: {ns:.1} ns/packet (TestRun, {repeat} runs, 10k services programmed)");
-        results.insert(label.to_owned(), json!(ns));
+        out.push((label, total.as_nanos() as f64 / f64::from(repeat)));
     }
-    results.insert("repeat".into(), json!(repeat));
-    Ok(serde_json::Value::Object(results))
+    Ok(out)
 }
 
 /// NodePort through kpr's tc datapath vs the direct routed path vs iptables DNAT rules written
