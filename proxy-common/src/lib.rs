@@ -10,7 +10,7 @@
 #![no_std]
 
 /// Version of the pinned map layout; part of the bpffs pin directory (`<pin-root>/v<N>`).
-pub const PIN_LAYOUT_VERSION: u32 = 5;
+pub const PIN_LAYOUT_VERSION: u32 = 6;
 
 /// Map names, as seen by `bpftool map show` and used as pin file names.
 pub mod map_names {
@@ -28,6 +28,7 @@ pub mod map_names {
     pub const LINKS: &str = "KPR_LINKS";
     pub const SERVICE_CIDRS: &str = "KPR_SERVICE_CIDRS";
     pub const AFFINITY: &str = "KPR_AFFINITY";
+    pub const ADDR_FILTER: &str = "KPR_ADDR_FILTER";
 }
 
 /// Program names (the Rust function names in `proxy-ebpf`).
@@ -63,6 +64,18 @@ pub mod defaults {
     pub const MAX_AFFINITY: u32 = 65_536;
     /// loadBalancerSourceRanges entries across all LoadBalancer frontends.
     pub const MAX_SOURCE_RANGES: u32 = 16_384;
+    /// Words of the address filter (`KPR_ADDR_FILTER`): 2^20 bits, 128 KiB.
+    pub const ADDR_FILTER_WORDS: u32 = 16_384;
+}
+
+/// The bit of the address filter (`KPR_ADDR_FILTER`) that stands for `addr` (IPv4, network
+/// byte order): a multiplicative hash, its top 20 bits. The filter holds every address the
+/// per-packet path can have business with (frontends, backends, the node's addresses), so a
+/// packet whose addresses both miss it passes at the cost of two array reads. Bits are only
+/// ever set (a flow can outlive its backend's place in the maps): a false positive costs the
+/// full lookups, never a wrong verdict.
+pub const fn addr_filter_bit(addr: u32) -> u32 {
+    addr.wrapping_mul(0x9e37_79b1) >> 12
 }
 
 /// `ServiceKey::scope`: where the traffic comes from, as kube-proxy tells its sources apart.

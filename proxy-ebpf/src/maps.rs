@@ -68,6 +68,18 @@ pub static NODE_ADDRS: HashMap<u32, u32, { defaults::MAX_NODE_ADDRS as usize }> 
 #[btf_map(name = "KPR_LINKS", pin_by_name)]
 pub static LINKS: HashMap<u32, LinkInfo, { defaults::MAX_LINKS as usize }> = HashMap::new();
 
+/// One bit per address the per-packet path may have business with
+/// (`proxy_common::addr_filter_bit`); set by the agent before it programs what uses them.
+#[btf_map(name = "KPR_ADDR_FILTER", pin_by_name)]
+pub static ADDR_FILTER: Array<u64, { defaults::ADDR_FILTER_WORDS as usize }> = Array::new();
+
+/// `addr` may be a frontend, a backend or the node's: its bit in the address filter is set.
+#[inline(always)]
+pub fn in_addr_filter(addr: u32) -> bool {
+    let bit = proxy_common::addr_filter_bit(addr);
+    ADDR_FILTER.get(bit >> 6).is_some_and(|word| *word & (1u64 << (bit & 63)) != 0)
+}
+
 /// CIDRs of the local-traffic detector (clusterCIDR, or the Node's podCIDRs).
 #[btf_map(name = "KPR_LOCAL_CIDRS", pin_by_name)]
 pub static LOCAL_CIDRS: LpmTrie<CidrKey, u8, { defaults::MAX_LOCAL_CIDRS as usize }> = LpmTrie::new();

@@ -41,8 +41,8 @@ use proxy_common::{
 use crate::{
     maps::{
         CONNTRACK, CT_NEW, FRAGMENTS, FlowMap, LINKS, LOCAL_CIDRS, NODE_ADDRS, SERVICES, SOURCE_RANGES,
-        ServiceRangeMiss, affinity_backend, backend_at, count, link_addr, now, refusal, remember_affinity, serves,
-        service_range_miss,
+        ServiceRangeMiss, affinity_backend, backend_at, count, in_addr_filter, link_addr, now, refusal,
+        remember_affinity, serves, service_range_miss,
     },
     packet::*,
     tc_reject::{reject_port_unreachable, reject_tcp},
@@ -179,6 +179,14 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
         proto: ip.proto,
         first_fragment: (frags & 0x2000 != 0).then_some(u16::from_ne_bytes(ip.id)),
     };
+    // No frontend, backend or node address on either side, and not the service range: nothing
+    // of ours, known after two array reads instead of the conntrack and frontend lookups.
+    if !in_addr_filter(t.daddr)
+        && !in_addr_filter(t.saddr)
+        && service_range_miss(t.daddr) == ServiceRangeMiss::NotInRange
+    {
+        return Ok(PASS);
+    }
 
     let key = ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto);
     let tcp_flags = match t.proto {

@@ -367,7 +367,7 @@ fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
         options: ProxyOptions {
             masquerade_all: config.masquerade_all,
             detect_local: detector.implemented(),
-            refuse_service_range: refuse_service_range,
+            refuse_service_range,
         },
         sync_period: config.sync_period,
         min_sync_period: config.min_sync_period,

@@ -237,6 +237,8 @@ impl Rig {
             prog.load().expect("verifier accepts the tc program");
         }
         let mut maps = BpfMaps::take_from(&mut ebpf, &cfg).expect("maps");
+        // The node's address, written into the node maps below, gets its filter bit here.
+        maps.mark_addresses([u32::from(NODE_IP).to_be()]).unwrap();
         let mut programmer = Programmer::recover(&mut maps).unwrap();
         assert_eq!(programmer.apply(desired, &mut maps).failed, 0);
         let mut node_addrs: aya::maps::HashMap<_, u32, u32> =
@@ -531,6 +533,40 @@ fn no_endpoints_rejects_udp_with_icmp_port_unreachable() {
     icmp[2..4].copy_from_slice(&c.to_be_bytes());
     let ip = Ip { src: CLUSTER_IP, dst: CLIENT, proto: 1, tos: 0xc0, id: 0, frags: 0 };
     assert_eq!(out, frame(([2; 6], [1; 6]), ip, &icmp));
+}
+
+/// A packet between addresses the agent never programmed passes after the address filter's
+/// two reads, even with a conntrack entry for its tuple; once one address has its bit, the
+/// entry applies.
+#[test]
+fn packets_between_addresses_kpr_never_programmed_pass_at_the_address_filter() {
+    let mut rig = Rig::new(&services());
+    let (a, b, c) = (Ipv4Addr::new(10, 1, 1, 1), Ipv4Addr::new(10, 2, 2, 2), Ipv4Addr::new(10, 3, 3, 3));
+    let key = CtKey {
+        src_addr: u32::from(a).to_be(),
+        dst_addr: u32::from(b).to_be(),
+        src_port: 1000u16.to_be(),
+        dst_port: 2000u16.to_be(),
+        proto: 6,
+        _pad: [0; 3],
+    };
+    let value = CtValue {
+        src_addr: u32::from(a).to_be(),
+        dst_addr: u32::from(c).to_be(),
+        src_port: 1000u16.to_be(),
+        dst_port: 3000u16.to_be(),
+        service_id: 1,
+        last_seen: monotonic_now(),
+        flags: proxy_common::ct::SEEN_REPLY,
+        _pad: 0,
+    };
+    rig.table(proxy_common::map_names::CONNTRACK).insert(&key, &value, 0).unwrap();
+    let packet = Pkt { tcp_flags: 0x10, ..tcp(a, 1000, b, 2000) };
+    assert_eq!(rig.ingress(&packet.bytes()), (TC_ACT_UNSPEC, packet.bytes()), "filtered out: untouched");
+    rig.maps.mark_addresses([u32::from(b).to_be()]).unwrap();
+    let (verdict, out) = rig.ingress(&packet.bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(out, Pkt { dst: c, dport: 3000, ..packet }.bytes(), "with its bit set, the flow's entry applies");
 }
 
 #[test]

@@ -606,6 +606,8 @@ pub struct BpfHost {
     tc_netlink: bool,
     /// Links holding kpr's netlink filters (kept in `KPR_LINKS` across restarts).
     netlink_links: BTreeSet<u32>,
+    /// Node and link addresses get their bits (shared with the service side's handle).
+    addr_filter: Array<MapData, u64>,
     /// The host's forwarding was checked (at the first attach).
     forwarding_checked: bool,
 }
@@ -617,6 +619,9 @@ impl BpfHost {
         let links = HashMap::try_from(take(map_names::LINKS)?)?;
         let local_cidrs = LpmTrie::try_from(take(map_names::LOCAL_CIDRS)?)?;
         let service_cidrs = LpmTrie::try_from(take(map_names::SERVICE_CIDRS)?)?;
+        // The service side took the object's handle: a second one, from the pin.
+        let filter = MapData::from_pin(dir.join(map_names::ADDR_FILTER)).context("address filter map")?;
+        let addr_filter = Array::try_from(Map::Array(filter))?;
         let accept_local_set = links_flagged(&links, proxy_common::LINK_FLAG_ACCEPT_LOCAL_SET);
         let netlink_links = links_flagged(&links, proxy_common::LINK_FLAG_NETLINK_TC);
         Ok(Self {
@@ -626,6 +631,7 @@ impl BpfHost {
             links,
             local_cidrs,
             service_cidrs,
+            addr_filter,
             attached: BTreeMap::new(),
             accept_local_set,
             tc_netlink,
@@ -778,8 +784,10 @@ impl BpfHost {
 
 impl HostDatapath for BpfHost {
     fn apply_node(&mut self, plan: &NodePlan) -> Result<()> {
-        // Maps first: a newly attached link must find its addresses and flags.
+        // Maps first: a newly attached link must find its addresses and flags. The filter's
+        // bits before anything that makes packets to (or from) these addresses ours.
         let want: BTreeMap<u32, u32> = plan.node_addrs.iter().map(|(a, f)| (u32::from(*a).to_be(), *f)).collect();
+        mark_addresses(&mut self.addr_filter, want.keys().copied().chain(plan.links.values().map(|l| l.addr)))?;
         sync_hash(&mut self.node_addrs, &want)?;
         let links = self.links_marked(&plan.links);
         sync_hash(&mut self.links, &links)?;
@@ -824,6 +832,25 @@ impl HostDatapath for BpfHost {
         }
         Ok(())
     }
+}
+
+/// Set the address filter's bits of `addrs` (IPv4, network byte order), a word at a time: read,
+/// OR, write what changed. Bits are never cleared (see `proxy_common::addr_filter_bit`).
+fn mark_addresses(filter: &mut Array<MapData, u64>, addrs: impl IntoIterator<Item = u32>) -> Result<()> {
+    let mut words: BTreeMap<u32, u64> = BTreeMap::new();
+    for addr in addrs.into_iter().filter(|a| *a != 0) {
+        let bit = proxy_common::addr_filter_bit(addr);
+        *words.entry(bit >> 6).or_default() |= 1 << (bit & 63);
+    }
+    for (index, bits) in words {
+        let word = filter.get(&index, 0).with_context(|| format!("failed to read address filter word {index}"))?;
+        if word | bits != word {
+            filter
+                .set(index, &(word | bits), 0)
+                .with_context(|| format!("failed to write address filter word {index}"))?;
+        }
+    }
+    Ok(())
 }
 
 /// Make an IPv4 LPM set hold exactly the IPv4 CIDRs of `want`.
@@ -888,6 +915,8 @@ fn start_ebpf_logger(ebpf: &mut Ebpf) {
 /// The service and backend maps of a loaded datapath, or opened from their pins.
 pub struct BpfMaps {
     services: HashMap<MapData, ServiceKey, ServiceValue>,
+    /// Frontends and backends get their bits before the entries that use them are written.
+    addr_filter: Array<MapData, u64>,
     backends: Array<MapData, Backend>,
     source_ranges: LpmTrie<MapData, SourceRange, u8>,
     conntrack: Conntrack,
@@ -908,8 +937,15 @@ impl BpfMaps {
         };
         let conntrack = Conntrack::new([table(map_names::CONNTRACK)?, table(map_names::CT_NEW)?])?;
         let sock_revnat = HashMap::try_from(ebpf.take_map(map_names::SOCK_REVNAT).context("no sock_revnat map")?)?;
+        let addr_filter = Array::try_from(ebpf.take_map(map_names::ADDR_FILTER).context("no address filter map")?)?;
         let capacity = Capacity { service_ports: cfg.max_service_ports, backends: cfg.max_backends };
-        Ok(Self { services, backends, source_ranges, conntrack, sock_revnat, capacity })
+        Ok(Self { services, addr_filter, backends, source_ranges, conntrack, sock_revnat, capacity })
+    }
+
+    /// Give addresses (IPv4, network byte order) their bits in the address filter: what a
+    /// caller writes into the node maps itself (the agent's host side does its own).
+    pub fn mark_addresses(&mut self, addrs: impl IntoIterator<Item = u32>) -> Result<()> {
+        mark_addresses(&mut self.addr_filter, addrs)
     }
 
     /// Open the pinned maps of a running (or stopped) agent, e.g. for `kpr services`.
@@ -923,7 +959,8 @@ impl BpfMaps {
         let conntrack = Conntrack::open(pin_root)?;
         let capacity = Capacity { service_ports, backends: backends.len() };
         let sock_revnat = HashMap::try_from(Map::LruHashMap(open(map_names::SOCK_REVNAT)?))?;
-        Ok(Self { services, backends, source_ranges, conntrack, sock_revnat, capacity })
+        let addr_filter = Array::try_from(Map::Array(open(map_names::ADDR_FILTER)?))?;
+        Ok(Self { services, addr_filter, backends, source_ranges, conntrack, sock_revnat, capacity })
     }
 }
 
@@ -943,6 +980,7 @@ impl Maps for BpfMaps {
     }
 
     fn set_backends(&mut self, writes: &[(u32, Backend)]) -> Result<()> {
+        mark_addresses(&mut self.addr_filter, writes.iter().map(|(_, b)| b.addr))?;
         let (slots, values): (Vec<u32>, Vec<Backend>) = writes.iter().copied().unzip();
         let fd = self.backends.map().fd().as_fd();
         match update_batch(fd, &slots, &values) {
@@ -960,6 +998,8 @@ impl Maps for BpfMaps {
     }
 
     fn set_services(&mut self, entries: &[(ServiceKey, ServiceValue)]) -> Result<(), BatchError> {
+        mark_addresses(&mut self.addr_filter, entries.iter().map(|(k, _)| k.addr))
+            .map_err(|error| BatchError { done: 0, error })?;
         let (keys, values): (Vec<ServiceKey>, Vec<ServiceValue>) = entries.iter().copied().unzip();
         let fd = self.services.map().fd().as_fd();
         match update_batch(fd, &keys, &values) {

@@ -291,7 +291,13 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     let pins = testbed::PinRoot(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
     let mut cfg = DatapathConfig::new(pins.0.clone(), "/nonexistent".into());
     cfg.forward_direct = forward_direct;
+    // As the agent runs by default: the service range (10.96.0.0/12 here) refused.
+    cfg.refuse_service_range = true;
     let mut ebpf = bpf::open_object(&cfg)?;
+    let mut ranges: aya::maps::LpmTrie<_, proxy_common::CidrKey, u8> =
+        aya::maps::LpmTrie::try_from(ebpf.map_mut(proxy_common::map_names::SERVICE_CIDRS).context("ranges")?)?;
+    let range = proxy_common::CidrKey { addr: u32::from(Ipv4Addr::new(10, 96, 0, 0)).to_be() };
+    ranges.insert(&aya::maps::lpm_trie::Key::new(12, range), &1, 0)?;
     let prog: &mut SchedClassifier =
         ebpf.program_mut(proxy_common::program_names::TC_INGRESS).context("tc program")?.try_into()?;
     prog.load()?;
