@@ -114,13 +114,7 @@ mod tests {
 
     #[test]
     fn a_port_rewrite_delta_equals_a_full_recomputation() {
-        let mut seed = 0x1234_5678u32;
-        let mut next = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 17;
-            seed ^= seed << 5;
-            seed
-        };
+        let mut next = crate::test_numbers(0x1234_5678);
         for len in [12usize, 16, 28, 48, 61, 100, 1480, 9000, 65_535] {
             let mut packet: Vec<u8> = (0..len).map(|_| next() as u8).collect();
             packet[8..12].fill(0);

@@ -50,13 +50,7 @@ mod tests {
 
     #[test]
     fn an_incremental_update_equals_a_recomputation() {
-        let mut seed = 0x9e37_79b9u32;
-        let mut next = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 17;
-            seed ^= seed << 5;
-            seed
-        };
+        let mut next = crate::test_numbers(0x9e37_79b9);
         for round in 0..10_000 {
             // An IPv4 header: checksum at 10, addresses at 12 and 16, TTL and protocol at 8.
             let mut header = [0u8; 20];

@@ -71,9 +71,11 @@ pub mod defaults {
 /// The bit of the address filter (`KPR_ADDR_FILTER`) that stands for `addr` (IPv4, network
 /// byte order): a multiplicative hash, its top 20 bits. The filter holds every address the
 /// per-packet path can have business with (frontends, backends, the node's addresses), so a
-/// packet whose addresses both miss it passes at the cost of two array reads. Bits are only
+/// packet whose addresses both miss it passes at the cost of two array reads (and, with the
+/// service range refused, a lookup of its destination in the range). Bits are only
 /// ever set (a flow can outlive its backend's place in the maps): a false positive costs the
 /// full lookups, never a wrong verdict.
+#[inline(always)]
 pub const fn addr_filter_bit(addr: u32) -> u32 {
     addr.wrapping_mul(0x9e37_79b1) >> 12
 }
@@ -92,7 +94,9 @@ pub const SCOPE_EXTERNAL: u8 = 1;
 pub const SCOPE_NODE: u8 = 2;
 
 /// `ServiceKey::proto` of the entry that stands for every other port of a ClusterIP (with
-/// `port` 0): nftables mode rejects traffic to a ClusterIP's unknown ports.
+/// `port` 0 and `SCOPE_POD`, for every source): with the service range refused (nftables
+/// mode's rule, kpr's default), traffic to a ClusterIP's unknown ports is rejected. Only
+/// ClusterIPs inside a known ServiceCIDR have one.
 pub const PROTO_ANY: u8 = 0;
 
 /// `ServiceValue::flags`: masquerade (SNAT to the node) traffic of this entry.
@@ -182,6 +186,7 @@ pub const IPPROTO_UDP: u8 = 17;
 pub const IPPROTO_SCTP: u8 = 132;
 
 /// A protocol's name as Services spell it (`any`: the any-port entries of a refused service range).
+#[inline(always)]
 pub const fn proto_name(proto: u8) -> &'static str {
     match proto {
         IPPROTO_TCP => "TCP",
@@ -194,6 +199,7 @@ pub const fn proto_name(proto: u8) -> &'static str {
 
 /// The flow has connection states (TCP, and SCTP's association mapped onto them): a SYN/INIT
 /// starts it, a FIN/SHUTDOWN closes it slowly, a RST/ABORT at once.
+#[inline(always)]
 pub const fn has_states(proto: u8) -> bool {
     proto == IPPROTO_TCP || proto == IPPROTO_SCTP
 }
@@ -552,6 +558,18 @@ const _: () = assert!(size_of::<CidrKey>() == 4);
 
 pub mod crc32c;
 pub mod csum;
+
+/// Pseudo-random test data (xorshift32): the checksum tests compare updates with
+/// recomputations over many inputs.
+#[cfg(test)]
+fn test_numbers(mut seed: u32) -> impl FnMut() -> u32 {
+    move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 17;
+        seed ^= seed << 5;
+        seed
+    }
+}
 
 #[cfg(feature = "user")]
 mod pod {

@@ -180,7 +180,8 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
         first_fragment: (frags & 0x2000 != 0).then_some(u16::from_ne_bytes(ip.id)),
     };
     // No frontend, backend or node address on either side, and not the service range: nothing
-    // of ours, known after two array reads instead of the conntrack and frontend lookups.
+    // of ours, known after two array reads (and a range lookup, when it is refused) instead
+    // of the conntrack and frontend lookups.
     if !in_addr_filter(t.daddr)
         && !in_addr_filter(t.saddr)
         && service_range_miss(t.daddr) == ServiceRangeMiss::NotInRange

@@ -169,20 +169,24 @@ pub async fn desired_state(
     syncer.host_links = source::host::snapshot()?;
     let deadline = tokio::time::sleep(wait);
     tokio::pin!(deadline);
-    let mut node_seen = false;
+    // From the API, a refused service range comes in its own list (the manifests bring theirs
+    // with everything else): the any-port entries depend on it.
+    let wants_cidrs = wants_node && options.refuse_service_range;
+    let (mut node_seen, mut cidrs_seen) = (false, false);
     let outcome = loop {
-        if syncer.state.synced() && (node_seen || !wants_node) {
+        if syncer.state.synced() && (node_seen || !wants_node) && (cidrs_seen || !wants_cidrs) {
             break Ok(());
         }
         tokio::select! {
             event = rx.recv() => match event {
                 Some(event) => {
                     node_seen |= matches!(event, SourceEvent::Node(_));
+                    cidrs_seen |= matches!(event, SourceEvent::ServiceCidrs(_));
                     syncer.apply(event);
                 }
                 None => break Err(anyhow::anyhow!("the source stopped before listing everything")),
             },
-            () = &mut deadline => break Err(anyhow::anyhow!("the source did not list Services, EndpointSlices and the Node within {wait:?}")),
+            () = &mut deadline => break Err(anyhow::anyhow!("the source did not list Services, EndpointSlices, the Node and the ServiceCIDRs within {wait:?}")),
         }
     };
     task.abort();

@@ -342,6 +342,9 @@ fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
     // What no service port takes in the service range is refused, as kube-proxy's nftables
     // mode does; iptables mode passes it to the routing table, which kpr does on request only.
     let refuse_service_range = config.mode == "nftables" || !args.pass_service_range;
+    if args.pass_service_range && config.mode == "nftables" {
+        tracing::warn!("--pass-service-range has no effect in mode: nftables, which refuses the service range itself");
+    }
     datapath.refuse_service_range = refuse_service_range;
     let source = match args.manifests {
         Some(dir) => SourceConfig::Manifests(dir),

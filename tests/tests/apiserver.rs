@@ -369,3 +369,27 @@ fn services_without_endpoints_from_the_api_refuse_connections() {
     let err = env.h.client(move || TcpStream::connect_timeout(&sa(ip, 80).into(), TIMEOUT).map(drop)).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::ConnectionRefused);
 }
+
+/// `kpr diff` against the API computes what the agent programs, the refused service range
+/// included: the ClusterIP lies in the API server's ServiceCIDR, so both sides hold its
+/// any-port entry, and diff finds them in sync.
+#[test]
+fn kpr_diff_from_the_api_agrees_with_the_agent_on_the_refused_service_range() {
+    let mut env = Env::new("ka-diff", &["pod-a"]);
+    let ip = env.service("web", &[HTTP]);
+    env.endpoints("web", &[HTTP], &[0]);
+    env.h.start_agent().unwrap();
+    env.wait(&format!("{ip}:80/TCP"), Some(1));
+    env.wait(&format!("{ip}:0/any"), Some(0));
+    let out = std::process::Command::new(kpr_tests::kpr_bin())
+        .args(["diff", "--kubeconfig"])
+        .arg(env.h.kubeconfig.as_ref().unwrap())
+        .arg("--pin-root")
+        .arg(&env.h.pin_root)
+        .args(["--node-name", "test-node", "--interfaces", "none", "--wait", "20s"])
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "in sync:\n{stdout}\n{stderr}");
+}

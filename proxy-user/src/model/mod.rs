@@ -140,8 +140,8 @@ pub struct NodeInfo {
     /// The node's addresses: every address on its links plus the Node object's (kube-proxy's
     /// `--src-type LOCAL`); loadBalancerSourceRanges holding one of them admit the node.
     pub addresses: Vec<IpAddr>,
-    /// The cluster's service ranges (its ServiceCIDRs), when known and refused: their
-    /// ClusterIPs get an entry that rejects unknown ports.
+    /// The cluster's service ranges (its ServiceCIDRs), when known: with the range refused,
+    /// their ClusterIPs get an entry that rejects unknown ports.
     pub service_cidrs: Vec<cidr::Cidr>,
 }
 

@@ -127,6 +127,14 @@ async fn watch_service_cidrs(api: Api<ServiceCIDR>, tx: mpsc::Sender<SourceEvent
                 known.remove(&o.name_any());
             }
             Ok(None) => return Ok(()),
+            Err(e) if not_served(&e) => {
+                // Before Kubernetes 1.33 (or with the API off): no known range, nothing refused.
+                tracing::info!(
+                    "the API server has no ServiceCIDRs (networking.k8s.io/v1): no service range is refused"
+                );
+                let _ = tx.send(SourceEvent::ServiceCidrs(Vec::new())).await;
+                return Ok(());
+            }
             Err(e) => {
                 tracing::warn!("ServiceCIDR watch failed, retrying: {e}");
                 continue;
@@ -137,6 +145,11 @@ async fn watch_service_cidrs(api: Api<ServiceCIDR>, tx: mpsc::Sender<SourceEvent
             return Ok(());
         }
     }
+}
+
+/// The API server does not serve the resource at all (404 on the list).
+fn not_served(e: &watcher::Error) -> bool {
+    matches!(e, watcher::Error::InitialListFailed(kube::Error::Api(status)) if status.code == 404)
 }
 
 /// This node's Node (labels → topology, addresses, podCIDRs), followed for changes.
