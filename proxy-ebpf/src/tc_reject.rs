@@ -141,11 +141,8 @@ fn bounce(ctx: &TcContext, macs: [u8; 12]) -> Result<i32, ()> {
     Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
 }
 
-/// Fold a 32-bit one's-complement sum into the 16-bit checksum field value.
+/// The checksum field value for `bpf_csum_diff`'s 32-bit one's complement sum.
 #[inline(always)]
 fn fold(sum: i64) -> u16 {
-    let mut s = sum as u64 & 0xffff_ffff;
-    s = (s & 0xffff) + (s >> 16);
-    s = (s & 0xffff) + (s >> 16);
-    !(s as u16)
+    !proxy_common::csum::fold16(sum as u64 & 0xffff_ffff)
 }
