@@ -472,3 +472,43 @@ fn conntrack(action: ConntrackAction) -> Result<()> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::{apps::v1::DaemonSet, core::v1::ConfigMap};
+
+    use super::*;
+
+    const DAEMONSET: &str = include_str!("../../deploy/daemonset.yaml");
+    const CONFIGMAP: &str = include_str!("../../deploy/configmap.yaml");
+
+    /// deploy/: the DaemonSet's command is a valid `kpr agent` command line, and the files it
+    /// names are the ConfigMap's, which kpr parses.
+    #[test]
+    fn deploy_manifests_agree_with_the_agent() {
+        let daemonset: DaemonSet = serde_yaml::from_str(DAEMONSET).unwrap();
+        let pod = daemonset.spec.template.spec.unwrap();
+        let container = &pod.containers[0];
+        let cli = Cli::try_parse_from(container.command.as_ref().unwrap()).unwrap();
+        let Command::Agent(args) = cli.command else { panic!("the DaemonSet runs `kpr agent`") };
+        let config_path = args.config.unwrap();
+        let config_mount = container.volume_mounts.as_ref().unwrap().iter().find(|m| m.name == "config").unwrap();
+        let config_volume = pod.volumes.as_ref().unwrap().iter().find(|v| v.name == "config").unwrap();
+        assert_eq!(config_volume.config_map.as_ref().unwrap().name, "kpr");
+
+        let configmap: ConfigMap = serde_yaml::from_str(CONFIGMAP).unwrap();
+        let data = configmap.data.unwrap();
+        let file_in_configmap = |path: &std::path::Path| {
+            let key = path.strip_prefix(&config_mount.mount_path).expect("a file of the ConfigMap's mount");
+            data.get(key.to_str().unwrap()).unwrap_or_else(|| panic!("the ConfigMap has no {}", key.display())).clone()
+        };
+        let config = kpr::config::ProxyConfig::parse(&file_in_configmap(&config_path)).unwrap();
+        let kubeconfig_path = config.kubeconfig.clone().expect("the file names a kubeconfig");
+        let kubeconfig = kube::config::Kubeconfig::from_yaml(&file_in_configmap(&kubeconfig_path)).unwrap();
+        let user = kubeconfig.auth_infos[0].auth_info.as_ref().unwrap();
+        assert_eq!(user.token_file.as_deref(), Some("/var/run/secrets/kubernetes.io/serviceaccount/token"));
+        assert_eq!(args.cgroup.as_deref(), Some(std::path::Path::new("/run/kpr/cgroup2")));
+        let cgroup_mount = container.volume_mounts.as_ref().unwrap().iter().find(|m| m.name == "cgroup2").unwrap();
+        assert_eq!(cgroup_mount.mount_path, "/run/kpr/cgroup2");
+    }
+}

@@ -393,3 +393,22 @@ fn kpr_diff_from_the_api_agrees_with_the_agent_on_the_refused_service_range() {
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "in sync:\n{stdout}\n{stderr}");
 }
+
+/// deploy/'s manifests pass the real API server's validation and admission (strict field
+/// validation, the system-node-critical priority class), in the order the README applies them.
+#[test]
+fn deploy_manifests_are_accepted_by_the_api_server() {
+    let c = Cluster::start("ka-deploy").expect("control plane");
+    for file in ["rbac.yaml", "configmap.yaml", "daemonset.yaml"] {
+        let path = format!("{}/../deploy/{file}", env!("CARGO_MANIFEST_DIR"));
+        let out = c.kubectl(&["apply", "--validate=strict", "-f", &path]).unwrap_or_else(|e| panic!("{file}: {e:#}"));
+        assert!(out.contains("created"), "{file}: {out}");
+    }
+    let get = |what: &str, path: &str| c.kubectl(&["get", what, "-n", "kube-system", "-o", &format!("jsonpath={path}")]).unwrap();
+    assert_eq!(get("daemonset/kpr", "{.spec.template.spec.priorityClassName}"), "system-node-critical");
+    assert_eq!(get("daemonset/kpr", "{.spec.template.spec.hostNetwork}"), "true");
+    assert_eq!(get("daemonset/kpr", "{.spec.template.spec.serviceAccountName}"), "kpr");
+    assert_eq!(get("daemonset/kpr", "{.spec.updateStrategy.rollingUpdate.maxUnavailable}"), "1");
+    assert_eq!(get("daemonset/kpr", "{.spec.template.spec.containers[0].readinessProbe.httpGet.path}"), "/healthz");
+    assert!(get("configmap/kpr", "{.data.config\\.conf}").contains("kind: KubeProxyConfiguration"));
+}

@@ -514,10 +514,9 @@ fn reset_accept_local(ifindex: u32) {
         return; // the link is gone, and its setting with it
     }
     let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
-    let sysctl = format!("/proc/sys/net/ipv4/conf/{name}/accept_local");
-    match fs::write(&sysctl, "0") {
+    match super::devconf::set_accept_local(ifindex, false) {
         Ok(()) => tracing::info!(interface = %name, "accept_local turned off again"),
-        Err(e) => tracing::warn!(interface = %name, "failed to reset {sysctl}: {e}"),
+        Err(e) => tracing::warn!(interface = %name, "failed to turn accept_local off again: {e}"),
     }
 }
 
@@ -666,12 +665,12 @@ impl BpfHost {
         // kernel drops such "martian" packets unless the interface accepts local sources.
         let sysctl = format!("/proc/sys/net/ipv4/conf/{name}/accept_local");
         if fs::read_to_string(&sysctl).is_ok_and(|v| v.trim() == "0") {
-            match fs::write(&sysctl, "1") {
+            match super::devconf::set_accept_local(ifindex, true) {
                 Ok(()) => {
                     self.accept_local_set.insert(ifindex);
                 }
                 Err(e) => {
-                    tracing::warn!(interface = %name, "failed to set {sysctl}: {e}; masqueraded flows may be dropped")
+                    tracing::warn!(interface = %name, "failed to set accept_local: {e}; masqueraded flows may be dropped")
                 }
             }
         }

@@ -7,6 +7,7 @@
 //!   a service port is never visible half-written (see [`Programmer::apply`]).
 pub mod bpf;
 pub mod conntrack;
+mod devconf;
 pub mod fake;
 mod slots;
 mod sockets;
