@@ -292,6 +292,7 @@ fn effective_config(args: &AgentArgs) -> Result<ProxyConfig> {
 async fn run_agent(args: AgentArgs) -> Result<()> {
     let cfg = agent_config(args)?;
     raise_fd_limit();
+    raise_memlock_limit();
     agent::run(cfg, shutdown_signal()).await
 }
 
@@ -393,6 +394,23 @@ fn raise_fd_limit() {
                 tracing::debug!(from = limit.rlim_cur, to = limit.rlim_max, "raised the open files limit");
             }
         }
+    }
+}
+
+/// Kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK (later ones to the memory cgroup):
+/// lift it, which needs CAP_SYS_RESOURCE; without it, say why map creation may fail.
+fn raise_memlock_limit() {
+    let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: setrlimit reads one rlimit.
+    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) } == 0 {
+        return;
+    }
+    let error = std::io::Error::last_os_error();
+    if !aya::util::KernelVersion::current().is_ok_and(|v| v >= aya::util::KernelVersion::new(5, 11, 0)) {
+        tracing::warn!(
+            "cannot lift the locked-memory limit ({error}): this kernel charges BPF maps to it, so large maps \
+             may fail (give the agent CAP_SYS_RESOURCE)"
+        );
     }
 }
 

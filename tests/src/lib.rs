@@ -99,10 +99,6 @@ impl Harness {
     /// Start `kpr agent` on this harness's manifests (or kubeconfig), cgroup and pins.
     pub fn start_agent(&mut self) -> Result<()> {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log_path())?;
-        let source = match &self.kubeconfig {
-            Some(kubeconfig) => ["--kubeconfig".as_ref(), kubeconfig.as_os_str()],
-            None => ["--manifests".as_ref(), self.manifests.as_os_str()],
-        };
         let mut cmd = Command::new(kpr_bin());
         if self.agent_own_cgroup {
             if self.agent_home.is_none() {
@@ -115,25 +111,7 @@ impl Harness {
             self.topology.client.exec_in(&mut cmd)?;
         }
         let child = cmd
-            .arg("agent")
-            .args(source)
-            .arg("--cgroup")
-            .arg(self.agent_cgroup.as_ref().unwrap_or(&self.cgroup.path))
-            .arg("--pin-root")
-            .arg(&self.pin_root)
-            .args(["--node-name", "test-node", "--max-backends", "4096"])
-            .arg(format!("--max-service-ports={}", self.max_service_ports))
-            .arg(format!("--metrics-bind-address={}", self.metrics_addr))
-            .arg(format!("--healthz-bind-address={}", self.healthz_addr))
-            .args(&self.agent_args)
-            // No links unless asked for: in this machine's own network namespace, never the
-            // host's interfaces.
-            .args(if self.agent_args.iter().any(|a| a.starts_with("--interfaces")) {
-                &[][..]
-            } else {
-                &["--interfaces", "none"][..]
-            })
-            .args(["--iptables-min-sync-period", "0s"])
+            .args(self.agent_args_for(self.agent_cgroup.as_ref().unwrap_or(&self.cgroup.path), &self.manifests))
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
@@ -143,6 +121,29 @@ impl Harness {
             .with_context(|| format!("failed to start {}", kpr_bin().display()))?;
         self.agent = Some(child);
         Ok(())
+    }
+
+    /// `kpr agent`'s arguments for this harness, with the cgroup and manifest directory as the
+    /// agent sees them (a container sees them elsewhere).
+    pub fn agent_args_for(&self, cgroup: &std::path::Path, manifests: &std::path::Path) -> Vec<std::ffi::OsString> {
+        let mut args: Vec<std::ffi::OsString> = vec!["agent".into()];
+        match &self.kubeconfig {
+            Some(kubeconfig) => args.extend(["--kubeconfig".into(), kubeconfig.into()]),
+            None => args.extend(["--manifests".into(), manifests.into()]),
+        }
+        args.extend(["--cgroup".into(), cgroup.into(), "--pin-root".into(), self.pin_root.clone().into()]);
+        args.extend(["--node-name", "test-node", "--max-backends", "4096"].map(Into::into));
+        args.push(format!("--max-service-ports={}", self.max_service_ports).into());
+        args.push(format!("--metrics-bind-address={}", self.metrics_addr).into());
+        args.push(format!("--healthz-bind-address={}", self.healthz_addr).into());
+        args.extend(self.agent_args.iter().map(Into::into));
+        // No links unless asked for: in this machine's own network namespace, never the
+        // host's interfaces.
+        if !self.agent_args.iter().any(|a| a.starts_with("--interfaces")) {
+            args.extend(["--interfaces", "none"].map(Into::into));
+        }
+        args.extend(["--iptables-min-sync-period", "0s"].map(Into::into));
+        args
     }
 
     /// SIGKILL the agent we started (by its pid) and reap it.

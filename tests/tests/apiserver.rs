@@ -404,7 +404,9 @@ fn deploy_manifests_are_accepted_by_the_api_server() {
         let out = c.kubectl(&["apply", "--validate=strict", "-f", &path]).unwrap_or_else(|e| panic!("{file}: {e:#}"));
         assert!(out.contains("created"), "{file}: {out}");
     }
-    let get = |what: &str, path: &str| c.kubectl(&["get", what, "-n", "kube-system", "-o", &format!("jsonpath={path}")]).unwrap();
+    let get = |what: &str, path: &str| {
+        c.kubectl(&["get", what, "-n", "kube-system", "-o", &format!("jsonpath={path}")]).unwrap()
+    };
     assert_eq!(get("daemonset/kpr", "{.spec.template.spec.priorityClassName}"), "system-node-critical");
     assert_eq!(get("daemonset/kpr", "{.spec.template.spec.hostNetwork}"), "true");
     assert_eq!(get("daemonset/kpr", "{.spec.template.spec.serviceAccountName}"), "kpr");

@@ -3,6 +3,7 @@
 //! xtask itself builds with whatever stable Rust the machine has; every other crate builds with
 //! the pinned toolchain (`toolchain.pin`), which `setup` installs.
 mod cluster;
+mod image;
 mod setup;
 mod vm;
 
@@ -55,6 +56,12 @@ enum Cmd {
     Cluster {
         #[arg(last = true)]
         args: Vec<String>,
+    },
+    /// Build kpr's container image (a static binary in one layer, no base image) into
+    /// target/image: an OCI layout and its tar, for `ctr images import` or `docker load`.
+    Image {
+        #[arg(long, default_value = "latest")]
+        tag: String,
     },
     /// Run the benchmarks (release build); prints numbers and writes target/bench/*.json.
     Bench {
@@ -114,6 +121,10 @@ fn run_command() -> Result<()> {
                 .env("KPR_K8S_BIN", k8s_bin)
                 .args(args))
         }
+        Cmd::Image { tag } => {
+            let env = setup::ensure_all(&root)?;
+            image::build(&root, &env, &tag).map(drop)
+        }
         Cmd::Bench { args } => {
             let env = setup::ensure_all(&root)?;
             build(&root, &env, true)?;
@@ -161,11 +172,14 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>, kernels: &[String])
     }
     // The control plane and kube-proxy of the API-server tests, built once per pin.
     let k8s_bin = cluster::ensure_k8s_binaries(root)?;
+    // The image its test runs under runc.
+    let image = image::build(root, env, "latest")?;
     let mut privileged = env.cargo(root);
     privileged
         .args(["test", "--no-fail-fast", "--package", "kpr-tests", "--", "--test-threads=1"])
         .env("KPR_BIN", target_bin(root, false, "kpr"))
-        .env("KPR_K8S_BIN", k8s_bin);
+        .env("KPR_K8S_BIN", k8s_bin)
+        .env("KPR_IMAGE", image);
     if let Some(filter) = filter {
         privileged.arg(filter);
     }
@@ -198,8 +212,12 @@ fn test_in_vm(root: &Path, env: &setup::Env, short: &str, filter: Option<&str>) 
     let binaries = test_binaries(root, env, vm::SUITES.as_slice())?;
     // The suites run in VMs need no control plane (`vm::SUITES`).
     // The VM kernels have SCTP (this machine's may not): its end-to-end test must run there.
-    let vars =
-        [("KPR_BIN", target_bin(root, false, "kpr").display().to_string()), ("KPR_REQUIRE_SCTP", "1".to_owned())];
+    let image = image::build(root, env, "latest")?;
+    let vars = [
+        ("KPR_BIN", target_bin(root, false, "kpr").display().to_string()),
+        ("KPR_REQUIRE_SCTP", "1".to_owned()),
+        ("KPR_IMAGE", image.display().to_string()),
+    ];
     let (release, passed, failed) = vm::run_tests(short, pattern, &binaries, &vars, filter)?;
     let line = format!("kernel {release}: {passed} passed, {failed} failed");
     println!("{line}");

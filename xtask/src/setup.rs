@@ -47,6 +47,7 @@ pub fn ensure_all(root: &Path) -> Result<Env> {
     let toolchain =
         fs::read_to_string(root.join("toolchain.pin")).context("failed to read toolchain.pin")?.trim().to_owned();
     ensure_toolchain(&toolchain)?;
+    ensure_target(&toolchain, crate::image::MUSL_TARGET)?;
     let linker_bin = ensure_bpf_linker(root, &toolchain)?;
     ensure_packages()?;
     if is_root() {
@@ -87,6 +88,16 @@ fn ensure_toolchain(toolchain: &str) -> Result<()> {
         bail!("rustup toolchain install {toolchain} failed");
     }
     Ok(())
+}
+
+/// The standard library for `target` (the image's static build).
+fn ensure_target(toolchain: &str, target: &str) -> Result<()> {
+    let installed = capture(Command::new("rustup").args(["target", "list", "--installed", "--toolchain", toolchain]))?;
+    if installed.lines().any(|l| l.trim() == target) {
+        return Ok(());
+    }
+    println!("setup: adding the {target} target to Rust {toolchain}");
+    run_quiet(Command::new("rustup").args(["target", "add", "--toolchain", toolchain, target]))
 }
 
 /// bpf-linker in `.tools/bpf-linker-<toolchain>/bin`, linked against the toolchain's libLLVM.
@@ -161,6 +172,11 @@ fn ensure_packages() -> Result<()> {
         // qemu: the privileged tests on other kernels (`xtask/src/vm.rs`); xz unpacks modules.
         ("qemu-system-x86_64", "qemu-system-x86"),
         ("xz", "xz-utils"),
+        // The container image: musl-gcc for the static build's C parts (ring), strip, and
+        // runc, which runs the image in its test.
+        ("musl-gcc", "musl-tools"),
+        ("strip", "binutils"),
+        ("runc", "runc"),
     ];
     let missing: Vec<&str> = wanted.iter().filter(|(cmd, _)| !on_path(cmd)).map(|(_, pkg)| *pkg).collect();
     if missing.is_empty() {

@@ -28,7 +28,7 @@ pub const KERNELS: [(&str, &str); 2] = [
 /// surface, multi-node. The API-server suite (etcd and kube-apiserver under emulation take
 /// most of the VM's time) and the kube-proxy differential suites (the real kube-proxy's
 /// iptables/nftables modules) stay on the host.
-pub const SUITES: [&str; 5] = ["tc_testrun", "socket_lb", "demo", "operator", "multinode"];
+pub const SUITES: [&str; 6] = ["tc_testrun", "socket_lb", "demo", "operator", "multinode", "image"];
 
 /// Modules loaded before the tests (with their dependencies): the 9p root, and what the tests'
 /// topologies use (veth, bridge; clsact and cls_bpf for netlink tc attachments; nf_tables for

@@ -1,0 +1,174 @@
+//! `cargo xtask image`: kpr's container image, built offline with no base image. One layer
+//! holds a static (musl) `kpr` at /usr/local/bin/kpr and nothing else: kpr reads the kernel's
+//! /proc and /sys and talks to the API server, and needs no shell, libc or certificates (the
+//! API server's CA comes from the service account's mount).
+//!
+//! The output is an OCI image layout (`target/image/kpr`, as `umoci`, `skopeo` and
+//! `crane` read it) and the same layout as one tar (`target/image/kpr.oci.tar`), which
+//! `ctr images import` and `docker load` take. Entries, times and owners are fixed, so the
+//! same binary gives the same digests.
+use std::{
+    fs,
+    io::Write as _,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context as _, Result};
+use serde_json::json;
+use sha2::{Digest as _, Sha256};
+
+use crate::setup;
+
+pub const MUSL_TARGET: &str = "x86_64-unknown-linux-musl";
+const BINARY_PATH: &str = "usr/local/bin/kpr";
+
+/// Build the static binary and write the image; returns the layout directory.
+pub fn build(root: &Path, env: &setup::Env, tag: &str) -> Result<PathBuf> {
+    let mut cargo = env.cargo(root);
+    cargo.args(["build", "--release", "--package", "proxy-user", "--bin", "kpr", "--target", MUSL_TARGET]);
+    crate::run(&mut cargo)?;
+    let built = root.join("target").join(MUSL_TARGET).join("release/kpr");
+    let out = root.join("target/image");
+    fs::create_dir_all(&out)?;
+    // Symbols are half the binary and nothing in a container reads them.
+    let stripped = out.join("kpr.stripped");
+    crate::run(Command::new("strip").arg("--strip-all").arg(&built).arg("-o").arg(&stripped))?;
+    let layout = out.join("kpr");
+    let revision = git_revision(root);
+    write_layout(&layout, &fs::read(&stripped)?, tag, &revision)?;
+    let archive = out.join("kpr.oci.tar");
+    archive_layout(&layout, &archive)?;
+    let layer_size: u64 = fs::read_dir(layout.join("blobs/sha256"))?
+        .filter_map(|e| e.ok()?.metadata().ok())
+        .map(|m| m.len())
+        .max()
+        .unwrap_or(0);
+    println!(
+        "xtask: image kpr:{tag} ({revision}): {} (layout), {} (archive); layer {:.1} MiB compressed, binary {:.1} MiB",
+        layout.display(),
+        archive.display(),
+        layer_size as f64 / 1048576.0,
+        fs::metadata(&stripped)?.len() as f64 / 1048576.0,
+    );
+    Ok(layout)
+}
+
+/// The OCI image layout: `oci-layout`, `index.json` and the blobs (layer, config, manifest).
+fn write_layout(dir: &Path, binary: &[u8], tag: &str, revision: &str) -> Result<()> {
+    if dir.exists() {
+        fs::remove_dir_all(dir)?;
+    }
+    fs::create_dir_all(dir.join("blobs/sha256"))?;
+    let layer_tar = layer(binary)?;
+    let diff_id = sha256(&layer_tar);
+    let mut gz = flate2::GzBuilder::new().mtime(0).write(Vec::new(), flate2::Compression::best());
+    gz.write_all(&layer_tar)?;
+    let layer_gz = gz.finish()?;
+    let layer = blob(dir, &layer_gz)?;
+
+    let config = serde_json::to_vec(&json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "config": {
+            "Entrypoint": [format!("/{BINARY_PATH}")],
+            "Cmd": ["agent"],
+            "Labels": { "org.opencontainers.image.revision": revision },
+        },
+        "rootfs": { "type": "layers", "diff_ids": [format!("sha256:{diff_id}")] },
+        "history": [{ "created_by": "cargo xtask image" }],
+    }))?;
+    let config = blob(dir, &config)?;
+    let manifest = serde_json::to_vec(&json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": descriptor("application/vnd.oci.image.config.v1+json", &config),
+        "layers": [descriptor("application/vnd.oci.image.layer.v1.tar+gzip", &layer)],
+        "annotations": { "org.opencontainers.image.revision": revision },
+    }))?;
+    let manifest = blob(dir, &manifest)?;
+    let mut entry = descriptor("application/vnd.oci.image.manifest.v1+json", &manifest);
+    entry["annotations"] = json!({
+        "org.opencontainers.image.ref.name": tag,
+        // containerd's importer names the image after this.
+        "io.containerd.image.name": format!("docker.io/library/kpr:{tag}"),
+    });
+    let index = json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [entry],
+    });
+    fs::write(dir.join("index.json"), serde_json::to_vec_pretty(&index)?)?;
+    fs::write(dir.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#)?;
+    Ok(())
+}
+
+/// The root file system: the binary and its parent directories, owned by root.
+fn layer(binary: &[u8]) -> Result<Vec<u8>> {
+    let mut tar = tar::Builder::new(Vec::new());
+    for dir in ["usr/", "usr/local/", "usr/local/bin/"] {
+        let mut header = header(tar::EntryType::Directory, 0o755, 0);
+        tar.append_data(&mut header, dir, std::io::empty())?;
+    }
+    let mut header = header(tar::EntryType::Regular, 0o755, binary.len() as u64);
+    tar.append_data(&mut header, BINARY_PATH, binary)?;
+    Ok(tar.into_inner()?)
+}
+
+fn header(kind: tar::EntryType, mode: u32, size: u64) -> tar::Header {
+    let mut header = tar::Header::new_ustar();
+    header.set_entry_type(kind);
+    header.set_mode(mode);
+    header.set_size(size);
+    header.set_uid(0);
+    header.set_gid(0);
+    header.set_mtime(0);
+    header
+}
+
+struct Blob {
+    digest: String,
+    size: usize,
+}
+
+fn blob(dir: &Path, data: &[u8]) -> Result<Blob> {
+    let digest = sha256(data);
+    fs::write(dir.join("blobs/sha256").join(&digest), data)?;
+    Ok(Blob { digest: format!("sha256:{digest}"), size: data.len() })
+}
+
+fn descriptor(media_type: &str, blob: &Blob) -> serde_json::Value {
+    json!({ "mediaType": media_type, "digest": blob.digest, "size": blob.size })
+}
+
+fn sha256(data: &[u8]) -> String {
+    Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The layout as one tar (what `ctr images import` and `docker load` read).
+fn archive_layout(layout: &Path, archive: &Path) -> Result<()> {
+    let mut tar = tar::Builder::new(fs::File::create(archive)?);
+    tar.mode(tar::HeaderMode::Deterministic);
+    let mut files: Vec<PathBuf> = vec![layout.join("oci-layout"), layout.join("index.json")];
+    let mut blobs: Vec<PathBuf> =
+        fs::read_dir(layout.join("blobs/sha256"))?.map(|e| Ok(e?.path())).collect::<Result<_>>()?;
+    blobs.sort();
+    files.extend(blobs);
+    for file in files {
+        let name = file.strip_prefix(layout).expect("inside the layout");
+        tar.append_path_with_name(&file, name).with_context(|| format!("archiving {}", file.display()))?;
+    }
+    tar.finish()?;
+    Ok(())
+}
+
+fn git_revision(root: &Path) -> String {
+    Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(root)
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_else(|| "unknown".to_owned())
+}
