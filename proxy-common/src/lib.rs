@@ -28,6 +28,7 @@ pub mod map_names {
     pub const LINKS: &str = "KPR_LINKS";
     pub const SERVICE_CIDRS: &str = "KPR_SERVICE_CIDRS";
     pub const AFFINITY: &str = "KPR_AFFINITY";
+    pub const HANDOVER: &str = "KPR_HANDOVER";
     pub const ADDR_FILTER: &str = "KPR_ADDR_FILTER";
 }
 
@@ -62,6 +63,8 @@ pub mod defaults {
     pub const MAX_SERVICE_CIDRS: u32 = 64;
     /// sessionAffinity ClientIP: (service entry, client) pairs remembered, LRU.
     pub const MAX_AFFINITY: u32 = 65_536;
+    /// Tuples (two per flow) of the flows kube-proxy translated before kpr took the node over.
+    pub const MAX_HANDOVER: u32 = 32_768;
     /// loadBalancerSourceRanges entries across all LoadBalancer frontends.
     pub const MAX_SOURCE_RANGES: u32 = 16_384;
     /// Words of the address filter (`KPR_ADDR_FILTER`): 2^20 bits, 128 KiB.

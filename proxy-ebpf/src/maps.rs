@@ -53,6 +53,12 @@ pub static CONNTRACK: FlowMap = LruHashMap::new();
 #[btf_map(name = "KPR_CT_NEW", pin_by_name)]
 pub static CT_NEW: FlowMap = LruHashMap::new();
 
+/// Tuples (both directions) of the flows kube-proxy translated before kpr took the node over
+/// (`kpr agent --cleanup-kube-proxy`): netfilter's conntrack keeps translating them, so the
+/// per-packet path leaves them alone. Filled and pruned by the agent; empty otherwise.
+#[btf_map(name = "KPR_HANDOVER", pin_by_name)]
+pub static HANDOVER: LruHashMap<CtKey, u8, { defaults::MAX_HANDOVER as usize }> = LruHashMap::new();
+
 /// Datagrams in fragments: the first fragment's rewrite, for the later ones (which carry no
 /// ports). LRU: a datagram's fragments arrive within milliseconds.
 #[btf_map(name = "KPR_FRAGMENTS", pin_by_name)]

@@ -40,7 +40,7 @@ use proxy_common::{
 
 use crate::{
     maps::{
-        CONNTRACK, CT_NEW, FRAGMENTS, FlowMap, LINKS, LOCAL_CIDRS, NODE_ADDRS, SERVICES, SOURCE_RANGES,
+        CONNTRACK, CT_NEW, FRAGMENTS, FlowMap, HANDOVER, LINKS, LOCAL_CIDRS, NODE_ADDRS, SERVICES, SOURCE_RANGES,
         ServiceRangeMiss, affinity_backend, backend_at, count, in_addr_filter, link_addr, now, refusal,
         remember_affinity, serves, service_range_miss,
     },
@@ -227,6 +227,14 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
             count(counter::TC_CT_HIT);
             return Ok(TC_ACT_OK);
         }
+    }
+    // A flow kube-proxy translated before kpr took the node over: netfilter's conntrack goes
+    // on translating it. A new connection on its tuple is kpr's.
+    if unsafe { HANDOVER.get(&key) }.is_some() {
+        if !(ingress && tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN) {
+            return Ok(PASS);
+        }
+        let _ = HANDOVER.remove(&key);
     }
     if !ingress {
         return Ok(egress_drop(ctx, &t));

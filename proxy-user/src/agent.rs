@@ -58,6 +58,8 @@ pub struct AgentConfig {
     pub healthz_bind_address: Option<SocketAddr>,
     /// What `/configz` shows: the effective configuration.
     pub configz: serde_json::Value,
+    /// Take the node over from kube-proxy after the first sync ([`crate::takeover`]).
+    pub cleanup_kube_proxy: bool,
 }
 
 /// Run until `shutdown` completes. The pinned datapath stays in place on exit, like kube-proxy's
@@ -128,6 +130,9 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
     syncer.node_required = node_required;
     syncer.metrics = metrics;
     syncer.proxy_health = proxy_health.clone();
+    if cfg.cleanup_kube_proxy {
+        syncer.takeover = Some(crate::takeover::Takeover::open(&cfg.datapath.pin_root)?);
+    }
     if serve_health {
         syncer.health = Some(crate::health::HealthServers::default().with_proxy_health(proxy_health));
     }
@@ -246,6 +251,8 @@ pub struct Syncer {
     started: SystemTime,
     /// `endpoints.kubernetes.io/last-change-trigger-time`s of the slice changes not yet synced.
     trigger_times: Vec<SystemTime>,
+    /// Taking over from kube-proxy: after the first sync, and pruned at each reconcile.
+    pub takeover: Option<crate::takeover::Takeover>,
 }
 
 impl Syncer {
@@ -270,6 +277,7 @@ impl Syncer {
             node_required: false,
             started: SystemTime::now(),
             trigger_times: Vec::new(),
+            takeover: None,
         }
     }
 
@@ -423,6 +431,9 @@ impl Syncer {
     /// Re-read the maps and rewrite whatever differs from the desired state (pending changes
     /// included: a full sync).
     pub fn reconcile(&mut self, maps: &mut dyn Maps, host: &mut dyn HostDatapath) {
+        if let Some(takeover) = &mut self.takeover {
+            takeover.prune();
+        }
         self.program_node(host);
         if !self.state.synced() {
             return;
@@ -482,6 +493,9 @@ impl Syncer {
         if !self.synced_once {
             self.synced_once = true;
             tracing::info!(service_ports = desired.len(), "initial sync done");
+            if let Some(takeover) = &mut self.takeover {
+                takeover.run();
+            }
         }
         if reconciling && !pending && report.changes() > 0 {
             tracing::warn!(?report, "reconcile repaired drift in the maps");

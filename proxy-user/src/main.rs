@@ -153,6 +153,12 @@ struct AgentArgs {
     /// dropped) instead of letting them leave the node.
     #[arg(long)]
     pass_service_range: bool,
+    /// Take the node over from kube-proxy: once every Service is programmed, leave the flows
+    /// kube-proxy translated to netfilter's conntrack and remove kube-proxy's iptables chains
+    /// and nftables tables (as `kube-proxy --cleanup` does). Needs iptables-save/-restore and
+    /// nft on PATH for the backends in use.
+    #[arg(long)]
+    cleanup_kube_proxy: bool,
     /// cgroup2 directory whose sockets are load-balanced [default: the cgroup2 root].
     #[arg(long)]
     cgroup: Option<PathBuf>,
@@ -243,6 +249,8 @@ async fn main() -> Result<()> {
                 );
             }
             bpf::cleanup(&pin_root)?;
+            // The NAT chains kept for the flows kube-proxy made, if a takeover left them.
+            kpr::takeover::release_nat_hooks();
             println!("removed kpr's pins under {}", pin_root.display());
             Ok(())
         }
@@ -378,6 +386,7 @@ fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
         metrics_bind_address: config.metrics_bind_address,
         healthz_bind_address: config.healthz_bind_address,
         configz: config.configz(),
+        cleanup_kube_proxy: args.cleanup_kube_proxy,
     };
     Ok(cfg)
 }

@@ -206,6 +206,9 @@ fn bundle(h: &Harness, dir: &Path, config_dir: &Path, container: &PodContainer, 
     // The test's stand-ins: manifests for the API, its own pins and node name.
     args.extend(["--manifests".into(), MANIFESTS.into(), "--pin-root".into(), h.pin_root.display().to_string()]);
     args.extend(["--hostname-override".into(), "test-node".into()]);
+    // The node's iptables lock (a file of the test's here).
+    let lock = dir.join("xtables.lock");
+    std::fs::write(&lock, "").unwrap();
     let bind = |source: &Path, destination: &str, mode: &str| serde_json::json!({"destination": destination, "type": "bind", "source": source, "options": ["rbind", mode]});
     let spec = serde_json::json!({
         "ociVersion": "1.0.2",
@@ -228,6 +231,7 @@ fn bundle(h: &Harness, dir: &Path, config_dir: &Path, container: &PodContainer, 
             bind(&h.cgroup.path, &mount_path(container, "cgroup2"), "rw"),
             bind(config_dir, &mount_path(container, "config"), "ro"),
             bind(&h.manifests, MANIFESTS, "ro"),
+            bind(&lock, &mount_path(container, "xtables-lock"), "rw"),
         ],
         "linux": {
             "namespaces": [
@@ -283,7 +287,13 @@ fn image_runs_with_the_daemonsets_capabilities_and_a_new_pod_keeps_connections()
     let config = config_dir(&work);
     let bundle_dir = work.join("bundle");
     let entries = bundle(&h, &bundle_dir, &config, &container, &granted_capabilities(&container));
-    assert_eq!(entries, ["usr", "usr/local", "usr/local/bin", "usr/local/bin/kpr"], "the image holds kpr alone");
+    // kpr, and the netfilter tools of --cleanup-kube-proxy with their libraries: no shell.
+    for wanted in
+        ["usr/local/bin/kpr", "usr/sbin/nft", "usr/sbin/iptables-nft-restore", "usr/sbin/iptables-legacy-save"]
+    {
+        assert!(entries.iter().any(|e| e == wanted), "the image has {wanted}: {entries:?}");
+    }
+    assert!(!entries.iter().any(|e| e.ends_with("bin/sh")), "no shell in the image: {entries:?}");
 
     let log = h.log_path();
     let mut first = Container::run(&format!("{}-1", h.name), &state, &bundle_dir, &log);
@@ -294,6 +304,11 @@ fn image_runs_with_the_daemonsets_capabilities_and_a_new_pod_keeps_connections()
     let wanted: u64 = granted_capabilities(&container).iter().map(|c| 1u64 << capability_bit(c)).sum();
     assert_eq!(capability_set(&pid.to_string(), "CapEff"), wanted, "the agent's effective capabilities");
 
+    // The takeover's tools run in the container, with its capabilities, in the node's netfilter.
+    for tool in [&["/usr/sbin/nft", "list", "tables"][..], &["/usr/sbin/iptables-nft-save", "-t", "nat"][..]] {
+        let out = first.runc().args(["exec", &first.id]).args(tool).output().unwrap();
+        assert!(out.status.success(), "{tool:?} in the container: {}", String::from_utf8_lossy(&out.stderr));
+    }
     let seen = tcp_spread(&h, 40);
     assert_eq!(seen.len(), 2, "both pods answer through the ClusterIP: {seen:?}");
     assert_eq!(probe(&h, "/healthz"), 200, "readiness probe");

@@ -1142,3 +1142,38 @@ fn session_affinity_keeps_a_client_on_its_endpoint_until_it_leaves_or_times_out(
     }
     assert!(seen.len() > 1, "the affinity never timed out: {seen:?}");
 }
+
+/// A connection kube-proxy translated before the takeover (its tuples in `KPR_HANDOVER`) is
+/// left to netfilter both ways, untouched; a new connection reusing the client's tuple (a
+/// SYN) is kpr's, and takes the tuple back.
+#[test]
+fn flows_handed_over_from_kube_proxy_pass_untouched_until_a_new_connection_reuses_the_tuple() {
+    let rig = Rig::new(&services());
+    let key = |src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16| CtKey {
+        src_addr: u32::from(src).to_be(),
+        dst_addr: u32::from(dst).to_be(),
+        src_port: sport.to_be(),
+        dst_port: dport.to_be(),
+        proto: proxy_common::IPPROTO_TCP,
+        _pad: [0; 3],
+    };
+    let map = aya::maps::MapData::from_pin(bpf::pin_dir(&rig.pins.0).join(proxy_common::map_names::HANDOVER)).unwrap();
+    let mut handover: aya::maps::HashMap<_, CtKey, u8> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(map)).unwrap();
+    let original = key(CLIENT, 40100, CLUSTER_IP, 80);
+    handover.insert(&original, &1, 0).unwrap();
+    handover.insert(&key(POD, 8080, CLIENT, 40100), &1, 0).unwrap();
+
+    let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 5000, ..tcp(CLIENT, 40100, CLUSTER_IP, 80) };
+    assert_eq!(rig.ingress(&ack.bytes()), (TC_ACT_UNSPEC, ack.bytes()), "netfilter's to translate");
+    let reply = Pkt { tcp_flags: 0x10, seq: 5000, ack: 1001, ..tcp(POD, 8080, CLIENT, 40100) };
+    assert_eq!(rig.ingress(&reply.bytes()), (TC_ACT_UNSPEC, reply.bytes()), "the reply too");
+    assert_eq!(rig.egress(&reply.bytes()), (TC_ACT_UNSPEC, reply.bytes()));
+    assert!(rig.flows().is_empty(), "no flow of kpr's");
+
+    let syn = tcp(CLIENT, 40100, CLUSTER_IP, 80);
+    let (verdict, out) = rig.ingress(&syn.bytes());
+    assert_eq!((verdict, out), (TC_ACT_OK, Pkt { dst: POD, dport: 8080, ..syn }.bytes()), "a new connection is kpr's");
+    assert!(handover.get(&original, 0).is_err(), "the tuple is kpr's from then on");
+    assert_eq!(rig.counter(counter::TC_NEW_FLOW), 1);
+}

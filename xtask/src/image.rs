@@ -1,13 +1,15 @@
 //! `cargo xtask image`: kpr's container image, built offline with no base image. One layer
-//! holds a static (musl) `kpr` at /usr/local/bin/kpr and nothing else: kpr reads the kernel's
-//! /proc and /sys and talks to the API server, and needs no shell, libc or certificates (the
-//! API server's CA comes from the service account's mount).
+//! holds a static (musl) `kpr` at /usr/local/bin/kpr, which reads the kernel's /proc and /sys
+//! and talks to the API server (no shell, no certificates: the API server's CA comes from the
+//! service account's mount), and the netfilter tools that take a node over from kube-proxy
+//! (iptables' save/restore, nft) with their libraries, from this machine's Debian packages.
 //!
 //! The output is an OCI image layout (`target/image/kpr`, as `umoci`, `skopeo` and
 //! `crane` read it) and the same layout as one tar (`target/image/kpr.oci.tar`), which
 //! `ctr images import` and `docker load` take. Entries, times and owners are fixed, so the
 //! same binary gives the same digests.
 use std::{
+    collections::{BTreeMap, BTreeSet},
     fs,
     io::Write as _,
     path::{Path, PathBuf},
@@ -103,16 +105,87 @@ fn write_layout(dir: &Path, binary: &[u8], tag: &str, revision: &str) -> Result<
     Ok(())
 }
 
-/// The root file system: the binary and its parent directories, owned by root.
+/// The tools `kpr agent --cleanup-kube-proxy` removes kube-proxy's rules with (the ones
+/// kube-proxy itself uses), taken from this machine's Debian packages with the shared
+/// libraries they load: (path, the names linked to it in its directory).
+const NETFILTER_TOOLS: [(&str, &[&str]); 3] = [
+    (
+        "/usr/sbin/xtables-nft-multi",
+        &["iptables-nft-save", "iptables-nft-restore", "ip6tables-nft-save", "ip6tables-nft-restore"],
+    ),
+    (
+        "/usr/sbin/xtables-legacy-multi",
+        &["iptables-legacy-save", "iptables-legacy-restore", "ip6tables-legacy-save", "ip6tables-legacy-restore"],
+    ),
+    ("/usr/sbin/nft", &[]),
+];
+/// iptables' match and target extensions (`-m comment`, `-j MARK`, ...), loaded when it parses rules.
+const XTABLES_EXTENSIONS: &str = "/usr/lib/x86_64-linux-gnu/xtables";
+
+/// The root file system, owned by root: kpr, and the netfilter tools with their libraries.
 fn layer(binary: &[u8]) -> Result<Vec<u8>> {
+    let mut files: BTreeMap<String, Entry> = BTreeMap::new();
+    files.insert(BINARY_PATH.to_owned(), Entry::File(binary.to_vec(), 0o755));
+    for (tool, links) in NETFILTER_TOOLS {
+        let name = Path::new(tool).file_name().expect("a file").to_string_lossy().into_owned();
+        files.insert(tool.trim_start_matches('/').to_owned(), Entry::File(fs::read(tool)?, 0o755));
+        for link in links {
+            files.insert(format!("usr/sbin/{link}"), Entry::Symlink(name.clone()));
+        }
+        for library in shared_libraries(tool)? {
+            let data = fs::read(&library).with_context(|| format!("reading {library}"))?;
+            files.insert(library.trim_start_matches('/').to_owned(), Entry::File(data, 0o755));
+        }
+    }
+    for extension in fs::read_dir(XTABLES_EXTENSIONS).with_context(|| format!("reading {XTABLES_EXTENSIONS}"))? {
+        let path = extension?.path();
+        let data = fs::read(&path)?; // symlinks followed: each alias is its own copy
+        files.insert(path.to_string_lossy().trim_start_matches('/').to_owned(), Entry::File(data, 0o644));
+    }
+    // Parent directories first, each once; then the entries in path order.
+    let mut dirs: BTreeSet<String> = BTreeSet::new();
+    for path in files.keys() {
+        let mut parent = Path::new(path).parent();
+        while let Some(dir) = parent.filter(|d| !d.as_os_str().is_empty()) {
+            dirs.insert(format!("{}/", dir.display()));
+            parent = dir.parent();
+        }
+    }
     let mut tar = tar::Builder::new(Vec::new());
-    for dir in ["usr/", "usr/local/", "usr/local/bin/"] {
+    for dir in &dirs {
         let mut header = header(tar::EntryType::Directory, 0o755, 0);
         tar.append_data(&mut header, dir, std::io::empty())?;
     }
-    let mut header = header(tar::EntryType::Regular, 0o755, binary.len() as u64);
-    tar.append_data(&mut header, BINARY_PATH, binary)?;
+    for (path, entry) in files {
+        match entry {
+            Entry::File(data, mode) => {
+                let mut header = header(tar::EntryType::Regular, mode, data.len() as u64);
+                tar.append_data(&mut header, &path, &data[..])?;
+            }
+            Entry::Symlink(target) => {
+                let mut header = header(tar::EntryType::Symlink, 0o777, 0);
+                tar.append_link(&mut header, &path, &target)?;
+            }
+        }
+    }
     Ok(tar.into_inner()?)
+}
+
+enum Entry {
+    File(Vec<u8>, u32),
+    Symlink(String),
+}
+
+/// The shared libraries `binary` loads (and the loader), as `ldd` resolves them here.
+fn shared_libraries(binary: &str) -> Result<Vec<String>> {
+    let out = Command::new("ldd").arg(binary).output().with_context(|| format!("ldd {binary}"))?;
+    anyhow::ensure!(out.status.success(), "ldd {binary} failed");
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        // `libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)` or `/lib64/ld-linux-x86-64.so.2 (0x...)`
+        .filter_map(|l| l.split("=>").last()?.split_whitespace().next().filter(|p| p.starts_with('/')))
+        .map(str::to_owned)
+        .collect())
 }
 
 fn header(kind: tar::EntryType, mode: u32, size: u64) -> tar::Header {
