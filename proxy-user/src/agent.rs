@@ -253,6 +253,10 @@ pub struct Syncer {
     trigger_times: Vec<SystemTime>,
     /// Taking over from kube-proxy: after the first sync, and pruned at each reconcile.
     pub takeover: Option<crate::takeover::Takeover>,
+    /// The service ranges the datapath refuses now, and a node plan adding ranges, held back
+    /// until the service entries inside them are written.
+    refused_ranges: std::collections::BTreeSet<Cidr>,
+    deferred_node: Option<node::NodePlan>,
 }
 
 impl Syncer {
@@ -278,6 +282,8 @@ impl Syncer {
             started: SystemTime::now(),
             trigger_times: Vec::new(),
             takeover: None,
+            refused_ranges: Default::default(),
+            deferred_node: None,
         }
     }
 
@@ -404,6 +410,11 @@ impl Syncer {
             return; // `run` comes back when the period is over
         }
         self.program_node(host);
+        self.sync_services(maps, started);
+        self.apply_deferred_node(host);
+    }
+
+    fn sync_services(&mut self, maps: &mut dyn Maps, started: Instant) {
         let retry = self.retry_due().is_some_and(|at| at <= Instant::now());
         if !self.state.synced() {
             return;
@@ -442,6 +453,7 @@ impl Syncer {
             Ok(programmer) => self.program_services(maps, Some(programmer), Instant::now()),
             Err(e) => tracing::error!("reconcile could not read the maps: {e:#}"),
         }
+        self.apply_deferred_node(host);
     }
 
     /// The node plan, when the node's facts (or the ClusterIP whose route gives the node's
@@ -465,13 +477,40 @@ impl Syncer {
             let link = LinkInfo { addr: u32::from(source).to_be(), flags: 0 };
             plan.links.insert(proxy_common::LINK_SERVICE_SOURCE, link);
         }
-        if let Err(e) = host.apply_node(&plan) {
-            self.metrics.sync_error();
-            tracing::error!("failed to program the node's addresses and links: {e:#}");
-            self.node_dirty = true; // retried at the next sync
+        // A service range refused anew takes effect once the service entries inside it are
+        // written (after this sync's services): until then a ClusterIP's unknown port would be
+        // dropped as an unallocated address instead of rejected.
+        let added = plan.service_cidrs.difference(&self.refused_ranges).count() > 0;
+        let mut now = plan.clone();
+        if added {
+            now.service_cidrs = plan.service_cidrs.intersection(&self.refused_ranges).copied().collect();
+            self.deferred_node = Some(plan.clone());
+        } else {
+            self.deferred_node = None;
         }
+        self.apply_node_plan(host, &now);
         self.state.set_node(plan.info);
         self.last_sync = Some(Instant::now());
+    }
+
+    fn apply_node_plan(&mut self, host: &mut dyn HostDatapath, plan: &node::NodePlan) {
+        match host.apply_node(plan) {
+            Ok(()) => self.refused_ranges = plan.service_cidrs.clone(),
+            Err(e) => {
+                self.metrics.sync_error();
+                tracing::error!("failed to program the node's addresses and links: {e:#}");
+                self.node_dirty = true; // retried at the next sync
+            }
+        }
+    }
+
+    /// The node plan held back for the service entries (see [`Self::program_node`]).
+    fn apply_deferred_node(&mut self, host: &mut dyn HostDatapath) {
+        if self.state.synced()
+            && let Some(plan) = self.deferred_node.take()
+        {
+            self.apply_node_plan(host, &plan);
+        }
     }
 
     /// Write the desired service entries; `recovered`: a programmer rebuilt from the maps

@@ -304,10 +304,23 @@ fn image_runs_with_the_daemonsets_capabilities_and_a_new_pod_keeps_connections()
     let wanted: u64 = granted_capabilities(&container).iter().map(|c| 1u64 << capability_bit(c)).sum();
     assert_eq!(capability_set(&pid.to_string(), "CapEff"), wanted, "the agent's effective capabilities");
 
-    // The takeover's tools run in the container, with its capabilities, in the node's netfilter.
-    for tool in [&["/usr/sbin/nft", "list", "tables"][..], &["/usr/sbin/iptables-nft-save", "-t", "nat"][..]] {
-        let out = first.runc().args(["exec", &first.id]).args(tool).output().unwrap();
-        assert!(out.status.success(), "{tool:?} in the container: {}", String::from_utf8_lossy(&out.stderr));
+    // The takeover's tools run in the image, with the DaemonSet's capabilities, in the node's
+    // netfilter (each in a container of its own: `runc exec` cannot enter a container whose
+    // root was set by chroot, as runc does in the VMs' initramfs).
+    for (i, tool) in
+        [&["/usr/sbin/nft", "list", "tables"][..], &["/usr/sbin/iptables-nft-save", "-t", "nat"][..]].iter().enumerate()
+    {
+        let tool_bundle = work.join(format!("tool-{i}"));
+        bundle(&h, &tool_bundle, &config, &container, &granted_capabilities(&container));
+        let spec_path = tool_bundle.join("config.json");
+        let mut spec: serde_json::Value = serde_json::from_slice(&std::fs::read(&spec_path).unwrap()).unwrap();
+        spec["process"]["args"] = serde_json::json!(tool);
+        std::fs::write(&spec_path, serde_json::to_vec(&spec).unwrap()).unwrap();
+        let tool_log = work.join(format!("tool-{i}.log"));
+        let mut run = Container::run(&format!("{}-tool-{i}", h.name), &state, &tool_bundle, &tool_log);
+        let status = run.wait_exit(Duration::from_secs(30));
+        let text = std::fs::read_to_string(&tool_log).unwrap_or_default();
+        assert!(status.is_some_and(|s| s.success()), "{tool:?} in the image: {status:?}\n{text}");
     }
     let seen = tcp_spread(&h, 40);
     assert_eq!(seen.len(), 2, "both pods answer through the ClusterIP: {seen:?}");
