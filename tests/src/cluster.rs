@@ -529,6 +529,11 @@ impl KubeProxy {
         self.child.as_mut().is_some_and(|c| c.try_wait().ok().flatten().is_none())
     }
 
+    /// The kube-proxy process (`ip netns exec` execs it: the same pid).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     pub fn log_tail(&self) -> String {
         let text = fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();

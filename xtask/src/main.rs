@@ -128,10 +128,13 @@ fn run_command() -> Result<()> {
         Cmd::Bench { args } => {
             let env = setup::ensure_all(&root)?;
             build(&root, &env, true)?;
+            // The real kube-proxy and its control plane, the comparison's peers.
+            let k8s_bin = cluster::ensure_k8s_binaries(&root)?;
             run(env
                 .cargo(&root)
                 .args(["run", "--release", "--package", "kpr-tests", "--bin", "kpr-bench", "--"])
                 .env("KPR_BIN", target_bin(&root, true, "kpr"))
+                .env("KPR_K8S_BIN", k8s_bin)
                 .args(args))
         }
     }

@@ -32,9 +32,23 @@ use serde_json::json;
 const TARGET_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const BENCH_PORT: u16 = 8081;
 
+mod chart;
+mod vs_kube_proxy;
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
+    let vs_sizes: &[usize] = if quick { &[1_000] } else { &[1_000, 5_000, 10_000, 20_000] };
+    // --vs-kube-proxy: only the comparison with the real kube-proxy, merged into socket_lb.json.
+    if args.iter().any(|a| a == "--vs-kube-proxy") {
+        let path = bench_dir().join("socket_lb.json");
+        let mut result: serde_json::Value =
+            std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_else(|| json!({}));
+        vs_kube_proxy::run(vs_sizes, if quick { 2 } else { 6 }, 200, if quick { 3 } else { 20 }, |vs| {
+            write_vs(&mut result, vs.clone())
+        })?;
+        return Ok(());
+    }
     if args.iter().any(|a| a == "--tc-only") {
         println!("{}", tc_ns_per_packet(200_000)?);
         return Ok(());
@@ -59,15 +73,50 @@ fn main() -> Result<()> {
         if quick { 20_000 } else { 100_000 },
     )?;
 
-    let result = json!({
+    let mut result = json!({
         "connection_rate": conn, "programming": program, "event_to_datapath": latency,
         "tc_per_packet": per_packet, "node_port": node_port,
     });
-    write_json("socket_lb.json", &result)
+    write_json("socket_lb.json", &result)?;
+    vs_kube_proxy::run(vs_sizes, if quick { 2 } else { 6 }, 200, if quick { 3 } else { 20 }, |vs| {
+        write_vs(&mut result, vs.clone())
+    })?;
+    Ok(())
+}
+
+/// Merge the comparison so far into `result`, write the JSON and the chart.
+fn write_vs(result: &mut serde_json::Value, vs: serde_json::Value) -> Result<()> {
+    merge_vs(result, vs);
+    write_json("socket_lb.json", result)?;
+    chart::write(result, &bench_dir().join("vs_kube_proxy.svg"))
+}
+
+/// The comparison with the real kube-proxy: its own section (per size), and the peers'
+/// NodePort figures at the smallest size beside kpr's under `node_port`.
+fn merge_vs(result: &mut serde_json::Value, vs: serde_json::Value) {
+    let smallest = vs["sizes"].as_object().and_then(|sizes| {
+        sizes.iter().min_by_key(|(size, _)| size.parse::<usize>().unwrap_or(usize::MAX)).map(|(_, v)| v.clone())
+    });
+    if let Some(smallest) = smallest {
+        for peer in ["kube-proxy-iptables", "kube-proxy-nftables"] {
+            result["node_port"][peer] = smallest["node_port"][peer].clone();
+        }
+    }
+    result["vs_kube_proxy"] = vs;
+    result["measured_on"] = json!({
+        "commit": Command::new("git").args(["rev-parse", "--short=12", "HEAD"]).output().ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()),
+        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").ok().map(|s| s.trim().to_owned()),
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+    });
+}
+
+fn bench_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench")
 }
 
 fn write_json(name: &str, result: &serde_json::Value) -> Result<()> {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench");
+    let dir = bench_dir();
     std::fs::create_dir_all(&dir)?;
     let path = dir.join(name);
     std::fs::write(&path, serde_json::to_string_pretty(result)?)?;
