@@ -122,3 +122,77 @@ impl Drop for World {
         self.pods.clear();
     }
 }
+
+/// The real `kpr agent` in a world's node namespace, on a KubeProxyConfiguration file and a
+/// directory of manifests (the API's objects, dumped by the test), on its own pins; killed
+/// and its pins, manifests and log removed on drop.
+pub struct KprAgent {
+    child: Option<std::process::Child>,
+    pub pins: std::path::PathBuf,
+    pub manifests: std::path::PathBuf,
+    pub log: std::path::PathBuf,
+}
+
+impl KprAgent {
+    /// Start it with `config`, sockets of `cgroup` balanced, and `extra` arguments.
+    pub fn start(
+        node: &Netns,
+        config: &std::path::Path,
+        cgroup: &kpr::testbed::Cgroup,
+        tag: &str,
+        extra: &[&str],
+    ) -> Self {
+        use std::process::{Command, Stdio};
+        let pins = std::path::PathBuf::from(format!("/sys/fs/bpf/{tag}"));
+        let manifests = std::env::temp_dir().join(format!("{tag}.manifests"));
+        std::fs::create_dir_all(&manifests).unwrap();
+        let log = std::env::temp_dir().join(format!("{tag}.log"));
+        let out = std::fs::File::create(&log).unwrap();
+        let mut cmd = Command::new(crate::kpr_bin());
+        cmd.arg("agent")
+            .arg("--config")
+            .arg(config)
+            .arg("--manifests")
+            .arg(&manifests)
+            .arg("--cgroup")
+            .arg(&cgroup.path)
+            .arg("--pin-root")
+            .arg(&pins)
+            .args(["--max-service-ports", "512", "--max-backends", "2048", "--max-conntrack", "8192"])
+            .args(extra)
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out);
+        node.exec_in(&mut cmd).unwrap();
+        let child = cmd.spawn().expect("kpr starts");
+        Self { child: Some(child), pins, manifests, log }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn log_tail(&self) -> String {
+        let text = self.log_text();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+
+    /// Kill the agent (its datapath stays pinned).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for KprAgent {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = kpr::datapath::bpf::cleanup(&self.pins);
+        let _ = std::fs::remove_dir_all(&self.manifests);
+        let _ = std::fs::remove_file(&self.log);
+    }
+}

@@ -24,7 +24,7 @@ use std::{
     collections::BTreeSet,
     net::{Ipv4Addr, SocketAddrV4},
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::Command,
     time::Duration,
 };
 
@@ -32,7 +32,10 @@ use kpr::testbed::{self, Cgroup};
 use kpr_tests::{
     cluster::{Cluster, KubeProxy},
     probe::{Kind, Outcome, probe_from},
-    world::{EXT_CLIENT, EXT_CLIENT_BLOCKED, NODE_IP, NODE_IP_ALT, UNHANDLED, UNHANDLED_LOCAL, World, is_node_address},
+    world::{
+        EXT_CLIENT, EXT_CLIENT_BLOCKED, KprAgent, NODE_IP, NODE_IP_ALT, UNHANDLED, UNHANDLED_LOCAL, World,
+        is_node_address,
+    },
 };
 
 const NODE: &str = "test-node";
@@ -738,58 +741,6 @@ fn config_yaml(mode: &str, knobs: &Knobs) -> String {
     )
 }
 
-/// kpr in its world's node namespace, on the same configuration file and the API's objects.
-struct Kpr {
-    child: Child,
-    pins: PathBuf,
-    manifests: PathBuf,
-    log: PathBuf,
-}
-
-impl Kpr {
-    fn start(world: &World, config: &Path, cgroup: &Cgroup, tag: &str) -> Self {
-        let pins = PathBuf::from(format!("/sys/fs/bpf/{tag}"));
-        let manifests = std::env::temp_dir().join(format!("{tag}.manifests"));
-        std::fs::create_dir_all(&manifests).unwrap();
-        let log = std::env::temp_dir().join(format!("{tag}.log"));
-        let out = std::fs::File::create(&log).unwrap();
-        let mut cmd = Command::new(kpr_tests::kpr_bin());
-        cmd.arg("agent")
-            .arg("--config")
-            .arg(config)
-            .arg("--manifests")
-            .arg(&manifests)
-            .arg("--cgroup")
-            .arg(&cgroup.path)
-            .arg("--pin-root")
-            .arg(&pins)
-            .args(["--max-service-ports", "512", "--max-backends", "2048", "--max-conntrack", "8192"])
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().unwrap())
-            .stderr(out);
-        world.node.exec_in(&mut cmd).unwrap();
-        let child = cmd.spawn().expect("kpr starts");
-        Self { child, pins, manifests, log }
-    }
-
-    fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(30)..].join("\n")
-    }
-}
-
-impl std::ops::Drop for Kpr {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = kpr::datapath::bpf::cleanup(&self.pins);
-        let _ = std::fs::remove_dir_all(&self.manifests);
-        let _ = std::fs::remove_file(&self.log);
-    }
-}
-
 /// What a client observed, reduced to what must agree: answering endpoints, the sources they
 /// saw, the errors.
 #[derive(Debug, PartialEq, Eq)]
@@ -909,7 +860,7 @@ fn differential(mode: &str) {
 
     let mut failures = Vec::new();
     let mut report = Vec::new();
-    let mut running: Option<(Knobs, KubeProxy, Kpr)> = None;
+    let mut running: Option<(Knobs, KubeProxy, KprAgent)> = None;
     let mut rows_checked = 0;
     for (index, case) in cases.iter().enumerate() {
         let case_started = std::time::Instant::now();
@@ -918,7 +869,7 @@ fn differential(mode: &str) {
             let (kube_proxy, file) =
                 KubeProxy::start_with_config(&cluster, &kp_world.node, &config_yaml(mode, &case.knobs))
                     .expect("kube-proxy");
-            let kpr = Kpr::start(&kpr_world, &file, &cgroup, &format!("{tag}-{index}"));
+            let kpr = KprAgent::start(&kpr_world.node, &file, &cgroup, &format!("{tag}-{index}"), &[]);
             running = Some((case.knobs.clone(), kube_proxy, kpr));
         }
         let (_, kube_proxy, kpr) = running.as_mut().unwrap();

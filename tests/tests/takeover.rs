@@ -10,15 +10,15 @@ use std::{
     collections::BTreeSet,
     io::{BufRead as _, BufReader, Write as _},
     net::{Ipv4Addr, SocketAddrV4, TcpStream},
-    path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    path::Path,
+    process::Command,
     time::{Duration, Instant},
 };
 
 use kpr::testbed::{self, Cgroup, Netns};
 use kpr_tests::{
     cluster::{Cluster, KubeProxy},
-    world::{EXT_CLIENT, NODE_IP, World},
+    world::{EXT_CLIENT, KprAgent, NODE_IP, World},
 };
 
 const NODE: &str = "test-node";
@@ -122,68 +122,19 @@ fn kube_proxy_rules(node: &Netns, mode: &str) -> bool {
 
 /// kpr in the node's namespace on kube-proxy's configuration file and a dump of the API's
 /// objects, taking over from kube-proxy.
-struct Kpr {
-    child: Option<Child>,
-    pins: PathBuf,
-    manifests: PathBuf,
-    log: PathBuf,
+fn start_kpr(world: &World, config: &Path, cluster: &Cluster, cgroup: &Cgroup, tag: &str) -> KprAgent {
+    let kpr = KprAgent::start(&world.node, config, cgroup, tag, &["--cleanup-kube-proxy"]);
+    let dump = cluster.kubectl(&["get", "services,endpointslices,nodes", "-A", "-o", "yaml"]).unwrap();
+    testbed::write_atomic(&kpr.manifests, "cluster.yaml", &dump).unwrap();
+    kpr
 }
 
-impl Kpr {
-    fn start(world: &World, config: &Path, cluster: &Cluster, cgroup: &Cgroup, tag: &str) -> Self {
-        let pins = PathBuf::from(format!("/sys/fs/bpf/{tag}"));
-        let manifests = std::env::temp_dir().join(format!("{tag}.manifests"));
-        std::fs::create_dir_all(&manifests).unwrap();
-        let dump = cluster.kubectl(&["get", "services,endpointslices,nodes", "-A", "-o", "yaml"]).unwrap();
-        testbed::write_atomic(&manifests, "cluster.yaml", &dump).unwrap();
-        let log = std::env::temp_dir().join(format!("{tag}.log"));
-        let out = std::fs::File::create(&log).unwrap();
-        let mut cmd = Command::new(kpr_tests::kpr_bin());
-        cmd.arg("agent")
-            .arg("--config")
-            .arg(config)
-            .arg("--manifests")
-            .arg(&manifests)
-            .arg("--cgroup")
-            .arg(&cgroup.path)
-            .arg("--pin-root")
-            .arg(&pins)
-            .args(["--cleanup-kube-proxy", "--max-service-ports", "512", "--max-backends", "2048"])
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().unwrap())
-            .stderr(out);
-        world.node.exec_in(&mut cmd).unwrap();
-        let child = cmd.spawn().expect("kpr starts");
-        Self { child: Some(child), pins, manifests, log }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn wait_log(&self, needle: &str) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !self.log().contains(needle) {
-            assert!(Instant::now() < deadline, "kpr never logged {needle:?}:\n{}", self.log());
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for Kpr {
-    fn drop(&mut self) {
-        self.stop();
-        let _ = kpr::datapath::bpf::cleanup(&self.pins);
-        let _ = std::fs::remove_dir_all(&self.manifests);
-        let _ = std::fs::remove_file(&self.log);
+/// Wait until kpr's log says `needle`.
+fn wait_log(kpr: &KprAgent, needle: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !kpr.log_text().contains(needle) {
+        assert!(Instant::now() < deadline, "kpr never logged {needle:?}:\n{}", kpr.log_text());
+        std::thread::sleep(Duration::from_millis(100));
     }
 }
 
@@ -219,9 +170,9 @@ fn takeover_and_back(mode: &str) {
     assert!(kube_proxy_rules(&world.node, mode), "kube-proxy's rules outlive it");
 
     // kpr takes over.
-    let mut kpr = Kpr::start(&world, &config_file, &cluster, &cgroup, &format!("{tag}-kpr"));
-    kpr.wait_log("kube-proxy's rules removed");
-    assert!(!kube_proxy_rules(&world.node, mode), "kpr removed kube-proxy's rules:\n{}", kpr.log());
+    let mut kpr = start_kpr(&world, &config_file, &cluster, &cgroup, &format!("{tag}-kpr"));
+    wait_log(&kpr, "kube-proxy's rules removed");
+    assert!(!kube_proxy_rules(&world.node, mode), "kpr removed kube-proxy's rules:\n{}", kpr.log_text());
     for (i, conn) in external.iter_mut().chain([&mut from_pod]).enumerate() {
         let answer = conn.ask("after the takeover");
         if answer.is_err() {
@@ -234,20 +185,20 @@ fn takeover_and_back(mode: &str) {
                 conn.backend,
                 sh("nft list ruleset"),
                 sh("conntrack -L 2>&1"),
-                kpr.log()
+                kpr.log_text()
             );
         }
         assert_eq!(answer.unwrap(), "after the takeover");
     }
     assert_eq!(external[0].ask("peer?").unwrap(), masquerade, "still masqueraded by netfilter");
     let reached = backends_reached(&world.ext, node_port, 20);
-    assert_eq!(reached.len(), 2, "new NodePort connections reach both backends: {reached:?}\n{}", kpr.log());
+    assert_eq!(reached.len(), 2, "new NodePort connections reach both backends: {reached:?}\n{}", kpr.log_text());
     let flows = kpr::inspect::conntrack::list(&kpr.pins, None, &proxy_common::CtTimeouts::DEFAULT).unwrap();
     let kprs = flows
         .iter()
         .filter(|f| f.frontend == node_port.to_string() && f.client.starts_with(&EXT_CLIENT.to_string()))
         .count();
-    assert!(kprs >= 20, "the new connections are kpr's: {kprs} flows in its conntrack\n{}", kpr.log());
+    assert!(kprs >= 20, "the new connections are kpr's: {kprs} flows in its conntrack\n{}", kpr.log_text());
     assert_eq!(backends_reached(world.pod(CLIENT_POD), cluster_ip, 10).len(), 2);
 
     // And back: kpr leaves, kube-proxy returns.
