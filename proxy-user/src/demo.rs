@@ -184,6 +184,7 @@ impl Agent {
         // Joins the node namespace before exec: the per-packet programs go on the node's links
         // (the pods' and the external client's veths), never the host's.
         node.exec_in(&mut cmd)?;
+        crate::testbed::die_with_parent(&mut cmd);
         let mut cleanup = Command::new(std::env::current_exe()?);
         cleanup.args(["cleanup", "--pin-root"]).arg(pins).stdout(Stdio::null());
         node.exec_in(&mut cleanup)?;

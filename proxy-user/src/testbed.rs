@@ -18,6 +18,21 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
+/// Make `cmd`'s process get SIGKILL when the thread that starts it exits (a test, demo or
+/// benchmark that dies, even by SIGKILL, takes its agents and their programs with it).
+pub fn die_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt as _;
+    // SAFETY: prctl is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 /// Run `ip` with arguments; fail with its stderr.
 pub fn ip(args: &[&str]) -> Result<()> {
     let out = Command::new("ip").args(args).output().context("failed to run `ip` (install iproute2)")?;

@@ -56,8 +56,9 @@ pub fn spawn_child(cmd: &mut Command, home: &Path, log: &Path) -> Result<Child> 
 
 /// Make `cmd`'s process join `cgroup` before it executes, and die with the starting thread.
 pub fn confine(cmd: &mut Command, cgroup: &Path) -> Result<()> {
+    testbed::die_with_parent(cmd);
     let procs = CString::new(cgroup.join("cgroup.procs").into_os_string().into_encoded_bytes())?;
-    // SAFETY: only async-signal-safe calls (prctl, open, write, close) between fork and exec;
+    // SAFETY: only async-signal-safe calls (sigmask, open, write, close) between fork and exec;
     // the path was allocated before the fork.
     unsafe {
         cmd.pre_exec(move || {
@@ -66,9 +67,6 @@ pub fn confine(cmd: &mut Command, cgroup: &Path) -> Result<()> {
             let mut empty: libc::sigset_t = std::mem::zeroed();
             libc::sigemptyset(&mut empty);
             libc::pthread_sigmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
             let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
             if fd < 0 {
                 return Err(std::io::Error::last_os_error());

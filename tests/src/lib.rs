@@ -100,6 +100,7 @@ impl Harness {
     pub fn start_agent(&mut self) -> Result<()> {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log_path())?;
         let mut cmd = Command::new(kpr_bin());
+        testbed::die_with_parent(&mut cmd);
         if self.agent_own_cgroup {
             if self.agent_home.is_none() {
                 self.agent_home = Some(Cgroup::new(&format!("{}/agent", self.name))?);

@@ -149,6 +149,7 @@ impl KprAgent {
         let log = std::env::temp_dir().join(format!("{tag}.log"));
         let out = std::fs::File::create(&log).unwrap();
         let mut cmd = Command::new(crate::kpr_bin());
+        kpr::testbed::die_with_parent(&mut cmd);
         cmd.arg("agent")
             .arg("--config")
             .arg(config)

@@ -133,6 +133,7 @@ impl Cluster {
         let node = &mut self.nodes[i];
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
         let mut cmd = Command::new(kpr_tests::kpr_bin());
+        kpr::testbed::die_with_parent(&mut cmd);
         cmd.arg("agent")
             .arg("--manifests")
             .arg(&self.manifests)

@@ -89,6 +89,7 @@ impl Kpr {
         let pins = PathBuf::from(format!("/sys/fs/bpf/{tag}"));
         let log = std::fs::File::create(std::env::temp_dir().join(format!("{tag}.log")))?;
         let mut cmd = Command::new(kpr_tests::kpr_bin());
+        testbed::die_with_parent(&mut cmd);
         cmd.arg("agent")
             .arg("--config")
             .arg(&file)
