@@ -10,7 +10,7 @@
 #![no_std]
 
 /// Version of the pinned map layout; part of the bpffs pin directory (`<pin-root>/v<N>`).
-pub const PIN_LAYOUT_VERSION: u32 = 6;
+pub const PIN_LAYOUT_VERSION: u32 = 7;
 
 /// Map names, as seen by `bpftool map show` and used as pin file names.
 pub mod map_names {
@@ -38,6 +38,10 @@ pub mod program_names {
     pub const SENDMSG4: &str = "kpr_sendmsg4";
     pub const RECVMSG4: &str = "kpr_recvmsg4";
     pub const GETPEERNAME4: &str = "kpr_getpeername4";
+    pub const CONNECT6: &str = "kpr_connect6";
+    pub const SENDMSG6: &str = "kpr_sendmsg6";
+    pub const RECVMSG6: &str = "kpr_recvmsg6";
+    pub const GETPEERNAME6: &str = "kpr_getpeername6";
     pub const SOCK_RELEASE: &str = "kpr_sock_release";
     pub const TC_INGRESS: &str = "kpr_tc_ingress";
     pub const TC_EGRESS: &str = "kpr_tc_egress";
@@ -81,6 +85,108 @@ pub mod defaults {
 #[inline(always)]
 pub const fn addr_filter_bit(addr: u32) -> u32 {
     addr.wrapping_mul(0x9e37_79b1) >> 12
+}
+
+/// An address of either family as the maps hold it: 16 bytes in network byte order, an IPv4
+/// address as IPv4-mapped IPv6 (`::ffff:a.b.c.d`), which is how a dual-stack socket names it
+/// too. One key layout serves both families, and an application connecting to
+/// `::ffff:10.96.0.10` finds the same entry as one connecting to `10.96.0.10`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct Addr(pub [u32; 4]);
+
+impl Addr {
+    /// The third word of an IPv4-mapped address (`0000:ffff`), network byte order.
+    const MAPPED: u32 = u32::from_be(0x0000_ffff);
+
+    /// The IPv4 address `v4` (network byte order), mapped.
+    #[inline(always)]
+    pub const fn from_v4(v4: u32) -> Self {
+        Self([0, 0, Self::MAPPED, v4])
+    }
+
+    /// An IPv4(-mapped) address.
+    #[inline(always)]
+    pub const fn is_v4(&self) -> bool {
+        self.0[0] == 0 && self.0[1] == 0 && self.0[2] == Self::MAPPED
+    }
+
+    /// The IPv4 address (network byte order) of a mapped one; meaningless for IPv6.
+    #[inline(always)]
+    pub const fn v4(&self) -> u32 {
+        self.0[3]
+    }
+
+    /// `self == other` without a branch per word: in a verifier-checked loop, four branches
+    /// per comparison multiply the paths to verify.
+    #[inline(always)]
+    pub const fn same(&self, other: &Self) -> bool {
+        let (a, b) = (&self.0, &other.0);
+        (a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3]) == 0
+    }
+
+    /// The unspecified address of this address's family (`0.0.0.0` mapped, or `::`): the
+    /// address of NodePort entries.
+    #[inline(always)]
+    pub const fn unspecified_like(&self) -> Self {
+        if self.is_v4() { Self::from_v4(0) } else { Self([0; 4]) }
+    }
+
+    /// The unspecified address of either family.
+    #[inline(always)]
+    pub const fn is_unspecified(&self) -> bool {
+        self.0[3] == 0 && (self.is_v4() || (self.0[0] == 0 && self.0[1] == 0 && self.0[2] == 0))
+    }
+
+    /// A network namespace cookie in an address's place (`AffinityKey::client`).
+    #[inline(always)]
+    pub const fn from_cookie(cookie: u64) -> Self {
+        Self([cookie as u32, (cookie >> 32) as u32, 0, 0])
+    }
+
+    /// IPv4 mapped (`::ffff:0:0/96`) prefixes are this many bits longer than the IPv4 ones.
+    pub const V4_PREFIX_OFFSET: u32 = 96;
+}
+
+#[cfg(feature = "user")]
+impl From<core::net::IpAddr> for Addr {
+    fn from(ip: core::net::IpAddr) -> Self {
+        let v6 = match ip {
+            core::net::IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+            core::net::IpAddr::V6(v6) => v6,
+        };
+        let b = v6.octets();
+        Self(core::array::from_fn(|i| u32::from_ne_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])))
+    }
+}
+
+#[cfg(feature = "user")]
+impl From<core::net::Ipv4Addr> for Addr {
+    fn from(ip: core::net::Ipv4Addr) -> Self {
+        core::net::IpAddr::V4(ip).into()
+    }
+}
+
+#[cfg(feature = "user")]
+impl From<core::net::Ipv6Addr> for Addr {
+    fn from(ip: core::net::Ipv6Addr) -> Self {
+        core::net::IpAddr::V6(ip).into()
+    }
+}
+
+#[cfg(feature = "user")]
+impl From<Addr> for core::net::IpAddr {
+    fn from(a: Addr) -> Self {
+        let mut b = [0u8; 16];
+        for (i, w) in a.0.iter().enumerate() {
+            b[4 * i..4 * i + 4].copy_from_slice(&w.to_ne_bytes());
+        }
+        let v6 = core::net::Ipv6Addr::from(b);
+        match v6.to_ipv4_mapped() {
+            Some(v4) => core::net::IpAddr::V4(v4),
+            None => core::net::IpAddr::V6(v6),
+        }
+    }
 }
 
 /// `ServiceKey::scope`: where the traffic comes from, as kube-proxy tells its sources apart.
@@ -170,12 +276,12 @@ pub struct LinkInfo {
     pub flags: u32,
 }
 
-/// Data of an IPv4 LPM key (`KPR_LOCAL_CIDRS`, `KPR_SERVICE_CIDRS`): the prefix's address.
+/// Data of an LPM key (`KPR_LOCAL_CIDRS`, `KPR_SERVICE_CIDRS`): the prefix's address, of
+/// either family (an IPv4 prefix is mapped: its length is `Addr::V4_PREFIX_OFFSET` longer).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CidrKey {
-    /// Network byte order.
-    pub addr: u32,
+    pub addr: Addr,
 }
 
 /// First and last port used for SNAT (masquerade) of per-packet flows, when the agent finds
@@ -211,14 +317,14 @@ pub const fn has_states(proto: u8) -> bool {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ServiceKey {
-    /// IPv4 address, network byte order.
-    pub addr: u32,
+    pub addr: Addr,
     /// Port, network byte order.
     pub port: u16,
     /// `IPPROTO_TCP`, `IPPROTO_UDP`, `IPPROTO_SCTP` (or `PROTO_ANY`).
     pub proto: u8,
-    /// `SCOPE_POD`, `SCOPE_EXTERNAL` or `SCOPE_NODE`. A NodePort entry has `addr` 0: it
-    /// matches every address in `KPR_NODE_ADDRS` marked `NODE_ADDR_NODEPORT`.
+    /// `SCOPE_POD`, `SCOPE_EXTERNAL` or `SCOPE_NODE`. A NodePort entry has the unspecified
+    /// address of its family: it matches every address of that family in `KPR_NODE_ADDRS`
+    /// marked `NODE_ADDR_NODEPORT`.
     pub scope: u8,
 }
 
@@ -261,8 +367,8 @@ pub struct AffinityKey {
     pub port_id: u32,
     /// `AFFINITY_BY_*`.
     pub kind: u32,
-    /// IPv4 source address (network byte order) or network namespace cookie.
-    pub client: u64,
+    /// Source address or network namespace cookie (`Addr::from_cookie`).
+    pub client: Addr,
 }
 
 /// Value of `KPR_AFFINITY`: the client's backend and when it last got a connection to it
@@ -271,6 +377,7 @@ pub struct AffinityKey {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AffinityValue {
     pub backend: Backend,
+    pub _pad: u32,
     pub last_used: u64,
 }
 
@@ -278,8 +385,8 @@ pub struct AffinityValue {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct Backend {
-    /// IPv4 address, network byte order.
-    pub addr: u32,
+    /// Of the family of the frontends it serves (kube-proxy runs a proxier per family).
+    pub addr: Addr,
     /// Port, network byte order.
     pub port: u16,
     pub _pad: u16,
@@ -292,19 +399,19 @@ pub struct Backend {
 pub struct SockRevNatKey {
     /// `bpf_get_socket_cookie` of the client socket.
     pub cookie: u64,
-    /// Backend (or service) IPv4 address, network byte order.
-    pub addr: u32,
+    /// Backend (or service) address.
+    pub addr: Addr,
     /// Backend (or service) port, network byte order.
     pub port: u16,
-    pub _pad: u16,
+    pub _pad: [u8; 6],
 }
 
 /// Value of `KPR_SOCK_REVNAT`: the service address the application asked for.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SockRevNatValue {
-    /// Service IPv4 address, network byte order.
-    pub addr: u32,
+    /// Service address.
+    pub addr: Addr,
     /// Service port, network byte order.
     pub port: u16,
     pub _pad: u16,
@@ -454,14 +561,14 @@ pub struct FragmentKey {
 }
 
 /// Data of a `KPR_SOURCE_RANGES` LPM key: the prefix length covers all of `service_id` (32
-/// bits) plus the CIDR's bits of `addr`.
+/// bits) plus the CIDR's bits of `addr` (`Addr::V4_PREFIX_OFFSET` more for IPv4).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SourceRange {
     /// Service id, big-endian (LPM compares bytes in order).
     pub service_id: u32,
-    /// Client IPv4 address or CIDR base, network byte order.
-    pub addr: u32,
+    /// Client address or CIDR base (an IPv4 prefix is mapped).
+    pub addr: Addr,
 }
 
 /// Indexes of the per-CPU `KPR_COUNTERS` array: what the datapath did, without logging.
@@ -544,20 +651,21 @@ pub mod counter {
     ];
 }
 
-const _: () = assert!(size_of::<ServiceKey>() == 8);
+const _: () = assert!(size_of::<Addr>() == 16);
+const _: () = assert!(size_of::<ServiceKey>() == 20);
 const _: () = assert!(size_of::<ServiceValue>() == 24);
-const _: () = assert!(size_of::<AffinityKey>() == 16);
-const _: () = assert!(size_of::<AffinityValue>() == 16);
-const _: () = assert!(size_of::<Backend>() == 8);
-const _: () = assert!(size_of::<SockRevNatKey>() == 16);
-const _: () = assert!(size_of::<SockRevNatValue>() == 12);
+const _: () = assert!(size_of::<AffinityKey>() == 24);
+const _: () = assert!(size_of::<AffinityValue>() == 32);
+const _: () = assert!(size_of::<Backend>() == 20);
+const _: () = assert!(size_of::<SockRevNatKey>() == 32);
+const _: () = assert!(size_of::<SockRevNatValue>() == 24);
 const _: () = assert!(size_of::<CtKey>() == 16);
 const _: () = assert!(size_of::<CtValue>() == 32);
 const _: () = assert!(size_of::<CtTimeouts>() == 48);
-const _: () = assert!(size_of::<SourceRange>() == 8);
+const _: () = assert!(size_of::<SourceRange>() == 20);
 const _: () = assert!(size_of::<FragmentKey>() == 12);
 const _: () = assert!(size_of::<LinkInfo>() == 8);
-const _: () = assert!(size_of::<CidrKey>() == 4);
+const _: () = assert!(size_of::<CidrKey>() == 16);
 
 pub mod crc32c;
 pub mod csum;
@@ -591,4 +699,5 @@ mod pod {
     unsafe impl aya::Pod for super::CidrKey {}
     unsafe impl aya::Pod for super::AffinityKey {}
     unsafe impl aya::Pod for super::AffinityValue {}
+    unsafe impl aya::Pod for super::Addr {}
 }

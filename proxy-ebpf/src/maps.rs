@@ -6,8 +6,8 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, CidrKey, CtKey, CtValue, FragmentKey, LinkInfo, ServiceKey, ServiceValue,
-    SockRevNatKey, SockRevNatValue, SourceRange, counter, defaults,
+    Addr, AffinityKey, AffinityValue, Backend, CidrKey, CtKey, CtValue, FragmentKey, LinkInfo, ServiceKey,
+    ServiceValue, SockRevNatKey, SockRevNatValue, SourceRange, counter, defaults,
 };
 
 /// ClusterIP:port/proto → the service's range in `KPR_BACKENDS`.
@@ -64,10 +64,17 @@ pub static HANDOVER: LruHashMap<CtKey, u8, { defaults::MAX_HANDOVER as usize }> 
 #[btf_map(name = "KPR_FRAGMENTS", pin_by_name)]
 pub static FRAGMENTS: LruHashMap<FragmentKey, CtValue, 8192> = LruHashMap::new();
 
-/// This node's addresses (IPv4, network byte order) → `NODE_ADDR_*` bits: local ("from the
-/// node" sources) and where NodePorts are served.
+/// This node's addresses (both families) → `NODE_ADDR_*` bits: local ("from the node"
+/// sources) and where NodePorts are served.
 #[btf_map(name = "KPR_NODE_ADDRS", pin_by_name)]
-pub static NODE_ADDRS: HashMap<u32, u32, { defaults::MAX_NODE_ADDRS as usize }> = HashMap::new();
+pub static NODE_ADDRS: HashMap<Addr, u32, { defaults::MAX_NODE_ADDRS as usize }> = HashMap::new();
+
+/// The `NODE_ADDR_*` bits of `addr` (0: not the node's).
+#[inline(always)]
+pub fn node_addr_flags(addr: &Addr) -> u32 {
+    let key = *addr;
+    NODE_ADDRS.get_ptr(&key).map_or(0, |flags| unsafe { *flags })
+}
 
 /// ifindex → what the per-packet path needs of that link (masquerade source, detector flag);
 /// ifindex 0: the fallback masquerade source (the node's primary address).
@@ -111,9 +118,9 @@ pub enum ServiceRangeMiss {
 }
 
 #[inline(always)]
-pub fn service_range_miss(addr: u32) -> ServiceRangeMiss {
+pub fn service_range_miss(addr: Addr) -> ServiceRangeMiss {
     if KPR_REFUSE_SERVICE_RANGE.load() == 0
-        || SERVICE_CIDRS.get(&aya_ebpf::btf_maps::lpm_trie::Key::new(32, CidrKey { addr })).is_none()
+        || SERVICE_CIDRS.get(&aya_ebpf::btf_maps::lpm_trie::Key::new(128, CidrKey { addr })).is_none()
     {
         return ServiceRangeMiss::NotInRange;
     }
@@ -132,8 +139,12 @@ pub fn refusal(flags: u32) -> ServiceValue {
 const SERVES_SCAN: u32 = 64;
 
 /// `addr:port` is still one of `service`'s endpoints (always true past `SERVES_SCAN`).
-#[inline(always)]
-pub fn serves(service: &ServiceValue, addr: u32, port: u16) -> bool {
+///
+/// A subprogram, not inlined: the verifier then meets each call's return with only its result
+/// differing, and prunes; inlined, the 64 exits of the scan multiply the paths of whatever
+/// follows (beyond its limit once addresses were 16 bytes).
+#[inline(never)]
+pub fn serves(service: &ServiceValue, addr: &Addr, port: u16) -> bool {
     if service.backends_count > SERVES_SCAN {
         return true;
     }
@@ -142,7 +153,7 @@ pub fn serves(service: &ServiceValue, addr: u32, port: u16) -> bool {
             break;
         }
         if let Some(b) = BACKENDS.get(service.backends_start.wrapping_add(i))
-            && b.addr == addr
+            && b.addr.same(addr)
             && b.port == port
         {
             return true;
@@ -174,7 +185,7 @@ pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue, { defaults::MAX_AFFI
 /// connection to this service port from (through any of its frontends), if that was within
 /// the timeout and the backend serves this entry (an endpoint that left breaks the affinity).
 #[inline(always)]
-pub fn affinity_backend(service: &ServiceValue, kind: u32, client: u64, now: u64) -> Option<Backend> {
+pub fn affinity_backend(service: &ServiceValue, kind: u32, client: Addr, now: u64) -> Option<Backend> {
     if service.affinity_timeout == 0 {
         return None;
     }
@@ -182,15 +193,15 @@ pub fn affinity_backend(service: &ServiceValue, kind: u32, client: u64, now: u64
     // SAFETY: a pointer returned by the map lookup is valid for this program run.
     let last = unsafe { *AFFINITY.get_ptr(&key)? };
     let fresh = now.saturating_sub(last.last_used) <= u64::from(service.affinity_timeout) * 1_000_000_000;
-    (fresh && serves(service, last.backend.addr, last.backend.port)).then_some(last.backend)
+    (fresh && serves(service, &last.backend.addr, last.backend.port)).then_some(last.backend)
 }
 
 /// Remember (or refresh) that `client` got a connection to `backend` of this service port.
 #[inline(always)]
-pub fn remember_affinity(service: &ServiceValue, kind: u32, client: u64, backend: &Backend, now: u64) {
+pub fn remember_affinity(service: &ServiceValue, kind: u32, client: Addr, backend: &Backend, now: u64) {
     if service.affinity_timeout != 0 {
         let key = AffinityKey { port_id: service.affinity_id, kind, client };
-        let _ = AFFINITY.insert(&key, &AffinityValue { backend: *backend, last_used: now }, 0);
+        let _ = AFFINITY.insert(&key, &AffinityValue { backend: *backend, _pad: 0, last_used: now }, 0);
     }
 }
 

@@ -3,7 +3,10 @@
 //! reads (getpeername, recvfrom), so it keeps seeing the ClusterIP as its peer.
 use aya_ebpf::{
     EbpfContext as _, Global,
-    bindings::{bpf_sock_addr, bpf_sock_tuple, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1, sockaddr},
+    bindings::{
+        bpf_sock_addr, bpf_sock_tuple, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1,
+        bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2, sockaddr,
+    },
     helpers::{
         bpf_bind, bpf_get_current_cgroup_id, bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie,
         bpf_set_retval, bpf_sk_lookup_tcp, bpf_sk_lookup_udp, bpf_sk_release,
@@ -13,14 +16,14 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::error;
 use proxy_common::{
-    AFFINITY_BY_NETNS, Backend, IPPROTO_TCP, IPPROTO_UDP, LINK_SERVICE_SOURCE, NODE_ADDR_NODEPORT, SCOPE_NODE,
+    AFFINITY_BY_NETNS, Addr, Backend, IPPROTO_TCP, IPPROTO_UDP, LINK_SERVICE_SOURCE, NODE_ADDR_NODEPORT, SCOPE_NODE,
     SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP,
     ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, counter,
 };
 
 use crate::maps::{
-    NODE_ADDRS, SERVICES, SOCK_PICKS, SOCK_REVNAT, ServiceRangeMiss, affinity_backend, backend_at, count, link_addr,
-    now, refusal, remember_affinity, serves, service_range_miss,
+    SERVICES, SOCK_PICKS, SOCK_REVNAT, ServiceRangeMiss, affinity_backend, backend_at, count, link_addr,
+    node_addr_flags, now, refusal, remember_affinity, serves, service_range_miss,
 };
 
 /// Return value that lets the syscall proceed.
@@ -29,6 +32,7 @@ const ALLOW: i32 = 1;
 const REJECT: i32 = 0;
 const ECONNREFUSED: i32 = 111;
 const AF_INET: u16 = 2;
+const AF_INET6: u16 = 10;
 /// `BPF_F_CURRENT_NETNS`: socket lookups in the network namespace of the calling socket.
 const CURRENT_NETNS: u64 = u64::MAX;
 
@@ -60,29 +64,82 @@ static KPR_AGENT_CGROUP_ID: Global<u64> = Global::new(0);
 
 #[cgroup_sock_addr(connect4)]
 pub fn kpr_connect4(ctx: SockAddrContext) -> i32 {
-    forward4(&ctx, true)
+    forward(&ctx, Family::V4, true)
 }
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn kpr_sendmsg4(ctx: SockAddrContext) -> i32 {
-    forward4(&ctx, false)
+    forward(&ctx, Family::V4, false)
 }
 
 #[cgroup_sock_addr(recvmsg4)]
 pub fn kpr_recvmsg4(ctx: SockAddrContext) -> i32 {
-    reverse4(&ctx)
+    reverse(&ctx, Family::V4)
 }
 
 #[cgroup_sock_addr(getpeername4)]
 pub fn kpr_getpeername4(ctx: SockAddrContext) -> i32 {
-    reverse4(&ctx)
+    reverse(&ctx, Family::V4)
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn kpr_connect6(ctx: SockAddrContext) -> i32 {
+    forward(&ctx, Family::V6, true)
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn kpr_sendmsg6(ctx: SockAddrContext) -> i32 {
+    forward(&ctx, Family::V6, false)
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn kpr_recvmsg6(ctx: SockAddrContext) -> i32 {
+    reverse(&ctx, Family::V6)
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn kpr_getpeername6(ctx: SockAddrContext) -> i32 {
+    reverse(&ctx, Family::V6)
+}
+
+/// The socket family a hook runs for. An IPv6 socket may name an IPv4 peer (`::ffff:a.b.c.d`,
+/// a dual-stack socket): the maps hold IPv4 that way, so it is balanced like an IPv4 socket.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    /// The address the application names (connect, sendmsg) or is shown (recvmsg, getpeername).
+    #[inline(always)]
+    fn user_addr(self, sa: &bpf_sock_addr) -> Addr {
+        match self {
+            Family::V4 => Addr::from_v4(sa.user_ip4),
+            Family::V6 => Addr(sa.user_ip6),
+        }
+    }
+
+    /// Write `addr` (of the family this socket can reach) where the application's address was.
+    #[inline(always)]
+    fn set_user_addr(self, sa: &mut bpf_sock_addr, addr: Addr) {
+        match self {
+            Family::V4 => sa.user_ip4 = addr.v4(),
+            Family::V6 => {
+                sa.user_ip6[0] = addr.0[0];
+                sa.user_ip6[1] = addr.0[1];
+                sa.user_ip6[2] = addr.0[2];
+                sa.user_ip6[3] = addr.0[3];
+            }
+        }
+    }
 }
 
 /// Service address:port → random backend of that service port, with the verdict kube-proxy
-/// gives this socket's traffic (from the node, or from a pod). `connect`: connect4, else
-/// sendmsg4.
+/// gives this socket's traffic (from the node, or from a pod). `connect`: connect4/6, else
+/// sendmsg4/6.
 #[inline(always)]
-fn forward4(ctx: &SockAddrContext, connect: bool) -> i32 {
+fn forward(ctx: &SockAddrContext, family: Family, connect: bool) -> i32 {
     // SAFETY: the kernel hands every sock_addr program a valid context.
     let sa = unsafe { &mut *ctx.sock_addr };
     let proto = sa.protocol as u8;
@@ -93,13 +150,14 @@ fn forward4(ctx: &SockAddrContext, connect: bool) -> i32 {
     let netns = if host == 0 { 0 } else { unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } };
     let from_node = host == 0 || netns == host;
     let scope = if from_node { SCOPE_NODE } else { SCOPE_POD };
-    let mut key = ServiceKey { addr: sa.user_ip4, port: sa.user_port as u16, proto, scope };
+    let dest = family.user_addr(sa);
+    let mut key = ServiceKey { addr: dest, port: sa.user_port as u16, proto, scope };
     // Not a service: one hash lookup (two for a local address) and nothing else.
     let service = match SERVICES.get_ptr(&key) {
         // SAFETY: a pointer returned by the map lookup is valid for this program run.
         Some(service) => unsafe { *service },
-        None if is_node_port_address(sa.user_ip4, from_node) => {
-            key.addr = 0;
+        None if is_node_port_address(&dest, from_node) => {
+            key.addr = dest.unspecified_like();
             match SERVICES.get_ptr(&key) {
                 Some(service) => unsafe { *service },
                 None => return ALLOW,
@@ -107,7 +165,7 @@ fn forward4(ctx: &SockAddrContext, connect: bool) -> i32 {
         }
         // A refused service range: an unknown port of a ClusterIP is rejected, an unallocated address
         // of the service range dropped.
-        None => match service_range_miss(sa.user_ip4) {
+        None => match service_range_miss(dest) {
             ServiceRangeMiss::NotInRange => return ALLOW,
             ServiceRangeMiss::Reject => refusal(0),
             ServiceRangeMiss::Drop => refusal(SERVICE_FLAG_DROP_NO_ENDPOINTS),
@@ -130,21 +188,22 @@ fn forward4(ctx: &SockAddrContext, connect: bool) -> i32 {
     // An unconnected UDP socket keeps the endpoint it had for this service while that endpoint
     // lasts; anything else gets a random one.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let pick_key = SockRevNatKey { cookie, addr: sa.user_ip4, port: key.port, _pad: 0 };
+    let pick_key = SockRevNatKey { cookie, addr: dest, port: key.port, _pad: [0; 6] };
     let sticky = !connect && proto == IPPROTO_UDP;
     let earlier = if sticky { SOCK_PICKS.get_ptr(&pick_key).map(|b| unsafe { *b }) } else { None };
     let backend = match earlier {
-        Some(b) if serves(&service, b.addr, b.port) => b,
+        Some(b) if serves(&service, &b.addr, b.port) => b,
         _ => {
             // sessionAffinity ClientIP: the client (this namespace: a pod, or the node) keeps
             // its backend; otherwise a random one.
             let now = if service.affinity_timeout == 0 { 0 } else { now() };
             let random = || backend_at(&service, unsafe { bpf_get_prandom_u32() });
-            let Some(backend) = affinity_backend(&service, AFFINITY_BY_NETNS, netns, now).or_else(random) else {
+            let client = Addr::from_cookie(netns);
+            let Some(backend) = affinity_backend(&service, AFFINITY_BY_NETNS, client, now).or_else(random) else {
                 error!(ctx, "kpr: service {} points at a backend slot outside the array", service.service_id);
                 return ALLOW;
             };
-            remember_affinity(&service, AFFINITY_BY_NETNS, netns, &backend, now);
+            remember_affinity(&service, AFFINITY_BY_NETNS, client, &backend, now);
             if sticky {
                 let _ = SOCK_PICKS.insert(&pick_key, &backend, 0);
             }
@@ -160,20 +219,20 @@ fn forward4(ctx: &SockAddrContext, connect: bool) -> i32 {
 
     // The node's own connection that kube-proxy does not masquerade keeps the source routing
     // chose for the service address (its DNAT comes after that choice).
-    if from_node && service.flags & SERVICE_FLAG_SNAT == 0 {
-        keep_service_source(ctx, sa, connect);
+    if from_node && service.flags & SERVICE_FLAG_SNAT == 0 && dest.is_v4() {
+        keep_service_source(ctx, sa, family, connect);
     }
 
     // Remember what the application asked for, so getpeername/recvmsg can show it; a socket
     // sending to the same service again finds it there already (no write per datagram).
-    let rev_key = SockRevNatKey { cookie, addr: backend.addr, port: backend.port, _pad: 0 };
-    let rev_value = SockRevNatValue { addr: sa.user_ip4, port: key.port, _pad: 0, service_id: service.service_id };
+    let rev_key = SockRevNatKey { cookie, addr: backend.addr, port: backend.port, _pad: [0; 6] };
+    let rev_value = SockRevNatValue { addr: dest, port: key.port, _pad: 0, service_id: service.service_id };
     let known = SOCK_REVNAT.get_ptr(&rev_key).is_some_and(|v| unsafe { *v } == rev_value);
     if !known && SOCK_REVNAT.insert(&rev_key, &rev_value, 0).is_err() {
         count(counter::REVNAT_UPDATE_FAILED);
     }
 
-    sa.user_ip4 = backend.addr;
+    family.set_user_addr(sa, backend.addr);
     sa.user_port = u32::from(backend.port);
     count(counter::TRANSLATED);
     ALLOW
@@ -222,42 +281,84 @@ struct SockaddrIn {
     zero: [u8; 8],
 }
 
-/// Give the socket the source address routing picks for ClusterIPs (`LINK_SERVICE_SOURCE`),
-/// unless it has one: bind it at connect(); set the datagram's source at sendmsg().
+/// `struct sockaddr_in6` for `bpf_bind`.
+#[repr(C)]
+struct SockaddrIn6 {
+    family: u16,
+    port: u16,
+    flowinfo: u32,
+    addr: [u32; 4],
+    scope_id: u32,
+}
+
+/// Give the socket the IPv4 source address routing picks for ClusterIPs (`LINK_SERVICE_SOURCE`),
+/// unless it has one: bind it at connect(); set the datagram's source at sendmsg(). An IPv6
+/// socket (reaching an IPv4 service through a mapped address) gets it mapped.
 #[inline(always)]
-fn keep_service_source(ctx: &SockAddrContext, sa: &mut bpf_sock_addr, connect: bool) {
+fn keep_service_source(ctx: &SockAddrContext, sa: &mut bpf_sock_addr, family: Family, connect: bool) {
     let source = link_addr(LINK_SERVICE_SOURCE);
     if source == 0 {
         return;
     }
+    let mapped = Addr::from_v4(source);
     if connect {
-        let mut addr = SockaddrIn { family: AF_INET, port: 0, addr: source, zero: [0; 8] };
         // A socket bound already keeps its address (the helper fails with EINVAL).
-        let _ = unsafe {
-            bpf_bind(ctx.sock_addr, (&mut addr as *mut SockaddrIn).cast::<sockaddr>(), size_of::<SockaddrIn>() as i32)
+        let _ = match family {
+            Family::V4 => {
+                let mut addr = SockaddrIn { family: AF_INET, port: 0, addr: source, zero: [0; 8] };
+                unsafe { bpf_bind(ctx.sock_addr, (&raw mut addr).cast::<sockaddr>(), size_of::<SockaddrIn>() as i32) }
+            }
+            Family::V6 => {
+                let mut addr = SockaddrIn6 { family: AF_INET6, port: 0, flowinfo: 0, addr: mapped.0, scope_id: 0 };
+                unsafe { bpf_bind(ctx.sock_addr, (&raw mut addr).cast::<sockaddr>(), size_of::<SockaddrIn6>() as i32) }
+            }
         };
-    } else if sa.msg_src_ip4 == 0 {
-        sa.msg_src_ip4 = source;
+    } else {
+        match family {
+            Family::V4 if sa.msg_src_ip4 == 0 => sa.msg_src_ip4 = source,
+            Family::V6 if sa.msg_src_ip6 == [0; 4] => {
+                sa.msg_src_ip6[0] = mapped.0[0];
+                sa.msg_src_ip6[1] = mapped.0[1];
+                sa.msg_src_ip6[2] = mapped.0[2];
+                sa.msg_src_ip6[3] = mapped.0[3];
+            }
+            _ => {}
+        }
     }
 }
 
 /// A NodePort frontend for this socket: one of the node's NodePort addresses, or (from the
-/// node, with localhostNodePorts) any 127.0.0.0/8 address.
+/// node, with localhostNodePorts) any 127.0.0.0/8 address. IPv6 has no localhost NodePorts
+/// (kube-proxy offers none: `::1` cannot be routed out).
 #[inline(always)]
-fn is_node_port_address(addr: u32, from_node: bool) -> bool {
-    if from_node && KPR_LOCALHOST_NODEPORTS.load() != 0 && u32::from_be(addr) >> 24 == 127 {
+fn is_node_port_address(addr: &Addr, from_node: bool) -> bool {
+    if from_node && KPR_LOCALHOST_NODEPORTS.load() != 0 && addr.is_v4() && u32::from_be(addr.v4()) >> 24 == 127 {
         return true;
     }
-    NODE_ADDRS.get_ptr(&addr).is_some_and(|flags| unsafe { *flags } & NODE_ADDR_NODEPORT != 0)
+    node_addr_flags(addr) & NODE_ADDR_NODEPORT != 0
 }
 
 /// A socket in the caller's own network namespace serves `backend` (the backend is this pod).
 #[inline(always)]
 fn served_in_this_netns(ctx: &SockAddrContext, proto: u8, backend: &Backend) -> bool {
     let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
-    tuple.__bindgen_anon_1.ipv4 =
-        bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1 { saddr: 0, daddr: backend.addr, sport: 0, dport: backend.port };
-    let size = size_of::<bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1>() as u32;
+    let size = if backend.addr.is_v4() {
+        tuple.__bindgen_anon_1.ipv4 = bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1 {
+            saddr: 0,
+            daddr: backend.addr.v4(),
+            sport: 0,
+            dport: backend.port,
+        };
+        size_of::<bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1>()
+    } else {
+        tuple.__bindgen_anon_1.ipv6 = bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2 {
+            saddr: [0; 4],
+            daddr: backend.addr.0,
+            sport: 0,
+            dport: backend.port,
+        };
+        size_of::<bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2>()
+    } as u32;
     let sk = unsafe {
         if proto == IPPROTO_TCP {
             bpf_sk_lookup_tcp(ctx.as_ptr(), &mut tuple, size, CURRENT_NETNS, 0)
@@ -274,13 +375,13 @@ fn served_in_this_netns(ctx: &SockAddrContext, proto: u8, backend: &Backend) -> 
 
 /// Backend address seen by the socket → the service address the application connected to.
 #[inline(always)]
-fn reverse4(ctx: &SockAddrContext) -> i32 {
+fn reverse(ctx: &SockAddrContext, family: Family) -> i32 {
     let sa = unsafe { &mut *ctx.sock_addr };
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let key = SockRevNatKey { cookie, addr: sa.user_ip4, port: sa.user_port as u16, _pad: 0 };
+    let key = SockRevNatKey { cookie, addr: family.user_addr(sa), port: sa.user_port as u16, _pad: [0; 6] };
     if let Some(orig) = SOCK_REVNAT.get_ptr(&key) {
         let orig = unsafe { *orig };
-        sa.user_ip4 = orig.addr;
+        family.set_user_addr(sa, orig.addr);
         sa.user_port = u32::from(orig.port);
         count(counter::REVERSE_TRANSLATED);
     }
@@ -297,9 +398,22 @@ pub fn kpr_sock_release(ctx: SockContext) -> i32 {
     // dst_port as a 32-bit load: older kernels allow nothing narrower; the port (network byte
     // order) is its low half either way.
     let port = unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*sk).dst_port).cast::<u32>()) } as u16;
-    let addr = unsafe { (*sk).dst_ip4 };
-    if addr != 0 {
-        let _ = SOCK_REVNAT.remove(&SockRevNatKey { cookie, addr, port, _pad: 0 });
+    // An IPv6 socket's peer, IPv4 ones mapped, is in dst_ip6 (even for an IPv4 peer).
+    let addr = unsafe {
+        if (*sk).family == u32::from(AF_INET6) {
+            let d = core::ptr::addr_of!((*sk).dst_ip6);
+            Addr([
+                core::ptr::read_volatile(d.cast::<u32>()),
+                core::ptr::read_volatile(d.cast::<u32>().add(1)),
+                core::ptr::read_volatile(d.cast::<u32>().add(2)),
+                core::ptr::read_volatile(d.cast::<u32>().add(3)),
+            ])
+        } else {
+            Addr::from_v4((*sk).dst_ip4)
+        }
+    };
+    if !addr.is_unspecified() {
+        let _ = SOCK_REVNAT.remove(&SockRevNatKey { cookie, addr, port, _pad: [0; 6] });
     }
     ALLOW
 }

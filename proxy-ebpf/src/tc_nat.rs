@@ -31,7 +31,7 @@ use aya_ebpf::{
 };
 use network_types::{eth::EtherType, ip::Ipv4Hdr};
 use proxy_common::{
-    AFFINITY_BY_ADDR, Backend, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, DETECT_LOCAL_INTERFACE,
+    AFFINITY_BY_ADDR, Addr, Backend, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, DETECT_LOCAL_INTERFACE,
     FragmentKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, LINK_FLAG_LOCAL_TRAFFIC, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT,
     SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
     SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceKey, ServiceValue, SourceRange, counter, crc32c,
@@ -40,8 +40,8 @@ use proxy_common::{
 
 use crate::{
     maps::{
-        CONNTRACK, CT_NEW, FRAGMENTS, FlowMap, HANDOVER, LINKS, LOCAL_CIDRS, NODE_ADDRS, SERVICES, SOURCE_RANGES,
-        ServiceRangeMiss, affinity_backend, backend_at, count, in_addr_filter, link_addr, now, refusal,
+        CONNTRACK, CT_NEW, FRAGMENTS, FlowMap, HANDOVER, LINKS, LOCAL_CIDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss,
+        affinity_backend, backend_at, count, in_addr_filter, link_addr, node_addr_flags, now, refusal,
         remember_affinity, serves, service_range_miss,
     },
     packet::*,
@@ -184,7 +184,7 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     // of the conntrack and frontend lookups.
     if !in_addr_filter(t.daddr)
         && !in_addr_filter(t.saddr)
-        && service_range_miss(t.daddr) == ServiceRangeMiss::NotInRange
+        && service_range_miss(Addr::from_v4(t.daddr)) == ServiceRangeMiss::NotInRange
     {
         return Ok(PASS);
     }
@@ -244,7 +244,7 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
         Some(service) => service,
         // A refused service range: a ClusterIP's unknown port is rejected, an unallocated address of
         // the service range dropped.
-        None => match service_range_miss(t.daddr) {
+        None => match service_range_miss(Addr::from_v4(t.daddr)) {
             ServiceRangeMiss::NotInRange => return Ok(PASS),
             ServiceRangeMiss::Reject => refusal(0),
             ServiceRangeMiss::Drop => {
@@ -378,7 +378,7 @@ fn egress_drop(ctx: &TcContext, t: &Tuple) -> i32 {
     }
     let drop = match lookup_frontend(t, SCOPE_NODE) {
         Some(s) => s.backends_count == 0 && s.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0,
-        None => service_range_miss(t.daddr) == ServiceRangeMiss::Drop,
+        None => service_range_miss(Addr::from_v4(t.daddr)) == ServiceRangeMiss::Drop,
     };
     if drop {
         count(counter::TC_DROPPED);
@@ -391,11 +391,11 @@ fn egress_drop(ctx: &TcContext, t: &Tuple) -> i32 {
 /// source address), a pod the local-traffic detector calls local, or anywhere else.
 #[inline(always)]
 fn source_scope(ctx: &TcContext, t: &Tuple) -> u8 {
-    if NODE_ADDRS.get_ptr(&t.saddr).is_some_and(|flags| unsafe { *flags } & NODE_ADDR_LOCAL != 0) {
+    if node_addr_flags(&Addr::from_v4(t.saddr)) & NODE_ADDR_LOCAL != 0 {
         return SCOPE_NODE;
     }
     let local = match KPR_DETECT_LOCAL.load() {
-        DETECT_LOCAL_CIDR => LOCAL_CIDRS.get(&Key::new(32, CidrKey { addr: t.saddr })).is_some(),
+        DETECT_LOCAL_CIDR => LOCAL_CIDRS.get(&Key::new(128, CidrKey { addr: Addr::from_v4(t.saddr) })).is_some(),
         DETECT_LOCAL_INTERFACE => {
             let ifindex = ifindex(ctx);
             LINKS.get_ptr(&ifindex).is_some_and(|link| unsafe { (*link).flags } & LINK_FLAG_LOCAL_TRAFFIC != 0)
@@ -409,12 +409,12 @@ fn source_scope(ctx: &TcContext, t: &Tuple) -> u8 {
 /// LoadBalancer IP, or a NodePort on one of the node's NodePort addresses.
 #[inline(always)]
 fn lookup_frontend(t: &Tuple, scope: u8) -> Option<ServiceValue> {
-    let key = ServiceKey { addr: t.daddr, port: t.dport, proto: t.proto, scope };
+    let key = ServiceKey { addr: Addr::from_v4(t.daddr), port: t.dport, proto: t.proto, scope };
     if let Some(v) = SERVICES.get_ptr(&key) {
         return Some(unsafe { *v });
     }
-    if NODE_ADDRS.get_ptr(&t.daddr).is_some_and(|flags| unsafe { *flags } & NODE_ADDR_NODEPORT != 0) {
-        return SERVICES.get_ptr(&ServiceKey { addr: 0, ..key }).map(|v| unsafe { *v });
+    if node_addr_flags(&key.addr) & NODE_ADDR_NODEPORT != 0 {
+        return SERVICES.get_ptr(&ServiceKey { addr: Addr::from_v4(0), ..key }).map(|v| unsafe { *v });
     }
     None
 }
@@ -495,7 +495,8 @@ fn forward_direct(ctx: &TcContext) -> i32 {
 #[inline(always)]
 fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue, tcp_flags: u8, now: u64) -> Result<i32, ()> {
     if service.flags & SERVICE_FLAG_SOURCE_RANGES != 0 {
-        let key = Key::new(64, SourceRange { service_id: service.service_id.to_be(), addr: t.saddr });
+        let client = Addr::from_v4(t.saddr);
+        let key = Key::new(32 + 128, SourceRange { service_id: service.service_id.to_be(), addr: client });
         if SOURCE_RANGES.get(&key).is_none() {
             count(counter::TC_DROPPED);
             return Ok(TC_ACT_SHOT);
@@ -513,17 +514,18 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue, tcp_flags: u8, n
     // the same again for a connection whose entries were lost. checked_rem: no
     // division-by-zero panic path for the verifier to reject.
     let hash = flow_hash(t);
-    let client = u64::from(t.saddr);
+    let client = Addr::from_v4(t.saddr);
     let Some(backend) = affinity_backend(service, AFFINITY_BY_ADDR, client, now).or_else(|| backend_at(service, hash))
     else {
         return Ok(PASS);
     };
     remember_affinity(service, AFFINITY_BY_ADDR, client, &backend, now);
+    let backend_addr = backend.addr.v4();
 
     // Replies must come back through this node: masquerade what the entry says and a client
     // that is its own backend (hairpin), as kube-proxy does.
-    let masquerade = service.flags & SERVICE_FLAG_SNAT != 0 || backend.addr == t.saddr;
-    let snat_addr = if masquerade { masquerade_source(ctx, backend.addr) } else { 0 };
+    let masquerade = service.flags & SERVICE_FLAG_SNAT != 0 || backend_addr == t.saddr;
+    let snat_addr = if masquerade { masquerade_source(ctx, backend_addr) } else { 0 };
     let reply_value = CtValue {
         src_addr: t.daddr,
         dst_addr: t.saddr,
@@ -541,7 +543,7 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue, tcp_flags: u8, n
         };
         (snat_addr, port)
     } else {
-        let reply_key = ct_key(backend.addr, t.saddr, backend.port, t.sport, t.proto);
+        let reply_key = ct_key(backend_addr, t.saddr, backend.port, t.sport, t.proto);
         if CT_NEW.insert(&reply_key, &reply_value, 0).is_err() {
             count(counter::TC_CT_FULL);
             return Ok(TC_ACT_SHOT);
@@ -550,7 +552,7 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue, tcp_flags: u8, n
     };
     let forward = CtValue {
         src_addr,
-        dst_addr: backend.addr,
+        dst_addr: backend_addr,
         src_port,
         dst_port: backend.port,
         service_id: service.service_id,
@@ -596,7 +598,7 @@ fn snat_port(t: &Tuple, backend: &Backend, snat_addr: u32, reply: &CtValue, hash
     for i in 0..SNAT_TRIES {
         let offset = start.wrapping_add(i.wrapping_mul(0x9e37_79b9)).checked_rem(span)?;
         let port = min.wrapping_add(offset as u16).to_be();
-        let reply_key = ct_key(backend.addr, snat_addr, backend.port, port, t.proto);
+        let reply_key = ct_key(backend.addr.v4(), snat_addr, backend.port, port, t.proto);
         let Some(old) = flow_entry(&reply_key) else {
             if CT_NEW.insert(&reply_key, reply, u64::from(BPF_NOEXIST)).is_ok() {
                 return Some(port);
@@ -646,7 +648,8 @@ fn mix(mut h: u32) -> u32 {
 /// The flow's endpoint is no longer one of its frontend's endpoints (or the frontend is gone).
 #[inline(always)]
 fn stale(ctx: &TcContext, t: &Tuple, entry: &CtValue) -> bool {
-    lookup_frontend(t, source_scope(ctx, t)).is_none_or(|service| !serves(&service, entry.dst_addr, entry.dst_port))
+    lookup_frontend(t, source_scope(ctx, t))
+        .is_none_or(|service| !serves(&service, &Addr::from_v4(entry.dst_addr), entry.dst_port))
 }
 
 #[inline(always)]

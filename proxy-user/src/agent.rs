@@ -98,8 +98,8 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
             // The API server must be reachable without kpr (after a reboot nothing is
             // programmed until kpr has synced): not through a Service kpr has not programmed.
             let service_host = std::env::var("KUBERNETES_SERVICE_HOST").ok();
-            let is_programmed = |ip: std::net::Ipv4Addr, port: u16| {
-                let (addr, port) = (u32::from(ip).to_be(), port.to_be());
+            let is_programmed = |ip: std::net::IpAddr, port: u16| {
+                let (addr, port) = (proxy_common::Addr::from(ip), port.to_be());
                 programmer.programmed().keys().any(|k| k.addr == addr && k.port == port)
             };
             if let Some(problem) =
@@ -635,7 +635,7 @@ mod tests {
     }
 
     fn visible(maps: &FakeMaps) -> Option<Vec<String>> {
-        let key = service_key("10.96.0.10".parse().unwrap(), 80, Protocol::Tcp);
+        let key = service_key("10.96.0.10".parse::<std::net::IpAddr>().unwrap(), 80, Protocol::Tcp);
         maps.visible_backends(&key).map(|bs| bs.iter().map(|b| backend_addr(b).0.to_string()).collect())
     }
 

@@ -123,7 +123,7 @@ pub async fn run(keep_running: bool) -> Result<()> {
 
         println!("\ndemo: why an external connection goes where it goes (`kpr trace {EXTERNAL_IP} {NODE_IP}:{NODE_PORT}/TCP`):");
         let destination = format!("{NODE_IP}:{NODE_PORT}/TCP").parse()?;
-        print!("{}", crate::inspect::trace::text(&crate::inspect::trace::trace(&pin_root.0, EXTERNAL_IP, destination, None)?));
+        print!("{}", crate::inspect::trace::text(&crate::inspect::trace::trace(&pin_root.0, EXTERNAL_IP.into(), destination, None)?));
         println!("\ndemo: what the datapath holds (`kpr services --pin-root {}`):", pin_root.0.display());
         print!("{}", crate::inspect::services::render(&pin_root.0)?);
         println!("\ndemo: kube-proxy's endpoints, inside the node namespace:");

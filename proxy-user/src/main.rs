@@ -56,7 +56,7 @@ enum Command {
     /// frontend entry, the policies, the candidate endpoints, masquerade, the verdict — from
     /// the live maps.
     Trace {
-        source: std::net::Ipv4Addr,
+        source: std::net::IpAddr,
         destination: kpr::inspect::trace::Destination,
         /// Where SRC is [default: as the datapath classifies it].
         #[arg(long, value_enum)]

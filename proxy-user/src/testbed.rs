@@ -437,13 +437,13 @@ pub fn wait_programmed(pin_root: &Path, address: &str, backends: Option<usize>, 
     wait_for_backends(pin_root, address, timeout, |have| have.map(|b| b.len()) == backends)
 }
 
-/// Wait until the backends (IPv4, port) of `address` in the pinned maps satisfy `ok`
+/// Wait until the backends (address, port) of `address` in the pinned maps satisfy `ok`
 /// (`None`: the address is not programmed).
 pub fn wait_for_backends(
     pin_root: &Path,
     address: &str,
     timeout: Duration,
-    ok: impl Fn(Option<&[(Ipv4Addr, u16)]>) -> bool,
+    ok: impl Fn(Option<&[(std::net::IpAddr, u16)]>) -> bool,
 ) -> Result<()> {
     use crate::datapath::{Maps as _, backend_addr, bpf::BpfMaps, display_key};
     let deadline = std::time::Instant::now() + slow(timeout);

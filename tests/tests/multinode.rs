@@ -425,7 +425,7 @@ fn no_endpoints_is_refused_and_an_endpoint_can_move_while_traffic_runs() {
     c.write("svc.yaml", &service("Cluster", 30082, &[(pod_a, "node-a")]));
     for node in &c.nodes {
         testbed::wait_for_backends(&node.pins, "*:30082/TCP ext", Duration::from_secs(10), |b| {
-            b == Some(&[(pod_a, POD_PORT)][..])
+            b == Some(&[(pod_a.into(), POD_PORT)][..])
         })
         .unwrap();
     }
@@ -520,7 +520,7 @@ fn udp_flows_move_off_a_removed_endpoint() {
     c.write("dns.yaml", &manifest(pod_a, "node-a"));
     for node in &c.nodes {
         testbed::wait_for_backends(&node.pins, "*:30053/UDP ext", Duration::from_secs(10), |b| {
-            b == Some(&[(pod_a, POD_PORT)][..])
+            b == Some(&[(pod_a.into(), POD_PORT)][..])
         })
         .unwrap();
     }

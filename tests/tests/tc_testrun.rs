@@ -1,7 +1,7 @@
 //! The tc programs on crafted packets through BPF_PROG_TEST_RUN: input packet + map state →
 //! verdict and output bytes, checksums included (expected packets are built from scratch with
 //! freshly computed checksums, never by patching the input). Needs root.
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use aya::{
     Ebpf,
@@ -20,7 +20,7 @@ use kpr::{
     testbed,
 };
 use proxy_common::{
-    CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, LinkInfo, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT,
+    Addr, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, LinkInfo, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT,
     SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
     SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MIN, counter, program_names,
 };
@@ -238,20 +238,20 @@ impl Rig {
         }
         let mut maps = BpfMaps::take_from(&mut ebpf, &cfg).expect("maps");
         // The node's address, written into the node maps below, gets its filter bit here.
-        maps.mark_addresses([u32::from(NODE_IP).to_be()]).unwrap();
+        maps.mark_addresses([NODE_IP.into()]).unwrap();
         let mut programmer = Programmer::recover(&mut maps).unwrap();
         assert_eq!(programmer.apply(desired, &mut maps).failed, 0);
-        let mut node_addrs: aya::maps::HashMap<_, u32, u32> =
+        let mut node_addrs: aya::maps::HashMap<_, Addr, u32> =
             aya::maps::HashMap::try_from(ebpf.map_mut(proxy_common::map_names::NODE_ADDRS).unwrap()).unwrap();
-        node_addrs.insert(&u32::from(NODE_IP).to_be(), &(NODE_ADDR_LOCAL | NODE_ADDR_NODEPORT), 0).unwrap();
+        node_addrs.insert(&Addr::from(IpAddr::from(NODE_IP)), &(NODE_ADDR_LOCAL | NODE_ADDR_NODEPORT), 0).unwrap();
         // No link of its own: masquerade falls back to the primary address (ifindex 0).
         let mut links: aya::maps::HashMap<_, u32, LinkInfo> =
             aya::maps::HashMap::try_from(ebpf.map_mut(proxy_common::map_names::LINKS).unwrap()).unwrap();
         links.insert(&0, &LinkInfo { addr: u32::from(NODE_IP).to_be(), flags: 0 }, 0).unwrap();
         let mut cidrs: aya::maps::LpmTrie<_, CidrKey, u8> =
             aya::maps::LpmTrie::try_from(ebpf.map_mut(proxy_common::map_names::LOCAL_CIDRS).unwrap()).unwrap();
-        let pods = CidrKey { addr: u32::from(Ipv4Addr::new(10, 244, 0, 0)).to_be() };
-        cidrs.insert(&aya::maps::lpm_trie::Key::new(16, pods), &1, 0).unwrap();
+        let pods = CidrKey { addr: IpAddr::from(Ipv4Addr::new(10, 244, 0, 0)).into() };
+        cidrs.insert(&aya::maps::lpm_trie::Key::new(Addr::V4_PREFIX_OFFSET + 16, pods), &1, 0).unwrap();
         Self { ebpf, maps, programmer, pins }
     }
 
@@ -328,7 +328,13 @@ fn entry(
     let name = ServicePortName { service: ObjectKey::new("t", format!("{ip}:{port}")), port: String::new(), protocol };
     desired.insert(
         frontend_key(ip, port, protocol, scope),
-        DesiredPort { name, backends: backends.to_vec(), flags, source_ranges: vec![], affinity_timeout: 0 },
+        DesiredPort {
+            name,
+            backends: backends.iter().map(|(ip, port)| ((*ip).into(), *port)).collect(),
+            flags,
+            source_ranges: vec![],
+            affinity_timeout: 0,
+        },
     );
 }
 
@@ -375,7 +381,7 @@ fn services() -> Desired {
         SERVICE_FLAG_SNAT | SERVICE_FLAG_SOURCE_RANGES,
     );
     d.get_mut(&frontend_key(LB_IP, 80, Protocol::Tcp, SCOPE_EXTERNAL)).unwrap().source_ranges =
-        vec![(Ipv4Addr::new(10, 0, 0, 96), 30)];
+        vec!["10.0.0.96/30".parse().unwrap()];
     // An externalIP with eTP=Local and no local endpoint; from inside, every endpoint.
     entry(&mut d, EXT_LOCAL, 443, Protocol::Tcp, SCOPE_EXTERNAL, &[], SERVICE_FLAG_DROP_NO_ENDPOINTS);
     entry(&mut d, EXT_LOCAL, 443, Protocol::Tcp, SCOPE_POD, &[(REMOTE_POD, 8443)], 0);
@@ -563,7 +569,7 @@ fn packets_between_addresses_kpr_never_programmed_pass_at_the_address_filter() {
     rig.table(proxy_common::map_names::CONNTRACK).insert(&key, &value, 0).unwrap();
     let packet = Pkt { tcp_flags: 0x10, ..tcp(a, 1000, b, 2000) };
     assert_eq!(rig.ingress(&packet.bytes()), (TC_ACT_UNSPEC, packet.bytes()), "filtered out: untouched");
-    rig.maps.mark_addresses([u32::from(b).to_be()]).unwrap();
+    rig.maps.mark_addresses([IpAddr::from(b).into()]).unwrap();
     let (verdict, out) = rig.ingress(&packet.bytes());
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(out, Pkt { dst: c, dport: 3000, ..packet }.bytes(), "with its bit set, the flow's entry applies");
@@ -576,8 +582,8 @@ fn an_unallocated_address_of_a_refused_service_range_is_dropped_past_the_address
     let mut rig = Rig::with(&services(), |cfg| cfg.refuse_service_range = true);
     let mut ranges: aya::maps::LpmTrie<_, CidrKey, u8> =
         aya::maps::LpmTrie::try_from(rig.ebpf.map_mut(proxy_common::map_names::SERVICE_CIDRS).unwrap()).unwrap();
-    let range = CidrKey { addr: u32::from(Ipv4Addr::new(10, 96, 0, 0)).to_be() };
-    ranges.insert(&aya::maps::lpm_trie::Key::new(16, range), &1, 0).unwrap();
+    let range = CidrKey { addr: IpAddr::from(Ipv4Addr::new(10, 96, 0, 0)).into() };
+    ranges.insert(&aya::maps::lpm_trie::Key::new(Addr::V4_PREFIX_OFFSET + 16, range), &1, 0).unwrap();
     let unallocated = tcp(CLIENT, 40200, Ipv4Addr::new(10, 96, 7, 7), 80);
     assert_eq!(rig.ingress(&unallocated.bytes()).0, TC_ACT_SHOT, "in the range, no service: dropped");
     let outside = tcp(CLIENT, 40201, Ipv4Addr::new(10, 97, 7, 7), 80);

@@ -7,7 +7,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs::{self, File},
-    net::Ipv4Addr,
+    net::IpAddr,
     os::fd::{AsFd as _, AsRawFd as _, BorrowedFd},
     path::{Path, PathBuf},
 };
@@ -25,18 +25,27 @@ use aya::{
     util::KernelVersion,
 };
 use proxy_common::{
-    Backend, CidrKey, CtKey, CtTimeouts, CtValue, LinkInfo, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue,
+    Addr, Backend, CidrKey, CtKey, CtTimeouts, CtValue, LinkInfo, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue,
     SockRevNatKey, SockRevNatValue, SourceRange, counter, defaults, map_names, program_names,
 };
 
 use super::{BatchError, Capacity, Maps, conntrack::Conntrack};
-use crate::model::node::NodePlan;
+use crate::model::{cidr::Cidr, node::NodePlan};
 
 /// The eBPF object built from `proxy-ebpf` by build.rs.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy"));
 
-const HOOKS: [&str; 4] =
-    [program_names::CONNECT4, program_names::SENDMSG4, program_names::RECVMSG4, program_names::GETPEERNAME4];
+/// The socket hooks of both families (an IPv6 socket's hooks also see its IPv4-mapped peers).
+const HOOKS: [&str; 8] = [
+    program_names::CONNECT4,
+    program_names::SENDMSG4,
+    program_names::RECVMSG4,
+    program_names::GETPEERNAME4,
+    program_names::CONNECT6,
+    program_names::SENDMSG6,
+    program_names::RECVMSG6,
+    program_names::GETPEERNAME6,
+];
 
 /// Where and how big: the datapath's start-up settings.
 #[derive(Clone, Debug)]
@@ -593,7 +602,7 @@ pub trait HostDatapath: Send {
 pub struct BpfHost {
     ebpf: Ebpf,
     dir: PathBuf,
-    node_addrs: HashMap<MapData, u32, u32>,
+    node_addrs: HashMap<MapData, Addr, u32>,
     links: HashMap<MapData, u32, LinkInfo>,
     local_cidrs: LpmTrie<MapData, CidrKey, u8>,
     service_cidrs: LpmTrie<MapData, CidrKey, u8>,
@@ -785,8 +794,9 @@ impl HostDatapath for BpfHost {
     fn apply_node(&mut self, plan: &NodePlan) -> Result<()> {
         // Maps first: a newly attached link must find its addresses and flags. The filter's
         // bits before anything that makes packets to (or from) these addresses ours.
-        let want: BTreeMap<u32, u32> = plan.node_addrs.iter().map(|(a, f)| (u32::from(*a).to_be(), *f)).collect();
-        mark_addresses(&mut self.addr_filter, want.keys().copied().chain(plan.links.values().map(|l| l.addr)))?;
+        let want: BTreeMap<Addr, u32> = plan.node_addrs.iter().map(|(a, f)| (Addr::from(*a), *f)).collect();
+        let link_addrs = plan.links.values().map(|l| Addr::from_v4(l.addr));
+        mark_addresses(&mut self.addr_filter, want.keys().copied().chain(link_addrs))?;
         sync_hash(&mut self.node_addrs, &want)?;
         let links = self.links_marked(&plan.links);
         sync_hash(&mut self.links, &links)?;
@@ -833,12 +843,13 @@ impl HostDatapath for BpfHost {
     }
 }
 
-/// Set the address filter's bits of `addrs` (IPv4, network byte order), a word at a time: read,
-/// OR, write what changed. Bits are never cleared (see `proxy_common::addr_filter_bit`).
-fn mark_addresses(filter: &mut Array<MapData, u64>, addrs: impl IntoIterator<Item = u32>) -> Result<()> {
+/// Set the address filter's bits of the IPv4 ones of `addrs` (the filter serves the IPv4
+/// per-packet path), a word at a time: read, OR, write what changed. Bits are never cleared
+/// (see `proxy_common::addr_filter_bit`).
+fn mark_addresses(filter: &mut Array<MapData, u64>, addrs: impl IntoIterator<Item = Addr>) -> Result<()> {
     let mut words: BTreeMap<u32, u64> = BTreeMap::new();
-    for addr in addrs.into_iter().filter(|a| *a != 0) {
-        let bit = proxy_common::addr_filter_bit(addr);
+    for addr in addrs.into_iter().filter(|a| a.is_v4() && a.v4() != 0) {
+        let bit = proxy_common::addr_filter_bit(addr.v4());
         *words.entry(bit >> 6).or_default() |= 1 << (bit & 63);
     }
     for (index, bits) in words {
@@ -852,29 +863,26 @@ fn mark_addresses(filter: &mut Array<MapData, u64>, addrs: impl IntoIterator<Ite
     Ok(())
 }
 
-/// Make an IPv4 LPM set hold exactly the IPv4 CIDRs of `want`.
-fn sync_lpm(map: &mut LpmTrie<MapData, CidrKey, u8>, want: &BTreeSet<crate::model::cidr::Cidr>) -> Result<()> {
-    let want: BTreeSet<(u32, u8)> = want
-        .iter()
-        .filter_map(|c| match c.addr {
-            std::net::IpAddr::V4(a) => Some((u32::from(a).to_be(), c.len)),
-            std::net::IpAddr::V6(_) => None,
-        })
-        .collect();
-    let have: BTreeSet<(u32, u8)> =
-        map.keys().filter_map(Result::ok).map(|k| (k.data().addr, k.prefix_len() as u8)).collect();
+/// Make an LPM set hold exactly the CIDRs of `want` (both families).
+fn sync_lpm(map: &mut LpmTrie<MapData, CidrKey, u8>, want: &BTreeSet<Cidr>) -> Result<()> {
+    let want: BTreeSet<(Addr, u32)> = want.iter().map(lpm_prefix).collect();
+    let have: BTreeSet<(Addr, u32)> =
+        map.keys().filter_map(Result::ok).map(|k| (k.data().addr, k.prefix_len())).collect();
     for (addr, len) in have.difference(&want) {
-        map.remove(&LpmKey::new(u32::from(*len), CidrKey { addr: *addr }))?;
+        map.remove(&LpmKey::new(*len, CidrKey { addr: *addr }))?;
     }
     for (addr, len) in want.difference(&have) {
-        map.insert(&LpmKey::new(u32::from(*len), CidrKey { addr: *addr }), &1u8, 0)?;
+        map.insert(&LpmKey::new(*len, CidrKey { addr: *addr }), &1u8, 0)?;
     }
     Ok(())
 }
 
 /// Make a hash map hold exactly `want`.
-fn sync_hash<V: aya::Pod + PartialEq>(map: &mut HashMap<MapData, u32, V>, want: &BTreeMap<u32, V>) -> Result<()> {
-    let have: Vec<(u32, V)> = map.iter().filter_map(Result::ok).collect();
+fn sync_hash<K: aya::Pod + Ord, V: aya::Pod + PartialEq>(
+    map: &mut HashMap<MapData, K, V>,
+    want: &BTreeMap<K, V>,
+) -> Result<()> {
+    let have: Vec<(K, V)> = map.iter().filter_map(Result::ok).collect();
     for (k, _) in have.iter().filter(|(k, _)| !want.contains_key(k)) {
         map.remove(k)?;
     }
@@ -943,7 +951,7 @@ impl BpfMaps {
 
     /// Give addresses (IPv4, network byte order) their bits in the address filter: what a
     /// caller writes into the node maps itself (the agent's host side does its own).
-    pub fn mark_addresses(&mut self, addrs: impl IntoIterator<Item = u32>) -> Result<()> {
+    pub fn mark_addresses(&mut self, addrs: impl IntoIterator<Item = Addr>) -> Result<()> {
         mark_addresses(&mut self.addr_filter, addrs)
     }
 
@@ -1013,31 +1021,28 @@ impl Maps for BpfMaps {
         }
     }
 
-    fn source_ranges(&self) -> Result<Vec<(u32, std::net::Ipv4Addr, u8)>> {
+    fn source_ranges(&self) -> Result<Vec<(u32, Cidr)>> {
         self.source_ranges
             .keys()
             .map(|k| {
                 let k = k?;
                 let data = k.data();
-                Ok((
-                    u32::from_be(data.service_id),
-                    std::net::Ipv4Addr::from(u32::from_be(data.addr)),
-                    (k.prefix_len() - 32) as u8,
-                ))
+                let cidr = cidr_of(data.addr, k.prefix_len() - 32).context("a malformed source range entry")?;
+                Ok((u32::from_be(data.service_id), cidr))
             })
             .collect()
     }
 
-    fn add_source_ranges(&mut self, service_id: u32, ranges: &[(std::net::Ipv4Addr, u8)]) -> Result<()> {
-        for (addr, len) in ranges {
-            self.source_ranges.insert(&range_key(service_id, *addr, *len), &1, 0)?;
+    fn add_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()> {
+        for cidr in ranges {
+            self.source_ranges.insert(&range_key(service_id, cidr), &1, 0)?;
         }
         Ok(())
     }
 
-    fn remove_source_ranges(&mut self, service_id: u32, ranges: &[(std::net::Ipv4Addr, u8)]) -> Result<()> {
-        for (addr, len) in ranges {
-            match self.source_ranges.remove(&range_key(service_id, *addr, *len)) {
+    fn remove_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()> {
+        for cidr in ranges {
+            match self.source_ranges.remove(&range_key(service_id, cidr)) {
                 Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
                 Err(e) => return Err(e.into()),
             }
@@ -1046,9 +1051,10 @@ impl Maps for BpfMaps {
     }
 
     fn flush_flows(&mut self, service_id: u32, backends: &[Backend]) -> Result<usize> {
-        let goes_to = |addr: u32, port: u16| backends.iter().any(|b| b.addr == addr && b.port == port);
+        let goes_to = |addr: Addr, port: u16| backends.iter().any(|b| b.addr == addr && b.port == port);
         let (_, flushed) = self.conntrack.remove_where(|k, v| {
-            v.service_id == service_id && (goes_to(v.dst_addr, v.dst_port) || goes_to(k.src_addr, k.src_port))
+            v.service_id == service_id
+                && (goes_to(Addr::from_v4(v.dst_addr), v.dst_port) || goes_to(Addr::from_v4(k.src_addr), k.src_port))
         })?;
         // The socket path's flows: sockets it connected to these backends through this service.
         let cookies: std::collections::BTreeSet<u64> = self
@@ -1072,38 +1078,49 @@ impl Maps for BpfMaps {
     }
 }
 
-fn range_key(service_id: u32, addr: std::net::Ipv4Addr, len: u8) -> LpmKey<SourceRange> {
-    // The CIDR base is masked so that equal ranges make equal keys.
-    let mask = if len == 0 { 0 } else { u32::MAX << (32 - u32::from(len)) };
-    let addr = (u32::from(addr) & mask).to_be();
-    LpmKey::new(32 + u32::from(len), SourceRange { service_id: service_id.to_be(), addr })
+fn range_key(service_id: u32, cidr: &Cidr) -> LpmKey<SourceRange> {
+    let (addr, len) = lpm_prefix(cidr);
+    LpmKey::new(32 + len, SourceRange { service_id: service_id.to_be(), addr })
+}
+
+/// A CIDR as the LPM maps hold it (`Cidr` keeps its base masked, so equal ranges make equal
+/// keys): an IPv4 prefix mapped, `Addr::V4_PREFIX_OFFSET` bits longer.
+fn lpm_prefix(cidr: &Cidr) -> (Addr, u32) {
+    let offset = if cidr.addr.is_ipv4() { Addr::V4_PREFIX_OFFSET } else { 0 };
+    (cidr.addr.into(), offset + u32::from(cidr.len))
+}
+
+/// The CIDR of an LPM entry (see [`lpm_prefix`]).
+fn cidr_of(addr: Addr, len: u32) -> Option<Cidr> {
+    let offset = if addr.is_v4() { Addr::V4_PREFIX_OFFSET } else { 0 };
+    Cidr::new(addr.into(), u8::try_from(len.checked_sub(offset)?).ok()?)
 }
 
 /// The node facts the programs look packets up in, read from the pins (`kpr trace`).
 #[derive(Clone, Debug, Default)]
 pub struct NodeView {
     /// This node's addresses → `NODE_ADDR_*` bits.
-    pub node_addrs: BTreeMap<Ipv4Addr, u32>,
+    pub node_addrs: BTreeMap<IpAddr, u32>,
     /// The local-traffic detector's CIDRs.
-    pub local_cidrs: Vec<(Ipv4Addr, u8)>,
+    pub local_cidrs: Vec<Cidr>,
     /// The cluster's service ranges.
-    pub service_cidrs: Vec<(Ipv4Addr, u8)>,
+    pub service_cidrs: Vec<Cidr>,
 }
 
 pub fn read_node_view(pin_root: &Path) -> Result<NodeView> {
     let open = |name: &str| open_pinned_map(pin_root, name);
-    let addrs: HashMap<MapData, u32, u32> = HashMap::try_from(Map::HashMap(open(map_names::NODE_ADDRS)?))?;
-    let cidrs = |name: &str| -> Result<Vec<(Ipv4Addr, u8)>> {
+    let addrs: HashMap<MapData, Addr, u32> = HashMap::try_from(Map::HashMap(open(map_names::NODE_ADDRS)?))?;
+    let cidrs = |name: &str| -> Result<Vec<Cidr>> {
         let trie: LpmTrie<MapData, CidrKey, u8> = LpmTrie::try_from(Map::LpmTrie(open(name)?))?;
         trie.keys()
             .map(|k| {
                 let k = k?;
-                Ok((Ipv4Addr::from(u32::from_be(k.data().addr)), k.prefix_len() as u8))
+                cidr_of(k.data().addr, k.prefix_len()).context("a malformed CIDR entry")
             })
             .collect()
     };
     Ok(NodeView {
-        node_addrs: addrs.iter().filter_map(Result::ok).map(|(a, f)| (Ipv4Addr::from(u32::from_be(a)), f)).collect(),
+        node_addrs: addrs.iter().filter_map(Result::ok).map(|(a, f)| (IpAddr::from(a), f)).collect(),
         local_cidrs: cidrs(map_names::LOCAL_CIDRS)?,
         service_cidrs: cidrs(map_names::SERVICE_CIDRS)?,
     })

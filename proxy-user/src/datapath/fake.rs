@@ -7,6 +7,7 @@ use anyhow::{Result, bail};
 use proxy_common::{Backend, ServiceKey, ServiceValue};
 
 use super::{BatchError, Capacity, Maps};
+use crate::model::cidr::Cidr;
 
 pub struct FakeMaps {
     pub capacity: Capacity,
@@ -18,7 +19,7 @@ pub struct FakeMaps {
     pub writes: usize,
     /// Fail the next N `set_service` calls (simulates a kernel error).
     pub fail_service_writes: usize,
-    pub source_ranges: std::collections::BTreeSet<(u32, std::net::Ipv4Addr, u8)>,
+    pub source_ranges: std::collections::BTreeSet<(u32, Cidr)>,
     /// `flush_flows` calls: (service id, backends).
     pub flushed: Vec<(u32, Vec<Backend>)>,
 }
@@ -110,18 +111,18 @@ impl Maps for FakeMaps {
         Ok(())
     }
 
-    fn source_ranges(&self) -> Result<Vec<(u32, std::net::Ipv4Addr, u8)>> {
+    fn source_ranges(&self) -> Result<Vec<(u32, Cidr)>> {
         Ok(self.source_ranges.iter().copied().collect())
     }
 
-    fn add_source_ranges(&mut self, service_id: u32, ranges: &[(std::net::Ipv4Addr, u8)]) -> Result<()> {
-        self.source_ranges.extend(ranges.iter().map(|(a, l)| (service_id, *a, *l)));
+    fn add_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()> {
+        self.source_ranges.extend(ranges.iter().map(|c| (service_id, *c)));
         Ok(())
     }
 
-    fn remove_source_ranges(&mut self, service_id: u32, ranges: &[(std::net::Ipv4Addr, u8)]) -> Result<()> {
-        for (a, l) in ranges {
-            self.source_ranges.remove(&(service_id, *a, *l));
+    fn remove_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()> {
+        for c in ranges {
+            self.source_ranges.remove(&(service_id, *c));
         }
         Ok(())
     }

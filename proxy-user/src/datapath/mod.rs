@@ -15,13 +15,16 @@ mod sockets;
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
-    net::Ipv4Addr,
+    net::IpAddr,
 };
 
 use anyhow::{Result, bail};
 use proxy_common::{Backend, IPPROTO_UDP, ServiceKey, ServiceValue};
 
-use crate::model::desired::{Desired, DesiredPort};
+use crate::model::{
+    cidr::Cidr,
+    desired::{Desired, DesiredPort},
+};
 use slots::SlotAllocator;
 
 /// How many entries the maps can hold.
@@ -45,9 +48,9 @@ pub trait Maps: Send {
     fn set_services(&mut self, entries: &[(ServiceKey, ServiceValue)]) -> Result<(), BatchError>;
     fn remove_service(&mut self, key: &ServiceKey) -> Result<()>;
     /// Every loadBalancerSourceRanges entry: (service id, CIDR base, prefix length).
-    fn source_ranges(&self) -> Result<Vec<(u32, Ipv4Addr, u8)>>;
-    fn add_source_ranges(&mut self, service_id: u32, ranges: &[(Ipv4Addr, u8)]) -> Result<()>;
-    fn remove_source_ranges(&mut self, service_id: u32, ranges: &[(Ipv4Addr, u8)]) -> Result<()>;
+    fn source_ranges(&self) -> Result<Vec<(u32, Cidr)>>;
+    fn add_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()>;
+    fn remove_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()>;
     /// Forget the flows of `service_id` that go to any of `backends`: per-packet conntrack
     /// entries (both directions) and, for UDP, the sockets the socket path connected to them
     /// (aborted); returns how many entries and sockets went.
@@ -67,7 +70,7 @@ pub struct Programmed {
     pub value: ServiceValue,
     pub backends: Vec<Backend>,
     /// loadBalancerSourceRanges, sorted.
-    pub source_ranges: Vec<(Ipv4Addr, u8)>,
+    pub source_ranges: Vec<Cidr>,
 }
 
 impl Programmed {
@@ -84,9 +87,9 @@ impl Programmed {
 
 /// Every service port in the maps, read without writing anything (`kpr diff`, `kpr trace`).
 pub fn read_programmed(maps: &dyn Maps) -> Result<BTreeMap<ServiceKey, Programmed>> {
-    let mut ranges: BTreeMap<u32, Vec<(Ipv4Addr, u8)>> = BTreeMap::new();
-    for (id, addr, len) in maps.source_ranges()? {
-        ranges.entry(id).or_default().push((addr, len));
+    let mut ranges: BTreeMap<u32, Vec<Cidr>> = BTreeMap::new();
+    for (id, cidr) in maps.source_ranges()? {
+        ranges.entry(id).or_default().push(cidr);
     }
     let mut out = BTreeMap::new();
     for (key, value) in maps.services()? {
@@ -138,21 +141,24 @@ impl ApplyReport {
     }
 }
 
-pub fn backend(ip: Ipv4Addr, port: u16) -> Backend {
-    Backend { addr: u32::from(ip).to_be(), port: port.to_be(), _pad: 0 }
+pub fn backend(ip: impl Into<IpAddr>, port: u16) -> Backend {
+    Backend { addr: ip.into().into(), port: port.to_be(), _pad: 0 }
 }
 
-pub fn backend_addr(b: &Backend) -> (Ipv4Addr, u16) {
-    (Ipv4Addr::from(u32::from_be(b.addr)), u16::from_be(b.port))
+pub fn backend_addr(b: &Backend) -> (IpAddr, u16) {
+    (b.addr.into(), u16::from_be(b.port))
 }
 
-/// `10.96.0.10:80/TCP` as pods see it; the other scopes are marked (`ext`: from outside,
-/// `node`: from the node); a NodePort shows as `*:30080/TCP ext`.
+/// `10.96.0.10:80/TCP` (`[fd00::10]:80/TCP`) as pods see it; the other scopes are marked
+/// (`ext`: from outside, `node`: from the node); a NodePort shows as `*:30080/TCP ext`
+/// (`[*]:30080/TCP ext` for IPv6).
 pub fn display_key(key: &ServiceKey) -> impl fmt::Display {
     let proto = proxy_common::proto_name(key.proto);
-    let addr = match key.addr {
-        0 => "*".to_owned(),
-        a => Ipv4Addr::from(u32::from_be(a)).to_string(),
+    let addr = match (IpAddr::from(key.addr), key.addr.is_unspecified()) {
+        (IpAddr::V4(_), true) => "*".to_owned(),
+        (IpAddr::V6(_), true) => "[*]".to_owned(),
+        (IpAddr::V4(a), false) => a.to_string(),
+        (IpAddr::V6(a), false) => format!("[{a}]"),
     };
     let scope = match key.scope {
         proxy_common::SCOPE_POD => "",
@@ -183,9 +189,9 @@ impl Programmer {
         let mut slots = SlotAllocator::new(capacity.backends);
         let mut programmed = BTreeMap::new();
         let mut used_ids = BTreeSet::new();
-        let mut ranges: BTreeMap<u32, Vec<(Ipv4Addr, u8)>> = BTreeMap::new();
-        for (id, addr, len) in maps.source_ranges()? {
-            ranges.entry(id).or_default().push((addr, len));
+        let mut ranges: BTreeMap<u32, Vec<Cidr>> = BTreeMap::new();
+        for (id, cidr) in maps.source_ranges()? {
+            ranges.entry(id).or_default().push(cidr);
         }
         for (key, value) in maps.services()? {
             let in_use = value.backends_count == 0
@@ -509,8 +515,8 @@ struct Pending {
     value: ServiceValue,
     backends: Vec<Backend>,
     old: Option<ServiceValue>,
-    old_ranges: Vec<(Ipv4Addr, u8)>,
-    ranges: Vec<(Ipv4Addr, u8)>,
+    old_ranges: Vec<Cidr>,
+    ranges: Vec<Cidr>,
 }
 
 #[cfg(test)]

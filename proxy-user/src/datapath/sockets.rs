@@ -14,7 +14,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use proxy_common::Backend;
+use proxy_common::{Addr, Backend};
 
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
 const SOCK_DESTROY: u16 = 21;
@@ -63,7 +63,7 @@ struct Message {
 /// Abort the connected UDP sockets whose cookie is in `cookies` and whose peer is one of
 /// `backends`, in every network namespace of the node (pods' included); how many.
 pub fn abort_udp(cookies: &BTreeSet<u64>, backends: &[Backend]) -> usize {
-    let peers: BTreeSet<(u32, u16)> = backends.iter().map(|b| (b.addr, b.port)).collect();
+    let peers: BTreeSet<(Addr, u16)> = backends.iter().map(|b| (b.addr, b.port)).collect();
     std::thread::scope(|s| {
         let workers: Vec<_> = namespaces()
             .into_iter()
@@ -111,18 +111,25 @@ fn in_namespace<T>(path: &PathBuf, f: impl FnOnce() -> Result<T>) -> Result<T> {
     f()
 }
 
-fn abort_in_this_namespace(cookies: &BTreeSet<u64>, peers: &BTreeSet<(u32, u16)>) -> Result<usize> {
+fn abort_in_this_namespace(cookies: &BTreeSet<u64>, peers: &BTreeSet<(Addr, u16)>) -> Result<usize> {
     let socket = netlink_socket()?;
-    let doomed: Vec<SockId> = udp_sockets(&socket)?
-        .into_iter()
-        .filter(|id| {
-            let cookie = u64::from(id.cookie[0]) | u64::from(id.cookie[1]) << 32;
-            cookies.contains(&cookie) && peers.contains(&(id.dst[0], id.dport))
-        })
-        .collect();
+    let mut doomed = Vec::new();
+    // IPv6 sockets name IPv4 peers mapped, as the maps do.
+    for family in [libc::AF_INET, libc::AF_INET6] {
+        doomed.extend(
+            udp_sockets(&socket, family)?
+                .into_iter()
+                .filter(|id| {
+                    let cookie = u64::from(id.cookie[0]) | u64::from(id.cookie[1]) << 32;
+                    let peer = if family == libc::AF_INET { Addr::from_v4(id.dst[0]) } else { Addr(id.dst) };
+                    cookies.contains(&cookie) && peers.contains(&(peer, id.dport))
+                })
+                .map(|id| (family, id)),
+        );
+    }
     let mut aborted = 0;
-    for id in doomed {
-        match request(&socket, SOCK_DESTROY, (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16, id)
+    for (family, id) in doomed {
+        match request(&socket, SOCK_DESTROY, (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16, family, id)
             .and_then(|()| ack(&socket))
         {
             Ok(()) => aborted += 1,
@@ -144,7 +151,7 @@ fn netlink_socket() -> Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-fn request(socket: &OwnedFd, kind: u16, flags: u16, id: SockId) -> io::Result<()> {
+fn request(socket: &OwnedFd, kind: u16, flags: u16, family: i32, id: SockId) -> io::Result<()> {
     let message = Message {
         header: libc::nlmsghdr {
             nlmsg_len: size_of::<Message>() as u32,
@@ -154,7 +161,7 @@ fn request(socket: &OwnedFd, kind: u16, flags: u16, id: SockId) -> io::Result<()
             nlmsg_pid: 0,
         },
         request: DiagRequest {
-            family: libc::AF_INET as u8,
+            family: family as u8,
             protocol: libc::IPPROTO_UDP as u8,
             states: u32::MAX,
             id,
@@ -206,9 +213,9 @@ fn ack(socket: &OwnedFd) -> io::Result<()> {
     }
 }
 
-/// Every IPv4 UDP socket of this namespace.
-fn udp_sockets(socket: &OwnedFd) -> Result<Vec<SockId>> {
-    request(socket, SOCK_DIAG_BY_FAMILY, (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16, SockId::default())
+/// Every UDP socket of `family` in this namespace.
+fn udp_sockets(socket: &OwnedFd, family: i32) -> Result<Vec<SockId>> {
+    request(socket, SOCK_DIAG_BY_FAMILY, (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16, family, SockId::default())
         .context("sock_diag dump request")?;
     let mut buf = vec![0u8; 32 * 1024];
     let mut sockets = Vec::new();

@@ -21,11 +21,15 @@ fn port(n: u8, backends: &[u8]) -> DesiredPort {
             port: String::new(),
             protocol: Protocol::Tcp,
         },
-        backends: backends.iter().map(|b| (Ipv4Addr::new(10, 0, 0, *b), 8080)).collect(),
+        backends: backends.iter().map(|b| (Ipv4Addr::new(10, 0, 0, *b).into(), 8080)).collect(),
         flags: 0,
         source_ranges: vec![],
         affinity_timeout: 0,
     }
+}
+
+fn cidr(s: &str) -> crate::model::cidr::Cidr {
+    s.parse().unwrap()
 }
 
 fn desired(entries: &[(u8, &[u8])]) -> Desired {
@@ -33,7 +37,9 @@ fn desired(entries: &[(u8, &[u8])]) -> Desired {
 }
 
 fn visible(maps: &FakeMaps, n: u8) -> Option<Vec<u8>> {
-    maps.visible_backends(&key(n)).map(|bs| bs.iter().map(|b| backend_addr(b).0.octets()[3]).collect())
+    maps.visible_backends(&key(n)).map(|bs| {
+        bs.iter().map(|b| backend_addr(b).0.to_string().rsplit('.').next().unwrap().parse().unwrap()).collect()
+    })
 }
 
 #[test]
@@ -65,7 +71,7 @@ fn unchanged_services_are_not_rewritten() {
     p.apply(&d, &mut maps);
     let before = maps.writes;
     let mut changed = d.clone();
-    changed.get_mut(&key(2)).unwrap().backends.push((Ipv4Addr::new(10, 0, 0, 9), 8080));
+    changed.get_mut(&key(2)).unwrap().backends.push((Ipv4Addr::new(10, 0, 0, 9).into(), 8080));
     let r = p.apply(&changed, &mut maps);
     assert_eq!(r, ApplyReport { updated: 1, ..Default::default() });
     assert_eq!(maps.writes - before, 3, "two backend slots and one service entry");
@@ -145,14 +151,14 @@ fn source_ranges_are_written_before_the_entry_and_cleaned_up_after() {
     let mut d = desired(&[(1, &[1])]);
     let entry = d.get_mut(&key(1)).unwrap();
     entry.flags = proxy_common::SERVICE_FLAG_SOURCE_RANGES;
-    entry.source_ranges = vec![(Ipv4Addr::new(10, 0, 0, 0), 8)];
+    entry.source_ranges = vec![cidr("10.0.0.0/8")];
     p.apply(&d, &mut maps);
     let id = maps.services[&key(1)].service_id;
-    assert_eq!(maps.source_ranges.iter().copied().collect::<Vec<_>>(), [(id, Ipv4Addr::new(10, 0, 0, 0), 8)]);
+    assert_eq!(maps.source_ranges.iter().copied().collect::<Vec<_>>(), [(id, cidr("10.0.0.0/8"))]);
 
-    d.get_mut(&key(1)).unwrap().source_ranges = vec![(Ipv4Addr::new(192, 0, 2, 0), 24)];
+    d.get_mut(&key(1)).unwrap().source_ranges = vec![cidr("192.0.2.0/24")];
     assert_eq!(p.apply(&d, &mut maps).updated, 1, "a range change rewrites the entry");
-    assert_eq!(maps.source_ranges.iter().copied().collect::<Vec<_>>(), [(id, Ipv4Addr::new(192, 0, 2, 0), 24)]);
+    assert_eq!(maps.source_ranges.iter().copied().collect::<Vec<_>>(), [(id, cidr("192.0.2.0/24"))]);
 
     // A restarted agent knows them, and removing the service removes them.
     let mut p = Programmer::recover(&mut maps).unwrap();

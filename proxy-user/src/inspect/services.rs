@@ -43,7 +43,7 @@ impl PortView {
             (proxy_common::SERVICE_FLAG_EXTERNAL_ADDR, "not-for-agent"),
         ];
         let flags = names.into_iter().filter(|(bit, _)| value.flags & bit != 0).map(|(_, name)| name).collect();
-        let source_ranges = programmed.source_ranges.iter().map(|(ip, len)| format!("{ip}/{len}")).collect();
+        let source_ranges = programmed.source_ranges.iter().map(ToString::to_string).collect();
         Self {
             frontend: display_key(key).to_string(),
             service_id: value.service_id,
@@ -104,7 +104,7 @@ pub fn report(pin_root: &Path) -> Result<ServicesReport> {
     let maps = BpfMaps::open_pinned(pin_root)?;
     let cap = maps.capacity();
     let mut programmed: Vec<(ServiceKey, Programmed)> = crate::datapath::read_programmed(&maps)?.into_iter().collect();
-    programmed.sort_by_key(|(k, _)| (u32::from_be(k.addr), u16::from_be(k.port), k.proto, k.scope));
+    programmed.sort_by_key(|(k, _)| (std::net::IpAddr::from(k.addr), u16::from_be(k.port), k.proto, k.scope));
     let backend_slots = programmed.iter().map(|(_, p)| p.value.backends_count).sum();
     let conntrack = crate::datapath::conntrack::Conntrack::open(pin_root)?;
     let ((established, new), capacity) = (conntrack.lens(), conntrack.capacity());

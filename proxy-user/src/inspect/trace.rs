@@ -2,7 +2,7 @@
 //! way the programs decide it (`proxy-ebpf`: `sock_lb::forward4`, `tc_nat::lookup_frontend`,
 //! `new_flow`) and looked up in the live pinned maps: which path handles it, which frontend
 //! entry matches, which policy applies, the candidate endpoints, masquerade, and the verdict.
-use std::{fmt::Write as _, net::Ipv4Addr, path::Path, str::FromStr};
+use std::{fmt::Write as _, net::IpAddr, path::Path, str::FromStr};
 
 use anyhow::{Context as _, Result, bail};
 use proxy_common::{
@@ -32,10 +32,10 @@ pub enum From {
     External,
 }
 
-/// `10.96.0.10:80/TCP`.
+/// `10.96.0.10:80/TCP`, `[fd00::10]:80/TCP`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Destination {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
     pub proto: u8,
 }
@@ -52,6 +52,7 @@ impl FromStr for Destination {
             "SCTP" => IPPROTO_SCTP,
             other => bail!("protocol `{other}`: TCP, UDP or SCTP"),
         };
+        let addr = addr.trim_start_matches('[').trim_end_matches(']');
         Ok(Self { addr: addr.parse().context("address")?, port: port.parse().context("port")?, proto })
     }
 }
@@ -59,7 +60,7 @@ impl FromStr for Destination {
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct TraceReport {
-    pub source: Ipv4Addr,
+    pub source: IpAddr,
     pub destination: String,
     pub from: From,
     /// Why the source counts as `from`.
@@ -79,12 +80,12 @@ pub struct TraceReport {
     pub verdict: String,
 }
 
-fn contains(cidrs: &[(Ipv4Addr, u8)], ip: Ipv4Addr) -> bool {
-    cidrs.iter().any(|&(base, len)| Cidr::new(base.into(), len).is_some_and(|c| c.contains(ip.into())))
+fn contains(cidrs: &[Cidr], ip: IpAddr) -> bool {
+    cidrs.iter().any(|c| c.contains(ip))
 }
 
 /// Where `source` comes from, as the programs classify it (`tc_nat::source_scope`).
-fn classify(node: &NodeView, source: Ipv4Addr) -> (From, String) {
+fn classify(node: &NodeView, source: IpAddr) -> (From, String) {
     if node.node_addrs.get(&source).is_some_and(|f| f & NODE_ADDR_LOCAL != 0) {
         return (From::Node, format!("{source} is one of this node's addresses"));
     }
@@ -94,7 +95,7 @@ fn classify(node: &NodeView, source: Ipv4Addr) -> (From, String) {
     (From::External, format!("{source} is neither this node's address nor in the local-traffic detector's CIDRs"))
 }
 
-pub fn trace(pin_root: &Path, source: Ipv4Addr, dst: Destination, from: Option<From>) -> Result<TraceReport> {
+pub fn trace(pin_root: &Path, source: IpAddr, dst: Destination, from: Option<From>) -> Result<TraceReport> {
     let node = bpf::read_node_view(pin_root)?;
     let programmed = read_programmed(&BpfMaps::open_pinned(pin_root)?)?;
     let (from, from_reason) = match from {
@@ -112,7 +113,7 @@ pub fn trace(pin_root: &Path, source: Ipv4Addr, dst: Destination, from: Option<F
     let proto_name = proxy_common::proto_name(dst.proto);
     let mut report = TraceReport {
         source,
-        destination: format!("{}:{}/{proto_name}", dst.addr, dst.port),
+        destination: format!("{}/{proto_name}", std::net::SocketAddr::new(dst.addr, dst.port)),
         from,
         from_reason,
         path: if socket { "socket" } else { "per-packet" },
@@ -122,12 +123,7 @@ pub fn trace(pin_root: &Path, source: Ipv4Addr, dst: Destination, from: Option<F
         masquerade: None,
         verdict: String::new(),
     };
-    let key = |addr: Ipv4Addr, port: u16, proto: u8| ServiceKey {
-        addr: u32::from(addr).to_be(),
-        port: port.to_be(),
-        proto,
-        scope,
-    };
+    let key = |addr: IpAddr, port: u16, proto: u8| ServiceKey { addr: addr.into(), port: port.to_be(), proto, scope };
     let exact = key(dst.addr, dst.port, dst.proto);
     let node_port = node.node_addrs.get(&dst.addr).is_some_and(|f| f & NODE_ADDR_NODEPORT != 0);
     let found = match programmed.get(&exact) {
@@ -136,7 +132,7 @@ pub fn trace(pin_root: &Path, source: Ipv4Addr, dst: Destination, from: Option<F
             Some((exact, entry))
         }
         None if node_port => {
-            let any_addr = ServiceKey { addr: 0, ..exact };
+            let any_addr = ServiceKey { addr: exact.addr.unspecified_like(), ..exact };
             report.steps.push(format!("{} is a NodePort address of this node: the NodePort entry", dst.addr));
             programmed.get(&any_addr).map(|e| (any_addr, e))
         }
@@ -162,7 +158,7 @@ pub fn trace(pin_root: &Path, source: Ipv4Addr, dst: Destination, from: Option<F
 fn miss(
     node: &NodeView,
     programmed: &std::collections::BTreeMap<ServiceKey, Programmed>,
-    addr: Ipv4Addr,
+    addr: IpAddr,
     steps: &mut Vec<String>,
 ) -> String {
     steps.push("frontend: no entry for this address, port and source class".into());
@@ -171,7 +167,7 @@ fn miss(
     if !refused || !contains(&node.service_cidrs, addr) {
         return "not a service: passed untouched".into();
     }
-    let any = ServiceKey { addr: u32::from(addr).to_be(), port: 0, proto: PROTO_ANY, scope: SCOPE_POD };
+    let any = ServiceKey { addr: addr.into(), port: 0, proto: PROTO_ANY, scope: SCOPE_POD };
     if programmed.contains_key(&any) {
         steps.push("service range: a ClusterIP's port that no service port has".into());
         "rejected (TCP reset / ICMP port unreachable; ECONNREFUSED on the socket path)".into()
@@ -269,27 +265,31 @@ pub fn text(r: &TraceReport) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
 
     #[test]
     fn destinations_parse() {
         let d: Destination = "10.96.0.10:53/udp".parse().unwrap();
-        assert_eq!((d.addr, d.port, d.proto), (Ipv4Addr::new(10, 96, 0, 10), 53, IPPROTO_UDP));
+        assert_eq!((d.addr, d.port, d.proto), (Ipv4Addr::new(10, 96, 0, 10).into(), 53, IPPROTO_UDP));
         assert_eq!("10.96.0.10:80".parse::<Destination>().unwrap().proto, IPPROTO_TCP);
         assert_eq!("10.96.0.10:80/sctp".parse::<Destination>().unwrap().proto, IPPROTO_SCTP);
         assert!("10.96.0.10:80/DCCP".parse::<Destination>().is_err());
+        let v6: Destination = "[fd00::10]:80/tcp".parse().unwrap();
+        assert_eq!(v6.addr, "fd00::10".parse::<IpAddr>().unwrap());
         assert!("10.96.0.10".parse::<Destination>().is_err());
     }
 
     #[test]
     fn sources_are_classified_like_the_programs_do() {
         let node = NodeView {
-            node_addrs: [(Ipv4Addr::new(10, 0, 0, 1), NODE_ADDR_LOCAL | NODE_ADDR_NODEPORT)].into(),
-            local_cidrs: vec![(Ipv4Addr::new(10, 244, 0, 0), 16)],
+            node_addrs: [(Ipv4Addr::new(10, 0, 0, 1).into(), NODE_ADDR_LOCAL | NODE_ADDR_NODEPORT)].into(),
+            local_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
             service_cidrs: vec![],
         };
-        assert_eq!(classify(&node, Ipv4Addr::new(10, 0, 0, 1)).0, From::Node);
-        assert_eq!(classify(&node, Ipv4Addr::new(10, 244, 3, 4)).0, From::Pod);
-        assert_eq!(classify(&node, Ipv4Addr::new(10, 245, 0, 1)).0, From::External);
+        assert_eq!(classify(&node, Ipv4Addr::new(10, 0, 0, 1).into()).0, From::Node);
+        assert_eq!(classify(&node, Ipv4Addr::new(10, 244, 3, 4).into()).0, From::Pod);
+        assert_eq!(classify(&node, Ipv4Addr::new(10, 245, 0, 1).into()).0, From::External);
     }
 }

@@ -4,7 +4,7 @@
 //! whose Service or slices changed; [`ClusterState::desired`] merges the per-service results.
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{IpAddr, Ipv4Addr},
+    net::IpAddr,
 };
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
@@ -13,6 +13,8 @@ use proxy_common::{
     SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP,
     SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
 };
+
+use super::{IpFamily, cidr::Cidr};
 
 use super::{
     NodeInfo, ObjectKey, Protocol, ProxyOptions, ServicePort, ServicePortName, Skip, TrafficPolicy, endpoints, service,
@@ -23,14 +25,14 @@ use super::{
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DesiredPort {
     pub name: ServicePortName,
-    /// Backends as (IPv4, port), sorted; empty means "no endpoints": reject, or drop with
-    /// `SERVICE_FLAG_DROP_NO_ENDPOINTS`.
-    pub backends: Vec<(Ipv4Addr, u16)>,
+    /// Backends as (address, port) of the frontend's family, sorted; empty means "no
+    /// endpoints": reject, or drop with `SERVICE_FLAG_DROP_NO_ENDPOINTS`.
+    pub backends: Vec<(IpAddr, u16)>,
     /// `proxy_common::SERVICE_FLAG_*`.
     pub flags: u32,
     /// loadBalancerSourceRanges (LoadBalancer IP frontends only), sorted; with
     /// `SERVICE_FLAG_SOURCE_RANGES`.
-    pub source_ranges: Vec<(Ipv4Addr, u8)>,
+    pub source_ranges: Vec<Cidr>,
     /// sessionAffinity ClientIP timeout in seconds; 0: none.
     pub affinity_timeout: u32,
 }
@@ -38,24 +40,25 @@ pub struct DesiredPort {
 pub type Desired = BTreeMap<ServiceKey, DesiredPort>;
 
 /// The key of a ClusterIP frontend as a pod sees it.
-pub fn service_key(ip: Ipv4Addr, port: u16, protocol: Protocol) -> ServiceKey {
+pub fn service_key(ip: impl Into<IpAddr>, port: u16, protocol: Protocol) -> ServiceKey {
     frontend_key(ip, port, protocol, SCOPE_POD)
 }
 
-/// The key of a frontend for traffic from `scope`; a NodePort is `0.0.0.0:nodePort`.
-pub fn frontend_key(ip: Ipv4Addr, port: u16, protocol: Protocol, scope: u8) -> ServiceKey {
+/// The key of a frontend for traffic from `scope`; a NodePort is `0.0.0.0:nodePort` or
+/// `[::]:nodePort`.
+pub fn frontend_key(ip: impl Into<IpAddr>, port: u16, protocol: Protocol, scope: u8) -> ServiceKey {
     let proto = match protocol {
         Protocol::Tcp => IPPROTO_TCP,
         Protocol::Udp => IPPROTO_UDP,
         Protocol::Sctp => IPPROTO_SCTP,
     };
-    ServiceKey { addr: u32::from(ip).to_be(), port: port.to_be(), proto, scope }
+    ServiceKey { addr: ip.into().into(), port: port.to_be(), proto, scope }
 }
 
 /// What one scope's entry of a frontend does: the backends to pick from and `SERVICE_FLAG_*`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Verdict {
-    backends: Vec<(Ipv4Addr, u16)>,
+    backends: Vec<(IpAddr, u16)>,
     flags: u32,
 }
 
@@ -80,7 +83,8 @@ impl Verdict {
 
 /// The datapath entries of one Service, given its slices: every frontend (ClusterIPs,
 /// externalIPs, LoadBalancer IPs, the NodePort) once per scope (from a pod, from outside, from
-/// the node), with the endpoints and masquerade kube-proxy's chains give that traffic.
+/// the node), with the endpoints and masquerade kube-proxy's chains give that traffic; once
+/// per IP family the Service has a ClusterIP of, as kube-proxy's proxier of that family sees it.
 pub fn service_entries<'a>(
     svc: &Service,
     slices: impl IntoIterator<Item = &'a EndpointSlice>,
@@ -93,71 +97,17 @@ pub fn service_entries<'a>(
     if translated.ports.is_empty() {
         return Ok(Vec::new());
     }
-    let by_port = endpoints::endpoints_by_port(slices, node, skipped);
+    let slices: Vec<&EndpointSlice> = slices.into_iter().collect();
     let mut out = Vec::new();
-    for sp in &translated.ports {
-        let cat = endpoints::categorize(endpoints::for_port(&by_port, &sp.name), sp, node);
-        // loadBalancerSourceRanges filter the LoadBalancer IPs only, as in kube-proxy.
-        let ranges = source_ranges(&sp.load_balancer_source_ranges, &sp.name, skipped);
-        let scopes = scoped_verdicts(sp, &cat, node, options, &ranges);
-        // `chosen`: an externalIP or LoadBalancer IP, an address the Service (or its status) picks.
-        let mut push = |ip: Ipv4Addr,
-                        port: u16,
-                        [pod, external, from_node]: &[Verdict; 3],
-                        ranges: &[(Ipv4Addr, u8)],
-                        chosen: bool| {
-            for (scope, verdict) in [(SCOPE_POD, pod), (SCOPE_EXTERNAL, external), (SCOPE_NODE, from_node)] {
-                let key = frontend_key(ip, port, sp.protocol, scope);
-                // The node's own traffic was decided at sync time (no per-packet source).
-                let filtered = !ranges.is_empty() && scope != SCOPE_NODE;
-                let mut flags = verdict.flags;
-                if filtered {
-                    flags |= SERVICE_FLAG_SOURCE_RANGES;
-                }
-                // What connect() in a pod cannot do (masquerade, source filtering) is left to
-                // the per-packet path on the pod's link.
-                if scope == SCOPE_POD && (filtered || flags & SERVICE_FLAG_SNAT != 0) {
-                    flags |= SERVICE_FLAG_SOCKET_SKIP;
-                }
-                // Not even the agent's own connection to the API server can be taken over.
-                if scope == SCOPE_NODE && chosen {
-                    flags |= SERVICE_FLAG_EXTERNAL_ADDR;
-                }
-                let source_ranges = if filtered { ranges.to_vec() } else { Vec::new() };
-                out.push((
-                    key,
-                    DesiredPort {
-                        name: sp.name.clone(),
-                        backends: verdict.backends.clone(),
-                        flags,
-                        source_ranges,
-                        affinity_timeout: sp.session_affinity_timeout.unwrap_or(0),
-                    },
-                ));
-            }
-        };
-        let v4 = |ips: &[IpAddr]| {
-            ips.iter()
-                .filter_map(|ip| match ip {
-                    IpAddr::V4(ip) => Some(*ip),
-                    IpAddr::V6(_) => None, // the IPv6 datapath's job
-                })
-                .collect::<Vec<_>>()
-        };
-        for ip in v4(&sp.cluster_ips) {
-            push(ip, sp.port, &scopes.cluster_ip, &[], false);
+    for family in IpFamily::ALL {
+        // The family's proxier knows the Service only by its ClusterIP of that family.
+        if family.filter(&translated.ports[0].cluster_ips).is_empty() {
+            continue;
         }
-        if sp.externally_accessible() {
-            for ip in v4(&sp.external_ips) {
-                push(ip, sp.port, &scopes.external, &[], true);
-            }
-            let lb_ranges = allow_from_node(&ranges, &v4(&sp.load_balancer_ips), node);
-            for ip in v4(&sp.load_balancer_ips) {
-                push(ip, sp.port, &scopes.load_balancer, &lb_ranges, true);
-            }
-            if let Some(node_port) = sp.node_port {
-                push(Ipv4Addr::UNSPECIFIED, node_port, &scopes.external, &[], false);
-            }
+        let by_port = endpoints::endpoints_by_port(slices.iter().copied(), family, node, skipped);
+        for sp in &translated.ports {
+            let cat = endpoints::categorize(endpoints::for_port(&by_port, &sp.name), sp, node);
+            family_entries(sp, family, &cat, node, options, skipped, &mut out);
         }
     }
     // A refused service range: every other port of its ClusterIPs is rejected, whatever the
@@ -166,8 +116,7 @@ pub fn service_entries<'a>(
         && let Some(first) = translated.ports.first()
     {
         for ip in first.cluster_ips.iter().filter(|ip| node.service_cidrs.iter().any(|c| c.contains(**ip))) {
-            let IpAddr::V4(ip) = ip else { continue };
-            let key = ServiceKey { addr: u32::from(*ip).to_be(), port: 0, proto: PROTO_ANY, scope: SCOPE_POD };
+            let key = ServiceKey { addr: (*ip).into(), port: 0, proto: PROTO_ANY, scope: SCOPE_POD };
             let port = DesiredPort {
                 name: first.name.clone(),
                 backends: Vec::new(),
@@ -179,6 +128,73 @@ pub fn service_entries<'a>(
         }
     }
     Ok(out)
+}
+
+/// The entries of one service port in one family's proxier.
+fn family_entries(
+    sp: &ServicePort,
+    family: IpFamily,
+    cat: &endpoints::Categorized,
+    node: &NodeInfo,
+    options: &ProxyOptions,
+    skipped: &mut Vec<(String, Skip)>,
+    out: &mut Vec<(ServiceKey, DesiredPort)>,
+) {
+    // loadBalancerSourceRanges filter the LoadBalancer IPs only, as in kube-proxy; each
+    // family's proxier keeps the ranges of its family.
+    let ranges: Vec<Cidr> = source_ranges(&sp.load_balancer_source_ranges, &sp.name, skipped)
+        .into_iter()
+        .filter(|c| IpFamily::of(&c.addr) == family)
+        .collect();
+    let scopes = scoped_verdicts(sp, family, cat, node, options, &ranges);
+    // `chosen`: an externalIP or LoadBalancer IP, an address the Service (or its status) picks.
+    let mut push = |ip: IpAddr, port: u16, [pod, external, from_node]: &[Verdict; 3], ranges: &[Cidr], chosen: bool| {
+        for (scope, verdict) in [(SCOPE_POD, pod), (SCOPE_EXTERNAL, external), (SCOPE_NODE, from_node)] {
+            let key = frontend_key(ip, port, sp.protocol, scope);
+            // The node's own traffic was decided at sync time (no per-packet source).
+            let filtered = !ranges.is_empty() && scope != SCOPE_NODE;
+            let mut flags = verdict.flags;
+            if filtered {
+                flags |= SERVICE_FLAG_SOURCE_RANGES;
+            }
+            // What connect() in a pod cannot do (masquerade, source filtering) is left to
+            // the per-packet path on the pod's link.
+            if scope == SCOPE_POD && (filtered || flags & SERVICE_FLAG_SNAT != 0) {
+                flags |= SERVICE_FLAG_SOCKET_SKIP;
+            }
+            // Not even the agent's own connection to the API server can be taken over.
+            if scope == SCOPE_NODE && chosen {
+                flags |= SERVICE_FLAG_EXTERNAL_ADDR;
+            }
+            let source_ranges = if filtered { ranges.to_vec() } else { Vec::new() };
+            out.push((
+                key,
+                DesiredPort {
+                    name: sp.name.clone(),
+                    backends: verdict.backends.clone(),
+                    flags,
+                    source_ranges,
+                    affinity_timeout: sp.session_affinity_timeout.unwrap_or(0),
+                },
+            ));
+        }
+    };
+    for ip in family.filter(&sp.cluster_ips).into_iter().take(1) {
+        push(ip, sp.port, &scopes.cluster_ip, &[], false);
+    }
+    if sp.externally_accessible() {
+        for ip in family.filter(&sp.external_ips) {
+            push(ip, sp.port, &scopes.external, &[], true);
+        }
+        let lb_ips = family.filter(&sp.load_balancer_ips);
+        let lb_ranges = allow_from_node(&ranges, &lb_ips, node);
+        for ip in lb_ips {
+            push(ip, sp.port, &scopes.load_balancer, &lb_ranges, true);
+        }
+        if let Some(node_port) = sp.node_port {
+            push(family.unspecified(), node_port, &scopes.external, &[], false);
+        }
+    }
 }
 
 /// Per kind of frontend, the verdict for traffic from a pod, from outside, from the node.
@@ -203,19 +219,15 @@ struct ScopedVerdicts {
 ///   addresses, otherwise dropped (pods and outside clients are checked per packet).
 fn scoped_verdicts(
     sp: &ServicePort,
+    family: IpFamily,
     cat: &endpoints::Categorized,
     node: &NodeInfo,
     options: &ProxyOptions,
-    ranges: &[(Ipv4Addr, u8)],
+    ranges: &[Cidr],
 ) -> ScopedVerdicts {
-    let v4 = |eps: &[crate::model::Endpoint]| -> Vec<(Ipv4Addr, u16)> {
-        let mut v: Vec<(Ipv4Addr, u16)> = eps
-            .iter()
-            .filter_map(|e| match e.ip {
-                IpAddr::V4(ip) => Some((ip, e.port)),
-                IpAddr::V6(_) => None,
-            })
-            .collect();
+    let backends = |eps: &[crate::model::Endpoint]| -> Vec<(IpAddr, u16)> {
+        let mut v: Vec<(IpAddr, u16)> =
+            eps.iter().filter(|e| IpFamily::of(&e.ip) == family).map(|e| (e.ip, e.port)).collect();
         v.sort();
         v.dedup();
         v
@@ -224,12 +236,12 @@ fn scoped_verdicts(
         if !cat.has_any {
             Verdict::reject()
         } else if local {
-            match v4(&cat.local) {
+            match backends(&cat.local) {
                 b if b.is_empty() => Verdict::drop(),
                 backends => Verdict { backends, flags: 0 },
             }
         } else {
-            Verdict { backends: v4(&cat.cluster), flags: 0 }
+            Verdict { backends: backends(&cat.cluster), flags: 0 }
         }
     };
     let internal = policy(sp.internal_policy == TrafficPolicy::Local);
@@ -246,8 +258,7 @@ fn scoped_verdicts(
     let from_node = all.masquerade(true);
     let external = [from_pod, from_outside, from_node.clone()];
 
-    let node_admitted = ranges.is_empty()
-        || node.addresses.iter().any(|a| matches!(a, IpAddr::V4(a) if ranges.iter().any(|r| in_cidr(*a, *r))));
+    let node_admitted = ranges.is_empty() || holds_node_address(ranges, node);
     let mut load_balancer = external.clone();
     if !node_admitted {
         load_balancer[2] = Verdict::drop();
@@ -257,34 +268,35 @@ fn scoped_verdicts(
 
 /// kube-proxy's "allow from node": when a source range holds a node address, traffic whose
 /// source is a LoadBalancer IP itself is admitted too.
-fn allow_from_node(ranges: &[(Ipv4Addr, u8)], lb_ips: &[Ipv4Addr], node: &NodeInfo) -> Vec<(Ipv4Addr, u8)> {
+fn allow_from_node(ranges: &[Cidr], lb_ips: &[IpAddr], node: &NodeInfo) -> Vec<Cidr> {
     let mut out = ranges.to_vec();
-    let holds_node =
-        node.addresses.iter().any(|a| matches!(a, IpAddr::V4(a) if ranges.iter().any(|r| in_cidr(*a, *r))));
-    if holds_node {
-        out.extend(lb_ips.iter().map(|ip| (*ip, 32)));
+    if holds_node_address(ranges, node) {
+        out.extend(lb_ips.iter().filter_map(|ip| Cidr::new(*ip, if ip.is_ipv4() { 32 } else { 128 })));
         out.sort();
         out.dedup();
     }
     out
 }
 
-fn in_cidr(ip: Ipv4Addr, (base, len): (Ipv4Addr, u8)) -> bool {
-    let mask = if len == 0 { 0 } else { u32::MAX << (32 - u32::from(len.min(32))) };
-    u32::from(ip) & mask == u32::from(base) & mask
+/// One of `ranges` holds an address of the node.
+fn holds_node_address(ranges: &[Cidr], node: &NodeInfo) -> bool {
+    node.addresses.iter().any(|a| ranges.iter().any(|r| r.contains(*a)))
 }
 
-/// IPv4 CIDRs of loadBalancerSourceRanges; malformed ones are skipped (and reported), IPv6
-/// ones belong to the v6 datapath.
-fn source_ranges(raw: &[String], name: &ServicePortName, skipped: &mut Vec<(String, Skip)>) -> Vec<(Ipv4Addr, u8)> {
+/// CIDRs of loadBalancerSourceRanges (a bare address is a host prefix); malformed ones are
+/// skipped (and reported).
+fn source_ranges(raw: &[String], name: &ServicePortName, skipped: &mut Vec<(String, Skip)>) -> Vec<Cidr> {
     let mut out = Vec::new();
     for cidr in raw {
         let cidr = cidr.trim();
-        let (addr, len) = cidr.split_once('/').unwrap_or((cidr, "32"));
-        match (addr.parse::<IpAddr>(), len.parse::<u8>()) {
-            (Ok(IpAddr::V4(a)), Ok(l)) if l <= 32 => out.push((a, l)),
-            (Ok(IpAddr::V6(_)), _) => {}
-            _ => skipped.push((name.port.clone(), Skip::InvalidIp(cidr.to_owned()))),
+        let parsed = if cidr.contains('/') {
+            cidr.parse::<Cidr>().ok()
+        } else {
+            cidr.parse::<IpAddr>().ok().and_then(|ip| Cidr::new(ip, if ip.is_ipv4() { 32 } else { 128 }))
+        };
+        match parsed {
+            Some(c) => out.push(c),
+            None => skipped.push((name.port.clone(), Skip::InvalidIp(cidr.to_owned()))),
         }
     }
     out.sort();
@@ -306,7 +318,10 @@ pub struct Locality {
 
 pub fn locality<'a>(svc: &Service, slices: impl IntoIterator<Item = &'a EndpointSlice>, node: &NodeInfo) -> Locality {
     let Ok(translated) = service::translate(svc) else { return Locality::default() };
-    let by_port = endpoints::endpoints_by_port(slices, node, &mut Vec::new());
+    let slices: Vec<&EndpointSlice> = slices.into_iter().collect();
+    // The health check counts the endpoints of the Service's primary family.
+    let family = translated.ports.first().and_then(|p| p.cluster_ips.first()).map_or(IpFamily::V4, IpFamily::of);
+    let by_port = endpoints::endpoints_by_port(slices, family, node, &mut Vec::new());
     let mut out = Locality::default();
     if let Some(port) = translated
         .ports
@@ -552,8 +567,13 @@ impl ClusterState {
 
     /// The lowest IPv4 ClusterIP of the services (for the route the node's ClusterIP traffic
     /// takes); `None` without services.
-    pub fn sample_cluster_ip(&self) -> Option<Ipv4Addr> {
-        self.services.values().filter_map(|s| s.spec.as_ref()?.cluster_ip.as_deref()?.parse::<Ipv4Addr>().ok()).min()
+    pub fn sample_cluster_ip(&self) -> Option<std::net::Ipv4Addr> {
+        self.services
+            .values()
+            .filter_map(|s| s.spec.as_ref())
+            .flat_map(|s| s.cluster_ips.iter().flatten().chain(s.cluster_ip.as_ref()))
+            .filter_map(|ip| ip.parse::<std::net::Ipv4Addr>().ok())
+            .min()
     }
 
     /// healthCheckNodePort → (service, local endpoints), as of the last [`Self::desired`].
@@ -607,7 +627,7 @@ mod tests {
         ))
     }
     fn backends(d: &Desired, ip: &str, port: u16, protocol: Protocol) -> Vec<String> {
-        let key = service_key(ip.parse().unwrap(), port, protocol);
+        let key = service_key(ip.parse::<IpAddr>().unwrap(), port, protocol);
         d[&key].backends.iter().map(|(ip, p)| format!("{ip}:{p}")).collect()
     }
 
@@ -618,6 +638,65 @@ mod tests {
         assert!(!st.synced());
         st.replace_slices(vec![]);
         assert!(st.synced());
+    }
+
+    /// kube-proxy's proxier per family: a dual-stack Service has entries in both, each with
+    /// the endpoints of its family's slices, its family's externalIPs, LoadBalancer IPs and
+    /// source ranges, and a NodePort of its family; a single-stack Service is absent from
+    /// the other family's rules (its NodePort too).
+    #[test]
+    fn each_family_sees_its_own_addresses_and_endpoints() {
+        let node = NodeInfo { addresses: vec!["fd00::1".parse().unwrap()], ..NodeInfo::default() };
+        let mut st = ClusterState::new(node);
+        let dual = service_yaml(
+            "metadata: {name: web, namespace: shop}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10, 'fd00:96::10'], ipFamilies: [IPv4, IPv6], externalIPs: [192.0.2.7, '2001:db8::7'], loadBalancerSourceRanges: ['198.51.100.0/24', 'fd00::/64'], ports: [{name: http, port: 80, nodePort: 30080}]}\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.9}, {ip: '2001:db8::9'}]}}",
+        );
+        let single = service_yaml(
+            "metadata: {name: old, namespace: shop}\nspec: {type: NodePort, clusterIP: 10.96.0.11, ports: [{name: http, port: 80, nodePort: 30081}]}",
+        );
+        let v6_slice = slice_yaml(
+            "metadata: {name: web-v6, namespace: shop, labels: {kubernetes.io/service-name: web}}\naddressType: IPv6\nports: [{name: http, port: 8080}]\nendpoints: [{addresses: ['fd00:10::2']}, {addresses: ['fd00:10::1']}]",
+        );
+        st.replace_services(vec![dual, single]);
+        st.replace_slices(vec![slice("web-v4", &["10.0.0.1"]), v6_slice]);
+        let d = st.desired();
+        let port = |ip: &str, port: u16, scope: u8| {
+            d.get(&frontend_key(ip.parse::<IpAddr>().unwrap(), port, Protocol::Tcp, scope))
+        };
+        let backends_of = |p: &DesiredPort| p.backends.iter().map(|(ip, p)| format!("{ip}:{p}")).collect::<Vec<_>>();
+        assert_eq!(backends(&d, "10.96.0.10", 80, Protocol::Tcp), ["10.0.0.1:8080"]);
+        assert_eq!(backends(&d, "fd00:96::10", 80, Protocol::Tcp), ["fd00:10::1:8080", "fd00:10::2:8080"]);
+        for ip in ["192.0.2.7", "2001:db8::7", "203.0.113.9", "2001:db8::9"] {
+            assert!(port(ip, 80, SCOPE_EXTERNAL).is_some(), "{ip}");
+        }
+        let v4_nodeport = port("0.0.0.0", 30080, SCOPE_EXTERNAL).unwrap();
+        let v6_nodeport = port("::", 30080, SCOPE_EXTERNAL).unwrap();
+        assert_eq!(backends_of(v4_nodeport), ["10.0.0.1:8080"]);
+        assert_eq!(backends_of(v6_nodeport), ["fd00:10::1:8080", "fd00:10::2:8080"]);
+        // Source ranges by family; the IPv6 range holds a node address, so the node (and the
+        // LoadBalancer IP itself) is admitted over IPv6 only.
+        let lb4 = port("203.0.113.9", 80, SCOPE_EXTERNAL).unwrap();
+        let lb6 = port("2001:db8::9", 80, SCOPE_EXTERNAL).unwrap();
+        assert_eq!(lb4.source_ranges.iter().map(ToString::to_string).collect::<Vec<_>>(), ["198.51.100.0/24"]);
+        assert_eq!(
+            lb6.source_ranges.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            ["2001:db8::9/128", "fd00::/64"]
+        );
+        assert_eq!(
+            port("203.0.113.9", 80, SCOPE_NODE).unwrap().flags & SERVICE_FLAG_DROP_NO_ENDPOINTS,
+            SERVICE_FLAG_DROP_NO_ENDPOINTS
+        );
+        assert!(port("2001:db8::9", 80, SCOPE_NODE).unwrap().backends.len() == 2);
+        // The single-stack Service: an IPv4 NodePort, none on IPv6.
+        assert!(port("0.0.0.0", 30081, SCOPE_EXTERNAL).is_some());
+        assert!(port("::", 30081, SCOPE_EXTERNAL).is_none());
+
+        // No IPv6 endpoints: the IPv6 proxier rejects, whatever the IPv4 side has.
+        st.replace_slices(vec![slice("web-v4", &["10.0.0.1"])]);
+        let d = st.desired();
+        assert_eq!(backends(&d, "10.96.0.10", 80, Protocol::Tcp), ["10.0.0.1:8080"]);
+        assert_eq!(backends(&d, "fd00:96::10", 80, Protocol::Tcp), Vec::<String>::new());
+        assert_eq!(d[&service_key("fd00:96::10".parse::<IpAddr>().unwrap(), 80, Protocol::Tcp)].flags, 0, "REJECT");
     }
 
     #[test]
@@ -665,7 +744,7 @@ mod tests {
         st.replace_services(vec![web("10.96.0.10"), other, bad]);
         st.replace_slices(vec![slice("web-1", &["10.0.0.1"])]);
         let d = st.desired();
-        let key = service_key("10.96.0.10".parse().unwrap(), 80, Protocol::Tcp);
+        let key = service_key("10.96.0.10".parse::<std::net::IpAddr>().unwrap(), 80, Protocol::Tcp);
         assert_eq!(d[&key].name.service, ObjectKey::new("another", "web"));
         assert_eq!(d.len(), 6, "two ports, three scopes each");
         assert_eq!(st.skips.conflicts, 2);
@@ -689,7 +768,7 @@ mod tests {
         st.replace_services(vec![newcomer, owner]);
         st.replace_slices(vec![]);
         let d = st.desired();
-        let key = service_key("10.96.0.10".parse().unwrap(), 80, Protocol::Tcp);
+        let key = service_key("10.96.0.10".parse::<std::net::IpAddr>().unwrap(), 80, Protocol::Tcp);
         assert_eq!(d[&key].name.service, ObjectKey::new("zz-owner", "web"), "the earlier owner keeps it");
         let conflicts = st.take_new_conflicts();
         assert_eq!(conflicts.len(), 2, "one per port: {conflicts:?}");
@@ -715,7 +794,7 @@ mod tests {
         let d = st.desired();
         assert_eq!(d.len(), 7, "and one any-port entry for every source");
         let any = ServiceKey {
-            addr: u32::from(Ipv4Addr::new(10, 96, 0, 10)).to_be(),
+            addr: "10.96.0.10".parse::<IpAddr>().unwrap().into(),
             port: 0,
             proto: PROTO_ANY,
             scope: SCOPE_POD,
@@ -762,7 +841,7 @@ mod tests {
         st.replace_slices(vec![slice]);
         let d = st.desired();
         let show = |ip: &str, port: u16, scope: u8| {
-            let p = &d[&frontend_key(ip.parse().unwrap(), port, Protocol::Tcp, scope)];
+            let p = &d[&frontend_key(ip.parse::<IpAddr>().unwrap(), port, Protocol::Tcp, scope)];
             (p.backends.iter().map(|(ip, _)| ip.to_string()).collect::<Vec<_>>(), p.flags)
         };
         let all = vec!["10.0.0.1".to_owned(), "10.0.0.2".to_owned()];

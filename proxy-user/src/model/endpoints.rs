@@ -4,7 +4,7 @@ use std::{collections::BTreeMap, net::IpAddr};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use super::{
-    Endpoint, NodeInfo, ObjectKey, Protocol, ServicePort, ServicePortName, Skip, TrafficPolicy,
+    Endpoint, IpFamily, NodeInfo, ObjectKey, Protocol, ServicePort, ServicePortName, Skip, TrafficPolicy,
     service::{ignored_by_labels, object_key, port},
 };
 
@@ -22,17 +22,18 @@ pub fn owning_service(slice: &EndpointSlice) -> Result<ObjectKey, Skip> {
 ///
 /// As in kube-proxy's `EndpointSliceCache`: slice ports join service ports by name and protocol,
 /// the port number comes from the slice, only the first address of an endpoint is used, slices of
-/// the other IP family are ignored, and an address listed in several slices appears once (the
-/// local copy wins). Slices are visited in name order so the result is deterministic.
+/// another `family` (and FQDN slices) are ignored, and an address listed in several slices
+/// appears once (the local copy wins). Slices are visited in name order so the result is
+/// deterministic.
 pub fn endpoints_by_port<'a>(
     slices: impl IntoIterator<Item = &'a EndpointSlice>,
+    family: IpFamily,
     node: &NodeInfo,
     skipped: &mut Vec<(String, Skip)>,
 ) -> BTreeMap<(String, Protocol), Vec<Endpoint>> {
     let mut out: BTreeMap<(String, Protocol), Vec<Endpoint>> = BTreeMap::new();
     for slice in slices {
-        if ignored_by_labels(&slice.metadata) || slice.address_type != "IPv4" {
-            // The socket datapath is IPv4 for now; IPv6 and FQDN slices are another family.
+        if ignored_by_labels(&slice.metadata) || slice.address_type != family.address_type() {
             continue;
         }
         let slice_name = slice.metadata.name.clone().unwrap_or_default();
@@ -55,8 +56,8 @@ pub fn endpoints_by_port<'a>(
             for ep in slice.endpoints.iter().flatten() {
                 let Some(first) = ep.addresses.first() else { continue };
                 let ip: IpAddr = match first.parse() {
-                    Ok(ip) => ip,
-                    Err(_) => {
+                    Ok(ip) if IpFamily::of(&ip) == family => ip,
+                    _ => {
                         skipped.push((slice_name.clone(), Skip::InvalidIp(first.clone())));
                         continue;
                     }
@@ -236,13 +237,17 @@ endpoints:
             "metadata: {name: web-c, namespace: shop, labels: {kubernetes.io/service-name: web}}\naddressType: IPv6\nports: [{name: http, port: 8080}]\nendpoints: [{addresses: ['fd00::1']}]",
         );
         let mut skipped = vec![];
-        let by_port = endpoints_by_port([&a, &b, &v6], &node(), &mut skipped);
+        let by_port = endpoints_by_port([&a, &b, &v6], IpFamily::V4, &node(), &mut skipped);
         let http = &by_port[&("http".into(), Protocol::Tcp)];
         assert_eq!(ips(http), ["10.0.0.1", "10.0.0.2", "10.0.0.3"]);
         assert!(http[1].is_local, "the local copy of a duplicated endpoint wins");
         assert_eq!(http[0].port, 8080);
         assert_eq!(ips(&by_port[&("metrics".into(), Protocol::Tcp)]), ["10.0.0.1", "10.0.0.2"]);
         assert_eq!(by_port[&("metrics".into(), Protocol::Tcp)][0].port, 9090);
+        assert!(skipped.is_empty());
+        // The IPv6 proxier sees only the IPv6 slice.
+        let v6_by_port = endpoints_by_port([&a, &b, &v6], IpFamily::V6, &node(), &mut skipped);
+        assert_eq!(ips(&v6_by_port[&("http".into(), Protocol::Tcp)]), ["fd00::1"]);
         assert!(skipped.is_empty());
         assert_eq!(owning_service(&a).unwrap(), ObjectKey::new("shop", "web"));
     }
@@ -253,7 +258,7 @@ endpoints:
             "metadata: {name: s, labels: {kubernetes.io/service-name: x}}\naddressType: IPv4\nports: [{name: a, port: 99999}, {name: b, port: 80}]\nendpoints: [{addresses: [not-an-ip]}, {addresses: [10.0.0.9]}]",
         );
         let mut skipped = vec![];
-        let by_port = endpoints_by_port([&s], &node(), &mut skipped);
+        let by_port = endpoints_by_port([&s], IpFamily::V4, &node(), &mut skipped);
         assert_eq!(ips(&by_port[&("b".into(), Protocol::Tcp)]), ["10.0.0.9"]);
         assert!(!by_port.contains_key(&("a".into(), Protocol::Tcp)));
         assert_eq!(

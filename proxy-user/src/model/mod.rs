@@ -160,6 +160,51 @@ pub struct ProxyOptions {
     pub refuse_service_range: bool,
 }
 
+/// An IP family. kube-proxy runs one proxier per family, and each sees a Service only through
+/// its ClusterIP of that family (a single-stack Service is absent from the other family's
+/// rules, NodePort included), its externalIPs, LoadBalancer IPs and source ranges of that
+/// family, and the EndpointSlices of that `addressType`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum IpFamily {
+    V4,
+    V6,
+}
+
+impl IpFamily {
+    pub const ALL: [Self; 2] = [Self::V4, Self::V6];
+
+    pub fn of(ip: &IpAddr) -> Self {
+        if ip.is_ipv4() { Self::V4 } else { Self::V6 }
+    }
+
+    /// The EndpointSlice `addressType` of this family.
+    pub fn address_type(self) -> &'static str {
+        match self {
+            Self::V4 => "IPv4",
+            Self::V6 => "IPv6",
+        }
+    }
+
+    /// `0.0.0.0` or `::`: the address of NodePort entries.
+    pub fn unspecified(self) -> IpAddr {
+        match self {
+            Self::V4 => std::net::Ipv4Addr::UNSPECIFIED.into(),
+            Self::V6 => std::net::Ipv6Addr::UNSPECIFIED.into(),
+        }
+    }
+
+    /// The addresses of this family among `ips`, in order.
+    pub fn filter<'a>(self, ips: impl IntoIterator<Item = &'a IpAddr>) -> Vec<IpAddr> {
+        ips.into_iter().copied().filter(|ip| Self::of(ip) == self).collect()
+    }
+}
+
+impl fmt::Display for IpFamily {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.address_type())
+    }
+}
+
 /// Why an object (or part of one) was skipped; logged with the object's name and counted.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Skip {

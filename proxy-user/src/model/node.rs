@@ -10,7 +10,7 @@ use std::{
 use k8s_openapi::api::core::v1::Node;
 use proxy_common::{LINK_FLAG_LOCAL_TRAFFIC, LinkInfo, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT};
 
-use super::{NodeInfo, cidr::Cidr};
+use super::{IpFamily, NodeInfo, cidr::Cidr};
 
 /// A network interface of the node, as the kernel reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -125,11 +125,11 @@ pub struct NodeSettings {
 /// The host side of the datapath, derived from the links, the Node and the settings.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodePlan {
-    /// IPv4 address → `NODE_ADDR_*`.
-    pub node_addrs: BTreeMap<Ipv4Addr, u32>,
+    /// Address (both families) → `NODE_ADDR_*`.
+    pub node_addrs: BTreeMap<IpAddr, u32>,
     /// ifindex → link facts; 0 holds the fallback masquerade address.
     pub links: BTreeMap<u32, LinkInfo>,
-    /// The detector's IPv4 CIDRs.
+    /// The detector's CIDRs (both families).
     pub local_cidrs: BTreeSet<Cidr>,
     /// ifindex → name of the links the per-packet programs go on.
     pub tc_links: BTreeMap<u32, String>,
@@ -147,18 +147,24 @@ pub struct NodePlan {
 pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettings) -> NodePlan {
     let link_addrs = links.iter().flat_map(|l| l.addrs.iter().copied());
     let node_addrs_obj = node.map(|n| n.addresses.as_slice()).unwrap_or_default();
-    let first_link_v4 = links.iter().filter(|l| !l.loopback).flat_map(|l| &l.addrs).copied().find(IpAddr::is_ipv4);
-    let primary = settings
-        .node_ips
-        .iter()
-        .copied()
-        .chain(settings.bind_address.filter(|a| !a.is_unspecified()))
-        .chain(node_addrs_obj.iter().copied())
-        .chain(first_link_v4)
-        .find_map(|a| match a {
-            IpAddr::V4(a) => Some(a),
-            IpAddr::V6(_) => None,
-        });
+    // The primary address of each family (kube-proxy's node IPs, one per family). Only the
+    // primary family falls back to a link's address; kube-proxy gives the other family none
+    // it can serve NodePorts on.
+    let configured = || {
+        let given = settings.node_ips.iter().copied().chain(settings.bind_address.filter(|a| !a.is_unspecified()));
+        given.chain(node_addrs_obj.iter().copied())
+    };
+    let primary_family = configured().next().as_ref().map_or(IpFamily::V4, IpFamily::of);
+    let primary_of = |family: IpFamily| {
+        let link_addrs = links.iter().filter(|l| !l.loopback).flat_map(|l| &l.addrs).copied();
+        let first_link = link_addrs.filter(|_| family == primary_family).find(|a| IpFamily::of(a) == family);
+        configured().chain(first_link).find(|a| IpFamily::of(a) == family)
+    };
+    let primaries = [primary_of(IpFamily::V4), primary_of(IpFamily::V6)];
+    let primary = match primaries[0] {
+        Some(IpAddr::V4(a)) => Some(a),
+        _ => None,
+    };
 
     let mut addresses: Vec<IpAddr> = Vec::new();
     for a in link_addrs.chain(node_addrs_obj.iter().copied()).chain(settings.node_ips.iter().copied()) {
@@ -177,12 +183,11 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
         }
         settings.node_port_addresses.iter().any(|npa| match npa {
             NodePortAddress::Cidr(c) => c.contains(*a),
-            NodePortAddress::Primary => primary.is_some_and(|p| IpAddr::V4(p) == *a),
+            NodePortAddress::Primary => primaries.contains(&Some(*a)),
         })
     };
     let mut node_addrs = BTreeMap::new();
     for a in &addresses {
-        let IpAddr::V4(v4) = a else { continue };
         let mut flags = 0;
         if local.contains(a) || settings.node_ips.contains(a) {
             flags |= NODE_ADDR_LOCAL;
@@ -191,7 +196,7 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
             flags |= NODE_ADDR_NODEPORT;
         }
         if flags != 0 {
-            node_addrs.insert(*v4, flags);
+            node_addrs.insert(*a, flags);
         }
     }
 
@@ -221,8 +226,8 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
     }
 
     let local_cidrs = match &settings.detect_local {
-        DetectLocal::ClusterCidr(cidrs) => cidrs.iter().filter(|c| c.is_ipv4()).copied().collect(),
-        DetectLocal::NodeCidr => node.into_iter().flat_map(|n| &n.pod_cidrs).filter(|c| c.is_ipv4()).copied().collect(),
+        DetectLocal::ClusterCidr(cidrs) => cidrs.iter().copied().collect(),
+        DetectLocal::NodeCidr => node.into_iter().flat_map(|n| &n.pod_cidrs).copied().collect(),
         _ => BTreeSet::new(),
     };
     let info = NodeInfo {
@@ -266,7 +271,8 @@ mod tests {
         let settings = NodeSettings { name: "n".into(), ..Default::default() };
         let node = NodeObject { addresses: vec!["192.168.0.2".parse().unwrap()], ..Default::default() };
         let p = plan(&host(), Some(&node), &settings);
-        assert_eq!(nodeports(&p), ["10.244.0.1", "172.16.0.2", "192.168.0.2"]);
+        assert_eq!(nodeports(&p), ["10.244.0.1", "172.16.0.2", "192.168.0.2", "fd00::2"]);
+        assert_eq!(p.node_addrs[&"::1".parse().unwrap()], NODE_ADDR_LOCAL, "IPv6 loopback: local, no NodePort");
         assert_eq!(p.node_addrs[&"127.0.0.1".parse().unwrap()], NODE_ADDR_LOCAL, "loopback: local, no NodePort");
         assert_eq!(p.primary, Some("192.168.0.2".parse().unwrap()));
         assert_eq!(p.tc_links.values().collect::<Vec<_>>(), ["eth0", "eth1", "cni0", "vethabc"]);
@@ -316,7 +322,7 @@ mod tests {
         };
         let settings = NodeSettings { detect_local: DetectLocal::NodeCidr, ..Default::default() };
         let p = plan(&host(), Some(&node), &settings);
-        assert_eq!(p.local_cidrs.iter().map(|c| c.to_string()).collect::<Vec<_>>(), ["10.244.0.0/24"]);
+        assert_eq!(p.local_cidrs.iter().map(|c| c.to_string()).collect::<Vec<_>>(), ["10.244.0.0/24", "fd00:10::/64"]);
         assert_eq!(p.info.zone.as_deref(), Some("z1"));
         // No Node address, no --node-ip: the first non-loopback link address is primary.
         assert_eq!(p.primary, Some("192.168.0.2".parse().unwrap()));

@@ -43,10 +43,10 @@ pub async fn config(kubeconfig: Option<&Path>, master: Option<&str>) -> Result<C
 pub fn bootstrap_problem(
     url: &http::Uri,
     service_host: Option<&str>,
-    programmed: impl Fn(std::net::Ipv4Addr, u16) -> bool,
+    programmed: impl Fn(std::net::IpAddr, u16) -> bool,
 ) -> Option<String> {
     let host = url.host()?.trim_start_matches('[').trim_end_matches(']');
-    let ip: std::net::Ipv4Addr = host.parse().ok()?;
+    let ip: std::net::IpAddr = host.parse().ok()?;
     if service_host != Some(host) {
         return None;
     }
@@ -70,7 +70,7 @@ mod bootstrap_tests {
     fn the_kubernetes_service_is_no_way_to_reach_the_api_server_before_kpr() {
         let url: http::Uri = "https://10.96.0.1:443".parse().unwrap();
         let nothing = |_, _| false;
-        let programmed = |ip: std::net::Ipv4Addr, port| ip.octets() == [10, 96, 0, 1] && port == 443;
+        let programmed = |ip: std::net::IpAddr, port| ip.to_string() == "10.96.0.1" && port == 443;
         let problem = bootstrap_problem(&url, Some("10.96.0.1"), nothing).expect("a deadlock after a reboot");
         assert!(problem.contains("--master"), "{problem}");
         assert_eq!(bootstrap_problem(&url, Some("10.96.0.1"), programmed), None, "a restart on the pinned datapath");

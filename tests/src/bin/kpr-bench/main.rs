@@ -128,12 +128,12 @@ fn desired_with(n: usize, backends_per_service: usize, target_backend: Ipv4Addr)
     let mut desired = Desired::new();
     for i in 0..n {
         let (ip, backends) = if i == 0 {
-            (TARGET_IP, vec![(target_backend, BENCH_PORT)])
+            (TARGET_IP, vec![(target_backend.into(), BENCH_PORT)])
         } else {
             // Fillers on 10.100.0.0/16 and up, each with its own backends.
             let ip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 100, 0, 0)) + i as u32);
             let bs = (0..backends_per_service)
-                .map(|b| (Ipv4Addr::new(10, 200, (b % 250) as u8, (i % 250) as u8 + 1), 8080))
+                .map(|b| (Ipv4Addr::new(10, 200, (b % 250) as u8, (i % 250) as u8 + 1).into(), 8080))
                 .collect();
             (ip, bs)
         };
@@ -345,8 +345,9 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     let mut ebpf = bpf::open_object(&cfg)?;
     let mut ranges: aya::maps::LpmTrie<_, proxy_common::CidrKey, u8> =
         aya::maps::LpmTrie::try_from(ebpf.map_mut(proxy_common::map_names::SERVICE_CIDRS).context("ranges")?)?;
-    let range = proxy_common::CidrKey { addr: u32::from(Ipv4Addr::new(10, 96, 0, 0)).to_be() };
-    ranges.insert(&aya::maps::lpm_trie::Key::new(12, range), &1, 0)?;
+    let range =
+        proxy_common::CidrKey { addr: proxy_common::Addr::from_v4(u32::from(Ipv4Addr::new(10, 96, 0, 0)).to_be()) };
+    ranges.insert(&aya::maps::lpm_trie::Key::new(proxy_common::Addr::V4_PREFIX_OFFSET + 12, range), &1, 0)?;
     let prog: &mut SchedClassifier =
         ebpf.program_mut(proxy_common::program_names::TC_INGRESS).context("tc program")?.try_into()?;
     prog.load()?;
@@ -463,7 +464,7 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32, churn: usiz
         np,
         DesiredPort {
             name: name_port,
-            backends: vec![(pod, BENCH_PORT)],
+            backends: vec![(pod.into(), BENCH_PORT)],
             flags: proxy_common::SERVICE_FLAG_SNAT,
             source_ranges: vec![],
             affinity_timeout: 0,
@@ -541,7 +542,7 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32, churn: usiz
             proxy_common::SCOPE_EXTERNAL,
         );
         let mut entry = desired[&np].clone();
-        entry.backends = vec![(pod, 5201)];
+        entry.backends = vec![(pod.into(), 5201)];
         desired2.insert(np2, entry);
         Programmer::recover(&mut datapath.maps)?.apply(&desired2, &mut datapath.maps);
         node.sh(&format!(
