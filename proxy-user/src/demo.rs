@@ -7,7 +7,7 @@
 //! exit.
 use std::{
     collections::BTreeMap,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4},
     path::PathBuf,
     process::{Child, Command, Stdio},
     sync::{
@@ -25,6 +25,7 @@ use crate::{
 };
 
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x10);
 const NODE_PORT: u16 = 30080;
 /// The node's address toward the external client, and the client's.
 const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 1);
@@ -33,11 +34,12 @@ const POD_PORT: u16 = 8080;
 const REQUESTS: usize = 30;
 const TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The demo's Service: a NodePort for http, a ClusterIP port for dns.
+/// The demo's Service, dual-stack: a NodePort for http, a ClusterIP port for dns.
 fn service_manifest() -> String {
     format!(
         "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: demo}}\nspec:\n  type: NodePort\n  \
-         clusterIP: {CLUSTER_IP}\n  ports:\n  - {{name: http, port: 80, protocol: TCP, nodePort: {NODE_PORT}}}\n  \
+         clusterIP: {CLUSTER_IP}\n  clusterIPs: ['{CLUSTER_IP}', '{CLUSTER_IP6}']\n  ipFamilies: [IPv4, IPv6]\n  \
+         ipFamilyPolicy: PreferDualStack\n  ports:\n  - {{name: http, port: 80, protocol: TCP, nodePort: {NODE_PORT}}}\n  \
          - {{name: dns, port: 53, protocol: UDP}}\n"
     )
 }
@@ -76,7 +78,8 @@ pub async fn run(keep_running: bool) -> Result<()> {
     let pin_root = PinRoot::new("kpr-demo");
     let mut cgroup = Cgroup::new(&tag)?;
 
-    let pod_ips: Vec<Ipv4Addr> = topology.pods.iter().map(|p| p.ip).collect();
+    let pod_ips: Vec<IpAddr> = topology.pods.iter().map(|p| p.ip.into()).collect();
+    let pod_ips6: Vec<IpAddr> = topology.pods.iter().map(|p| p.ip6.into()).collect();
     let slice_ports = [("http", POD_PORT, "TCP"), ("dns", POD_PORT, "UDP")];
     testbed::write_atomic(&manifests.0, "service.yaml", &service_manifest())?;
     testbed::write_atomic(
@@ -84,8 +87,14 @@ pub async fn run(keep_running: bool) -> Result<()> {
         "slice.yaml",
         &testbed::slice_manifest("demo", "web", "web-1", &pod_ips, &slice_ports),
     )?;
+    testbed::write_atomic(
+        &manifests.0,
+        "slice6.yaml",
+        &testbed::slice_manifest("demo", "web", "web-6", &pod_ips6, &slice_ports),
+    )?;
     println!(
-        "demo: manifests in {} (Service demo/web {CLUSTER_IP}: 80/TCP (NodePort {NODE_PORT}), 53/UDP -> pods :{POD_PORT})",
+        "demo: manifests in {} (Service demo/web {CLUSTER_IP} and {CLUSTER_IP6}: 80/TCP (NodePort {NODE_PORT}), \
+         53/UDP -> pods :{POD_PORT})",
         manifests.0.display()
     );
 
@@ -94,7 +103,8 @@ pub async fn run(keep_running: bool) -> Result<()> {
     let result = async {
         let pins = pin_root.0.clone();
         tokio::task::spawn_blocking(move || {
-            testbed::wait_programmed(&pins, "10.96.0.10:80/TCP", Some(3), Duration::from_secs(20))
+            testbed::wait_programmed(&pins, "10.96.0.10:80/TCP", Some(3), Duration::from_secs(20))?;
+            testbed::wait_programmed(&pins, "[fd00:96::10]:80/TCP", Some(3), Duration::from_secs(20))
         })
         .await?
         .with_context(|| format!("agent log:\n{}", std::fs::read_to_string(&log).unwrap_or_default()))?;
@@ -105,7 +115,8 @@ pub async fn run(keep_running: bool) -> Result<()> {
             node.name
         );
         cgroup.enter()?;
-        show_requests(&topology, "3 endpoints").await?;
+        show_requests(&topology, CLUSTER_IP.into(), "3 endpoints").await?;
+        show_requests(&topology, CLUSTER_IP6.into(), "3 endpoints, IPv6").await?;
         show_node_port(&external)?;
 
         println!("\ndemo: scaling down: pod-c leaves the EndpointSlice");
@@ -119,7 +130,7 @@ pub async fn run(keep_running: bool) -> Result<()> {
             testbed::wait_programmed(&pins, "10.96.0.10:80/TCP", Some(2), Duration::from_secs(20))
         })
         .await??;
-        show_requests(&topology, "2 endpoints").await?;
+        show_requests(&topology, CLUSTER_IP.into(), "2 endpoints").await?;
 
         println!("\ndemo: why an external connection goes where it goes (`kpr trace {EXTERNAL_IP} {NODE_IP}:{NODE_PORT}/TCP`):");
         let destination = format!("{NODE_IP}:{NODE_PORT}/TCP").parse()?;
@@ -226,10 +237,10 @@ fn show_node_port(external: &Netns) -> Result<()> {
     Ok(())
 }
 
-/// Send requests through the ClusterIP from the client namespace; print who answered.
-async fn show_requests(topology: &Topology, label: &str) -> Result<()> {
-    let tcp = SocketAddrV4::new(CLUSTER_IP, 80);
-    let udp = SocketAddrV4::new(CLUSTER_IP, 53);
+/// Send requests through the ClusterIP `ip` from the client namespace; print who answered.
+async fn show_requests(topology: &Topology, ip: IpAddr, label: &str) -> Result<()> {
+    let tcp = SocketAddr::new(ip, 80);
+    let udp = SocketAddr::new(ip, 53);
     let (tcp_counts, udp_counts, peer) = topology.client.run(move || -> Result<_> {
         let timeout = Duration::from_secs(2);
         let mut tcp_counts = BTreeMap::<String, usize>::new();

@@ -4,7 +4,7 @@
 use std::{
     fs::{self, File},
     io::{BufRead as _, BufReader, Read as _, Write as _},
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     os::fd::AsRawFd as _,
     path::{Path, PathBuf},
     process::Command,
@@ -197,7 +197,8 @@ pub struct NameServer {
 }
 
 impl NameServer {
-    pub fn tcp(ns: &Netns, addr: SocketAddrV4, name: &str) -> Result<Self> {
+    pub fn tcp(ns: &Netns, addr: impl Into<SocketAddr>, name: &str) -> Result<Self> {
+        let addr = addr.into();
         let listener = ns.run(move || TcpListener::bind(addr))??;
         set_timeout(listener.as_raw_fd(), Duration::from_millis(100))?;
         let (stop, name) = (Arc::new(AtomicBool::new(false)), name.to_owned());
@@ -230,7 +231,8 @@ impl NameServer {
         Ok(Self { stop, thread: Some(thread) })
     }
 
-    pub fn udp(ns: &Netns, addr: SocketAddrV4, name: &str) -> Result<Self> {
+    pub fn udp(ns: &Netns, addr: impl Into<SocketAddr>, name: &str) -> Result<Self> {
+        let addr = addr.into();
         let socket = ns.run(move || UdpSocket::bind(addr))??;
         socket.set_read_timeout(Some(Duration::from_millis(100)))?;
         let (stop, name) = (Arc::new(AtomicBool::new(false)), name.to_owned());
@@ -273,23 +275,29 @@ fn set_timeout(fd: i32, timeout: Duration) -> Result<()> {
 pub struct Pod {
     pub name: String,
     pub ip: Ipv4Addr,
+    /// Its IPv6 address (every pod is dual-stack).
+    pub ip6: Ipv6Addr,
     pub netns: Netns,
     servers: Vec<NameServer>,
 }
 
 impl Pod {
-    /// Start a TCP and a UDP name server on `port` answering with the pod's name.
+    /// Start a TCP and a UDP name server on `port` of both its addresses, answering with the
+    /// pod's name.
     pub fn serve(&mut self, port: u16) -> Result<()> {
-        let addr = SocketAddrV4::new(self.ip, port);
-        self.servers.push(NameServer::tcp(&self.netns, addr, &self.name)?);
-        self.servers.push(NameServer::udp(&self.netns, addr, &self.name)?);
+        for ip in [IpAddr::from(self.ip), self.ip6.into()] {
+            let addr = SocketAddr::new(ip, port);
+            self.servers.push(NameServer::tcp(&self.netns, addr, &self.name)?);
+            self.servers.push(NameServer::udp(&self.netns, addr, &self.name)?);
+        }
         Ok(())
     }
 }
 
 /// A client namespace (the "node") with `n` pods, each on its own /24 (10.244.<i+1>.0/24;
-/// the pod is .2, the client side .1). No default route anywhere: an untranslated ClusterIP
-/// packet gets ENETUNREACH instead of leaving the machine.
+/// the pod is .2, the client side .1) and /64 (fd00:10:244:<i+1>::/64, ::2 and ::1). No
+/// default route anywhere: an untranslated ClusterIP packet gets ENETUNREACH instead of
+/// leaving the machine.
 pub struct Topology {
     pub pods: Vec<Pod>,
     /// Dropped last: the pods' veths hang off it.
@@ -311,14 +319,19 @@ impl Topology {
             netns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
             netns.ip(&["link", "set", "eth0", "up"])?;
             netns.ip(&["route", "add", "default", "via", &format!("10.244.{subnet}.1")])?;
-            pods.push(Pod { name: (*name).to_owned(), ip, netns, servers: Vec::new() });
+            // nodad: usable at once, not after duplicate address detection.
+            let ip6 = Ipv6Addr::new(0xfd00, 0x10, 0x244, subnet.into(), 0, 0, 0, 2);
+            client.ip(&["-6", "addr", "add", &format!("fd00:10:244:{subnet:x}::1/64"), "dev", &veth, "nodad"])?;
+            netns.ip(&["-6", "addr", "add", &format!("{ip6}/64"), "dev", "eth0", "nodad"])?;
+            netns.ip(&["-6", "route", "add", "default", "via", &format!("fd00:10:244:{subnet:x}::1")])?;
+            pods.push(Pod { name: (*name).to_owned(), ip, ip6, netns, servers: Vec::new() });
         }
         Ok(Self { pods, client })
     }
 }
 
 /// TCP: connect, read the server's name line. Returns (name, peer address from getpeername).
-pub fn tcp_ask(addr: SocketAddrV4, timeout: Duration) -> std::io::Result<(String, SocketAddr)> {
+pub fn tcp_ask(addr: impl Into<SocketAddr>, timeout: Duration) -> std::io::Result<(String, SocketAddr)> {
     let conn = TcpStream::connect_timeout(&addr.into(), timeout)?;
     conn.set_read_timeout(Some(timeout))?;
     let peer = conn.peer_addr()?;
@@ -329,7 +342,7 @@ pub fn tcp_ask(addr: SocketAddrV4, timeout: Duration) -> std::io::Result<(String
 
 /// TCP: connect, read the name, ask the server which client address it sees.
 /// Returns (name, the client address as the server saw it).
-pub fn tcp_ask_peer(addr: SocketAddrV4, timeout: Duration) -> std::io::Result<(String, String)> {
+pub fn tcp_ask_peer(addr: impl Into<SocketAddr>, timeout: Duration) -> std::io::Result<(String, String)> {
     let mut conn = TcpStream::connect_timeout(&addr.into(), timeout)?;
     conn.set_read_timeout(Some(timeout))?;
     let mut reader = BufReader::new(conn.try_clone()?);
@@ -342,8 +355,9 @@ pub fn tcp_ask_peer(addr: SocketAddrV4, timeout: Duration) -> std::io::Result<(S
 }
 
 /// UDP, unconnected: send_to, recv_from. Returns (name, source address of the reply).
-pub fn udp_ask(addr: SocketAddrV4, timeout: Duration) -> std::io::Result<(String, SocketAddr)> {
-    let socket = UdpSocket::bind("0.0.0.0:0")?;
+pub fn udp_ask(addr: impl Into<SocketAddr>, timeout: Duration) -> std::io::Result<(String, SocketAddr)> {
+    let addr = addr.into();
+    let socket = UdpSocket::bind(any_port_of(&addr))?;
     socket.set_read_timeout(Some(timeout))?;
     socket.send_to(b"who", addr)?;
     let mut buf = [0u8; 256];
@@ -352,14 +366,22 @@ pub fn udp_ask(addr: SocketAddrV4, timeout: Duration) -> std::io::Result<(String
 }
 
 /// UDP, connected: connect, send, recv. Returns (name, peer address from getpeername).
-pub fn udp_connected_ask(addr: SocketAddrV4, timeout: Duration) -> std::io::Result<(String, SocketAddr)> {
-    let socket = UdpSocket::bind("0.0.0.0:0")?;
+pub fn udp_connected_ask(addr: impl Into<SocketAddr>, timeout: Duration) -> std::io::Result<(String, SocketAddr)> {
+    let addr = addr.into();
+    let socket = UdpSocket::bind(any_port_of(&addr))?;
     socket.set_read_timeout(Some(timeout))?;
     socket.connect(addr)?;
     socket.send(b"who")?;
     let mut buf = [0u8; 256];
     let n = socket.recv(&mut buf)?;
     Ok((String::from_utf8_lossy(&buf[..n]).into_owned(), socket.peer_addr()?))
+}
+
+/// The wildcard address of `addr`'s family, any port: an IPv6 socket (dual-stack, so it can
+/// also reach IPv4-mapped addresses) for an IPv6 destination.
+pub fn any_port_of(addr: &SocketAddr) -> SocketAddr {
+    let ip: IpAddr = if addr.is_ipv4() { Ipv4Addr::UNSPECIFIED.into() } else { Ipv6Addr::UNSPECIFIED.into() };
+    SocketAddr::new(ip, 0)
 }
 
 /// `GET path` over HTTP/1.1 (one request, then close): (status code, body).
@@ -388,26 +410,37 @@ pub fn unique_name(tag: &str) -> String {
     format!("{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
 }
 
-/// Write a Service and its EndpointSlice as manifests, like `kubectl get -o yaml` would.
-pub fn service_manifest(namespace: &str, name: &str, cluster_ip: Ipv4Addr, ports: &[(&str, u16, &str)]) -> String {
+/// Write a Service as a manifest, like `kubectl get -o yaml` would: the first of
+/// `cluster_ips` is `clusterIP`, their families the `ipFamilies` (two: PreferDualStack).
+pub fn service_manifest(namespace: &str, name: &str, cluster_ips: &[IpAddr], ports: &[(&str, u16, &str)]) -> String {
     let ports: Vec<String> = ports
         .iter()
         .map(|(port_name, port, proto)| format!("  - name: {port_name}\n    port: {port}\n    protocol: {proto}\n"))
         .collect();
+    let family = |ip: &IpAddr| if ip.is_ipv4() { "IPv4" } else { "IPv6" };
+    let first = cluster_ips.first().map(ToString::to_string).unwrap_or_default();
+    let ips: Vec<String> = cluster_ips.iter().map(|ip| format!("\"{ip}\"")).collect();
+    let families: Vec<&str> = cluster_ips.iter().map(family).collect();
+    let policy = if cluster_ips.len() > 1 { "PreferDualStack" } else { "SingleStack" };
     format!(
-        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: {namespace}\nspec:\n  type: ClusterIP\n  clusterIP: {cluster_ip}\n  clusterIPs: [{cluster_ip}]\n  ports:\n{}",
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: {namespace}\nspec:\n  type: ClusterIP\n  \
+         clusterIP: \"{first}\"\n  clusterIPs: [{}]\n  ipFamilies: [{}]\n  ipFamilyPolicy: {policy}\n  ports:\n{}",
+        ips.join(", "),
+        families.join(", "),
         ports.concat()
     )
 }
 
-/// An EndpointSlice for `service` with ready endpoints `ips` on `ports` (name, port, proto).
+/// An EndpointSlice for `service` with ready endpoints `ips` (of one family; IPv4 when
+/// empty) on `ports` (name, port, proto).
 pub fn slice_manifest(
     namespace: &str,
     service: &str,
     slice: &str,
-    ips: &[Ipv4Addr],
+    ips: &[IpAddr],
     ports: &[(&str, u16, &str)],
 ) -> String {
+    let address_type = if ips.first().is_some_and(IpAddr::is_ipv6) { "IPv6" } else { "IPv4" };
     let endpoints: Vec<String> = ips
         .iter()
         .map(|ip| {
@@ -417,7 +450,7 @@ pub fn slice_manifest(
     let ports: Vec<String> =
         ports.iter().map(|(n, p, proto)| format!("- name: {n}\n  port: {p}\n  protocol: {proto}\n")).collect();
     format!(
-        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {slice}\n  namespace: {namespace}\n  labels:\n    kubernetes.io/service-name: {service}\naddressType: IPv4\nendpoints:{}ports:\n{}",
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {slice}\n  namespace: {namespace}\n  labels:\n    kubernetes.io/service-name: {service}\naddressType: {address_type}\nendpoints:{}ports:\n{}",
         if endpoints.is_empty() { " []\n".to_owned() } else { format!("\n{}", endpoints.concat()) },
         ports.concat()
     )

@@ -2,7 +2,7 @@
 //! manifest directory, a child cgroup this process joins, and the real `kpr` agent as a child
 //! process on unique pins. Everything is removed on drop, also when a test fails.
 use std::{
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpListener},
     path::PathBuf,
     process::{Child, Command, Stdio},
     time::Duration,
@@ -170,17 +170,44 @@ impl Harness {
 
     /// Service `name` on `ip` with ports (name, port, proto) → every pod in `pods` (indexes).
     pub fn write_service(&self, name: &str, ip: Ipv4Addr, ports: &[(&str, u16, &str)], pods: &[usize]) -> Result<()> {
-        self.write(&format!("{name}-svc.yaml"), &testbed::service_manifest("test", name, ip, ports))?;
-        self.write_endpoints(name, ports, pods)
+        self.write_service_ips(name, &[ip.into()], ports, pods)
     }
 
+    /// Service `name` on `cluster_ips` (one per family: single or dual stack) with ports →
+    /// every pod in `pods`, in an EndpointSlice of each family the Service has.
+    pub fn write_service_ips(
+        &self,
+        name: &str,
+        cluster_ips: &[IpAddr],
+        ports: &[(&str, u16, &str)],
+        pods: &[usize],
+    ) -> Result<()> {
+        self.write(&format!("{name}-svc.yaml"), &testbed::service_manifest("test", name, cluster_ips, ports))?;
+        for ip in cluster_ips {
+            self.write_endpoints_of(name, ip.is_ipv6(), ports, pods)?;
+        }
+        Ok(())
+    }
+
+    /// The IPv4 EndpointSlice of `name`: pods `pods`.
     pub fn write_endpoints(&self, name: &str, ports: &[(&str, u16, &str)], pods: &[usize]) -> Result<()> {
-        let ips: Vec<Ipv4Addr> = pods.iter().map(|&i| self.topology.pods[i].ip).collect();
+        self.write_endpoints_of(name, false, ports, pods)
+    }
+
+    /// The EndpointSlice of `name` of one family (`v6`): pods `pods`.
+    pub fn write_endpoints_of(&self, name: &str, v6: bool, ports: &[(&str, u16, &str)], pods: &[usize]) -> Result<()> {
+        let pod_ip = |i: usize| -> IpAddr {
+            let pod = &self.topology.pods[i];
+            if v6 { pod.ip6.into() } else { pod.ip.into() }
+        };
+        let ips: Vec<IpAddr> = pods.iter().map(|&i| pod_ip(i)).collect();
         let slice_ports: Vec<(&str, u16, &str)> = ports.iter().map(|(n, _, p)| (*n, POD_PORT, *p)).collect();
-        self.write(
-            &format!("{name}-slice.yaml"),
-            &testbed::slice_manifest("test", name, &format!("{name}-1"), &ips, &slice_ports),
-        )
+        let (file, slice) = if v6 {
+            (format!("{name}-slice6.yaml"), format!("{name}-6"))
+        } else {
+            (format!("{name}-slice.yaml"), format!("{name}-1"))
+        };
+        self.write(&file, &testbed::slice_manifest("test", name, &slice, &ips, &slice_ports))
     }
 
     /// Wait until `address` (`10.96.0.10:80/TCP`) has `backends` backends (`None`: absent).
@@ -236,4 +263,9 @@ pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
 /// `addr` as SocketAddrV4.
 pub fn sa(ip: Ipv4Addr, port: u16) -> SocketAddrV4 {
     SocketAddrV4::new(ip, port)
+}
+
+/// `addr` as SocketAddrV6.
+pub fn sa6(ip: Ipv6Addr, port: u16) -> SocketAddrV6 {
+    SocketAddrV6::new(ip, port, 0, 0)
 }

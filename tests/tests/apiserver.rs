@@ -5,7 +5,7 @@
 use std::{
     collections::BTreeMap,
     io::{BufRead as _, BufReader, ErrorKind, Write as _},
-    net::{Ipv4Addr, SocketAddr, TcpStream},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream},
     time::Duration,
 };
 
@@ -26,7 +26,10 @@ struct Env {
 
 impl Env {
     fn new(tag: &str, pods: &[&str]) -> Self {
-        let c = Cluster::start(tag).expect("control plane");
+        Self::on(Cluster::start(tag).expect("control plane"), tag, pods)
+    }
+
+    fn on(c: Cluster, tag: &str, pods: &[&str]) -> Self {
         c.apply("apiVersion: v1\nkind: Namespace\nmetadata: {name: test}\n").unwrap();
         let mut h = Harness::new(tag, pods).expect("harness");
         h.kubeconfig = Some(c.admin_kubeconfig.clone());
@@ -49,7 +52,7 @@ impl Env {
 
     /// The EndpointSlice of `service`, as the EndpointSlice controller writes it: ready pods `pods`.
     fn endpoints(&self, service: &str, ports: &[(&str, u16, &str)], pods: &[usize]) {
-        let ips: Vec<Ipv4Addr> = pods.iter().map(|&i| self.h.topology.pods[i].ip).collect();
+        let ips: Vec<std::net::IpAddr> = pods.iter().map(|&i| self.h.topology.pods[i].ip.into()).collect();
         let slice_ports: Vec<(&str, u16, &str)> = ports.iter().map(|(n, _, p)| (*n, POD_PORT, *p)).collect();
         self.c
             .apply(&kpr::testbed::slice_manifest("test", service, &format!("{service}-abc12"), &ips, &slice_ports))
@@ -413,4 +416,55 @@ fn deploy_manifests_are_accepted_by_the_api_server() {
     assert_eq!(get("daemonset/kpr", "{.spec.updateStrategy.rollingUpdate.maxUnavailable}"), "1");
     assert_eq!(get("daemonset/kpr", "{.spec.template.spec.containers[0].readinessProbe.httpGet.path}"), "/healthz");
     assert!(get("configmap/kpr", "{.data.config\\.conf}").contains("kind: KubeProxyConfiguration"));
+}
+
+/// A dual-stack Service as the API server allocates it (RequireDualStack on a dual-stack
+/// service range), with an EndpointSlice per family as the EndpointSlice controller writes
+/// them: both ClusterIPs are programmed, each with its family's endpoints, and one client
+/// reaches it over both families. The refused service range covers the IPv6 range too: an
+/// unknown port of the IPv6 ClusterIP is rejected, an unallocated IPv6 address dropped.
+#[test]
+fn a_dual_stack_service_from_the_api_is_served_over_both_families() {
+    let c = Cluster::start_with("ka-dual", &["--service-cluster-ip-range=10.96.0.0/16,fd00:96::/108"])
+        .expect("control plane");
+    let mut env = Env::on(c, "ka-dual", &["pod-a", "pod-b", "pod-c"]);
+    env.c
+        .apply(&format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: test}}\nspec:\n  ipFamilyPolicy: RequireDualStack\n  ports:\n  - {{name: http, port: 80, protocol: TCP, targetPort: {POD_PORT}}}\n"
+        ))
+        .unwrap();
+    let ips = env.c.kubectl(&["get", "service", "-n", "test", "web", "-o", "jsonpath={.spec.clusterIPs[*]}"]).unwrap();
+    let ips: Vec<IpAddr> = ips.split_whitespace().map(|ip| ip.parse().unwrap()).collect();
+    let (IpAddr::V4(v4), IpAddr::V6(v6)) = (ips[0], ips[1]) else { panic!("allocated {ips:?}") };
+    assert!(in_service_range(v4) && v6.segments()[..2] == [0xfd00, 0x96], "allocated {ips:?}");
+    let slice_ports = [("http", POD_PORT, "TCP")];
+    let v4_pods: Vec<IpAddr> = env.h.topology.pods.iter().map(|p| p.ip.into()).collect();
+    let v6_pods: Vec<IpAddr> = env.h.topology.pods.iter().map(|p| p.ip6.into()).collect();
+    env.c.apply(&kpr::testbed::slice_manifest("test", "web", "web-ipv4", &v4_pods, &slice_ports)).unwrap();
+    env.c.apply(&kpr::testbed::slice_manifest("test", "web", "web-ipv6", &v6_pods, &slice_ports)).unwrap();
+    env.h.start_agent().unwrap();
+    env.wait(&format!("{v4}:80/TCP"), Some(3));
+    env.wait(&format!("[{v6}]:80/TCP"), Some(3));
+
+    let pods: Vec<String> = (0..3).map(|i| env.h.pod_name(i)).collect();
+    let unallocated = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0xf, 0xfff0);
+    assert_ne!(unallocated, v6);
+    let (over_v4, over_v6, unknown_port, unallocated) = env.h.client(move || {
+        let over = |addr: SocketAddr| (0..30).map(|_| tcp_ask(addr, TIMEOUT).unwrap()).collect::<Vec<_>>();
+        let refused = |addr: SocketAddr| TcpStream::connect_timeout(&addr, TIMEOUT).map(|_| ()).unwrap_err().kind();
+        (
+            over(SocketAddr::new(v4.into(), 80)),
+            over(SocketAddr::new(v6.into(), 80)),
+            refused(SocketAddr::new(v6.into(), 81)),
+            refused(SocketAddr::new(unallocated.into(), 80)),
+        )
+    });
+    for (answers, ip) in [(over_v4, IpAddr::from(v4)), (over_v6, IpAddr::from(v6))] {
+        let names: std::collections::BTreeSet<&String> = answers.iter().map(|(name, _)| name).collect();
+        assert_eq!(names.len(), 3, "every pod answers over {ip}: {names:?}");
+        assert!(names.iter().all(|n| pods.contains(n)), "{names:?}");
+        assert!(answers.iter().all(|(_, peer)| *peer == SocketAddr::new(ip, 80)), "getpeername shows {ip}");
+    }
+    assert_eq!(unknown_port, ErrorKind::ConnectionRefused, "an unknown port of the IPv6 ClusterIP");
+    assert_eq!(unallocated, ErrorKind::PermissionDenied, "an unallocated IPv6 address of the range");
 }

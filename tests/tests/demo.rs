@@ -18,6 +18,10 @@ fn the_demo_shows_cluster_ip_node_port_trace_and_endpoints() {
     for pod in ["pod-a", "pod-b", "pod-c"] {
         assert!(cluster_ip.contains(pod), "{pod} answered through the ClusterIP:\n{cluster_ip}");
     }
+    let over_ipv6 = section("TCP connections to [fd00:96::10]:80 (3 endpoints, IPv6)");
+    for pod in ["pod-a", "pod-b", "pod-c"] {
+        assert!(over_ipv6.contains(pod), "{pod} answered through the IPv6 ClusterIP:\n{over_ipv6}");
+    }
     let node_port = section("TCP connections from the external client 192.168.77.100 to the NodePort");
     assert_eq!(node_port.lines().count(), 3, "all three pods behind the NodePort:\n{node_port}");
     assert!(

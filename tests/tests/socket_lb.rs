@@ -2,14 +2,14 @@
 //! sockets in a child cgroup inside a node namespace, backends in pod namespaces.
 //! Needs root; run one at a time (`cargo xtask test` does).
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     io::{BufRead as _, BufReader, ErrorKind, Write as _},
-    net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket},
     time::Duration,
 };
 
 use kpr::testbed::{tcp_ask, udp_ask, udp_connected_ask};
-use kpr_tests::{Harness, POD_PORT, TIMEOUT, sa};
+use kpr_tests::{Harness, POD_PORT, TIMEOUT, sa, sa6};
 
 const IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const HTTP: (&str, u16, &str) = ("http", 80, "TCP");
@@ -232,7 +232,7 @@ fn malformed_manifests_are_skipped_and_good_services_keep_working() {
     h.write("0-garbage.yaml", "kind: Service\n  this: is: not yaml\n").unwrap();
     h.write(
         "1-bad-ip.yaml",
-        &kpr::testbed::service_manifest("test", "bad-ip", Ipv4Addr::new(10, 96, 0, 20), &[HTTP])
+        &kpr::testbed::service_manifest("test", "bad-ip", &[Ipv4Addr::new(10, 96, 0, 20).into()], &[HTTP])
             .replace("10.96.0.20", "10.96.0.300"),
     )
     .unwrap();
@@ -241,7 +241,7 @@ fn malformed_manifests_are_skipped_and_good_services_keep_working() {
         &kpr::testbed::service_manifest(
             "test",
             "bad-port",
-            Ipv4Addr::new(10, 96, 0, 21),
+            &[Ipv4Addr::new(10, 96, 0, 21).into()],
             &[("x", 0, "TCP"), ("y", 81, "TCP")],
         ),
     )
@@ -360,7 +360,7 @@ fn external_ip_takeover(h: &mut Harness, own_cgroup: bool) -> (Ipv4Addr, kpr::te
     const OWNED: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
     h.topology.client.ip(&["addr", "add", &format!("{OWNED}/32"), "dev", "lo"]).unwrap();
     let owner = kpr::testbed::NameServer::tcp(&h.topology.client, sa(OWNED, 80), "owner").unwrap();
-    let manifest = kpr::testbed::service_manifest("test", "web", IP, &[HTTP])
+    let manifest = kpr::testbed::service_manifest("test", "web", &[IP.into()], &[HTTP])
         .replace("  ports:\n", &format!("  externalIPs: [{OWNED}]\n  ports:\n"));
     h.write("web-svc.yaml", &manifest).unwrap();
     h.write_endpoints("web", &[HTTP], &[0]).unwrap();
@@ -411,7 +411,7 @@ fn an_agent_sharing_its_cgroup_exempts_nobody() {
 #[test]
 fn session_affinity_keeps_a_client_on_its_endpoint_until_it_leaves_or_times_out() {
     let mut h = Harness::new("kt-affinity", &["pod-a", "pod-b", "pod-c"]).unwrap();
-    let manifest = kpr::testbed::service_manifest("test", "web", IP, &[HTTP, DNS]).replace(
+    let manifest = kpr::testbed::service_manifest("test", "web", &[IP.into()], &[HTTP, DNS]).replace(
         "  ports:\n",
         "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 1}}\n  ports:\n",
     );
@@ -505,4 +505,98 @@ fn a_connected_udp_socket_whose_endpoint_leaves_is_aborted_and_reconnects_elsewh
     doomed.set_nonblocking(false).unwrap();
     assert_eq!(ask(&doomed).unwrap(), stays);
     assert_eq!(ask(&kept).unwrap(), stays);
+}
+
+const IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x10);
+
+/// An IPv6 client reaches an IPv6-only Service: TCP, unconnected and connected UDP each reach
+/// a backend over IPv6, and the application sees the ClusterIP as its peer.
+#[test]
+fn an_ipv6_cluster_ip_is_balanced_and_the_app_sees_the_cluster_ip() {
+    let mut h = Harness::new("kt-v6", &["pod-a", "pod-b", "pod-c"]).unwrap();
+    h.write_service_ips("web", &[IP6.into()], &[HTTP, DNS], &[0, 1, 2]).unwrap();
+    h.start_agent().unwrap();
+    h.wait("[fd00:96::10]:80/TCP", Some(3)).unwrap();
+    h.wait("[fd00:96::10]:53/UDP", Some(3)).unwrap();
+    let pods: Vec<String> = (0..3).map(|i| h.pod_name(i)).collect();
+    let (tcp, udp, udp_conn, peer) = h.client(|| {
+        (
+            tcp_ask(sa6(IP6, 80), TIMEOUT).unwrap(),
+            udp_ask(sa6(IP6, 53), TIMEOUT).unwrap(),
+            udp_connected_ask(sa6(IP6, 53), TIMEOUT).unwrap(),
+            kpr::testbed::tcp_ask_peer(sa6(IP6, 80), TIMEOUT).unwrap(),
+        )
+    });
+    let cluster = |port| SocketAddr::from(sa6(IP6, port));
+    assert!(pods.contains(&tcp.0), "TCP answered by {}", tcp.0);
+    assert_eq!(tcp.1, cluster(80), "getpeername shows the ClusterIP");
+    assert!(pods.contains(&udp.0), "UDP answered by {}", udp.0);
+    assert_eq!(udp.1, cluster(53), "recvfrom shows the ClusterIP as the source");
+    assert!(pods.contains(&udp_conn.0), "connected UDP answered by {}", udp_conn.0);
+    assert_eq!(udp_conn.1, cluster(53), "getpeername of a connected UDP socket");
+    // The backend sees the node's own IPv6 address on the pod's link (no masquerade).
+    let pod = (0..3).find(|&i| h.pod_name(i) == peer.0).unwrap() + 1;
+    assert_eq!(peer.1, format!("fd00:10:244:{pod:x}::1"), "source seen by {}", peer.0);
+
+    // Every backend answers new connections.
+    let seen: BTreeSet<String> = h.client(|| (0..60).map(|_| tcp_ask(sa6(IP6, 80), TIMEOUT).unwrap().0).collect());
+    assert_eq!(seen.len(), 3, "{seen:?}");
+
+    // The operator's view shows the IPv6 frontend and its IPv6 backends.
+    let out = std::process::Command::new(kpr_tests::kpr_bin())
+        .arg("services")
+        .arg("--pin-root")
+        .arg(&h.pin_root)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.contains("[fd00:96::10]:80/TCP")).unwrap_or_else(|| panic!("{text}"));
+    for i in 0..3 {
+        assert!(line.contains(&format!("[{}]:{POD_PORT}", h.topology.pods[i].ip6)), "{line}");
+    }
+
+    // Without IPv6 endpoints the IPv6 ClusterIP refuses (kube-proxy's REJECT).
+    h.write_endpoints_of("web", true, &[HTTP, DNS], &[]).unwrap();
+    h.wait("[fd00:96::10]:80/TCP", Some(0)).unwrap();
+    let refused = h.client(|| std::net::TcpStream::connect_timeout(&sa6(IP6, 80).into(), TIMEOUT).map(|_| ()));
+    assert_eq!(refused.unwrap_err().kind(), ErrorKind::ConnectionRefused);
+}
+
+/// A dual-stack Service (PreferDualStack) from one client: over IPv4 to IPv4 endpoints, over
+/// IPv6 to IPv6 endpoints, each family with its own EndpointSlice (kube-proxy's proxier per
+/// family); and an IPv6 socket naming the IPv4 ClusterIP IPv4-mapped (`::ffff:10.96.0.10`)
+/// is balanced like an IPv4 one and still sees the mapped ClusterIP as its peer.
+#[test]
+fn a_dual_stack_service_is_reached_over_both_families_and_through_mapped_addresses() {
+    let mut h = Harness::new("kt-dual", &["pod-a", "pod-b", "pod-c"]).unwrap();
+    h.write_service_ips("web", &[IP.into(), IP6.into()], &[HTTP, DNS], &[0, 1, 2]).unwrap();
+    // The IPv6 slice has pod-c only: each family balances over its own endpoints.
+    h.write_endpoints_of("web", true, &[HTTP, DNS], &[2]).unwrap();
+    h.start_agent().unwrap();
+    h.wait("10.96.0.10:80/TCP", Some(3)).unwrap();
+    h.wait("[fd00:96::10]:80/TCP", Some(1)).unwrap();
+    let mapped = IP.to_ipv6_mapped();
+    let (v4, v6, via_mapped, mapped_peer, mapped_udp, mapped_source) = h.client(move || {
+        let names =
+            |addr: SocketAddr| -> BTreeSet<String> { (0..60).map(|_| tcp_ask(addr, TIMEOUT).unwrap().0).collect() };
+        let (_, mapped_peer) = tcp_ask(sa6(mapped, 80), TIMEOUT).unwrap();
+        let mapped_udp = udp_ask(sa6(mapped, 53), TIMEOUT).unwrap();
+        let (_, source) = kpr::testbed::tcp_ask_peer(sa6(mapped, 80), TIMEOUT).unwrap();
+        (
+            names(sa(IP, 80).into()),
+            names(sa6(IP6, 80).into()),
+            names(sa6(mapped, 80).into()),
+            mapped_peer,
+            mapped_udp,
+            source,
+        )
+    });
+    let all: BTreeSet<String> = (0..3).map(|i| h.pod_name(i)).collect();
+    assert_eq!(v4, all, "IPv4 reaches every IPv4 endpoint");
+    assert_eq!(v6, BTreeSet::from([h.pod_name(2)]), "IPv6 reaches the IPv6 slice's endpoint only");
+    assert_eq!(via_mapped, all, "a mapped IPv4 ClusterIP is balanced over the IPv4 endpoints");
+    assert_eq!(mapped_peer, SocketAddr::from(sa6(mapped, 80)), "getpeername shows the mapped ClusterIP");
+    assert!(all.contains(&mapped_udp.0), "UDP through the mapped ClusterIP answered by {}", mapped_udp.0);
+    assert_eq!(mapped_udp.1, SocketAddr::from(sa6(mapped, 53)), "recvfrom shows the mapped ClusterIP");
+    assert!(mapped_source.starts_with("10.244."), "the backend saw an IPv4 client: {mapped_source}");
 }

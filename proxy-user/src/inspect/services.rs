@@ -75,7 +75,7 @@ pub fn backends(programmed: &Programmed) -> Vec<String> {
         .iter()
         .map(|b| {
             let (ip, port) = backend_addr(b);
-            format!("{ip}:{port}")
+            std::net::SocketAddr::new(ip, port).to_string()
         })
         .collect()
 }

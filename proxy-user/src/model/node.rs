@@ -284,6 +284,11 @@ mod tests {
         assert_eq!(nodeports(&plan(&host(), Some(&node), &settings)), ["172.16.0.2"]);
         let settings = NodeSettings { node_port_addresses: vec![NodePortAddress::Primary], ..settings };
         assert_eq!(nodeports(&plan(&host(), Some(&node), &settings)), ["192.168.0.2"]);
+        // `primary` is the node IP of each family: an IPv6 one only when the node has one
+        // (kube-proxy takes no link address for its second family).
+        let dual =
+            NodeObject { addresses: vec!["192.168.0.2".parse().unwrap(), "fd00::2".parse().unwrap()], ..node.clone() };
+        assert_eq!(nodeports(&plan(&host(), Some(&dual), &settings)), ["192.168.0.2", "fd00::2"]);
         let with_loopback = vec![NodePortAddress::Cidr("127.0.0.0/8".parse().unwrap()), NodePortAddress::Primary];
         let settings = NodeSettings { node_port_addresses: with_loopback, ..settings };
         assert_eq!(nodeports(&plan(&host(), Some(&node), &settings)), ["192.168.0.2"]);

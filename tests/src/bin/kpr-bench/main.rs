@@ -1,13 +1,14 @@
 //! `cargo xtask bench`: socket-LB benchmarks. Prints a table and writes target/bench/socket_lb.json.
 //!
 //! 1. Connection rate and connect() latency through a ClusterIP vs straight to the backend, with
-//!    100 / 10k / 50k service ports programmed (alternating A/B rounds, one client thread).
+//!    100 / 10k / 50k service ports programmed (alternating A/B rounds, one client thread),
+//!    over IPv4 and over IPv6.
 //! 2. Time to program 10k service ports × 4 endpoints from cold, once the agent holds them.
 //! 3. Time from a manifest change to the map update, through the real agent.
 use std::{
     collections::BTreeMap,
     io::Read as _,
-    net::{Ipv4Addr, SocketAddrV4, TcpStream},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, TcpStream},
     os::fd::AsRawFd as _,
     process::Command,
     time::{Duration, Instant},
@@ -30,6 +31,7 @@ use kpr_tests::Harness;
 use serde_json::json;
 
 const TARGET_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const TARGET_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x10);
 const BENCH_PORT: u16 = 8081;
 
 mod chart;
@@ -62,7 +64,8 @@ fn main() -> Result<()> {
     let sizes: &[usize] = if quick { &[100, 10_000] } else { &[100, 10_000, 50_000] };
     let (rounds, per_round) = if quick { (4, 500) } else { (24, 500) };
 
-    let conn = connection_rate(sizes, rounds, per_round)?;
+    let conn = connection_rate(sizes, rounds, per_round, false)?;
+    let conn6 = connection_rate(sizes, rounds, per_round, true)?;
     let program = programming_time(10_000, 4)?;
     let latency = event_latency(if quick { 10 } else { 30 })?;
     let per_packet = tc_ns_per_packet(if quick { 20_000 } else { 200_000 })?;
@@ -74,7 +77,7 @@ fn main() -> Result<()> {
     )?;
 
     let mut result = json!({
-        "connection_rate": conn, "programming": program, "event_to_datapath": latency,
+        "connection_rate": conn, "connection_rate_ipv6": conn6, "programming": program, "event_to_datapath": latency,
         "tc_per_packet": per_packet, "node_port": node_port,
     });
     write_json("socket_lb.json", &result)?;
@@ -124,18 +127,28 @@ fn write_json(name: &str, result: &serde_json::Value) -> Result<()> {
     Ok(())
 }
 
-fn desired_with(n: usize, backends_per_service: usize, target_backend: Ipv4Addr) -> Desired {
+fn desired_with(n: usize, backends_per_service: usize, target_backend: impl Into<IpAddr>) -> Desired {
+    let target_backend: IpAddr = target_backend.into();
+    let v6 = target_backend.is_ipv6();
     let mut desired = Desired::new();
     for i in 0..n {
-        let (ip, backends) = if i == 0 {
-            (TARGET_IP, vec![(target_backend.into(), BENCH_PORT)])
+        let (ip, backends): (IpAddr, _) = if i == 0 {
+            let target = if v6 { IpAddr::from(TARGET_IP6) } else { TARGET_IP.into() };
+            (target, vec![(target_backend, BENCH_PORT)])
+        } else if v6 {
+            // Fillers on fd00:100::/64, with backends in fd00:200::/64.
+            let ip = Ipv6Addr::from(u128::from(Ipv6Addr::new(0xfd00, 0x100, 0, 0, 0, 0, 0, 0)) + i as u128);
+            let bs = (0..backends_per_service)
+                .map(|b| (Ipv6Addr::new(0xfd00, 0x200, 0, 0, 0, 0, b as u16, i as u16).into(), 8080))
+                .collect();
+            (ip.into(), bs)
         } else {
             // Fillers on 10.100.0.0/16 and up, each with its own backends.
             let ip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 100, 0, 0)) + i as u32);
             let bs = (0..backends_per_service)
                 .map(|b| (Ipv4Addr::new(10, 200, (b % 250) as u8, (i % 250) as u8 + 1).into(), 8080))
                 .collect();
-            (ip, bs)
+            (ip.into(), bs)
         };
         let name = ServicePortName {
             service: ObjectKey::new("bench", format!("svc-{i}")),
@@ -151,9 +164,9 @@ fn desired_with(n: usize, backends_per_service: usize, target_backend: Ipv4Addr)
 }
 
 /// Connect, read the pod's name, close with RST (no TIME_WAIT: no port exhaustion).
-fn one_connection(addr: SocketAddrV4) -> Result<Duration> {
+fn one_connection(addr: impl Into<SocketAddr>) -> Result<Duration> {
     let started = Instant::now();
-    let mut conn = TcpStream::connect(addr)?;
+    let mut conn = TcpStream::connect(addr.into())?;
     let connected = started.elapsed();
     let mut buf = [0u8; 64];
     let _ = conn.read(&mut buf)?;
@@ -176,10 +189,15 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
     sorted[i].as_secs_f64() * 1e6
 }
 
-fn connection_rate(sizes: &[usize], rounds: usize, per_round: usize) -> Result<serde_json::Value> {
+/// Connection rate over IPv4, or over IPv6 (`v6`): an IPv6 ClusterIP, an IPv6 pod.
+fn connection_rate(sizes: &[usize], rounds: usize, per_round: usize, v6: bool) -> Result<serde_json::Value> {
     let name = testbed::unique_name("kb-conn");
     let topology = Topology::new(&name, &["pod"])?;
-    let pod = topology.pods[0].ip;
+    let (pod, target): (IpAddr, IpAddr) = if v6 {
+        (topology.pods[0].ip6.into(), TARGET_IP6.into())
+    } else {
+        (topology.pods[0].ip.into(), TARGET_IP.into())
+    };
     // A single-threaded accept → write → close server: its cost per connection is small and
     // steady, so the client-side difference (the socket hook) is not buried in server noise.
     let listener = topology.pods[0].netns.run(move || std::net::TcpListener::bind((pod, BENCH_PORT)))??;
@@ -198,7 +216,10 @@ fn connection_rate(sizes: &[usize], rounds: usize, per_round: usize) -> Result<s
     let mut programmer = Programmer::recover(&mut datapath.maps)?;
     cgroup.enter()?;
 
-    println!("connection rate, one client thread, new TCP connection per request ({rounds} A/B rounds × {per_round})");
+    let family = if v6 { "IPv6" } else { "IPv4" };
+    println!(
+        "{family} connection rate, one client thread, new TCP connection per request ({rounds} A/B rounds × {per_round})"
+    );
     println!(
         "{:>8} {:>12} {:>12} {:>7} {:>10} {:>10} {:>10} {:>10}",
         "services", "direct c/s", "kpr c/s", "ratio", "direct p50", "kpr p50", "direct p99", "kpr p99"
@@ -210,11 +231,11 @@ fn connection_rate(sizes: &[usize], rounds: usize, per_round: usize) -> Result<s
             let mut lat: BTreeMap<&str, Vec<Duration>> = BTreeMap::new();
             let mut time: BTreeMap<&str, Duration> = BTreeMap::new();
             for _ in 0..50 {
-                one_connection(SocketAddrV4::new(TARGET_IP, 80))?; // warm-up
+                one_connection(SocketAddr::new(target, 80))?; // warm-up
             }
             for _ in 0..rounds {
                 for (label, addr) in
-                    [("direct", SocketAddrV4::new(pod, BENCH_PORT)), ("kpr", SocketAddrV4::new(TARGET_IP, 80))]
+                    [("direct", SocketAddr::new(pod, BENCH_PORT)), ("kpr", SocketAddr::new(target, 80))]
                 {
                     let started = Instant::now();
                     for _ in 0..per_round {
