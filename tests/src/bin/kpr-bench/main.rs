@@ -51,6 +51,15 @@ fn main() -> Result<()> {
         })?;
         return Ok(());
     }
+    // --connection-rate: only the socket-LB connection rate, over IPv4 and IPv6.
+    if args.iter().any(|a| a == "--connection-rate") {
+        let (rounds, per_round) = if quick { (4, 500) } else { (24, 500) };
+        let sizes: &[usize] = if quick { &[100, 10_000] } else { &[100, 10_000, 50_000] };
+        let conn = connection_rate(sizes, rounds, per_round, false)?;
+        let conn6 = connection_rate(sizes, rounds, per_round, true)?;
+        write_json("connection_rate.json", &json!({"connection_rate": conn, "connection_rate_ipv6": conn6}))?;
+        return Ok(());
+    }
     if args.iter().any(|a| a == "--tc-only") {
         println!("{}", tc_ns_per_packet(200_000)?);
         return Ok(());
