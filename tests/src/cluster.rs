@@ -371,6 +371,13 @@ impl Cluster {
     }
 
     /// The ClusterIP the API server allocated to `namespace/name`.
+    /// The ClusterIPs of Service `namespace/name` (`spec.clusterIPs`: one per family).
+    pub fn cluster_ips(&self, namespace: &str, name: &str) -> Result<Vec<std::net::IpAddr>> {
+        let out = self.kubectl(&["get", "service", "-n", namespace, name, "-o", "jsonpath={.spec.clusterIPs[*]}"])?;
+        let ips = out.split_whitespace().map(str::parse).collect::<Result<Vec<_>, _>>();
+        ips.with_context(|| format!("service {namespace}/{name} has clusterIPs {out:?}"))
+    }
+
     pub fn cluster_ip(&self, namespace: &str, name: &str) -> Result<Ipv4Addr> {
         let out = self.kubectl(&["get", "service", "-n", namespace, name, "-o", "jsonpath={.spec.clusterIP}"])?;
         out.trim().parse().with_context(|| format!("service {namespace}/{name} has clusterIP {out:?}"))

@@ -5,7 +5,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     io::ErrorKind,
-    net::{Ipv4Addr, SocketAddrV4, TcpStream, UdpSocket},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket},
     path::Path,
     process::{Command, Stdio},
     time::Duration,
@@ -106,7 +106,7 @@ fn errno_name(e: &std::io::Error) -> String {
 }
 
 /// Ask `addr` `n` times; every attempt uses a new socket, bound to `source` when given.
-pub fn probe(kind: Kind, addr: SocketAddrV4, n: usize, timeout: Duration, source: Option<Ipv4Addr>) -> Outcome {
+pub fn probe(kind: Kind, addr: SocketAddr, n: usize, timeout: Duration, source: Option<IpAddr>) -> Outcome {
     let mut out = Outcome::default();
     for _ in 0..n {
         match ask(kind, addr, timeout, source) {
@@ -122,14 +122,15 @@ pub fn probe(kind: Kind, addr: SocketAddrV4, n: usize, timeout: Duration, source
 
 type Attempt = std::result::Result<(String, String), (&'static str, std::io::Error)>;
 
-fn ask(kind: Kind, addr: SocketAddrV4, timeout: Duration, source: Option<Ipv4Addr>) -> Attempt {
+fn ask(kind: Kind, addr: SocketAddr, timeout: Duration, source: Option<IpAddr>) -> Attempt {
     use std::io::{BufRead as _, BufReader, Write as _};
     let mut buf = [0u8; 256];
-    let local = SocketAddrV4::new(source.unwrap_or(Ipv4Addr::UNSPECIFIED), 0);
+    let any: IpAddr = if addr.is_ipv4() { Ipv4Addr::UNSPECIFIED.into() } else { Ipv6Addr::UNSPECIFIED.into() };
+    let local = SocketAddr::new(source.unwrap_or(any), 0);
     match kind {
         Kind::Tcp | Kind::TcpSource => {
-            let socket =
-                socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).map_err(|e| ("socket", e))?;
+            let domain = if addr.is_ipv4() { socket2::Domain::IPV4 } else { socket2::Domain::IPV6 };
+            let socket = socket2::Socket::new(domain, socket2::Type::STREAM, None).map_err(|e| ("socket", e))?;
             if source.is_some() {
                 socket.bind(&local.into()).map_err(|e| ("bind", e))?;
             }
@@ -183,7 +184,7 @@ pub fn probe_in(
     netns: &str,
     cgroup: &Path,
     kind: Kind,
-    addr: SocketAddrV4,
+    addr: impl Into<SocketAddr>,
     n: usize,
     timeout: Duration,
 ) -> Result<Outcome> {
@@ -197,11 +198,12 @@ pub fn probe_from(
     netns: &str,
     cgroup: &Path,
     kind: Kind,
-    addr: SocketAddrV4,
+    addr: impl Into<SocketAddr>,
     n: usize,
     timeout: Duration,
     source: Option<Ipv4Addr>,
 ) -> Result<Outcome> {
+    let addr: SocketAddr = addr.into();
     let mut cmd = Command::new("ip");
     cmd.args(["netns", "exec", netns]).arg(exe).args([
         kind.as_str(),

@@ -9,7 +9,7 @@
 //! in the other, inside kpr's cgroup. Needs root; `cargo xtask test` runs it.
 use std::{
     collections::BTreeSet,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, SocketAddr, SocketAddrV4},
     path::PathBuf,
     time::Duration,
 };
@@ -25,6 +25,8 @@ const PODS: [&str; 3] = ["pod-a", "pod-b", "pod-c"];
 /// Second port the pods serve (TCP and UDP), answering `<pod>:8081`.
 const ALT_PORT: u16 = 8081;
 const PROBE_TIMEOUT: Duration = Duration::from_millis(1500);
+/// The cluster's service range, dual-stack: the IPv6 scenarios get a ClusterIP of each family.
+const DUAL_STACK_RANGE: &str = "--service-cluster-ip-range=10.96.0.0/16,fd00:96::/108";
 
 /// An endpoint: pod index and conditions (ready, serving, terminating); `None` = unset.
 #[derive(Clone, Copy)]
@@ -56,6 +58,9 @@ struct Scenario {
     affinity: Option<u32>,
     /// (kind, service port, expected outcome).
     probes: &'static [(Kind, u16, Expect)],
+    /// A dual-stack Service (RequireDualStack): whether its IPv6 EndpointSlice lists the same
+    /// endpoints (else there is none), and the probes of its IPv6 ClusterIP.
+    ipv6: Option<(bool, &'static [(Kind, u16, Expect)])>,
 }
 
 fn scenarios() -> Vec<Scenario> {
@@ -71,6 +76,7 @@ fn scenarios() -> Vec<Scenario> {
             slice_ports: Some(SLICE_TCP),
             endpoints: vec![READY(0), READY(1), READY(2)],
             affinity: None,
+            ipv6: None,
             probes: &[(Tcp, 80, Backends(&["pod-a", "pod-b", "pod-c"]))],
         },
         Scenario {
@@ -79,6 +85,7 @@ fn scenarios() -> Vec<Scenario> {
             slice_ports: Some(&[("dns", POD_PORT, "UDP")]),
             endpoints: vec![READY(0), READY(2)],
             affinity: None,
+            ipv6: None,
             probes: &[(Udp, 53, Backends(&["pod-a", "pod-c"])), (UdpConnected, 53, Backends(&["pod-a", "pod-c"]))],
         },
         // Named ports: the slice lists them in another order, with another unrelated port;
@@ -94,6 +101,7 @@ fn scenarios() -> Vec<Scenario> {
             ]),
             endpoints: vec![READY(1), READY(2)],
             affinity: None,
+            ipv6: None,
             probes: &[
                 (Tcp, 80, Backends(&["pod-b", "pod-c"])),
                 (Tcp, 81, Backends(&["pod-b:8081", "pod-c:8081"])),
@@ -107,6 +115,7 @@ fn scenarios() -> Vec<Scenario> {
             slice_ports: Some(SLICE_TCP),
             endpoints: vec![READY(0), NOT_READY(1), TERMINATING_SERVING(2)],
             affinity: None,
+            ipv6: None,
             probes: &[(Tcp, 80, Backends(&["pod-a"]))],
         },
         // No ready endpoint: fall back to the serving terminating ones.
@@ -116,6 +125,7 @@ fn scenarios() -> Vec<Scenario> {
             slice_ports: Some(SLICE_TCP),
             endpoints: vec![NOT_READY(0), TERMINATING_SERVING(1), TERMINATING_NOT_SERVING(2)],
             affinity: None,
+            ipv6: None,
             probes: &[(Tcp, 80, Backends(&["pod-b"]))],
         },
         // Conditions left unset count as ready and serving.
@@ -125,6 +135,7 @@ fn scenarios() -> Vec<Scenario> {
             slice_ports: Some(SLICE_TCP),
             endpoints: vec![Ep(0, None, None, None), Ep(1, None, None, None)],
             affinity: None,
+            ipv6: None,
             probes: &[(Tcp, 80, Backends(&["pod-a", "pod-b"]))],
         },
         Scenario {
@@ -133,6 +144,7 @@ fn scenarios() -> Vec<Scenario> {
             slice_ports: Some(SLICE_TCP),
             endpoints: vec![NOT_READY(0), TERMINATING_NOT_SERVING(1)],
             affinity: None,
+            ipv6: None,
             probes: REFUSED_TCP,
         },
         Scenario {
@@ -141,6 +153,7 @@ fn scenarios() -> Vec<Scenario> {
             slice_ports: Some(&[("http", POD_PORT, "TCP"), ("dns", POD_PORT, "UDP")]),
             endpoints: vec![],
             affinity: None,
+            ipv6: None,
             probes: &[
                 (Tcp, 80, Errors(&["connect:ECONNREFUSED"])),
                 (Udp, 53, Errors(&["send:ECONNREFUSED"])),
@@ -154,7 +167,35 @@ fn scenarios() -> Vec<Scenario> {
             slice_ports: Some(&[("http", POD_PORT, "TCP"), ("dns", POD_PORT, "UDP")]),
             endpoints: vec![READY(0), READY(1), READY(2)],
             affinity: Some(10_800),
+            ipv6: None,
             probes: &[(Tcp, 80, OneOf(&["pod-a", "pod-b", "pod-c"])), (Udp, 53, OneOf(&["pod-a", "pod-b", "pod-c"]))],
+        },
+        // Dual-stack: each family balances over its own EndpointSlice, as kube-proxy's two
+        // proxiers do; without IPv6 endpoints the IPv6 ClusterIP rejects while IPv4 serves.
+        Scenario {
+            service: "dual",
+            ports: &[("http", 80, "TCP"), ("dns", 53, "UDP")],
+            slice_ports: Some(&[("http", POD_PORT, "TCP"), ("dns", POD_PORT, "UDP")]),
+            endpoints: vec![READY(0), READY(1), NOT_READY(2)],
+            affinity: None,
+            probes: &[(Tcp, 80, Backends(&["pod-a", "pod-b"])), (Udp, 53, Backends(&["pod-a", "pod-b"]))],
+            ipv6: Some((
+                true,
+                &[
+                    (Tcp, 80, Backends(&["pod-a", "pod-b"])),
+                    (Udp, 53, Backends(&["pod-a", "pod-b"])),
+                    (UdpConnected, 53, Backends(&["pod-a", "pod-b"])),
+                ],
+            )),
+        },
+        Scenario {
+            service: "dual-v4-only",
+            ports: TCP80,
+            slice_ports: Some(SLICE_TCP),
+            endpoints: vec![READY(0), READY(2)],
+            affinity: None,
+            probes: &[(Tcp, 80, Backends(&["pod-a", "pod-c"]))],
+            ipv6: Some((false, REFUSED_TCP)),
         },
         Scenario {
             service: "no-slice",
@@ -162,6 +203,7 @@ fn scenarios() -> Vec<Scenario> {
             slice_ports: None,
             endpoints: vec![],
             affinity: None,
+            ipv6: None,
             probes: REFUSED_TCP,
         },
     ]
@@ -214,13 +256,17 @@ fn service_yaml(s: &Scenario) -> String {
             format!("  sessionAffinity: ClientIP\n  sessionAffinityConfig: {{clientIP: {{timeoutSeconds: {t}}}}}\n")
         })
         .unwrap_or_default();
+    let dual = if s.ipv6.is_some() { "  ipFamilyPolicy: RequireDualStack\n" } else { "" };
     format!(
-        "apiVersion: v1\nkind: Service\nmetadata: {{name: {}, namespace: test}}\nspec:\n{affinity}  ports:\n{ports}",
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {}, namespace: test}}\nspec:\n{affinity}{dual}  ports:\n{ports}",
         s.service
     )
 }
 
-fn slice_yaml(s: &Scenario, pod_ips: &[Ipv4Addr]) -> Option<String> {
+/// The EndpointSlice of `s` in the family of `pod_ips` (pod index → address).
+fn slice_yaml(s: &Scenario, pod_ips: &[IpAddr]) -> Option<String> {
+    let v6 = pod_ips.first().is_some_and(IpAddr::is_ipv6);
+    let (suffix, address_type) = if v6 { ("v6", "IPv6") } else { ("x1y2z", "IPv4") };
     let ports: String =
         s.slice_ports?.iter().map(|(n, p, proto)| format!("- {{name: {n}, port: {p}, protocol: {proto}}}\n")).collect();
     let cond = |name: &str, v: Option<bool>| v.map(|v| format!("{name}: {v}, ")).unwrap_or_default();
@@ -239,7 +285,7 @@ fn slice_yaml(s: &Scenario, pod_ips: &[Ipv4Addr]) -> Option<String> {
         })
         .collect();
     Some(format!(
-        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {0}-x1y2z\n  namespace: test\n  labels:\n    kubernetes.io/service-name: {0}\n    endpointslice.kubernetes.io/managed-by: endpointslice-controller.k8s.io\naddressType: IPv4\nendpoints:{1}ports:\n{2}",
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {0}-{suffix}\n  namespace: test\n  labels:\n    kubernetes.io/service-name: {0}\n    endpointslice.kubernetes.io/managed-by: endpointslice-controller.k8s.io\naddressType: {address_type}\nendpoints:{1}ports:\n{2}",
         s.service,
         if endpoints.is_empty() { " []\n".to_owned() } else { format!("\n{endpoints}") },
         ports
@@ -255,7 +301,7 @@ fn programmed_backends(expect: &Expect) -> usize {
 }
 
 /// Does `outcome` satisfy `expect` for a probe of `addr`?
-fn check(outcome: &Outcome, expect: &Expect, addr: SocketAddrV4, n: usize) -> Result<(), String> {
+fn check(outcome: &Outcome, expect: &Expect, addr: SocketAddr, n: usize) -> Result<(), String> {
     let ok = match expect {
         Expect::Backends(b) => {
             outcome.errors.is_empty()
@@ -278,7 +324,7 @@ fn check(outcome: &Outcome, expect: &Expect, addr: SocketAddrV4, n: usize) -> Re
 }
 
 fn differential(mode: &str) {
-    let cluster = Cluster::start(&format!("kp-{}", &mode[..3])).expect("control plane");
+    let cluster = Cluster::start_with(&format!("kp-{}", &mode[..3]), &[DUAL_STACK_RANGE]).expect("control plane");
     // Pods, kpr's node namespace and cgroup (this process joins it), the agent on the API.
     let mut h = Harness::new(&format!("kp{}", &mode[..3]), &PODS).expect("harness");
     h.kubeconfig = Some(cluster.admin_kubeconfig.clone());
@@ -294,8 +340,10 @@ fn differential(mode: &str) {
         servers.push(NameServer::tcp(&pod.netns, addr, &name).unwrap());
         servers.push(NameServer::udp(&pod.netns, addr, &name).unwrap());
     }
-    let pod_ips: Vec<Ipv4Addr> = h.topology.pods.iter().map(|p| p.ip).collect();
-    assert_eq!(pod_ips, kp_topology.pods.iter().map(|p| p.ip).collect::<Vec<_>>());
+    let pod_ips: Vec<IpAddr> = h.topology.pods.iter().map(|p| p.ip.into()).collect();
+    let pod_ips6: Vec<IpAddr> = h.topology.pods.iter().map(|p| p.ip6.into()).collect();
+    assert_eq!(pod_ips, kp_topology.pods.iter().map(|p| IpAddr::from(p.ip)).collect::<Vec<_>>());
+    assert_eq!(pod_ips6, kp_topology.pods.iter().map(|p| IpAddr::from(p.ip6)).collect::<Vec<_>>());
 
     // The scenarios, applied once through the API.
     let scenarios = scenarios();
@@ -309,19 +357,34 @@ fn differential(mode: &str) {
             yaml += "---\n";
             yaml += &slice;
         }
+        if let Some((true, _)) = s.ipv6
+            && let Some(slice) = slice_yaml(s, &pod_ips6)
+        {
+            yaml += "---\n";
+            yaml += &slice;
+        }
     }
     cluster.apply(&yaml).unwrap();
     let applied = unix_now();
-    let ips: Vec<Ipv4Addr> = scenarios.iter().map(|s| cluster.cluster_ip("test", s.service).unwrap()).collect();
+    // Every probe: (scenario, the ClusterIP of its family, kind, port, expectation).
+    let mut probes = Vec::new();
+    for s in &scenarios {
+        let ips = cluster.cluster_ips("test", s.service).unwrap();
+        probes.extend(s.probes.iter().map(|(kind, port, expect)| (s, ips[0], *kind, *port, expect)));
+        if let Some((_, probes6)) = s.ipv6 {
+            assert!(ips.len() == 2 && ips[1].is_ipv6(), "{} allocated {ips:?}", s.service);
+            probes.extend(probes6.iter().map(|(kind, port, expect)| (s, ips[1], *kind, *port, expect)));
+        }
+    }
 
+    // kube-proxy DNATs after the route lookup: the IPv6 service range needs a route too.
+    kp_topology.client.ip(&["-6", "route", "add", "fd00:96::/108", "dev", "veth0"]).unwrap();
     let mut kube_proxy = KubeProxy::start(&cluster, &kp_topology.client, mode, "kp-node", "veth0").expect("kube-proxy");
     h.start_agent().unwrap();
-    for (s, ip) in scenarios.iter().zip(&ips) {
-        for (kind, port, expect) in s.probes {
-            let proto = if *kind == Kind::Tcp { "TCP" } else { "UDP" };
-            h.wait_for(&format!("{ip}:{port}/{proto}"), Some(programmed_backends(expect)), Duration::from_secs(30))
-                .unwrap();
-        }
+    for (_, ip, kind, port, expect) in &probes {
+        let proto = if *kind == Kind::Tcp { "TCP" } else { "UDP" };
+        let address = format!("{}/{proto}", SocketAddr::new(*ip, *port));
+        h.wait_for(&address, Some(programmed_backends(expect)), Duration::from_secs(30)).unwrap();
     }
     kube_proxy.wait_synced_after(applied, Duration::from_secs(60)).unwrap();
     assert_eq!(kube_proxy.http_get(10249, "/proxyMode").unwrap().lines().last(), Some(mode), "kube-proxy's mode");
@@ -329,9 +392,10 @@ fn differential(mode: &str) {
     let probe_exe = PathBuf::from(env!("CARGO_BIN_EXE_kpr-probe"));
     let mut failures = Vec::new();
     let mut report = Vec::new();
-    for (s, ip) in scenarios.iter().zip(&ips) {
-        for (kind, port, expect) in s.probes {
-            let addr = SocketAddrV4::new(*ip, *port);
+    for (s, ip, kind, port, expect) in &probes {
+        {
+            let (kind, port) = (kind, port);
+            let addr = SocketAddr::new(*ip, *port);
             let n = if matches!(expect, Expect::Errors(_)) { 3 } else { 30 };
             let via_kube_proxy =
                 probe_in(&probe_exe, &kp_topology.client.name, cluster.home_cgroup(), *kind, addr, n, PROBE_TIMEOUT)
