@@ -127,8 +127,10 @@ impl Container {
     fn run(id: &str, state: &Path, bundle: &Path, log: &Path) -> Self {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
         let mut c = Self { id: id.to_owned(), state: state.to_owned(), child: None };
-        let child = c
-            .runc()
+        let mut run = c.runc();
+        // A test killed outright takes its runc (and so the container's agent) with it.
+        kpr::testbed::die_with_parent(&mut run);
+        let child = run
             .args(["run", "--bundle"])
             .arg(bundle)
             .arg(id)

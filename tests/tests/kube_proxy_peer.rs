@@ -47,6 +47,9 @@ enum Expect {
     OneOf(&'static [&'static str]),
 }
 
+/// Probes of one ClusterIP: (kind, service port, expected outcome).
+type Probes = &'static [(Kind, u16, Expect)];
+
 struct Scenario {
     service: &'static str,
     /// Service ports: (name, port, protocol).
@@ -57,10 +60,10 @@ struct Scenario {
     /// sessionAffinity ClientIP with this timeout (seconds).
     affinity: Option<u32>,
     /// (kind, service port, expected outcome).
-    probes: &'static [(Kind, u16, Expect)],
+    probes: Probes,
     /// A dual-stack Service (RequireDualStack): whether its IPv6 EndpointSlice lists the same
     /// endpoints (else there is none), and the probes of its IPv6 ClusterIP.
-    ipv6: Option<(bool, &'static [(Kind, u16, Expect)])>,
+    ipv6: Option<(bool, Probes)>,
 }
 
 fn scenarios() -> Vec<Scenario> {

@@ -56,6 +56,19 @@ fn assert_echoes(conn: &mut TcpStream, payload: &str) {
     assert_eq!(line.trim_end(), payload);
 }
 
+/// `kpr services` on the harness's pins: its whole output, and the line of `frontend`.
+fn kpr_services(h: &Harness, frontend: &str) -> (String, String) {
+    let out = std::process::Command::new(kpr_tests::kpr_bin())
+        .arg("services")
+        .arg("--pin-root")
+        .arg(&h.pin_root)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let line = text.lines().find(|l| l.contains(frontend)).unwrap_or_else(|| panic!("{frontend} not in:\n{text}"));
+    (text.clone(), line.to_owned())
+}
+
 #[test]
 fn tcp_and_udp_reach_a_backend_and_the_app_sees_the_cluster_ip() {
     let h = setup("kt-basic", &["pod-a", "pod-b", "pod-c"]);
@@ -77,14 +90,7 @@ fn tcp_and_udp_reach_a_backend_and_the_app_sees_the_cluster_ip() {
     assert!(h.counter("translated") >= 3);
 
     // The operator's view: `kpr services` lists the service port and its backends.
-    let out = std::process::Command::new(kpr_tests::kpr_bin())
-        .arg("services")
-        .arg("--pin-root")
-        .arg(&h.pin_root)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().find(|l| l.contains("10.96.0.10:80/TCP")).unwrap_or_else(|| panic!("{text}"));
+    let (text, line) = kpr_services(&h, "10.96.0.10:80/TCP");
     for i in 0..3 {
         assert!(line.contains(&format!("{}:{POD_PORT}", h.topology.pods[i].ip)), "{line}");
     }
@@ -543,14 +549,7 @@ fn an_ipv6_cluster_ip_is_balanced_and_the_app_sees_the_cluster_ip() {
     assert_eq!(seen.len(), 3, "{seen:?}");
 
     // The operator's view shows the IPv6 frontend and its IPv6 backends.
-    let out = std::process::Command::new(kpr_tests::kpr_bin())
-        .arg("services")
-        .arg("--pin-root")
-        .arg(&h.pin_root)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().find(|l| l.contains("[fd00:96::10]:80/TCP")).unwrap_or_else(|| panic!("{text}"));
+    let (_, line) = kpr_services(&h, "[fd00:96::10]:80/TCP");
     for i in 0..3 {
         assert!(line.contains(&format!("[{}]:{POD_PORT}", h.topology.pods[i].ip6)), "{line}");
     }
