@@ -599,3 +599,57 @@ fn a_dual_stack_service_is_reached_over_both_families_and_through_mapped_address
     assert_eq!(mapped_udp.1, SocketAddr::from(sa6(mapped, 53)), "recvfrom shows the mapped ClusterIP");
     assert!(mapped_source.starts_with("10.244."), "the backend saw an IPv4 client: {mapped_source}");
 }
+
+/// NodePorts from the node's own sockets, per family (the agent in the node's namespace learns
+/// its addresses): a dual-stack Service's NodePort answers on the node's IPv4 and IPv6
+/// addresses and on 127.0.0.1 (localhostNodePorts), never on `::1` (kube-proxy offers none);
+/// a single-stack IPv4 Service has no NodePort on the IPv6 addresses.
+#[test]
+fn node_ports_are_served_per_family_and_not_on_ipv6_localhost() {
+    let mut h = Harness::new("kt-np6", &["pod-a", "pod-b"]).unwrap();
+    h.agent_in_node_netns = true;
+    let node_port = |name: &str, port: u16, ips: &[&str]| {
+        let families = if ips.len() == 2 { "[IPv4, IPv6]" } else { "[IPv4]" };
+        let policy = if ips.len() == 2 { "PreferDualStack" } else { "SingleStack" };
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: test}}\nspec:\n  type: NodePort\n  \
+             clusterIP: '{}'\n  clusterIPs: [{}]\n  ipFamilies: {families}\n  ipFamilyPolicy: {policy}\n  ports:\n  \
+             - {{name: http, port: 80, protocol: TCP, nodePort: {port}}}\n",
+            ips[0],
+            ips.iter().map(|ip| format!("'{ip}'")).collect::<Vec<_>>().join(", ")
+        )
+    };
+    h.write("np-svc.yaml", &node_port("np", 30080, &["10.96.0.10", "fd00:96::10"])).unwrap();
+    h.write_endpoints_of("np", false, &[HTTP], &[0, 1]).unwrap();
+    h.write_endpoints_of("np", true, &[HTTP], &[0, 1]).unwrap();
+    h.write("np4-svc.yaml", &node_port("np4", 30081, &["10.96.0.11"])).unwrap();
+    h.write_endpoints_of("np4", false, &[HTTP], &[0, 1]).unwrap();
+    h.start_agent().unwrap();
+    h.wait("[*]:30080/TCP node", Some(2)).unwrap();
+    h.wait("*:30080/TCP node", Some(2)).unwrap();
+    h.wait("*:30081/TCP node", Some(2)).unwrap();
+    h.wait("[*]:30081/TCP node", None).unwrap();
+
+    let node4: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 1);
+    let node6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 1);
+    let pods: BTreeSet<String> = (0..2).map(|i| h.pod_name(i)).collect();
+    let ask = |addr: SocketAddr| {
+        h.client(move || {
+            let answers: BTreeSet<String> =
+                (0..20).map(|_| tcp_ask(addr, TIMEOUT).map(|(name, _)| name)).collect::<Result<_, _>>()?;
+            Ok::<_, std::io::Error>(answers)
+        })
+    };
+    for addr in [
+        SocketAddr::from(sa(node4, 30080)),
+        sa6(node6, 30080).into(),
+        sa(Ipv4Addr::LOCALHOST, 30080).into(),
+        sa(node4, 30081).into(),
+    ] {
+        assert_eq!(ask(addr).unwrap_or_else(|e| panic!("{addr}: {e}")), pods, "both pods behind {addr}");
+    }
+    for addr in [SocketAddr::from(sa6(Ipv6Addr::LOCALHOST, 30080)), sa6(node6, 30081).into()] {
+        let refused = ask(addr).unwrap_err();
+        assert_eq!(refused.kind(), ErrorKind::ConnectionRefused, "{addr}: not a NodePort, nothing listens");
+    }
+}
