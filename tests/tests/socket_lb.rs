@@ -56,6 +56,21 @@ fn assert_echoes(conn: &mut TcpStream, payload: &str) {
     assert_eq!(line.trim_end(), payload);
 }
 
+/// TCP (port 80), UDP and connected UDP (port 53) answers: each from one of `pods`, each
+/// with the ClusterIP `ip` as the peer the application sees.
+fn assert_answered_as_the_cluster_ip(
+    pods: &[String],
+    ip: std::net::IpAddr,
+    [tcp, udp, udp_conn]: [&(String, SocketAddr); 3],
+) {
+    assert!(pods.contains(&tcp.0), "TCP answered by {}", tcp.0);
+    assert_eq!(tcp.1, SocketAddr::new(ip, 80), "getpeername shows the ClusterIP");
+    assert!(pods.contains(&udp.0), "UDP answered by {}", udp.0);
+    assert_eq!(udp.1, SocketAddr::new(ip, 53), "recvfrom shows the ClusterIP as the source");
+    assert!(pods.contains(&udp_conn.0), "connected UDP answered by {}", udp_conn.0);
+    assert_eq!(udp_conn.1, SocketAddr::new(ip, 53), "getpeername of a connected UDP socket");
+}
+
 /// `kpr services` on the harness's pins: its whole output, and the line of `frontend`.
 fn kpr_services(h: &Harness, frontend: &str) -> (String, String) {
     let out = std::process::Command::new(kpr_tests::kpr_bin())
@@ -80,13 +95,7 @@ fn tcp_and_udp_reach_a_backend_and_the_app_sees_the_cluster_ip() {
             udp_connected_ask(sa(IP, 53), TIMEOUT).unwrap(),
         )
     });
-    let cluster = |port| SocketAddr::from(sa(IP, port));
-    assert!(pods.contains(&tcp.0), "TCP answered by {}", tcp.0);
-    assert_eq!(tcp.1, cluster(80), "getpeername shows the ClusterIP");
-    assert!(pods.contains(&udp.0), "UDP answered by {}", udp.0);
-    assert_eq!(udp.1, cluster(53), "recvfrom shows the ClusterIP as the source");
-    assert!(pods.contains(&udp_conn.0), "connected UDP answered by {}", udp_conn.0);
-    assert_eq!(udp_conn.1, cluster(53), "getpeername of a connected UDP socket");
+    assert_answered_as_the_cluster_ip(&pods, IP.into(), [&tcp, &udp, &udp_conn]);
     assert!(h.counter("translated") >= 3);
 
     // The operator's view: `kpr services` lists the service port and its backends.
@@ -533,13 +542,7 @@ fn an_ipv6_cluster_ip_is_balanced_and_the_app_sees_the_cluster_ip() {
             kpr::testbed::tcp_ask_peer(sa6(IP6, 80), TIMEOUT).unwrap(),
         )
     });
-    let cluster = |port| SocketAddr::from(sa6(IP6, port));
-    assert!(pods.contains(&tcp.0), "TCP answered by {}", tcp.0);
-    assert_eq!(tcp.1, cluster(80), "getpeername shows the ClusterIP");
-    assert!(pods.contains(&udp.0), "UDP answered by {}", udp.0);
-    assert_eq!(udp.1, cluster(53), "recvfrom shows the ClusterIP as the source");
-    assert!(pods.contains(&udp_conn.0), "connected UDP answered by {}", udp_conn.0);
-    assert_eq!(udp_conn.1, cluster(53), "getpeername of a connected UDP socket");
+    assert_answered_as_the_cluster_ip(&pods, IP6.into(), [&tcp, &udp, &udp_conn]);
     // The backend sees the node's own IPv6 address on the pod's link (no masquerade).
     let pod = (0..3).find(|&i| h.pod_name(i) == peer.0).unwrap() + 1;
     assert_eq!(peer.1, format!("fd00:10:244:{pod:x}::1"), "source seen by {}", peer.0);

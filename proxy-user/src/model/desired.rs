@@ -98,6 +98,9 @@ pub fn service_entries<'a>(
         return Ok(Vec::new());
     }
     let slices: Vec<&EndpointSlice> = slices.into_iter().collect();
+    // loadBalancerSourceRanges of each port, parsed (and a malformed one reported) once.
+    let ranges: Vec<Vec<Cidr>> =
+        translated.ports.iter().map(|sp| source_ranges(&sp.load_balancer_source_ranges, &sp.name, skipped)).collect();
     let mut out = Vec::new();
     for family in IpFamily::ALL {
         // The family's proxier knows the Service only by its ClusterIP of that family.
@@ -105,9 +108,9 @@ pub fn service_entries<'a>(
             continue;
         }
         let by_port = endpoints::endpoints_by_port(slices.iter().copied(), family, node, skipped);
-        for sp in &translated.ports {
+        for (sp, ranges) in translated.ports.iter().zip(&ranges) {
             let cat = endpoints::categorize(endpoints::for_port(&by_port, &sp.name), sp, node);
-            family_entries(sp, family, &cat, node, options, skipped, &mut out);
+            family_entries(sp, family, &cat, node, options, ranges, &mut out);
         }
     }
     // A refused service range: every other port of its ClusterIPs is rejected, whatever the
@@ -137,15 +140,12 @@ fn family_entries(
     cat: &endpoints::Categorized,
     node: &NodeInfo,
     options: &ProxyOptions,
-    skipped: &mut Vec<(String, Skip)>,
+    all_ranges: &[Cidr],
     out: &mut Vec<(ServiceKey, DesiredPort)>,
 ) {
     // loadBalancerSourceRanges filter the LoadBalancer IPs only, as in kube-proxy; each
     // family's proxier keeps the ranges of its family.
-    let ranges: Vec<Cidr> = source_ranges(&sp.load_balancer_source_ranges, &sp.name, skipped)
-        .into_iter()
-        .filter(|c| IpFamily::of(&c.addr) == family)
-        .collect();
+    let ranges: Vec<Cidr> = all_ranges.iter().copied().filter(|c| IpFamily::of(&c.addr) == family).collect();
     let scopes = scoped_verdicts(sp, family, cat, node, options, &ranges);
     // `chosen`: an externalIP or LoadBalancer IP, an address the Service (or its status) picks.
     let mut push = |ip: IpAddr, port: u16, [pod, external, from_node]: &[Verdict; 3], ranges: &[Cidr], chosen: bool| {
@@ -318,7 +318,6 @@ pub struct Locality {
 
 pub fn locality<'a>(svc: &Service, slices: impl IntoIterator<Item = &'a EndpointSlice>, node: &NodeInfo) -> Locality {
     let Ok(translated) = service::translate(svc) else { return Locality::default() };
-    let slices: Vec<&EndpointSlice> = slices.into_iter().collect();
     // The health check counts the endpoints of the Service's primary family.
     let family = translated.ports.first().and_then(|p| p.cluster_ips.first()).map_or(IpFamily::V4, IpFamily::of);
     let by_port = endpoints::endpoints_by_port(slices, family, node, &mut Vec::new());
