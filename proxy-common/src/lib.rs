@@ -10,7 +10,7 @@
 #![no_std]
 
 /// Version of the pinned map layout; part of the bpffs pin directory (`<pin-root>/v<N>`).
-pub const PIN_LAYOUT_VERSION: u32 = 7;
+pub const PIN_LAYOUT_VERSION: u32 = 8;
 
 /// Map names, as seen by `bpftool map show` and used as pin file names.
 pub mod map_names {
@@ -75,16 +75,18 @@ pub mod defaults {
     pub const ADDR_FILTER_WORDS: u32 = 16_384;
 }
 
-/// The bit of the address filter (`KPR_ADDR_FILTER`) that stands for `addr` (IPv4, network
-/// byte order): a multiplicative hash, its top 20 bits. The filter holds every address the
+/// The bit of the address filter (`KPR_ADDR_FILTER`) that stands for `addr`: a multiplicative hash, its top 20 bits. The filter holds every address the
 /// per-packet path can have business with (frontends, backends, the node's addresses), so a
 /// packet whose addresses both miss it passes at the cost of two array reads (and, with the
 /// service range refused, a lookup of its destination in the range). Bits are only
 /// ever set (a flow can outlive its backend's place in the maps): a false positive costs the
 /// full lookups, never a wrong verdict.
+///
+/// An address of either family is folded to one word first (an IPv4-mapped one to its IPv4
+/// address, so the common case costs nothing more).
 #[inline(always)]
-pub const fn addr_filter_bit(addr: u32) -> u32 {
-    addr.wrapping_mul(0x9e37_79b1) >> 12
+pub const fn addr_filter_bit(addr: &Addr) -> u32 {
+    addr.folded().wrapping_mul(0x9e37_79b1) >> 12
 }
 
 /// An address of either family as the maps hold it: 16 bytes in network byte order, an IPv4
@@ -115,6 +117,14 @@ impl Addr {
     #[inline(always)]
     pub const fn v4(&self) -> u32 {
         self.0[3]
+    }
+
+    /// One word standing for the address (for hashes): an IPv4 address itself, an IPv6 one's
+    /// words XORed.
+    #[inline(always)]
+    pub const fn folded(&self) -> u32 {
+        let w = &self.0;
+        if self.is_v4() { w[3] } else { w[0] ^ w[1] ^ w[2] ^ w[3] }
     }
 
     /// `self == other` without a branch per word: in a verifier-checked loop, four branches
@@ -274,6 +284,9 @@ pub struct LinkInfo {
     pub addr: u32,
     /// `LINK_FLAG_*`.
     pub flags: u32,
+    /// The IPv6 address MASQUERADE would pick on this link (its first global one); unspecified:
+    /// none (the fallback entry's is used).
+    pub addr6: Addr,
 }
 
 /// Data of an LPM key (`KPR_LOCAL_CIDRS`, `KPR_SERVICE_CIDRS`): the prefix's address, of
@@ -419,12 +432,13 @@ pub struct SockRevNatValue {
 }
 
 /// Key of `KPR_CONNTRACK`: a packet's 5-tuple as it arrives (addresses and ports in network
-/// byte order). Each translated flow has two entries: the client's direction and the reply's.
+/// byte order), of either family (IPv4 mapped). Each translated flow has two entries: the
+/// client's direction and the reply's.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CtKey {
-    pub src_addr: u32,
-    pub dst_addr: u32,
+    pub src_addr: Addr,
+    pub dst_addr: Addr,
     pub src_port: u16,
     pub dst_port: u16,
     pub proto: u8,
@@ -436,8 +450,8 @@ pub struct CtKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CtValue {
-    pub src_addr: u32,
-    pub dst_addr: u32,
+    pub src_addr: Addr,
+    pub dst_addr: Addr,
     pub src_port: u16,
     pub dst_port: u16,
     pub service_id: u32,
@@ -659,12 +673,12 @@ const _: () = assert!(size_of::<AffinityValue>() == 32);
 const _: () = assert!(size_of::<Backend>() == 20);
 const _: () = assert!(size_of::<SockRevNatKey>() == 32);
 const _: () = assert!(size_of::<SockRevNatValue>() == 24);
-const _: () = assert!(size_of::<CtKey>() == 16);
-const _: () = assert!(size_of::<CtValue>() == 32);
+const _: () = assert!(size_of::<CtKey>() == 40);
+const _: () = assert!(size_of::<CtValue>() == 56);
 const _: () = assert!(size_of::<CtTimeouts>() == 48);
 const _: () = assert!(size_of::<SourceRange>() == 20);
 const _: () = assert!(size_of::<FragmentKey>() == 12);
-const _: () = assert!(size_of::<LinkInfo>() == 8);
+const _: () = assert!(size_of::<LinkInfo>() == 24);
 const _: () = assert!(size_of::<CidrKey>() == 16);
 
 pub mod crc32c;

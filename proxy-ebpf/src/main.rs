@@ -8,6 +8,7 @@
 #![no_std]
 #![no_main]
 
+mod family;
 mod maps;
 mod packet;
 mod sock_lb;

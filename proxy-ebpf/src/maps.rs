@@ -88,7 +88,7 @@ pub static ADDR_FILTER: Array<u64, { defaults::ADDR_FILTER_WORDS as usize }> = A
 
 /// `addr` may be a frontend, a backend or the node's: its bit in the address filter is set.
 #[inline(always)]
-pub fn in_addr_filter(addr: u32) -> bool {
+pub fn in_addr_filter(addr: &Addr) -> bool {
     let bit = proxy_common::addr_filter_bit(addr);
     ADDR_FILTER.get(bit >> 6).is_some_and(|word| *word & (1u64 << (bit & 63)) != 0)
 }
@@ -214,8 +214,15 @@ pub static SOURCE_RANGES: LpmTrie<SourceRange, u8, { defaults::MAX_SOURCE_RANGES
 /// relocate correctly (the lookup then never matches).
 #[inline(always)]
 pub fn link_addr(ifindex: u32) -> u32 {
+    link(ifindex).map_or(0, |link| link.addr)
+}
+
+/// Link `ifindex`'s entry in `KPR_LINKS` (a stack key, as in [`link_addr`]).
+#[inline(always)]
+pub fn link(ifindex: u32) -> Option<LinkInfo> {
     let key = ifindex;
-    LINKS.get_ptr(&key).map_or(0, |link| unsafe { (*link).addr })
+    // SAFETY: a map value pointer, valid for this program run.
+    LINKS.get_ptr(&key).map(|link| unsafe { *link })
 }
 
 #[inline(always)]

@@ -175,9 +175,7 @@ fn forward(ctx: &SockAddrContext, family: Family, connect: bool) -> i32 {
         count(counter::SOCK_AGENT_EXEMPT);
         return ALLOW;
     }
-    // The per-packet path translates IPv4 only: IPv6 connections are always the socket
-    // path's (without what only the per-packet path can add: masquerade, source filtering).
-    let pod_links_covered = KPR_POD_LINKS_COVERED.load() != 0 && dest.is_v4();
+    let pod_links_covered = KPR_POD_LINKS_COVERED.load() != 0;
     if pod_links_covered && service.flags & SERVICE_FLAG_SOCKET_SKIP != 0 {
         count(counter::SOCK_STEPPED_ASIDE);
         return ALLOW;

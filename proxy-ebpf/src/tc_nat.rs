@@ -1,4 +1,5 @@
-//! Per-packet service translation on node interfaces (tc/TCX).
+//! Per-packet service translation on node interfaces (tc/TCX), IPv4 and IPv6: written once,
+//! generic over `family::Family`, compiled for each.
 //!
 //! Ingress: a packet of a known flow is rewritten from its conntrack entry; a new packet to a
 //! frontend (ClusterIP, externalIP, LoadBalancer IP, NodeIP:nodePort) gets a backend,
@@ -11,25 +12,27 @@
 //! sweeps the rest. The backend and SNAT port of a new flow are a hash of its tuple, so a TCP
 //! connection whose entries were evicted is re-created as it was by its next segment.
 //!
-//! A datagram in fragments is translated whole: the first fragment (with the ports) as any
-//! packet, the later ones with the addresses it got (`KPR_FRAGMENTS`).
+//! An IPv4 datagram in fragments is translated whole: the first fragment (with the ports) as
+//! any packet, the later ones with the addresses it got (`KPR_FRAGMENTS`).
 //!
 //! Packets the program does not translate go on to the next program of the hook
 //! (`TC_ACT_UNSPEC`: a CNI's or observability program attached after kpr still sees them);
-//! packets it does not understand (not IPv4, IP options, other protocols) are also counted.
+//! packets with headers it does not walk (IPv4 options, IPv6 extension headers, IPv6
+//! fragments) are also counted.
 //! The program never fails a packet it did not translate.
+use core::mem::MaybeUninit;
+
 use aya_ebpf::{
     EbpfContext as _, Global,
     bindings::{
         __sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
         BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, bpf_fib_lookup,
     },
-    btf_maps::lpm_trie::Key,
+    btf_maps::{PerCpuArray, lpm_trie::Key},
     helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect_neigh},
-    macros::classifier,
+    macros::{btf_map, classifier},
     programs::TcContext,
 };
-use network_types::{eth::EtherType, ip::Ipv4Hdr};
 use proxy_common::{
     AFFINITY_BY_ADDR, Addr, Backend, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, DETECT_LOCAL_INTERFACE,
     FragmentKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, LINK_FLAG_LOCAL_TRAFFIC, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT,
@@ -39,10 +42,11 @@ use proxy_common::{
 };
 
 use crate::{
+    family::{Family, Fragment, V4, V6},
     maps::{
         CONNTRACK, CT_NEW, FRAGMENTS, FlowMap, HANDOVER, LINKS, LOCAL_CIDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss,
-        affinity_backend, backend_at, count, in_addr_filter, link_addr, node_addr_flags, now, refusal,
-        remember_affinity, serves, service_range_miss,
+        affinity_backend, backend_at, count, in_addr_filter, link, node_addr_flags, now, refusal, remember_affinity,
+        serves, service_range_miss,
     },
     packet::*,
     tc_reject::{reject_port_unreachable, reject_tcp},
@@ -50,7 +54,8 @@ use crate::{
 
 /// Tries at finding a free SNAT port before giving up on a new flow.
 const SNAT_TRIES: u32 = 16;
-const AF_INET: u8 = 2;
+#[unsafe(no_mangle)]
+static KPR_SNAT_TRIES: Global<u32> = Global::new(SNAT_TRIES);
 
 /// The SNAT port range, disjoint from the node's ephemeral ports; set by the agent at load.
 #[unsafe(no_mangle)]
@@ -81,153 +86,261 @@ static KPR_FORWARD_DIRECT: Global<u8> = Global::new(1);
 
 #[classifier]
 pub fn kpr_tc_ingress(ctx: TcContext) -> i32 {
-    match translate(&ctx, true) {
-        Ok(TC_ACT_OK) if KPR_FORWARD_DIRECT.load() != 0 => forward_direct(&ctx),
-        Ok(verdict) => verdict,
-        Err(()) => PASS,
+    match eth_type(&ctx) {
+        Some(t) if t == V4::ETH_TYPE => ingress::<V4>(&ctx),
+        Some(t) if t == V6::ETH_TYPE => ingress::<V6>(&ctx),
+        _ => PASS,
     }
 }
 
 #[classifier]
 pub fn kpr_tc_egress(ctx: TcContext) -> i32 {
-    translate(&ctx, false).unwrap_or(PASS)
+    let verdict = match eth_type(&ctx) {
+        Some(t) if t == V4::ETH_TYPE => translate::<V4>(&ctx, false),
+        Some(t) if t == V6::ETH_TYPE => translate::<V6>(&ctx, false),
+        _ => Ok(PASS),
+    };
+    verdict.unwrap_or(PASS)
 }
 
-/// A packet's addresses and ports, as they sit in the packet (network byte order).
+#[inline(always)]
+fn ingress<F: Family>(ctx: &TcContext) -> i32 {
+    match translate::<F>(ctx, true) {
+        Ok(TC_ACT_OK) if KPR_FORWARD_DIRECT.load() != 0 => forward_direct::<F>(ctx),
+        Ok(verdict) => verdict,
+        Err(()) => PASS,
+    }
+}
+
+/// The Ethernet type, read straight from the packet.
+#[inline(always)]
+fn eth_type(ctx: &TcContext) -> Option<u16> {
+    let at = ctx.data() + 12;
+    if at + 2 > ctx.data_end() {
+        return ctx.load::<u16>(12).ok();
+    }
+    // SAFETY: bounds checked against data_end.
+    Some(unsafe { (at as *const u16).read_unaligned() })
+}
+
+/// A packet's addresses and ports, as they sit in the packet (network byte order); an IPv4
+/// address mapped.
 #[derive(Clone, Copy)]
 pub struct Tuple {
-    pub saddr: u32,
-    pub daddr: u32,
+    pub saddr: Addr,
+    pub daddr: Addr,
     pub sport: u16,
     pub dport: u16,
     pub proto: u8,
     /// The first fragment of a datagram in fragments: its IP id (as in the packet).
     pub first_fragment: Option<u16>,
+    /// The length of the L4 header and payload.
+    pub l4_len: u16,
 }
 
-/// The Ethernet type, IPv4 header and L4 ports, read straight from the packet (no helper
+/// The Ethernet type, IP header and L4 ports, read straight from the packet (no helper
 /// calls); headers outside the linear area are pulled in first.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct Headers {
+struct Headers<Ip> {
     _macs: [u8; 12],
-    eth_type: u16,
-    ip: Ipv4Hdr,
+    _eth_type: u16,
+    ip: Ip,
     ports: [u16; 2],
 }
 
 #[inline(always)]
-fn headers(ctx: &TcContext) -> Option<Headers> {
-    const LEN: usize = size_of::<Headers>();
-    if ctx.data() + LEN > ctx.data_end() {
+fn headers<F: Family>(ctx: &TcContext) -> Option<Headers<F::Ip>> {
+    let len = size_of::<Headers<F::Ip>>();
+    if ctx.data() + len > ctx.data_end() {
         // Short or non-linear: pull what we need into the linear area (fails if too short).
-        ctx.pull_data(LEN as u32).ok()?;
-        if ctx.data() + LEN > ctx.data_end() {
+        ctx.pull_data(len as u32).ok()?;
+        if ctx.data() + len > ctx.data_end() {
             return None;
         }
     }
     // SAFETY: bounds checked against data_end above; Headers is packed plain bytes.
-    Some(unsafe { core::ptr::read_unaligned(ctx.data() as *const Headers) })
+    Some(unsafe { core::ptr::read_unaligned(ctx.data() as *const Headers<F::Ip>) })
 }
 
+/// The stages below are subprograms called one after the other, not inlined into each other:
+/// the BPF stack (512 bytes) bounds the frames of a chain of calls, not their sum.
 #[inline(always)]
-fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
-    let Some(h) = headers(ctx) else {
-        // Shorter than Ethernet + IPv4 + ports: only a datagram's last fragment may be.
-        return match ctx.load::<Ipv4Hdr>(IP_OFF) {
-            Ok(ip)
-                if ctx.load::<u16>(12) == Ok(EtherType::Ipv4 as u16)
-                    && ip.vihl == 0x45
-                    && u16::from_be_bytes(ip.frags) & 0x1fff != 0 =>
-            {
-                later_fragment(ctx, &ip)
+fn translate<F: Family>(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
+    // Filled in by `inspect` when it says so (not zeroed first: a memset on every packet).
+    let mut t = MaybeUninit::<Tuple>::uninit();
+    match inspect::<F>(ctx, &mut t) {
+        A_FLOW => {}
+        AN_ICMP_ERROR => return Ok(icmp_error::<F>(ctx)),
+        verdict => return Ok(verdict),
+    }
+    // SAFETY: `inspect` wrote the tuple (A_FLOW).
+    let t = unsafe { t.assume_init() };
+    let tcp_flags = match t.proto {
+        IPPROTO_TCP => tcp_flags::<F>(ctx),
+        IPPROTO_SCTP => sctp_as_tcp_flags::<F>(ctx),
+        _ => 0,
+    };
+    let verdict = known_flow::<F>(ctx, &t, tcp_flags, ingress);
+    if verdict != NO_FLOW {
+        return Ok(verdict);
+    }
+    Ok(match unknown_flow::<F>(ctx, &t, tcp_flags, ingress) {
+        OPEN => open_flow::<F>(ctx, &t, tcp_flags),
+        // kube-proxy's REJECT: a TCP reset, else ICMP port unreachable (UDP and SCTP).
+        REJECT if t.proto == IPPROTO_TCP => reject_tcp::<F>(ctx, &t),
+        REJECT => reject_port_unreachable::<F>(ctx, &t),
+        verdict => verdict,
+    })
+}
+
+/// No frontend, backend or node address on either side, and not the service range: nothing of
+/// ours, known from the addresses in place after two array reads (and a range lookup, when the
+/// range is refused), before any other work. A packet whose header is not in the linear area
+/// is left to the stages (they pull it in).
+#[inline(always)]
+fn not_ours<F: Family>(ctx: &TcContext) -> bool {
+    let data = ctx.data();
+    if data + IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
+        return false;
+    }
+    // SAFETY: within [data, data_end), checked above; the header is plain bytes.
+    let ip = unsafe { &*((data + IP_OFF) as *const F::Ip) };
+    let daddr = F::dst(ip);
+    !in_addr_filter(&daddr) && !in_addr_filter(&F::src(ip)) && service_range_miss(daddr) == ServiceRangeMiss::NotInRange
+}
+
+// What the stages tell the next, besides a verdict: plain integers, not enums (an enum's
+// unused payload is an uninitialized register, which the verifier refuses to see written).
+/// `inspect`: a packet of a flow, its tuple filled in.
+const A_FLOW: i32 = i32::MIN;
+/// `inspect`: an ICMP error, maybe about a translated flow.
+const AN_ICMP_ERROR: i32 = i32::MIN + 1;
+/// `known_flow`: no live flow.
+const NO_FLOW: i32 = i32::MIN + 2;
+/// `unknown_flow`: a new flow, of the service to the backend in the scratch area.
+const OPEN: i32 = i32::MIN + 3;
+/// `unknown_flow`: a frontend without endpoints (kube-proxy's REJECT).
+const REJECT: i32 = i32::MIN + 4;
+
+/// `A_FLOW` with the packet's tuple filled in, `AN_ICMP_ERROR`, or the verdict on a packet
+/// that has no tuple for us (not ours, a later fragment).
+#[inline(never)]
+fn inspect<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>) -> i32 {
+    if not_ours::<F>(ctx) {
+        return PASS;
+    }
+    let Some(h) = headers::<F>(ctx) else {
+        // Shorter than Ethernet + IP + ports: only a datagram's last fragment may be.
+        return match ctx.load::<F::Ip>(IP_OFF) {
+            Ok(ip) if F::l4_proto(&ip).is_some() && F::fragment(&ip) == Fragment::Later => {
+                later_fragment::<F>(ctx, &ip).unwrap_or(PASS)
             }
-            _ => Ok(PASS),
+            _ => PASS,
         };
     };
-    if h.eth_type != EtherType::Ipv4 as u16 {
-        return Ok(PASS);
-    }
     let ip = h.ip;
-    if ip.proto == IPPROTO_ICMP && ip.vihl == 0x45 {
-        return icmp_error(ctx, &ip);
-    }
-    if ip.proto != IPPROTO_TCP && ip.proto != IPPROTO_UDP && ip.proto != IPPROTO_SCTP {
-        return Ok(PASS);
-    }
-    if ip.vihl != 0x45 {
-        // IP options: the ports are not where we look.
+    let Some(proto) = F::l4_proto(&ip) else {
+        // IPv4 options, IPv6 extension headers: the ports are not where we look.
         count(counter::TC_PASSED_UNSUPPORTED);
-        return Ok(PASS);
+        return PASS;
+    };
+    if proto == F::ICMP_PROTO {
+        return AN_ICMP_ERROR;
     }
-    let frags = u16::from_be_bytes(ip.frags);
-    if frags & 0x1fff != 0 {
-        return later_fragment(ctx, &ip);
+    if proto != IPPROTO_TCP && proto != IPPROTO_UDP && proto != IPPROTO_SCTP {
+        return PASS;
     }
-    if frags & 0x2000 != 0 && ip.proto == IPPROTO_SCTP {
+    let fragment = F::fragment(&ip);
+    if fragment == Fragment::Later {
+        return later_fragment::<F>(ctx, &ip).unwrap_or(PASS);
+    }
+    if fragment != Fragment::Whole && proto == IPPROTO_SCTP {
         // SCTP splits its own chunks to the path MTU; the CRC of a datagram in IP fragments
         // covers bytes this packet does not have.
         count(counter::TC_PASSED_UNSUPPORTED);
-        return Ok(PASS);
+        return PASS;
     }
     let ports = h.ports;
     let t = Tuple {
-        saddr: u32::from_ne_bytes(ip.src_addr),
-        daddr: u32::from_ne_bytes(ip.dst_addr),
+        saddr: F::src(&ip),
+        daddr: F::dst(&ip),
         sport: ports[0],
         dport: ports[1],
-        proto: ip.proto,
-        first_fragment: (frags & 0x2000 != 0).then_some(u16::from_ne_bytes(ip.id)),
+        proto,
+        first_fragment: match fragment {
+            Fragment::First(id) => Some(id),
+            _ => None,
+        },
+        l4_len: F::l4_len(&ip),
     };
-    // No frontend, backend or node address on either side, and not the service range: nothing
-    // of ours, known after two array reads (and a range lookup, when it is refused) instead
-    // of the conntrack and frontend lookups.
-    if !in_addr_filter(t.daddr)
-        && !in_addr_filter(t.saddr)
-        && service_range_miss(Addr::from_v4(t.daddr)) == ServiceRangeMiss::NotInRange
-    {
-        return Ok(PASS);
-    }
+    tuple.write(t);
+    A_FLOW
+}
 
-    let key = ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto);
-    let tcp_flags = match t.proto {
-        IPPROTO_TCP => tcp_flags(ctx),
-        IPPROTO_SCTP => sctp_as_tcp_flags(ctx),
-        _ => 0,
+/// A packet of a flow in conntrack: translated as its entry says (`NO_FLOW`: no live entry).
+#[inline(never)]
+fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: bool) -> i32 {
+    let Ok(s) = scratch() else { return NO_FLOW };
+    // The key and the entry's copy live in the scratch area: this stage's frame is on the
+    // longest chains of calls (confirm, stale).
+    // SAFETY: the per-CPU scratch value, valid for this program run.
+    let key = unsafe {
+        (*s).flow_key = ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto);
+        &(*s).flow_key
     };
     // Established flows first; a flow not yet answered lives apart (`CT_NEW`), so that a flood
     // of new flows (SYNs, spoofed segments) evicts only its own kind.
-    let found = match CONNTRACK.get_ptr_mut(&key) {
+    let found = match CONNTRACK.get_ptr_mut(key) {
         Some(entry_ptr) => Some((entry_ptr, true)),
-        None => CT_NEW.get_ptr_mut(&key).map(|entry_ptr| (entry_ptr, false)),
+        None => CT_NEW.get_ptr_mut(key).map(|entry_ptr| (entry_ptr, false)),
     };
     if let Some((entry_ptr, confirmed)) = found {
-        // SAFETY: valid for this program run.
-        let entry = unsafe { *entry_ptr };
+        // SAFETY: map value and scratch pointers, valid for this program run; the copy is
+        // read while the map's entry is written.
+        let entry = unsafe {
+            // Not an assignment: the compiler cannot tell the two apart and would call memmove.
+            core::ptr::copy_nonoverlapping(entry_ptr, &raw mut (*s).entry, 1);
+            &(*s).entry
+        };
         let now = now();
         let syn = tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
-        if KPR_CT_TIMEOUTS.load().expired(t.proto, &entry, now) {
+        if KPR_CT_TIMEOUTS.load().expired(t.proto, entry, now) {
             count(counter::TC_CT_EXPIRED);
-            forget(&key, &entry, t.proto);
-        } else if ingress && syn && (ct::closed(entry.flags) || stale(ctx, &t, &entry)) {
+            forget(key, entry, t.proto);
+        } else if ingress && syn && (ct::closed(entry.flags) || stale(ctx, t, entry)) {
             // A new connection reusing the 5-tuple of a closed flow, or of one whose endpoint
             // is gone: forget the old flow and balance it anew (conntrack does the same for a
             // SYN after TIME_WAIT).
-            forget(&key, &entry, t.proto);
+            forget(key, entry, t.proto);
         } else {
-            let seen = seen_bits(&entry, tcp_flags);
+            let seen = seen_bits(entry, tcp_flags);
             if confirmed {
-                touch(&CONNTRACK, &key, entry_ptr, &entry, seen, now);
+                touch(&CONNTRACK, key, entry_ptr, entry, seen, now);
             } else if seen & ct::SEEN_REPLY != 0 && tcp_flags & TCP_RST == 0 {
-                confirm(&key, &entry, seen, now);
+                confirm(key, entry, seen, now);
             } else {
-                touch(&CT_NEW, &key, entry_ptr, &entry, seen, now);
+                touch(&CT_NEW, key, entry_ptr, entry, seen, now);
             }
-            rewrite(ctx, &t, &entry)?;
+            if rewrite::<F>(ctx, t, entry).is_err() {
+                return PASS;
+            }
             count(counter::TC_CT_HIT);
-            return Ok(TC_ACT_OK);
+            return TC_ACT_OK;
         }
     }
+    NO_FLOW
+}
+
+/// A packet of no flow kpr knows: a new flow to a frontend, or not ours.
+#[inline(never)]
+fn unknown_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: bool) -> i32 {
+    pick::<F>(ctx, t, tcp_flags, ingress).unwrap_or(PASS)
+}
+
+#[inline(always)]
+fn pick<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: bool) -> Result<i32, ()> {
+    let key = ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto);
     // A flow kube-proxy translated before kpr took the node over: netfilter's conntrack goes
     // on translating it. A new connection on its tuple is kpr's.
     if unsafe { HANDOVER.get(&key) }.is_some() {
@@ -237,14 +350,14 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
         let _ = HANDOVER.remove(&key);
     }
     if !ingress {
-        return Ok(egress_drop(ctx, &t));
+        return Ok(egress_drop(ctx, t));
     }
-    let scope = source_scope(ctx, &t);
-    let service = match lookup_frontend(&t, scope) {
+    let scope = source_scope(ctx, t);
+    let service = match lookup_frontend(t, scope) {
         Some(service) => service,
         // A refused service range: a ClusterIP's unknown port is rejected, an unallocated address of
         // the service range dropped.
-        None => match service_range_miss(Addr::from_v4(t.daddr)) {
+        None => match service_range_miss(t.daddr) {
             ServiceRangeMiss::NotInRange => return Ok(PASS),
             ServiceRangeMiss::Reject => refusal(0),
             ServiceRangeMiss::Drop => {
@@ -253,26 +366,26 @@ fn translate(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
             }
         },
     };
-    new_flow(ctx, &t, &service, tcp_flags, now())
+    start_flow(t, &service, now())
 }
 
 /// The TCP flags byte: read straight from the packet when the header is in the linear area
 /// (nearly always), else through the load helper.
 #[inline(always)]
-fn tcp_flags(ctx: &TcContext) -> u8 {
-    let at = ctx.data() + TCP_FLAGS_OFF;
+fn tcp_flags<F: Family>(ctx: &TcContext) -> u8 {
+    let at = ctx.data() + F::L4_OFF + TCP_FLAGS;
     if at < ctx.data_end() {
         // SAFETY: bounds checked against data_end.
         return unsafe { *(at as *const u8) };
     }
-    ctx.load::<u8>(TCP_FLAGS_OFF).unwrap_or(0)
+    ctx.load::<u8>(F::L4_OFF + TCP_FLAGS).unwrap_or(0)
 }
 
 /// An SCTP packet's first chunk as the TCP flags with the same meaning for the flow's state:
 /// INIT is a SYN, INIT ACK a SYN-ACK, SHUTDOWN and SHUTDOWN ACK are FINs, ABORT a RST.
 #[inline(always)]
-fn sctp_as_tcp_flags(ctx: &TcContext) -> u8 {
-    match ctx.load::<u8>(SCTP_CHUNK_TYPE_OFF).unwrap_or(0) {
+fn sctp_as_tcp_flags<F: Family>(ctx: &TcContext) -> u8 {
+    match ctx.load::<u8>(F::L4_OFF + SCTP_CHUNK_TYPE).unwrap_or(0) {
         1 => TCP_SYN,
         2 => TCP_SYN | TCP_ACK,
         6 => TCP_RST | TCP_ACK,
@@ -315,11 +428,22 @@ fn touch(map: &FlowMap, key: &CtKey, entry_ptr: *mut CtValue, entry: &CtValue, s
             (*pair).flags |= flags & ct::FLOW_BITS;
             (*pair).last_seen = now;
         },
-        None => {
-            if map.insert(&pair_key, &mirror(key, entry, flags, now), u64::from(BPF_NOEXIST)).is_ok() {
-                count(counter::TC_CT_HEALED);
-            }
-        }
+        None => heal(map, key, entry, flags, now),
+    }
+}
+
+/// Put back the evicted other entry of a flow.
+#[inline(never)]
+fn heal(map: &FlowMap, key: &CtKey, entry: &CtValue, flags: u32, now: u64) {
+    let Ok(s) = scratch() else { return };
+    // SAFETY: the per-CPU scratch value, valid for this program run.
+    let (pair_key, value) = unsafe {
+        (*s).reply_key = entry.pair_key(key.proto);
+        (*s).reply = mirror(key, entry, flags, now);
+        (&(*s).reply_key, &(*s).reply)
+    };
+    if map.insert(pair_key, value, u64::from(BPF_NOEXIST)).is_ok() {
+        count(counter::TC_CT_HEALED);
     }
 }
 
@@ -339,46 +463,99 @@ fn mirror(key: &CtKey, entry: &CtValue, flags: u32, now: u64) -> CtValue {
 }
 
 /// The backend answered a new flow: both its entries move to the established table.
-#[inline(always)]
+#[inline(never)]
 fn confirm(key: &CtKey, entry: &CtValue, seen: u32, now: u64) {
+    let Ok(s) = scratch() else { return };
     let flags = entry.flags | seen;
-    let pair_key = entry.pair_key(key.proto);
-    let this = CtValue { flags, last_seen: now, ..*entry };
-    let _ = CONNTRACK.insert(key, &this, 0);
-    let _ = CONNTRACK.insert(&pair_key, &mirror(key, entry, flags, now), 0);
-    let _ = CT_NEW.remove(&pair_key);
+    // SAFETY: the per-CPU scratch value, valid for this program run.
+    let (pair_key, value) = unsafe {
+        (*s).reply_key = entry.pair_key(key.proto);
+        (*s).forward = CtValue { flags, last_seen: now, ..*entry };
+        (*s).reply = mirror(key, entry, flags, now);
+        (&(*s).reply_key, &(*s).forward)
+    };
+    let _ = CONNTRACK.insert(key, value, 0);
+    let _ = CONNTRACK.insert(pair_key, unsafe { &(*s).reply }, 0);
+    let _ = CT_NEW.remove(pair_key);
     let _ = CT_NEW.remove(key);
 }
 
-/// Remove both entries of a flow.
-#[inline(always)]
+/// Remove both entries of a flow. The other entry's key is built in the scratch area's `key`
+/// (free wherever a flow is forgotten): on the stack it would put the longest chain of calls
+/// (a new flow's SNAT port search) past the BPF stack of older kernels.
+#[inline(never)]
 fn forget(key: &CtKey, entry: &CtValue, proto: u8) {
-    let pair_key = entry.pair_key(proto);
+    let Ok(s) = scratch() else { return };
+    // SAFETY: the per-CPU scratch value, valid for this program run.
+    let pair_key = unsafe {
+        (*s).key = entry.pair_key(proto);
+        &(*s).key
+    };
     for map in [&CONNTRACK, &CT_NEW] {
-        let _ = map.remove(&pair_key);
+        let _ = map.remove(pair_key);
         let _ = map.remove(key);
     }
 }
 
-/// A flow entry under `key`, established or new.
+/// The flow entry under `key`, established or new, in place (no copy on the BPF stack).
 #[inline(always)]
-fn flow_entry(key: &CtKey) -> Option<CtValue> {
+fn flow_entry<'a>(key: &CtKey) -> Option<&'a CtValue> {
     // SAFETY: map value pointers are valid for this program run.
-    CONNTRACK.get_ptr(key).or_else(|| CT_NEW.get_ptr(key)).map(|v| unsafe { *v })
+    CONNTRACK.get_ptr(key).or_else(|| CT_NEW.get_ptr(key)).map(|v| unsafe { &*v })
+}
+
+/// Per-CPU room for the conntrack keys and values a packet writes: on the BPF stack they would
+/// not fit beside the rest of the path (512 bytes for a chain of calls).
+#[repr(C)]
+pub struct FlowScratch {
+    key: CtKey,
+    reply_key: CtKey,
+    forward: CtValue,
+    reply: CtValue,
+    icmp: IcmpFix,
+    /// A new flow's service entry and backend.
+    service: ServiceValue,
+    backend: Backend,
+    /// A packet's conntrack key, and a copy of its entry.
+    flow_key: CtKey,
+    entry: CtValue,
+}
+
+/// How an ICMP error about a translated flow is translated back.
+#[repr(C)]
+struct IcmpFix {
+    client: Addr,
+    frontend: Addr,
+    /// The outer source: the frontend when the backend complained, else unchanged.
+    new_src: Addr,
+    /// Checksum differences of the quoted and the outer addresses.
+    inner_diff: u64,
+    outer_diff: u64,
+    /// The quoted ports, before and after.
+    old_ports: u32,
+    new_ports: u32,
+}
+
+#[btf_map(name = "KPR_FLOW_SCRATCH")]
+static SCRATCH: PerCpuArray<FlowScratch, 1> = PerCpuArray::new();
+
+#[inline(always)]
+fn scratch() -> Result<*mut FlowScratch, ()> {
+    SCRATCH.get_ptr_mut(0).ok_or(())
 }
 
 /// A TCP connection of the node itself that kube-proxy would DROP (traffic policy Local
 /// without a local endpoint, a source outside loadBalancerSourceRanges): the socket path lets
 /// it through untranslated and it is dropped here, on its way out, so that `connect()` times
 /// out as it does behind kube-proxy's filter rules.
-#[inline(always)]
+#[inline(never)]
 fn egress_drop(ctx: &TcContext, t: &Tuple) -> i32 {
     if t.proto != IPPROTO_TCP || source_scope(ctx, t) != SCOPE_NODE {
         return PASS;
     }
     let drop = match lookup_frontend(t, SCOPE_NODE) {
         Some(s) => s.backends_count == 0 && s.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0,
-        None => service_range_miss(Addr::from_v4(t.daddr)) == ServiceRangeMiss::Drop,
+        None => service_range_miss(t.daddr) == ServiceRangeMiss::Drop,
     };
     if drop {
         count(counter::TC_DROPPED);
@@ -391,11 +568,11 @@ fn egress_drop(ctx: &TcContext, t: &Tuple) -> i32 {
 /// source address), a pod the local-traffic detector calls local, or anywhere else.
 #[inline(always)]
 fn source_scope(ctx: &TcContext, t: &Tuple) -> u8 {
-    if node_addr_flags(&Addr::from_v4(t.saddr)) & NODE_ADDR_LOCAL != 0 {
+    if node_addr_flags(&t.saddr) & NODE_ADDR_LOCAL != 0 {
         return SCOPE_NODE;
     }
     let local = match KPR_DETECT_LOCAL.load() {
-        DETECT_LOCAL_CIDR => LOCAL_CIDRS.get(&Key::new(128, CidrKey { addr: Addr::from_v4(t.saddr) })).is_some(),
+        DETECT_LOCAL_CIDR => LOCAL_CIDRS.get(&Key::new(128, CidrKey { addr: t.saddr })).is_some(),
         DETECT_LOCAL_INTERFACE => {
             let ifindex = ifindex(ctx);
             LINKS.get_ptr(&ifindex).is_some_and(|link| unsafe { (*link).flags } & LINK_FLAG_LOCAL_TRAFFIC != 0)
@@ -409,12 +586,12 @@ fn source_scope(ctx: &TcContext, t: &Tuple) -> u8 {
 /// LoadBalancer IP, or a NodePort on one of the node's NodePort addresses.
 #[inline(always)]
 fn lookup_frontend(t: &Tuple, scope: u8) -> Option<ServiceValue> {
-    let key = ServiceKey { addr: Addr::from_v4(t.daddr), port: t.dport, proto: t.proto, scope };
+    let key = ServiceKey { addr: t.daddr, port: t.dport, proto: t.proto, scope };
     if let Some(v) = SERVICES.get_ptr(&key) {
         return Some(unsafe { *v });
     }
     if node_addr_flags(&key.addr) & NODE_ADDR_NODEPORT != 0 {
-        return SERVICES.get_ptr(&ServiceKey { addr: Addr::from_v4(0), ..key }).map(|v| unsafe { *v });
+        return SERVICES.get_ptr(&ServiceKey { addr: key.addr.unspecified_like(), ..key }).map(|v| unsafe { *v });
     }
     None
 }
@@ -427,65 +604,56 @@ fn ifindex(ctx: &TcContext) -> u32 {
 }
 
 /// The address MASQUERADE would give a packet to `backend`: the first address of the link the
-/// route to it leaves by, else the node's primary address; 0 when there is none.
-#[inline(always)]
-fn masquerade_source(ctx: &TcContext, backend: u32) -> u32 {
+/// route to it leaves by, else the node's primary address of the family.
+#[inline(never)]
+fn masquerade_source<F: Family>(ctx: &TcContext, backend: &Addr) -> Option<Addr> {
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
-    params.family = AF_INET;
+    params.family = F::AF;
     params.ifindex = ifindex(ctx);
-    params.__bindgen_anon_4.ipv4_dst = backend;
+    F::fib_dst(&mut params, backend);
     let rc = unsafe { fib_lookup(ctx.as_ptr(), &mut params, size_of::<bpf_fib_lookup>() as i32, 0) };
-    if rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) || rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
-        let addr = link_addr(params.ifindex);
-        if addr != 0 {
-            return addr;
-        }
+    if (rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) || rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH))
+        && let Some(addr) = link(params.ifindex).and_then(|l| F::masquerade_addr(&l))
+    {
+        return Some(addr);
     }
-    link_addr(0)
+    link(0).and_then(|l| F::masquerade_addr(&l))
 }
 
 /// Send a packet translated on its way in straight out of the link its route leaves by
 /// (`bpf_fib_lookup`, then `bpf_redirect_neigh`, which fills in the MAC addresses), as Cilium
 /// does: the host's forwarding path (netfilter's FORWARD policy, INVALID-state drops) never
 /// sees it. What the route does not settle that way (a local destination, no route, forwarding
-/// off, too big for the link, a TTL running out) goes on into the host stack, which handles
-/// it as it would have without kpr.
-#[inline(always)]
-fn forward_direct(ctx: &TcContext) -> i32 {
+/// off, too big for the link, a TTL or hop limit running out) goes on into the host stack,
+/// which handles it as it would have without kpr.
+#[inline(never)]
+fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     let data = ctx.data();
-    if data + IP_OFF + size_of::<Ipv4Hdr>() > ctx.data_end() {
+    if data + IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
         return TC_ACT_OK;
     }
     // SAFETY: within [data, data_end), checked above.
-    let ip = unsafe { ((data + IP_OFF) as *const Ipv4Hdr).read_unaligned() };
-    if ip.ttl <= 1 {
+    let ip = unsafe { ((data + IP_OFF) as *const F::Ip).read_unaligned() };
+    if F::hops(&ip) <= 1 {
         return TC_ACT_OK; // the stack answers with "time exceeded"
     }
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
-    params.family = AF_INET;
-    params.l4_protocol = ip.proto;
+    params.family = F::AF;
     params.ifindex = ifindex(ctx);
-    params.__bindgen_anon_2.tos = ip.tos;
-    params.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(ip.src_addr);
-    params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(ip.dst_addr);
+    F::fib_params(&mut params, &ip);
     // tot_len 0: the kernel checks the packet against the MTU of the link found (GSO aware).
     let rc = unsafe { fib_lookup(ctx.as_ptr(), &mut params, size_of::<bpf_fib_lookup>() as i32, 0) };
     if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) && rc != i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
         return TC_ACT_OK;
     }
-    // Forwarding takes one off the TTL (the checksum covers it with the protocol byte); the
-    // lookup did not move the packet, but the bounds are checked again for the verifier.
+    // Forwarding takes one off the TTL; the lookup did not move the packet, but the bounds are
+    // checked again for the verifier.
     let data = ctx.data();
-    if data + IP_OFF + size_of::<Ipv4Hdr>() > ctx.data_end() {
+    if data + IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
         return TC_ACT_OK;
     }
-    let (old, new) = (u16::from_ne_bytes([ip.ttl, ip.proto]), u16::from_ne_bytes([ip.ttl - 1, ip.proto]));
     // SAFETY: within [data, data_end), checked above.
-    unsafe {
-        let check = (data + IP_CSUM_OFF) as *mut u16;
-        check.write_unaligned(csum::replace(check.read_unaligned(), csum::half_diff(old, new)));
-        ((data + IP_TTL_OFF) as *mut u8).write(ip.ttl - 1);
-    }
+    unsafe { F::decrement_hops((data + IP_OFF) as *mut u8, &ip) };
     count(counter::TC_FORWARDED_DIRECT);
     // No neighbour parameters: the kernel resolves the next hop (5.10's two-argument form reads
     // the null pointer as flags 0).
@@ -493,10 +661,9 @@ fn forward_direct(ctx: &TcContext) -> i32 {
 }
 
 #[inline(always)]
-fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue, tcp_flags: u8, now: u64) -> Result<i32, ()> {
+fn start_flow(t: &Tuple, service: &ServiceValue, now: u64) -> Result<i32, ()> {
     if service.flags & SERVICE_FLAG_SOURCE_RANGES != 0 {
-        let client = Addr::from_v4(t.saddr);
-        let key = Key::new(32 + 128, SourceRange { service_id: service.service_id.to_be(), addr: client });
+        let key = Key::new(32 + 128, SourceRange { service_id: service.service_id.to_be(), addr: t.saddr });
         if SOURCE_RANGES.get(&key).is_none() {
             count(counter::TC_DROPPED);
             return Ok(TC_ACT_SHOT);
@@ -508,77 +675,117 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue, tcp_flags: u8, n
             return Ok(TC_ACT_SHOT);
         }
         // kube-proxy's REJECT: a TCP reset, else ICMP port unreachable (UDP and SCTP).
-        return if t.proto == IPPROTO_TCP { reject_tcp(ctx, t) } else { reject_port_unreachable(ctx, t) };
+        return Ok(REJECT);
     }
     // The backend is a hash of the tuple: as random as the client's port for new flows, and
     // the same again for a connection whose entries were lost. checked_rem: no
     // division-by-zero panic path for the verifier to reject.
     let hash = flow_hash(t);
-    let client = Addr::from_v4(t.saddr);
-    let Some(backend) = affinity_backend(service, AFFINITY_BY_ADDR, client, now).or_else(|| backend_at(service, hash))
+    let Some(backend) = affinity_backend(service, AFFINITY_BY_ADDR, t.saddr, now).or_else(|| backend_at(service, hash))
     else {
         return Ok(PASS);
     };
-    remember_affinity(service, AFFINITY_BY_ADDR, client, &backend, now);
-    let backend_addr = backend.addr.v4();
+    remember_affinity(service, AFFINITY_BY_ADDR, t.saddr, &backend, now);
+    let s = scratch()?;
+    // SAFETY: the per-CPU scratch value, valid for this program run.
+    unsafe {
+        (*s).service = *service;
+        (*s).backend = backend;
+    }
+    Ok(OPEN)
+}
 
+/// Give a new flow to `backend` its conntrack entries (and SNAT port) and translate its first
+/// packet: a subprogram of its own, for the BPF stack.
+#[inline(never)]
+fn open_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8) -> i32 {
+    let Ok(s) = scratch() else { return PASS };
+    // SAFETY: the per-CPU scratch value, valid for this program run.
+    let (service, backend) = unsafe { (&(*s).service, &(*s).backend) };
+    program_flow::<F>(ctx, t, service, backend, tcp_flags).unwrap_or(PASS)
+}
+
+#[inline(always)]
+fn program_flow<F: Family>(
+    ctx: &TcContext,
+    t: &Tuple,
+    service: &ServiceValue,
+    backend: &Backend,
+    tcp_flags: u8,
+) -> Result<i32, ()> {
+    let s = scratch()?;
+    let now = now();
     // Replies must come back through this node: masquerade what the entry says and a client
     // that is its own backend (hairpin), as kube-proxy does.
-    let masquerade = service.flags & SERVICE_FLAG_SNAT != 0 || backend_addr == t.saddr;
-    let snat_addr = if masquerade { masquerade_source(ctx, backend_addr) } else { 0 };
-    let reply_value = CtValue {
-        src_addr: t.daddr,
-        dst_addr: t.saddr,
-        src_port: t.dport,
-        dst_port: t.sport,
-        service_id: service.service_id,
-        last_seen: now,
-        flags: ct::REPLY,
-        _pad: 0,
-    };
-    let (src_addr, src_port) = if snat_addr != 0 {
-        let Some(port) = snat_port(t, &backend, snat_addr, &reply_value, hash, now) else {
+    let masquerade = service.flags & SERVICE_FLAG_SNAT != 0 || backend.addr.same(&t.saddr);
+    let snat_addr = if masquerade { masquerade_source::<F>(ctx, &backend.addr) } else { None };
+    // SAFETY (here and below): the per-CPU scratch value, valid for this program run.
+    unsafe {
+        (*s).reply = CtValue {
+            src_addr: t.daddr,
+            dst_addr: t.saddr,
+            src_port: t.dport,
+            dst_port: t.sport,
+            service_id: service.service_id,
+            last_seen: now,
+            flags: ct::REPLY,
+            _pad: 0,
+        };
+    }
+    let (src_addr, src_port) = if let Some(snat_addr) = snat_addr {
+        // 0: none free.
+        let port = snat_port(t, backend, &snat_addr, s);
+        if port == 0 {
             count(counter::TC_SNAT_EXHAUSTED);
             return Ok(TC_ACT_SHOT);
-        };
+        }
         (snat_addr, port)
     } else {
-        let reply_key = ct_key(backend_addr, t.saddr, backend.port, t.sport, t.proto);
-        if CT_NEW.insert(&reply_key, &reply_value, 0).is_err() {
-            count(counter::TC_CT_FULL);
-            return Ok(TC_ACT_SHOT);
+        unsafe {
+            (*s).reply_key = ct_key(backend.addr, t.saddr, backend.port, t.sport, t.proto);
+            if CT_NEW.insert(&(*s).reply_key, &(*s).reply, 0).is_err() {
+                count(counter::TC_CT_FULL);
+                return Ok(TC_ACT_SHOT);
+            }
         }
         (t.saddr, t.sport)
     };
-    let forward = CtValue {
-        src_addr,
-        dst_addr: backend_addr,
-        src_port,
-        dst_port: backend.port,
-        service_id: service.service_id,
-        last_seen: now,
-        flags: 0,
-        _pad: 0,
+    let (forward, key, reply_key) = unsafe {
+        (*s).forward = CtValue {
+            src_addr,
+            dst_addr: backend.addr,
+            src_port,
+            dst_port: backend.port,
+            service_id: service.service_id,
+            last_seen: now,
+            flags: 0,
+            _pad: 0,
+        };
+        (*s).key = ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto);
+        (*s).reply_key = (*s).forward.pair_key(t.proto);
+        (&(*s).forward, &(*s).key, &(*s).reply_key)
     };
-    let key = ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto);
-    let reply_key = forward.pair_key(t.proto);
-    let forward = if CT_NEW.insert(&key, &forward, u64::from(BPF_NOEXIST)).is_ok() {
+    let forward = if CT_NEW.insert(key, forward, u64::from(BPF_NOEXIST)).is_ok() {
         forward
-    } else if let Some(winner) = CT_NEW.get_ptr(&key) {
+    } else if let Some(winner) = CT_NEW.get_ptr(key) {
         // Another CPU created the flow first (a SYN and its retransmission at once): take its
         // translation, and give back what this one held.
-        let winner = unsafe { *winner };
+        let winner = unsafe { &*winner };
         count(counter::TC_CT_RACE_ADOPTED);
-        if winner.pair_key(t.proto) != reply_key {
-            let _ = CT_NEW.remove(&reply_key);
+        let same_reply = winner.src_addr.same(&forward.src_addr)
+            && winner.dst_addr.same(&forward.dst_addr)
+            && winner.src_port == forward.src_port
+            && winner.dst_port == forward.dst_port;
+        if !same_reply {
+            let _ = CT_NEW.remove(reply_key);
         }
         winner
     } else {
-        let _ = CT_NEW.remove(&reply_key);
+        let _ = CT_NEW.remove(reply_key);
         count(counter::TC_CT_FULL);
         return Ok(TC_ACT_SHOT);
     };
-    rewrite(ctx, t, &forward)?;
+    rewrite_first::<F>(ctx, t, forward)?;
     // A TCP flow is new with its SYN (SCTP with its INIT); any other packet re-creates a flow
     // that was lost.
     let recreated = has_states(t.proto) && tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN;
@@ -586,51 +793,62 @@ fn new_flow(ctx: &TcContext, t: &Tuple, service: &ServiceValue, tcp_flags: u8, n
     Ok(TC_ACT_OK)
 }
 
-/// A SNAT port for a flow to `backend` whose reply entry is `reply`: the reply entry is stored
-/// under the first free port of a sequence that the flow's hash fixes, so a re-created flow
-/// gets its old port back. Free: unused, expired, or a closed TCP flow's (as Linux's NAT
+/// A SNAT port (0: none) for a flow to `backend` whose reply entry is `s.reply`: the reply entry is
+/// stored under the first free port of a sequence that the flow's hash fixes, so a re-created
+/// flow gets its old port back. Free: unused, expired, or a closed TCP flow's (as Linux's NAT
 /// reuses the tuples of closed connections). The flow's own leftover reply entry is reused.
-#[inline(always)]
-fn snat_port(t: &Tuple, backend: &Backend, snat_addr: u32, reply: &CtValue, hash: u32, now: u64) -> Option<u16> {
+#[inline(never)]
+fn snat_port(t: &Tuple, backend: &Backend, snat_addr: &Addr, s: *mut FlowScratch) -> u16 {
+    let (now, hash) = (now(), flow_hash(t));
     let (min, max) = (KPR_SNAT_PORT_MIN.load(), KPR_SNAT_PORT_MAX.load());
     let span = u32::from(max.saturating_sub(min)) + 1;
     let start = mix(hash ^ 0x5bd1_e995);
-    for i in 0..SNAT_TRIES {
-        let offset = start.wrapping_add(i.wrapping_mul(0x9e37_79b9)).checked_rem(span)?;
+    // SAFETY: the per-CPU scratch value, valid for this program run.
+    let (reply_key, reply) = unsafe { (&mut (*s).reply_key, &(*s).reply) };
+    // The count is a global (not a constant) so that the loop is not unrolled: unrolled, its
+    // copies of a key and a value took most of the BPF stack.
+    for i in 0..KPR_SNAT_TRIES.load() {
+        let offset = start.wrapping_add(i.wrapping_mul(0x9e37_79b9)).checked_rem(span).unwrap_or(0);
         let port = min.wrapping_add(offset as u16).to_be();
-        let reply_key = ct_key(backend.addr.v4(), snat_addr, backend.port, port, t.proto);
-        let Some(old) = flow_entry(&reply_key) else {
-            if CT_NEW.insert(&reply_key, reply, u64::from(BPF_NOEXIST)).is_ok() {
-                return Some(port);
+        // Field by field: the key is written in place, not built on the stack first.
+        reply_key.src_addr = backend.addr;
+        reply_key.dst_addr = *snat_addr;
+        reply_key.src_port = backend.port;
+        reply_key.dst_port = port;
+        reply_key.proto = t.proto;
+        reply_key._pad = [0; 3];
+        let Some(old) = flow_entry(reply_key) else {
+            if CT_NEW.insert(reply_key, reply, u64::from(BPF_NOEXIST)).is_ok() {
+                return port;
             }
             continue;
         };
-        if old.src_addr == reply.src_addr
-            && old.dst_addr == reply.dst_addr
+        if old.src_addr.same(&reply.src_addr)
+            && old.dst_addr.same(&reply.dst_addr)
             && old.src_port == reply.src_port
             && old.dst_port == reply.dst_port
         {
-            return Some(port);
+            return port;
         }
         let idle = now.saturating_sub(old.last_seen);
         let closed = ct::closed(old.flags) && idle > ct::CLOSED_PORT_REUSE_NS;
-        if closed || KPR_CT_TIMEOUTS.load().expired(t.proto, &old, now) {
+        if closed || KPR_CT_TIMEOUTS.load().expired(t.proto, old, now) {
             count(counter::TC_CT_EXPIRED);
-            forget(&reply_key, &old, t.proto);
-            if CT_NEW.insert(&reply_key, reply, u64::from(BPF_NOEXIST)).is_ok() {
-                return Some(port);
+            forget(reply_key, old, t.proto);
+            if CT_NEW.insert(reply_key, reply, u64::from(BPF_NOEXIST)).is_ok() {
+                return port;
             }
         }
     }
-    None
+    0
 }
 
 /// A hash of the tuple, seeded per boot (`KPR_FLOW_HASH_SEED`).
 #[inline(always)]
 fn flow_hash(t: &Tuple) -> u32 {
     let mut h = KPR_FLOW_HASH_SEED.load();
-    h = mix(h ^ t.saddr);
-    h = mix(h ^ t.daddr);
+    h = mix(h ^ t.saddr.folded());
+    h = mix(h ^ t.daddr.folded());
     h = mix(h ^ (u32::from(t.sport) << 16 | u32::from(t.dport)));
     mix(h ^ u32::from(t.proto))
 }
@@ -646,14 +864,13 @@ fn mix(mut h: u32) -> u32 {
 }
 
 /// The flow's endpoint is no longer one of its frontend's endpoints (or the frontend is gone).
-#[inline(always)]
+#[inline(never)]
 fn stale(ctx: &TcContext, t: &Tuple, entry: &CtValue) -> bool {
-    lookup_frontend(t, source_scope(ctx, t))
-        .is_none_or(|service| !serves(&service, &Addr::from_v4(entry.dst_addr), entry.dst_port))
+    lookup_frontend(t, source_scope(ctx, t)).is_none_or(|service| !serves(&service, &entry.dst_addr, entry.dst_port))
 }
 
 #[inline(always)]
-fn ct_key(src_addr: u32, dst_addr: u32, src_port: u16, dst_port: u16, proto: u8) -> CtKey {
+fn ct_key(src_addr: Addr, dst_addr: Addr, src_port: u16, dst_port: u16, proto: u8) -> CtKey {
     CtKey { src_addr, dst_addr, src_port, dst_port, proto, _pad: [0; 3] }
 }
 
@@ -661,23 +878,34 @@ fn ct_key(src_addr: u32, dst_addr: u32, src_port: u16, dst_port: u16, proto: u8)
 /// addresses (its IP checksum only: the L4 checksum is in the first fragment). A fragment
 /// of anything else passes untouched.
 #[inline(always)]
-fn later_fragment(ctx: &TcContext, ip: &Ipv4Hdr) -> Result<i32, ()> {
-    let (saddr, daddr) = (u32::from_ne_bytes(ip.src_addr), u32::from_ne_bytes(ip.dst_addr));
-    let key = FragmentKey { src_addr: saddr, dst_addr: daddr, id: u16::from_ne_bytes(ip.id), proto: ip.proto, _pad: 0 };
+fn later_fragment<F: Family>(ctx: &TcContext, ip: &F::Ip) -> Result<i32, ()> {
+    let (saddr, daddr) = (F::src(ip), F::dst(ip));
+    let Some(key) = fragment_key::<F>(ip, &saddr, &daddr) else {
+        return Ok(PASS);
+    };
     let Some(to) = FRAGMENTS.get_ptr(&key) else {
         count(counter::TC_PASSED_UNSUPPORTED);
         return Ok(PASS);
     };
     // SAFETY: valid for this program run.
     let to = unsafe { *to };
-    for (off, old, new) in [(IP_SRC_OFF, saddr, to.src_addr), (IP_DST_OFF, daddr, to.dst_addr)] {
-        if old != new {
-            ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(old), u64::from(new), 4).map_err(drop)?;
-            ctx.store(off, &new, 0).map_err(drop)?;
-        }
+    let diff = F::addr_diff(&saddr, &to.src_addr) + F::addr_diff(&daddr, &to.dst_addr);
+    let data = ctx.data();
+    if data + IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
+        return Err(());
     }
+    // SAFETY: within [data, data_end), checked above.
+    unsafe { F::write_addrs((data + IP_OFF) as *mut u8, &to.src_addr, &to.dst_addr, diff) };
     count(counter::TC_FRAGMENT_TRANSLATED);
     Ok(TC_ACT_OK)
+}
+
+/// The `KPR_FRAGMENTS` key of a datagram in fragments (IPv4: IPv6 fragments are not parsed).
+#[inline(always)]
+fn fragment_key<F: Family>(ip: &F::Ip, saddr: &Addr, daddr: &Addr) -> Option<FragmentKey> {
+    let id = F::fragment_id(ip)?;
+    let proto = F::l4_proto(ip)?;
+    Some(FragmentKey { src_addr: saddr.v4(), dst_addr: daddr.v4(), id, proto, _pad: 0 })
 }
 
 /// Rewrite addresses and ports to `to`, fixing the IP and L4 checksums incrementally; the
@@ -686,22 +914,22 @@ fn later_fragment(ctx: &TcContext, ip: &Ipv4Hdr) -> Result<i32, ()> {
 /// The common case costs at most two helper calls: the L4 checksum goes through the kernel
 /// (only it knows whether the checksum is partial, left to the device, which changes the
 /// arithmetic), once for both addresses of the pseudo header and once for both ports. The
-/// header fields and the IP checksum, which covers only its own header, are written in place.
+/// header fields and the IPv4 checksum, which covers only its own header, are written in place.
 #[inline(always)]
-fn rewrite(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()> {
+fn rewrite<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()> {
     if let Some(id) = t.first_fragment {
-        let key = FragmentKey { src_addr: t.saddr, dst_addr: t.daddr, id, proto: t.proto, _pad: 0 };
+        let key = FragmentKey { src_addr: t.saddr.v4(), dst_addr: t.daddr.v4(), id, proto: t.proto, _pad: 0 };
         let _ = FRAGMENTS.insert(&key, to, 0);
     }
-    let addrs_changed = (to.src_addr, to.dst_addr) != (t.saddr, t.daddr);
+    let addrs_changed = !(to.src_addr.same(&t.saddr) && to.dst_addr.same(&t.daddr));
     let (old_ports, new_ports) = (ports_word(t.sport, t.dport), ports_word(to.src_port, to.dst_port));
-    // One's complement difference of the addresses: for the IP checksum and the pseudo header.
-    let addr_diff = csum::word_diff(t.saddr, to.src_addr) + csum::word_diff(t.daddr, to.dst_addr);
+    // One's complement difference of the addresses: for the IPv4 checksum and the pseudo header.
+    let addr_diff = F::addr_diff(&t.saddr, &to.src_addr) + F::addr_diff(&t.daddr, &to.dst_addr);
     // TCP's and UDP's checksums cover the addresses (pseudo header); SCTP's CRC32c does not.
     let inet_csum = match t.proto {
-        IPPROTO_TCP => Some((TCP_CSUM_OFF, 0)),
-        // A UDP checksum of 0 means "none" and must stay 0.
-        IPPROTO_UDP => Some((UDP_CSUM_OFF, u64::from(BPF_F_MARK_MANGLED_0))),
+        IPPROTO_TCP => Some((F::L4_OFF + TCP_CSUM, 0)),
+        // A UDP checksum of 0 means "none" (IPv4 only) and must stay 0.
+        IPPROTO_UDP => Some((F::L4_OFF + UDP_CSUM, u64::from(BPF_F_MARK_MANGLED_0))),
         _ => None,
     };
     match inet_csum {
@@ -715,27 +943,31 @@ fn rewrite(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()> {
                 ctx.l4_csum_replace(csum_off, u64::from(old_ports), u64::from(new_ports), flags | 4).map_err(drop)?;
             }
         }
-        None if old_ports != new_ports => sctp_ports_crc(ctx, old_ports, new_ports)?,
+        None if old_ports != new_ports => sctp_ports_crc::<F>(ctx, old_ports, new_ports, t.l4_len)?,
         None => {}
     }
     // The helpers may have moved the packet: bounds are checked again.
     let data = ctx.data();
-    if data + L4_OFF + 4 > ctx.data_end() {
+    if data + F::L4_OFF + 4 > ctx.data_end() {
         return Err(());
     }
     // SAFETY: within [data, data_end), checked above; unaligned writes of plain bytes.
     unsafe {
         if addrs_changed {
-            let check = (data + IP_CSUM_OFF) as *mut u16;
-            check.write_unaligned(csum::replace(check.read_unaligned(), addr_diff));
-            ((data + IP_SRC_OFF) as *mut u32).write_unaligned(to.src_addr);
-            ((data + IP_DST_OFF) as *mut u32).write_unaligned(to.dst_addr);
+            F::write_addrs((data + IP_OFF) as *mut u8, &to.src_addr, &to.dst_addr, addr_diff);
         }
         if old_ports != new_ports {
-            ((data + L4_OFF) as *mut u32).write_unaligned(new_ports);
+            ((data + F::L4_OFF) as *mut u32).write_unaligned(new_ports);
         }
     }
     Ok(())
+}
+
+/// [`rewrite`] for a new flow's first packet, as a subprogram: the new-flow path has used its
+/// share of the BPF stack.
+#[inline(never)]
+fn rewrite_first<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()> {
+    rewrite::<F>(ctx, t, to)
 }
 
 /// Two ports as the four bytes they are in the packet, read as one native word.
@@ -749,15 +981,13 @@ fn ports_word(first: u16, second: u16) -> u32 {
 /// read of the packet). A checksum of 0 is left alone: the sender's kernel left it to the
 /// device (`CHECKSUM_PARTIAL`), which computes it over the rewritten packet.
 #[inline(always)]
-fn sctp_ports_crc(ctx: &TcContext, old: u32, new: u32) -> Result<(), ()> {
-    let sum = u32::from_le_bytes(ctx.load::<[u8; 4]>(SCTP_CSUM_OFF).map_err(drop)?);
+fn sctp_ports_crc<F: Family>(ctx: &TcContext, old: u32, new: u32, sctp_len: u16) -> Result<(), ()> {
+    let sum = u32::from_le_bytes(ctx.load::<[u8; 4]>(F::L4_OFF + SCTP_CSUM).map_err(drop)?);
     if sum == 0 {
         return Ok(());
     }
-    let ip_len = u16::from_be_bytes(ctx.load::<[u8; 2]>(IP_OFF + 2).map_err(drop)?);
-    let sctp_len = ip_len.saturating_sub(20);
     let sum = sum ^ kpr_sctp_crc_delta(old, new, u32::from(sctp_len));
-    ctx.store(SCTP_CSUM_OFF, &sum.to_le_bytes(), 0).map_err(drop)
+    ctx.store(F::L4_OFF + SCTP_CSUM, &sum.to_le_bytes(), 0).map_err(drop)
 }
 
 /// [`crc32c::port_rewrite_delta`] as a global function: the verifier checks it once, not once
@@ -768,58 +998,107 @@ pub extern "C" fn kpr_sctp_crc_delta(old: u32, new: u32, len: u32) -> u32 {
     crc32c::port_rewrite_delta(old, new, len as u16)
 }
 
-/// An ICMP error (unreachable, time exceeded, parameter problem) about a translated flow, e.g.
-/// "fragmentation needed" from a backend: it quotes the packet as the backend saw it. Translate
-/// the quoted header and the outer addresses back, so that the client's kernel matches it to
-/// its socket (path MTU discovery, connection errors).
+/// An ICMP error (unreachable, too big, time exceeded, parameter problem) about a translated
+/// flow, e.g. "fragmentation needed" from a backend: it quotes the packet as the backend saw
+/// it. Translate the quoted header and the outer addresses back, so that the client's kernel
+/// matches it to its socket (path MTU discovery, connection errors).
 #[inline(always)]
-fn icmp_error(ctx: &TcContext, outer: &Ipv4Hdr) -> Result<i32, ()> {
-    let icmp_type: u8 = ctx.load(ICMP_OFF).map_err(drop)?;
-    if icmp_type != 3 && icmp_type != 11 && icmp_type != 12 {
-        return Ok(PASS);
+fn icmp_error<F: Family>(ctx: &TcContext) -> i32 {
+    let Ok(s) = scratch() else { return PASS };
+    match icmp_error_flow::<F>(ctx, s) {
+        Ok(true) => icmp_error_rewrite::<F>(ctx, s).unwrap_or(PASS),
+        _ => PASS,
     }
-    let inner: Ipv4Hdr = ctx.load(INNER_IP_OFF).map_err(drop)?;
+}
+
+/// The translation back of an ICMP error (in `s.icmp`), if it is about a translated flow. A
+/// subprogram of its own, as is the rewrite: together they would not fit on the BPF stack.
+#[inline(never)]
+fn icmp_error_flow<F: Family>(ctx: &TcContext, s: *mut FlowScratch) -> Result<bool, ()> {
+    let inner_off = F::L4_OFF + ICMP_QUOTE;
+    let inner_l4_off = inner_off + size_of::<F::Ip>();
+    // Headers are read in place, pulled into the linear area first.
+    if ctx.data() + inner_l4_off + 4 > ctx.data_end() {
+        ctx.pull_data((inner_l4_off + 4) as u32).map_err(drop)?;
+    }
+    let data = ctx.data();
+    if data + inner_l4_off + 4 > ctx.data_end() {
+        return Ok(false);
+    }
+    // SAFETY: within [data, data_end), checked above; the headers are plain bytes.
+    let (outer, icmp_type, inner, ports) = unsafe {
+        (
+            &*((data + IP_OFF) as *const F::Ip),
+            *((data + F::L4_OFF) as *const u8),
+            &*((data + inner_off) as *const F::Ip),
+            ((data + inner_l4_off) as *const [u16; 2]).read_unaligned(),
+        )
+    };
+    if !F::quotes_packet(icmp_type) {
+        return Ok(false);
+    }
     // The quoted ports are where TCP, UDP and SCTP all have them (SCTP's quoted CRC stays: the
     // quote is cut short, and its receiver checks the verification tag instead).
-    if inner.vihl != 0x45 || (inner.proto != IPPROTO_TCP && inner.proto != IPPROTO_UDP && inner.proto != IPPROTO_SCTP) {
-        return Ok(PASS);
-    }
-    let ports: [u16; 2] = ctx.load(INNER_L4_OFF).map_err(drop)?;
-    let (isrc, idst) = (u32::from_ne_bytes(inner.src_addr), u32::from_ne_bytes(inner.dst_addr));
+    let proto = match F::l4_proto(inner) {
+        Some(p @ (IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP)) => p,
+        _ => return Ok(false),
+    };
+    let (isrc, idst) = (F::src(inner), F::dst(inner));
+    // SAFETY: the per-CPU scratch value, valid for this program run.
+    let key = unsafe {
+        (*s).key = ct_key(idst, isrc, ports[1], ports[0], proto);
+        &(*s).key
+    };
     // The quoted packet went from (translated) client to backend: the backend's reply entry
     // holds the original addresses.
-    let Some(entry) = flow_entry(&ct_key(idst, isrc, ports[1], ports[0], inner.proto)) else {
-        return Ok(PASS);
+    let Some(entry) = flow_entry(key) else {
+        return Ok(false);
     };
-    let (client, client_port, frontend, frontend_port) =
-        (entry.dst_addr, entry.dst_port, entry.src_addr, entry.src_port);
-
-    // Quoted header: addresses (inner IP checksum and ICMP checksum), then ports (ICMP checksum).
-    let old_inner_csum: u16 = ctx.load(INNER_CSUM_OFF).map_err(drop)?;
-    for (off, old, new) in [(INNER_SRC_OFF, isrc, client), (INNER_DST_OFF, idst, frontend)] {
-        if old != new {
-            ctx.l3_csum_replace(INNER_CSUM_OFF, u64::from(old), u64::from(new), 4).map_err(drop)?;
-            ctx.l4_csum_replace(ICMP_CSUM_OFF, u64::from(old), u64::from(new), 4).map_err(drop)?;
-            ctx.store(off, &new, 0).map_err(drop)?;
-        }
+    let osrc = F::src(outer);
+    // To the client; from the frontend when the backend itself complained.
+    let new_src = if osrc.same(&idst) { entry.src_addr } else { osrc };
+    let inner_diff = F::addr_diff(&isrc, &entry.dst_addr) + F::addr_diff(&idst, &entry.src_addr);
+    let outer_diff = F::addr_diff(&osrc, &new_src) + F::addr_diff(&F::dst(outer), &entry.dst_addr);
+    unsafe {
+        (*s).icmp = IcmpFix {
+            client: entry.dst_addr,
+            frontend: entry.src_addr,
+            new_src,
+            inner_diff,
+            outer_diff,
+            old_ports: ports_word(ports[0], ports[1]),
+            new_ports: ports_word(entry.dst_port, entry.src_port),
+        };
     }
-    let new_inner_csum: u16 = ctx.load(INNER_CSUM_OFF).map_err(drop)?;
-    ctx.l4_csum_replace(ICMP_CSUM_OFF, u64::from(old_inner_csum), u64::from(new_inner_csum), 2).map_err(drop)?;
-    for (off, old, new) in [(INNER_L4_OFF, ports[0], client_port), (INNER_L4_OFF + 2, ports[1], frontend_port)] {
-        if old != new {
-            ctx.l4_csum_replace(ICMP_CSUM_OFF, u64::from(old), u64::from(new), 2).map_err(drop)?;
-            ctx.store(off, &new, 0).map_err(drop)?;
-        }
-    }
+    Ok(true)
+}
 
-    // Outer header: to the client; from the frontend when the backend itself complained.
-    let (osrc, odst) = (u32::from_ne_bytes(outer.src_addr), u32::from_ne_bytes(outer.dst_addr));
-    let new_src = if osrc == idst { frontend } else { osrc };
-    for (off, old, new) in [(IP_SRC_OFF, osrc, new_src), (IP_DST_OFF, odst, client)] {
-        if old != new {
-            ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(old), u64::from(new), 4).map_err(drop)?;
-            ctx.store(off, &new, 0).map_err(drop)?;
-        }
+/// Apply `s.icmp` to the ICMP error.
+#[inline(never)]
+fn icmp_error_rewrite<F: Family>(ctx: &TcContext, s: *const FlowScratch) -> Result<i32, ()> {
+    // SAFETY: the per-CPU scratch value, valid for this program run.
+    let fix = unsafe { &(*s).icmp };
+    let inner_off = F::L4_OFF + ICMP_QUOTE;
+    let inner_l4_off = inner_off + size_of::<F::Ip>();
+    // The ICMP checksum covers the quoted packet: its ports, and in IPv6 its addresses (an
+    // IPv4 quote's own header checksum, fixed with its addresses, keeps its sum the same), and
+    // in IPv6 the outer addresses too (pseudo header).
+    let icmp_csum = F::L4_OFF + ICMP_CSUM;
+    ctx.l4_csum_replace(icmp_csum, u64::from(fix.old_ports), u64::from(fix.new_ports), 4).map_err(drop)?;
+    if F::ICMP_PSEUDO_HEADER {
+        ctx.l4_csum_replace(icmp_csum, 0, u64::from(csum::fold32(fix.inner_diff)), 0).map_err(drop)?;
+        let pseudo = u64::from(BPF_F_PSEUDO_HDR);
+        ctx.l4_csum_replace(icmp_csum, 0, u64::from(csum::fold32(fix.outer_diff)), pseudo).map_err(drop)?;
+    }
+    let data = ctx.data();
+    if data + inner_l4_off + 4 > ctx.data_end() {
+        return Err(());
+    }
+    // SAFETY: within [data, data_end), checked above.
+    unsafe {
+        F::write_addrs((data + inner_off) as *mut u8, &fix.client, &fix.frontend, fix.inner_diff);
+        ((data + inner_l4_off) as *mut u32).write_unaligned(fix.new_ports);
+        F::write_addrs((data + IP_OFF) as *mut u8, &fix.new_src, &fix.client, fix.outer_diff);
     }
     count(counter::TC_CT_HIT);
     Ok(TC_ACT_OK)

@@ -474,7 +474,7 @@ impl Syncer {
         // The source routing picks for ClusterIPs (kube-proxy's unmasqueraded node traffic keeps
         // it), looked up in the kernel's routing table.
         if let Some(source) = sample.and_then(source::host::route_source) {
-            let link = LinkInfo { addr: u32::from(source).to_be(), flags: 0 };
+            let link = LinkInfo { addr: u32::from(source).to_be(), ..LinkInfo::default() };
             plan.links.insert(proxy_common::LINK_SERVICE_SOURCE, link);
         }
         // A service range refused anew takes effect once the service entries inside it are

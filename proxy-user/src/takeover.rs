@@ -13,7 +13,7 @@ use std::{collections::HashSet, io, path::Path, process::Command};
 
 use anyhow::{Context as _, Result};
 use aya::maps::{HashMap, Map, MapData};
-use proxy_common::{CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, map_names};
+use proxy_common::{Addr, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, map_names};
 
 use crate::netlink;
 
@@ -91,17 +91,23 @@ const CTA_TUPLE_IP: u16 = 1;
 const CTA_TUPLE_PROTO: u16 = 2;
 const CTA_IP_V4_SRC: u16 = 1;
 const CTA_IP_V4_DST: u16 = 2;
+const CTA_IP_V6_SRC: u16 = 3;
+const CTA_IP_V6_DST: u16 = 4;
 const CTA_PROTO_NUM: u16 = 1;
 const CTA_PROTO_SRC_PORT: u16 = 2;
 const CTA_PROTO_DST_PORT: u16 = 3;
 
-/// Netfilter's IPv4 flows whose destination was translated (DNAT, as kube-proxy's rules do):
-/// the tuples of both directions as they appear on the wire (original, reply).
+/// Netfilter's flows (both families) whose destination was translated (DNAT, as kube-proxy's
+/// rules do): the tuples of both directions as they appear on the wire (original, reply).
 pub fn translated_flows() -> io::Result<Vec<[CtKey; 2]>> {
-    // struct nfgenmsg: family, version, resource id.
-    let body = [libc::AF_INET as u8, 0, 0, 0];
-    let request = netlink::message((NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET, libc::NLM_F_DUMP as u16, &body);
-    let entries = netlink::dump(libc::NETLINK_NETFILTER, &request)?;
+    let mut entries = Vec::new();
+    for family in [libc::AF_INET, libc::AF_INET6] {
+        // struct nfgenmsg: family, version, resource id.
+        let body = [family as u8, 0, 0, 0];
+        let request =
+            netlink::message((NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET, libc::NLM_F_DUMP as u16, &body);
+        entries.extend(netlink::dump(libc::NETLINK_NETFILTER, &request)?);
+    }
     Ok(entries
         .iter()
         .filter_map(|entry| {
@@ -120,11 +126,18 @@ pub fn translated_flows() -> io::Result<Vec<[CtKey; 2]>> {
 fn tuple(attrs: &[u8]) -> Option<CtKey> {
     let ip = netlink::find(attrs, CTA_TUPLE_IP)?;
     let proto = netlink::find(attrs, CTA_TUPLE_PROTO)?;
-    let addr = |kind| -> Option<u32> { Some(u32::from_ne_bytes(netlink::find(ip, kind)?.try_into().ok()?)) };
+    // An IPv4 tuple has the V4 attributes, an IPv6 one the V6 ones.
+    let addr = |v4, v6| -> Option<Addr> {
+        if let Some(a) = netlink::find(ip, v4) {
+            return Some(Addr::from_v4(u32::from_ne_bytes(a.try_into().ok()?)));
+        }
+        let a: [u8; 16] = netlink::find(ip, v6)?.try_into().ok()?;
+        Some(std::net::Ipv6Addr::from(a).into())
+    };
     let port = |kind| -> Option<u16> { Some(u16::from_ne_bytes(netlink::find(proto, kind)?.try_into().ok()?)) };
     Some(CtKey {
-        src_addr: addr(CTA_IP_V4_SRC)?,
-        dst_addr: addr(CTA_IP_V4_DST)?,
+        src_addr: addr(CTA_IP_V4_SRC, CTA_IP_V6_SRC)?,
+        dst_addr: addr(CTA_IP_V4_DST, CTA_IP_V6_DST)?,
         src_port: port(CTA_PROTO_SRC_PORT)?,
         dst_port: port(CTA_PROTO_DST_PORT)?,
         proto: *netlink::find(proto, CTA_PROTO_NUM)?.first()?,

@@ -62,10 +62,11 @@ impl Netns {
         ip(&full)
     }
 
-    /// A router's settings: forward IPv4, no reverse-path filter (the test topologies route
+    /// A router's settings: forward IPv4 and IPv6, no reverse-path filter (the test topologies route
     /// asymmetrically on purpose).
     pub fn route_packets(&self) -> Result<()> {
-        self.sh("echo 1 > /proc/sys/net/ipv4/ip_forward; for f in /proc/sys/net/ipv4/conf/*/rp_filter; do echo 0 > $f; done")
+        self.sh("echo 1 > /proc/sys/net/ipv4/ip_forward; echo 1 > /proc/sys/net/ipv6/conf/all/forwarding; \
+             for f in /proc/sys/net/ipv4/conf/*/rp_filter; do echo 0 > $f; done")
     }
 
     /// Run a shell script inside this namespace.

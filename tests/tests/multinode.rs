@@ -7,8 +7,11 @@
 //!   node-a 10.0.0.1 ┼─ br0 (switch netns)      node-a ── pod-a 10.244.1.2
 //!   node-b 10.0.0.2 ┘                          node-b ── pod-b 10.244.2.2
 //! ```
+//!
+//! Every link is dual-stack: fd00::100 (ext), fd00::1 and fd00::2 (nodes), fd00:10:244:1::2 and
+//! fd00:10:244:2::2 (pods).
 use std::{
-    net::{Ipv4Addr, SocketAddrV4, TcpStream},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, TcpStream},
     path::PathBuf,
     process::{Child, Command, Stdio},
     time::Duration,
@@ -28,7 +31,9 @@ const TIMEOUT: Duration = Duration::from_secs(2);
 struct Node {
     name: String,
     ip: Ipv4Addr,
+    ip6: Ipv6Addr,
     pod_ip: Ipv4Addr,
+    pod_ip6: Ipv6Addr,
     agent: Option<Child>,
     pins: PathBuf,
     /// The node's KubeProxyConfiguration.
@@ -59,15 +64,16 @@ impl Cluster {
         let switch = Netns::new(&format!("{prefix}-sw"))?;
         switch.ip(&["link", "add", "br0", "type", "bridge"])?;
         switch.ip(&["link", "set", "br0", "up"])?;
-        let plug = |ns: &Netns, port: &str, addr: &str| -> Result<()> {
+        let plug = |ns: &Netns, port: &str, addr: &str, addr6: &str| -> Result<()> {
             switch.ip(&["link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name])?;
             switch.ip(&["link", "set", port, "master", "br0", "up"])?;
             ns.ip(&["addr", "add", addr, "dev", "eth0"])?;
+            ns.ip(&["-6", "addr", "add", addr6, "dev", "eth0", "nodad"])?;
             ns.ip(&["link", "set", "eth0", "up"])?;
             Ok(())
         };
         let ext = Netns::new(&format!("{prefix}-ext"))?;
-        plug(&ext, "p-ext", &format!("{EXT_CLIENT}/24"))?;
+        plug(&ext, "p-ext", &format!("{EXT_CLIENT}/24"), "fd00::100/64")?;
         // The LoadBalancer IP is announced by node-a (as a cloud LB would send it there).
         ext.ip(&["route", "add", &format!("{LB_IP}/32"), "via", "10.0.0.1"])?;
 
@@ -78,22 +84,36 @@ impl Cluster {
             let n = i as u8 + 1;
             let netns = Netns::new(&format!("{prefix}-{name}"))?;
             let ip = Ipv4Addr::new(10, 0, 0, n);
-            plug(&netns, &format!("p-{name}"), &format!("{ip}/24"))?;
+            let ip6 = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, n.into());
+            plug(&netns, &format!("p-{name}"), &format!("{ip}/24"), &format!("{ip6}/64"))?;
             let pod = Netns::new(&format!("{prefix}-{name}-pod"))?;
             let pod_ip = Ipv4Addr::new(10, 244, n, 2);
+            let pod_ip6 = Ipv6Addr::new(0xfd00, 0x10, 0x244, n.into(), 0, 0, 0, 2);
             netns.ip(&["link", "add", "veth-pod", "type", "veth", "peer", "name", "eth0", "netns", &pod.name])?;
             netns.ip(&["addr", "add", &format!("10.244.{n}.1/24"), "dev", "veth-pod"])?;
+            netns.ip(&["-6", "addr", "add", &format!("fd00:10:244:{n}::1/64"), "dev", "veth-pod", "nodad"])?;
             netns.ip(&["link", "set", "veth-pod", "up"])?;
             pod.ip(&["addr", "add", &format!("{pod_ip}/24"), "dev", "eth0"])?;
+            pod.ip(&["-6", "addr", "add", &format!("{pod_ip6}/64"), "dev", "eth0", "nodad"])?;
             pod.ip(&["link", "set", "eth0", "up"])?;
             pod.ip(&["route", "add", "default", "via", &format!("10.244.{n}.1")])?;
+            pod.ip(&["-6", "route", "add", "default", "via", &format!("fd00:10:244:{n}::1")])?;
             let other = 3 - n;
             netns.ip(&["route", "add", &format!("10.244.{other}.0/24"), "via", &format!("10.0.0.{other}")])?;
+            netns.ip(&[
+                "-6",
+                "route",
+                "add",
+                &format!("fd00:10:244:{other}::/64"),
+                "via",
+                &format!("fd00::{other}"),
+            ])?;
             netns.route_packets()?;
             let pod_name = format!("pod-{}", &name[5..]);
             let servers = vec![
                 NameServer::tcp(&pod, SocketAddrV4::new(pod_ip, POD_PORT), &pod_name)?,
                 NameServer::udp(&pod, SocketAddrV4::new(pod_ip, POD_PORT), &pod_name)?,
+                NameServer::tcp(&pod, SocketAddr::new(pod_ip6.into(), POD_PORT), &pod_name)?,
             ];
             let cgroup = Cgroup::new(&format!("{prefix}-{name}"))?;
             let pins = PathBuf::from(format!("/sys/fs/bpf/{prefix}-{name}"));
@@ -108,7 +128,9 @@ impl Cluster {
             nodes.push(Node {
                 name: (*name).to_owned(),
                 ip,
+                ip6,
                 pod_ip,
+                pod_ip6,
                 agent: None,
                 pins,
                 config,
@@ -192,18 +214,43 @@ impl Drop for Cluster {
 /// A Service with one TCP port, a NodePort, an optional LoadBalancer IP, the given
 /// externalTrafficPolicy, and an EndpointSlice listing (pod IP, node name).
 fn service(policy: &str, node_port: u16, endpoints: &[(Ipv4Addr, &str)]) -> String {
-    let eps: String = endpoints
-        .iter()
-        .map(|(ip, node)| format!("- addresses: [\"{ip}\"]\n  nodeName: {node}\n  conditions: {{ready: true}}\n"))
-        .collect();
+    dual_stack_service(policy, node_port, endpoints, None)
+}
+
+/// [`service`], dual-stack when `endpoints6` is given (IPv4 first): a ClusterIP of each
+/// family, and an IPv6 EndpointSlice.
+fn dual_stack_service(
+    policy: &str,
+    node_port: u16,
+    endpoints: &[(Ipv4Addr, &str)],
+    endpoints6: Option<&[(Ipv6Addr, &str)]>,
+) -> String {
+    let slice = |family: &str, eps: &[(IpAddr, &str)]| {
+        let eps: String = eps
+            .iter()
+            .map(|(ip, node)| format!("- addresses: [\"{ip}\"]\n  nodeName: {node}\n  conditions: {{ready: true}}\n"))
+            .collect();
+        format!(
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-{node_port}-{family}\n  namespace: t\n  \
+             labels: {{kubernetes.io/service-name: web-{node_port}}}\naddressType: {family}\nports: [{{name: http, port: {POD_PORT}}}]\nendpoints:{}",
+            if eps.is_empty() { " []\n".to_owned() } else { format!("\n{eps}") },
+        )
+    };
+    let ip = node_port % 250;
+    let (families, cluster_ips) = match endpoints6 {
+        Some(_) => ("[IPv4, IPv6]", format!("[\"10.96.0.{ip}\", \"fd00:96::{ip:x}\"]")),
+        None => ("[IPv4]", format!("[\"10.96.0.{ip}\"]")),
+    };
+    let v4: Vec<(IpAddr, &str)> = endpoints.iter().map(|(ip, node)| ((*ip).into(), *node)).collect();
+    let v6: Vec<(IpAddr, &str)> =
+        endpoints6.unwrap_or_default().iter().map(|(ip, node)| ((*ip).into(), *node)).collect();
     format!(
         "apiVersion: v1\nkind: Service\nmetadata: {{name: web-{node_port}, namespace: t}}\nspec:\n  type: LoadBalancer\n  \
-         clusterIP: 10.96.0.{ip}\n  externalTrafficPolicy: {policy}\n{hc}  ports: [{{name: http, port: 80, nodePort: {node_port}}}]\n\
-         status:\n  loadBalancer:\n    ingress: [{{ip: \"{LB_IP}\"}}]\n---\n\
-         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-{node_port}-1\n  namespace: t\n  labels: {{kubernetes.io/service-name: web-{node_port}}}\n\
-         addressType: IPv4\nports: [{{name: http, port: {POD_PORT}}}]\nendpoints:{}",
-        if eps.is_empty() { " []\n".to_owned() } else { format!("\n{eps}") },
-        ip = node_port % 250,
+         clusterIP: 10.96.0.{ip}\n  clusterIPs: {cluster_ips}\n  ipFamilies: {families}\n  externalTrafficPolicy: {policy}\n{hc}  \
+         ports: [{{name: http, port: 80, nodePort: {node_port}}}]\n\
+         status:\n  loadBalancer:\n    ingress: [{{ip: \"{LB_IP}\"}}]\n{}{}",
+        slice("IPv4", &v4),
+        if endpoints6.is_some() { slice("IPv6", &v6) } else { String::new() },
         // The API server allocates a health check port for LoadBalancer services with eTP=Local.
         hc = if policy == "Local" { format!("  healthCheckNodePort: {}\n", node_port + 1000) } else { String::new() },
     )
@@ -228,6 +275,47 @@ fn node_port_reaches_a_pod_on_another_node_masqueraded() {
     // The LoadBalancer IP (routed to node-a) works the same way.
     let (name, seen) = c.ext(|| tcp_ask_peer(SocketAddrV4::new(LB_IP, 80), TIMEOUT).unwrap());
     assert_eq!((name.as_str(), seen.as_str()), ("pod-b", "10.0.0.1"));
+}
+
+/// The same over IPv6: a dual-stack NodePort from outside, on either node, reaches the pod on
+/// node-b through its IPv6 slice, masqueraded to the IPv6 address of the link the packet left
+/// by; without an IPv6 endpoint it is refused while IPv4 serves.
+#[test]
+fn ipv6_node_port_reaches_a_pod_on_another_node_masqueraded() {
+    let c = Cluster::new("km-np6").unwrap();
+    let (pod_b, pod_b6) = (c.nodes[1].pod_ip, c.nodes[1].pod_ip6);
+    c.write("svc.yaml", &dual_stack_service("Cluster", 30080, &[(pod_b, "node-b")], Some(&[(pod_b6, "node-b")])));
+    c.wait("[*]:30080/TCP ext", 1);
+    for node in 0..2 {
+        let ip6 = c.nodes[node].ip6;
+        let (name, seen) = c.ext(move || tcp_ask_peer(SocketAddr::new(ip6.into(), 30080), TIMEOUT).unwrap());
+        assert_eq!(name, "pod-b", "via {ip6}");
+        let expected = if node == 0 { ip6.to_string() } else { "fd00:10:244:2::1".to_owned() };
+        assert_eq!(seen, expected, "source address seen by the pod, via {ip6}");
+    }
+    // The ClusterIP from outside (routed to node-a) is translated as well. clusterCIDR has no
+    // IPv6 range, so the IPv6 proxier's local-traffic detector is the no-op one: no masquerade
+    // (kube-proxy's rule) and the pod sees the client; its endpoint is node-a's own pod, so
+    // the reply comes back through node-a.
+    let pod_a6 = c.nodes[0].pod_ip6;
+    c.write("svc.yaml", &dual_stack_service("Cluster", 30080, &[(pod_b, "node-b")], Some(&[(pod_a6, "node-a")])));
+    let cluster_ip6: Ipv6Addr = format!("fd00:96::{:x}", 30080 % 250).parse().unwrap();
+    let on_pod_a = |have: Option<&[(IpAddr, u16)]>| have == Some(&[(IpAddr::from(pod_a6), POD_PORT)][..]);
+    testbed::wait_for_backends(&c.nodes[0].pins, &format!("[{cluster_ip6}]:80/TCP"), Duration::from_secs(10), on_pod_a)
+        .unwrap();
+    let a6 = c.nodes[0].ip6;
+    c.ext.ip(&["-6", "route", "add", "fd00:96::/108", "via", &a6.to_string()]).unwrap();
+    let (name, seen) = c.ext(move || tcp_ask_peer(SocketAddr::new(cluster_ip6.into(), 80), TIMEOUT).unwrap());
+    assert_eq!((name.as_str(), seen.as_str()), ("pod-a", "fd00::100"));
+
+    // No IPv6 endpoint: the IPv6 NodePort refuses (a reset), the IPv4 one still serves.
+    c.write("svc.yaml", &dual_stack_service("Cluster", 30080, &[(pod_b, "node-b")], Some(&[])));
+    c.wait("[*]:30080/TCP ext", 0);
+    let err = c.ext(move || TcpStream::connect_timeout(&SocketAddr::new(a6.into(), 30080), TIMEOUT).unwrap_err());
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
+    let a = c.nodes[0].ip;
+    let (name, _) = c.ext(move || tcp_ask_peer(SocketAddrV4::new(a, 30080), TIMEOUT).unwrap());
+    assert_eq!(name, "pod-b");
 }
 
 #[test]
@@ -578,9 +666,11 @@ fn a_program_attached_after_kpr_still_sees_what_kpr_does_not_translate() {
     c.write("svc.yaml", &service("Cluster", 30080, &[(c.nodes[1].pod_ip, "node-b")]));
     c.wait("*:30080/TCP ext", 1);
     // Another program after kpr's on node-a's link (a CNI's, a monitor's): a second instance
-    // of kpr's own ingress program on maps of its own, which counts the IP fragments it sees.
+    // of kpr's own ingress program on maps of its own, which counts the IP fragments it sees
+    // (to the node's address: the only one its address filter knows).
     let pins = testbed::PinRoot::new("km-chain2");
     let cfg = bpf::DatapathConfig::new(pins.0.clone(), "/nonexistent".into());
+    let node_ip = c.nodes[0].ip;
     let second = c.nodes[0]
         .netns
         .run(move || -> Result<aya::Ebpf> {
@@ -589,6 +679,7 @@ fn a_program_attached_after_kpr_still_sees_what_kpr_does_not_translate() {
                 ebpf.program_mut(proxy_common::program_names::TC_INGRESS).context("program")?.try_into()?;
             prog.load()?;
             prog.attach(c"eth0", aya::programs::TcAttachType::Ingress)?; // appended after kpr's
+            bpf::BpfMaps::take_from(&mut ebpf, &cfg)?.mark_addresses([IpAddr::from(node_ip).into()])?;
             Ok(ebpf)
         })
         .unwrap()

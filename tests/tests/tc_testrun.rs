@@ -1,7 +1,7 @@
 //! The tc programs on crafted packets through BPF_PROG_TEST_RUN: input packet + map state →
 //! verdict and output bytes, checksums included (expected packets are built from scratch with
 //! freshly computed checksums, never by patching the input). Needs root.
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use aya::{
     Ebpf,
@@ -34,6 +34,12 @@ const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 99);
 const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 2);
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const NODE_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 1);
+const CLIENT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x99);
+const POD6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 2, 0, 0, 0, 2);
+const CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x10);
+/// No backends.
+const NONE: &[(Ipv4Addr, u16)] = &[];
 
 // ---------- packet building, with checksums computed from scratch ----------
 
@@ -50,21 +56,33 @@ fn csum(data: &[u8], initial: u32) -> u16 {
     !(sum as u16)
 }
 
-/// The TCP/UDP checksum of `l4` (its checksum field zero) with the IPv4 pseudo-header.
-fn l4_csum(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, l4: &[u8]) -> u16 {
+/// The TCP/UDP (ICMPv6) checksum of `l4` (its checksum field zero) with the pseudo-header of
+/// the addresses' family.
+fn l4_csum(src: IpAddr, dst: IpAddr, proto: u8, l4: &[u8]) -> u16 {
     let mut pseudo = Vec::new();
-    pseudo.extend_from_slice(&src.octets());
-    pseudo.extend_from_slice(&dst.octets());
-    pseudo.extend_from_slice(&[0, proto]);
-    pseudo.extend_from_slice(&(l4.len() as u16).to_be_bytes());
+    match (src, dst) {
+        (IpAddr::V4(src), IpAddr::V4(dst)) => {
+            pseudo.extend_from_slice(&src.octets());
+            pseudo.extend_from_slice(&dst.octets());
+            pseudo.extend_from_slice(&[0, proto]);
+            pseudo.extend_from_slice(&(l4.len() as u16).to_be_bytes());
+        }
+        (IpAddr::V6(src), IpAddr::V6(dst)) => {
+            pseudo.extend_from_slice(&src.octets());
+            pseudo.extend_from_slice(&dst.octets());
+            pseudo.extend_from_slice(&(l4.len() as u32).to_be_bytes());
+            pseudo.extend_from_slice(&[0, 0, 0, proto]);
+        }
+        _ => panic!("addresses of two families"),
+    }
     pseudo.extend_from_slice(l4);
     csum(&pseudo, 0)
 }
 
 #[derive(Clone, Copy)]
 struct Pkt {
-    src: Ipv4Addr,
-    dst: Ipv4Addr,
+    src: IpAddr,
+    dst: IpAddr,
     sport: u16,
     dport: u16,
     proto: u8,
@@ -78,12 +96,24 @@ struct Pkt {
     chunk: u8,
 }
 
-fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Pkt {
-    Pkt { src, dst, sport, dport, proto: 6, tcp_flags: 0x02, seq: 1000, ack: 0, zero_csum: false, frag: 0, chunk: 0 }
+fn tcp(src: impl Into<IpAddr>, sport: u16, dst: impl Into<IpAddr>, dport: u16) -> Pkt {
+    Pkt {
+        src: src.into(),
+        dst: dst.into(),
+        sport,
+        dport,
+        proto: 6,
+        tcp_flags: 0x02,
+        seq: 1000,
+        ack: 0,
+        zero_csum: false,
+        frag: 0,
+        chunk: 0,
+    }
 }
 
 /// An SCTP packet with one INIT chunk (type 1).
-fn sctp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Pkt {
+fn sctp(src: impl Into<IpAddr>, sport: u16, dst: impl Into<IpAddr>, dport: u16) -> Pkt {
     Pkt { proto: 132, tcp_flags: 0, chunk: 1, ..tcp(src, sport, dst, dport) }
 }
 
@@ -108,7 +138,7 @@ fn sctp_crc_ok(frame: &[u8]) -> bool {
     stored == crc32c(&sctp)
 }
 
-fn udp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Pkt {
+fn udp(src: impl Into<IpAddr>, sport: u16, dst: impl Into<IpAddr>, dport: u16) -> Pkt {
     Pkt { proto: 17, tcp_flags: 0, ..tcp(src, sport, dst, dport) }
 }
 
@@ -137,11 +167,7 @@ impl Pkt {
                 let c = crc32c(&l4);
                 l4[8..12].copy_from_slice(&c.to_le_bytes());
             }
-            return frame(
-                (dst_mac, src_mac),
-                Ip { src: self.src, dst: self.dst, proto: 132, tos: 0, id: 0x1234, frags: self.frag },
-                &l4,
-            );
+            return self.frame((dst_mac, src_mac), 0x1234, self.frag, &l4);
         }
         if self.proto == 6 {
             l4.extend_from_slice(&self.seq.to_be_bytes());
@@ -162,7 +188,18 @@ impl Pkt {
         }
         // A reset is sent as the kernel sends one: id 0, don't fragment.
         let (id, frags) = if self.tcp_flags & 0x04 != 0 { (0, 0x4000) } else { (0x1234, self.frag) };
-        frame((dst_mac, src_mac), Ip { src: self.src, dst: self.dst, proto: self.proto, tos: 0, id, frags }, &l4)
+        self.frame((dst_mac, src_mac), id, frags, &l4)
+    }
+
+    /// The frame of this packet's family around `l4`.
+    fn frame(&self, macs: ([u8; 6], [u8; 6]), id: u16, frags: u16, l4: &[u8]) -> Vec<u8> {
+        match (self.src, self.dst) {
+            (IpAddr::V4(src), IpAddr::V4(dst)) => {
+                frame(macs, Ip { src, dst, proto: self.proto, tos: 0, id, frags }, l4)
+            }
+            (IpAddr::V6(src), IpAddr::V6(dst)) => frame6(macs, src, dst, self.proto, l4),
+            _ => panic!("addresses of two families"),
+        }
     }
 }
 
@@ -197,10 +234,30 @@ fn frame(macs: ([u8; 6], [u8; 6]), ip: Ip, payload: &[u8]) -> Vec<u8> {
     out
 }
 
+/// An Ethernet frame carrying an IPv6 packet (hop limit 64, no extension header).
+fn frame6(macs: ([u8; 6], [u8; 6]), src: Ipv6Addr, dst: Ipv6Addr, next_header: u8, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(&macs.0);
+    out.extend_from_slice(&macs.1);
+    out.extend_from_slice(&[0x86, 0xdd, 0x60, 0, 0, 0]);
+    out.extend_from_slice(&(payload.len() as u16).to_be_bytes());
+    out.extend_from_slice(&[next_header, 64]);
+    out.extend_from_slice(&src.octets());
+    out.extend_from_slice(&dst.octets());
+    out.extend_from_slice(payload);
+    out
+}
+
 const MACS: ([u8; 6], [u8; 6]) = ([0xaa; 6], [0xbb; 6]);
 
+/// Where the L4 header of a frame starts (IPv4 without options, or IPv6).
+fn l4_offset(packet: &[u8]) -> usize {
+    if packet[12..14] == [0x86, 0xdd] { 54 } else { 34 }
+}
+
 fn sport_of(packet: &[u8]) -> u16 {
-    u16::from_be_bytes([packet[34], packet[35]])
+    let at = l4_offset(packet);
+    u16::from_be_bytes([packet[at], packet[at + 1]])
 }
 
 // ---------- the program under test ----------
@@ -238,20 +295,25 @@ impl Rig {
         }
         let mut maps = BpfMaps::take_from(&mut ebpf, &cfg).expect("maps");
         // The node's address, written into the node maps below, gets its filter bit here.
-        maps.mark_addresses([NODE_IP.into()]).unwrap();
+        maps.mark_addresses([NODE_IP.into(), NODE_IP6.into()]).unwrap();
         let mut programmer = Programmer::recover(&mut maps).unwrap();
         assert_eq!(programmer.apply(desired, &mut maps).failed, 0);
         let mut node_addrs: aya::maps::HashMap<_, Addr, u32> =
             aya::maps::HashMap::try_from(ebpf.map_mut(proxy_common::map_names::NODE_ADDRS).unwrap()).unwrap();
-        node_addrs.insert(&Addr::from(IpAddr::from(NODE_IP)), &(NODE_ADDR_LOCAL | NODE_ADDR_NODEPORT), 0).unwrap();
+        for node_ip in [IpAddr::from(NODE_IP), IpAddr::from(NODE_IP6)] {
+            node_addrs.insert(&Addr::from(node_ip), &(NODE_ADDR_LOCAL | NODE_ADDR_NODEPORT), 0).unwrap();
+        }
         // No link of its own: masquerade falls back to the primary address (ifindex 0).
         let mut links: aya::maps::HashMap<_, u32, LinkInfo> =
             aya::maps::HashMap::try_from(ebpf.map_mut(proxy_common::map_names::LINKS).unwrap()).unwrap();
-        links.insert(&0, &LinkInfo { addr: u32::from(NODE_IP).to_be(), flags: 0 }, 0).unwrap();
+        let fallback = LinkInfo { addr: u32::from(NODE_IP).to_be(), flags: 0, addr6: NODE_IP6.into() };
+        links.insert(&0, &fallback, 0).unwrap();
         let mut cidrs: aya::maps::LpmTrie<_, CidrKey, u8> =
             aya::maps::LpmTrie::try_from(ebpf.map_mut(proxy_common::map_names::LOCAL_CIDRS).unwrap()).unwrap();
         let pods = CidrKey { addr: IpAddr::from(Ipv4Addr::new(10, 244, 0, 0)).into() };
         cidrs.insert(&aya::maps::lpm_trie::Key::new(Addr::V4_PREFIX_OFFSET + 16, pods), &1, 0).unwrap();
+        let pods6 = CidrKey { addr: IpAddr::from(Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, 0)).into() };
+        cidrs.insert(&aya::maps::lpm_trie::Key::new(48, pods6), &1, 0).unwrap();
         Self { ebpf, maps, programmer, pins }
     }
 
@@ -316,15 +378,16 @@ impl Rig {
     }
 }
 
-fn entry(
+fn entry<A: Into<IpAddr> + Copy>(
     desired: &mut Desired,
-    ip: Ipv4Addr,
+    ip: impl Into<IpAddr>,
     port: u16,
     protocol: Protocol,
     scope: u8,
-    backends: &[(Ipv4Addr, u16)],
+    backends: &[(A, u16)],
     flags: u32,
 ) {
+    let ip = ip.into();
     let name = ServicePortName { service: ObjectKey::new("t", format!("{ip}:{port}")), port: String::new(), protocol };
     desired.insert(
         frontend_key(ip, port, protocol, scope),
@@ -359,7 +422,7 @@ fn services() -> Desired {
     entry(&mut d, Ipv4Addr::UNSPECIFIED, 30868, Protocol::Sctp, SCOPE_EXTERNAL, &[(POD, 3869)], SERVICE_FLAG_SNAT);
     // NodePort 30080: eTP=Cluster (masquerade); 30081: eTP=Local without local endpoints.
     entry(&mut d, Ipv4Addr::UNSPECIFIED, 30080, Protocol::Tcp, SCOPE_EXTERNAL, &[(POD, 8080)], SERVICE_FLAG_SNAT);
-    entry(&mut d, Ipv4Addr::UNSPECIFIED, 30081, Protocol::Tcp, SCOPE_EXTERNAL, &[], SERVICE_FLAG_DROP_NO_ENDPOINTS);
+    entry(&mut d, Ipv4Addr::UNSPECIFIED, 30081, Protocol::Tcp, SCOPE_EXTERNAL, NONE, SERVICE_FLAG_DROP_NO_ENDPOINTS);
     // An externalIP with eTP=Local and a local endpoint: no masquerade.
     entry(
         &mut d,
@@ -383,12 +446,20 @@ fn services() -> Desired {
     d.get_mut(&frontend_key(LB_IP, 80, Protocol::Tcp, SCOPE_EXTERNAL)).unwrap().source_ranges =
         vec!["10.0.0.96/30".parse().unwrap()];
     // An externalIP with eTP=Local and no local endpoint; from inside, every endpoint.
-    entry(&mut d, EXT_LOCAL, 443, Protocol::Tcp, SCOPE_EXTERNAL, &[], SERVICE_FLAG_DROP_NO_ENDPOINTS);
+    entry(&mut d, EXT_LOCAL, 443, Protocol::Tcp, SCOPE_EXTERNAL, NONE, SERVICE_FLAG_DROP_NO_ENDPOINTS);
     entry(&mut d, EXT_LOCAL, 443, Protocol::Tcp, SCOPE_POD, &[(REMOTE_POD, 8443)], 0);
     // NodePort 30082 from the node itself (its own address as source): every endpoint,
     // masqueraded; from outside it drops (eTP=Local, no local endpoint).
-    entry(&mut d, Ipv4Addr::UNSPECIFIED, 30082, Protocol::Tcp, SCOPE_EXTERNAL, &[], SERVICE_FLAG_DROP_NO_ENDPOINTS);
+    entry(&mut d, Ipv4Addr::UNSPECIFIED, 30082, Protocol::Tcp, SCOPE_EXTERNAL, NONE, SERVICE_FLAG_DROP_NO_ENDPOINTS);
     entry(&mut d, Ipv4Addr::UNSPECIFIED, 30082, Protocol::Tcp, SCOPE_NODE, &[(REMOTE_POD, 8080)], SERVICE_FLAG_SNAT);
+    // IPv6: a ClusterIP with endpoints (TCP, UDP) and without, and a NodePort (eTP=Cluster).
+    for scope in [SCOPE_POD, SCOPE_EXTERNAL] {
+        entry(&mut d, CLUSTER_IP6, 80, Protocol::Tcp, scope, &[(POD6, 8080)], 0);
+        entry(&mut d, CLUSTER_IP6, 53, Protocol::Udp, scope, &[(POD6, 5353)], 0);
+        entry(&mut d, CLUSTER_IP6, 81, Protocol::Tcp, scope, NONE, 0);
+        entry(&mut d, CLUSTER_IP6, 54, Protocol::Udp, scope, NONE, 0);
+    }
+    entry(&mut d, Ipv6Addr::UNSPECIFIED, 30080, Protocol::Tcp, SCOPE_EXTERNAL, &[(POD6, 8080)], SERVICE_FLAG_SNAT);
     d
 }
 
@@ -405,7 +476,7 @@ fn in_cluster_traffic_to_an_external_address_is_short_circuited_to_all_endpoints
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(
         out,
-        Pkt { dst: REMOTE_POD, dport: 8443, ..from_pod }.bytes(),
+        Pkt { dst: REMOTE_POD.into(), dport: 8443, ..from_pod }.bytes(),
         "a pod's traffic goes to any endpoint, unmasqueraded"
     );
 }
@@ -420,7 +491,7 @@ fn the_source_picks_the_entry_pod_outside_or_node() {
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(
         out,
-        Pkt { sport: sport_of(&out), dst: REMOTE_POD, dport: 8080, ..from_node }.bytes(),
+        Pkt { sport: sport_of(&out), dst: REMOTE_POD.into(), dport: 8080, ..from_node }.bytes(),
         "from the node: any endpoint, masqueraded"
     );
     assert_ne!(sport_of(&out), 40041, "masquerade gives the flow a port of its own");
@@ -438,41 +509,47 @@ fn load_balancer_source_ranges_admit_only_listed_clients() {
     let inside = tcp(CLIENT, 40013, LB_IP, 80);
     let (verdict, out) = rig.ingress(&inside.bytes());
     assert_eq!(verdict, TC_ACT_OK);
-    assert_eq!(out, Pkt { src: NODE_IP, sport: sport_of(&out), dst: POD, dport: 8080, ..inside }.bytes());
+    assert_eq!(out, Pkt { src: NODE_IP.into(), sport: sport_of(&out), dst: POD.into(), dport: 8080, ..inside }.bytes());
     let outside = tcp(Ipv4Addr::new(10, 0, 0, 100), 40014, LB_IP, 80);
     assert_eq!(rig.ingress(&outside.bytes()).0, TC_ACT_SHOT, "10.0.0.100 is outside 10.0.0.96/30");
     assert_eq!(rig.counter(counter::TC_DROPPED), 1);
 }
 
+/// In each family: IPv4, and IPv6 (no header checksum; the TCP checksum's pseudo header
+/// holds 128-bit addresses).
 #[test]
 fn cluster_ip_tcp_is_translated_both_ways_with_exact_checksums() {
     let rig = Rig::new(&services());
-    let syn = tcp(CLIENT, 40000, CLUSTER_IP, 80);
-    let (verdict, out) = rig.ingress(&syn.bytes());
-    assert_eq!(verdict, TC_ACT_OK);
-    assert_eq!(out, Pkt { dst: POD, dport: 8080, ..syn }.bytes(), "DNAT to the backend");
+    let families: [(IpAddr, IpAddr, IpAddr); 2] =
+        [(CLIENT.into(), CLUSTER_IP.into(), POD.into()), (CLIENT6.into(), CLUSTER_IP6.into(), POD6.into())];
+    for (flows, (client, cluster_ip, pod)) in (1..).zip(families) {
+        let syn = tcp(client, 40000, cluster_ip, 80);
+        let (verdict, out) = rig.ingress(&syn.bytes());
+        assert_eq!(verdict, TC_ACT_OK);
+        assert_eq!(out, Pkt { dst: pod, dport: 8080, ..syn }.bytes(), "DNAT to the backend");
 
-    // A second packet of the flow takes the same path (conntrack), not a new random pick.
-    let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 5000, ..syn };
-    assert_eq!(rig.ingress(&ack.bytes()).1, Pkt { dst: POD, dport: 8080, ..ack }.bytes());
+        // A second packet of the flow takes the same path (conntrack), not a new random pick.
+        let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 5000, ..syn };
+        assert_eq!(rig.ingress(&ack.bytes()).1, Pkt { dst: pod, dport: 8080, ..ack }.bytes());
 
-    // The reply, leaving toward the client, gets the ClusterIP back as its source.
-    let reply = Pkt { tcp_flags: 0x12, seq: 5000, ack: 1001, ..tcp(POD, 8080, CLIENT, 40000) };
-    let (verdict, out) = rig.egress(&reply.bytes());
-    assert_eq!(verdict, TC_ACT_OK);
-    assert_eq!(out, Pkt { src: CLUSTER_IP, sport: 80, ..reply }.bytes(), "reverse NAT");
-    assert!(rig.counter(counter::TC_NEW_FLOW) == 1 && rig.counter(counter::TC_CT_HIT) == 2);
+        // The reply, leaving toward the client, gets the ClusterIP back as its source.
+        let reply = Pkt { tcp_flags: 0x12, seq: 5000, ack: 1001, ..tcp(pod, 8080, client, 40000) };
+        let (verdict, out) = rig.egress(&reply.bytes());
+        assert_eq!(verdict, TC_ACT_OK);
+        assert_eq!(out, Pkt { src: cluster_ip, sport: 80, ..reply }.bytes(), "reverse NAT");
+        assert_eq!((rig.counter(counter::TC_NEW_FLOW), rig.counter(counter::TC_CT_HIT)), (flows, 2 * flows));
+    }
 }
 
 #[test]
 fn udp_translation_keeps_a_zero_checksum_zero() {
     let rig = Rig::new(&services());
     let with = udp(CLIENT, 40001, CLUSTER_IP, 53);
-    assert_eq!(rig.ingress(&with.bytes()).1, Pkt { dst: POD, dport: 5353, ..with }.bytes());
+    assert_eq!(rig.ingress(&with.bytes()).1, Pkt { dst: POD.into(), dport: 5353, ..with }.bytes());
     let without = Pkt { zero_csum: true, ..udp(CLIENT, 40002, CLUSTER_IP, 53) };
     let (verdict, out) = rig.ingress(&without.bytes());
     assert_eq!(verdict, TC_ACT_OK);
-    assert_eq!(out, Pkt { dst: POD, dport: 5353, ..without }.bytes());
+    assert_eq!(out, Pkt { dst: POD.into(), dport: 5353, ..without }.bytes());
     assert_eq!(&out[40..42], &[0, 0], "UDP checksum stays absent");
 }
 
@@ -492,20 +569,20 @@ fn node_port_with_cluster_policy_is_masqueraded_and_reversed() {
         "SNAT ports {min}-{max} outside the node's ephemeral ports {ephemeral:?}"
     );
     assert!(max < 30_000 || min > 32_767, "and outside the NodePort range");
-    assert_eq!(out, Pkt { src: NODE_IP, sport: nat_port, dst: POD, dport: 8080, ..syn }.bytes());
+    assert_eq!(out, Pkt { src: NODE_IP.into(), sport: nat_port, dst: POD.into(), dport: 8080, ..syn }.bytes());
 
     // The backend's reply comes back to the node's address and is sent on to the client.
     let reply = Pkt { tcp_flags: 0x12, ..tcp(POD, 8080, NODE_IP, nat_port) };
     let (verdict, out) = rig.ingress(&reply.bytes());
     assert_eq!(verdict, TC_ACT_OK);
-    assert_eq!(out, Pkt { src: NODE_IP, sport: 30080, dst: CLIENT, dport: 40003, ..reply }.bytes());
+    assert_eq!(out, Pkt { src: NODE_IP.into(), sport: 30080, dst: CLIENT.into(), dport: 40003, ..reply }.bytes());
 }
 
 #[test]
 fn external_ip_with_local_policy_keeps_the_client_address() {
     let rig = Rig::new(&services());
     let syn = tcp(CLIENT, 40004, Ipv4Addr::new(192, 0, 2, 7), 443);
-    assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: POD, dport: 8443, ..syn }.bytes());
+    assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: POD.into(), dport: 8443, ..syn }.bytes());
 }
 
 #[test]
@@ -514,7 +591,16 @@ fn no_endpoints_rejects_tcp_with_a_reset_and_local_policy_drops() {
     let syn = tcp(CLIENT, 40005, CLUSTER_IP, 81);
     let (verdict, out) = rig.ingress(&syn.bytes_with_macs([1; 6], [2; 6]));
     assert_eq!(verdict, TC_ACT_REDIRECT, "the reset goes back out of the interface");
-    let rst = Pkt { src: CLUSTER_IP, sport: 81, dst: CLIENT, dport: 40005, tcp_flags: 0x14, seq: 0, ack: 1001, ..syn };
+    let rst = Pkt {
+        src: CLUSTER_IP.into(),
+        sport: 81,
+        dst: CLIENT.into(),
+        dport: 40005,
+        tcp_flags: 0x14,
+        seq: 0,
+        ack: 1001,
+        ..syn
+    };
     assert_eq!(out, rst.bytes_with_macs([2; 6], [1; 6]), "RST|ACK acknowledging the SYN, MACs swapped");
 
     let (verdict, _) = rig.ingress(&tcp(CLIENT, 40006, NODE_IP, 30081).bytes());
@@ -549,16 +635,16 @@ fn packets_between_addresses_kpr_never_programmed_pass_at_the_address_filter() {
     let mut rig = Rig::new(&services());
     let (a, b, c) = (Ipv4Addr::new(10, 1, 1, 1), Ipv4Addr::new(10, 2, 2, 2), Ipv4Addr::new(10, 3, 3, 3));
     let key = CtKey {
-        src_addr: u32::from(a).to_be(),
-        dst_addr: u32::from(b).to_be(),
+        src_addr: a.into(),
+        dst_addr: b.into(),
         src_port: 1000u16.to_be(),
         dst_port: 2000u16.to_be(),
         proto: 6,
         _pad: [0; 3],
     };
     let value = CtValue {
-        src_addr: u32::from(a).to_be(),
-        dst_addr: u32::from(c).to_be(),
+        src_addr: a.into(),
+        dst_addr: c.into(),
         src_port: 1000u16.to_be(),
         dst_port: 3000u16.to_be(),
         service_id: 1,
@@ -572,7 +658,7 @@ fn packets_between_addresses_kpr_never_programmed_pass_at_the_address_filter() {
     rig.maps.mark_addresses([IpAddr::from(b).into()]).unwrap();
     let (verdict, out) = rig.ingress(&packet.bytes());
     assert_eq!(verdict, TC_ACT_OK);
-    assert_eq!(out, Pkt { dst: c, dport: 3000, ..packet }.bytes(), "with its bit set, the flow's entry applies");
+    assert_eq!(out, Pkt { dst: c.into(), dport: 3000, ..packet }.bytes(), "with its bit set, the flow's entry applies");
 }
 
 /// The address filter knows no unallocated address, yet a refused service range still drops a
@@ -597,19 +683,19 @@ fn sctp_is_translated_both_ways_with_its_crc32c_updated() {
     assert!(sctp_crc_ok(&init.bytes()), "the test's own packet is right");
     let (verdict, out) = rig.ingress(&init.bytes());
     assert_eq!(verdict, TC_ACT_OK);
-    assert_eq!(out, Pkt { dst: POD, dport: 3869, ..init }.bytes(), "DNAT to the backend and its port");
+    assert_eq!(out, Pkt { dst: POD.into(), dport: 3869, ..init }.bytes(), "DNAT to the backend and its port");
     assert!(sctp_crc_ok(&out), "the CRC32c covers the new port");
 
     // The backend's INIT ACK, leaving toward the client: the ClusterIP and port come back.
     let init_ack = Pkt { chunk: 2, ..sctp(POD, 3869, CLIENT, 40100) };
     let (verdict, out) = rig.egress(&init_ack.bytes());
     assert_eq!(verdict, TC_ACT_OK);
-    assert_eq!(out, Pkt { src: CLUSTER_IP, sport: 3868, ..init_ack }.bytes(), "reverse NAT");
+    assert_eq!(out, Pkt { src: CLUSTER_IP.into(), sport: 3868, ..init_ack }.bytes(), "reverse NAT");
     assert!(sctp_crc_ok(&out));
 
     // DATA (chunk 0) of the association: the same backend, from conntrack.
     let data = Pkt { chunk: 0, ..init };
-    assert_eq!(rig.ingress(&data.bytes()).1, Pkt { dst: POD, dport: 3869, ..data }.bytes());
+    assert_eq!(rig.ingress(&data.bytes()).1, Pkt { dst: POD.into(), dport: 3869, ..data }.bytes());
     let established = rig.flows().into_iter().filter(|(k, _)| k.proto == 132).collect::<Vec<_>>();
     assert_eq!(established.len(), 2, "one flow, two entries: {established:?}");
     assert!(established.iter().all(|(_, v)| v.flags & proxy_common::ct::SEEN_REPLY != 0), "answered");
@@ -633,18 +719,18 @@ fn sctp_node_port_is_masqueraded_and_a_zero_checksum_stays_zero() {
     assert_eq!(verdict, TC_ACT_OK);
     let nat_port = sport_of(&out);
     assert_ne!(nat_port, 40101, "masquerade gives the flow a port of its own");
-    assert_eq!(out, Pkt { src: NODE_IP, sport: nat_port, dst: POD, dport: 3869, ..init }.bytes());
+    assert_eq!(out, Pkt { src: NODE_IP.into(), sport: nat_port, dst: POD.into(), dport: 3869, ..init }.bytes());
     assert!(sctp_crc_ok(&out), "both ports changed: the CRC32c follows");
     let reply = Pkt { chunk: 2, ..sctp(POD, 3869, NODE_IP, nat_port) };
     let (_, out) = rig.ingress(&reply.bytes());
-    assert_eq!(out, Pkt { src: NODE_IP, sport: 30868, dst: CLIENT, dport: 40101, ..reply }.bytes());
+    assert_eq!(out, Pkt { src: NODE_IP.into(), sport: 30868, dst: CLIENT.into(), dport: 40101, ..reply }.bytes());
 
     // The sender's kernel left the checksum to the device (0): it stays 0, to be computed over
     // the rewritten packet.
     let offloaded = Pkt { zero_csum: true, ..sctp(CLIENT, 40102, CLUSTER_IP, 3868) };
     let (verdict, out) = rig.ingress(&offloaded.bytes());
     assert_eq!(verdict, TC_ACT_OK);
-    assert_eq!(out, Pkt { dst: POD, dport: 3869, ..offloaded }.bytes());
+    assert_eq!(out, Pkt { dst: POD.into(), dport: 3869, ..offloaded }.bytes());
     assert_eq!(&out[42..46], &[0, 0, 0, 0], "checksum left to the device");
 }
 
@@ -684,7 +770,7 @@ fn icmp_errors_about_a_translated_flow_are_translated_back() {
     let out = rig.ingress(&syn.bytes()).1;
     let nat_port = sport_of(&out);
     // The backend says "fragmentation needed, MTU 1400" about a packet it got from the node.
-    let as_seen = Pkt { src: NODE_IP, sport: nat_port, dst: POD, dport: 8080, ..syn }.bytes();
+    let as_seen = Pkt { src: NODE_IP.into(), sport: nat_port, dst: POD.into(), dport: 8080, ..syn }.bytes();
     let error = icmp_error(POD, NODE_IP, 3, 4, [0, 0, 0x05, 0x78], &as_seen[14..]);
     let (verdict, out) = rig.ingress(&error);
     assert_eq!(verdict, TC_ACT_OK);
@@ -701,7 +787,8 @@ fn icmp_errors_about_a_translated_flow_are_translated_back() {
     // so that its path MTU drops.
     let router = Ipv4Addr::new(10, 0, 0, 254);
     let reply_as_sent = Pkt { tcp_flags: 0x10, ..tcp(POD, 8080, NODE_IP, nat_port) };
-    let reply_as_forwarded = Pkt { src: NODE_IP, sport: 30080, dst: CLIENT, dport: 40020, ..reply_as_sent };
+    let reply_as_forwarded =
+        Pkt { src: NODE_IP.into(), sport: 30080, dst: CLIENT.into(), dport: 40020, ..reply_as_sent };
     let error = icmp_error(router, NODE_IP, 3, 4, [0, 0, 0x05, 0x00], &reply_as_forwarded.bytes()[14..]);
     let (verdict, out) = rig.ingress(&error);
     assert_eq!(verdict, TC_ACT_OK);
@@ -718,7 +805,7 @@ fn hairpin_is_masqueraded() {
     let syn = tcp(POD, 40008, CLUSTER_IP, 80);
     let out = rig.ingress(&syn.bytes()).1;
     let nat_port = sport_of(&out);
-    assert_eq!(out, Pkt { src: NODE_IP, sport: nat_port, dst: POD, dport: 8080, ..syn }.bytes());
+    assert_eq!(out, Pkt { src: NODE_IP.into(), sport: nat_port, dst: POD.into(), dport: 8080, ..syn }.bytes());
 }
 
 /// Untouched packets go on to whatever is attached after kpr (a CNI's or an observability
@@ -755,7 +842,7 @@ fn what_is_not_ours_passes_untouched_to_the_next_program() {
 fn a_new_connection_reusing_the_tuple_of_a_flow_to_a_removed_endpoint_is_balanced_anew() {
     let mut rig = Rig::new(&services());
     let syn = tcp(CLIENT, 40040, CLUSTER_IP, 80);
-    assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: POD, dport: 8080, ..syn }.bytes());
+    assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: POD.into(), dport: 8080, ..syn }.bytes());
     // The endpoint goes away; another takes its place.
     let other = Ipv4Addr::new(10, 244, 7, 7);
     let mut d = services();
@@ -763,11 +850,11 @@ fn a_new_connection_reusing_the_tuple_of_a_flow_to_a_removed_endpoint_is_balance
     rig.reprogram(&d);
     // Established traffic of the old flow keeps its endpoint...
     let ack = Pkt { tcp_flags: 0x10, seq: 1001, ..syn };
-    assert_eq!(rig.ingress(&ack.bytes()).1, Pkt { dst: POD, dport: 8080, ..ack }.bytes());
+    assert_eq!(rig.ingress(&ack.bytes()).1, Pkt { dst: POD.into(), dport: 8080, ..ack }.bytes());
     // ...but a new SYN on the same 5-tuple goes to a live endpoint.
-    assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: other, dport: 8080, ..syn }.bytes());
+    assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: other.into(), dport: 8080, ..syn }.bytes());
     // A retransmitted SYN of a live flow stays where it was.
-    assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: other, dport: 8080, ..syn }.bytes());
+    assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: other.into(), dport: 8080, ..syn }.bytes());
 }
 
 const MS: u64 = 1_000_000;
@@ -882,7 +969,7 @@ fn a_connection_whose_entries_were_evicted_is_recreated_as_it_was() {
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(
         back,
-        Pkt { src: NODE_IP, sport: 30090, dst: CLIENT, dport: ack.sport, ..reply }.bytes(),
+        Pkt { src: NODE_IP.into(), sport: 30090, dst: CLIENT.into(), dport: ack.sport, ..reply }.bytes(),
         "reply reversed to the client"
     );
 }
@@ -922,7 +1009,7 @@ fn udp_fragments(
     udp.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
     udp.extend_from_slice(&[0, 0]);
     udp.extend_from_slice(payload);
-    let c = l4_csum(src, dst, 17, &udp);
+    let c = l4_csum(src.into(), dst.into(), 17, &udp);
     udp[6..8].copy_from_slice(&(if c == 0 { 0xffff } else { c }).to_be_bytes());
     let split = 8 + first;
     let ip = |frags: u16| Ip { src, dst, proto: 17, tos: 0, id, frags };
@@ -1064,7 +1151,7 @@ fn translated_packets_go_straight_out_of_the_link_their_route_takes() {
         let (verdict, out) = rig.ingress(&syn.bytes());
         assert_eq!(verdict, TC_ACT_REDIRECT, "sent out of out0, not into the host stack");
         let nat_port = sport_of(&out);
-        let expected = Pkt { src: NODE_IP, sport: nat_port, dst: POD, dport: 8080, ..syn }.bytes();
+        let expected = Pkt { src: NODE_IP.into(), sport: nat_port, dst: POD.into(), dport: 8080, ..syn }.bytes();
         assert_eq!(out, with_ttl(expected, 63), "translated, one hop older");
         assert_eq!(rig.counter(counter::TC_FORWARDED_DIRECT), 1);
 
@@ -1075,7 +1162,7 @@ fn translated_packets_go_straight_out_of_the_link_their_route_takes() {
         let reply = Pkt { tcp_flags: 0x12, ..tcp(POD, 8080, NODE_IP, nat_port) };
         let (verdict, out) = rig.ingress(&reply.bytes());
         assert_eq!(verdict, TC_ACT_OK);
-        assert_eq!(out, Pkt { src: NODE_IP, sport: 30080, dst: CLIENT, dport: 40003, ..reply }.bytes());
+        assert_eq!(out, Pkt { src: NODE_IP.into(), sport: 30080, dst: CLIENT.into(), dport: 40003, ..reply }.bytes());
         // Forwarding off: nothing is forwarded behind the node's back.
         std::fs::write("/proc/sys/net/ipv4/ip_forward", "0").unwrap();
         let (verdict, _) = rig.ingress(&tcp(CLIENT, 40005, NODE_IP, 30080).bytes());
@@ -1156,8 +1243,8 @@ fn session_affinity_keeps_a_client_on_its_endpoint_until_it_leaves_or_times_out(
 fn flows_handed_over_from_kube_proxy_pass_untouched_until_a_new_connection_reuses_the_tuple() {
     let rig = Rig::new(&services());
     let key = |src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16| CtKey {
-        src_addr: u32::from(src).to_be(),
-        dst_addr: u32::from(dst).to_be(),
+        src_addr: src.into(),
+        dst_addr: dst.into(),
         src_port: sport.to_be(),
         dst_port: dport.to_be(),
         proto: proxy_common::IPPROTO_TCP,
@@ -1179,7 +1266,117 @@ fn flows_handed_over_from_kube_proxy_pass_untouched_until_a_new_connection_reuse
 
     let syn = tcp(CLIENT, 40100, CLUSTER_IP, 80);
     let (verdict, out) = rig.ingress(&syn.bytes());
-    assert_eq!((verdict, out), (TC_ACT_OK, Pkt { dst: POD, dport: 8080, ..syn }.bytes()), "a new connection is kpr's");
+    assert_eq!(
+        (verdict, out),
+        (TC_ACT_OK, Pkt { dst: POD.into(), dport: 8080, ..syn }.bytes()),
+        "a new connection is kpr's"
+    );
     assert!(handover.get(&original, 0).is_err(), "the tuple is kpr's from then on");
     assert_eq!(rig.counter(counter::TC_NEW_FLOW), 1);
+}
+
+// ---------- IPv6 ----------
+
+/// UDP over IPv6, its checksum (mandatory in IPv6) fixed for the new addresses.
+#[test]
+fn ipv6_udp_is_translated_both_ways_with_exact_checksums() {
+    let rig = Rig::new(&services());
+    let query = udp(CLIENT6, 40201, CLUSTER_IP6, 53);
+    assert_eq!(rig.ingress(&query.bytes()), (TC_ACT_OK, Pkt { dst: POD6.into(), dport: 5353, ..query }.bytes()));
+    let answer = udp(POD6, 5353, CLIENT6, 40201);
+    assert_eq!(rig.egress(&answer.bytes()).1, Pkt { src: CLUSTER_IP6.into(), sport: 53, ..answer }.bytes());
+}
+
+#[test]
+fn ipv6_node_port_is_masqueraded_to_the_node_ipv6_address() {
+    let rig = Rig::new(&services());
+    let syn = tcp(CLIENT6, 40210, NODE_IP6, 30080);
+    let (verdict, out) = rig.ingress(&syn.bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    let nat_port = sport_of(&out);
+    assert_ne!(nat_port, 40210, "the client's port is translated too");
+    assert_eq!(out, Pkt { src: NODE_IP6.into(), sport: nat_port, dst: POD6.into(), dport: 8080, ..syn }.bytes());
+    // The reply comes back to the node's address and leaves as the NodePort's.
+    let reply = Pkt { tcp_flags: 0x12, seq: 5000, ack: 1001, ..tcp(POD6, 8080, NODE_IP6, nat_port) };
+    let (verdict, out) = rig.ingress(&reply.bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(out, Pkt { src: NODE_IP6.into(), sport: 30080, dst: CLIENT6.into(), dport: 40210, ..reply }.bytes());
+    // An IPv4-only NodePort is no IPv6 one: 30081 is not programmed for IPv6.
+    let other = tcp(CLIENT6, 40211, NODE_IP6, 30081);
+    assert_eq!(rig.ingress(&other.bytes()), (TC_ACT_UNSPEC, other.bytes()));
+}
+
+#[test]
+fn ipv6_without_endpoints_tcp_gets_a_reset_and_udp_icmpv6_port_unreachable() {
+    let rig = Rig::new(&services());
+    let syn = tcp(CLIENT6, 40220, CLUSTER_IP6, 81);
+    let (verdict, out) = rig.ingress(&syn.bytes_with_macs([1; 6], [2; 6]));
+    assert_eq!(verdict, TC_ACT_REDIRECT, "the reset goes back out of the interface");
+    let rst = Pkt {
+        src: CLUSTER_IP6.into(),
+        sport: 81,
+        dst: CLIENT6.into(),
+        dport: 40220,
+        tcp_flags: 0x14,
+        seq: 0,
+        ack: 1001,
+        ..syn
+    };
+    assert_eq!(out, rst.bytes_with_macs([2; 6], [1; 6]), "RST|ACK acknowledging the SYN, MACs swapped");
+
+    let datagram = udp(CLIENT6, 40221, CLUSTER_IP6, 54);
+    let input = datagram.bytes_with_macs([1; 6], [2; 6]);
+    let (verdict, out) = rig.ingress(&input);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    // ICMPv6 destination unreachable, port unreachable (1/4), quoting the IPv6 header and the
+    // datagram's first 8 bytes; its checksum covers the pseudo header.
+    let mut icmp = vec![1, 4, 0, 0, 0, 0, 0, 0];
+    icmp.extend_from_slice(&input[14..14 + 48]);
+    let c = l4_csum(CLUSTER_IP6.into(), CLIENT6.into(), 58, &icmp);
+    icmp[2..4].copy_from_slice(&c.to_be_bytes());
+    assert_eq!(out, frame6(([2; 6], [1; 6]), CLUSTER_IP6, CLIENT6, 58, &icmp));
+}
+
+/// Extension headers are not walked: a packet with one passes untouched (and is counted),
+/// never mangled.
+#[test]
+fn ipv6_packets_with_extension_headers_pass_untouched() {
+    let rig = Rig::new(&services());
+    let plain = tcp(CLIENT6, 40230, CLUSTER_IP6, 80).bytes();
+    // A hop-by-hop options header (next header: TCP; PadN to 8 bytes) before the TCP header.
+    let mut l4 = vec![6, 0, 1, 4, 0, 0, 0, 0];
+    l4.extend_from_slice(&plain[54..]);
+    let with_header = frame6(MACS, CLIENT6, CLUSTER_IP6, 0, &l4);
+    let before = rig.counter(counter::TC_PASSED_UNSUPPORTED);
+    assert_eq!(rig.ingress(&with_header), (TC_ACT_UNSPEC, with_header.clone()));
+    assert_eq!(rig.counter(counter::TC_PASSED_UNSUPPORTED), before + 1);
+}
+
+/// An ICMPv6 error quoting `quoted` (its first 48 bytes: IPv6 header + ports and more).
+fn icmp6_error(src: Ipv6Addr, dst: Ipv6Addr, icmp_type: u8, rest: [u8; 4], quoted: &[u8]) -> Vec<u8> {
+    let mut icmp = vec![icmp_type, 0, 0, 0];
+    icmp.extend_from_slice(&rest);
+    icmp.extend_from_slice(&quoted[..48]);
+    let c = l4_csum(src.into(), dst.into(), 58, &icmp);
+    icmp[2..4].copy_from_slice(&c.to_be_bytes());
+    frame6(MACS, src, dst, 58, &icmp)
+}
+
+#[test]
+fn ipv6_icmp_errors_about_a_translated_flow_are_translated_back() {
+    let rig = Rig::new(&services());
+    let syn = tcp(CLIENT6, 40240, NODE_IP6, 30080);
+    let out = rig.ingress(&syn.bytes()).1;
+    let nat_port = sport_of(&out);
+    // The backend says "packet too big, MTU 1400" about a packet it got from the node.
+    let as_seen = Pkt { src: NODE_IP6.into(), sport: nat_port, dst: POD6.into(), dport: 8080, ..syn }.bytes();
+    let error = icmp6_error(POD6, NODE_IP6, 2, 1400u32.to_be_bytes(), &as_seen[14..]);
+    let (verdict, out) = rig.ingress(&error);
+    assert_eq!(verdict, TC_ACT_OK);
+    // The client gets it from the NodePort's address, quoting the packet as the client sent it.
+    let expected = icmp6_error(NODE_IP6, CLIENT6, 2, 1400u32.to_be_bytes(), &syn.bytes()[14..]);
+    assert_eq!(out, expected);
+    // About an unknown flow: untouched.
+    let stranger = icmp6_error(POD6, NODE_IP6, 1, [0; 4], &tcp(NODE_IP6, 1, POD6, 2).bytes()[14..]);
+    assert_eq!(rig.ingress(&stranger).1, stranger);
 }

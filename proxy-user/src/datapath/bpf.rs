@@ -773,7 +773,7 @@ impl BpfHost {
             links.entry(*ifindex).or_default().flags |= proxy_common::LINK_FLAG_NETLINK_TC;
         }
         if let Some(cookie) = netns_cookie() {
-            let info = LinkInfo { addr: cookie as u32, flags: (cookie >> 32) as u32 };
+            let info = LinkInfo { addr: cookie as u32, flags: (cookie >> 32) as u32, ..LinkInfo::default() };
             links.insert(proxy_common::LINK_NETNS, info);
         }
         links
@@ -795,7 +795,7 @@ impl HostDatapath for BpfHost {
         // Maps first: a newly attached link must find its addresses and flags. The filter's
         // bits before anything that makes packets to (or from) these addresses ours.
         let want: BTreeMap<Addr, u32> = plan.node_addrs.iter().map(|(a, f)| (Addr::from(*a), *f)).collect();
-        let link_addrs = plan.links.values().map(|l| Addr::from_v4(l.addr));
+        let link_addrs = plan.links.values().flat_map(|l| [Addr::from_v4(l.addr), l.addr6]);
         mark_addresses(&mut self.addr_filter, want.keys().copied().chain(link_addrs))?;
         sync_hash(&mut self.node_addrs, &want)?;
         let links = self.links_marked(&plan.links);
@@ -843,13 +843,12 @@ impl HostDatapath for BpfHost {
     }
 }
 
-/// Set the address filter's bits of the IPv4 ones of `addrs` (the filter serves the IPv4
-/// per-packet path), a word at a time: read, OR, write what changed. Bits are never cleared
+/// Set the address filter's bits of `addrs`, a word at a time: read, OR, write what changed. Bits are never cleared
 /// (see `proxy_common::addr_filter_bit`).
 fn mark_addresses(filter: &mut Array<MapData, u64>, addrs: impl IntoIterator<Item = Addr>) -> Result<()> {
     let mut words: BTreeMap<u32, u64> = BTreeMap::new();
-    for addr in addrs.into_iter().filter(|a| a.is_v4() && a.v4() != 0) {
-        let bit = proxy_common::addr_filter_bit(addr.v4());
+    for addr in addrs.into_iter().filter(|a| !a.is_unspecified()) {
+        let bit = proxy_common::addr_filter_bit(&addr);
         *words.entry(bit >> 6).or_default() |= 1 << (bit & 63);
     }
     for (index, bits) in words {
@@ -1053,8 +1052,7 @@ impl Maps for BpfMaps {
     fn flush_flows(&mut self, service_id: u32, backends: &[Backend]) -> Result<usize> {
         let goes_to = |addr: Addr, port: u16| backends.iter().any(|b| b.addr == addr && b.port == port);
         let (_, flushed) = self.conntrack.remove_where(|k, v| {
-            v.service_id == service_id
-                && (goes_to(Addr::from_v4(v.dst_addr), v.dst_port) || goes_to(Addr::from_v4(k.src_addr), k.src_port))
+            v.service_id == service_id && (goes_to(v.dst_addr, v.dst_port) || goes_to(k.src_addr, k.src_port))
         })?;
         // The socket path's flows: sockets it connected to these backends through this service.
         let cookies: std::collections::BTreeSet<u64> = self

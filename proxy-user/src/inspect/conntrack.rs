@@ -1,9 +1,9 @@
 //! `kpr conntrack`: the per-packet path's flows, from the pinned tables, and flushing a
 //! service's flows (as `conntrack -D` does for kube-proxy's).
-use std::{fmt::Write as _, net::Ipv4Addr, path::Path};
+use std::{fmt::Write as _, path::Path};
 
 use anyhow::Result;
-use proxy_common::{CtKey, CtTimeouts, CtValue, ct};
+use proxy_common::{Addr, CtKey, CtTimeouts, CtValue, ct};
 use serde::Serialize;
 
 use crate::datapath::conntrack::{Conntrack, monotonic_now};
@@ -28,8 +28,8 @@ pub struct FlowView {
     pub expires_in_seconds: u64,
 }
 
-fn addr(a: u32, port: u16) -> String {
-    format!("{}:{}", Ipv4Addr::from(u32::from_be(a)), u16::from_be(port))
+fn addr(a: Addr, port: u16) -> String {
+    std::net::SocketAddr::new(a.into(), u16::from_be(port)).to_string()
 }
 
 fn state(proto: u8, flags: u32) -> &'static str {

@@ -245,16 +245,19 @@ fn scoped_verdicts(
         }
     };
     let internal = policy(sp.internal_policy == TrafficPolicy::Local);
-    let masquerade_non_local = options.masquerade_all || options.detect_local;
+    // kube-proxy's detector is per family: a family without its input (no clusterCIDR of that
+    // family) gets the no-op one.
+    let detect_local = options.detect_local && !node.undetected_families.contains(&family);
+    let masquerade_non_local = options.masquerade_all || detect_local;
     let from_outside = internal.clone().masquerade(masquerade_non_local);
     let from_pod =
-        if options.detect_local { internal.clone().masquerade(options.masquerade_all) } else { from_outside.clone() };
+        if detect_local { internal.clone().masquerade(options.masquerade_all) } else { from_outside.clone() };
     let cluster_ip = [from_pod, from_outside, internal.masquerade(masquerade_non_local)];
 
     let etp_local = sp.external_policy == TrafficPolicy::Local;
     let all = policy(false);
     let from_outside = if etp_local { policy(true) } else { all.clone().masquerade(true) };
-    let from_pod = if options.detect_local { all.clone().masquerade(!etp_local) } else { from_outside.clone() };
+    let from_pod = if detect_local { all.clone().masquerade(!etp_local) } else { from_outside.clone() };
     let from_node = all.masquerade(true);
     let external = [from_pod, from_outside, from_node.clone()];
 

@@ -143,6 +143,10 @@ pub struct NodeInfo {
     /// The cluster's service ranges (its ServiceCIDRs), when known: with the range refused,
     /// their ClusterIPs get an entry that rejects unknown ports.
     pub service_cidrs: Vec<cidr::Cidr>,
+    /// Families whose local-traffic detector has no input (detectLocalMode ClusterCIDR or
+    /// NodeCIDR without a CIDR of that family): kube-proxy's proxier of that family runs the
+    /// no-op detector.
+    pub undetected_families: Vec<IpFamily>,
 }
 
 /// The parts of kube-proxy's configuration that shape the datapath entries.

@@ -8,7 +8,7 @@ use std::{
 };
 
 use k8s_openapi::api::core::v1::Node;
-use proxy_common::{LINK_FLAG_LOCAL_TRAFFIC, LinkInfo, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT};
+use proxy_common::{Addr, LINK_FLAG_LOCAL_TRAFFIC, LinkInfo, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT};
 
 use super::{IpFamily, NodeInfo, cidr::Cidr};
 
@@ -206,15 +206,30 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
         _ => false,
     };
     let mut link_info = BTreeMap::new();
-    link_info.insert(0, LinkInfo { addr: primary.map_or(0, |p| u32::from(p).to_be()), flags: 0 });
+    // The IPv6 masquerade source of a link: its first address MASQUERADE could pick (not
+    // link-local: a backend elsewhere could not answer it).
+    let masquerade_v6 = |addrs: &mut dyn Iterator<Item = &IpAddr>| {
+        addrs.copied().find(|a| matches!(a, IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 != 0xfe80))
+    };
+    let non_loopback = || links.iter().filter(|l| !l.loopback).flat_map(|l| &l.addrs);
+    let fallback_v6 = primaries[1].or_else(|| masquerade_v6(&mut non_loopback()));
+    link_info.insert(
+        0,
+        LinkInfo {
+            addr: primary.map_or(0, |p| u32::from(p).to_be()),
+            flags: 0,
+            addr6: fallback_v6.map(Addr::from).unwrap_or_default(),
+        },
+    );
     let mut tc_links = BTreeMap::new();
     for link in links.iter().filter(|l| !l.loopback && l.index != 0) {
         let addr = link.addrs.iter().find_map(|a| match a {
             IpAddr::V4(a) => Some(u32::from(*a).to_be()),
             IpAddr::V6(_) => None,
         });
+        let addr6 = masquerade_v6(&mut link.addrs.iter()).map(Addr::from).unwrap_or_default();
         let flags = if local_traffic_link(&link.name) { LINK_FLAG_LOCAL_TRAFFIC } else { 0 };
-        link_info.insert(link.index, LinkInfo { addr: addr.unwrap_or(0), flags });
+        link_info.insert(link.index, LinkInfo { addr: addr.unwrap_or(0), flags, addr6 });
         let covered = match &settings.tc_links {
             TcLinks::All => true,
             TcLinks::Only(names) => names.contains(&link.name),
@@ -230,11 +245,17 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
         DetectLocal::NodeCidr => node.into_iter().flat_map(|n| &n.pod_cidrs).copied().collect(),
         _ => BTreeSet::new(),
     };
+    let by_cidr = matches!(settings.detect_local, DetectLocal::ClusterCidr(_) | DetectLocal::NodeCidr);
+    let undetected_families = IpFamily::ALL
+        .into_iter()
+        .filter(|f| by_cidr && !local_cidrs.iter().any(|c| c.is_ipv4() == (*f == IpFamily::V4)))
+        .collect();
     let info = NodeInfo {
         name: settings.name.clone(),
         zone: node.and_then(|n| n.zone.clone()),
         addresses,
         service_cidrs: Vec::new(),
+        undetected_families,
     };
     NodePlan { node_addrs, links: link_info, local_cidrs, tc_links, primary, info, service_cidrs: BTreeSet::new() }
 }
@@ -334,10 +355,18 @@ mod tests {
         assert_eq!(p.links[&0].addr, u32::from(Ipv4Addr::new(192, 168, 0, 2)).to_be());
         assert_eq!(p.links[&3].addr, u32::from(Ipv4Addr::new(172, 16, 0, 2)).to_be());
         assert_eq!(p.links[&5].addr, 0, "a link without address falls back to the primary");
+        assert!(p.info.undetected_families.is_empty(), "podCIDRs of both families");
+        // A detector without an IPv6 CIDR is kube-proxy's no-op one in IPv6.
+        let v4_only = NodeSettings {
+            detect_local: DetectLocal::ClusterCidr(vec!["10.244.0.0/16".parse().unwrap()]),
+            ..Default::default()
+        };
+        assert_eq!(plan(&host(), Some(&node), &v4_only).info.undetected_families, [IpFamily::V6]);
 
         let settings = NodeSettings { detect_local: DetectLocal::InterfaceNamePrefix("veth".into()), ..settings };
         let p = plan(&host(), Some(&node), &settings);
         assert!(p.local_cidrs.is_empty());
+        assert!(p.info.undetected_families.is_empty(), "interfaces tell both families apart");
         let flagged: Vec<u32> =
             p.links.iter().filter(|(_, l)| l.flags & LINK_FLAG_LOCAL_TRAFFIC != 0).map(|(i, _)| *i).collect();
         assert_eq!(flagged, [5]);

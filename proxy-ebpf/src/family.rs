@@ -1,0 +1,308 @@
+//! What differs between IPv4 and IPv6 on the per-packet path, behind one trait: the per-packet
+//! code (`tc_nat`, `tc_reject`) is written once, generic over it, and compiled for each family
+//! (constant offsets, no run-time branching on the family past the EtherType).
+use aya_ebpf::bindings::bpf_fib_lookup;
+use network_types::{
+    eth::EtherType,
+    ip::{Ipv4Hdr, Ipv6Hdr},
+};
+use proxy_common::{Addr, LinkInfo, csum};
+
+use crate::packet::IP_OFF;
+
+const AF_INET: u8 = 2;
+const AF_INET6: u8 = 10;
+
+pub trait Family {
+    /// The IP header, without options or extension headers.
+    type Ip: Copy;
+    const ETH_TYPE: u16;
+    /// `bpf_fib_lookup`'s family.
+    const AF: u8;
+    /// Where the L4 header starts (no options, no extension headers).
+    const L4_OFF: usize = IP_OFF + size_of::<Self::Ip>();
+    /// ICMP's protocol number in this family.
+    const ICMP_PROTO: u8;
+    /// ICMP "port unreachable": type and code.
+    const PORT_UNREACHABLE: [u8; 2];
+    /// ICMP's checksum covers a pseudo header (ICMPv6 does, ICMPv4 does not).
+    const ICMP_PSEUDO_HEADER: bool;
+
+    /// The ICMP errors that quote the packet they are about.
+    fn quotes_packet(icmp_type: u8) -> bool;
+    /// Where a packet stands in a datagram in fragments (IPv6's fragment header is an extension
+    /// header: such packets are never parsed this far).
+    fn fragment(ip: &Self::Ip) -> Fragment;
+    /// The IP id of a fragment (IPv4), as in the packet.
+    fn fragment_id(ip: &Self::Ip) -> Option<u16>;
+    /// The length of what follows the header.
+    fn l4_len(ip: &Self::Ip) -> u16;
+    /// The protocol of what follows the header; `None` for what the program does not parse
+    /// (IPv4 options, IPv6 extension headers).
+    fn l4_proto(ip: &Self::Ip) -> Option<u8>;
+    fn src(ip: &Self::Ip) -> Addr;
+    fn dst(ip: &Self::Ip) -> Addr;
+    /// One's complement difference of an address going from `old` to `new`.
+    fn addr_diff(old: &Addr, new: &Addr) -> u64;
+    /// An address as a pseudo header sums it.
+    fn addr_sum(addr: &Addr) -> u64;
+    /// Write the addresses into the header at `ip`; `diff` is theirs (`addr_diff`), for a
+    /// header checksum.
+    ///
+    /// # Safety
+    /// `ip` points to a whole header inside the packet.
+    unsafe fn write_addrs(ip: *mut u8, src: &Addr, dst: &Addr, diff: u64);
+    /// The header of a packet kpr answers with (a reset, an ICMP error), checksum included.
+    fn reply_header(src: &Addr, dst: &Addr, proto: u8, payload_len: u16) -> Self::Ip;
+    /// The address MASQUERADE picks on `link`, if it has one.
+    fn masquerade_addr(link: &LinkInfo) -> Option<Addr>;
+    /// A route lookup's addresses (and the header's traffic class).
+    fn fib_params(params: &mut bpf_fib_lookup, ip: &Self::Ip);
+    fn fib_dst(params: &mut bpf_fib_lookup, dst: &Addr);
+    /// The TTL / hop limit.
+    fn hops(ip: &Self::Ip) -> u8;
+    /// Take one off the TTL / hop limit, as forwarding does.
+    ///
+    /// # Safety
+    /// `ip` points to a whole header inside the packet.
+    unsafe fn decrement_hops(ip: *mut u8, header: &Self::Ip);
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Fragment {
+    Whole,
+    /// The first fragment (it has the ports), with its IP id as in the packet.
+    First(u16),
+    Later,
+}
+
+/// A pseudo header's sum (TCP, UDP, ICMPv6 checksums).
+#[inline(always)]
+pub fn pseudo_sum<F: Family>(src: &Addr, dst: &Addr, proto: u8, len: u16) -> u64 {
+    F::addr_sum(src) + F::addr_sum(dst) + u64::from(u16::from_be(u16::from(proto))) + u64::from(len.to_be())
+}
+
+pub struct V4;
+pub struct V6;
+
+impl Family for V4 {
+    type Ip = Ipv4Hdr;
+    const ETH_TYPE: u16 = EtherType::Ipv4 as u16;
+    const AF: u8 = AF_INET;
+    const ICMP_PROTO: u8 = 1;
+    const PORT_UNREACHABLE: [u8; 2] = [3, 3];
+    const ICMP_PSEUDO_HEADER: bool = false;
+
+    #[inline(always)]
+    fn quotes_packet(icmp_type: u8) -> bool {
+        // Destination unreachable, time exceeded, parameter problem.
+        icmp_type == 3 || icmp_type == 11 || icmp_type == 12
+    }
+    #[inline(always)]
+    fn fragment(ip: &Ipv4Hdr) -> Fragment {
+        let frags = u16::from_be_bytes(ip.frags);
+        if frags & 0x1fff != 0 {
+            Fragment::Later
+        } else if frags & 0x2000 != 0 {
+            Fragment::First(u16::from_ne_bytes(ip.id))
+        } else {
+            Fragment::Whole
+        }
+    }
+    #[inline(always)]
+    fn fragment_id(ip: &Ipv4Hdr) -> Option<u16> {
+        Some(u16::from_ne_bytes(ip.id))
+    }
+    #[inline(always)]
+    fn l4_len(ip: &Ipv4Hdr) -> u16 {
+        u16::from_be_bytes(ip.tot_len).saturating_sub(20)
+    }
+    #[inline(always)]
+    fn l4_proto(ip: &Ipv4Hdr) -> Option<u8> {
+        (ip.vihl == 0x45).then_some(ip.proto)
+    }
+    #[inline(always)]
+    fn src(ip: &Ipv4Hdr) -> Addr {
+        Addr::from_v4(u32::from_ne_bytes(ip.src_addr))
+    }
+    #[inline(always)]
+    fn dst(ip: &Ipv4Hdr) -> Addr {
+        Addr::from_v4(u32::from_ne_bytes(ip.dst_addr))
+    }
+    #[inline(always)]
+    fn addr_diff(old: &Addr, new: &Addr) -> u64 {
+        csum::word_diff(old.v4(), new.v4())
+    }
+    #[inline(always)]
+    fn addr_sum(addr: &Addr) -> u64 {
+        u64::from(addr.v4())
+    }
+    #[inline(always)]
+    unsafe fn write_addrs(ip: *mut u8, src: &Addr, dst: &Addr, diff: u64) {
+        unsafe {
+            let check = ip.add(10) as *mut u16;
+            check.write_unaligned(csum::replace(check.read_unaligned(), diff));
+            (ip.add(12) as *mut u32).write_unaligned(src.v4());
+            (ip.add(16) as *mut u32).write_unaligned(dst.v4());
+        }
+    }
+    #[inline(always)]
+    fn reply_header(src: &Addr, dst: &Addr, proto: u8, payload_len: u16) -> Ipv4Hdr {
+        // ICMP errors carry the "internetwork control" precedence, as Linux sends them.
+        let (tos, frags) = if proto == Self::ICMP_PROTO { (0xc0, [0, 0]) } else { (0, [0x40, 0]) };
+        let mut ip = Ipv4Hdr {
+            vihl: 0x45,
+            tos,
+            tot_len: (payload_len + 20).to_be_bytes(),
+            id: [0; 2],
+            frags,
+            ttl: 64,
+            proto,
+            check: [0; 2],
+            src_addr: src.v4().to_ne_bytes(),
+            dst_addr: dst.v4().to_ne_bytes(),
+        };
+        // SAFETY: Ipv4Hdr is 20 plain bytes.
+        let words: [u16; 10] = unsafe { core::mem::transmute(ip) };
+        let mut sum = 0u64;
+        for w in words {
+            sum += u64::from(w);
+        }
+        ip.check = (!csum::fold16(sum)).to_ne_bytes();
+        ip
+    }
+    #[inline(always)]
+    fn masquerade_addr(link: &LinkInfo) -> Option<Addr> {
+        (link.addr != 0).then_some(Addr::from_v4(link.addr))
+    }
+    #[inline(always)]
+    fn fib_params(params: &mut bpf_fib_lookup, ip: &Ipv4Hdr) {
+        params.l4_protocol = ip.proto;
+        params.__bindgen_anon_2.tos = ip.tos;
+        params.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(ip.src_addr);
+        params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(ip.dst_addr);
+    }
+    #[inline(always)]
+    fn fib_dst(params: &mut bpf_fib_lookup, dst: &Addr) {
+        params.__bindgen_anon_4.ipv4_dst = dst.v4();
+    }
+    #[inline(always)]
+    fn hops(ip: &Ipv4Hdr) -> u8 {
+        ip.ttl
+    }
+    #[inline(always)]
+    unsafe fn decrement_hops(ip: *mut u8, header: &Ipv4Hdr) {
+        // The checksum covers the TTL with the protocol byte.
+        let old = u16::from_ne_bytes([header.ttl, header.proto]);
+        let new = u16::from_ne_bytes([header.ttl - 1, header.proto]);
+        unsafe {
+            let check = ip.add(10) as *mut u16;
+            check.write_unaligned(csum::replace(check.read_unaligned(), csum::half_diff(old, new)));
+            ip.add(8).write(header.ttl - 1);
+        }
+    }
+}
+
+impl Family for V6 {
+    type Ip = Ipv6Hdr;
+    const ETH_TYPE: u16 = EtherType::Ipv6 as u16;
+    const AF: u8 = AF_INET6;
+    const ICMP_PROTO: u8 = 58;
+    const PORT_UNREACHABLE: [u8; 2] = [1, 4];
+    const ICMP_PSEUDO_HEADER: bool = true;
+
+    #[inline(always)]
+    fn quotes_packet(icmp_type: u8) -> bool {
+        // Destination unreachable, packet too big, time exceeded, parameter problem.
+        (1..=4).contains(&icmp_type)
+    }
+    #[inline(always)]
+    fn fragment(_: &Ipv6Hdr) -> Fragment {
+        Fragment::Whole
+    }
+    #[inline(always)]
+    fn fragment_id(_: &Ipv6Hdr) -> Option<u16> {
+        None
+    }
+    #[inline(always)]
+    fn l4_len(ip: &Ipv6Hdr) -> u16 {
+        u16::from_be_bytes(ip.payload_len)
+    }
+    #[inline(always)]
+    fn l4_proto(ip: &Ipv6Hdr) -> Option<u8> {
+        // Extension headers (hop-by-hop, routing, fragment, ESP, AH, destination options,
+        // mobility, HIP, shim6, experiments) are not walked: such packets pass untouched.
+        match ip.next_hdr {
+            0 | 43 | 44 | 50 | 51 | 60 | 135 | 139 | 140 | 253 | 254 => None,
+            proto => Some(proto),
+        }
+    }
+    #[inline(always)]
+    fn src(ip: &Ipv6Hdr) -> Addr {
+        // SAFETY: 16 plain bytes, read as four words.
+        Addr(unsafe { (ip.src_addr.as_ptr() as *const [u32; 4]).read_unaligned() })
+    }
+    #[inline(always)]
+    fn dst(ip: &Ipv6Hdr) -> Addr {
+        // SAFETY: 16 plain bytes, read as four words.
+        Addr(unsafe { (ip.dst_addr.as_ptr() as *const [u32; 4]).read_unaligned() })
+    }
+    #[inline(always)]
+    fn addr_diff(old: &Addr, new: &Addr) -> u64 {
+        let mut diff = 0;
+        for i in 0..4 {
+            diff += csum::word_diff(old.0[i], new.0[i]);
+        }
+        diff
+    }
+    #[inline(always)]
+    fn addr_sum(addr: &Addr) -> u64 {
+        addr.0.iter().map(|w| u64::from(*w)).sum()
+    }
+    #[inline(always)]
+    unsafe fn write_addrs(ip: *mut u8, src: &Addr, dst: &Addr, _diff: u64) {
+        // No header checksum in IPv6.
+        unsafe {
+            (ip.add(8) as *mut [u32; 4]).write_unaligned(src.0);
+            (ip.add(24) as *mut [u32; 4]).write_unaligned(dst.0);
+        }
+    }
+    #[inline(always)]
+    fn reply_header(src: &Addr, dst: &Addr, proto: u8, payload_len: u16) -> Ipv6Hdr {
+        // SAFETY: 16 plain bytes each way.
+        let (src_addr, dst_addr) = unsafe {
+            (core::mem::transmute::<[u32; 4], [u8; 16]>(src.0), core::mem::transmute::<[u32; 4], [u8; 16]>(dst.0))
+        };
+        Ipv6Hdr {
+            vcf: [0x60, 0, 0, 0],
+            payload_len: payload_len.to_be_bytes(),
+            next_hdr: proto,
+            hop_limit: 64,
+            src_addr,
+            dst_addr,
+        }
+    }
+    #[inline(always)]
+    fn masquerade_addr(link: &LinkInfo) -> Option<Addr> {
+        (!link.addr6.is_unspecified()).then_some(link.addr6)
+    }
+    #[inline(always)]
+    fn fib_params(params: &mut bpf_fib_lookup, ip: &Ipv6Hdr) {
+        params.l4_protocol = ip.next_hdr;
+        params.__bindgen_anon_2.flowinfo = u32::from_ne_bytes(ip.vcf) & u32::from_be(0x0fff_ffff);
+        params.__bindgen_anon_3.ipv6_src = Self::src(ip).0;
+        params.__bindgen_anon_4.ipv6_dst = Self::dst(ip).0;
+    }
+    #[inline(always)]
+    fn fib_dst(params: &mut bpf_fib_lookup, dst: &Addr) {
+        params.__bindgen_anon_4.ipv6_dst = dst.0;
+    }
+    #[inline(always)]
+    fn hops(ip: &Ipv6Hdr) -> u8 {
+        ip.hop_limit
+    }
+    #[inline(always)]
+    unsafe fn decrement_hops(ip: *mut u8, header: &Ipv6Hdr) {
+        unsafe { ip.add(7).write(header.hop_limit - 1) };
+    }
+}
