@@ -460,8 +460,17 @@ fn services() -> Desired {
         entry(&mut d, CLUSTER_IP6, 54, Protocol::Udp, scope, NONE, 0);
     }
     entry(&mut d, Ipv6Addr::UNSPECIFIED, 30080, Protocol::Tcp, SCOPE_EXTERNAL, &[(POD6, 8080)], SERVICE_FLAG_SNAT);
+    // IPv6: a NodePort with eTP=Local and no local endpoint; a LoadBalancer IP open to
+    // fd00::98/126 (which holds CLIENT6, ::99) only.
+    entry(&mut d, Ipv6Addr::UNSPECIFIED, 30085, Protocol::Tcp, SCOPE_EXTERNAL, NONE, SERVICE_FLAG_DROP_NO_ENDPOINTS);
+    let flags = SERVICE_FLAG_SNAT | SERVICE_FLAG_SOURCE_RANGES;
+    entry(&mut d, LB_IP6, 80, Protocol::Tcp, SCOPE_EXTERNAL, &[(POD6, 8080)], flags);
+    d.get_mut(&frontend_key(LB_IP6, 80, Protocol::Tcp, SCOPE_EXTERNAL)).unwrap().source_ranges =
+        vec!["fd00::98/126".parse().unwrap()];
     d
 }
+
+const LB_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1);
 
 const EXT_LOCAL: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 8);
 const REMOTE_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 3, 2);
@@ -1379,4 +1388,30 @@ fn ipv6_icmp_errors_about_a_translated_flow_are_translated_back() {
     // About an unknown flow: untouched.
     let stranger = icmp6_error(POD6, NODE_IP6, 1, [0; 4], &tcp(NODE_IP6, 1, POD6, 2).bytes()[14..]);
     assert_eq!(rig.ingress(&stranger).1, stranger);
+}
+
+/// Hairpin, traffic policy and source ranges in IPv6, as in IPv4: a pod reaching itself through
+/// its ClusterIP is masqueraded to the node's IPv6 address; eTP=Local without a local endpoint
+/// drops; a LoadBalancer IP admits only its IPv6 source range.
+#[test]
+fn ipv6_hairpin_traffic_policy_and_source_ranges() {
+    let rig = Rig::new(&services());
+    let syn = tcp(POD6, 40250, CLUSTER_IP6, 80);
+    let out = rig.ingress(&syn.bytes()).1;
+    let nat_port = sport_of(&out);
+    assert_eq!(out, Pkt { src: NODE_IP6.into(), sport: nat_port, dst: POD6.into(), dport: 8080, ..syn }.bytes());
+
+    let local = tcp(CLIENT6, 40251, NODE_IP6, 30085);
+    assert_eq!(rig.ingress(&local.bytes()).0, TC_ACT_SHOT, "eTP=Local without local endpoints drops");
+
+    let inside = tcp(CLIENT6, 40252, LB_IP6, 80);
+    let (verdict, out) = rig.ingress(&inside.bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(
+        out,
+        Pkt { src: NODE_IP6.into(), sport: sport_of(&out), dst: POD6.into(), dport: 8080, ..inside }.bytes()
+    );
+    let outside = tcp(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x100), 40253, LB_IP6, 80);
+    assert_eq!(rig.ingress(&outside.bytes()).0, TC_ACT_SHOT, "fd00::100 is outside fd00::98/126");
+    assert_eq!(rig.counter(counter::TC_DROPPED), 2);
 }
