@@ -594,23 +594,21 @@ fn external_ip_with_local_policy_keeps_the_client_address() {
     assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: POD.into(), dport: 8443, ..syn }.bytes());
 }
 
+/// A SYN from `client` to `frontend`:`port` (no endpoints) is answered with RST|ACK
+/// acknowledging it, sent back out of the interface with the MACs swapped.
+fn assert_reset(rig: &Rig, client: impl Into<IpAddr>, sport: u16, frontend: impl Into<IpAddr>, port: u16) {
+    let (client, frontend) = (client.into(), frontend.into());
+    let syn = tcp(client, sport, frontend, port);
+    let (verdict, out) = rig.ingress(&syn.bytes_with_macs([1; 6], [2; 6]));
+    assert_eq!(verdict, TC_ACT_REDIRECT, "the reset goes back out of the interface");
+    let rst = Pkt { src: frontend, sport: port, dst: client, dport: sport, tcp_flags: 0x14, seq: 0, ack: 1001, ..syn };
+    assert_eq!(out, rst.bytes_with_macs([2; 6], [1; 6]), "RST|ACK acknowledging the SYN, MACs swapped");
+}
+
 #[test]
 fn no_endpoints_rejects_tcp_with_a_reset_and_local_policy_drops() {
     let rig = Rig::new(&services());
-    let syn = tcp(CLIENT, 40005, CLUSTER_IP, 81);
-    let (verdict, out) = rig.ingress(&syn.bytes_with_macs([1; 6], [2; 6]));
-    assert_eq!(verdict, TC_ACT_REDIRECT, "the reset goes back out of the interface");
-    let rst = Pkt {
-        src: CLUSTER_IP.into(),
-        sport: 81,
-        dst: CLIENT.into(),
-        dport: 40005,
-        tcp_flags: 0x14,
-        seq: 0,
-        ack: 1001,
-        ..syn
-    };
-    assert_eq!(out, rst.bytes_with_macs([2; 6], [1; 6]), "RST|ACK acknowledging the SYN, MACs swapped");
+    assert_reset(&rig, CLIENT, 40005, CLUSTER_IP, 81);
 
     let (verdict, _) = rig.ingress(&tcp(CLIENT, 40006, NODE_IP, 30081).bytes());
     assert_eq!(verdict, TC_ACT_SHOT, "eTP=Local without local endpoints drops");
@@ -1318,20 +1316,7 @@ fn ipv6_node_port_is_masqueraded_to_the_node_ipv6_address() {
 #[test]
 fn ipv6_without_endpoints_tcp_gets_a_reset_and_udp_icmpv6_port_unreachable() {
     let rig = Rig::new(&services());
-    let syn = tcp(CLIENT6, 40220, CLUSTER_IP6, 81);
-    let (verdict, out) = rig.ingress(&syn.bytes_with_macs([1; 6], [2; 6]));
-    assert_eq!(verdict, TC_ACT_REDIRECT, "the reset goes back out of the interface");
-    let rst = Pkt {
-        src: CLUSTER_IP6.into(),
-        sport: 81,
-        dst: CLIENT6.into(),
-        dport: 40220,
-        tcp_flags: 0x14,
-        seq: 0,
-        ack: 1001,
-        ..syn
-    };
-    assert_eq!(out, rst.bytes_with_macs([2; 6], [1; 6]), "RST|ACK acknowledging the SYN, MACs swapped");
+    assert_reset(&rig, CLIENT6, 40220, CLUSTER_IP6, 81);
 
     let datagram = udp(CLIENT6, 40221, CLUSTER_IP6, 54);
     let input = datagram.bytes_with_macs([1; 6], [2; 6]);
