@@ -64,59 +64,59 @@ static KPR_AGENT_CGROUP_ID: Global<u64> = Global::new(0);
 
 #[cgroup_sock_addr(connect4)]
 pub fn kpr_connect4(ctx: SockAddrContext) -> i32 {
-    forward(&ctx, Family::V4, true)
+    forward(&ctx, SocketFamily::V4, true)
 }
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn kpr_sendmsg4(ctx: SockAddrContext) -> i32 {
-    forward(&ctx, Family::V4, false)
+    forward(&ctx, SocketFamily::V4, false)
 }
 
 #[cgroup_sock_addr(recvmsg4)]
 pub fn kpr_recvmsg4(ctx: SockAddrContext) -> i32 {
-    reverse(&ctx, Family::V4)
+    reverse(&ctx, SocketFamily::V4)
 }
 
 #[cgroup_sock_addr(getpeername4)]
 pub fn kpr_getpeername4(ctx: SockAddrContext) -> i32 {
-    reverse(&ctx, Family::V4)
+    reverse(&ctx, SocketFamily::V4)
 }
 
 #[cgroup_sock_addr(connect6)]
 pub fn kpr_connect6(ctx: SockAddrContext) -> i32 {
-    forward(&ctx, Family::V6, true)
+    forward(&ctx, SocketFamily::V6, true)
 }
 
 #[cgroup_sock_addr(sendmsg6)]
 pub fn kpr_sendmsg6(ctx: SockAddrContext) -> i32 {
-    forward(&ctx, Family::V6, false)
+    forward(&ctx, SocketFamily::V6, false)
 }
 
 #[cgroup_sock_addr(recvmsg6)]
 pub fn kpr_recvmsg6(ctx: SockAddrContext) -> i32 {
-    reverse(&ctx, Family::V6)
+    reverse(&ctx, SocketFamily::V6)
 }
 
 #[cgroup_sock_addr(getpeername6)]
 pub fn kpr_getpeername6(ctx: SockAddrContext) -> i32 {
-    reverse(&ctx, Family::V6)
+    reverse(&ctx, SocketFamily::V6)
 }
 
 /// The socket family a hook runs for. An IPv6 socket may name an IPv4 peer (`::ffff:a.b.c.d`,
 /// a dual-stack socket): the maps hold IPv4 that way, so it is balanced like an IPv4 socket.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Family {
+enum SocketFamily {
     V4,
     V6,
 }
 
-impl Family {
+impl SocketFamily {
     /// The address the application names (connect, sendmsg) or is shown (recvmsg, getpeername).
     #[inline(always)]
     fn user_addr(self, sa: &bpf_sock_addr) -> Addr {
         match self {
-            Family::V4 => Addr::from_v4(sa.user_ip4),
-            Family::V6 => Addr(sa.user_ip6),
+            SocketFamily::V4 => Addr::from_v4(sa.user_ip4),
+            SocketFamily::V6 => Addr(sa.user_ip6),
         }
     }
 
@@ -124,8 +124,8 @@ impl Family {
     #[inline(always)]
     fn set_user_addr(self, sa: &mut bpf_sock_addr, addr: Addr) {
         match self {
-            Family::V4 => sa.user_ip4 = addr.v4(),
-            Family::V6 => {
+            SocketFamily::V4 => sa.user_ip4 = addr.v4(),
+            SocketFamily::V6 => {
                 sa.user_ip6[0] = addr.0[0];
                 sa.user_ip6[1] = addr.0[1];
                 sa.user_ip6[2] = addr.0[2];
@@ -139,7 +139,7 @@ impl Family {
 /// gives this socket's traffic (from the node, or from a pod). `connect`: connect4/6, else
 /// sendmsg4/6.
 #[inline(always)]
-fn forward(ctx: &SockAddrContext, family: Family, connect: bool) -> i32 {
+fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
     // SAFETY: the kernel hands every sock_addr program a valid context.
     let sa = unsafe { &mut *ctx.sock_addr };
     let proto = sa.protocol as u8;
@@ -295,7 +295,7 @@ struct SockaddrIn6 {
 /// unless it has one: bind it at connect(); set the datagram's source at sendmsg(). An IPv6
 /// socket (reaching an IPv4 service through a mapped address) gets it mapped.
 #[inline(always)]
-fn keep_service_source(ctx: &SockAddrContext, sa: &mut bpf_sock_addr, family: Family, connect: bool) {
+fn keep_service_source(ctx: &SockAddrContext, sa: &mut bpf_sock_addr, family: SocketFamily, connect: bool) {
     let source = link_addr(LINK_SERVICE_SOURCE);
     if source == 0 {
         return;
@@ -304,19 +304,19 @@ fn keep_service_source(ctx: &SockAddrContext, sa: &mut bpf_sock_addr, family: Fa
     if connect {
         // A socket bound already keeps its address (the helper fails with EINVAL).
         let _ = match family {
-            Family::V4 => {
+            SocketFamily::V4 => {
                 let mut addr = SockaddrIn { family: AF_INET, port: 0, addr: source, zero: [0; 8] };
                 unsafe { bpf_bind(ctx.sock_addr, (&raw mut addr).cast::<sockaddr>(), size_of::<SockaddrIn>() as i32) }
             }
-            Family::V6 => {
+            SocketFamily::V6 => {
                 let mut addr = SockaddrIn6 { family: AF_INET6, port: 0, flowinfo: 0, addr: mapped.0, scope_id: 0 };
                 unsafe { bpf_bind(ctx.sock_addr, (&raw mut addr).cast::<sockaddr>(), size_of::<SockaddrIn6>() as i32) }
             }
         };
     } else {
         match family {
-            Family::V4 if sa.msg_src_ip4 == 0 => sa.msg_src_ip4 = source,
-            Family::V6 if sa.msg_src_ip6 == [0; 4] => {
+            SocketFamily::V4 if sa.msg_src_ip4 == 0 => sa.msg_src_ip4 = source,
+            SocketFamily::V6 if sa.msg_src_ip6 == [0; 4] => {
                 sa.msg_src_ip6[0] = mapped.0[0];
                 sa.msg_src_ip6[1] = mapped.0[1];
                 sa.msg_src_ip6[2] = mapped.0[2];
@@ -375,7 +375,7 @@ fn served_in_this_netns(ctx: &SockAddrContext, proto: u8, backend: &Backend) -> 
 
 /// Backend address seen by the socket → the service address the application connected to.
 #[inline(always)]
-fn reverse(ctx: &SockAddrContext, family: Family) -> i32 {
+fn reverse(ctx: &SockAddrContext, family: SocketFamily) -> i32 {
     let sa = unsafe { &mut *ctx.sock_addr };
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let key = SockRevNatKey { cookie, addr: family.user_addr(sa), port: sa.user_port as u16, _pad: [0; 6] };

@@ -201,7 +201,7 @@ pub fn probe_from(
     addr: impl Into<SocketAddr>,
     n: usize,
     timeout: Duration,
-    source: Option<Ipv4Addr>,
+    source: Option<IpAddr>,
 ) -> Result<Outcome> {
     let addr: SocketAddr = addr.into();
     let mut cmd = Command::new("ip");

@@ -1,20 +1,22 @@
 //! A node as upstream kube-proxy's packet-flow tests picture it (`pkg/proxy/iptables/
-//! proxier_test.go`: node 192.168.0.2 and 192.168.1.2, external clients 203.0.113.2 and
-//! 203.0.113.130, pods in 10.0.0.0/8), built in network namespaces so that the real kube-proxy
-//! and kpr can each be given an identical copy:
+//! proxier_test.go`: node 192.168.0.2 and 192.168.1.2, 2001:db8::1 and 2001:db8:1::2, external
+//! clients 203.0.113.2, 203.0.113.130 and 2600:5200::1, pods in 10.0.0.0/8 and fd00:10::/32),
+//! built in network namespaces so that the real kube-proxy and kpr can each be given an
+//! identical copy. Every link is dual-stack:
 //!
 //! ```text
-//!   ext 203.0.113.2, .130 ──(203.0.113.1) ext0 ┐
-//!                                              node 192.168.0.2, 192.168.1.2 ── eth0 ── router 192.168.0.1
-//!   pod <ip> (one namespace per pod IP) ── vp<i> ┘ (169.254.1.1 on every pod link, as Calico does)
+//!   ext 203.0.113.2, .130, 2600:5200::1 ──(203.0.113.1, 2600:5200::fe) ext0 ┐
+//!                         node 192.168.0.2, 192.168.1.2, 2001:db8::1, 2001:db8:1::2 ── eth0 ── router
+//!   pod <ip> (one namespace per pod IP) ── vp<i> ┘                  (192.168.0.1, 2001:db8::fe)
+//!       (169.254.1.1 and fe80::1 on every pod link, as Calico does)
 //! ```
 //!
 //! The router is the node's default gateway and answers for *every* address (a local route for
-//! 0.0.0.0/0) with the name `router`, and the node itself answers `node` on its own addresses:
+//! 0.0.0.0/0 and ::/0) with the name `router`, and the node itself answers `node` on its own addresses:
 //! a packet no proxy took lands at one of them, so "not handled" is an observable outcome, and
 //! nothing ever leaves the machine. Every pod serves TCP and UDP on
 //! the given ports, answering `<ip>:<port>`; asked `peer?`, it tells the source it saw.
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use anyhow::Result;
 use kpr::testbed::{NameServer, Netns};
@@ -27,19 +29,30 @@ pub const EXT_CLIENT: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
 pub const EXT_CLIENT_BLOCKED: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 130);
 /// The node's address on every pod link.
 pub const POD_GATEWAY: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
+pub const NODE_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1);
+pub const NODE_IP6_ALT: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 2);
+pub const ROUTER_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 0xfe);
+pub const EXT_GATEWAY6: Ipv6Addr = Ipv6Addr::new(0x2600, 0x5200, 0, 0, 0, 0, 0, 0xfe);
+pub const EXT_CLIENT6: Ipv6Addr = Ipv6Addr::new(0x2600, 0x5200, 0, 0, 0, 0, 0, 1);
+/// The node's IPv6 address on every pod link: link-local only, as Calico's host side of a pod link.
+pub const POD_GATEWAY6: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1);
 /// Answer of the router: the packet was not handled by the proxy.
 pub const UNHANDLED: &str = "router";
 /// Answer of the node's own listeners: a packet for one of its addresses no proxy took.
 pub const UNHANDLED_LOCAL: &str = "node";
 
 /// The node's own addresses (where an untaken packet is delivered locally).
-pub fn is_node_address(ip: Ipv4Addr) -> bool {
-    ip.is_loopback() || [NODE_IP, NODE_IP_ALT, EXT_GATEWAY, POD_GATEWAY].contains(&ip)
+pub fn is_node_address(ip: IpAddr) -> bool {
+    ip.is_loopback()
+        || match ip {
+            IpAddr::V4(ip) => [NODE_IP, NODE_IP_ALT, EXT_GATEWAY, POD_GATEWAY].contains(&ip),
+            IpAddr::V6(ip) => [NODE_IP6, NODE_IP6_ALT, EXT_GATEWAY6].contains(&ip),
+        }
 }
 
 pub struct World {
     pub prefix: String,
-    pub pods: Vec<(Ipv4Addr, Netns)>,
+    pub pods: Vec<(IpAddr, Netns)>,
     servers: Vec<NameServer>,
     pub ext: Netns,
     pub router: Netns,
@@ -50,7 +63,7 @@ pub struct World {
 impl World {
     /// A node with pods at `pod_ips`, each serving `ports` (TCP and UDP); the router answers
     /// on `probed_ports`.
-    pub fn new(prefix: &str, pod_ips: &[Ipv4Addr], ports: &[u16], probed_ports: &[u16]) -> Result<Self> {
+    pub fn new(prefix: &str, pod_ips: &[IpAddr], ports: &[u16], probed_ports: &[u16]) -> Result<Self> {
         let node = Netns::new(&format!("{prefix}-n"))?;
         let router = Netns::new(&format!("{prefix}-r"))?;
         let ext = Netns::new(&format!("{prefix}-x"))?;
@@ -60,28 +73,43 @@ impl World {
         node.ip(&["link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &router.name])?;
         node.ip(&["addr", "add", &format!("{NODE_IP}/24"), "dev", "eth0"])?;
         node.ip(&["addr", "add", &format!("{NODE_IP_ALT}/24"), "dev", "eth0"])?;
+        // nodad: usable at once, not after duplicate address detection.
+        node.ip(&["-6", "addr", "add", &format!("{NODE_IP6}/64"), "dev", "eth0", "nodad"])?;
+        node.ip(&["-6", "addr", "add", &format!("{NODE_IP6_ALT}/64"), "dev", "eth0", "nodad"])?;
         node.ip(&["link", "set", "eth0", "up"])?;
         node.ip(&["route", "add", "default", "via", &ROUTER_IP.to_string()])?;
+        node.ip(&["-6", "route", "add", "default", "via", &ROUTER_IP6.to_string()])?;
         router.ip(&["link", "set", "lo", "up"])?;
         router.ip(&["addr", "add", &format!("{ROUTER_IP}/24"), "dev", "eth0"])?;
+        router.ip(&["-6", "addr", "add", &format!("{ROUTER_IP6}/64"), "dev", "eth0", "nodad"])?;
         router.ip(&["link", "set", "eth0", "up"])?;
         router.ip(&["route", "add", "local", "0.0.0.0/0", "dev", "lo"])?;
+        // In the main table: IPv6 looks up the local table first (IPv4 merges the two), where
+        // ::/0 would swallow the router's own replies.
+        router.ip(&["-6", "route", "add", "local", "::/0", "dev", "lo", "table", "main"])?;
         for back in ["10.0.0.0/8", "203.0.113.0/24", "169.254.0.0/16"] {
             router.ip(&["route", "add", back, "via", &NODE_IP.to_string()])?;
+        }
+        for back in ["fd00:10::/32", "2600:5200::/64", "2001:db8:1::/64"] {
+            router.ip(&["-6", "route", "add", back, "via", &NODE_IP6.to_string()])?;
         }
 
         node.ip(&["link", "add", "ext0", "type", "veth", "peer", "name", "eth0", "netns", &ext.name])?;
         node.ip(&["addr", "add", &format!("{EXT_GATEWAY}/24"), "dev", "ext0"])?;
+        node.ip(&["-6", "addr", "add", &format!("{EXT_GATEWAY6}/64"), "dev", "ext0", "nodad"])?;
         node.ip(&["link", "set", "ext0", "up"])?;
         ext.ip(&["link", "set", "lo", "up"])?;
         ext.ip(&["addr", "add", &format!("{EXT_CLIENT}/24"), "dev", "eth0"])?;
         ext.ip(&["addr", "add", &format!("{EXT_CLIENT_BLOCKED}/24"), "dev", "eth0"])?;
+        ext.ip(&["-6", "addr", "add", &format!("{EXT_CLIENT6}/64"), "dev", "eth0", "nodad"])?;
         ext.ip(&["link", "set", "eth0", "up"])?;
         ext.ip(&["route", "add", "default", "via", &EXT_GATEWAY.to_string()])?;
+        ext.ip(&["-6", "route", "add", "default", "via", &EXT_GATEWAY6.to_string()])?;
 
         let mut servers = Vec::new();
         for port in probed_ports {
-            let any = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, *port);
+            // [::] without IPV6_V6ONLY: one listener for both families.
+            let any = SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), *port);
             servers.push(NameServer::tcp(&router, any, UNHANDLED)?);
             servers.push(NameServer::udp(&router, any, UNHANDLED)?);
             servers.push(NameServer::tcp(&node, any, UNHANDLED_LOCAL)?);
@@ -92,15 +120,22 @@ impl World {
             let link = format!("vp{i}");
             node.ip(&["link", "add", &link, "type", "veth", "peer", "name", "eth0", "netns", &pod.name])?;
             node.ip(&["addr", "add", &format!("{POD_GATEWAY}/32"), "dev", &link])?;
+            node.ip(&["-6", "addr", "add", &format!("{POD_GATEWAY6}/64"), "dev", &link, "nodad"])?;
             node.ip(&["link", "set", &link, "up"])?;
-            node.ip(&["route", "add", &format!("{ip}/32"), "dev", &link])?;
             pod.ip(&["link", "set", "lo", "up"])?;
-            pod.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
             pod.ip(&["link", "set", "eth0", "up"])?;
-            pod.ip(&["route", "add", &POD_GATEWAY.to_string(), "dev", "eth0", "scope", "link"])?;
-            pod.ip(&["route", "add", "default", "via", &POD_GATEWAY.to_string()])?;
+            if ip.is_ipv4() {
+                node.ip(&["route", "add", &format!("{ip}/32"), "dev", &link])?;
+                pod.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
+                pod.ip(&["route", "add", &POD_GATEWAY.to_string(), "dev", "eth0", "scope", "link"])?;
+                pod.ip(&["route", "add", "default", "via", &POD_GATEWAY.to_string()])?;
+            } else {
+                node.ip(&["-6", "route", "add", &format!("{ip}/128"), "dev", &link])?;
+                pod.ip(&["-6", "addr", "add", &format!("{ip}/128"), "dev", "eth0", "nodad"])?;
+                pod.ip(&["-6", "route", "add", "default", "via", &POD_GATEWAY6.to_string(), "dev", "eth0"])?;
+            }
             for port in ports {
-                let addr = SocketAddrV4::new(*ip, *port);
+                let addr = SocketAddr::new(*ip, *port);
                 servers.push(NameServer::tcp(&pod, addr, &addr.to_string())?);
                 servers.push(NameServer::udp(&pod, addr, &addr.to_string())?);
             }
@@ -110,7 +145,8 @@ impl World {
     }
 
     /// The namespace of the pod with address `ip`.
-    pub fn pod(&self, ip: Ipv4Addr) -> &Netns {
+    pub fn pod(&self, ip: impl Into<IpAddr>) -> &Netns {
+        let ip = ip.into();
         &self.pods.iter().find(|(p, _)| *p == ip).unwrap_or_else(|| panic!("no pod {ip} in {}", self.prefix)).1
     }
 }

@@ -9,7 +9,7 @@
 use std::{
     collections::BTreeSet,
     io::{BufRead as _, BufReader, Write as _},
-    net::{Ipv4Addr, SocketAddrV4, TcpStream},
+    net::{IpAddr, Ipv4Addr, SocketAddrV4, TcpStream},
     path::Path,
     process::Command,
     time::{Duration, Instant},
@@ -144,8 +144,7 @@ fn takeover_and_back(mode: &str) {
     let status = format!("{{\"status\":{{\"addresses\":[{{\"type\":\"InternalIP\",\"address\":\"{NODE_IP}\"}}]}}}}");
     cluster.kubectl(&["patch", "node", NODE, "--subresource=status", "--type=merge", "-p", &status]).unwrap();
     let tag = testbed::unique_name(&format!("kt{}", &mode[..2]));
-    let mut pods = BACKENDS.to_vec();
-    pods.push(CLIENT_POD);
+    let pods: Vec<IpAddr> = BACKENDS.iter().chain([&CLIENT_POD]).map(|ip| IpAddr::from(*ip)).collect();
     let world = World::new(&tag, &pods, &[80], &[NODE_PORT, 80]).expect("node");
     let cgroup = Cgroup::new(&tag).expect("kpr's cgroup");
     let node_port = SocketAddrV4::new(NODE_IP, NODE_PORT);

@@ -211,8 +211,12 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
     let masquerade_v6 = |addrs: &mut dyn Iterator<Item = &IpAddr>| {
         addrs.copied().find(|a| matches!(a, IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 != 0xfe80))
     };
+    // A link without one (a pod's veth with only fe80::, as Calico sets them up): MASQUERADE
+    // takes the kernel's source address selection, which, with no rule of RFC 6724 telling
+    // the node's addresses apart, keeps the first in the kernel's order (links by index, the
+    // newest address of a link first: getifaddrs' order). Then the IPv6 node IP.
     let non_loopback = || links.iter().filter(|l| !l.loopback).flat_map(|l| &l.addrs);
-    let fallback_v6 = primaries[1].or_else(|| masquerade_v6(&mut non_loopback()));
+    let fallback_v6 = masquerade_v6(&mut non_loopback()).or(primaries[1]);
     link_info.insert(
         0,
         LinkInfo {
@@ -321,6 +325,32 @@ mod tests {
         let mut later = host();
         later.push(link(9, "eth2", &["172.20.0.9"]));
         assert_eq!(nodeports(&plan(&later, Some(&node), &settings)), ["172.16.0.2", "172.20.0.9"]);
+    }
+
+    #[test]
+    fn ipv6_masquerade_source_of_a_link_is_its_own_address_else_the_kernels_first_choice() {
+        // upstream's node: 2001:db8::1 is the node IP, 2001:db8:1::2 was added after it (the
+        // kernel lists it first); the pod's veth has a link-local address only.
+        let links = vec![
+            link(1, "lo", &["127.0.0.1", "::1"]),
+            link(2, "eth0", &["192.168.0.2", "2001:db8:1::2", "2001:db8::1", "fe80::5"]),
+            link(3, "vp0", &["fe80::1"]),
+            link(4, "cni0", &["fd00:10:244::1"]),
+        ];
+        let node = NodeObject {
+            addresses: vec!["192.168.0.2".parse().unwrap(), "2001:db8::1".parse().unwrap()],
+            ..Default::default()
+        };
+        let p = plan(&links, Some(&node), &NodeSettings { name: "n".into(), ..Default::default() });
+        let addr6 = |index: u32| IpAddr::from(p.links[&index].addr6);
+        assert_eq!(addr6(2), "2001:db8:1::2".parse::<IpAddr>().unwrap(), "a link's own first global address");
+        assert_eq!(addr6(4), "fd00:10:244::1".parse::<IpAddr>().unwrap());
+        assert!(p.links[&3].addr6.is_unspecified(), "fe80:: is never a masquerade source");
+        assert_eq!(addr6(0), "2001:db8:1::2".parse::<IpAddr>().unwrap(), "the fallback: as MASQUERADE picks");
+        // Without any global IPv6 address on a link: the IPv6 node IP.
+        let bare = vec![link(1, "lo", &["::1"]), link(2, "eth0", &["192.168.0.2"])];
+        let p = plan(&bare, Some(&node), &NodeSettings { name: "n".into(), ..Default::default() });
+        assert_eq!(IpAddr::from(p.links[&0].addr6), "2001:db8::1".parse::<IpAddr>().unwrap());
     }
 
     #[test]

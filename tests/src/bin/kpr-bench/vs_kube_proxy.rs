@@ -14,7 +14,7 @@
 //! created while it was down answers).
 use std::{
     collections::BTreeMap,
-    net::{Ipv4Addr, SocketAddrV4, TcpStream},
+    net::{IpAddr, Ipv4Addr, SocketAddrV4, TcpStream},
     path::PathBuf,
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
@@ -144,14 +144,17 @@ impl Peers {
         cluster.apply(&format!("{}{}", service("target", Some(NODE_PORT)), slice("target")))?;
 
         let tag = testbed::unique_name("kbvs");
-        let mut pods = PODS.to_vec();
-        pods.push(CLIENT_POD);
+        let pods: Vec<IpAddr> = PODS.iter().chain([&CLIENT_POD]).map(|ip| IpAddr::from(*ip)).collect();
         let mut worlds = BTreeMap::new();
         let mut servers = Vec::new();
         for (i, path) in PATHS.iter().enumerate() {
             let world = World::new(&format!("{tag}{i}"), &pods, &[], &[])?;
-            for (ip, netns) in world.pods.iter().filter(|(ip, _)| PODS.contains(ip)) {
-                servers.push(serve(netns, *ip)?);
+            for (ip, netns) in &world.pods {
+                if let IpAddr::V4(ip) = ip
+                    && PODS.contains(ip)
+                {
+                    servers.push(serve(netns, *ip)?);
+                }
             }
             worlds.insert(*path, world);
         }
