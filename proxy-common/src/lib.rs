@@ -274,6 +274,12 @@ pub const LINK_FLAG_ACCEPT_LOCAL_SET: u32 = 2;
 /// (kernels without TCX), which no pin records.
 pub const LINK_FLAG_NETLINK_TC: u32 = 4;
 
+/// `LinkInfo::flags`: kpr's ingress program runs on this link, so a packet that came in by it
+/// was translated there if it needed it; the egress program leaves it alone (it costs a
+/// translated packet ~300 ns to find nothing more to do). Set after the attachment, cleared
+/// before the detachment.
+pub const LINK_FLAG_TC_INGRESS: u32 = 8;
+
 /// Value of `KPR_LINKS` (key: ifindex; ifindex 0 holds the fallback): what the per-packet path
 /// needs to know about a link.
 #[repr(C)]

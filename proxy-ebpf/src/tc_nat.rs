@@ -35,10 +35,10 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AFFINITY_BY_ADDR, Addr, Backend, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, DETECT_LOCAL_INTERFACE,
-    FragmentKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, LINK_FLAG_LOCAL_TRAFFIC, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT,
-    SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
-    SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceKey, ServiceValue, SourceRange, counter, crc32c,
-    csum, ct, has_states,
+    FragmentKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, LINK_FLAG_LOCAL_TRAFFIC, LINK_FLAG_TC_INGRESS,
+    NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
+    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceKey, ServiceValue, SourceRange,
+    counter, crc32c, csum, ct, has_states,
 };
 
 use crate::{
@@ -95,6 +95,9 @@ pub fn kpr_tc_ingress(ctx: TcContext) -> i32 {
 
 #[classifier]
 pub fn kpr_tc_egress(ctx: TcContext) -> i32 {
+    if came_through_ingress(&ctx) {
+        return PASS;
+    }
     let verdict = match eth_type(&ctx) {
         Some(t) if t == V4::ETH_TYPE => translate::<V4>(&ctx, false),
         Some(t) if t == V6::ETH_TYPE => translate::<V6>(&ctx, false),
@@ -110,6 +113,17 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
         Ok(verdict) => verdict,
         Err(()) => PASS,
     }
+}
+
+/// Did this packet come in by a link where kpr's ingress program ran (`LINK_FLAG_TC_INGRESS`)?
+/// Forwarded, redirected or hairpinned: whatever it needed was done there. Packets of the node
+/// itself (no ingress link) are the egress program's.
+#[inline(always)]
+fn came_through_ingress(ctx: &TcContext) -> bool {
+    // SAFETY: a tc program's context is the packet's __sk_buff.
+    let iif = unsafe { (*(ctx.as_ptr() as *const __sk_buff)).ingress_ifindex };
+    // SAFETY: a map value pointer, read at once.
+    iif != 0 && LINKS.get_ptr(&iif).is_some_and(|link| unsafe { (*link).flags } & LINK_FLAG_TC_INGRESS != 0)
 }
 
 /// The Ethernet type, read straight from the packet.

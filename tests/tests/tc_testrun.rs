@@ -20,8 +20,8 @@ use kpr::{
     testbed,
 };
 use proxy_common::{
-    Addr, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, LinkInfo, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT,
-    SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
+    Addr, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, LINK_FLAG_TC_INGRESS, LinkInfo, NODE_ADDR_LOCAL,
+    NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
     SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MIN, counter, program_names,
 };
 
@@ -318,11 +318,22 @@ impl Rig {
     }
 
     fn run(&self, program: &str, input: &[u8]) -> (u32, Vec<u8>) {
+        self.run_from(program, input, 0)
+    }
+
+    /// [`Rig::run`] for a packet that came in by link `ingress_ifindex` (0: the node's own).
+    fn run_from(&self, program: &str, input: &[u8], ingress_ifindex: u32) -> (u32, Vec<u8>) {
         let prog: &SchedClassifier = self.ebpf.program(program).unwrap().try_into().unwrap();
         let mut out = vec![0u8; 1500];
-        let mut opts = TestRunOptions::default();
-        opts.data_in = Some(input);
-        opts.data_out = Some(&mut out);
+        // `struct __sk_buff` up to `ingress_ifindex` (offset 36), the rest zero.
+        let mut ctx = [0u8; 40];
+        ctx[36..40].copy_from_slice(&ingress_ifindex.to_ne_bytes());
+        let opts = TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            ctx_in: (ingress_ifindex != 0).then_some(&ctx[..]),
+            ..TestRunOptions::default()
+        };
         let result = prog.test_run(opts).expect("test run");
         out.truncate(result.data_size_out as usize);
         (result.return_value, out)
@@ -548,6 +559,27 @@ fn cluster_ip_tcp_is_translated_both_ways_with_exact_checksums() {
         assert_eq!(out, Pkt { src: cluster_ip, sport: 80, ..reply }.bytes(), "reverse NAT");
         assert_eq!((rig.counter(counter::TC_NEW_FLOW), rig.counter(counter::TC_CT_HIT)), (flows, 2 * flows));
     }
+}
+
+/// A packet that came in by a link where kpr's ingress program runs was translated there: the
+/// egress program leaves it alone. From any other link, or from the node itself, it translates.
+#[test]
+fn egress_leaves_packets_that_came_in_through_kprs_ingress_alone() {
+    let mut rig = Rig::new(&services());
+    let syn = tcp(CLIENT, 40100, CLUSTER_IP, 80);
+    assert_eq!(rig.ingress(&syn.bytes()).0, TC_ACT_OK);
+    {
+        let mut links: aya::maps::HashMap<_, u32, LinkInfo> =
+            aya::maps::HashMap::try_from(rig.ebpf.map_mut(proxy_common::map_names::LINKS).unwrap()).unwrap();
+        links.insert(&7, &LinkInfo { flags: LINK_FLAG_TC_INGRESS, ..LinkInfo::default() }, 0).unwrap();
+        links.insert(&8, &LinkInfo::default(), 0).unwrap();
+    }
+    let reply = Pkt { tcp_flags: 0x12, seq: 5000, ack: 1001, ..tcp(POD, 8080, CLIENT, 40100) };
+    let translated = Pkt { src: CLUSTER_IP.into(), sport: 80, ..reply }.bytes();
+    let egress = program_names::TC_EGRESS;
+    assert_eq!(rig.run_from(egress, &reply.bytes(), 7), (TC_ACT_UNSPEC, reply.bytes()), "came in through kpr");
+    assert_eq!(rig.run_from(egress, &reply.bytes(), 8), (TC_ACT_OK, translated.clone()), "a link kpr is not on");
+    assert_eq!(rig.run_from(egress, &reply.bytes(), 0), (TC_ACT_OK, translated), "the node's own packet");
 }
 
 #[test]

@@ -763,9 +763,18 @@ impl BpfHost {
         }
     }
 
-    /// The plan's link entries, marked where kpr set accept_local or attached netlink filters.
-    fn links_marked(&self, links: &BTreeMap<u32, LinkInfo>) -> BTreeMap<u32, LinkInfo> {
+    /// The plan's link entries, marked where kpr set accept_local, attached netlink filters, or
+    /// has its programs attached and the plan keeps them (so the mark is set after an
+    /// attachment and cleared before a detachment).
+    fn links_marked(
+        &self,
+        links: &BTreeMap<u32, LinkInfo>,
+        tc_links: &BTreeMap<u32, String>,
+    ) -> BTreeMap<u32, LinkInfo> {
         let mut links = links.clone();
+        for ifindex in self.attached.keys().filter(|i| tc_links.contains_key(i)) {
+            links.entry(*ifindex).or_default().flags |= proxy_common::LINK_FLAG_TC_INGRESS;
+        }
         for ifindex in &self.accept_local_set {
             links.entry(*ifindex).or_default().flags |= proxy_common::LINK_FLAG_ACCEPT_LOCAL_SET;
         }
@@ -798,7 +807,7 @@ impl HostDatapath for BpfHost {
         let link_addrs = plan.links.values().flat_map(|l| [Addr::from_v4(l.addr), l.addr6]);
         mark_addresses(&mut self.addr_filter, want.keys().copied().chain(link_addrs))?;
         sync_hash(&mut self.node_addrs, &want)?;
-        let links = self.links_marked(&plan.links);
+        let links = self.links_marked(&plan.links, &plan.tc_links);
         sync_hash(&mut self.links, &links)?;
         sync_lpm(&mut self.local_cidrs, &plan.local_cidrs)?;
         sync_lpm(&mut self.service_cidrs, &plan.service_cidrs)?;
@@ -819,7 +828,8 @@ impl HostDatapath for BpfHost {
                 tracing::info!(interface = %name, ifindex, "per-packet programs detached");
             }
         }
-        let marks = (self.accept_local_set.clone(), self.netlink_links.clone());
+        let attached = |h: &Self| h.attached.keys().copied().collect::<BTreeSet<u32>>();
+        let marks = (self.accept_local_set.clone(), self.netlink_links.clone(), attached(self));
         for (ifindex, name) in &plan.tc_links {
             if self.attached.contains_key(ifindex) {
                 continue;
@@ -834,9 +844,10 @@ impl HostDatapath for BpfHost {
             }
         }
         self.check_forwarding();
-        // Remember what is ours to undo (accept_local, netlink filters) when it changed.
-        if marks != (self.accept_local_set.clone(), self.netlink_links.clone()) {
-            let links = self.links_marked(&plan.links);
+        // Remember what is ours to undo (accept_local, netlink filters) and where ingress runs,
+        // when it changed.
+        if marks != (self.accept_local_set.clone(), self.netlink_links.clone(), attached(self)) {
+            let links = self.links_marked(&plan.links, &plan.tc_links);
             sync_hash(&mut self.links, &links)?;
         }
         Ok(())
