@@ -308,7 +308,7 @@ async fn run_agent(args: AgentArgs) -> Result<()> {
 fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
     let config = effective_config(&args)?;
     let cgroup = match args.cgroup {
-        Some(c) => c,
+        Some(c) => bpf::cgroup2_dir(&c)?,
         None => bpf::cgroup2_root()?,
     };
     let tc_links = match args.interfaces.as_slice() {

@@ -200,7 +200,11 @@ pub struct NameServer {
 impl NameServer {
     pub fn tcp(ns: &Netns, addr: impl Into<SocketAddr>, name: &str) -> Result<Self> {
         let addr = addr.into();
-        let listener = ns.run(move || TcpListener::bind(addr))??;
+        Self::tcp_on(ns.run(move || TcpListener::bind(addr))??, name)
+    }
+
+    /// Serve on a bound listener (a process that is already where it serves, e.g. a pod's).
+    pub fn tcp_on(listener: TcpListener, name: &str) -> Result<Self> {
         set_timeout(listener.as_raw_fd(), Duration::from_millis(100))?;
         let (stop, name) = (Arc::new(AtomicBool::new(false)), name.to_owned());
         let stop2 = stop.clone();
@@ -218,7 +222,7 @@ impl NameServer {
                     let mut buf = [0u8; 4096];
                     while let Ok(n @ 1..) = conn.read(&mut buf) {
                         let reply = if &buf[..n] == b"peer?\n" {
-                            format!("{}\n", peer.ip()).into_bytes()
+                            format!("{}\n", peer.ip().to_canonical()).into_bytes()
                         } else {
                             buf[..n].to_vec()
                         };
@@ -234,7 +238,11 @@ impl NameServer {
 
     pub fn udp(ns: &Netns, addr: impl Into<SocketAddr>, name: &str) -> Result<Self> {
         let addr = addr.into();
-        let socket = ns.run(move || UdpSocket::bind(addr))??;
+        Self::udp_on(ns.run(move || UdpSocket::bind(addr))??, name)
+    }
+
+    /// Serve on a bound socket (see [`Self::tcp_on`]).
+    pub fn udp_on(socket: UdpSocket, name: &str) -> Result<Self> {
         socket.set_read_timeout(Some(Duration::from_millis(100)))?;
         let (stop, name) = (Arc::new(AtomicBool::new(false)), name.to_owned());
         let stop2 = stop.clone();
@@ -242,7 +250,7 @@ impl NameServer {
             let mut buf = [0u8; 1500];
             while !stop2.load(Ordering::Relaxed) {
                 if let Ok((n, from)) = socket.recv_from(&mut buf) {
-                    let reply = if &buf[..n] == b"peer?" { from.ip().to_string() } else { name.clone() };
+                    let reply = if &buf[..n] == b"peer?" { from.ip().to_canonical().to_string() } else { name.clone() };
                     let _ = socket.send_to(reply.as_bytes(), from);
                 }
             }

@@ -138,6 +138,8 @@ pub struct Cluster {
     home_cgroup: PathBuf,
     etcd: Option<Child>,
     apiserver: Option<Child>,
+    /// kube-controller-manager and kube-scheduler, when a test runs real nodes.
+    controllers: Vec<Child>,
     /// More kube-apiserver flags (service ranges of a test).
     apiserver_args: Vec<String>,
     /// Keep the data directory on drop (for inspection).
@@ -165,6 +167,7 @@ impl Cluster {
             home_cgroup: kpr::datapath::bpf::own_cgroup()?,
             etcd: None,
             apiserver: None,
+            controllers: Vec::new(),
             apiserver_args: apiserver_args.iter().map(|a| (*a).to_owned()).collect(),
             keep: false,
             dir,
@@ -278,6 +281,33 @@ impl Cluster {
         Ok(())
     }
 
+    /// kube-controller-manager (EndpointSlices of real pods, DaemonSets, service accounts and
+    /// the `kube-root-ca.crt` ConfigMap their tokens come with) and kube-scheduler (DaemonSet
+    /// pods are bound by it), both as the admin.
+    pub fn start_controllers(&mut self) -> Result<()> {
+        if !self.controllers.is_empty() {
+            return Ok(());
+        }
+        let d = |f: &str| self.dir.join(f).display().to_string();
+        let kubeconfig = format!("--kubeconfig={}", self.admin_kubeconfig.display());
+        let mut manager = Command::new(k8s_bin("kube-controller-manager")?);
+        manager
+            .arg(&kubeconfig)
+            .args(["--leader-elect=false", "--secure-port=0", "--use-service-account-credentials=false"])
+            .arg(format!("--root-ca-file={}", d("ca.crt")))
+            .arg(format!("--service-account-private-key-file={}", d("sa.key")))
+            .arg(format!("--service-cluster-ip-range={SERVICE_CIDR}"))
+            // The test nodes' CNI configuration holds their pod ranges: no node IPAM.
+            .args(["--controllers=*,-node-ipam-controller", "--v=1"]);
+        let mut scheduler = Command::new(k8s_bin("kube-scheduler")?);
+        scheduler.arg(&kubeconfig).args(["--leader-elect=false", "--secure-port=0", "--v=1"]);
+        for (cmd, log) in [(&mut manager, "controller-manager.log"), (&mut scheduler, "scheduler.log")] {
+            let child = spawn_child(cmd, &self.home_cgroup, &self.dir.join(log))?;
+            self.controllers.push(child);
+        }
+        Ok(())
+    }
+
     /// Stop the API server (SIGTERM, as a node shutdown would).
     pub fn stop_apiserver(&mut self) {
         if let Some(mut child) = self.apiserver.take() {
@@ -291,8 +321,11 @@ impl Cluster {
         }
     }
 
-    /// Stop everything (API server first); the data stays for a restart.
+    /// Stop everything (controllers, then the API server); the data stays for a restart.
     pub fn stop(&mut self) {
+        for mut child in self.controllers.drain(..) {
+            stop_child(&mut child, Duration::from_secs(10));
+        }
         self.stop_apiserver();
         self.stop_etcd();
     }
@@ -491,7 +524,6 @@ impl KubeProxy {
             .arg(k8s_bin("kube-proxy")?)
             .arg(format!("--kubeconfig={}", kubeconfig.display()))
             .arg(format!("--hostname-override={node_name}"))
-            .arg(format!("--cluster-cidr={CLUSTER_CIDR}"))
             .arg(format!("--proxy-mode={mode}"))
             .args(["--metrics-bind-address=127.0.0.1:10249", "--healthz-bind-address=127.0.0.1:10256"])
             // Leave the machine-wide conntrack table size alone.

@@ -15,6 +15,7 @@ use kpr::{
 };
 
 pub mod cluster;
+pub mod nodes;
 pub mod probe;
 pub mod world;
 

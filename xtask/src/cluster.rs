@@ -1,6 +1,6 @@
-//! The local Kubernetes control plane of the tests: `kube-apiserver`, `kube-proxy`, `kubectl` and
-//! `etcd` built from source with the installed Go, from the Go module proxy only, as pinned by
-//! `tools/k8s/go.mod` + `go.sum`.
+//! The local Kubernetes of the tests: `etcd`, `kube-apiserver`, `kube-controller-manager`,
+//! `kube-scheduler`, `kubelet`, `kube-proxy` and `kubectl` built from source with the installed
+//! Go, from the Go module proxy only, as pinned by `tools/k8s/go.mod` + `go.sum`.
 //!
 //! The binaries are cached outside the checkout, in `$KPR_K8S_CACHE` or
 //! `$HOME/.cache/kpr/k8s-<version>-<hash of go.mod and go.sum>/bin`, so a fresh clone on the same
@@ -22,6 +22,9 @@ use anyhow::{Context as _, Result, bail};
 const BINARIES: &[(&str, &str)] = &[
     ("etcd", "go.etcd.io/etcd/server/v3"),
     ("kube-apiserver", "k8s.io/kubernetes/cmd/kube-apiserver"),
+    ("kube-controller-manager", "k8s.io/kubernetes/cmd/kube-controller-manager"),
+    ("kube-scheduler", "k8s.io/kubernetes/cmd/kube-scheduler"),
+    ("kubelet", "k8s.io/kubernetes/cmd/kubelet"),
     ("kube-proxy", "k8s.io/kubernetes/cmd/kube-proxy"),
     ("kubectl", "k8s.io/kubernetes/cmd/kubectl"),
 ];
@@ -75,7 +78,7 @@ fn pinned_version(go_mod: &str) -> Result<String> {
 /// build never leaves a half-filled cache.
 fn build(module: &Path, version: &str, dir: &Path) -> Result<()> {
     if Command::new("go").arg("version").output().is_err() {
-        bail!("Go is required to build the test control plane (kube-apiserver, etcd, kube-proxy)");
+        bail!("Go is required to build the tests' Kubernetes (etcd, kube-apiserver, kubelet, kube-proxy, ...)");
     }
     let parent = dir.parent().expect("cache dir has a parent");
     fs::create_dir_all(parent)?;
@@ -93,8 +96,8 @@ fn build(module: &Path, version: &str, dir: &Path) -> Result<()> {
         );
     }
     println!(
-        "setup: building etcd, kube-apiserver, kube-proxy and kubectl {version} from tools/k8s \
-         (Go module proxy; about 15 minutes on 2 cores when Go's caches are cold)"
+        "setup: building etcd, the control plane, kubelet, kube-proxy and kubectl {version} from \
+         tools/k8s (Go module proxy; about 20 minutes on 2 cores when Go's caches are cold)"
     );
     let started = Instant::now();
     for (name, pkg) in BINARIES {

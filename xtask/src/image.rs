@@ -8,6 +8,8 @@
 //! `crane` read it) and the same layout as one tar (`target/image/kpr.oci.tar`), which
 //! `ctr images import` and `docker load` take. Entries, times and owners are fixed, so the
 //! same binary gives the same digests.
+//!
+//! The tests' pod image, `kpr-testpod`, is written the same way: a static `kpr-probe` alone.
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
@@ -25,44 +27,83 @@ use crate::setup;
 pub const MUSL_TARGET: &str = "x86_64-unknown-linux-musl";
 const BINARY_PATH: &str = "usr/local/bin/kpr";
 
-/// Build the static binary and write the image; returns the layout directory.
+/// What one image holds: its repository name (`docker.io/library/<name>`), root file system and
+/// command.
+struct Image {
+    name: &'static str,
+    files: BTreeMap<String, Entry>,
+    entrypoint: &'static str,
+    cmd: &'static str,
+}
+
+/// Build the static binary and write the image; returns the layout directory
+/// (`target/image/kpr`, or `target/image/kpr-<tag>` for a tag other than `latest`).
 pub fn build(root: &Path, env: &setup::Env, tag: &str) -> Result<PathBuf> {
+    let binary = static_binary(root, env, "proxy-user", "kpr")?;
+    let mut files = netfilter_tools()?;
+    files.insert(BINARY_PATH.to_owned(), Entry::File(binary, 0o755));
+    let entrypoint = "/usr/local/bin/kpr";
+    write_image(root, &Image { name: "kpr", files, entrypoint, cmd: "agent" }, tag)
+}
+
+/// The test pods' image, `kpr-testpod:latest`: `kpr-probe` alone (it serves, asks, holds a
+/// connection, or pauses; also the kubelets' sandbox image in `tests/tests/daemonset.rs`).
+pub fn build_testpod(root: &Path, env: &setup::Env) -> Result<PathBuf> {
+    let binary = static_binary(root, env, "kpr-tests", "kpr-probe")?;
+    let files = BTreeMap::from([("kpr-probe".to_owned(), Entry::File(binary, 0o755))]);
+    write_image(root, &Image { name: "kpr-testpod", files, entrypoint: "/kpr-probe", cmd: "pause" }, "latest")
+}
+
+/// `bin` of `package`, built static (musl, release) and stripped: symbols are half the
+/// binary and nothing in a container reads them.
+fn static_binary(root: &Path, env: &setup::Env, package: &str, bin: &str) -> Result<Vec<u8>> {
     let mut cargo = env.cargo(root);
-    cargo.args(["build", "--release", "--package", "proxy-user", "--bin", "kpr", "--target", MUSL_TARGET]);
+    cargo.args(["build", "--release", "--package", package, "--bin", bin, "--target", MUSL_TARGET]);
     crate::run(&mut cargo)?;
-    let built = root.join("target").join(MUSL_TARGET).join("release/kpr");
+    let built = root.join("target").join(MUSL_TARGET).join("release").join(bin);
     let out = root.join("target/image");
     fs::create_dir_all(&out)?;
-    // Symbols are half the binary and nothing in a container reads them.
-    let stripped = out.join("kpr.stripped");
+    let stripped = out.join(format!("{bin}.stripped"));
     crate::run(Command::new("strip").arg("--strip-all").arg(&built).arg("-o").arg(&stripped))?;
-    let layout = out.join("kpr");
+    Ok(fs::read(&stripped)?)
+}
+
+/// Write `image` as an OCI layout and its tar under target/image; returns the layout directory.
+fn write_image(root: &Path, image: &Image, tag: &str) -> Result<PathBuf> {
+    let out = root.join("target/image");
+    let dir_name = if tag == "latest" { image.name.to_owned() } else { format!("{}-{tag}", image.name) };
+    let layout = out.join(&dir_name);
     let revision = git_revision(root);
-    write_layout(&layout, &fs::read(&stripped)?, tag, &revision)?;
-    let archive = out.join("kpr.oci.tar");
+    write_layout(&layout, image, tag, &revision)?;
+    let archive = out.join(format!("{dir_name}.oci.tar"));
     archive_layout(&layout, &archive)?;
     let layer_size: u64 = fs::read_dir(layout.join("blobs/sha256"))?
         .filter_map(|e| e.ok()?.metadata().ok())
         .map(|m| m.len())
         .max()
         .unwrap_or(0);
+    let binary_size = match image.files.get(image.entrypoint.trim_start_matches('/')) {
+        Some(Entry::File(data, _)) => data.len(),
+        _ => 0,
+    };
     println!(
-        "xtask: image kpr:{tag} ({revision}): {} (layout), {} (archive); layer {:.1} MiB compressed, binary {:.1} MiB",
+        "xtask: image {}:{tag} ({revision}): {} (layout), {} (archive); layer {:.1} MiB compressed, binary {:.1} MiB",
+        image.name,
         layout.display(),
         archive.display(),
         layer_size as f64 / 1048576.0,
-        fs::metadata(&stripped)?.len() as f64 / 1048576.0,
+        binary_size as f64 / 1048576.0,
     );
     Ok(layout)
 }
 
 /// The OCI image layout: `oci-layout`, `index.json` and the blobs (layer, config, manifest).
-fn write_layout(dir: &Path, binary: &[u8], tag: &str, revision: &str) -> Result<()> {
+fn write_layout(dir: &Path, image: &Image, tag: &str, revision: &str) -> Result<()> {
     if dir.exists() {
         fs::remove_dir_all(dir)?;
     }
     fs::create_dir_all(dir.join("blobs/sha256"))?;
-    let layer_tar = layer(binary)?;
+    let layer_tar = layer(&image.files)?;
     let diff_id = sha256(&layer_tar);
     let mut gz = flate2::GzBuilder::new().mtime(0).write(Vec::new(), flate2::Compression::best());
     gz.write_all(&layer_tar)?;
@@ -73,9 +114,11 @@ fn write_layout(dir: &Path, binary: &[u8], tag: &str, revision: &str) -> Result<
         "architecture": "amd64",
         "os": "linux",
         "config": {
-            "Entrypoint": [format!("/{BINARY_PATH}")],
-            "Cmd": ["agent"],
-            "Labels": { "org.opencontainers.image.revision": revision },
+            "Entrypoint": [image.entrypoint],
+            "Cmd": [image.cmd],
+            // The tag too: images of one build under two tags are two images (a rolling
+            // update's "new image" in the tests).
+            "Labels": { "org.opencontainers.image.revision": revision, "org.opencontainers.image.version": tag },
         },
         "rootfs": { "type": "layers", "diff_ids": [format!("sha256:{diff_id}")] },
         "history": [{ "created_by": "cargo xtask image" }],
@@ -93,7 +136,7 @@ fn write_layout(dir: &Path, binary: &[u8], tag: &str, revision: &str) -> Result<
     entry["annotations"] = json!({
         "org.opencontainers.image.ref.name": tag,
         // containerd's importer names the image after this.
-        "io.containerd.image.name": format!("docker.io/library/kpr:{tag}"),
+        "io.containerd.image.name": format!("docker.io/library/{}:{tag}", image.name),
     });
     let index = json!({
         "schemaVersion": 2,
@@ -122,10 +165,9 @@ const NETFILTER_TOOLS: [(&str, &[&str]); 3] = [
 /// iptables' match and target extensions (`-m comment`, `-j MARK`, ...), loaded when it parses rules.
 const XTABLES_EXTENSIONS: &str = "/usr/lib/x86_64-linux-gnu/xtables";
 
-/// The root file system, owned by root: kpr, and the netfilter tools with their libraries.
-fn layer(binary: &[u8]) -> Result<Vec<u8>> {
+/// The netfilter tools with the libraries and extensions they load.
+fn netfilter_tools() -> Result<BTreeMap<String, Entry>> {
     let mut files: BTreeMap<String, Entry> = BTreeMap::new();
-    files.insert(BINARY_PATH.to_owned(), Entry::File(binary.to_vec(), 0o755));
     for (tool, links) in NETFILTER_TOOLS {
         let name = Path::new(tool).file_name().expect("a file").to_string_lossy().into_owned();
         files.insert(tool.trim_start_matches('/').to_owned(), Entry::File(fs::read(tool)?, 0o755));
@@ -142,6 +184,11 @@ fn layer(binary: &[u8]) -> Result<Vec<u8>> {
         let data = fs::read(&path)?; // symlinks followed: each alias is its own copy
         files.insert(path.to_string_lossy().trim_start_matches('/').to_owned(), Entry::File(data, 0o644));
     }
+    Ok(files)
+}
+
+/// The root file system as one tar layer, owned by root.
+fn layer(files: &BTreeMap<String, Entry>) -> Result<Vec<u8>> {
     // Parent directories first, each once; then the entries in path order.
     let mut dirs: BTreeSet<String> = BTreeSet::new();
     for path in files.keys() {
@@ -156,15 +203,15 @@ fn layer(binary: &[u8]) -> Result<Vec<u8>> {
         let mut header = header(tar::EntryType::Directory, 0o755, 0);
         tar.append_data(&mut header, dir, std::io::empty())?;
     }
-    for (path, entry) in files {
+    for (path, entry) in files.iter() {
         match entry {
             Entry::File(data, mode) => {
-                let mut header = header(tar::EntryType::Regular, mode, data.len() as u64);
-                tar.append_data(&mut header, &path, &data[..])?;
+                let mut header = header(tar::EntryType::Regular, *mode, data.len() as u64);
+                tar.append_data(&mut header, path, &data[..])?;
             }
             Entry::Symlink(target) => {
                 let mut header = header(tar::EntryType::Symlink, 0o777, 0);
-                tar.append_link(&mut header, &path, &target)?;
+                tar.append_link(&mut header, path, target)?;
             }
         }
     }

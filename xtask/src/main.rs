@@ -62,6 +62,9 @@ enum Cmd {
     Image {
         #[arg(long, default_value = "latest")]
         tag: String,
+        /// Build the tests' pod image (`kpr-testpod`: kpr-probe alone) instead.
+        #[arg(long)]
+        testpod: bool,
     },
     /// Run the benchmarks (release build); prints numbers and writes target/bench/*.json.
     Bench {
@@ -121,9 +124,9 @@ fn run_command() -> Result<()> {
                 .env("KPR_K8S_BIN", k8s_bin)
                 .args(args))
         }
-        Cmd::Image { tag } => {
+        Cmd::Image { tag, testpod } => {
             let env = setup::ensure_all(&root)?;
-            image::build(&root, &env, &tag).map(drop)
+            if testpod { image::build_testpod(&root, &env) } else { image::build(&root, &env, &tag) }.map(drop)
         }
         Cmd::Bench { args } => {
             let env = setup::ensure_all(&root)?;
@@ -175,14 +178,19 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>, kernels: &[String])
     }
     // The control plane and kube-proxy of the API-server tests, built once per pin.
     let k8s_bin = cluster::ensure_k8s_binaries(root)?;
-    // The image its test runs under runc.
+    // The image its test runs under runc; the DaemonSet test's images: kpr under a second tag
+    // (its rolling update) and the test pods'.
     let image = image::build(root, env, "latest")?;
+    let next_image = image::build(root, env, "next")?;
+    let testpod_image = image::build_testpod(root, env)?;
     let mut privileged = env.cargo(root);
     privileged
         .args(["test", "--no-fail-fast", "--package", "kpr-tests", "--", "--test-threads=1"])
         .env("KPR_BIN", target_bin(root, false, "kpr"))
         .env("KPR_K8S_BIN", k8s_bin)
-        .env("KPR_IMAGE", image);
+        .env("KPR_IMAGE", image)
+        .env("KPR_IMAGE_NEXT", next_image)
+        .env("KPR_TESTPOD_IMAGE", testpod_image);
     if let Some(filter) = filter {
         privileged.arg(filter);
     }

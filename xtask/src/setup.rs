@@ -177,8 +177,13 @@ fn ensure_packages() -> Result<()> {
         ("musl-gcc", "musl-tools"),
         ("strip", "binutils"),
         ("runc", "runc"),
+        // The kubelets' container runtime and pod network (tests/src/nodes.rs): containerd
+        // (with ctr) and the CNI plugins, found by absolute path.
+        ("containerd", "containerd"),
+        ("/usr/lib/cni/bridge", "containernetworking-plugins"),
     ];
-    let missing: Vec<&str> = wanted.iter().filter(|(cmd, _)| !on_path(cmd)).map(|(_, pkg)| *pkg).collect();
+    let present = |cmd: &str| if cmd.starts_with('/') { Path::new(cmd).is_file() } else { on_path(cmd) };
+    let missing: Vec<&str> = wanted.iter().filter(|(cmd, _)| !present(cmd)).map(|(_, pkg)| *pkg).collect();
     if missing.is_empty() {
         return Ok(());
     }

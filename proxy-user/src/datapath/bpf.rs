@@ -185,6 +185,31 @@ pub fn cgroup2_root() -> Result<PathBuf> {
         .context("no cgroup2 file system is mounted")
 }
 
+/// The cgroup2 directory `--cgroup` names: the directory itself, or, when it is a hybrid host's
+/// `/sys/fs/cgroup` (a tmpfs of cgroup v1 hierarchies, as a DaemonSet mounts the host's), the
+/// cgroup2 hierarchy systemd puts in its `unified` directory.
+pub fn cgroup2_dir(path: &Path) -> Result<PathBuf> {
+    // f_type is signed in glibc and unsigned in musl (the image's build).
+    #[allow(clippy::unnecessary_cast, reason = "the cast is needed in one of the two libcs")]
+    let is_cgroup2 = |dir: &Path| -> bool {
+        let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else { return false };
+        // SAFETY: a valid C string and a zeroed statfs for the kernel to fill.
+        let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+        if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+            return false;
+        }
+        st.f_type as u64 == libc::CGROUP2_SUPER_MAGIC as u64
+    };
+    if is_cgroup2(path) {
+        return Ok(path.to_owned());
+    }
+    let unified = path.join("unified");
+    if is_cgroup2(&unified) {
+        return Ok(unified);
+    }
+    bail!("{} is not a cgroup2 directory (nor a hybrid cgroup mount with one in `unified`)", path.display())
+}
+
 /// This process's cgroup2 directory.
 pub fn own_cgroup() -> Result<PathBuf> {
     let text = fs::read_to_string("/proc/self/cgroup")?;
