@@ -11,9 +11,9 @@
 //!    pods 10.244.1.x (CNI bridge)                            pods 10.244.2.x
 //! ```
 //!
-//! In a node's mount namespace `/run`, `/var/lib` and `/var/log` are its own (tmpfs: the
-//! runtime's state, images, pod volumes and logs), `/sys/fs/bpf` is a bpffs of its own (kpr's
-//! pins), and the cgroup2 hierarchy (`/sys/fs/cgroup/unified` on this hybrid host) is the node's
+//! In a node's mount namespace `/run` and `/var/log` are its own tmpfs and `/var/lib` a
+//! directory of its own (the runtime's state, images, pod volumes and logs), `/sys/fs/bpf` is a
+//! bpffs of its own (kpr's pins), and the cgroup2 hierarchy (`/sys/fs/cgroup/unified` on this hybrid host) is the node's
 //! cgroup: everything the node runs, pods included, stays below it, and a kpr there balances
 //! the node's sockets only. The kubelet's pod cgroups (cgroup v1 here) are under a cgroup root
 //! of the node's name. The kernel settings the kubelet checks are shown to it, not changed on
