@@ -57,9 +57,9 @@ pub struct Node {
     _relay: Relay,
     pub netns: Netns,
     /// Configuration and logs (on the host's file system, removed on drop).
-    pub dir: PathBuf,
+    dir: PathBuf,
     /// The node's cgroup2 directory: all its processes, and the root kpr balances there.
-    pub cgroup2: PathBuf,
+    cgroup2: PathBuf,
     /// The kubelet's cgroup root in each cgroup v1 hierarchy.
     v1_cgroups: Vec<PathBuf>,
     /// The node's first process (containerd's parent, then the kubelet).

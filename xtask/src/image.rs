@@ -25,7 +25,7 @@ use sha2::{Digest as _, Sha256};
 use crate::setup;
 
 pub const MUSL_TARGET: &str = "x86_64-unknown-linux-musl";
-const BINARY_PATH: &str = "usr/local/bin/kpr";
+const BINARY_PATH: &str = "/usr/local/bin/kpr";
 
 /// What one image holds: its repository name (`docker.io/library/<name>`), root file system and
 /// command.
@@ -41,9 +41,8 @@ struct Image {
 pub fn build(root: &Path, env: &setup::Env, tag: &str) -> Result<PathBuf> {
     let binary = static_binary(root, env, "proxy-user", "kpr")?;
     let mut files = netfilter_tools()?;
-    files.insert(BINARY_PATH.to_owned(), Entry::File(binary, 0o755));
-    let entrypoint = "/usr/local/bin/kpr";
-    write_image(root, &Image { name: "kpr", files, entrypoint, cmd: "agent" }, tag)
+    files.insert(BINARY_PATH.trim_start_matches('/').to_owned(), Entry::File(binary, 0o755));
+    write_image(root, &Image { name: "kpr", files, entrypoint: BINARY_PATH, cmd: "agent" }, tag)
 }
 
 /// The test pods' image, `kpr-testpod:latest`: `kpr-probe` alone (it serves, asks, holds a
