@@ -274,7 +274,8 @@ fn initramfs(kernel: &Kernel, path: &Path) -> Result<()> {
 }
 
 /// What runs inside the VM (in the chroot of the shared root): the mounts the tests need, then
-/// every suite, one test at a time. The tests write under a tmpfs on /run (TMPDIR): /tmp stays
+/// every suite, one test at a time. The tests' waits for the agent are stretched 16 times:
+/// emulated, and beside the other kernel's VM, an agent took over 16 s to attach its hooks. The tests write under a tmpfs on /run (TMPDIR): /tmp stays
 /// the shared one, where the checkout and this script may live.
 fn test_script(binaries: &[PathBuf], env: &[(&str, String)], filter: Option<&str>) -> String {
     let mut s = String::from(
@@ -284,7 +285,7 @@ fn test_script(binaries: &[PathBuf], env: &[(&str, String)], filter: Option<&str
          mount -t bpf bpf /sys/fs/bpf; mount -t cgroup2 cgroup2 /sys/fs/cgroup\n\
          ip link set lo up\n\
          echo \"kpr-vm: kernel $(uname -r)\"\n\
-         export TMPDIR=/run/tmp HOME=/run/home NO_COLOR=1 RUST_BACKTRACE=0 KPR_TEST_TIME_SCALE=8\n",
+         export TMPDIR=/run/tmp HOME=/run/home NO_COLOR=1 RUST_BACKTRACE=0 KPR_TEST_TIME_SCALE=16\n",
     );
     for (key, value) in env {
         s.push_str(&format!("export {key}='{value}'\n"));
