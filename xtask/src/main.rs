@@ -157,9 +157,10 @@ fn build(root: &Path, env: &setup::Env, release: bool) -> Result<()> {
 fn test(root: &Path, env: &setup::Env, filter: Option<&str>, kernels: &[String]) -> Result<()> {
     build(root, env, false)?;
     if !kernels.is_empty() {
-        let shorts: Vec<&str> = kernels.iter().map(String::as_str).collect();
-        let (_, failed, lines) = test_in_vms(root, env, &shorts, filter)?;
-        println!("{}", lines.join("\n"));
+        let mut failed = 0;
+        for kernel in kernels {
+            failed += test_in_vm(root, env, kernel, filter)?.1;
+        }
         if failed > 0 {
             bail!("{failed} tests failed in VMs");
         }
@@ -198,9 +199,13 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>, kernels: &[String])
     tally.1 += failed;
     println!("xtask: {} passed, {} failed (this machine's kernel)", tally.0, tally.1);
 
-    let (passed, failed, lines) = test_in_vms(root, env, &vm::KERNELS.map(|(short, _)| short), filter)?;
-    tally.0 += passed;
-    tally.1 += failed;
+    let mut lines = Vec::new();
+    for (short, _) in vm::KERNELS {
+        let (passed, failed, line) = test_in_vm(root, env, short, filter)?;
+        tally.0 += passed;
+        tally.1 += failed;
+        lines.push(line);
+    }
     println!("{}", lines.join("\n"));
     println!("xtask: {} passed, {} failed", tally.0, tally.1);
     if tally.1 > 0 {
@@ -209,18 +214,12 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>, kernels: &[String])
     Ok(())
 }
 
-/// The privileged suites in a VM for each of Debian's kernels `shorts` (`6.1`, ...), booted side
-/// by side: under emulation a VM keeps its two vCPUs about 70% busy, so two at once finish
-/// well before two one after the other. (passed, failed, a `kernel <uname -r>: N passed, M
-/// failed` line a kernel, also printed).
-fn test_in_vms(root: &Path, env: &setup::Env, shorts: &[&str], filter: Option<&str>) -> Result<(u64, u64, Vec<String>)> {
-    let kernels = shorts
-        .iter()
-        .map(|short| {
-            let found = vm::KERNELS.iter().find(|(k, _)| k == short);
-            found.with_context(|| format!("--kernel {short}: one of {}", vm::KERNELS.map(|(k, _)| k).join(", ")))
-        })
-        .collect::<Result<Vec<_>>>()?;
+/// The privileged suites in a VM booting Debian's `short` kernel: (passed, failed, the
+/// `kernel <uname -r>: N passed, M failed` line, also printed).
+fn test_in_vm(root: &Path, env: &setup::Env, short: &str, filter: Option<&str>) -> Result<(u64, u64, String)> {
+    let Some((_, pattern)) = vm::KERNELS.iter().find(|(k, _)| *k == short) else {
+        bail!("--kernel {short}: one of {}", vm::KERNELS.map(|(k, _)| k).join(", "));
+    };
     let binaries = test_binaries(root, env, vm::SUITES.as_slice())?;
     // The suites run in VMs need no control plane (`vm::SUITES`).
     // The VM kernels have SCTP (this machine's may not): its end-to-end test must run there.
@@ -230,26 +229,10 @@ fn test_in_vms(root: &Path, env: &setup::Env, shorts: &[&str], filter: Option<&s
         ("KPR_REQUIRE_SCTP", "1".to_owned()),
         ("KPR_IMAGE", image.display().to_string()),
     ];
-    // The kernels and busybox, unpacked into the shared cache one at a time.
-    for (_, pattern) in &kernels {
-        vm::prepare(pattern)?;
-    }
-    let runs: Vec<Result<(String, u64, u64)>> = std::thread::scope(|s| {
-        let threads: Vec<_> = kernels
-            .iter()
-            .map(|(short, pattern)| s.spawn(|| vm::run_tests(short, pattern, &binaries, &vars, filter)))
-            .collect();
-        threads.into_iter().map(|t| t.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a VM's thread panicked")))).collect()
-    });
-    let (mut passed, mut failed, mut lines) = (0, 0, Vec::new());
-    for run in runs {
-        let (release, p, f) = run?;
-        let line = format!("kernel {release}: {p} passed, {f} failed");
-        println!("{line}");
-        (passed, failed) = (passed + p, failed + f);
-        lines.push(line);
-    }
-    Ok((passed, failed, lines))
+    let (release, passed, failed) = vm::run_tests(short, pattern, &binaries, &vars, filter)?;
+    let line = format!("kernel {release}: {passed} passed, {failed} failed");
+    println!("{line}");
+    Ok((passed, failed, line))
 }
 
 /// The executables of the privileged test suites named `suites` (built if needed).
