@@ -70,16 +70,6 @@ impl Node {
     /// Create the namespaces and cgroups of node `name`. [`Node::boot`] starts it once the
     /// network is wired.
     pub fn new(cluster: &Cluster, name: &str, ip: Ipv4Addr) -> Result<Self> {
-        let unique = testbed::unique_name(&format!("kpr-node-{name}"));
-        let netns = Netns::new(&unique)?;
-        netns.route_packets()?;
-        let relay = Relay::new(
-            &netns,
-            SocketAddrV4::new(Ipv4Addr::LOCALHOST, API_PORT),
-            SocketAddrV4::new(Ipv4Addr::LOCALHOST, cluster.api_port),
-        )?;
-        let dir = std::env::temp_dir().join(format!("{unique}.node"));
-        fs::create_dir_all(dir.join("cni"))?;
         let cgroup_root = bpf::cgroup2_root()?;
         if cgroup_root.file_name().is_none_or(|n| n != "unified") {
             bail!(
@@ -88,11 +78,22 @@ impl Node {
                 cgroup_root.display()
             );
         }
+        let unique = testbed::unique_name(&format!("kpr-node-{name}"));
+        let netns = Netns::new(&unique)?;
+        netns.route_packets()?;
+        let relay = Relay::new(
+            &netns,
+            SocketAddrV4::new(Ipv4Addr::LOCALHOST, API_PORT),
+            SocketAddrV4::new(Ipv4Addr::LOCALHOST, cluster.api_port),
+        )?;
         let cgroup2 = cgroup_root.join(&unique);
         fs::create_dir(&cgroup2).with_context(|| format!("creating {}", cgroup2.display()))?;
+        let dir = std::env::temp_dir().join(format!("{unique}.node"));
+        // From here on, drop removes what was made, also when the rest fails.
         let mut node =
             Self { name: name.to_owned(), ip, netns, dir, cgroup2, v1_cgroups: Vec::new(), init: None, _relay: relay };
-        node.v1_cgroups = v1_cgroup_roots(&unique)?;
+        fs::create_dir_all(node.dir.join("cni"))?;
+        add_v1_cgroup_roots(&unique, &mut node.v1_cgroups)?;
         Ok(node)
     }
 
@@ -361,10 +362,10 @@ nodeStatusUpdateFrequency: 2s
 }
 
 /// `name` in every cgroup v1 hierarchy mounted here (the kubelet's cgroup root must exist),
-/// cpuset's with the parent's CPUs and memory nodes.
-fn v1_cgroup_roots(name: &str) -> Result<Vec<PathBuf>> {
+/// cpuset's with the parent's CPUs and memory nodes; each added to `made` once it exists, so
+/// that a failure halfway leaves them to the node's clean-up.
+fn add_v1_cgroup_roots(name: &str, made: &mut Vec<PathBuf>) -> Result<()> {
     let mounts = fs::read_to_string("/proc/self/mounts")?;
-    let mut made = Vec::new();
     for mount in
         mounts.lines().map(|l| l.split_whitespace().collect::<Vec<_>>()).filter(|f| f.len() > 2 && f[2] == "cgroup")
     {
@@ -378,7 +379,7 @@ fn v1_cgroup_roots(name: &str) -> Result<Vec<PathBuf>> {
             }
         }
     }
-    Ok(made)
+    Ok(())
 }
 
 /// Whether any process is left in the cgroup2 `dir` or below it.
