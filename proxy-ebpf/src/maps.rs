@@ -139,27 +139,34 @@ pub fn refusal(flags: u32) -> ServiceValue {
 const SERVES_SCAN: u32 = 64;
 
 /// `addr:port` is still one of `service`'s endpoints (always true past `SERVES_SCAN`).
-///
-/// A subprogram, not inlined: the verifier then meets each call's return with only its result
-/// differing, and prunes; inlined, the 64 exits of the scan multiply the paths of whatever
-/// follows (beyond its limit once addresses were 16 bytes).
-#[inline(never)]
+#[inline(always)]
 pub fn serves(service: &ServiceValue, addr: &Addr, port: u16) -> bool {
-    if service.backends_count > SERVES_SCAN {
-        return true;
+    let [a, b, c, d] = addr.0;
+    let addr_words = (u64::from(a) << 32 | u64::from(b), u64::from(c) << 32 | u64::from(d));
+    kpr_serves(service.backends_start, service.backends_count, u32::from(port), addr_words.0, addr_words.1) != 0
+}
+
+/// [`serves`] as a global function of scalars: the verifier checks its scan once per program,
+/// not once per path that reaches it (each of the 64 steps of a scan a path of its own).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn kpr_serves(start: u32, count: u32, port: u32, addr_high: u64, addr_low: u64) -> u32 {
+    if count > SERVES_SCAN {
+        return 1;
     }
+    let addr = Addr([(addr_high >> 32) as u32, addr_high as u32, (addr_low >> 32) as u32, addr_low as u32]);
     for i in 0..SERVES_SCAN {
-        if i >= service.backends_count {
+        if i >= count {
             break;
         }
-        if let Some(b) = BACKENDS.get(service.backends_start.wrapping_add(i))
-            && b.addr.same(addr)
-            && b.port == port
+        if let Some(b) = BACKENDS.get(start.wrapping_add(i))
+            && b.addr.same(&addr)
+            && u32::from(b.port) == port
         {
-            return true;
+            return 1;
         }
     }
-    false
+    0
 }
 
 /// The backend in slot `pick` (modulo the count) of `service`'s range; a slot outside the array
