@@ -59,12 +59,17 @@ fn static_binary(root: &Path, env: &setup::Env, package: &str, bin: &str) -> Res
     let mut cargo = env.cargo(root);
     cargo.args(["build", "--release", "--package", package, "--bin", bin, "--target", MUSL_TARGET]);
     crate::run(&mut cargo)?;
-    let built = root.join("target").join(MUSL_TARGET).join("release").join(bin);
+    let built = static_binary_path(root, bin);
     let out = root.join("target/image");
     fs::create_dir_all(&out)?;
     let stripped = out.join(format!("{bin}.stripped"));
     crate::run(Command::new("strip").arg("--strip-all").arg(&built).arg("-o").arg(&stripped))?;
     Ok(fs::read(&stripped)?)
+}
+
+/// Where [`static_binary`] builds `bin` (unstripped).
+pub fn static_binary_path(root: &Path, bin: &str) -> PathBuf {
+    root.join("target").join(MUSL_TARGET).join("release").join(bin)
 }
 
 /// Write `image` as an OCI layout and its tar under target/image; returns the layout directory.
