@@ -451,12 +451,23 @@ fn a_dual_stack_service_from_the_api_is_served_over_both_families() {
     assert_ne!(unallocated, v6);
     let (over_v4, over_v6, unknown_port, unallocated) = env.h.client(move || {
         let over = |addr: SocketAddr| (0..30).map(|_| tcp_ask(addr, TIMEOUT).unwrap()).collect::<Vec<_>>();
-        let refused = |addr: SocketAddr| TcpStream::connect_timeout(&addr, TIMEOUT).map(|_| ()).unwrap_err().kind();
+        // The service range comes from the ServiceCIDR watch, apart from the Services: it may
+        // reach the datapath a sync after them. Asked until the expected error, for a while.
+        let refused = |addr: SocketAddr, expected: ErrorKind| {
+            let deadline = std::time::Instant::now() + kpr::testbed::slow(Duration::from_secs(10));
+            loop {
+                let kind = TcpStream::connect_timeout(&addr, TIMEOUT).map(|_| ()).unwrap_err().kind();
+                if kind == expected || std::time::Instant::now() > deadline {
+                    return kind;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        };
         (
             over(SocketAddr::new(v4.into(), 80)),
             over(SocketAddr::new(v6.into(), 80)),
-            refused(SocketAddr::new(v6.into(), 81)),
-            refused(SocketAddr::new(unallocated.into(), 80)),
+            refused(SocketAddr::new(v6.into(), 81), ErrorKind::ConnectionRefused),
+            refused(SocketAddr::new(unallocated.into(), 80), ErrorKind::PermissionDenied),
         )
     });
     for (answers, ip) in [(over_v4, IpAddr::from(v4)), (over_v6, IpAddr::from(v6))] {
