@@ -263,7 +263,14 @@ fn daemonset_on_two_kubelets_serves_services_and_keeps_connections_through_a_rol
 
     cluster.kubectl(&["set", "image", "-n", "kube-system", "daemonset/kpr", "kpr=kpr:next"])?;
     rollout(&cluster)?;
-    let second = kpr_pods(&cluster)?;
+    // `rollout status` returns once the new pods are available; an old pod's object goes a
+    // moment later, when its kubelet has seen its container stop.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut second = kpr_pods(&cluster)?;
+    while second.len() > 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(500));
+        second = kpr_pods(&cluster)?;
+    }
     eprintln!("kpr's pods after the rolling update: {second:?}");
     assert_eq!(second.len(), 2, "{second:?}");
     for pod in &second {
