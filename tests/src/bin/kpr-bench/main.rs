@@ -415,12 +415,15 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     Programmer::recover(&mut maps)?.apply(&desired, &mut maps);
     let prog: &SchedClassifier =
         ebpf.program(proxy_common::program_names::TC_INGRESS).context("tc program")?.try_into()?;
-    let run = |input: &[u8], repeat: u32| -> Result<Duration> {
+    // (ns per run, the packet as the last run left it)
+    let run_with_output = |input: &[u8], repeat: u32| -> Result<(Duration, Vec<u8>)> {
         let mut buf = vec![0u8; 256];
         let opts =
             TestRunOptions { data_in: Some(input), data_out: Some(&mut buf), repeat, ..TestRunOptions::default() };
-        Ok(prog.test_run(opts)?.duration)
+        let duration = prog.test_run(opts)?.duration;
+        Ok((duration, buf))
     };
+    let run = |input: &[u8], repeat: u32| -> Result<Duration> { Ok(run_with_output(input, repeat)?.0) };
     let client = Ipv4Addr::new(10, 0, 0, 99);
     let to_service = tcp_frame(client, 40000, TARGET_IP, 80, ACK);
     // An established flow: its first packet and the backend's answer, as on the wire.
@@ -432,15 +435,14 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     let pinned = aya::maps::MapData::from_pin(bpf::pin_dir(&pins.0).join(proxy_common::map_names::CONNTRACK))?;
     let mut conntrack: aya::maps::HashMap<_, CtKey, CtValue> =
         aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(pinned))?;
-    let key = |src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16| CtKey {
-        src_addr: proxy_common::Addr::from_v4(u32::from(src).to_be()),
-        dst_addr: proxy_common::Addr::from_v4(u32::from(dst).to_be()),
-        src_port: sport.to_be(),
-        dst_port: dport.to_be(),
+    let forward_key = CtKey {
+        src_addr: proxy_common::Addr::from_v4(u32::from(client).to_be()),
+        dst_addr: proxy_common::Addr::from_v4(u32::from(TARGET_IP).to_be()),
+        src_port: 40000u16.to_be(),
+        dst_port: 80u16.to_be(),
         proto: IPPROTO_TCP,
         _pad: [0; 3],
     };
-    let forward_key = key(client, 40000, TARGET_IP, 80);
     let forward = conntrack.get(&forward_key, 0).context("the flow to the service was not confirmed")?;
     let back_key = CtKey {
         src_addr: forward.src_addr,
@@ -468,13 +470,7 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     conntrack.insert(&back_key, &back, 0)?;
     conntrack.insert(&back.pair_key(IPPROTO_TCP), &back_reply, 0)?;
     // Every run a hit: one run takes the packet to the backend, the next brings it back.
-    let dst_after = |runs: u32| -> Result<[u8; 4]> {
-        let mut buf = vec![0u8; 256];
-        let opts =
-            TestRunOptions { data_in: Some(&to_service), data_out: Some(&mut buf), repeat: runs, ..Default::default() };
-        prog.test_run(opts)?;
-        Ok(buf[30..34].try_into()?)
-    };
+    let dst_after = |runs: u32| -> Result<[u8; 4]> { Ok(run_with_output(&to_service, runs)?.1[30..34].try_into()?) };
     if dst_after(1)? != backend.octets() || dst_after(2)? != TARGET_IP.octets() {
         bail!("the established flow's packets were not translated back and forth");
     }
