@@ -51,6 +51,11 @@ impl Netns {
     pub fn new(name: &str) -> Result<Self> {
         ip(&["netns", "add", name])?;
         let ns = Self { name: name.to_owned() };
+        // No duplicate address detection: a link's IPv6 link-local address would stay
+        // tentative for up to 2 s after the link comes up, and until then the namespace
+        // cannot send a neighbour solicitation for a packet it forwards, so a test's first
+        // forwarded IPv6 packets would wait for it (a real node's links have been up for long).
+        ns.sh("echo 0 > /proc/sys/net/ipv6/conf/all/accept_dad; echo 0 > /proc/sys/net/ipv6/conf/default/accept_dad")?;
         ns.ip(&["link", "set", "lo", "up"])?;
         Ok(ns)
     }
