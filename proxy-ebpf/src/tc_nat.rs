@@ -54,8 +54,6 @@ use crate::{
 
 /// Tries at finding a free SNAT port before giving up on a new flow.
 const SNAT_TRIES: u32 = 16;
-#[unsafe(no_mangle)]
-static KPR_SNAT_TRIES: Global<u32> = Global::new(SNAT_TRIES);
 
 /// The SNAT port range, disjoint from the node's ephemeral ports; set by the agent at load.
 #[unsafe(no_mangle)]
@@ -813,46 +811,58 @@ fn program_flow<F: Family>(
 /// reuses the tuples of closed connections). The flow's own leftover reply entry is reused.
 #[inline(never)]
 fn snat_port(t: &Tuple, backend: &Backend, snat_addr: &Addr, s: *mut FlowScratch) -> u16 {
-    let (now, hash) = (now(), flow_hash(t));
+    let hash = flow_hash(t);
     let (min, max) = (KPR_SNAT_PORT_MIN.load(), KPR_SNAT_PORT_MAX.load());
     let span = u32::from(max.saturating_sub(min)) + 1;
     let start = mix(hash ^ 0x5bd1_e995);
-    // SAFETY: the per-CPU scratch value, valid for this program run.
-    let (reply_key, reply) = unsafe { (&mut (*s).reply_key, &(*s).reply) };
-    // The count is a global (not a constant) so that the loop is not unrolled: unrolled, its
-    // copies of a key and a value took most of the BPF stack.
-    for i in 0..KPR_SNAT_TRIES.load() {
-        let offset = start.wrapping_add(i.wrapping_mul(0x9e37_79b9)).checked_rem(span).unwrap_or(0);
-        let port = min.wrapping_add(offset as u16).to_be();
-        // Field by field: the key is written in place, not built on the stack first.
+    // SAFETY: the per-CPU scratch value, valid for this program run. The key of the reply
+    // entry: all but its port, which each try sets.
+    unsafe {
+        let reply_key = &mut (*s).reply_key;
         reply_key.src_addr = backend.addr;
         reply_key.dst_addr = *snat_addr;
         reply_key.src_port = backend.port;
-        reply_key.dst_port = port;
         reply_key.proto = t.proto;
         reply_key._pad = [0; 3];
-        let Some(old) = flow_entry(reply_key) else {
-            if CT_NEW.insert(reply_key, reply, u64::from(BPF_NOEXIST)).is_ok() {
-                return port;
-            }
-            continue;
-        };
-        if old.src_addr.same(&reply.src_addr)
-            && old.dst_addr.same(&reply.dst_addr)
-            && old.src_port == reply.src_port
-            && old.dst_port == reply.dst_port
-        {
+    }
+    for i in 0..SNAT_TRIES {
+        let offset = start.wrapping_add(i.wrapping_mul(0x9e37_79b9)).checked_rem(span).unwrap_or(0);
+        let port = min.wrapping_add(offset as u16).to_be();
+        if kpr_snat_try(u32::from(port)) != 0 {
             return port;
         }
-        let idle = now.saturating_sub(old.last_seen);
-        let closed = ct::closed(old.flags) && idle > ct::CLOSED_PORT_REUSE_NS;
-        if closed || KPR_CT_TIMEOUTS.load().expired(t.proto, old, now) {
-            count(counter::TC_CT_EXPIRED);
-            forget(reply_key, old, t.proto);
-            if CT_NEW.insert(reply_key, reply, u64::from(BPF_NOEXIST)).is_ok() {
-                return port;
-            }
-        }
+    }
+    0
+}
+
+/// One try of [`snat_port`]: 1 if the reply entry in the scratch area (`reply_key` but its
+/// port, `reply`) now holds `port`. A global function: the verifier checks it once per
+/// program, not once per try on every path that reaches it.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn kpr_snat_try(port: u32) -> u32 {
+    let Ok(s) = scratch() else { return 0 };
+    // SAFETY: the per-CPU scratch value, valid for this program run.
+    let (reply_key, reply) = unsafe { (&mut (*s).reply_key, &(*s).reply) };
+    reply_key.dst_port = port as u16;
+    let proto = reply_key.proto;
+    let Some(old) = flow_entry(reply_key) else {
+        return u32::from(CT_NEW.insert(reply_key, reply, u64::from(BPF_NOEXIST)).is_ok());
+    };
+    if old.src_addr.same(&reply.src_addr)
+        && old.dst_addr.same(&reply.dst_addr)
+        && old.src_port == reply.src_port
+        && old.dst_port == reply.dst_port
+    {
+        return 1;
+    }
+    let now = now();
+    let idle = now.saturating_sub(old.last_seen);
+    let closed = ct::closed(old.flags) && idle > ct::CLOSED_PORT_REUSE_NS;
+    if closed || KPR_CT_TIMEOUTS.load().expired(proto, old, now) {
+        count(counter::TC_CT_EXPIRED);
+        forget(reply_key, old, proto);
+        return u32::from(CT_NEW.insert(reply_key, reply, u64::from(BPF_NOEXIST)).is_ok());
     }
     0
 }
