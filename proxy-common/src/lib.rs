@@ -27,6 +27,7 @@ pub mod map_names {
     pub const LOCAL_CIDRS: &str = "KPR_LOCAL_CIDRS";
     pub const LINKS: &str = "KPR_LINKS";
     pub const SERVICE_CIDRS: &str = "KPR_SERVICE_CIDRS";
+    pub const SERVICE_RANGE_COVER: &str = "KPR_SERVICE_RANGE_COVER";
     pub const AFFINITY: &str = "KPR_AFFINITY";
     pub const HANDOVER: &str = "KPR_HANDOVER";
     pub const ADDR_FILTER: &str = "KPR_ADDR_FILTER";
@@ -301,6 +302,32 @@ pub struct LinkInfo {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CidrKey {
     pub addr: Addr,
+}
+
+/// A prefix as an address and a mask (both as in the packet). `KPR_SERVICE_RANGE_COVER`
+/// holds, per family (index 0 IPv4, 1 IPv6), the longest prefix covering all of the cluster's
+/// service ranges of that family: an address outside it is in none of them, known without the
+/// range lookup (`KPR_SERVICE_CIDRS`). All zeros (the map's start) covers every address.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CidrMask {
+    pub addr: Addr,
+    pub mask: Addr,
+}
+
+impl CidrMask {
+    /// Index of `addr`'s family in `KPR_SERVICE_RANGE_COVER`.
+    #[inline(always)]
+    pub const fn family_index(addr: &Addr) -> u32 {
+        if addr.is_v4() { 0 } else { 1 }
+    }
+
+    /// `addr` is inside the prefix (no branch per word, as [`Addr::same`]).
+    #[inline(always)]
+    pub const fn contains(&self, addr: &Addr) -> bool {
+        let (a, m, p) = (&addr.0, &self.mask.0, &self.addr.0);
+        ((a[0] & m[0]) ^ p[0]) | ((a[1] & m[1]) ^ p[1]) | ((a[2] & m[2]) ^ p[2]) | ((a[3] & m[3]) ^ p[3]) == 0
+    }
 }
 
 /// First and last port used for SNAT (masquerade) of per-packet flows, when the agent finds
@@ -686,6 +713,7 @@ const _: () = assert!(size_of::<SourceRange>() == 20);
 const _: () = assert!(size_of::<FragmentKey>() == 12);
 const _: () = assert!(size_of::<LinkInfo>() == 24);
 const _: () = assert!(size_of::<CidrKey>() == 16);
+const _: () = assert!(size_of::<CidrMask>() == 32);
 
 pub mod crc32c;
 pub mod csum;
@@ -717,6 +745,7 @@ mod pod {
     unsafe impl aya::Pod for super::FragmentKey {}
     unsafe impl aya::Pod for super::LinkInfo {}
     unsafe impl aya::Pod for super::CidrKey {}
+    unsafe impl aya::Pod for super::CidrMask {}
     unsafe impl aya::Pod for super::AffinityKey {}
     unsafe impl aya::Pod for super::AffinityValue {}
     unsafe impl aya::Pod for super::Addr {}

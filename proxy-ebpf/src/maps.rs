@@ -6,7 +6,7 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    Addr, AffinityKey, AffinityValue, Backend, CidrKey, CtKey, CtValue, FragmentKey, LinkInfo, ServiceKey,
+    Addr, AffinityKey, AffinityValue, Backend, CidrKey, CidrMask, CtKey, CtValue, FragmentKey, LinkInfo, ServiceKey,
     ServiceValue, SockRevNatKey, SockRevNatValue, SourceRange, counter, defaults,
 };
 
@@ -101,6 +101,11 @@ pub static LOCAL_CIDRS: LpmTrie<CidrKey, u8, { defaults::MAX_LOCAL_CIDRS as usiz
 #[btf_map(name = "KPR_SERVICE_CIDRS", pin_by_name)]
 pub static SERVICE_CIDRS: LpmTrie<CidrKey, u8, { defaults::MAX_SERVICE_CIDRS as usize }> = LpmTrie::new();
 
+/// Per family, the prefix covering all its service ranges (`CidrMask`): most packets are for
+/// no service and outside it, and the masked compare costs less than the range lookup.
+#[btf_map(name = "KPR_SERVICE_RANGE_COVER", pin_by_name)]
+pub static SERVICE_RANGE_COVER: Array<CidrMask, 2> = Array::new();
+
 /// 1 (kube-proxy's nftables mode, and kpr's default): traffic to the service range that no
 /// service port takes is refused — REJECT for an unknown port of a ClusterIP, DROP for an unallocated address.
 #[unsafe(no_mangle)]
@@ -120,6 +125,7 @@ pub enum ServiceRangeMiss {
 #[inline(always)]
 pub fn service_range_miss(addr: Addr) -> ServiceRangeMiss {
     if KPR_REFUSE_SERVICE_RANGE.load() == 0
+        || SERVICE_RANGE_COVER.get(CidrMask::family_index(&addr)).is_some_and(|cover| !cover.contains(&addr))
         || SERVICE_CIDRS.get(&aya_ebpf::btf_maps::lpm_trie::Key::new(128, CidrKey { addr })).is_none()
     {
         return ServiceRangeMiss::NotInRange;

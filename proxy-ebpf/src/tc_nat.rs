@@ -26,7 +26,8 @@ use aya_ebpf::{
     EbpfContext as _, Global,
     bindings::{
         __sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
-        BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, bpf_fib_lookup,
+        BPF_FIB_LOOKUP_SKIP_NEIGH, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, bpf_fib_lookup, bpf_redir_neigh,
+        bpf_redir_neigh__bindgen_ty_1,
     },
     btf_maps::{PerCpuArray, lpm_trie::Key},
     helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect_neigh},
@@ -81,6 +82,12 @@ const PASS: i32 = TC_ACT_UNSPEC;
 /// 0: it goes on through the host's forwarding path (`--host-routing`). Set by the agent.
 #[unsafe(no_mangle)]
 static KPR_FORWARD_DIRECT: Global<u8> = Global::new(1);
+
+/// 1 (6.3+, set by the agent): the route lookup skips the neighbour table and hands its next
+/// hop to `bpf_redirect_neigh`, which then resolves the neighbour without a second route
+/// lookup of its own. 0: the lookup finds the neighbour and the redirect routes again.
+#[unsafe(no_mangle)]
+static KPR_REDIRECT_NEXT_HOP: Global<u8> = Global::new(0);
 
 #[classifier]
 pub fn kpr_tc_ingress(ctx: TcContext) -> i32 {
@@ -653,8 +660,10 @@ fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     params.family = F::AF;
     params.ifindex = ifindex(ctx);
     F::fib_params(&mut params, &ip);
+    let next_hop = KPR_REDIRECT_NEXT_HOP.load() != 0;
+    let flags = if next_hop { BPF_FIB_LOOKUP_SKIP_NEIGH } else { 0 };
     // tot_len 0: the kernel checks the packet against the MTU of the link found (GSO aware).
-    let rc = unsafe { fib_lookup(ctx.as_ptr(), &mut params, size_of::<bpf_fib_lookup>() as i32, 0) };
+    let rc = unsafe { fib_lookup(ctx.as_ptr(), &mut params, size_of::<bpf_fib_lookup>() as i32, flags) };
     if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) && rc != i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
         return TC_ACT_OK;
     }
@@ -667,8 +676,16 @@ fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     // SAFETY: within [data, data_end), checked above.
     unsafe { F::decrement_hops((data + IP_OFF) as *mut u8, &ip) };
     count(counter::TC_FORWARDED_DIRECT);
-    // No neighbour parameters: the kernel resolves the next hop (5.10's two-argument form reads
-    // the null pointer as flags 0).
+    if next_hop {
+        // The lookup's next hop: the gateway, else the destination (its family may differ from
+        // the packet's: an IPv4 route via an IPv6 gateway).
+        let mut nh = bpf_redir_neigh {
+            nh_family: u32::from(params.family),
+            __bindgen_anon_1: bpf_redir_neigh__bindgen_ty_1 { ipv6_nh: unsafe { params.__bindgen_anon_4.ipv6_dst } },
+        };
+        return unsafe { bpf_redirect_neigh(params.ifindex, &mut nh, size_of::<bpf_redir_neigh>() as i32, 0) as i32 };
+    }
+    // No neighbour parameters: the kernel routes the packet again and resolves the next hop.
     unsafe { bpf_redirect_neigh(params.ifindex, core::ptr::null_mut(), 0, 0) as i32 }
 }
 

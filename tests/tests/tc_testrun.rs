@@ -15,6 +15,7 @@ use kpr::{
     },
     model::{
         ObjectKey, Protocol, ServicePortName,
+        cidr::Cidr,
         desired::{Desired, DesiredPort, frontend_key},
     },
     testbed,
@@ -701,18 +702,21 @@ fn packets_between_addresses_kpr_never_programmed_pass_at_the_address_filter() {
 }
 
 /// The address filter knows no unallocated address, yet a refused service range still drops a
-/// packet to one (the filter's range leg), and leaves an address outside the range alone.
+/// packet to one (the filter's range leg), and leaves an address outside the ranges alone:
+/// between two ranges (inside their cover, so the range lookup decides) and past the cover.
 #[test]
 fn an_unallocated_address_of_a_refused_service_range_is_dropped_past_the_address_filter() {
     let mut rig = Rig::with(&services(), |cfg| cfg.refuse_service_range = true);
-    let mut ranges: aya::maps::LpmTrie<_, CidrKey, u8> =
-        aya::maps::LpmTrie::try_from(rig.ebpf.map_mut(proxy_common::map_names::SERVICE_CIDRS).unwrap()).unwrap();
-    let range = CidrKey { addr: IpAddr::from(Ipv4Addr::new(10, 96, 0, 0)).into() };
-    ranges.insert(&aya::maps::lpm_trie::Key::new(Addr::V4_PREFIX_OFFSET + 16, range), &1, 0).unwrap();
-    let unallocated = tcp(CLIENT, 40200, Ipv4Addr::new(10, 96, 7, 7), 80);
-    assert_eq!(rig.ingress(&unallocated.bytes()).0, TC_ACT_SHOT, "in the range, no service: dropped");
-    let outside = tcp(CLIENT, 40201, Ipv4Addr::new(10, 97, 7, 7), 80);
-    assert_eq!(rig.ingress(&outside.bytes()), (TC_ACT_UNSPEC, outside.bytes()), "outside the range: untouched");
+    let ranges = [(10, 96), (10, 100)].map(|(a, b)| Cidr::new(Ipv4Addr::new(a, b, 0, 0).into(), 16).unwrap());
+    bpf::write_service_ranges(&mut rig.ebpf, &ranges.into()).unwrap();
+    for (port, dst) in [(40200, Ipv4Addr::new(10, 96, 7, 7)), (40202, Ipv4Addr::new(10, 100, 7, 7))] {
+        let unallocated = tcp(CLIENT, port, dst, 80);
+        assert_eq!(rig.ingress(&unallocated.bytes()).0, TC_ACT_SHOT, "{dst}: in a range, no service: dropped");
+    }
+    for (port, dst) in [(40201, Ipv4Addr::new(10, 97, 7, 7)), (40203, Ipv4Addr::new(10, 104, 7, 7))] {
+        let outside = tcp(CLIENT, port, dst, 80);
+        assert_eq!(rig.ingress(&outside.bytes()), (TC_ACT_UNSPEC, outside.bytes()), "{dst}: outside the ranges");
+    }
 }
 
 #[test]

@@ -5,9 +5,10 @@
 //! with their contents and swaps its freshly loaded programs into the pinned links in place
 //! (BPF_LINK_UPDATE), so established connections and the service table are never interrupted.
 use std::{
+    borrow::BorrowMut,
     collections::{BTreeMap, BTreeSet},
     fs::{self, File},
-    net::IpAddr,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     os::fd::{AsFd as _, AsRawFd as _, BorrowedFd},
     path::{Path, PathBuf},
 };
@@ -25,7 +26,7 @@ use aya::{
     util::KernelVersion,
 };
 use proxy_common::{
-    Addr, Backend, CidrKey, CtKey, CtTimeouts, CtValue, LinkInfo, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue,
+    Addr, Backend, CidrKey, CidrMask, CtKey, CtTimeouts, CtValue, LinkInfo, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue,
     SockRevNatKey, SockRevNatValue, SourceRange, counter, defaults, map_names, program_names,
 };
 
@@ -341,6 +342,8 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
     // bpf_set_retval (ECONNREFUSED for services without endpoints) exists from 5.18 on.
     let have_set_retval = u8::from(KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(5, 18, 0)));
     let have_coarse_clock = u8::from(KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(5, 11, 0)));
+    // The route lookup's BPF_FIB_LOOKUP_SKIP_NEIGH (6.3+), for one route lookup per forwarded packet.
+    let redirect_next_hop = u8::from(KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 3, 0)));
     let host_netns = netns_cookie().unwrap_or(0);
     let snat_ports = cfg.snat_ports;
     if host_netns == 0 {
@@ -363,6 +366,7 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .override_global("KPR_LOCALHOST_NODEPORTS", &u8::from(cfg.localhost_node_ports), true)
         .override_global("KPR_AGENT_CGROUP_ID", &cfg.agent_cgroup_id, true)
         .override_global("KPR_FORWARD_DIRECT", &u8::from(cfg.forward_direct), true)
+        .override_global("KPR_REDIRECT_NEXT_HOP", &redirect_next_hop, true)
         .override_global("KPR_DETECT_LOCAL", &cfg.detect_local, true)
         .override_global("KPR_REFUSE_SERVICE_RANGE", &u8::from(cfg.refuse_service_range), true)
         .override_global("KPR_SNAT_PORT_MIN", &snat_ports.0, true)
@@ -648,6 +652,7 @@ pub struct BpfHost {
     links: HashMap<MapData, u32, LinkInfo>,
     local_cidrs: LpmTrie<MapData, CidrKey, u8>,
     service_cidrs: LpmTrie<MapData, CidrKey, u8>,
+    service_range_cover: Array<MapData, CidrMask>,
     /// ifindex → name of the links that hold kpr's per-packet programs.
     attached: BTreeMap<u32, String>,
     /// Links where kpr turned `accept_local` on (kept in `KPR_LINKS` across restarts).
@@ -669,6 +674,7 @@ impl BpfHost {
         let links = HashMap::try_from(take(map_names::LINKS)?)?;
         let local_cidrs = LpmTrie::try_from(take(map_names::LOCAL_CIDRS)?)?;
         let service_cidrs = LpmTrie::try_from(take(map_names::SERVICE_CIDRS)?)?;
+        let service_range_cover = Array::try_from(take(map_names::SERVICE_RANGE_COVER)?)?;
         // The service side took the object's handle: a second one, from the pin.
         let filter = MapData::from_pin(dir.join(map_names::ADDR_FILTER)).context("address filter map")?;
         let addr_filter = Array::try_from(Map::Array(filter))?;
@@ -681,6 +687,7 @@ impl BpfHost {
             links,
             local_cidrs,
             service_cidrs,
+            service_range_cover,
             addr_filter,
             attached: BTreeMap::new(),
             accept_local_set,
@@ -852,7 +859,7 @@ impl HostDatapath for BpfHost {
         let links = self.links_marked(&plan.links, &plan.tc_links);
         sync_hash(&mut self.links, &links)?;
         sync_lpm(&mut self.local_cidrs, &plan.local_cidrs)?;
-        sync_lpm(&mut self.service_cidrs, &plan.service_cidrs)?;
+        sync_service_ranges(&mut self.service_cidrs, &mut self.service_range_cover, &plan.service_cidrs)?;
 
         // Links of an earlier run that are gone or no longer selected.
         let stale: Vec<u32> = self
@@ -916,7 +923,7 @@ fn mark_addresses(filter: &mut Array<MapData, u64>, addrs: impl IntoIterator<Ite
 }
 
 /// Make an LPM set hold exactly the CIDRs of `want` (both families).
-fn sync_lpm(map: &mut LpmTrie<MapData, CidrKey, u8>, want: &BTreeSet<Cidr>) -> Result<()> {
+fn sync_lpm<T: BorrowMut<MapData>>(map: &mut LpmTrie<T, CidrKey, u8>, want: &BTreeSet<Cidr>) -> Result<()> {
     let want: BTreeSet<(Addr, u32)> = want.iter().map(lpm_prefix).collect();
     let have: BTreeSet<(Addr, u32)> =
         map.keys().filter_map(Result::ok).map(|k| (k.data().addr, k.prefix_len())).collect();
@@ -927,6 +934,98 @@ fn sync_lpm(map: &mut LpmTrie<MapData, CidrKey, u8>, want: &BTreeSet<Cidr>) -> R
         map.insert(&LpmKey::new(*len, CidrKey { addr: *addr }), &1u8, 0)?;
     }
     Ok(())
+}
+
+/// The cluster's service ranges: the range map, and per family the prefix covering them. A new
+/// range is in the map before the cover grows to take it in; one that goes leaves the cover
+/// first, then the map.
+fn sync_service_ranges<T: BorrowMut<MapData>, U: BorrowMut<MapData>>(
+    ranges: &mut LpmTrie<T, CidrKey, u8>,
+    cover: &mut Array<U, CidrMask>,
+    want: &BTreeSet<Cidr>,
+) -> Result<()> {
+    let have: BTreeSet<Cidr> = ranges
+        .keys()
+        .filter_map(Result::ok)
+        .filter_map(|k| cidr_of(k.data().addr, k.prefix_len()))
+        .collect();
+    sync_lpm(ranges, &have.union(want).copied().collect())?;
+    for (index, v4) in [(0, true), (1, false)] {
+        cover.set(index, &range_cover(want.iter().filter(|c| c.is_ipv4() == v4), v4), 0)?;
+    }
+    sync_lpm(ranges, want)
+}
+
+/// Program the cluster's service ranges into an object's maps directly (the benchmark and the
+/// TestRun tests; the agent's node plan does it through [`BpfHost`]).
+pub fn write_service_ranges(ebpf: &mut Ebpf, want: &BTreeSet<Cidr>) -> Result<()> {
+    let [Some(ranges), Some(cover)] = ebpf.maps_disjoint_mut([map_names::SERVICE_CIDRS, map_names::SERVICE_RANGE_COVER])
+    else {
+        bail!("the object has no service range maps");
+    };
+    let mut ranges: LpmTrie<&mut MapData, CidrKey, u8> = LpmTrie::try_from(ranges)?;
+    let mut cover: Array<&mut MapData, CidrMask> = Array::try_from(cover)?;
+    sync_service_ranges(&mut ranges, &mut cover, want)
+}
+
+/// The longest prefix covering all of `ranges` (of one family, IPv4 when `v4`): their common
+/// leading bits. No range: the family's unspecified address alone, which no packet is for.
+fn range_cover<'a>(ranges: impl Iterator<Item = &'a Cidr>, v4: bool) -> CidrMask {
+    let bits = |c: &Cidr| -> (u128, u32) {
+        let v6 = match c.addr {
+            IpAddr::V4(a) => a.to_ipv6_mapped(),
+            IpAddr::V6(a) => a,
+        };
+        let offset = if v4 { Addr::V4_PREFIX_OFFSET } else { 0 };
+        (u128::from(v6), offset + u32::from(c.len))
+    };
+    let mut cover: Option<(u128, u32)> = None;
+    for (addr, len) in ranges.map(bits) {
+        cover = Some(match cover {
+            None => (addr, len),
+            Some((have, have_len)) => (have, have_len.min(len).min((have ^ addr).leading_zeros())),
+        });
+    }
+    let unspecified = if v4 { Ipv4Addr::UNSPECIFIED.to_ipv6_mapped() } else { Ipv6Addr::UNSPECIFIED };
+    let (addr, len) = cover.unwrap_or((u128::from(unspecified), 128));
+    let mask = u128::MAX.checked_shl(128 - len).unwrap_or(0);
+    CidrMask { addr: Ipv6Addr::from(addr & mask).into(), mask: Ipv6Addr::from(mask).into() }
+}
+
+#[cfg(test)]
+mod range_cover_tests {
+    use super::*;
+
+    fn cidr(s: &str) -> Cidr {
+        let (addr, len) = s.split_once('/').unwrap();
+        Cidr::new(addr.parse().unwrap(), len.parse().unwrap()).unwrap()
+    }
+
+    fn covers(ranges: &[&str], v4: bool, addr: &str) -> bool {
+        let ranges: Vec<Cidr> = ranges.iter().map(|r| cidr(r)).collect();
+        range_cover(ranges.iter(), v4).contains(&addr.parse::<IpAddr>().unwrap().into())
+    }
+
+    #[test]
+    fn the_cover_holds_every_range_of_its_family_and_little_else() {
+        // One range: exactly it.
+        let one = ["10.96.0.0/12"];
+        assert!(covers(&one, true, "10.96.0.1") && covers(&one, true, "10.111.255.255"));
+        assert!(!covers(&one, true, "10.112.0.0") && !covers(&one, true, "10.95.255.255"));
+        assert!(!covers(&one, true, "192.168.1.1"));
+        // Two ranges: their common leading bits, 10.96.0.0/13 here.
+        let two = ["10.96.0.0/16", "10.100.0.0/16"];
+        assert!(covers(&two, true, "10.96.7.7") && covers(&two, true, "10.100.7.7") && covers(&two, true, "10.97.0.1"));
+        assert!(!covers(&two, true, "10.104.0.1"));
+        // A family without a range covers nothing packets are for.
+        assert!(!covers(&one, false, "fd00::1") && !covers(&[], true, "10.96.0.1"));
+        let v6 = ["fd00:96::/108", "fd00:97::/108"];
+        assert!(covers(&v6, false, "fd00:96::a") && covers(&v6, false, "fd00:97::a"));
+        assert!(!covers(&v6, false, "fd00:98::a") && !covers(&v6, false, "fe80::1"));
+        // The IPv4 cover never takes IPv6 addresses, nor an IPv4 one the IPv6 cover.
+        assert!(!covers(&["0.0.0.0/0"], true, "fd00::1"));
+        assert!(!covers(&v6, false, "10.96.0.1"));
+    }
 }
 
 /// Make a hash map hold exactly `want`.

@@ -396,11 +396,8 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     // As the agent runs by default: the service range (10.96.0.0/12 here) refused.
     cfg.refuse_service_range = true;
     let mut ebpf = bpf::open_object(&cfg)?;
-    let mut ranges: aya::maps::LpmTrie<_, proxy_common::CidrKey, u8> =
-        aya::maps::LpmTrie::try_from(ebpf.map_mut(proxy_common::map_names::SERVICE_CIDRS).context("ranges")?)?;
-    let range =
-        proxy_common::CidrKey { addr: proxy_common::Addr::from_v4(u32::from(Ipv4Addr::new(10, 96, 0, 0)).to_be()) };
-    ranges.insert(&aya::maps::lpm_trie::Key::new(proxy_common::Addr::V4_PREFIX_OFFSET + 12, range), &1, 0)?;
+    let range = kpr::model::cidr::Cidr::new(Ipv4Addr::new(10, 96, 0, 0).into(), 12).context("range")?;
+    bpf::write_service_ranges(&mut ebpf, &[range].into())?;
     let prog: &mut SchedClassifier =
         ebpf.program_mut(proxy_common::program_names::TC_INGRESS).context("tc program")?.try_into()?;
     prog.load()?;
