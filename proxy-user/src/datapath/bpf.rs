@@ -339,11 +339,13 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .with_context(|| format!("failed to create the pin directory {} (is bpffs mounted?)", dir.display()))?;
     fs::set_permissions(&cfg.pin_root, std::os::unix::fs::PermissionsExt::from_mode(0o700))
         .with_context(|| format!("failed to restrict {}", cfg.pin_root.display()))?;
+    let kernel = KernelVersion::current().ok();
+    let kernel_since = |major, minor| u8::from(kernel.is_some_and(|v| v >= KernelVersion::new(major, minor, 0)));
     // bpf_set_retval (ECONNREFUSED for services without endpoints) exists from 5.18 on.
-    let have_set_retval = u8::from(KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(5, 18, 0)));
-    let have_coarse_clock = u8::from(KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(5, 11, 0)));
+    let have_set_retval = kernel_since(5, 18);
+    let have_coarse_clock = kernel_since(5, 11);
     // The route lookup's BPF_FIB_LOOKUP_SKIP_NEIGH (6.3+), for one route lookup per forwarded packet.
-    let redirect_next_hop = u8::from(KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 3, 0)));
+    let redirect_next_hop = kernel_since(6, 3);
     let host_netns = netns_cookie().unwrap_or(0);
     let snat_ports = cfg.snat_ports;
     if host_netns == 0 {
