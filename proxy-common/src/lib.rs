@@ -30,6 +30,7 @@ pub mod map_names {
     pub const SERVICE_RANGE_COVER: &str = "KPR_SERVICE_RANGE_COVER";
     pub const AFFINITY: &str = "KPR_AFFINITY";
     pub const HANDOVER: &str = "KPR_HANDOVER";
+    pub const HANDOVER_COUNT: &str = "KPR_HANDOVER_COUNT";
     pub const ADDR_FILTER: &str = "KPR_ADDR_FILTER";
 }
 

@@ -59,6 +59,18 @@ pub static CT_NEW: FlowMap = LruHashMap::new();
 #[btf_map(name = "KPR_HANDOVER", pin_by_name)]
 pub static HANDOVER: LruHashMap<CtKey, u8, { defaults::MAX_HANDOVER as usize }> = LruHashMap::new();
 
+/// How many tuples the agent put in `KPR_HANDOVER` and has not taken out yet: 0 but for a while
+/// after a takeover, and then a new flow skips the lookup there (a cold hash miss per new flow).
+#[btf_map(name = "KPR_HANDOVER_COUNT", pin_by_name)]
+pub static HANDOVER_COUNT: Array<u32, 1> = Array::new();
+
+/// Is `key` the tuple of a flow kube-proxy translated before the takeover?
+#[inline(always)]
+pub fn handed_over(key: &CtKey) -> bool {
+    // SAFETY: a map value, read at once.
+    HANDOVER_COUNT.get(0).is_some_and(|count| *count != 0) && unsafe { HANDOVER.get(key) }.is_some()
+}
+
 /// Datagrams in fragments: the first fragment's rewrite, for the later ones (which carry no
 /// ports). LRU: a datagram's fragments arrive within milliseconds.
 #[btf_map(name = "KPR_FRAGMENTS", pin_by_name)]

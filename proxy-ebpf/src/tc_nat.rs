@@ -46,8 +46,8 @@ use crate::{
     family::{Family, Fragment, V4, V6},
     maps::{
         CONNTRACK, CT_NEW, FRAGMENTS, FlowMap, HANDOVER, LINKS, LOCAL_CIDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss,
-        affinity_backend, backend_at, count, in_addr_filter, link, node_addr_flags, now, refusal, remember_affinity,
-        serves, service_range_miss,
+        affinity_backend, backend_at, count, handed_over, in_addr_filter, link, node_addr_flags, now, refusal,
+        remember_affinity, serves, service_range_miss,
     },
     packet::*,
     tc_reject::{reject_port_unreachable, reject_tcp},
@@ -362,7 +362,7 @@ fn pick<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: bool) -> 
     let key = ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto);
     // A flow kube-proxy translated before kpr took the node over: netfilter's conntrack goes
     // on translating it. A new connection on its tuple is kpr's.
-    if unsafe { HANDOVER.get(&key) }.is_some() {
+    if handed_over(&key) {
         if !(ingress && tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN) {
             return Ok(PASS);
         }
@@ -863,8 +863,16 @@ pub extern "C" fn kpr_snat_try(port: u32) -> u32 {
     let (reply_key, reply) = unsafe { (&mut (*s).reply_key, &(*s).reply) };
     reply_key.dst_port = port as u16;
     let proto = reply_key.proto;
-    let Some(old) = flow_entry(reply_key) else {
-        return u32::from(CT_NEW.insert(reply_key, reply, u64::from(BPF_NOEXIST)).is_ok());
+    // A port free in both tables is taken by the insert (which looks it up in `CT_NEW` itself):
+    // one lookup fewer than looking first.
+    // SAFETY: map value pointers are valid for this program run.
+    let old = match CONNTRACK.get_ptr(reply_key) {
+        Some(old) => unsafe { &*old },
+        None if CT_NEW.insert(reply_key, reply, u64::from(BPF_NOEXIST)).is_ok() => return 1,
+        None => match CT_NEW.get_ptr(reply_key) {
+            Some(old) => unsafe { &*old },
+            None => return 0,
+        },
     };
     if old.src_addr.same(&reply.src_addr)
         && old.dst_addr.same(&reply.dst_addr)

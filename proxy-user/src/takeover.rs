@@ -12,21 +12,29 @@
 use std::{collections::HashSet, io, path::Path, process::Command};
 
 use anyhow::{Context as _, Result};
-use aya::maps::{HashMap, Map, MapData};
+use aya::maps::{Array, HashMap, Map, MapData};
 use proxy_common::{Addr, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, map_names};
 
 use crate::netlink;
 
 pub struct Takeover {
     map: HashMap<MapData, CtKey, u8>,
+    /// `KPR_HANDOVER_COUNT`: while 0, the per-packet path does not look in `map`.
+    count: Array<MapData, u32>,
     handed_over: HashSet<CtKey>,
     done: bool,
 }
 
 impl Takeover {
+    /// The handover maps; tuples an earlier agent handed over are taken on (pruned as theirs).
     pub fn open(pin_root: &Path) -> Result<Self> {
         let map = crate::datapath::bpf::open_pinned_map(pin_root, map_names::HANDOVER)?;
-        Ok(Self { map: HashMap::try_from(Map::LruHashMap(map))?, handed_over: HashSet::new(), done: false })
+        let map: HashMap<MapData, CtKey, u8> = HashMap::try_from(Map::LruHashMap(map))?;
+        let count = crate::datapath::bpf::open_pinned_map(pin_root, map_names::HANDOVER_COUNT)?;
+        let handed_over = map.keys().collect::<Result<HashSet<_>, _>>().context("reading KPR_HANDOVER")?;
+        let mut takeover = Self { map, count: Array::try_from(Map::Array(count))?, handed_over, done: false };
+        takeover.publish_count(0);
+        Ok(takeover)
     }
 
     /// Hand the translated flows over, then remove kube-proxy's rules (once).
@@ -36,14 +44,7 @@ impl Takeover {
         }
         match translated_flows() {
             Ok(flows) => {
-                for tuple in flows.iter().flatten() {
-                    match self.map.insert(tuple, &1, 0) {
-                        Ok(()) => {
-                            self.handed_over.insert(*tuple);
-                        }
-                        Err(e) => tracing::warn!("failed to hand a kube-proxy flow over: {e}"),
-                    }
-                }
+                self.hand_over(flows.as_flattened());
                 tracing::info!(flows = flows.len(), "flows kube-proxy translated are left to netfilter's conntrack");
             }
             Err(e) => tracing::error!(
@@ -61,6 +62,30 @@ impl Takeover {
         tracing::info!(?removed, "kube-proxy's rules removed");
     }
 
+    /// Leave the flows of these tuples (both directions of each) to netfilter's conntrack.
+    pub fn hand_over(&mut self, tuples: &[CtKey]) {
+        // Counted before they are in the map: the per-packet path must not skip a tuple there.
+        self.publish_count(tuples.len());
+        for tuple in tuples {
+            match self.map.insert(tuple, &1, 0) {
+                Ok(()) => {
+                    self.handed_over.insert(*tuple);
+                }
+                Err(e) => tracing::warn!("failed to hand a kube-proxy flow over: {e}"),
+            }
+        }
+        self.publish_count(0);
+    }
+
+    /// `KPR_HANDOVER_COUNT`: the tuples held, and `coming` more.
+    fn publish_count(&mut self, coming: usize) {
+        let count = u32::try_from(self.handed_over.len() + coming).unwrap_or(u32::MAX);
+        if let Err(e) = self.count.set(0, &count, 0) {
+            // The one element of an array: only a broken map fails here.
+            tracing::error!("failed to count the flows handed over (kpr may take them from netfilter): {e}");
+        }
+    }
+
     /// Forget the tuples of flows netfilter no longer tracks.
     pub fn prune(&mut self) {
         if self.handed_over.is_empty() {
@@ -75,6 +100,7 @@ impl Takeover {
             }
             keep
         });
+        self.publish_count(0);
         if self.handed_over.is_empty() {
             release_nat_hooks();
             tracing::info!("the last flow kube-proxy translated has ended");

@@ -1293,12 +1293,13 @@ fn flows_handed_over_from_kube_proxy_pass_untouched_until_a_new_connection_reuse
         proto: proxy_common::IPPROTO_TCP,
         _pad: [0; 3],
     };
-    let map = aya::maps::MapData::from_pin(bpf::pin_dir(&rig.pins.0).join(proxy_common::map_names::HANDOVER)).unwrap();
-    let mut handover: aya::maps::HashMap<_, CtKey, u8> =
-        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(map)).unwrap();
     let original = key(CLIENT, 40100, CLUSTER_IP, 80);
-    handover.insert(&original, &1, 0).unwrap();
-    handover.insert(&key(POD, 8080, CLIENT, 40100), &1, 0).unwrap();
+    // Handed over as the agent does it: a tuple in the map is looked up only once counted.
+    let mut takeover = kpr::takeover::Takeover::open(&rig.pins.0).unwrap();
+    takeover.hand_over(&[original, key(POD, 8080, CLIENT, 40100)]);
+    let map = aya::maps::MapData::from_pin(bpf::pin_dir(&rig.pins.0).join(proxy_common::map_names::HANDOVER)).unwrap();
+    let handover: aya::maps::HashMap<_, CtKey, u8> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(map)).unwrap();
 
     let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 5000, ..tcp(CLIENT, 40100, CLUSTER_IP, 80) };
     assert_eq!(rig.ingress(&ack.bytes()), (TC_ACT_UNSPEC, ack.bytes()), "netfilter's to translate");

@@ -26,8 +26,8 @@ use aya::{
     util::KernelVersion,
 };
 use proxy_common::{
-    Addr, Backend, CidrKey, CidrMask, CtKey, CtTimeouts, CtValue, LinkInfo, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue,
-    SockRevNatKey, SockRevNatValue, SourceRange, counter, defaults, map_names, program_names,
+    Addr, Backend, CidrKey, CidrMask, CtKey, CtTimeouts, CtValue, LinkInfo, PIN_LAYOUT_VERSION, ServiceKey,
+    ServiceValue, SockRevNatKey, SockRevNatValue, SourceRange, counter, defaults, map_names, program_names,
 };
 
 use super::{BatchError, Capacity, Maps, conntrack::Conntrack};
@@ -946,11 +946,8 @@ fn sync_service_ranges<T: BorrowMut<MapData>, U: BorrowMut<MapData>>(
     cover: &mut Array<U, CidrMask>,
     want: &BTreeSet<Cidr>,
 ) -> Result<()> {
-    let have: BTreeSet<Cidr> = ranges
-        .keys()
-        .filter_map(Result::ok)
-        .filter_map(|k| cidr_of(k.data().addr, k.prefix_len()))
-        .collect();
+    let have: BTreeSet<Cidr> =
+        ranges.keys().filter_map(Result::ok).filter_map(|k| cidr_of(k.data().addr, k.prefix_len())).collect();
     sync_lpm(ranges, &have.union(want).copied().collect())?;
     for (index, v4) in [(0, true), (1, false)] {
         cover.set(index, &range_cover(want.iter().filter(|c| c.is_ipv4() == v4), v4), 0)?;
@@ -961,7 +958,8 @@ fn sync_service_ranges<T: BorrowMut<MapData>, U: BorrowMut<MapData>>(
 /// Program the cluster's service ranges into an object's maps directly (the benchmark and the
 /// TestRun tests; the agent's node plan does it through [`BpfHost`]).
 pub fn write_service_ranges(ebpf: &mut Ebpf, want: &BTreeSet<Cidr>) -> Result<()> {
-    let [Some(ranges), Some(cover)] = ebpf.maps_disjoint_mut([map_names::SERVICE_CIDRS, map_names::SERVICE_RANGE_COVER])
+    let [Some(ranges), Some(cover)] =
+        ebpf.maps_disjoint_mut([map_names::SERVICE_CIDRS, map_names::SERVICE_RANGE_COVER])
     else {
         bail!("the object has no service range maps");
     };
