@@ -51,8 +51,10 @@ pub mod program_names {
 
 /// Default map sizes; the agent can override them at start.
 pub mod defaults {
-    /// Service ports (ClusterIP:port/proto entries).
-    pub const MAX_SERVICE_PORTS: u32 = 65_536;
+    /// Service entries: a ClusterIP's port takes one per source scope (pod, outside, node) and
+    /// the ClusterIP one more; 64k Services of one port each. Not preallocated: memory follows
+    /// the entries written (the hash buckets aside: 16 bytes per entry of capacity).
+    pub const MAX_SERVICE_PORTS: u32 = 262_144;
     /// Backend slots across all service ports.
     pub const MAX_BACKENDS: u32 = 262_144;
     /// Sockets remembered for reverse translation (getpeername / recvmsg), LRU.

@@ -519,7 +519,7 @@ impl Syncer {
         let pending = self.state.has_changes();
         let reconciling = recovered.is_some();
         if let Some(mut programmer) = recovered {
-            programmer.carry_quarantine(&self.programmer);
+            programmer.carry_over(&self.programmer);
             self.programmer = programmer;
         }
         self.last_sync = Some(Instant::now());

@@ -221,10 +221,12 @@ impl Programmer {
         &self.programmed
     }
 
-    /// Take over `previous`'s released ranges still in quarantine (a reconcile rebuilds the
-    /// programmer from the maps, where those ranges look free).
-    pub fn carry_quarantine(&mut self, previous: &Programmer) {
+    /// Take over what `previous` knew and the maps do not show (a reconcile rebuilds the
+    /// programmer from the maps): its released ranges still in quarantine (they look free
+    /// there), and the service ports that failed (logged once, not again at every reconcile).
+    pub fn carry_over(&mut self, previous: &Programmer) {
         self.slots.carry_quarantine(&previous.slots);
+        self.failing.clone_from(&previous.failing);
     }
 
     /// Some service ports could not be written at the last apply.
@@ -268,6 +270,8 @@ impl Programmer {
         let now = std::time::Instant::now();
         self.slots.end_quarantine(now);
         let mut report = ApplyReport::default();
+        // A port no longer wanted is no longer failing.
+        self.failing.retain(|key| desired.contains_key(key));
 
         let gone: Vec<ServiceKey> = self.programmed.keys().filter(|k| !desired.contains_key(k)).copied().collect();
         for key in gone {

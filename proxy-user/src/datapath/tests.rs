@@ -97,6 +97,48 @@ fn full_maps_skip_the_service_and_keep_the_old_state() {
     assert!(maps.violations.is_empty(), "{:?}", maps.violations);
 }
 
+/// What `f` logs (errors and warnings included), as text.
+fn logged(f: impl FnOnce()) -> String {
+    #[derive(Clone, Default)]
+    struct Capture(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Capture {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let capture = Capture::default();
+    let writer = capture.clone();
+    let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer(move || writer.clone()).finish();
+    tracing::subscriber::with_default(subscriber, f);
+    String::from_utf8(capture.0.lock().unwrap().clone()).unwrap()
+}
+
+/// A reconcile rebuilds the programmer from the maps (every sync period): a service port that
+/// still does not fit is not logged again (20k Services on a too-small map logged 14k errors
+/// every 30 s), and one no longer wanted stops counting as failing.
+#[test]
+fn a_port_that_does_not_fit_is_logged_once_across_reconciles() {
+    let mut maps = FakeMaps::new(Capacity { service_ports: 2, backends: 8 });
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    let d = desired(&[(1, &[1]), (2, &[2]), (3, &[3])]);
+    let first = logged(|| assert_eq!(p.apply(&d, &mut maps).failed, 1));
+    assert_eq!(first.matches("the services map is full").count(), 1, "{first}");
+    for _ in 0..2 {
+        let mut rebuilt = Programmer::recover(&mut maps).unwrap();
+        rebuilt.carry_over(&p);
+        p = rebuilt;
+        let again = logged(|| assert_eq!(p.apply(&d, &mut maps).failed, 1, "still no room"));
+        assert!(!again.contains("the services map is full"), "logged again: {again}");
+        assert!(p.has_failures());
+    }
+    p.apply(&desired(&[(1, &[1]), (2, &[2])]), &mut maps);
+    assert!(!p.has_failures(), "the port that did not fit is no longer wanted");
+}
+
 #[test]
 fn a_failed_write_is_retried_on_the_next_apply() {
     let mut maps = FakeMaps::new(CAP);

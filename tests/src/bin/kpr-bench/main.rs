@@ -40,15 +40,35 @@ mod vs_kube_proxy;
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
-    let vs_sizes: &[usize] = if quick { &[1_000] } else { &[1_000, 5_000, 10_000, 20_000] };
+    // --sizes 1000,20000: the comparison's sizes (ascending).
+    let sizes_arg: Option<Vec<usize>> = args
+        .iter()
+        .position(|a| a == "--sizes")
+        .and_then(|i| args.get(i + 1)?.split(',').map(|n| n.parse().ok()).collect());
+    // --cold-sync-limit S: how long a proxy's full sync may take at the sizes created cold.
+    let cold_sync_limit = args
+        .iter()
+        .position(|a| a == "--cold-sync-limit")
+        .and_then(|i| args.get(i + 1)?.parse().ok())
+        .map_or(vs_kube_proxy::COLD_SYNC_LIMIT, std::time::Duration::from_secs);
+    let vs_sizes: &[usize] = match &sizes_arg {
+        Some(sizes) => sizes,
+        None if quick => &[1_000],
+        None => &[1_000, 5_000, 10_000, 20_000],
+    };
     // --vs-kube-proxy: only the comparison with the real kube-proxy, merged into socket_lb.json.
     if args.iter().any(|a| a == "--vs-kube-proxy") {
         let path = bench_dir().join("socket_lb.json");
         let mut result: serde_json::Value =
             std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_else(|| json!({}));
-        vs_kube_proxy::run(vs_sizes, if quick { 2 } else { 6 }, 200, if quick { 3 } else { 20 }, |vs| {
-            write_vs(&mut result, vs.clone())
-        })?;
+        vs_kube_proxy::run(
+            vs_sizes,
+            if quick { 2 } else { 6 },
+            200,
+            if quick { 3 } else { 20 },
+            cold_sync_limit,
+            |vs| write_vs(&mut result, vs.clone()),
+        )?;
         return Ok(());
     }
     // --connection-rate: only the socket-LB connection rate, over IPv4 and IPv6.
@@ -96,7 +116,7 @@ fn main() -> Result<()> {
         "tc_per_packet": per_packet, "node_port": node_port,
     });
     write_json("socket_lb.json", &result)?;
-    vs_kube_proxy::run(vs_sizes, if quick { 2 } else { 6 }, 200, if quick { 3 } else { 20 }, |vs| {
+    vs_kube_proxy::run(vs_sizes, if quick { 2 } else { 6 }, 200, if quick { 3 } else { 20 }, cold_sync_limit, |vs| {
         write_vs(&mut result, vs.clone())
     })?;
     Ok(())

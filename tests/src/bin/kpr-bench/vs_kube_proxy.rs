@@ -202,7 +202,13 @@ impl Peers {
         if path == "kpr" {
             self.kpr = None;
         } else {
+            // A sync it started (iptables-restore, nft) would outlive it and hold a CPU.
+            let children = self.pid(path).map(child_pids).unwrap_or_default();
             self.kube_proxies.remove(path);
+            for pid in children {
+                // SAFETY: kill(2) on a process this run started (through kube-proxy).
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
             // Its rules go too: the restart starts from nothing, as kpr's does from fresh pins.
             let _ = self.worlds[path]
                 .node
@@ -298,6 +304,7 @@ impl Peers {
     /// client, or with `cluster_ip` to that ClusterIP from the client pod.
     fn rates(
         &self,
+        paths: &[&'static str],
         cluster_ip: Option<Ipv4Addr>,
         rounds: usize,
         per_round: usize,
@@ -305,7 +312,7 @@ impl Peers {
         let mut lat: BTreeMap<&'static str, Vec<Duration>> = BTreeMap::new();
         let mut time: BTreeMap<&'static str, Duration> = BTreeMap::new();
         for round in 0..=rounds {
-            for path in PATHS {
+            for &path in paths {
                 let world = &self.worlds[path];
                 let (netns, addr): (&Netns, SocketAddrV4) = match (cluster_ip, path) {
                     (None, "direct") => (&world.ext, SocketAddrV4::new(PODS[0], BENCH_PORT)),
@@ -325,7 +332,7 @@ impl Peers {
                 }
             }
         }
-        Ok(PATHS
+        Ok(paths
             .iter()
             .map(|path| {
                 let mut l = lat.remove(path).unwrap_or_default();
@@ -381,6 +388,16 @@ impl Peers {
     }
 }
 
+/// The children of process `pid` (all its threads').
+fn child_pids(pid: u32) -> Vec<i32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
+        .flat_map(|children| children.split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<_>>())
+        .collect()
+}
+
 /// A pod's single-threaded accept → name → close server on BENCH_PORT.
 fn serve(netns: &Netns, ip: Ipv4Addr) -> Result<std::thread::JoinHandle<()>> {
     let listener = netns.run(move || std::net::TcpListener::bind((ip, BENCH_PORT)))??;
@@ -406,14 +423,23 @@ fn print_rates(title: &str, rates: &BTreeMap<&'static str, (f64, f64, f64)>) {
     println!("{title}");
     println!("{:>22} {:>10} {:>10} {:>10} {:>10}", "path", "conn/s", "vs direct", "p50 µs", "p99 µs");
     let direct = rates["direct"].0;
-    for path in PATHS {
-        let (rate, p50, p99) = rates[path];
+    for (path, (rate, p50, p99)) in rates {
         println!("{path:>22} {rate:>10.0} {:>10.3} {p50:>10.1} {p99:>10.1}", rate / direct);
     }
 }
 
 /// How long a restarted proxy may take for its full sync before it is reported as timed out.
 const FULL_SYNC_LIMIT: Duration = Duration::from_secs(420);
+
+/// Sizes above this are created with every proxy stopped, then each proxy starts alone from
+/// nothing (its full sync timed): on this machine, both kube-proxies re-syncing 10k+ Services
+/// every second while Services kept coming starved the API server, and the run never got there.
+const COLD_START_ABOVE: usize = 10_000;
+
+/// How long a proxy's full sync at those sizes may take by default (`--cold-sync-limit S`;
+/// kube-proxy's iptables mode took 5 minutes for its first sync of 10k here, and had not
+/// finished 20k after 25).
+pub const COLD_SYNC_LIMIT: Duration = Duration::from_secs(1500);
 
 /// Run the comparison; `progress` gets the results so far after each size (the JSON and chart
 /// are written then, so a long run keeps what it measured).
@@ -422,6 +448,7 @@ pub fn run(
     rounds: usize,
     per_round: usize,
     latency_samples: usize,
+    cold_sync_limit: Duration,
     mut progress: impl FnMut(&serde_json::Value) -> Result<()>,
 ) -> Result<serde_json::Value> {
     let mut peers = Peers::start()?;
@@ -440,16 +467,52 @@ pub fn run(
     let mut created = 1;
     for &size in sizes {
         let started = Instant::now();
+        let cold = size > COLD_START_ABOVE;
+        if cold {
+            for path in &proxies {
+                peers.stop_proxy(path);
+            }
+        }
         peers.create_fillers(created, size - created)?;
         created = size;
-        let caught_up = peers.marker(&format!("mark-{size}"), &proxies, Duration::from_secs(600))?;
-        println!(
-            "\n{size} Services × 4 endpoints (created in {:.0} s; caught up: {caught_up:?})",
-            started.elapsed().as_secs_f64()
-        );
-        let node_port = peers.rates(None, rounds, per_round)?;
+        let created_in = started.elapsed().as_secs_f64();
+        // The paths measured: those serving at this size.
+        let mut paths = vec!["direct"];
+        if cold {
+            println!("\n{size} Services × 4 endpoints (created in {created_in:.0} s, no proxy running)");
+            let mut sync = serde_json::Map::new();
+            // The slowest last, so that it holds no CPU while the others sync.
+            let mut order = proxies.clone();
+            order.sort_by_key(|path| *path == "kube-proxy-iptables");
+            for path in order {
+                let started = Instant::now();
+                peers.start_proxy(path)?;
+                let took = peers
+                    .wait_served(SocketAddrV4::new(target_ip, 80), &[path], started, cold_sync_limit)
+                    .ok()
+                    .map(|t| t[path]);
+                match took {
+                    Some(took) => {
+                        println!("full sync of {size} Services, {path}: {took:.2} s");
+                        paths.push(path);
+                    }
+                    None => {
+                        println!("full sync of {size} Services, {path}: over {} s", cold_sync_limit.as_secs());
+                        // Not measured at this size; its sync would hold a CPU through the rounds.
+                        peers.stop_proxy(path);
+                    }
+                }
+                sync.insert(path.to_string(), json!(took));
+            }
+            full_sync.insert(size.to_string(), sync.into());
+        } else {
+            let caught_up = peers.marker(&format!("mark-{size}"), &proxies, Duration::from_secs(600))?;
+            println!("\n{size} Services × 4 endpoints (created in {created_in:.0} s; caught up: {caught_up:?})");
+            paths.extend(&proxies);
+        }
+        let node_port = peers.rates(&paths, None, rounds, per_round)?;
         print_rates("NodePort from an external client, new connection per request:", &node_port);
-        let cluster_ip = peers.rates(Some(target_ip), rounds, per_round)?;
+        let cluster_ip = peers.rates(&paths, Some(target_ip), rounds, per_round)?;
         print_rates("ClusterIP from a pod (kpr: per-packet path):", &cluster_ip);
         let rss = peers.rss();
         let maps = peers.kpr_map_memory();
