@@ -679,7 +679,7 @@ fn a_program_attached_after_kpr_still_sees_what_kpr_does_not_translate() {
                 ebpf.program_mut(proxy_common::program_names::TC_INGRESS).context("program")?.try_into()?;
             prog.load()?;
             prog.attach(c"eth0", aya::programs::TcAttachType::Ingress)?; // appended after kpr's
-            bpf::BpfMaps::take_from(&mut ebpf, &cfg)?.mark_addresses([IpAddr::from(node_ip).into()])?;
+            bpf::BpfMaps::take_from(&mut ebpf)?.mark_addresses([IpAddr::from(node_ip).into()])?;
             Ok(ebpf)
         })
         .unwrap()

@@ -9,7 +9,7 @@ use aya::{
 };
 use kpr::{
     datapath::{
-        Programmer,
+        Capacity, Maps as _, Programmer,
         bpf::{self, BpfMaps, DatapathConfig},
         conntrack::{Conntrack, Sweep, monotonic_now},
     },
@@ -294,7 +294,7 @@ impl Rig {
             let prog: &mut SchedClassifier = ebpf.program_mut(name).unwrap().try_into().unwrap();
             prog.load().expect("verifier accepts the tc program");
         }
-        let mut maps = BpfMaps::take_from(&mut ebpf, &cfg).expect("maps");
+        let mut maps = BpfMaps::take_from(&mut ebpf).expect("maps");
         // The node's address, written into the node maps below, gets its filter bit here.
         maps.mark_addresses([NODE_IP.into(), NODE_IP6.into()]).unwrap();
         let mut programmer = Programmer::recover(&mut maps).unwrap();
@@ -1277,6 +1277,21 @@ fn session_affinity_keeps_a_client_on_its_endpoint_until_it_leaves_or_times_out(
         seen.extend(syn_backends(&rig, CLIENT, 43000 + 10 * round..43001 + 10 * round));
     }
     assert!(seen.len() > 1, "the affinity never timed out: {seen:?}");
+}
+
+/// Pinned maps keep the size they were made with: an agent started on them with other
+/// `--max-*` values (its flags, or a new default after an upgrade) loads on them instead of
+/// refusing to start, and knows their real capacity (a service port past it is refused as not
+/// fitting, and logged once).
+#[test]
+fn an_agent_with_other_map_sizes_serves_on_the_pinned_maps() {
+    let rig = Rig::new(&services());
+    let mut cfg = DatapathConfig::new(rig.pins.0.clone(), "/nonexistent".into());
+    cfg.max_service_ports = 4096;
+    cfg.max_backends = 4096;
+    let mut ebpf = bpf::open_object(&cfg).expect("the object loads on the pinned maps");
+    let maps = BpfMaps::take_from(&mut ebpf).unwrap();
+    assert_eq!(maps.capacity(), Capacity { service_ports: 64, backends: 64 }, "the sizes the rig made them with");
 }
 
 /// A connection kube-proxy translated before the takeover (its tuples in `KPR_HANDOVER`) is

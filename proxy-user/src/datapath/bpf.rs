@@ -353,14 +353,33 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
             "the kernel does not tell network namespaces apart (SO_NETNS_COOKIE): every socket counts as the node's"
         );
     }
+    // Maps pinned by an earlier agent keep their sizes (a map cannot grow): a restart or an
+    // upgrade with other sizes (flags, or a new default) serves on them, and the new sizes take
+    // effect once the pins are made anew (after a reboot, or `kpr cleanup`).
+    let size = |name: &str, want: u32| -> u32 {
+        let Some(have) = MapData::from_pin(dir.join(name)).ok().and_then(|m| m.info().ok()).map(|i| i.max_entries())
+        else {
+            return want;
+        };
+        if have != want {
+            tracing::warn!(
+                map = name,
+                pinned = have,
+                configured = want,
+                "a pinned map keeps its size; the configured one takes effect once the pins are made anew \
+                 (after a reboot, or `kpr cleanup`)"
+            );
+        }
+        have
+    };
     EbpfLoader::new()
         .default_map_pin_directory(&dir)
-        .map_max_entries(map_names::SERVICES, cfg.max_service_ports)
-        .map_max_entries(map_names::BACKENDS, cfg.max_backends)
-        .map_max_entries(map_names::SOCK_REVNAT, cfg.max_sock_revnat)
-        .map_max_entries(map_names::SOCK_PICKS, cfg.max_sock_revnat)
-        .map_max_entries(map_names::CONNTRACK, cfg.max_conntrack)
-        .map_max_entries(map_names::CT_NEW, cfg.max_conntrack)
+        .map_max_entries(map_names::SERVICES, size(map_names::SERVICES, cfg.max_service_ports))
+        .map_max_entries(map_names::BACKENDS, size(map_names::BACKENDS, cfg.max_backends))
+        .map_max_entries(map_names::SOCK_REVNAT, size(map_names::SOCK_REVNAT, cfg.max_sock_revnat))
+        .map_max_entries(map_names::SOCK_PICKS, size(map_names::SOCK_PICKS, cfg.max_sock_revnat))
+        .map_max_entries(map_names::CONNTRACK, size(map_names::CONNTRACK, cfg.max_conntrack))
+        .map_max_entries(map_names::CT_NEW, size(map_names::CT_NEW, cfg.max_conntrack))
         .override_global("KPR_HAVE_SET_RETVAL", &have_set_retval, true)
         .override_global("KPR_COARSE_CLOCK", &have_coarse_clock, true)
         .override_global("KPR_HOST_NETNS_COOKIE", &host_netns, true)
@@ -379,8 +398,8 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .map_err(|e| match e {
             aya::EbpfError::MapError(aya::maps::MapError::PinError { .. }) | aya::EbpfError::MapError(_) => {
                 anyhow::Error::new(e).context(format!(
-                    "failed to create or reuse the maps pinned in {}; if their sizes changed, \
-                         `kpr cleanup --pin-root {}` removes them (and detaches kpr)",
+                    "failed to create or reuse the maps pinned in {}; if they are not kpr's of this \
+                         version, `kpr cleanup --pin-root {}` removes them (and detaches kpr)",
                     dir.display(),
                     cfg.pin_root.display()
                 ))
@@ -446,7 +465,7 @@ impl BpfDatapath {
             prog.load().with_context(|| format!("the verifier rejected `{name}`"))?;
         }
 
-        let maps = BpfMaps::take_from(&mut ebpf, cfg)?;
+        let maps = BpfMaps::take_from(&mut ebpf)?;
         let tc_netlink = cfg.tc_netlink || !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
         let host = BpfHost::take_from(ebpf, dir, tc_netlink)?;
         remove_other_layouts(&cfg.pin_root);
@@ -1086,9 +1105,17 @@ pub struct BpfMaps {
 
 impl BpfMaps {
     /// The service and backend maps of a loaded object (see [`open_object`]).
-    pub fn take_from(ebpf: &mut Ebpf, cfg: &DatapathConfig) -> Result<Self> {
-        let services = HashMap::try_from(ebpf.take_map(map_names::SERVICES).context("no services map")?)?;
-        let backends = Array::try_from(ebpf.take_map(map_names::BACKENDS).context("no backends map")?)?;
+    pub fn take_from(ebpf: &mut Ebpf) -> Result<Self> {
+        let services = ebpf.take_map(map_names::SERVICES).context("no services map")?;
+        // The sizes of the maps as they are: pinned ones an earlier agent made keep theirs.
+        let service_ports = match &services {
+            Map::HashMap(data) => data.info()?.max_entries(),
+            _ => bail!("the services map is not a hash map"),
+        };
+        let services = HashMap::try_from(services)?;
+        let backends: Array<MapData, Backend> =
+            Array::try_from(ebpf.take_map(map_names::BACKENDS).context("no backends map")?)?;
+        let capacity = Capacity { service_ports, backends: backends.len() };
         let source_ranges = LpmTrie::try_from(ebpf.take_map(map_names::SOURCE_RANGES).context("no source range map")?)?;
         let mut table = |name: &str| -> Result<HashMap<MapData, CtKey, CtValue>> {
             Ok(HashMap::try_from(ebpf.take_map(name).with_context(|| format!("no map {name}"))?)?)
@@ -1096,7 +1123,6 @@ impl BpfMaps {
         let conntrack = Conntrack::new([table(map_names::CONNTRACK)?, table(map_names::CT_NEW)?])?;
         let sock_revnat = HashMap::try_from(ebpf.take_map(map_names::SOCK_REVNAT).context("no sock_revnat map")?)?;
         let addr_filter = Array::try_from(ebpf.take_map(map_names::ADDR_FILTER).context("no address filter map")?)?;
-        let capacity = Capacity { service_ports: cfg.max_service_ports, backends: cfg.max_backends };
         Ok(Self { services, addr_filter, backends, source_ranges, conntrack, sock_revnat, capacity })
     }
 

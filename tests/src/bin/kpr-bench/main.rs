@@ -421,7 +421,7 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     let prog: &mut SchedClassifier =
         ebpf.program_mut(proxy_common::program_names::TC_INGRESS).context("tc program")?.try_into()?;
     prog.load()?;
-    let mut maps = kpr::datapath::bpf::BpfMaps::take_from(&mut ebpf, &cfg)?;
+    let mut maps = kpr::datapath::bpf::BpfMaps::take_from(&mut ebpf)?;
     // The test packets come from outside the cluster: the target also gets its entry for
     // outside clients.
     let backend = Ipv4Addr::new(10, 244, 1, 2);
