@@ -41,15 +41,11 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
     // --sizes 1000,20000: the comparison's sizes (ascending).
-    let sizes_arg: Option<Vec<usize>> = args
-        .iter()
-        .position(|a| a == "--sizes")
-        .and_then(|i| args.get(i + 1)?.split(',').map(|n| n.parse().ok()).collect());
+    let sizes_arg: Option<Vec<usize>> =
+        flag_value(&args, "--sizes").and_then(|v| v.split(',').map(|n| n.parse().ok()).collect());
     // --cold-sync-limit S: how long a proxy's full sync may take at the sizes created cold.
-    let cold_sync_limit = args
-        .iter()
-        .position(|a| a == "--cold-sync-limit")
-        .and_then(|i| args.get(i + 1)?.parse().ok())
+    let cold_sync_limit = flag_value(&args, "--cold-sync-limit")
+        .and_then(|v| v.parse().ok())
         .map_or(vs_kube_proxy::COLD_SYNC_LIMIT, std::time::Duration::from_secs);
     let vs_sizes: &[usize] = match &sizes_arg {
         Some(sizes) => sizes,
@@ -91,7 +87,7 @@ fn main() -> Result<()> {
         return Ok(());
     }
     // --soak N: only the NodePort churn, N connections per path.
-    if let Some(n) = args.iter().position(|a| a == "--soak").and_then(|i| args.get(i + 1)?.parse().ok()) {
+    if let Some(n) = flag_value(&args, "--soak").and_then(|v| v.parse().ok()) {
         let result = node_port_paths(0, 0, 0, n)?;
         write_json("node_port_soak.json", &result)?;
         return Ok(());
@@ -120,6 +116,11 @@ fn main() -> Result<()> {
         write_vs(&mut result, vs.clone())
     })?;
     Ok(())
+}
+
+/// The value after `flag` on the command line.
+fn flag_value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
+    args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).map(String::as_str)
 }
 
 /// Merge the comparison so far into `result`, write the JSON and the chart.

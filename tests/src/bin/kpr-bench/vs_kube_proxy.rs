@@ -216,6 +216,19 @@ impl Peers {
         }
     }
 
+    /// Start `path` (stopped, its state gone) and time its full sync: until it serves the
+    /// ClusterIP `ip`, in seconds (None: not within `limit`).
+    fn full_sync(&mut self, path: &'static str, size: usize, ip: Ipv4Addr, limit: Duration) -> Result<Option<f64>> {
+        let started = Instant::now();
+        self.start_proxy(path)?;
+        let took = self.wait_served(SocketAddrV4::new(ip, 80), &[path], started, limit).ok().map(|t| t[path]);
+        match took {
+            Some(took) => println!("full sync of {size} Services, {path}: {took:.2} s"),
+            None => println!("full sync of {size} Services, {path}: over {} s", limit.as_secs()),
+        }
+        Ok(took)
+    }
+
     fn pid(&self, path: &str) -> Option<u32> {
         if path == "kpr" { self.kpr.as_ref().map(|k| k.child.id()) } else { self.kube_proxies.get(path)?.pid() }
     }
@@ -485,22 +498,12 @@ pub fn run(
             let mut order = proxies.clone();
             order.sort_by_key(|path| *path == "kube-proxy-iptables");
             for path in order {
-                let started = Instant::now();
-                peers.start_proxy(path)?;
-                let took = peers
-                    .wait_served(SocketAddrV4::new(target_ip, 80), &[path], started, cold_sync_limit)
-                    .ok()
-                    .map(|t| t[path]);
-                match took {
-                    Some(took) => {
-                        println!("full sync of {size} Services, {path}: {took:.2} s");
-                        paths.push(path);
-                    }
-                    None => {
-                        println!("full sync of {size} Services, {path}: over {} s", cold_sync_limit.as_secs());
-                        // Not measured at this size; its sync would hold a CPU through the rounds.
-                        peers.stop_proxy(path);
-                    }
+                let took = peers.full_sync(path, size, target_ip, cold_sync_limit)?;
+                if took.is_some() {
+                    paths.push(path);
+                } else {
+                    // Not measured at this size; its sync would hold a CPU through the rounds.
+                    peers.stop_proxy(path);
                 }
                 sync.insert(path.to_string(), json!(took));
             }
@@ -523,8 +526,7 @@ pub fn run(
             programming = programming_latency(&peers, &proxies, latency_samples)?;
             println!("API write → traffic moving at 10k: {programming}");
         }
-        // A full sync from a cold start at 10k (at 20k kube-proxy's iptables mode takes longer
-        // than this run can wait: its first sync at 10k took minutes here).
+        // A full sync from a cold start at 10k (the sizes created cold got theirs above).
         if size == 10_000 {
             let mut sync = serde_json::Map::new();
             for &path in &proxies {
@@ -532,14 +534,7 @@ pub fn run(
                 peers.cluster.apply(&service(&format!("cold-{size}-{path}"), None))?;
                 peers.cluster.apply(&slice(&format!("cold-{size}-{path}")))?;
                 let ip = peers.cluster.cluster_ip("bench", &format!("cold-{size}-{path}"))?;
-                let started = Instant::now();
-                peers.start_proxy(path)?;
-                let took = peers.wait_served(SocketAddrV4::new(ip, 80), &[path], started, FULL_SYNC_LIMIT).ok();
-                let took = took.map(|t| t[path]);
-                match took {
-                    Some(took) => println!("full sync of {size} Services, {path}: {took:.2} s"),
-                    None => println!("full sync of {size} Services, {path}: over {} s", FULL_SYNC_LIMIT.as_secs()),
-                }
+                let took = peers.full_sync(path, size, ip, FULL_SYNC_LIMIT)?;
                 sync.insert(path.to_string(), json!(took));
             }
             full_sync.insert(size.to_string(), sync.into());
