@@ -17,7 +17,8 @@ use proxy_common::{
 use super::{IpFamily, cidr::Cidr};
 
 use super::{
-    NodeInfo, ObjectKey, Protocol, ProxyOptions, ServicePort, ServicePortName, Skip, TrafficPolicy, endpoints, service,
+    NodeInfo, ObjectKey, Protocol, ProxyOptions, ServicePort, ServicePortName, Skip, TrafficPolicy, endpoints,
+    endpoints::SliceInfo, service, service::ServiceInfo,
 };
 
 /// One datapath entry: a frontend (ClusterIP:port, external IP:port or NodePort) of a service
@@ -86,18 +87,18 @@ impl Verdict {
 /// the node), with the endpoints and masquerade kube-proxy's chains give that traffic; once
 /// per IP family the Service has a ClusterIP of, as kube-proxy's proxier of that family sees it.
 pub fn service_entries<'a>(
-    svc: &Service,
-    slices: impl IntoIterator<Item = &'a EndpointSlice>,
+    svc: &ServiceInfo,
+    slices: impl IntoIterator<Item = &'a SliceInfo>,
     node: &NodeInfo,
     options: &ProxyOptions,
     skipped: &mut Vec<(String, Skip)>,
 ) -> Result<Vec<(ServiceKey, DesiredPort)>, Skip> {
-    let translated = service::translate(svc)?;
-    skipped.extend(translated.skipped);
+    let translated = svc.translated.as_ref().map_err(Clone::clone)?;
+    skipped.extend(translated.skipped.iter().cloned());
     if translated.ports.is_empty() {
         return Ok(Vec::new());
     }
-    let slices: Vec<&EndpointSlice> = slices.into_iter().collect();
+    let slices: Vec<&SliceInfo> = slices.into_iter().collect();
     // loadBalancerSourceRanges of each port, parsed (and a malformed one reported) once.
     let ranges: Vec<Vec<Cidr>> =
         translated.ports.iter().map(|sp| source_ranges(&sp.load_balancer_source_ranges, &sp.name, skipped)).collect();
@@ -319,8 +320,8 @@ pub struct Locality {
     pub no_local_external: usize,
 }
 
-pub fn locality<'a>(svc: &Service, slices: impl IntoIterator<Item = &'a EndpointSlice>, node: &NodeInfo) -> Locality {
-    let Ok(translated) = service::translate(svc) else { return Locality::default() };
+pub fn locality<'a>(svc: &ServiceInfo, slices: impl IntoIterator<Item = &'a SliceInfo>, node: &NodeInfo) -> Locality {
+    let Ok(translated) = &svc.translated else { return Locality::default() };
     // The health check counts the endpoints of the Service's primary family.
     let family = translated.ports.first().and_then(|p| p.cluster_ips.first()).map_or(IpFamily::V4, IpFamily::of);
     let by_port = endpoints::endpoints_by_port(slices, family, node, &mut Vec::new());
@@ -371,8 +372,8 @@ pub struct Conflict {
 pub struct ClusterState {
     node: NodeInfo,
     options: ProxyOptions,
-    services: BTreeMap<ObjectKey, Service>,
-    slices: BTreeMap<ObjectKey, EndpointSlice>,
+    services: BTreeMap<ObjectKey, ServiceInfo>,
+    slices: BTreeMap<ObjectKey, SliceInfo>,
     /// Service → its slices (by slice key).
     slices_of: BTreeMap<ObjectKey, BTreeSet<ObjectKey>>,
     /// Cached per-service entries; recomputed for services in `dirty`.
@@ -429,9 +430,10 @@ impl ClusterState {
             self.skip("Service", "<unnamed>", &Skip::Unnamed);
             return;
         };
-        if self.services.get(&key) != Some(&svc) {
+        let info = ServiceInfo::new(&svc);
+        if self.services.get(&key) != Some(&info) {
             self.dirty.insert(key.clone());
-            self.services.insert(key, svc);
+            self.services.insert(key, info);
         }
     }
 
@@ -447,8 +449,8 @@ impl ClusterState {
             self.skip("EndpointSlice", "<unnamed>", &Skip::Unnamed);
             return;
         };
-        let owner = match endpoints::owning_service(&slice) {
-            Ok(owner) => owner,
+        let slice = match SliceInfo::new(slice) {
+            Ok(slice) => slice,
             Err(e) => {
                 self.skip("EndpointSlice", &key.to_string(), &e);
                 self.delete_slice(&key);
@@ -458,6 +460,7 @@ impl ClusterState {
         if self.slices.get(&key) == Some(&slice) {
             return;
         }
+        let owner = slice.service.clone();
         // A slice may (in theory) be relabelled to another service: unlink it from the old one.
         self.delete_slice(&key);
         self.slices_of.entry(owner.clone()).or_default().insert(key.clone());
@@ -466,9 +469,8 @@ impl ClusterState {
     }
 
     pub fn delete_slice(&mut self, key: &ObjectKey) {
-        if let Some(old) = self.slices.remove(key)
-            && let Ok(owner) = endpoints::owning_service(&old)
-        {
+        if let Some(old) = self.slices.remove(key) {
+            let owner = old.service;
             if let Some(set) = self.slices_of.get_mut(&owner) {
                 set.remove(key);
                 if set.is_empty() {
@@ -541,7 +543,7 @@ impl ClusterState {
         let mut conflicts = BTreeSet::new();
         let mut owners: Vec<(&ObjectKey, &Vec<(ServiceKey, DesiredPort)>)> = self.entries.iter().collect();
         owners.sort_by_key(|(owner, _)| {
-            let created = self.services.get(*owner).and_then(|s| s.metadata.creation_timestamp.clone()).map(|t| t.0);
+            let created = self.services.get(*owner).and_then(|s| s.created);
             (created.is_none(), created, (*owner).clone())
         });
         for (owner, entries) in owners {
@@ -572,9 +574,12 @@ impl ClusterState {
     pub fn sample_cluster_ip(&self) -> Option<std::net::Ipv4Addr> {
         self.services
             .values()
-            .filter_map(|s| s.spec.as_ref())
-            .flat_map(|s| s.cluster_ips.iter().flatten().chain(s.cluster_ip.as_ref()))
-            .filter_map(|ip| ip.parse::<std::net::Ipv4Addr>().ok())
+            .filter_map(|s| s.translated.as_ref().ok()?.ports.first())
+            .flat_map(|p| &p.cluster_ips)
+            .filter_map(|ip| match ip {
+                IpAddr::V4(ip) => Some(*ip),
+                IpAddr::V6(_) => None,
+            })
             .min()
     }
 
@@ -699,6 +704,35 @@ mod tests {
         assert_eq!(backends(&d, "10.96.0.10", 80, Protocol::Tcp), ["10.0.0.1:8080"]);
         assert_eq!(backends(&d, "fd00:96::10", 80, Protocol::Tcp), Vec::<String>::new());
         assert_eq!(d[&service_key("fd00:96::10".parse::<IpAddr>().unwrap(), 80, Protocol::Tcp)].flags, 0, "REJECT");
+    }
+
+    /// The model keeps what it reads of each object, not the object: a change elsewhere in an
+    /// object (a selector, an endpoint's targetRef and hostname) recomputes nothing, a change
+    /// it reads does.
+    #[test]
+    fn only_what_the_model_reads_is_kept() {
+        let mut st = ClusterState::new(NodeInfo::default());
+        st.replace_services(vec![web("10.96.0.10")]);
+        st.replace_slices(vec![slice("web-1", &["10.0.0.1"])]);
+        st.desired();
+        let mut selected = web("10.96.0.10");
+        selected.spec.as_mut().unwrap().selector = Some([("app".to_string(), "web".to_string())].into());
+        st.apply_service(selected);
+        let mut referenced = slice("web-1", &["10.0.0.1"]);
+        let endpoint = &mut referenced.endpoints.as_mut().unwrap()[0];
+        endpoint.hostname = Some("web-0".into());
+        endpoint.target_ref = Some(k8s_openapi::api::core::v1::ObjectReference {
+            kind: Some("Pod".into()),
+            name: Some("web-0".into()),
+            ..Default::default()
+        });
+        st.apply_slice(referenced.clone());
+        assert!(!st.has_changes(), "nothing the model reads changed");
+        referenced.endpoints.as_mut().unwrap()[0].conditions =
+            Some(k8s_openapi::api::discovery::v1::EndpointConditions { ready: Some(false), ..Default::default() });
+        st.apply_slice(referenced);
+        assert!(st.has_changes());
+        assert_eq!(st.sample_cluster_ip(), Some("10.96.0.10".parse().unwrap()));
     }
 
     #[test]

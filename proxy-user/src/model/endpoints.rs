@@ -18,59 +18,58 @@ pub fn owning_service(slice: &EndpointSlice) -> Result<ObjectKey, Skip> {
     Ok(ObjectKey::new(slice_key.namespace, name.clone()))
 }
 
-/// Endpoints of one service, per service port name, joined from all its slices.
-///
-/// As in kube-proxy's `EndpointSliceCache`: slice ports join service ports by name and protocol,
-/// the port number comes from the slice, only the first address of an endpoint is used, slices of
-/// another `family` (and FQDN slices) are ignored, and an address listed in several slices
-/// appears once (the local copy wins). Slices are visited in name order so the result is
-/// deterministic.
-pub fn endpoints_by_port<'a>(
-    slices: impl IntoIterator<Item = &'a EndpointSlice>,
-    family: IpFamily,
-    node: &NodeInfo,
-    skipped: &mut Vec<(String, Skip)>,
-) -> BTreeMap<(String, Protocol), Vec<Endpoint>> {
-    let mut out: BTreeMap<(String, Protocol), Vec<Endpoint>> = BTreeMap::new();
-    for slice in slices {
-        if ignored_by_labels(&slice.metadata) || slice.address_type != family.address_type() {
-            continue;
-        }
-        let slice_name = slice.metadata.name.clone().unwrap_or_default();
-        for slice_port in slice.ports.iter().flatten() {
-            let name = slice_port.name.clone().unwrap_or_default();
-            let Some(protocol) = Protocol::parse(slice_port.protocol.as_deref()) else {
-                skipped
-                    .push((slice_name.clone(), Skip::UnknownProtocol(slice_port.protocol.clone().unwrap_or_default())));
-                continue;
-            };
-            let port_number = match slice_port.port.map(port) {
-                Some(Ok(p)) => p,
-                Some(Err(e)) => {
-                    skipped.push((slice_name.clone(), e));
-                    continue;
-                }
-                None => continue, // no port: the slice says "all ports", which services never use
-            };
-            let list = out.entry((name, protocol)).or_default();
-            for ep in slice.endpoints.iter().flatten() {
-                let Some(first) = ep.addresses.first() else { continue };
-                let ip: IpAddr = match first.parse() {
-                    Ok(ip) if IpFamily::of(&ip) == family => ip,
-                    _ => {
-                        skipped.push((slice_name.clone(), Skip::InvalidIp(first.clone())));
-                        continue;
-                    }
-                };
+/// What the model keeps of an EndpointSlice: the fields kube-proxy's `EndpointSliceCache`
+/// reads. The object itself is several times larger (k8s-openapi's `Endpoint` alone is 352
+/// bytes before its strings), and the model holds one per slice of the cluster.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SliceInfo {
+    pub name: String,
+    /// The Service the slice belongs to.
+    pub service: ObjectKey,
+    /// Labelled headless or for another proxy: ignored, as kube-proxy's informer ignores it.
+    ignored: bool,
+    address_type: String,
+    ports: Vec<SlicePort>,
+    endpoints: Vec<SliceEndpoint>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct SlicePort {
+    name: String,
+    protocol: Option<String>,
+    port: Option<i32>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct SliceEndpoint {
+    /// The first address (kube-proxy uses no other).
+    address: Option<String>,
+    ready: bool,
+    serving: bool,
+    terminating: bool,
+    node_name: Option<String>,
+    zone_hints: Option<Vec<String>>,
+    node_hints: Option<Vec<String>>,
+}
+
+impl SliceInfo {
+    /// Keep what the model reads of `slice`; a slice without a name or a service label is
+    /// refused. Conditions left unset mean ready and serving, not terminating.
+    pub fn new(slice: EndpointSlice) -> Result<Self, Skip> {
+        let service = owning_service(&slice)?;
+        let endpoints = slice
+            .endpoints
+            .into_iter()
+            .flatten()
+            .map(|ep| {
                 let cond = ep.conditions.as_ref();
                 let hints = ep.hints.as_ref();
-                let endpoint = Endpoint {
-                    ip,
-                    port: port_number,
+                SliceEndpoint {
+                    address: ep.addresses.into_iter().next(),
                     ready: cond.and_then(|c| c.ready).unwrap_or(true),
                     serving: cond.and_then(|c| c.serving).unwrap_or(true),
                     terminating: cond.and_then(|c| c.terminating).unwrap_or(false),
-                    is_local: ep.node_name.as_deref().is_some_and(|n| n == node.name),
+                    node_name: ep.node_name,
                     zone_hints: hints
                         .and_then(|h| h.for_zones.as_ref())
                         .filter(|z| !z.is_empty())
@@ -79,6 +78,76 @@ pub fn endpoints_by_port<'a>(
                         .and_then(|h| h.for_nodes.as_ref())
                         .filter(|n| !n.is_empty())
                         .map(|n| n.iter().map(|n| n.name.clone()).collect()),
+                }
+            })
+            .collect();
+        Ok(Self {
+            name: slice.metadata.name.clone().unwrap_or_default(),
+            service,
+            ignored: ignored_by_labels(&slice.metadata),
+            address_type: slice.address_type,
+            ports: slice
+                .ports
+                .into_iter()
+                .flatten()
+                .map(|p| SlicePort { name: p.name.unwrap_or_default(), protocol: p.protocol, port: p.port })
+                .collect(),
+            endpoints,
+        })
+    }
+}
+
+/// Endpoints of one service, per service port name, joined from all its slices.
+///
+/// As in kube-proxy's `EndpointSliceCache`: slice ports join service ports by name and protocol,
+/// the port number comes from the slice, only the first address of an endpoint is used, slices of
+/// another `family` (and FQDN slices) are ignored, and an address listed in several slices
+/// appears once (the local copy wins). Slices are visited in name order so the result is
+/// deterministic.
+pub fn endpoints_by_port<'a>(
+    slices: impl IntoIterator<Item = &'a SliceInfo>,
+    family: IpFamily,
+    node: &NodeInfo,
+    skipped: &mut Vec<(String, Skip)>,
+) -> BTreeMap<(String, Protocol), Vec<Endpoint>> {
+    let mut out: BTreeMap<(String, Protocol), Vec<Endpoint>> = BTreeMap::new();
+    for slice in slices {
+        if slice.ignored || slice.address_type != family.address_type() {
+            continue;
+        }
+        for slice_port in &slice.ports {
+            let Some(protocol) = Protocol::parse(slice_port.protocol.as_deref()) else {
+                skipped
+                    .push((slice.name.clone(), Skip::UnknownProtocol(slice_port.protocol.clone().unwrap_or_default())));
+                continue;
+            };
+            let port_number = match slice_port.port.map(port) {
+                Some(Ok(p)) => p,
+                Some(Err(e)) => {
+                    skipped.push((slice.name.clone(), e));
+                    continue;
+                }
+                None => continue, // no port: the slice says "all ports", which services never use
+            };
+            let list = out.entry((slice_port.name.clone(), protocol)).or_default();
+            for ep in &slice.endpoints {
+                let Some(first) = &ep.address else { continue };
+                let ip: IpAddr = match first.parse() {
+                    Ok(ip) if IpFamily::of(&ip) == family => ip,
+                    _ => {
+                        skipped.push((slice.name.clone(), Skip::InvalidIp(first.clone())));
+                        continue;
+                    }
+                };
+                let endpoint = Endpoint {
+                    ip,
+                    port: port_number,
+                    ready: ep.ready,
+                    serving: ep.serving,
+                    terminating: ep.terminating,
+                    is_local: ep.node_name.as_deref().is_some_and(|n| n == node.name),
+                    zone_hints: ep.zone_hints.clone(),
+                    node_hints: ep.node_hints.clone(),
                 };
                 match list.iter_mut().find(|e| e.ip == endpoint.ip && e.port == endpoint.port) {
                     None => list.push(endpoint),
@@ -237,7 +306,8 @@ endpoints:
             "metadata: {name: web-c, namespace: shop, labels: {kubernetes.io/service-name: web}}\naddressType: IPv6\nports: [{name: http, port: 8080}]\nendpoints: [{addresses: ['fd00::1']}]",
         );
         let mut skipped = vec![];
-        let by_port = endpoints_by_port([&a, &b, &v6], IpFamily::V4, &node(), &mut skipped);
+        let infos = [&a, &b, &v6].map(|s| SliceInfo::new(s.clone()).unwrap());
+        let by_port = endpoints_by_port(&infos, IpFamily::V4, &node(), &mut skipped);
         let http = &by_port[&("http".into(), Protocol::Tcp)];
         assert_eq!(ips(http), ["10.0.0.1", "10.0.0.2", "10.0.0.3"]);
         assert!(http[1].is_local, "the local copy of a duplicated endpoint wins");
@@ -246,7 +316,7 @@ endpoints:
         assert_eq!(by_port[&("metrics".into(), Protocol::Tcp)][0].port, 9090);
         assert!(skipped.is_empty());
         // The IPv6 proxier sees only the IPv6 slice.
-        let v6_by_port = endpoints_by_port([&a, &b, &v6], IpFamily::V6, &node(), &mut skipped);
+        let v6_by_port = endpoints_by_port(&infos, IpFamily::V6, &node(), &mut skipped);
         assert_eq!(ips(&v6_by_port[&("http".into(), Protocol::Tcp)]), ["fd00::1"]);
         assert!(skipped.is_empty());
         assert_eq!(owning_service(&a).unwrap(), ObjectKey::new("shop", "web"));
@@ -258,7 +328,7 @@ endpoints:
             "metadata: {name: s, labels: {kubernetes.io/service-name: x}}\naddressType: IPv4\nports: [{name: a, port: 99999}, {name: b, port: 80}]\nendpoints: [{addresses: [not-an-ip]}, {addresses: [10.0.0.9]}]",
         );
         let mut skipped = vec![];
-        let by_port = endpoints_by_port([&s], IpFamily::V4, &node(), &mut skipped);
+        let by_port = endpoints_by_port([&SliceInfo::new(s).unwrap()], IpFamily::V4, &node(), &mut skipped);
         assert_eq!(ips(&by_port[&("b".into(), Protocol::Tcp)]), ["10.0.0.9"]);
         assert!(!by_port.contains_key(&("a".into(), Protocol::Tcp)));
         assert_eq!(

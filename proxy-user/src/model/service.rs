@@ -23,6 +23,21 @@ pub struct Translated {
     pub skipped: Vec<(String, Skip)>,
 }
 
+/// What the model keeps of a Service: its translation (which does not depend on the node)
+/// and its age (of two services claiming one address, the older keeps it). The object itself is
+/// several times larger (k8s-openapi's `Service` is 824 bytes before its strings).
+#[derive(Debug, PartialEq, Eq)]
+pub struct ServiceInfo {
+    pub translated: Result<Translated, Skip>,
+    pub created: Option<jiff::Timestamp>,
+}
+
+impl ServiceInfo {
+    pub fn new(service: &Service) -> Self {
+        Self { translated: translate(service), created: service.metadata.creation_timestamp.as_ref().map(|t| t.0) }
+    }
+}
+
 pub fn object_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Option<ObjectKey> {
     Some(ObjectKey::new(meta.namespace.clone().unwrap_or_else(|| "default".into()), meta.name.clone()?))
 }
