@@ -1,7 +1,9 @@
 //! Services + EndpointSlices → what the datapath should hold: `ClusterIP:port/proto → backends`.
 //!
-//! [`ClusterState`] keeps the objects the sources delivered and recomputes only the services
-//! whose Service or slices changed; [`ClusterState::desired`] merges the per-service results.
+//! [`ClusterState`] keeps what it reads of the objects the sources delivered (their
+//! bookkeeping and everything else it never reads are dropped on arrival, so an object that
+//! changed only there is unchanged) and recomputes only the services whose Service or slices
+//! changed; [`ClusterState::desired`] merges the per-service results.
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
@@ -367,7 +369,8 @@ pub struct Conflict {
     pub owner: ObjectKey,
 }
 
-/// The objects delivered by a source, and the datapath entries derived from them.
+/// What the model keeps of the objects a source delivered, and the datapath entries derived
+/// from them.
 #[derive(Default)]
 pub struct ClusterState {
     node: NodeInfo,
@@ -424,8 +427,7 @@ impl ClusterState {
         std::mem::take(&mut self.new_conflicts)
     }
 
-    pub fn apply_service(&mut self, mut svc: Service) {
-        slim(&mut svc.metadata);
+    pub fn apply_service(&mut self, svc: Service) {
         let Some(key) = service::object_key(&svc.metadata) else {
             self.skip("Service", "<unnamed>", &Skip::Unnamed);
             return;
@@ -443,8 +445,7 @@ impl ClusterState {
         }
     }
 
-    pub fn apply_slice(&mut self, mut slice: EndpointSlice) {
-        slim(&mut slice.metadata);
+    pub fn apply_slice(&mut self, slice: EndpointSlice) {
         let Some(key) = service::object_key(&slice.metadata) else {
             self.skip("EndpointSlice", "<unnamed>", &Skip::Unnamed);
             return;
@@ -601,21 +602,6 @@ impl ClusterState {
     }
 }
 
-/// What the model never reads of an object's metadata, dropped on arrival: it is most of an
-/// object's size as the API serves it (managedFields, kubectl's last-applied copy), and the
-/// bookkeeping fields (resourceVersion, uid, generation) would make an unchanged object look
-/// changed.
-fn slim(meta: &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) {
-    meta.managed_fields = None;
-    meta.resource_version = None;
-    meta.uid = None;
-    meta.generation = None;
-    meta.owner_references = None;
-    if let Some(annotations) = &mut meta.annotations {
-        annotations.remove("kubectl.kubernetes.io/last-applied-configuration");
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -707,8 +693,8 @@ mod tests {
     }
 
     /// The model keeps what it reads of each object, not the object: a change elsewhere in an
-    /// object (a selector, an endpoint's targetRef and hostname) recomputes nothing, a change
-    /// it reads does.
+    /// object (its resourceVersion and managedFields, a selector, an endpoint's targetRef and
+    /// hostname) recomputes nothing, a change it reads does.
     #[test]
     fn only_what_the_model_reads_is_kept() {
         let mut st = ClusterState::new(NodeInfo::default());
@@ -717,6 +703,8 @@ mod tests {
         st.desired();
         let mut selected = web("10.96.0.10");
         selected.spec.as_mut().unwrap().selector = Some([("app".to_string(), "web".to_string())].into());
+        selected.metadata.resource_version = Some("2".into());
+        selected.metadata.managed_fields = Some(vec![Default::default()]);
         st.apply_service(selected);
         let mut referenced = slice("web-1", &["10.0.0.1"]);
         let endpoint = &mut referenced.endpoints.as_mut().unwrap()[0];
