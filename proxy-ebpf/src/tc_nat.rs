@@ -329,8 +329,17 @@ fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: boo
             forget(key, entry, t.proto);
         } else if ingress && syn && (ct::closed(entry.flags) || stale(ctx, t, entry)) {
             // A new connection reusing the 5-tuple of a closed flow, or of one whose endpoint
-            // is gone: forget the old flow and balance it anew (conntrack does the same for a
-            // SYN after TIME_WAIT).
+            // is gone: balanced anew (conntrack does the same for a SYN after TIME_WAIT). When
+            // the new pick is the old flow's translation, as it is while the service is
+            // unchanged (the pick is a hash of the tuple), the closed flow's entries start
+            // over in place: no forget, no inserts, and none again at the answer.
+            if confirmed && ct::closed(entry.flags) && reopen::<F>(ctx, t, entry_ptr, now) {
+                if rewrite::<F>(ctx, t, entry).is_err() {
+                    return PASS;
+                }
+                count(counter::TC_NEW_FLOW);
+                return TC_ACT_OK;
+            }
             forget(key, entry, t.proto);
         } else {
             let seen = seen_bits(entry, tcp_flags);
@@ -538,6 +547,8 @@ pub struct FlowScratch {
     /// A packet's conntrack key, and a copy of its entry.
     flow_key: CtKey,
     entry: CtValue,
+    /// The route lookup of a masquerade address.
+    fib: bpf_fib_lookup,
 }
 
 /// How an ICMP error about a translated flow is translated back.
@@ -624,13 +635,20 @@ fn ifindex(ctx: &TcContext) -> u32 {
 
 /// The address MASQUERADE would give a packet to `backend`: the first address of the link the
 /// route to it leaves by, else the node's primary address of the family.
+/// The lookup's parameters live in the scratch area: on the stack they would put a new flow's
+/// longest chain of calls past the BPF stack of older kernels.
 #[inline(never)]
 fn masquerade_source<F: Family>(ctx: &TcContext, backend: &Addr) -> Option<Addr> {
-    let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    let s = scratch().ok()?;
+    // SAFETY: the per-CPU scratch value, valid for this program run.
+    let params = unsafe {
+        (*s).fib = core::mem::zeroed();
+        &mut (*s).fib
+    };
     params.family = F::AF;
     params.ifindex = ifindex(ctx);
-    F::fib_dst(&mut params, backend);
-    let rc = unsafe { fib_lookup(ctx.as_ptr(), &mut params, size_of::<bpf_fib_lookup>() as i32, 0) };
+    F::fib_dst(params, backend);
+    let rc = unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, 0) };
     if (rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) || rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH))
         && let Some(addr) = link(params.ifindex).and_then(|l| F::masquerade_addr(&l))
     {
@@ -770,14 +788,18 @@ fn program_flow<F: Family>(
         }
         (snat_addr, port)
     } else {
-        unsafe {
-            (*s).reply_key = ct_key(backend.addr, t.saddr, backend.port, t.sport, t.proto);
-            if CT_NEW.insert(&(*s).reply_key, &(*s).reply, 0).is_err() {
-                count(counter::TC_CT_FULL);
-                return Ok(TC_ACT_SHOT);
-            }
+        // The replies come back to the client's own address and port, unless another flow
+        // holds that reply tuple (the client's port to another frontend with the same backend,
+        // not closed a second ago): then the client's port is remapped, as Linux's NAT does
+        // when a reply tuple clashes.
+        // SAFETY: the per-CPU scratch value, valid for this program run.
+        unsafe { (*s).reply_key = ct_key(backend.addr, t.saddr, backend.port, t.sport, t.proto) };
+        let port = if kpr_snat_try(u32::from(t.sport)) != 0 { t.sport } else { snat_port(t, backend, &t.saddr, s) };
+        if port == 0 {
+            count(counter::TC_SNAT_EXHAUSTED);
+            return Ok(TC_ACT_SHOT);
         }
-        (t.saddr, t.sport)
+        (t.saddr, port)
     };
     let (forward, key, reply_key) = unsafe {
         (*s).forward = CtValue {
@@ -910,6 +932,62 @@ fn mix(mut h: u32) -> u32 {
     h ^= h >> 13;
     h = h.wrapping_mul(0xc2b2_ae35);
     h ^ (h >> 16)
+}
+
+/// Start a new connection (its SYN; its key and the entry found are in the scratch area) on
+/// the established entries of the closed flow whose tuple it reuses, if a new pick would
+/// translate it as that flow was: the same service, backend and source (the client's, or the
+/// same masquerade address; the SNAT port is the flow's own). Both entries go back to "not
+/// answered" (the SYN timeout) in place. Services with session affinity or source ranges,
+/// and a flow missing its other entry, take the full path.
+#[inline(never)]
+fn reopen<F: Family>(ctx: &TcContext, t: &Tuple, entry_ptr: *mut CtValue, now: u64) -> bool {
+    let Ok(s) = scratch() else { return false };
+    // SAFETY: the per-CPU scratch value, valid for this program run.
+    let (key, entry) = unsafe { (&(*s).flow_key, &(*s).entry) };
+    if entry.flags & ct::REPLY != 0 {
+        return false;
+    }
+    let Some(service) = lookup_frontend(t, source_scope(ctx, t)) else { return false };
+    if service.service_id != entry.service_id
+        || service.affinity_timeout != 0
+        || service.flags & SERVICE_FLAG_SOURCE_RANGES != 0
+    {
+        return false;
+    }
+    let Some(backend) = backend_at(&service, flow_hash(t)) else { return false };
+    if !(backend.addr.same(&entry.dst_addr) && backend.port == entry.dst_port) {
+        return false;
+    }
+    let same_source = if service.flags & SERVICE_FLAG_SNAT != 0 || backend.addr.same(&t.saddr) {
+        !entry.src_addr.same(&t.saddr)
+            && masquerade_source::<F>(ctx, &backend.addr).is_some_and(|addr| addr.same(&entry.src_addr))
+    } else {
+        entry.src_addr.same(&t.saddr) && entry.src_port == t.sport
+    };
+    if !same_source {
+        return false;
+    }
+    // SAFETY: the scratch area and map value pointers, valid for this program run.
+    unsafe {
+        (*s).reply_key = entry.pair_key(key.proto);
+        match CONNTRACK.get_ptr_mut(&(*s).reply_key) {
+            // The replies' entry must still be this flow's (it holds the SNAT port).
+            Some(pair)
+                if (*pair).dst_addr.same(&key.src_addr)
+                    && (*pair).dst_port == key.src_port
+                    && (*pair).src_addr.same(&key.dst_addr)
+                    && (*pair).src_port == key.dst_port =>
+            {
+                (*pair).flags = ct::REPLY;
+                (*pair).last_seen = now;
+            }
+            _ => return false,
+        }
+        (*entry_ptr).flags = 0;
+        (*entry_ptr).last_seen = now;
+    }
+    true
 }
 
 /// The flow's endpoint is no longer one of its frontend's endpoints (or the frontend is gone).

@@ -23,7 +23,7 @@ use kpr::{
 use proxy_common::{
     Addr, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, LINK_FLAG_TC_INGRESS, LinkInfo, NODE_ADDR_LOCAL,
     NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
-    SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MIN, counter, program_names,
+    SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MIN, counter, ct, program_names,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -1033,6 +1033,118 @@ fn a_closed_connections_snat_port_goes_to_a_new_one_after_a_second() {
     std::thread::sleep(std::time::Duration::from_millis(1100));
     let (verdict, out) = rig.ingress(&next.bytes());
     assert_eq!((verdict, sport_of(&out)), (TC_ACT_OK, SNAT_PORT_MIN), "the closed connection's port is taken over");
+}
+
+#[test]
+fn a_new_connection_on_a_closed_flows_tuple_starts_over_on_its_entries_unless_the_pick_moved() {
+    // Unanswered flows live 50 ms.
+    let timeouts = CtTimeouts { tcp_syn: 50 * MS, ..CtTimeouts::DEFAULT };
+    let mut rig = Rig::with(&churn_services(), |cfg| cfg.ct_timeouts = timeouts);
+    let syn = tcp(CLIENT, 44000, NODE_IP, 30090);
+    let (_, first) = rig.ingress(&syn.bytes());
+    let (backend, snat_port) = (dst_of(&first), sport_of(&first));
+    let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(backend, 8080, NODE_IP, snat_port) };
+    let reversed = Pkt { src: NODE_IP.into(), sport: 30090, dst: CLIENT.into(), dport: 44000, ..synack }.bytes();
+    assert_eq!(rig.ingress(&synack.bytes()), (TC_ACT_OK, reversed.clone()));
+    let reset = Pkt { tcp_flags: 0x04, seq: 1001, ..syn };
+    rig.ingress(&reset.bytes());
+
+    // The client's next connection from the same port: translated as the closed flow was
+    // (the pick is a hash of the tuple), on the closed flow's entries, back to not answered.
+    let new_flows = rig.counter(counter::TC_NEW_FLOW);
+    assert_eq!(rig.ingress(&syn.bytes()), (TC_ACT_OK, first.clone()), "same endpoint, same SNAT port");
+    assert_eq!(rig.counter(counter::TC_NEW_FLOW), new_flows + 1);
+    assert_eq!(rig.table(proxy_common::map_names::CT_NEW).iter().count(), 0, "no new-flow entries");
+    let flows = rig.flows();
+    assert_eq!(flows.len(), 2);
+    assert!(flows.iter().all(|(_, v)| v.flags & ct::FLOW_BITS == 0), "both entries start over: {flows:?}");
+    assert_eq!(rig.ingress(&synack.bytes()), (TC_ACT_OK, reversed), "the answer is reversed");
+
+    // Closed again and reused without an answer: it lives as long as an unanswered flow.
+    rig.ingress(&reset.bytes());
+    assert_eq!(rig.ingress(&syn.bytes()).1, first);
+    std::thread::sleep(std::time::Duration::from_millis(120));
+    let sweep = rig.conntrack().sweep(&timeouts, monotonic_now()).unwrap();
+    assert_eq!(sweep, Sweep { live: 0, expired: 2 }, "the SYN timeout, not the established one");
+
+    // The endpoint leaves; a closed flow's tuple is balanced anew over the others.
+    let (_, first) = rig.ingress(&syn.bytes());
+    let backend = dst_of(&first);
+    let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(backend, 8080, NODE_IP, sport_of(&first)) };
+    assert_eq!(rig.ingress(&synack.bytes()).0, TC_ACT_OK);
+    rig.ingress(&reset.bytes());
+    let mut d = churn_services();
+    let others: Vec<(Ipv4Addr, u16)> =
+        (1..=4).map(|i| Ipv4Addr::new(10, 244, 2, i)).filter(|ip| *ip != backend).map(|ip| (ip, 8080)).collect();
+    entry(&mut d, Ipv4Addr::UNSPECIFIED, 30090, Protocol::Tcp, SCOPE_EXTERNAL, &others, SERVICE_FLAG_SNAT);
+    rig.reprogram(&d);
+    let (verdict, out) = rig.ingress(&syn.bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert!(others.iter().any(|(ip, _)| *ip == dst_of(&out)), "{} is one of the others", dst_of(&out));
+}
+
+#[test]
+fn the_sweep_keeps_a_flow_that_a_new_connection_revives_while_it_walks_the_table() {
+    let timeouts = CtTimeouts { tcp_closed: 50 * MS, ..CtTimeouts::DEFAULT };
+    let rig = Rig::with(&churn_services(), |cfg| cfg.ct_timeouts = timeouts);
+    let syn = tcp(CLIENT, 45000, NODE_IP, 30090);
+    let (_, out) = rig.ingress(&syn.bytes());
+    let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out)) };
+    assert_eq!(rig.ingress(&synack.bytes()).0, TC_ACT_OK);
+    rig.ingress(&Pkt { tcp_flags: 0x04, seq: 1001, ..syn }.bytes());
+    std::thread::sleep(std::time::Duration::from_millis(120));
+    // The closed flow has expired; while the sweep walks the table, the client connects again
+    // from the same port and the backend answers: the new flow's entries take the old keys.
+    let now = monotonic_now();
+    let revived = std::cell::Cell::new(false);
+    let (_, removed) = rig
+        .conntrack()
+        .remove_where(|key, value| {
+            if !revived.replace(true) {
+                assert_eq!(rig.ingress(&syn.bytes()).0, TC_ACT_OK);
+                assert_eq!(rig.ingress(&synack.bytes()).0, TC_ACT_OK);
+            }
+            timeouts.expired(key.proto, value, now)
+        })
+        .unwrap();
+    assert_eq!((removed, rig.flows().len()), (0, 2), "the new connection's entries stay");
+    let reversed = Pkt { src: NODE_IP.into(), sport: 30090, dst: CLIENT.into(), dport: 45000, ..synack }.bytes();
+    assert_eq!(rig.ingress(&synack.bytes()), (TC_ACT_OK, reversed), "its answer is reversed");
+}
+
+#[test]
+fn one_client_port_to_two_frontends_of_one_backend_keeps_their_replies_apart() {
+    // A second ClusterIP with the same endpoint: the two flows' replies (backend → client
+    // port) would have one tuple.
+    let other = Ipv4Addr::new(10, 96, 0, 77);
+    let mut d = services();
+    for scope in [SCOPE_POD, SCOPE_EXTERNAL] {
+        entry(&mut d, other, 80, Protocol::Tcp, scope, &[(POD, 8080)], 0);
+    }
+    let rig = Rig::new(&d);
+    let connect = |sport: u16, frontend: Ipv4Addr| -> u16 {
+        let syn = tcp(CLIENT, sport, frontend, 80);
+        let (verdict, out) = rig.ingress(&syn.bytes());
+        assert_eq!(verdict, TC_ACT_OK);
+        let port = sport_of(&out);
+        assert_eq!(out, Pkt { dst: POD.into(), dport: 8080, sport: port, ..syn }.bytes(), "DNAT");
+        let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(POD, 8080, CLIENT, port) };
+        let back = Pkt { src: frontend.into(), sport: 80, dport: sport, ..synack }.bytes();
+        assert_eq!(rig.egress(&synack.bytes()), (TC_ACT_OK, back), "answered through {frontend}");
+        port
+    };
+    // Both live: the second flow's client port is remapped, and each answer goes back through
+    // its own frontend.
+    assert_eq!(connect(46000, CLUSTER_IP), 46000);
+    let remapped = connect(46000, other);
+    assert_ne!(remapped, 46000);
+    let data = Pkt { tcp_flags: 0x18, seq: 7001, ack: 1001, ..tcp(POD, 8080, CLIENT, 46000) };
+    assert_eq!(rig.egress(&data.bytes()).1, Pkt { src: CLUSTER_IP.into(), sport: 80, ..data }.bytes());
+    // A flow closed a second ago gives its reply tuple up to a new connection from its port.
+    assert_eq!(connect(46001, CLUSTER_IP), 46001);
+    rig.ingress(&Pkt { tcp_flags: 0x04, seq: 1001, ..tcp(CLIENT, 46001, CLUSTER_IP, 80) }.bytes());
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    assert_eq!(connect(46001, other), 46001, "the client's own port, answered through the other frontend");
 }
 
 /// A UDP datagram of `payload` in two fragments split after `first` payload bytes (a multiple

@@ -76,6 +76,11 @@ impl Conntrack {
     }
 
     /// Remove the entries `doomed` picks, in both tables: (entries left, entries removed).
+    ///
+    /// Each entry is read again just before it is removed: a walk of a full table takes long
+    /// enough for the programs to bring a doomed tuple back to life meanwhile (a new connection
+    /// on the tuple of an expired flow), and removing that entry would break the new
+    /// connection (its replies would find no flow).
     pub fn remove_where(&mut self, doomed: impl Fn(&CtKey, &CtValue) -> bool) -> Result<(usize, usize)> {
         let (mut left, mut removed) = (0, 0);
         for table in &mut self.tables {
@@ -88,6 +93,15 @@ impl Conntrack {
                 }
             }
             for key in keys {
+                match table.get(&key, 0) {
+                    Ok(value) if doomed(&key, &value) => {}
+                    Ok(_) => {
+                        left += 1;
+                        continue;
+                    }
+                    // Taken back by the programs meanwhile.
+                    Err(_) => continue,
+                }
                 match table.remove(&key) {
                     Ok(()) => removed += 1,
                     // Taken back by the programs meanwhile.

@@ -327,16 +327,18 @@ impl Peers {
         for round in 0..=rounds {
             for &path in paths {
                 let world = &self.worlds[path];
-                let (netns, addr): (&Netns, SocketAddrV4) = match (cluster_ip, path) {
-                    (None, "direct") => (&world.ext, SocketAddrV4::new(PODS[0], BENCH_PORT)),
-                    (None, _) => (&world.ext, SocketAddrV4::new(NODE_IP, NODE_PORT)),
-                    (Some(_), "direct") => (world.pod(CLIENT_POD), SocketAddrV4::new(PODS[0], BENCH_PORT)),
-                    (Some(ip), _) => (world.pod(CLIENT_POD), SocketAddrV4::new(ip, 80)),
+                // The direct path goes to the same four pods in turn, so that it differs from
+                // the others by the proxy only, not by how many servers share the work.
+                let netns: &Netns = if cluster_ip.is_some() { world.pod(CLIENT_POD) } else { &world.ext };
+                let addr = move |i: usize| match (cluster_ip, path) {
+                    (_, "direct") => SocketAddrV4::new(PODS[i % PODS.len()], BENCH_PORT),
+                    (None, _) => SocketAddrV4::new(NODE_IP, NODE_PORT),
+                    (Some(ip), _) => SocketAddrV4::new(ip, 80),
                 };
                 let n = if round == 0 { 20 } else { per_round }; // round 0 warms up
                 let (elapsed, samples) = netns.run(move || -> Result<(Duration, Vec<Duration>)> {
                     let started = Instant::now();
-                    let samples = (0..n).map(|_| one_connection(addr)).collect::<Result<Vec<_>>>()?;
+                    let samples = (0..n).map(|i| one_connection(addr(i))).collect::<Result<Vec<_>>>()?;
                     Ok((started.elapsed(), samples))
                 })??;
                 if round > 0 {
