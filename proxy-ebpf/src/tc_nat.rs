@@ -901,7 +901,11 @@ pub extern "C" fn kpr_snat_try(port: u32) -> u32 {
         && old.src_port == reply.src_port
         && old.dst_port == reply.dst_port
     {
-        return 1;
+        // The flow's own leftover (its other entry was lost, or removed first by the sweep):
+        // made new, not kept with the old flow's state and age (an expired leftover would be
+        // taken for an ended flow when the answer comes, and the answer passed untranslated).
+        let _ = CONNTRACK.remove(reply_key);
+        return u32::from(CT_NEW.insert(reply_key, reply, 0).is_ok());
     }
     let now = now();
     let idle = now.saturating_sub(old.last_seen);

@@ -1147,6 +1147,24 @@ fn one_client_port_to_two_frontends_of_one_backend_keeps_their_replies_apart() {
     assert_eq!(connect(46001, other), 46001, "the client's own port, answered through the other frontend");
 }
 
+#[test]
+fn a_new_connection_whose_tuple_kept_only_an_expired_reply_entry_is_answered() {
+    // Closed flows live 50 ms. The sweep removes one entry of an expired flow, then the other
+    // a little later; a new connection on the tuple comes in between.
+    let timeouts = CtTimeouts { tcp_closed: 50 * MS, ..CtTimeouts::DEFAULT };
+    let rig = Rig::with(&services(), |cfg| cfg.ct_timeouts = timeouts);
+    let syn = tcp(CLIENT, 47000, CLUSTER_IP, 80);
+    let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(POD, 8080, CLIENT, 47000) };
+    let reversed = Pkt { src: CLUSTER_IP.into(), sport: 80, ..synack }.bytes();
+    rig.ingress(&syn.bytes());
+    assert_eq!(rig.egress(&synack.bytes()), (TC_ACT_OK, reversed.clone()));
+    rig.ingress(&Pkt { tcp_flags: 0x04, seq: 1001, ..syn }.bytes());
+    std::thread::sleep(std::time::Duration::from_millis(120));
+    assert_eq!(rig.evict(|k, _| k.src_port == 47000u16.to_be()), 1, "the client's entry goes first");
+    assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: POD.into(), dport: 8080, ..syn }.bytes());
+    assert_eq!(rig.egress(&synack.bytes()), (TC_ACT_OK, reversed), "the answer is reversed");
+}
+
 /// A UDP datagram of `payload` in two fragments split after `first` payload bytes (a multiple
 /// of 8), with checksums computed from scratch over the whole datagram.
 fn udp_fragments(
