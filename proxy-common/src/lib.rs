@@ -10,7 +10,7 @@
 #![no_std]
 
 /// Version of the pinned map layout; part of the bpffs pin directory (`<pin-root>/v<N>`).
-pub const PIN_LAYOUT_VERSION: u32 = 8;
+pub const PIN_LAYOUT_VERSION: u32 = 9;
 
 /// Map names, as seen by `bpftool map show` and used as pin file names.
 pub mod map_names {
@@ -496,7 +496,33 @@ pub struct CtValue {
     pub last_seen: u64,
     /// `ct::*` bits: which direction this entry is, and what the flow has shown so far.
     pub flags: u32,
+    /// Where this entry's translated packets leave the node when they are sent straight out:
+    /// the route lookup's answer, kept until the entry's next refresh.
+    pub route: CachedRoute,
     pub _pad: u32,
+}
+
+/// A route lookup's answer for one direction of a flow (`bpf_fib_lookup`), so that its
+/// established packets skip the lookup. Dropped whenever the flow's entries are refreshed
+/// (at most [`ct::REFRESH_NS`] apart) and looked up again by the next packet, so a route
+/// change reaches an established flow within that time.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct CachedRoute {
+    /// The link the route leaves by; 0: nothing cached.
+    pub ifindex: u32,
+    /// That link's MTU: a longer packet (not GSO) takes the lookup, which hands it to the stack.
+    pub mtu: u16,
+    /// The next hop's family (an IPv4 route may have an IPv6 gateway).
+    pub family: u8,
+    pub _pad: u8,
+    /// The next hop (the gateway, else the destination) as `bpf_redir_neigh` takes it: an
+    /// IPv4 address in the first word.
+    pub next_hop: [u32; 4],
+}
+
+impl CachedRoute {
+    pub const NONE: Self = Self { ifindex: 0, mtu: 0, family: 0, _pad: 0, next_hop: [0; 4] };
 }
 
 impl CtValue {
@@ -710,7 +736,7 @@ const _: () = assert!(size_of::<Backend>() == 20);
 const _: () = assert!(size_of::<SockRevNatKey>() == 32);
 const _: () = assert!(size_of::<SockRevNatValue>() == 24);
 const _: () = assert!(size_of::<CtKey>() == 40);
-const _: () = assert!(size_of::<CtValue>() == 56);
+const _: () = assert!(size_of::<CtValue>() == 80);
 const _: () = assert!(size_of::<CtTimeouts>() == 48);
 const _: () = assert!(size_of::<SourceRange>() == 20);
 const _: () = assert!(size_of::<FragmentKey>() == 12);

@@ -35,11 +35,11 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    AFFINITY_BY_ADDR, Addr, Backend, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, DETECT_LOCAL_INTERFACE,
-    FragmentKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, LINK_FLAG_LOCAL_TRAFFIC, LINK_FLAG_TC_INGRESS,
-    NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
-    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceKey, ServiceValue, SourceRange,
-    counter, crc32c, csum, ct, has_states,
+    AFFINITY_BY_ADDR, Addr, Backend, CachedRoute, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR,
+    DETECT_LOCAL_INTERFACE, FragmentKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, LINK_FLAG_LOCAL_TRAFFIC,
+    LINK_FLAG_TC_INGRESS, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
+    SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN,
+    ServiceKey, ServiceValue, SourceRange, counter, crc32c, csum, ct, has_states,
 };
 
 use crate::{
@@ -343,8 +343,10 @@ fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: boo
             forget(key, entry, t.proto);
         } else {
             let seen = seen_bits(entry, tcp_flags);
+            let mut route = ROUTE_LOOK_UP;
             if confirmed {
-                touch(&CONNTRACK, key, entry_ptr, entry, seen, now);
+                let refreshed = touch(&CONNTRACK, key, entry_ptr, entry, seen, now);
+                route = if refreshed || entry.route.ifindex == 0 { ROUTE_LOOK_UP_AND_CACHE } else { ROUTE_CACHED };
             } else if seen & ct::SEEN_REPLY != 0 && tcp_flags & TCP_RST == 0 {
                 confirm(key, entry, seen, now);
             } else {
@@ -354,6 +356,11 @@ fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: boo
                 return PASS;
             }
             count(counter::TC_CT_HIT);
+            if ingress && route != ROUTE_LOOK_UP && KPR_FORWARD_DIRECT.load() != 0 && KPR_REDIRECT_NEXT_HOP.load() != 0
+            {
+                // SAFETY: the per-CPU scratch value; `forward_direct`, next, takes it back.
+                unsafe { (*s).route = route };
+            }
             return TC_ACT_OK;
         }
     }
@@ -438,26 +445,30 @@ fn seen_bits(entry: &CtValue, tcp_flags: u8) -> u32 {
 
 /// Record a packet of a live flow: new state bits at once, the time at most every
 /// `REFRESH_NS`; both entries of the flow, putting back the other one if it was evicted.
+/// Whether it wrote them: then their cached routes are dropped too, to be looked up again.
 #[inline(always)]
-fn touch(map: &FlowMap, key: &CtKey, entry_ptr: *mut CtValue, entry: &CtValue, seen: u32, now: u64) {
+fn touch(map: &FlowMap, key: &CtKey, entry_ptr: *mut CtValue, entry: &CtValue, seen: u32, now: u64) -> bool {
     let flags = entry.flags | seen;
     if flags == entry.flags && now.saturating_sub(entry.last_seen) < ct::REFRESH_NS {
-        return;
+        return false;
     }
     // SAFETY: a map value pointer, valid for this program run; racing writers only ever
     // move the time forward or add bits.
     unsafe {
         (*entry_ptr).flags = flags;
         (*entry_ptr).last_seen = now;
+        (*entry_ptr).route.ifindex = 0;
     }
     let pair_key = entry.pair_key(key.proto);
     match map.get_ptr_mut(&pair_key) {
         Some(pair) => unsafe {
             (*pair).flags |= flags & ct::FLOW_BITS;
             (*pair).last_seen = now;
+            (*pair).route.ifindex = 0;
         },
         None => heal(map, key, entry, flags, now),
     }
+    true
 }
 
 /// Put back the evicted other entry of a flow.
@@ -486,6 +497,7 @@ fn mirror(key: &CtKey, entry: &CtValue, flags: u32, now: u64) -> CtValue {
         service_id: entry.service_id,
         last_seen: now,
         flags: (flags & ct::FLOW_BITS) | (!entry.flags & ct::REPLY),
+        route: CachedRoute::NONE,
         _pad: 0,
     }
 }
@@ -549,7 +561,16 @@ pub struct FlowScratch {
     entry: CtValue,
     /// The route lookup of a masquerade address.
     fib: bpf_fib_lookup,
+    /// `known_flow` → `forward_direct`: how to route the packet of an established flow (`ROUTE_*`).
+    route: u32,
 }
+
+/// Look the route up (a packet of a new flow or of one not yet answered).
+const ROUTE_LOOK_UP: u32 = 0;
+/// Use the route cached in the flow's entry (`s.entry.route`).
+const ROUTE_CACHED: u32 = 1;
+/// Look the route up and cache it in the flow's entry (under `s.flow_key`).
+const ROUTE_LOOK_UP_AND_CACHE: u32 = 2;
 
 /// How an ICMP error about a translated flow is translated back.
 #[repr(C)]
@@ -663,8 +684,15 @@ fn masquerade_source<F: Family>(ctx: &TcContext, backend: &Addr) -> Option<Addr>
 /// sees it. What the route does not settle that way (a local destination, no route, forwarding
 /// off, too big for the link, a TTL or hop limit running out) goes on into the host stack,
 /// which handles it as it would have without kpr.
+///
+/// An established flow's entry caches the lookup's answer (6.3+, with the next hop): its
+/// packets that fit the link skip the lookup until the entry's next refresh.
 #[inline(never)]
 fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
+    let Ok(s) = scratch() else { return TC_ACT_OK };
+    // SAFETY: the per-CPU scratch value, valid for this program run; the hint is taken back
+    // so that no later packet sees it.
+    let route = unsafe { core::mem::replace(&mut (*s).route, ROUTE_LOOK_UP) };
     let data = ctx.data();
     if data + IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
         return TC_ACT_OK;
@@ -673,6 +701,18 @@ fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     let ip = unsafe { ((data + IP_OFF) as *const F::Ip).read_unaligned() };
     if F::hops(&ip) <= 1 {
         return TC_ACT_OK; // the stack answers with "time exceeded"
+    }
+    // SAFETY: the scratch value; `known_flow` copied the flow's entry there.
+    let cached = unsafe { &(*s).entry.route };
+    if route == ROUTE_CACHED && fits_link(ctx, cached.mtu) {
+        // SAFETY: within [data, data_end), checked above.
+        unsafe { F::decrement_hops((data + IP_OFF) as *mut u8, &ip) };
+        count(counter::TC_FORWARDED_DIRECT);
+        let mut nh = bpf_redir_neigh {
+            nh_family: u32::from(cached.family),
+            __bindgen_anon_1: bpf_redir_neigh__bindgen_ty_1 { ipv6_nh: cached.next_hop },
+        };
+        return unsafe { bpf_redirect_neigh(cached.ifindex, &mut nh, size_of::<bpf_redir_neigh>() as i32, 0) as i32 };
     }
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
     params.family = F::AF;
@@ -684,6 +724,9 @@ fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     let rc = unsafe { fib_lookup(ctx.as_ptr(), &mut params, size_of::<bpf_fib_lookup>() as i32, flags) };
     if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) && rc != i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
         return TC_ACT_OK;
+    }
+    if route == ROUTE_LOOK_UP_AND_CACHE && rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
+        cache_route(s, &params);
     }
     // Forwarding takes one off the TTL; the lookup did not move the packet, but the bounds are
     // checked again for the verifier.
@@ -705,6 +748,40 @@ fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     }
     // No neighbour parameters: the kernel routes the packet again and resolves the next hop.
     unsafe { bpf_redirect_neigh(params.ifindex, core::ptr::null_mut(), 0, 0) as i32 }
+}
+
+/// Would the kernel forward this packet to a link of MTU `mtu` (`is_skb_forwardable`)? GSO
+/// packets are cut to size later.
+#[inline(always)]
+fn fits_link(ctx: &TcContext, mtu: u16) -> bool {
+    // SAFETY: a tc program's context is the packet's __sk_buff.
+    let skb = unsafe { &*(ctx.as_ptr() as *const __sk_buff) };
+    skb.gso_size != 0 || skb.len <= u32::from(mtu) + ETH_LEN as u32
+}
+
+/// Cache a successful route lookup (with the link's MTU, which the kernel reports from 5.12 on)
+/// in the entry of the flow under `s.flow_key`, if it is still the flow this packet was
+/// translated by (another CPU may have replaced it since).
+#[inline(always)]
+fn cache_route(s: *const FlowScratch, params: &bpf_fib_lookup) {
+    // SAFETY: the scratch value and a map value pointer, valid for this program run.
+    unsafe {
+        let mtu = params.__bindgen_anon_1.mtu_result;
+        if mtu == 0 {
+            return;
+        }
+        let Some(entry) = CONNTRACK.get_ptr_mut(&(*s).flow_key) else { return };
+        if !((*entry).dst_addr.same(&(*s).entry.dst_addr) && (*entry).src_addr.same(&(*s).entry.src_addr)) {
+            return;
+        }
+        (*entry).route = CachedRoute {
+            ifindex: params.ifindex,
+            mtu,
+            family: params.family,
+            _pad: 0,
+            next_hop: params.__bindgen_anon_4.ipv6_dst,
+        };
+    }
 }
 
 #[inline(always)]
@@ -776,6 +853,7 @@ fn program_flow<F: Family>(
             service_id: service.service_id,
             last_seen: now,
             flags: ct::REPLY,
+            route: CachedRoute::NONE,
             _pad: 0,
         };
     }
@@ -810,6 +888,7 @@ fn program_flow<F: Family>(
             service_id: service.service_id,
             last_seen: now,
             flags: 0,
+            route: CachedRoute::NONE,
             _pad: 0,
         };
         (*s).key = ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto);

@@ -325,7 +325,7 @@ impl Rig {
     /// [`Rig::run`] for a packet that came in by link `ingress_ifindex` (0: the node's own).
     fn run_from(&self, program: &str, input: &[u8], ingress_ifindex: u32) -> (u32, Vec<u8>) {
         let prog: &SchedClassifier = self.ebpf.program(program).unwrap().try_into().unwrap();
-        let mut out = vec![0u8; 1500];
+        let mut out = vec![0u8; input.len().max(1500)];
         // `struct __sk_buff` up to `ingress_ifindex` (offset 36), the rest zero.
         let mut ctx = [0u8; 40];
         ctx[36..40].copy_from_slice(&ingress_ifindex.to_ne_bytes());
@@ -690,6 +690,7 @@ fn packets_between_addresses_kpr_never_programmed_pass_at_the_address_filter() {
         service_id: 1,
         last_seen: monotonic_now(),
         flags: proxy_common::ct::SEEN_REPLY,
+        route: proxy_common::CachedRoute::NONE,
         _pad: 0,
     };
     rig.table(proxy_common::map_names::CONNTRACK).insert(&key, &value, 0).unwrap();
@@ -1308,16 +1309,21 @@ fn with_ttl(mut frame: Vec<u8>, ttl: u8) -> Vec<u8> {
     frame
 }
 
-#[test]
-fn translated_packets_go_straight_out_of_the_link_their_route_takes() {
-    // A node of our own: the pods are routed over a link, forwarding is on; the client is
-    // not routed at all.
-    let ns = testbed::Netns::new(&testbed::unique_name("kt-fwd")).unwrap();
+/// A node of our own: the pods are routed over a link (`out0`), forwarding is on; the client
+/// is not routed at all.
+fn forwarding_node(tag: &str) -> testbed::Netns {
+    let ns = testbed::Netns::new(&testbed::unique_name(tag)).unwrap();
     ns.ip(&["link", "add", "out0", "type", "veth", "peer", "name", "out1"]).unwrap();
     ns.ip(&["link", "set", "out1", "up"]).unwrap();
     ns.ip(&["link", "set", "out0", "up"]).unwrap();
     ns.ip(&["route", "add", "10.244.0.0/16", "dev", "out0"]).unwrap();
     ns.sh("echo 1 > /proc/sys/net/ipv4/ip_forward").unwrap();
+    ns
+}
+
+#[test]
+fn translated_packets_go_straight_out_of_the_link_their_route_takes() {
+    let ns = forwarding_node("kt-fwd");
     ns.run(|| {
         let rig = Rig::with(&services(), |cfg| cfg.forward_direct = true);
         let syn = tcp(CLIENT, 40003, NODE_IP, 30080);
@@ -1341,6 +1347,69 @@ fn translated_packets_go_straight_out_of_the_link_their_route_takes() {
         let (verdict, _) = rig.ingress(&tcp(CLIENT, 40005, NODE_IP, 30080).bytes());
         assert_eq!(verdict, TC_ACT_OK);
         assert_eq!(rig.counter(counter::TC_FORWARDED_DIRECT), 1);
+    })
+    .unwrap();
+}
+
+#[test]
+fn an_established_flow_keeps_its_route_until_its_entries_are_refreshed() {
+    let ns = forwarding_node("kt-rc");
+    let name = ns.name.clone();
+    ns.run(move || {
+        // The route lookup skips the neighbour table, and so can be kept, from 6.3 on.
+        let cached = aya::util::KernelVersion::current().unwrap() >= aya::util::KernelVersion::new(6, 3, 0);
+        let route = |args: &[&str]| testbed::ip(&[&["-n", name.as_str(), "route"], args].concat()).unwrap();
+        let out0 = unsafe { libc::if_nametoindex(c"out0".as_ptr()) };
+        let rig = Rig::with(&services(), |cfg| cfg.forward_direct = true);
+        let syn = tcp(CLIENT, 40010, NODE_IP, 30080);
+        let (verdict, out) = rig.ingress(&syn.bytes());
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+        // The backend answers (the client has no route here: the host stack decides).
+        let reply = Pkt { tcp_flags: 0x12, ..tcp(POD, 8080, NODE_IP, sport_of(&out)) };
+        assert_eq!(rig.ingress(&reply.bytes()).0, TC_ACT_OK);
+        let key = CtKey {
+            src_addr: CLIENT.into(),
+            dst_addr: NODE_IP.into(),
+            src_port: 40010u16.to_be(),
+            dst_port: 30080u16.to_be(),
+            proto: 6,
+            _pad: [0; 3],
+        };
+        let entry = || rig.table(proxy_common::map_names::CONNTRACK).get(&key, 0).unwrap();
+        // The client's next segment: looked up, and the answer kept in its entry.
+        let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
+        assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_REDIRECT);
+        let kept = entry().route;
+        if cached {
+            assert_eq!(
+                (kept.ifindex, kept.mtu, kept.family, kept.next_hop[0]),
+                (out0, 1500, libc::AF_INET as u8, u32::from_ne_bytes(POD.octets())),
+                "out0, its MTU, and the pod itself as the next hop"
+            );
+        } else {
+            assert_eq!(kept, proxy_common::CachedRoute::NONE);
+        }
+        // The route is gone: until the entries are refreshed, the flow keeps the one it had...
+        route(&["del", "10.244.0.0/16"]);
+        let verdict = rig.ingress(&ack.bytes()).0;
+        assert_eq!(verdict, if cached { TC_ACT_REDIRECT } else { TC_ACT_OK });
+        // ...but a packet too long for the link takes the lookup, and so the host stack.
+        let mut long = ack.bytes();
+        long.resize(14 + 1501, 0);
+        assert_eq!(rig.ingress(&long).0, TC_ACT_OK);
+        let forwarded = rig.counter(counter::TC_FORWARDED_DIRECT);
+        assert_eq!(forwarded, if cached { 3 } else { 2 }, "the SYN, the first ACK, the ACK by the kept route");
+        // A second later, the refresh drops the kept route: the lookup finds none.
+        let mut aged = entry();
+        aged.last_seen -= 2_000_000_000;
+        rig.table(proxy_common::map_names::CONNTRACK).insert(&key, &aged, 0).unwrap();
+        assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK);
+        assert_eq!(entry().route.ifindex, 0);
+        // The route back: the next segment is sent by it, and keeps it again.
+        route(&["add", "10.244.0.0/16", "dev", "out0"]);
+        assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_REDIRECT);
+        assert_eq!(entry().route.ifindex, if cached { out0 } else { 0 });
+        assert_eq!(rig.counter(counter::TC_FORWARDED_DIRECT), forwarded + 1);
     })
     .unwrap();
 }

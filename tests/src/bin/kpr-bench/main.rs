@@ -375,9 +375,18 @@ fn event_latency(samples: usize) -> Result<serde_json::Value> {
 /// a service, and the floor (a non-IP frame: the harness's own cost per run). A connection's
 /// first packet needs a new tuple every run: those are single runs, against their own floor.
 fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
+    // A namespace that forwards, with a link and a route to the pods and the service range, as
+    // a node has (this machine's own namespace may not forward): the direct path's route
+    // lookups succeed. TestRun sends nothing out.
+    let node = testbed::Netns::new(&testbed::unique_name("kb-tcr"))?;
+    node.ip(&["link", "add", "out0", "type", "veth", "peer", "name", "out1"])?;
+    node.ip(&["link", "set", "out0", "up"])?;
+    node.ip(&["link", "set", "out1", "up"])?;
+    node.ip(&["route", "add", "10.0.0.0/8", "dev", "out0"])?;
+    node.route_packets()?;
     let mut results = serde_json::Map::new();
     for forward_direct in [true, false] {
-        for (label, ns, runs) in tc_program_runs(repeat, forward_direct)? {
+        for (label, ns, runs) in node.run(move || tc_program_runs(repeat, forward_direct))?? {
             let label = if forward_direct { label.to_owned() } else { format!("{label}_host_routing") };
             let what = if forward_direct { "" } else { ", --host-routing" };
             println!("tc ingress, {label}: {ns:.1} ns/packet (TestRun, {runs}, 10k services programmed{what})");
@@ -434,12 +443,13 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     let prog: &SchedClassifier =
         ebpf.program(proxy_common::program_names::TC_INGRESS).context("tc program")?.try_into()?;
     // (ns per run, the packet as the last run left it)
-    let run_with_output = |input: &[u8], repeat: u32| -> Result<(Duration, Vec<u8>)> {
+    // (ns per run, the packet as the last run left it, the last run's verdict)
+    let run_with_output = |input: &[u8], repeat: u32| -> Result<(Duration, Vec<u8>, u32)> {
         let mut buf = vec![0u8; 256];
         let opts =
             TestRunOptions { data_in: Some(input), data_out: Some(&mut buf), repeat, ..TestRunOptions::default() };
-        let duration = prog.test_run(opts)?.duration;
-        Ok((duration, buf))
+        let result = prog.test_run(opts)?;
+        Ok((result.duration, buf, result.return_value))
     };
     let run = |input: &[u8], repeat: u32| -> Result<Duration> { Ok(run_with_output(input, repeat)?.0) };
     let client = Ipv4Addr::new(10, 0, 0, 99);
@@ -475,6 +485,7 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
         dst_addr: forward_key.dst_addr,
         src_port: forward_key.src_port,
         dst_port: forward_key.dst_port,
+        route: proxy_common::CachedRoute::NONE,
         ..forward
     };
     let back_reply = CtValue {
@@ -483,6 +494,7 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
         src_port: back_key.dst_port,
         dst_port: back_key.src_port,
         flags: forward.flags | proxy_common::ct::REPLY,
+        route: proxy_common::CachedRoute::NONE,
         ..forward
     };
     conntrack.insert(&back_key, &back, 0)?;
@@ -491,6 +503,11 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     let dst_after = |runs: u32| -> Result<[u8; 4]> { Ok(run_with_output(&to_service, runs)?.1[30..34].try_into()?) };
     if dst_after(1)? != backend.octets() || dst_after(2)? != TARGET_IP.octets() {
         bail!("the established flow's packets were not translated back and forth");
+    }
+    // Sent straight out (TC_ACT_REDIRECT), or handed to the host stack (TC_ACT_OK).
+    let verdict = run_with_output(&to_service, 1)?.2;
+    if verdict != if forward_direct { 7 } else { 0 } {
+        bail!("the established flow's packet got verdict {verdict} (forward_direct {forward_direct})");
     }
     // An ARP frame returns at the first check: the harness's own cost per run (the floor).
     let mut arp = tcp_frame(Ipv4Addr::UNSPECIFIED, 0, Ipv4Addr::UNSPECIFIED, 0, ACK);
