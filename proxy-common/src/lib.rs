@@ -478,7 +478,17 @@ pub struct CtKey {
     pub src_port: u16,
     pub dst_port: u16,
     pub proto: u8,
-    pub _pad: [u8; 3],
+    /// Padding in two fields: a zeroed `[u8; 3]` compiles to a call of a byte-loop `memset`
+    /// on BPF, on every packet.
+    pub _pad: u8,
+    pub _pad2: u16,
+}
+
+impl CtKey {
+    #[inline(always)]
+    pub const fn new(src_addr: Addr, dst_addr: Addr, src_port: u16, dst_port: u16, proto: u8) -> Self {
+        Self { src_addr, dst_addr, src_port, dst_port, proto, _pad: 0, _pad2: 0 }
+    }
 }
 
 /// Value of `KPR_CONNTRACK`: what the packet's addresses and ports are rewritten to, and how
@@ -497,20 +507,21 @@ pub struct CtValue {
     /// `ct::*` bits: which direction this entry is, and what the flow has shown so far.
     pub flags: u32,
     /// Where this entry's translated packets leave the node when they are sent straight out:
-    /// the route lookup's answer, kept until the entry's next refresh.
+    /// the route lookup's answer, kept for about a second.
     pub route: CachedRoute,
-    pub _pad: u32,
 }
 
-/// A route lookup's answer for one direction of a flow (`bpf_fib_lookup`), so that its
-/// established packets skip the lookup. Dropped whenever the flow's entries are refreshed
-/// (at most [`ct::REFRESH_NS`] apart) and looked up again by the next packet, so a route
-/// change reaches an established flow within that time.
+/// A route lookup's answer for one direction of a flow (`bpf_fib_lookup`), so that the flow's
+/// packets skip the lookup. It serves while the clock is in the period of
+/// [`ct::ROUTE_PERIOD_SHIFT`] it was looked up in, so a route change reaches an established
+/// flow within about a second.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct CachedRoute {
     /// The link the route leaves by; 0: nothing cached.
     pub ifindex: u32,
+    /// When it was looked up: `bpf_ktime_get_ns() >> ct::ROUTE_PERIOD_SHIFT`.
+    pub period: u32,
     /// That link's MTU: a longer packet (not GSO) takes the lookup, which hands it to the stack.
     pub mtu: u16,
     /// The next hop's family (an IPv4 route may have an IPv6 gateway).
@@ -522,20 +533,22 @@ pub struct CachedRoute {
 }
 
 impl CachedRoute {
-    pub const NONE: Self = Self { ifindex: 0, mtu: 0, family: 0, _pad: 0, next_hop: [0; 4] };
+    pub const NONE: Self = Self { ifindex: 0, period: 0, mtu: 0, family: 0, _pad: 0, next_hop: [0; 4] };
 }
 
 impl CtValue {
+    /// Does this entry rewrite packets to the same addresses and ports as `other`?
+    #[inline(always)]
+    pub const fn same_translation(&self, other: &Self) -> bool {
+        self.src_addr.same(&other.src_addr)
+            && self.dst_addr.same(&other.dst_addr)
+            && self.src_port == other.src_port
+            && self.dst_port == other.dst_port
+    }
+
     /// The key of the flow's other entry (replies for a client's entry, and back).
     pub const fn pair_key(&self, proto: u8) -> CtKey {
-        CtKey {
-            src_addr: self.dst_addr,
-            dst_addr: self.src_addr,
-            src_port: self.dst_port,
-            dst_port: self.src_port,
-            proto,
-            _pad: [0; 3],
-        }
+        CtKey::new(self.dst_addr, self.src_addr, self.dst_port, self.src_port, proto)
     }
 }
 
@@ -556,6 +569,9 @@ pub mod ct {
     /// `last_seen` is rewritten at most this often (a write per packet would bounce the entry's
     /// cache line between CPUs).
     pub const REFRESH_NS: u64 = 1_000_000_000;
+    /// A kept route lookup serves while `now >> ROUTE_PERIOD_SHIFT` (periods of 1.07 s) is the
+    /// one it was looked up in.
+    pub const ROUTE_PERIOD_SHIFT: u32 = 30;
     /// A closed TCP flow's SNAT port may go to a new flow after this long (its last ACK has
     /// long arrived; a backend in TIME_WAIT accepts the new SYN), well before the flow expires.
     pub const CLOSED_PORT_REUSE_NS: u64 = 1_000_000_000;

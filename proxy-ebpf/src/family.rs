@@ -65,7 +65,7 @@ pub trait Family {
     ///
     /// # Safety
     /// `ip` points to a whole header inside the packet.
-    unsafe fn decrement_hops(ip: *mut u8, header: &Self::Ip);
+    unsafe fn decrement_hops(ip: *mut u8);
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -191,14 +191,14 @@ impl Family for V4 {
         ip.ttl
     }
     #[inline(always)]
-    unsafe fn decrement_hops(ip: *mut u8, header: &Ipv4Hdr) {
-        // The checksum covers the TTL with the protocol byte.
-        let old = u16::from_ne_bytes([header.ttl, header.proto]);
-        let new = u16::from_ne_bytes([header.ttl - 1, header.proto]);
+    unsafe fn decrement_hops(ip: *mut u8) {
         unsafe {
+            // The checksum covers the TTL with the protocol byte.
+            let (ttl, proto) = (ip.add(8).read(), ip.add(9).read());
+            let (old, new) = (u16::from_ne_bytes([ttl, proto]), u16::from_ne_bytes([ttl - 1, proto]));
             let check = ip.add(10) as *mut u16;
             check.write_unaligned(csum::replace(check.read_unaligned(), csum::half_diff(old, new)));
-            ip.add(8).write(header.ttl - 1);
+            ip.add(8).write(ttl - 1);
         }
     }
 }
@@ -302,7 +302,7 @@ impl Family for V6 {
         ip.hop_limit
     }
     #[inline(always)]
-    unsafe fn decrement_hops(ip: *mut u8, header: &Ipv6Hdr) {
-        unsafe { ip.add(7).write(header.hop_limit - 1) };
+    unsafe fn decrement_hops(ip: *mut u8) {
+        unsafe { ip.add(7).write(ip.add(7).read() - 1) };
     }
 }

@@ -157,19 +157,20 @@ pub struct Tuple {
     pub l4_len: u16,
 }
 
-/// The Ethernet type, IP header and L4 ports, read straight from the packet (no helper
-/// calls); headers outside the linear area are pulled in first.
+/// The Ethernet type, IP header and L4 ports, read in place from the packet (no helper calls,
+/// no copy: a copy would be a load and a store per byte); headers outside the linear area are
+/// pulled in first. Plain bytes (alignment 1): the packet gives no alignment.
 #[repr(C)]
-#[derive(Clone, Copy)]
 struct Headers<Ip> {
     _macs: [u8; 12],
-    _eth_type: u16,
+    _eth_type: [u8; 2],
     ip: Ip,
-    ports: [u16; 2],
+    ports: [[u8; 2]; 2],
 }
 
+/// The packet's headers, valid until a helper changes the packet.
 #[inline(always)]
-fn headers<F: Family>(ctx: &TcContext) -> Option<Headers<F::Ip>> {
+fn headers<'a, F: Family>(ctx: &TcContext) -> Option<&'a Headers<F::Ip>> {
     let len = size_of::<Headers<F::Ip>>();
     if ctx.data() + len > ctx.data_end() {
         // Short or non-linear: pull what we need into the linear area (fails if too short).
@@ -178,8 +179,8 @@ fn headers<F: Family>(ctx: &TcContext) -> Option<Headers<F::Ip>> {
             return None;
         }
     }
-    // SAFETY: bounds checked against data_end above; Headers is packed plain bytes.
-    Some(unsafe { core::ptr::read_unaligned(ctx.data() as *const Headers<F::Ip>) })
+    // SAFETY: bounds checked against data_end above; Headers is plain bytes of alignment 1.
+    Some(unsafe { &*(ctx.data() as *const Headers<F::Ip>) })
 }
 
 /// The stages below are subprograms called one after the other, not inlined into each other:
@@ -258,8 +259,8 @@ fn inspect<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>) -> i32 {
             _ => PASS,
         };
     };
-    let ip = h.ip;
-    let Some(proto) = F::l4_proto(&ip) else {
+    let ip = &h.ip;
+    let Some(proto) = F::l4_proto(ip) else {
         // IPv4 options, IPv6 extension headers: the ports are not where we look.
         count(counter::TC_PASSED_UNSUPPORTED);
         return PASS;
@@ -270,8 +271,10 @@ fn inspect<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>) -> i32 {
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP && proto != IPPROTO_SCTP {
         return PASS;
     }
-    let fragment = F::fragment(&ip);
+    let fragment = F::fragment(ip);
     if fragment == Fragment::Later {
+        // A copy of the header: the packet is written while it is read.
+        let ip = *ip;
         return later_fragment::<F>(ctx, &ip).unwrap_or(PASS);
     }
     if fragment != Fragment::Whole && proto == IPPROTO_SCTP {
@@ -280,18 +283,17 @@ fn inspect<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>) -> i32 {
         count(counter::TC_PASSED_UNSUPPORTED);
         return PASS;
     }
-    let ports = h.ports;
     let t = Tuple {
-        saddr: F::src(&ip),
-        daddr: F::dst(&ip),
-        sport: ports[0],
-        dport: ports[1],
+        saddr: F::src(ip),
+        daddr: F::dst(ip),
+        sport: u16::from_ne_bytes(h.ports[0]),
+        dport: u16::from_ne_bytes(h.ports[1]),
         proto,
         first_fragment: match fragment {
             Fragment::First(id) => Some(id),
             _ => None,
         },
-        l4_len: F::l4_len(&ip),
+        l4_len: F::l4_len(ip),
     };
     tuple.write(t);
     A_FLOW
@@ -305,7 +307,7 @@ fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: boo
     // longest chains of calls (confirm, stale).
     // SAFETY: the per-CPU scratch value, valid for this program run.
     let key = unsafe {
-        (*s).flow_key = ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto);
+        (*s).flow_key = CtKey::new(t.saddr, t.daddr, t.sport, t.dport, t.proto);
         &(*s).flow_key
     };
     // Established flows first; a flow not yet answered lives apart (`CT_NEW`), so that a flood
@@ -324,6 +326,8 @@ fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: boo
         };
         let now = now();
         let syn = tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+        // How `forward_direct` routes the packet if it is translated here.
+        let route = route_hint(ingress && confirmed, &entry.route, now);
         if KPR_CT_TIMEOUTS.load().expired(t.proto, entry, now) {
             count(counter::TC_CT_EXPIRED);
             forget(key, entry, t.proto);
@@ -338,15 +342,15 @@ fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: boo
                     return PASS;
                 }
                 count(counter::TC_NEW_FLOW);
+                // SAFETY: the per-CPU scratch value; `forward_direct`, next, takes it back.
+                unsafe { (*s).route = route };
                 return TC_ACT_OK;
             }
             forget(key, entry, t.proto);
         } else {
             let seen = seen_bits(entry, tcp_flags);
-            let mut route = ROUTE_LOOK_UP;
             if confirmed {
-                let refreshed = touch(&CONNTRACK, key, entry_ptr, entry, seen, now);
-                route = if refreshed || entry.route.ifindex == 0 { ROUTE_LOOK_UP_AND_CACHE } else { ROUTE_CACHED };
+                touch(&CONNTRACK, key, entry_ptr, entry, seen, now);
             } else if seen & ct::SEEN_REPLY != 0 && tcp_flags & TCP_RST == 0 {
                 confirm(key, entry, seen, now);
             } else {
@@ -356,15 +360,31 @@ fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: boo
                 return PASS;
             }
             count(counter::TC_CT_HIT);
-            if ingress && route != ROUTE_LOOK_UP && KPR_FORWARD_DIRECT.load() != 0 && KPR_REDIRECT_NEXT_HOP.load() != 0
-            {
-                // SAFETY: the per-CPU scratch value; `forward_direct`, next, takes it back.
-                unsafe { (*s).route = route };
-            }
+            // SAFETY: the per-CPU scratch value; `forward_direct`, next, takes it back.
+            unsafe { (*s).route = route };
             return TC_ACT_OK;
         }
     }
     NO_FLOW
+}
+
+/// How to route a packet of an established flow (`cacheable`: on its way in) sent straight
+/// out: by the route its entry keeps if that was looked up in this period, else looked up and
+/// kept (6.3+: the kept next hop needs `BPF_FIB_LOOKUP_SKIP_NEIGH`'s answer).
+#[inline(always)]
+fn route_hint(cacheable: bool, kept: &CachedRoute, now: u64) -> u32 {
+    if !cacheable || KPR_FORWARD_DIRECT.load() == 0 || KPR_REDIRECT_NEXT_HOP.load() == 0 {
+        ROUTE_LOOK_UP
+    } else if kept.ifindex != 0 && kept.period == route_period(now) {
+        ROUTE_CACHED
+    } else {
+        ROUTE_LOOK_UP_AND_CACHE
+    }
+}
+
+#[inline(always)]
+fn route_period(now: u64) -> u32 {
+    (now >> ct::ROUTE_PERIOD_SHIFT) as u32
 }
 
 /// A packet of no flow kpr knows: a new flow to a frontend, or not ours.
@@ -375,7 +395,7 @@ fn unknown_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: b
 
 #[inline(always)]
 fn pick<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: bool) -> Result<i32, ()> {
-    let key = ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto);
+    let key = CtKey::new(t.saddr, t.daddr, t.sport, t.dport, t.proto);
     // A flow kube-proxy translated before kpr took the node over: netfilter's conntrack goes
     // on translating it. A new connection on its tuple is kpr's.
     if handed_over(&key) {
@@ -445,30 +465,26 @@ fn seen_bits(entry: &CtValue, tcp_flags: u8) -> u32 {
 
 /// Record a packet of a live flow: new state bits at once, the time at most every
 /// `REFRESH_NS`; both entries of the flow, putting back the other one if it was evicted.
-/// Whether it wrote them: then their cached routes are dropped too, to be looked up again.
 #[inline(always)]
-fn touch(map: &FlowMap, key: &CtKey, entry_ptr: *mut CtValue, entry: &CtValue, seen: u32, now: u64) -> bool {
+fn touch(map: &FlowMap, key: &CtKey, entry_ptr: *mut CtValue, entry: &CtValue, seen: u32, now: u64) {
     let flags = entry.flags | seen;
     if flags == entry.flags && now.saturating_sub(entry.last_seen) < ct::REFRESH_NS {
-        return false;
+        return;
     }
     // SAFETY: a map value pointer, valid for this program run; racing writers only ever
     // move the time forward or add bits.
     unsafe {
         (*entry_ptr).flags = flags;
         (*entry_ptr).last_seen = now;
-        (*entry_ptr).route.ifindex = 0;
     }
     let pair_key = entry.pair_key(key.proto);
     match map.get_ptr_mut(&pair_key) {
         Some(pair) => unsafe {
             (*pair).flags |= flags & ct::FLOW_BITS;
             (*pair).last_seen = now;
-            (*pair).route.ifindex = 0;
         },
         None => heal(map, key, entry, flags, now),
     }
-    true
 }
 
 /// Put back the evicted other entry of a flow.
@@ -498,7 +514,6 @@ fn mirror(key: &CtKey, entry: &CtValue, flags: u32, now: u64) -> CtValue {
         last_seen: now,
         flags: (flags & ct::FLOW_BITS) | (!entry.flags & ct::REPLY),
         route: CachedRoute::NONE,
-        _pad: 0,
     }
 }
 
@@ -569,7 +584,7 @@ pub struct FlowScratch {
 const ROUTE_LOOK_UP: u32 = 0;
 /// Use the route cached in the flow's entry (`s.entry.route`).
 const ROUTE_CACHED: u32 = 1;
-/// Look the route up and cache it in the flow's entry (under `s.flow_key`).
+/// Look the route up and keep it in the flow's entry (under `s.flow_key`).
 const ROUTE_LOOK_UP_AND_CACHE: u32 = 2;
 
 /// How an ICMP error about a translated flow is translated back.
@@ -685,8 +700,8 @@ fn masquerade_source<F: Family>(ctx: &TcContext, backend: &Addr) -> Option<Addr>
 /// off, too big for the link, a TTL or hop limit running out) goes on into the host stack,
 /// which handles it as it would have without kpr.
 ///
-/// An established flow's entry caches the lookup's answer (6.3+, with the next hop): its
-/// packets that fit the link skip the lookup until the entry's next refresh.
+/// An established flow's entry keeps the lookup's answer (6.3+, with the next hop): its
+/// packets that fit the link skip the lookup for about a second.
 #[inline(never)]
 fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     let Ok(s) = scratch() else { return TC_ACT_OK };
@@ -697,16 +712,17 @@ fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     if data + IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
         return TC_ACT_OK;
     }
-    // SAFETY: within [data, data_end), checked above.
-    let ip = unsafe { ((data + IP_OFF) as *const F::Ip).read_unaligned() };
-    if F::hops(&ip) <= 1 {
+    // SAFETY: within [data, data_end), checked above; read in place (a copy would be a load
+    // and a store per byte).
+    let ip = unsafe { &*((data + IP_OFF) as *const F::Ip) };
+    if F::hops(ip) <= 1 {
         return TC_ACT_OK; // the stack answers with "time exceeded"
     }
     // SAFETY: the scratch value; `known_flow` copied the flow's entry there.
     let cached = unsafe { &(*s).entry.route };
     if route == ROUTE_CACHED && fits_link(ctx, cached.mtu) {
         // SAFETY: within [data, data_end), checked above.
-        unsafe { F::decrement_hops((data + IP_OFF) as *mut u8, &ip) };
+        unsafe { F::decrement_hops((data + IP_OFF) as *mut u8) };
         count(counter::TC_FORWARDED_DIRECT);
         let mut nh = bpf_redir_neigh {
             nh_family: u32::from(cached.family),
@@ -717,7 +733,7 @@ fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
     params.family = F::AF;
     params.ifindex = ifindex(ctx);
-    F::fib_params(&mut params, &ip);
+    F::fib_params(&mut params, ip);
     let next_hop = KPR_REDIRECT_NEXT_HOP.load() != 0;
     let flags = if next_hop { BPF_FIB_LOOKUP_SKIP_NEIGH } else { 0 };
     // tot_len 0: the kernel checks the packet against the MTU of the link found (GSO aware).
@@ -735,7 +751,7 @@ fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
         return TC_ACT_OK;
     }
     // SAFETY: within [data, data_end), checked above.
-    unsafe { F::decrement_hops((data + IP_OFF) as *mut u8, &ip) };
+    unsafe { F::decrement_hops((data + IP_OFF) as *mut u8) };
     count(counter::TC_FORWARDED_DIRECT);
     if next_hop {
         // The lookup's next hop: the gateway, else the destination (its family may differ from
@@ -771,11 +787,12 @@ fn cache_route(s: *const FlowScratch, params: &bpf_fib_lookup) {
             return;
         }
         let Some(entry) = CONNTRACK.get_ptr_mut(&(*s).flow_key) else { return };
-        if !((*entry).dst_addr.same(&(*s).entry.dst_addr) && (*entry).src_addr.same(&(*s).entry.src_addr)) {
+        if !(*entry).same_translation(&(*s).entry) {
             return;
         }
         (*entry).route = CachedRoute {
             ifindex: params.ifindex,
+            period: route_period(now()),
             mtu,
             family: params.family,
             _pad: 0,
@@ -854,7 +871,6 @@ fn program_flow<F: Family>(
             last_seen: now,
             flags: ct::REPLY,
             route: CachedRoute::NONE,
-            _pad: 0,
         };
     }
     let (src_addr, src_port) = if let Some(snat_addr) = snat_addr {
@@ -871,7 +887,7 @@ fn program_flow<F: Family>(
         // not closed a second ago): then the client's port is remapped, as Linux's NAT does
         // when a reply tuple clashes.
         // SAFETY: the per-CPU scratch value, valid for this program run.
-        unsafe { (*s).reply_key = ct_key(backend.addr, t.saddr, backend.port, t.sport, t.proto) };
+        unsafe { (*s).reply_key = CtKey::new(backend.addr, t.saddr, backend.port, t.sport, t.proto) };
         let port = if kpr_snat_try(u32::from(t.sport)) != 0 { t.sport } else { snat_port(t, backend, &t.saddr, s) };
         if port == 0 {
             count(counter::TC_SNAT_EXHAUSTED);
@@ -889,9 +905,8 @@ fn program_flow<F: Family>(
             last_seen: now,
             flags: 0,
             route: CachedRoute::NONE,
-            _pad: 0,
         };
-        (*s).key = ct_key(t.saddr, t.daddr, t.sport, t.dport, t.proto);
+        (*s).key = CtKey::new(t.saddr, t.daddr, t.sport, t.dport, t.proto);
         (*s).reply_key = (*s).forward.pair_key(t.proto);
         (&(*s).forward, &(*s).key, &(*s).reply_key)
     };
@@ -902,11 +917,7 @@ fn program_flow<F: Family>(
         // translation, and give back what this one held.
         let winner = unsafe { &*winner };
         count(counter::TC_CT_RACE_ADOPTED);
-        let same_reply = winner.src_addr.same(&forward.src_addr)
-            && winner.dst_addr.same(&forward.dst_addr)
-            && winner.src_port == forward.src_port
-            && winner.dst_port == forward.dst_port;
-        if !same_reply {
+        if !winner.same_translation(forward) {
             let _ = CT_NEW.remove(reply_key);
         }
         winner
@@ -936,12 +947,7 @@ fn snat_port(t: &Tuple, backend: &Backend, snat_addr: &Addr, s: *mut FlowScratch
     // SAFETY: the per-CPU scratch value, valid for this program run. The key of the reply
     // entry: all but its port, which each try sets.
     unsafe {
-        let reply_key = &mut (*s).reply_key;
-        reply_key.src_addr = backend.addr;
-        reply_key.dst_addr = *snat_addr;
-        reply_key.src_port = backend.port;
-        reply_key.proto = t.proto;
-        reply_key._pad = [0; 3];
+        (*s).reply_key = CtKey::new(backend.addr, *snat_addr, backend.port, 0, t.proto);
     }
     for i in 0..SNAT_TRIES {
         let offset = start.wrapping_add(i.wrapping_mul(0x9e37_79b9)).checked_rem(span).unwrap_or(0);
@@ -975,11 +981,7 @@ pub extern "C" fn kpr_snat_try(port: u32) -> u32 {
             None => return 0,
         },
     };
-    if old.src_addr.same(&reply.src_addr)
-        && old.dst_addr.same(&reply.dst_addr)
-        && old.src_port == reply.src_port
-        && old.dst_port == reply.dst_port
-    {
+    if old.same_translation(reply) {
         // The flow's own leftover (its other entry was lost, or removed first by the sweep):
         // made new, not kept with the old flow's state and age (an expired leftover would be
         // taken for an ended flow when the answer comes, and the answer passed untranslated).
@@ -1077,11 +1079,6 @@ fn reopen<F: Family>(ctx: &TcContext, t: &Tuple, entry_ptr: *mut CtValue, now: u
 #[inline(never)]
 fn stale(ctx: &TcContext, t: &Tuple, entry: &CtValue) -> bool {
     lookup_frontend(t, source_scope(ctx, t)).is_none_or(|service| !serves(&service, &entry.dst_addr, entry.dst_port))
-}
-
-#[inline(always)]
-fn ct_key(src_addr: Addr, dst_addr: Addr, src_port: u16, dst_port: u16, proto: u8) -> CtKey {
-    CtKey { src_addr, dst_addr, src_port, dst_port, proto, _pad: [0; 3] }
 }
 
 /// A later fragment (no ports) of a datagram whose first fragment was translated: the same
@@ -1256,7 +1253,7 @@ fn icmp_error_flow<F: Family>(ctx: &TcContext, s: *mut FlowScratch) -> Result<bo
     let (isrc, idst) = (F::src(inner), F::dst(inner));
     // SAFETY: the per-CPU scratch value, valid for this program run.
     let key = unsafe {
-        (*s).key = ct_key(idst, isrc, ports[1], ports[0], proto);
+        (*s).key = CtKey::new(idst, isrc, ports[1], ports[0], proto);
         &(*s).key
     };
     // The quoted packet went from (translated) client to backend: the backend's reply entry

@@ -161,14 +161,13 @@ fn tuple(attrs: &[u8]) -> Option<CtKey> {
         Some(std::net::Ipv6Addr::from(a).into())
     };
     let port = |kind| -> Option<u16> { Some(u16::from_ne_bytes(netlink::find(proto, kind)?.try_into().ok()?)) };
-    Some(CtKey {
-        src_addr: addr(CTA_IP_V4_SRC, CTA_IP_V6_SRC)?,
-        dst_addr: addr(CTA_IP_V4_DST, CTA_IP_V6_DST)?,
-        src_port: port(CTA_PROTO_SRC_PORT)?,
-        dst_port: port(CTA_PROTO_DST_PORT)?,
-        proto: *netlink::find(proto, CTA_PROTO_NUM)?.first()?,
-        _pad: [0; 3],
-    })
+    Some(CtKey::new(
+        addr(CTA_IP_V4_SRC, CTA_IP_V6_SRC)?,
+        addr(CTA_IP_V4_DST, CTA_IP_V6_DST)?,
+        port(CTA_PROTO_SRC_PORT)?,
+        port(CTA_PROTO_DST_PORT)?,
+        *netlink::find(proto, CTA_PROTO_NUM)?.first()?,
+    ))
 }
 
 /// kube-proxy's chains (pkg/proxy/iptables/cleanup.go): by table, fixed names and the prefixes

@@ -674,14 +674,7 @@ fn no_endpoints_rejects_udp_with_icmp_port_unreachable() {
 fn packets_between_addresses_kpr_never_programmed_pass_at_the_address_filter() {
     let mut rig = Rig::new(&services());
     let (a, b, c) = (Ipv4Addr::new(10, 1, 1, 1), Ipv4Addr::new(10, 2, 2, 2), Ipv4Addr::new(10, 3, 3, 3));
-    let key = CtKey {
-        src_addr: a.into(),
-        dst_addr: b.into(),
-        src_port: 1000u16.to_be(),
-        dst_port: 2000u16.to_be(),
-        proto: 6,
-        _pad: [0; 3],
-    };
+    let key = CtKey::new(a.into(), b.into(), 1000u16.to_be(), 2000u16.to_be(), 6);
     let value = CtValue {
         src_addr: a.into(),
         dst_addr: c.into(),
@@ -691,7 +684,6 @@ fn packets_between_addresses_kpr_never_programmed_pass_at_the_address_filter() {
         last_seen: monotonic_now(),
         flags: proxy_common::ct::SEEN_REPLY,
         route: proxy_common::CachedRoute::NONE,
-        _pad: 0,
     };
     rig.table(proxy_common::map_names::CONNTRACK).insert(&key, &value, 0).unwrap();
     let packet = Pkt { tcp_flags: 0x10, ..tcp(a, 1000, b, 2000) };
@@ -1352,7 +1344,7 @@ fn translated_packets_go_straight_out_of_the_link_their_route_takes() {
 }
 
 #[test]
-fn an_established_flow_keeps_its_route_until_its_entries_are_refreshed() {
+fn an_established_flow_keeps_its_route_for_about_a_second() {
     let ns = forwarding_node("kt-rc");
     let name = ns.name.clone();
     ns.run(move || {
@@ -1361,20 +1353,20 @@ fn an_established_flow_keeps_its_route_until_its_entries_are_refreshed() {
         let route = |args: &[&str]| testbed::ip(&[&["-n", name.as_str(), "route"], args].concat()).unwrap();
         let out0 = unsafe { libc::if_nametoindex(c"out0".as_ptr()) };
         let rig = Rig::with(&services(), |cfg| cfg.forward_direct = true);
+        // What follows runs within one period of the clock (1.07 s; the program reads the
+        // coarse clock, a tick behind): it starts early in one.
+        let period_ns = 1u64 << ct::ROUTE_PERIOD_SHIFT;
+        let into = monotonic_now() % period_ns;
+        if into > period_ns / 2 {
+            std::thread::sleep(std::time::Duration::from_nanos(period_ns - into + 20_000_000));
+        }
         let syn = tcp(CLIENT, 40010, NODE_IP, 30080);
         let (verdict, out) = rig.ingress(&syn.bytes());
         assert_eq!(verdict, TC_ACT_REDIRECT);
         // The backend answers (the client has no route here: the host stack decides).
         let reply = Pkt { tcp_flags: 0x12, ..tcp(POD, 8080, NODE_IP, sport_of(&out)) };
         assert_eq!(rig.ingress(&reply.bytes()).0, TC_ACT_OK);
-        let key = CtKey {
-            src_addr: CLIENT.into(),
-            dst_addr: NODE_IP.into(),
-            src_port: 40010u16.to_be(),
-            dst_port: 30080u16.to_be(),
-            proto: 6,
-            _pad: [0; 3],
-        };
+        let key = CtKey::new(CLIENT.into(), NODE_IP.into(), 40010u16.to_be(), 30080u16.to_be(), 6);
         let entry = || rig.table(proxy_common::map_names::CONNTRACK).get(&key, 0).unwrap();
         // The client's next segment: looked up, and the answer kept in its entry.
         let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
@@ -1389,7 +1381,7 @@ fn an_established_flow_keeps_its_route_until_its_entries_are_refreshed() {
         } else {
             assert_eq!(kept, proxy_common::CachedRoute::NONE);
         }
-        // The route is gone: until the entries are refreshed, the flow keeps the one it had...
+        // The route is gone: for the rest of the second, the flow keeps the one it had...
         route(&["del", "10.244.0.0/16"]);
         let verdict = rig.ingress(&ack.bytes()).0;
         assert_eq!(verdict, if cached { TC_ACT_REDIRECT } else { TC_ACT_OK });
@@ -1399,16 +1391,20 @@ fn an_established_flow_keeps_its_route_until_its_entries_are_refreshed() {
         assert_eq!(rig.ingress(&long).0, TC_ACT_OK);
         let forwarded = rig.counter(counter::TC_FORWARDED_DIRECT);
         assert_eq!(forwarded, if cached { 3 } else { 2 }, "the SYN, the first ACK, the ACK by the kept route");
-        // A second later, the refresh drops the kept route: the lookup finds none.
+        // In the next period of the clock (here: the kept route made a period older), the
+        // lookup is made again, and finds no route.
         let mut aged = entry();
-        aged.last_seen -= 2_000_000_000;
+        aged.route.period -= 1;
         rig.table(proxy_common::map_names::CONNTRACK).insert(&key, &aged, 0).unwrap();
         assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK);
-        assert_eq!(entry().route.ifindex, 0);
-        // The route back: the next segment is sent by it, and keeps it again.
+        assert_eq!(entry().route, aged.route, "nothing new kept");
+        // The route back: the next segment is sent by it, and keeps it again, for this period.
         route(&["add", "10.244.0.0/16", "dev", "out0"]);
         assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_REDIRECT);
-        assert_eq!(entry().route.ifindex, if cached { out0 } else { 0 });
+        if cached {
+            let period = (monotonic_now() >> ct::ROUTE_PERIOD_SHIFT) as u32;
+            assert_eq!((entry().route.ifindex, entry().route.period), (out0, period));
+        }
         assert_eq!(rig.counter(counter::TC_FORWARDED_DIRECT), forwarded + 1);
     })
     .unwrap();
@@ -1499,13 +1495,8 @@ fn an_agent_with_other_map_sizes_serves_on_the_pinned_maps() {
 #[test]
 fn flows_handed_over_from_kube_proxy_pass_untouched_until_a_new_connection_reuses_the_tuple() {
     let rig = Rig::new(&services());
-    let key = |src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16| CtKey {
-        src_addr: src.into(),
-        dst_addr: dst.into(),
-        src_port: sport.to_be(),
-        dst_port: dport.to_be(),
-        proto: proxy_common::IPPROTO_TCP,
-        _pad: [0; 3],
+    let key = |src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16| {
+        CtKey::new(src.into(), dst.into(), sport.to_be(), dport.to_be(), proxy_common::IPPROTO_TCP)
     };
     let original = key(CLIENT, 40100, CLUSTER_IP, 80);
     // Handed over as the agent does it: a tuple in the map is looked up only once counted.

@@ -57,14 +57,12 @@ fn main() -> Result<()> {
         let path = bench_dir().join("socket_lb.json");
         let mut result: serde_json::Value =
             std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_else(|| json!({}));
-        vs_kube_proxy::run(
-            vs_sizes,
-            if quick { 2 } else { 6 },
-            200,
-            if quick { 3 } else { 20 },
-            cold_sync_limit,
-            |vs| write_vs(&mut result, vs.clone()),
-        )?;
+        // --rounds N --per-round M: longer connection-rate runs (default 6 × 200).
+        let rounds = flag_value(&args, "--rounds").and_then(|v| v.parse().ok()).unwrap_or(if quick { 2 } else { 6 });
+        let per_round = flag_value(&args, "--per-round").and_then(|v| v.parse().ok()).unwrap_or(200);
+        vs_kube_proxy::run(vs_sizes, rounds, per_round, if quick { 3 } else { 20 }, cold_sync_limit, |vs| {
+            write_vs(&mut result, vs.clone())
+        })?;
         return Ok(());
     }
     // --connection-rate: only the socket-LB connection rate, over IPv4 and IPv6.
@@ -83,7 +81,9 @@ fn main() -> Result<()> {
         return Ok(());
     }
     if args.iter().any(|a| a == "--tc-only") {
-        println!("{}", tc_ns_per_packet(1_000_000)?);
+        // --repeat N: runs per test packet (default 1M); more for a profile.
+        let repeat = flag_value(&args, "--repeat").and_then(|v| v.parse().ok()).unwrap_or(1_000_000);
+        println!("{}", tc_ns_per_packet(repeat)?);
         return Ok(());
     }
     // --soak N: only the NodePort churn, N connections per path.
@@ -202,7 +202,9 @@ fn desired_with(n: usize, backends_per_service: usize, target_backend: impl Into
 /// Connect, read the pod's name, close with RST (no TIME_WAIT: no port exhaustion).
 fn one_connection(addr: impl Into<SocketAddr>) -> Result<Duration> {
     let started = Instant::now();
-    let mut conn = TcpStream::connect(addr.into())?;
+    // Past a few SYN retransmissions (1, 3, 7 s) a connection has failed; the kernel's own
+    // limit is two minutes.
+    let mut conn = TcpStream::connect_timeout(&addr.into(), CONNECT_TIMEOUT)?;
     let connected = started.elapsed();
     let mut buf = [0u8; 64];
     let _ = conn.read(&mut buf)?;
@@ -219,6 +221,8 @@ fn one_connection(addr: impl Into<SocketAddr>) -> Result<Duration> {
     }
     Ok(connected)
 }
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
@@ -463,23 +467,15 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     let pinned = aya::maps::MapData::from_pin(bpf::pin_dir(&pins.0).join(proxy_common::map_names::CONNTRACK))?;
     let mut conntrack: aya::maps::HashMap<_, CtKey, CtValue> =
         aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(pinned))?;
-    let forward_key = CtKey {
-        src_addr: proxy_common::Addr::from_v4(u32::from(client).to_be()),
-        dst_addr: proxy_common::Addr::from_v4(u32::from(TARGET_IP).to_be()),
-        src_port: 40000u16.to_be(),
-        dst_port: 80u16.to_be(),
-        proto: IPPROTO_TCP,
-        _pad: [0; 3],
-    };
+    let forward_key = CtKey::new(
+        proxy_common::Addr::from_v4(u32::from(client).to_be()),
+        proxy_common::Addr::from_v4(u32::from(TARGET_IP).to_be()),
+        40000u16.to_be(),
+        80u16.to_be(),
+        IPPROTO_TCP,
+    );
     let forward = conntrack.get(&forward_key, 0).context("the flow to the service was not confirmed")?;
-    let back_key = CtKey {
-        src_addr: forward.src_addr,
-        dst_addr: forward.dst_addr,
-        src_port: forward.src_port,
-        dst_port: forward.dst_port,
-        proto: IPPROTO_TCP,
-        _pad: [0; 3],
-    };
+    let back_key = CtKey::new(forward.src_addr, forward.dst_addr, forward.src_port, forward.dst_port, IPPROTO_TCP);
     let back = CtValue {
         src_addr: forward_key.src_addr,
         dst_addr: forward_key.dst_addr,

@@ -313,7 +313,7 @@ impl Peers {
     }
 
     /// Connection rate over every path: `rounds` × `per_round` new connections each,
-    /// alternating; (conn/s, p50 µs, p99 µs) per path. To the NodePort from the external
+    /// alternating; its rate and connect() times per path. To the NodePort from the external
     /// client, or with `cluster_ip` to that ClusterIP from the client pod.
     fn rates(
         &self,
@@ -321,9 +321,10 @@ impl Peers {
         cluster_ip: Option<Ipv4Addr>,
         rounds: usize,
         per_round: usize,
-    ) -> Result<BTreeMap<&'static str, (f64, f64, f64)>> {
+    ) -> Result<BTreeMap<&'static str, Rate>> {
         let mut lat: BTreeMap<&'static str, Vec<Duration>> = BTreeMap::new();
         let mut time: BTreeMap<&'static str, Duration> = BTreeMap::new();
+        let mut failed: BTreeMap<&'static str, usize> = BTreeMap::new();
         for round in 0..=rounds {
             for &path in paths {
                 let world = &self.worlds[path];
@@ -336,14 +337,25 @@ impl Peers {
                     (Some(ip), _) => SocketAddrV4::new(ip, 80),
                 };
                 let n = if round == 0 { 20 } else { per_round }; // round 0 warms up
-                let (elapsed, samples) = netns.run(move || -> Result<(Duration, Vec<Duration>)> {
+                // A connection that fails is counted (its time in the rate) and told, not fatal.
+                let (elapsed, samples, failures) = netns.run(move || {
                     let started = Instant::now();
-                    let samples = (0..n).map(|i| one_connection(addr(i))).collect::<Result<Vec<_>>>()?;
-                    Ok((started.elapsed(), samples))
-                })??;
+                    let (mut samples, mut failures) = (Vec::new(), Vec::new());
+                    for i in 0..n {
+                        match one_connection(addr(i)) {
+                            Ok(took) => samples.push(took),
+                            Err(e) => failures.push(format!("{path} to {}: {e}", addr(i))),
+                        }
+                    }
+                    (started.elapsed(), samples, failures)
+                })?;
+                for failure in &failures {
+                    eprintln!("round {round}: a connection failed: {failure}");
+                }
                 if round > 0 {
                     lat.entry(path).or_default().extend(samples);
                     *time.entry(path).or_default() += elapsed;
+                    *failed.entry(path).or_default() += failures.len();
                 }
             }
         }
@@ -352,7 +364,15 @@ impl Peers {
             .map(|path| {
                 let mut l = lat.remove(path).unwrap_or_default();
                 l.sort();
-                (*path, (l.len() as f64 / time[path].as_secs_f64(), percentile(&l, 0.5), percentile(&l, 0.99)))
+                let rate = Rate {
+                    conn_per_s: l.len() as f64 / time[path].as_secs_f64(),
+                    p50_us: percentile(&l, 0.5),
+                    p99_us: percentile(&l, 0.99),
+                    max_us: percentile(&l, 1.0),
+                    stalled: l.iter().filter(|t| **t >= STALLED).count(),
+                    failed: failed.get(path).copied().unwrap_or(0),
+                };
+                (*path, rate)
             })
             .collect())
     }
@@ -423,23 +443,53 @@ fn serve(netns: &Netns, ip: Ipv4Addr) -> Result<std::thread::JoinHandle<()>> {
     }))
 }
 
-fn rates_json(rates: &BTreeMap<&'static str, (f64, f64, f64)>) -> serde_json::Value {
-    let direct = rates["direct"].0;
+/// A connect() this slow waited for a retransmitted SYN (the first comes after 1 s): a stall.
+const STALLED: Duration = Duration::from_millis(200);
+
+/// One path's connection rate and connect() times.
+struct Rate {
+    conn_per_s: f64,
+    p50_us: f64,
+    p99_us: f64,
+    max_us: f64,
+    /// Connections whose connect() took `STALLED` or longer.
+    stalled: usize,
+    /// Connections that failed (the bench's `CONNECT_TIMEOUT`, a reset, ...).
+    failed: usize,
+}
+
+fn rates_json(rates: &BTreeMap<&'static str, Rate>) -> serde_json::Value {
+    let direct = rates["direct"].conn_per_s;
     rates
         .iter()
-        .map(|(path, (rate, p50, p99))| {
-            (path.to_string(), json!({"conn_per_s": rate, "vs_direct": rate / direct, "p50_us": p50, "p99_us": p99}))
+        .map(|(path, r)| {
+            let v = json!({"conn_per_s": r.conn_per_s, "vs_direct": r.conn_per_s / direct, "p50_us": r.p50_us,
+                           "p99_us": r.p99_us, "max_us": r.max_us, "stalled": r.stalled,
+                           "failed": r.failed});
+            (path.to_string(), v)
         })
         .collect::<serde_json::Map<_, _>>()
         .into()
 }
 
-fn print_rates(title: &str, rates: &BTreeMap<&'static str, (f64, f64, f64)>) {
+fn print_rates(title: &str, rates: &BTreeMap<&'static str, Rate>) {
     println!("{title}");
-    println!("{:>22} {:>10} {:>10} {:>10} {:>10}", "path", "conn/s", "vs direct", "p50 µs", "p99 µs");
-    let direct = rates["direct"].0;
-    for (path, (rate, p50, p99)) in rates {
-        println!("{path:>22} {rate:>10.0} {:>10.3} {p50:>10.1} {p99:>10.1}", rate / direct);
+    println!(
+        "{:>22} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>7}",
+        "path", "conn/s", "vs direct", "p50 µs", "p99 µs", "max ms", "stalled", "failed"
+    );
+    let direct = rates["direct"].conn_per_s;
+    for (path, r) in rates {
+        println!(
+            "{path:>22} {:>10.0} {:>10.3} {:>10.1} {:>10.1} {:>10.1} {:>8} {:>7}",
+            r.conn_per_s,
+            r.conn_per_s / direct,
+            r.p50_us,
+            r.p99_us,
+            r.max_us / 1e3,
+            r.stalled,
+            r.failed
+        );
     }
 }
 
