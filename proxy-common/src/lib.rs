@@ -10,7 +10,7 @@
 #![no_std]
 
 /// Version of the pinned map layout; part of the bpffs pin directory (`<pin-root>/v<N>`).
-pub const PIN_LAYOUT_VERSION: u32 = 9;
+pub const PIN_LAYOUT_VERSION: u32 = 10;
 
 /// Map names, as seen by `bpftool map show` and used as pin file names.
 pub mod map_names {
@@ -20,8 +20,14 @@ pub mod map_names {
     pub const SOCK_PICKS: &str = "KPR_SOCK_PICKS";
     pub const FRAGMENTS: &str = "KPR_FRAGMENTS";
     pub const COUNTERS: &str = "KPR_COUNTERS";
-    pub const CONNTRACK: &str = "KPR_CONNTRACK";
-    pub const CT_NEW: &str = "KPR_CT_NEW";
+    /// Conntrack of IPv4 flows: established, not answered yet.
+    pub const CONNTRACK4: &str = "KPR_CONNTRACK4";
+    pub const CT_NEW4: &str = "KPR_CT_NEW4";
+    /// Conntrack of IPv6 flows: established, not answered yet.
+    pub const CONNTRACK6: &str = "KPR_CONNTRACK6";
+    pub const CT_NEW6: &str = "KPR_CT_NEW6";
+    /// The conntrack tables, each family's established table before its new one.
+    pub const CONNTRACK_TABLES: [&str; 4] = [CONNTRACK4, CT_NEW4, CONNTRACK6, CT_NEW6];
     pub const NODE_ADDRS: &str = "KPR_NODE_ADDRS";
     pub const SOURCE_RANGES: &str = "KPR_SOURCE_RANGES";
     pub const LOCAL_CIDRS: &str = "KPR_LOCAL_CIDRS";
@@ -59,8 +65,13 @@ pub mod defaults {
     pub const MAX_BACKENDS: u32 = 262_144;
     /// Sockets remembered for reverse translation (getpeername / recvmsg), LRU.
     pub const MAX_SOCK_REVNAT: u32 = 65_536;
-    /// Per-packet conntrack entries (two per translated flow), LRU.
+    /// Per-packet conntrack entries (two per translated flow) of each family's table of
+    /// established flows, LRU (131,072 flows: kube-proxy's default `conntrack.min`).
     pub const MAX_CONNTRACK: u32 = 262_144;
+    /// Entries of each family's table of flows not answered yet, LRU: a TCP flow is there until
+    /// the backend's SYN-ACK, so a quarter of the established table's (a flood of SYNs or
+    /// one-way datagrams evicts only its own kind).
+    pub const MAX_CONNTRACK_NEW: u32 = 65_536;
     /// Local addresses of the node (NodePort frontends, "from the node" sources).
     pub const MAX_NODE_ADDRS: u32 = 4_096;
     /// Links of the node (per-packet datapath: masquerade source, interface-based detection).
@@ -467,14 +478,51 @@ pub struct SockRevNatValue {
     pub service_id: u32,
 }
 
-/// Key of `KPR_CONNTRACK`: a packet's 5-tuple as it arrives (addresses and ports in network
-/// byte order), of either family (IPv4 mapped). Each translated flow has two entries: the
-/// client's direction and the reply's.
+/// How a conntrack key holds an address: each family has its own tables, so that an IPv4
+/// flow's key is 16 bytes, not 40 (the kernel hashes and compares the whole key on every
+/// packet).
+pub trait FlowAddr: Copy {
+    fn from_addr(addr: &Addr) -> Self;
+    fn addr(&self) -> Addr;
+}
+
+/// An IPv4 address in a conntrack key (`KPR_CONNTRACK4`, `KPR_CT_NEW4`), network byte order.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Addr4(pub u32);
+
+impl FlowAddr for Addr4 {
+    #[inline(always)]
+    fn from_addr(addr: &Addr) -> Self {
+        Self(addr.v4())
+    }
+    #[inline(always)]
+    fn addr(&self) -> Addr {
+        Addr::from_v4(self.0)
+    }
+}
+
+/// An IPv6 address in a conntrack key (`KPR_CONNTRACK6`, `KPR_CT_NEW6`) and `KPR_HANDOVER`'s
+/// keys of either family.
+impl FlowAddr for Addr {
+    #[inline(always)]
+    fn from_addr(addr: &Addr) -> Self {
+        *addr
+    }
+    #[inline(always)]
+    fn addr(&self) -> Addr {
+        *self
+    }
+}
+
+/// Key of the conntrack tables: a packet's 5-tuple as it arrives (addresses and ports in
+/// network byte order). Each translated flow has two entries: the client's direction and the
+/// reply's. `CtKey` (the default) holds addresses of either family, IPv4 mapped.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct CtKey {
-    pub src_addr: Addr,
-    pub dst_addr: Addr,
+pub struct CtKey<A = Addr> {
+    pub src_addr: A,
+    pub dst_addr: A,
     pub src_port: u16,
     pub dst_port: u16,
     pub proto: u8,
@@ -484,14 +532,31 @@ pub struct CtKey {
     pub _pad2: u16,
 }
 
-impl CtKey {
+/// The key of the IPv4 conntrack tables.
+pub type CtKey4 = CtKey<Addr4>;
+
+impl<A: FlowAddr> CtKey<A> {
     #[inline(always)]
-    pub const fn new(src_addr: Addr, dst_addr: Addr, src_port: u16, dst_port: u16, proto: u8) -> Self {
-        Self { src_addr, dst_addr, src_port, dst_port, proto, _pad: 0, _pad2: 0 }
+    pub fn new(src_addr: Addr, dst_addr: Addr, src_port: u16, dst_port: u16, proto: u8) -> Self {
+        Self {
+            src_addr: A::from_addr(&src_addr),
+            dst_addr: A::from_addr(&dst_addr),
+            src_port,
+            dst_port,
+            proto,
+            _pad: 0,
+            _pad2: 0,
+        }
+    }
+
+    /// The same tuple with addresses of either family (IPv4 mapped).
+    #[inline(always)]
+    pub fn wide(&self) -> CtKey {
+        CtKey::new(self.src_addr.addr(), self.dst_addr.addr(), self.src_port, self.dst_port, self.proto)
     }
 }
 
-/// Value of `KPR_CONNTRACK`: what the packet's addresses and ports are rewritten to, and how
+/// Value of the conntrack tables: what the packet's addresses and ports are rewritten to, and how
 /// long the flow lives.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -547,7 +612,8 @@ impl CtValue {
     }
 
     /// The key of the flow's other entry (replies for a client's entry, and back).
-    pub const fn pair_key(&self, proto: u8) -> CtKey {
+    #[inline(always)]
+    pub fn pair_key<A: FlowAddr>(&self, proto: u8) -> CtKey<A> {
         CtKey::new(self.dst_addr, self.src_addr, self.dst_port, self.src_port, proto)
     }
 }
@@ -752,6 +818,7 @@ const _: () = assert!(size_of::<Backend>() == 20);
 const _: () = assert!(size_of::<SockRevNatKey>() == 32);
 const _: () = assert!(size_of::<SockRevNatValue>() == 24);
 const _: () = assert!(size_of::<CtKey>() == 40);
+const _: () = assert!(size_of::<CtKey4>() == 16);
 const _: () = assert!(size_of::<CtValue>() == 80);
 const _: () = assert!(size_of::<CtTimeouts>() == 48);
 const _: () = assert!(size_of::<SourceRange>() == 20);
@@ -784,6 +851,7 @@ mod pod {
     unsafe impl aya::Pod for super::SockRevNatKey {}
     unsafe impl aya::Pod for super::SockRevNatValue {}
     unsafe impl aya::Pod for super::CtKey {}
+    unsafe impl aya::Pod for super::CtKey4 {}
     unsafe impl aya::Pod for super::CtValue {}
     unsafe impl aya::Pod for super::CtTimeouts {}
     unsafe impl aya::Pod for super::SourceRange {}

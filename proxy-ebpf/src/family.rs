@@ -6,9 +6,9 @@ use network_types::{
     eth::EtherType,
     ip::{Ipv4Hdr, Ipv6Hdr},
 };
-use proxy_common::{Addr, LinkInfo, csum};
+use proxy_common::{Addr, Addr4, LinkInfo, csum};
 
-use crate::packet::IP_OFF;
+use crate::{maps::FlowTables, packet::IP_OFF};
 
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
@@ -16,6 +16,8 @@ const AF_INET6: u8 = 10;
 pub trait Family {
     /// The IP header, without options or extension headers.
     type Ip: Copy;
+    /// How this family's conntrack keys hold an address (which picks its tables).
+    type FlowAddr: FlowTables;
     const ETH_TYPE: u16;
     /// `bpf_fib_lookup`'s family.
     const AF: u8;
@@ -87,6 +89,7 @@ pub struct V6;
 
 impl Family for V4 {
     type Ip = Ipv4Hdr;
+    type FlowAddr = Addr4;
     const ETH_TYPE: u16 = EtherType::Ipv4 as u16;
     const AF: u8 = AF_INET;
     const ICMP_PROTO: u8 = 1;
@@ -205,6 +208,7 @@ impl Family for V4 {
 
 impl Family for V6 {
     type Ip = Ipv6Hdr;
+    type FlowAddr = Addr;
     const ETH_TYPE: u16 = EtherType::Ipv6 as u16;
     const AF: u8 = AF_INET6;
     const ICMP_PROTO: u8 = 58;

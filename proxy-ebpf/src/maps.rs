@@ -6,8 +6,8 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    Addr, AffinityKey, AffinityValue, Backend, CidrKey, CidrMask, CtKey, CtValue, FragmentKey, LinkInfo, ServiceKey,
-    ServiceValue, SockRevNatKey, SockRevNatValue, SourceRange, counter, defaults,
+    Addr, Addr4, AffinityKey, AffinityValue, Backend, CidrKey, CidrMask, CtKey, CtValue, FlowAddr, FragmentKey,
+    LinkInfo, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRange, counter, defaults,
 };
 
 /// ClusterIP:port/proto → the service's range in `KPR_BACKENDS`.
@@ -42,16 +42,54 @@ pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray
 
 /// A conntrack table: a packet's 5-tuple → its rewrite (two entries per flow). LRU: when
 /// full, the least recently used flow goes.
-pub type FlowMap = LruHashMap<CtKey, CtValue, { defaults::MAX_CONNTRACK as usize }>;
+pub type FlowMap<K> = LruHashMap<K, CtValue, { defaults::MAX_CONNTRACK as usize }>;
 
-/// Per-packet conntrack of established flows (the backend has answered).
-#[btf_map(name = "KPR_CONNTRACK", pin_by_name)]
-pub static CONNTRACK: FlowMap = LruHashMap::new();
+/// Per-packet conntrack of established IPv4 flows (the backend has answered).
+#[btf_map(name = "KPR_CONNTRACK4", pin_by_name)]
+pub static CONNTRACK4: FlowMap<CtKey<Addr4>> = LruHashMap::new();
 
-/// Per-packet conntrack of flows not answered yet, kept apart so that a flood of them can
+/// Per-packet conntrack of IPv4 flows not answered yet, kept apart so that a flood of them can
 /// only evict each other.
-#[btf_map(name = "KPR_CT_NEW", pin_by_name)]
-pub static CT_NEW: FlowMap = LruHashMap::new();
+#[btf_map(name = "KPR_CT_NEW4", pin_by_name)]
+pub static CT_NEW4: FlowMap<CtKey<Addr4>> = LruHashMap::new();
+
+/// `KPR_CONNTRACK4` of IPv6 flows.
+#[btf_map(name = "KPR_CONNTRACK6", pin_by_name)]
+pub static CONNTRACK6: FlowMap<CtKey> = LruHashMap::new();
+
+/// `KPR_CT_NEW4` of IPv6 flows.
+#[btf_map(name = "KPR_CT_NEW6", pin_by_name)]
+pub static CT_NEW6: FlowMap<CtKey> = LruHashMap::new();
+
+/// A family's conntrack tables, by how their keys hold an address.
+pub trait FlowTables: FlowAddr + 'static {
+    /// Established flows.
+    fn established() -> &'static FlowMap<CtKey<Self>>;
+    /// Flows not answered yet.
+    fn new_flows() -> &'static FlowMap<CtKey<Self>>;
+}
+
+impl FlowTables for Addr4 {
+    #[inline(always)]
+    fn established() -> &'static FlowMap<CtKey<Self>> {
+        &CONNTRACK4
+    }
+    #[inline(always)]
+    fn new_flows() -> &'static FlowMap<CtKey<Self>> {
+        &CT_NEW4
+    }
+}
+
+impl FlowTables for Addr {
+    #[inline(always)]
+    fn established() -> &'static FlowMap<CtKey<Self>> {
+        &CONNTRACK6
+    }
+    #[inline(always)]
+    fn new_flows() -> &'static FlowMap<CtKey<Self>> {
+        &CT_NEW6
+    }
+}
 
 /// Tuples (both directions) of the flows kube-proxy translated before kpr took the node over
 /// (`kpr agent --cleanup-kube-proxy`): netfilter's conntrack keeps translating them, so the

@@ -35,8 +35,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    AFFINITY_BY_ADDR, Addr, Backend, CachedRoute, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR,
-    DETECT_LOCAL_INTERFACE, FragmentKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, LINK_FLAG_LOCAL_TRAFFIC,
+    AFFINITY_BY_ADDR, Addr, Addr4, Backend, CachedRoute, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR,
+    DETECT_LOCAL_INTERFACE, FlowAddr, FragmentKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, LINK_FLAG_LOCAL_TRAFFIC,
     LINK_FLAG_TC_INGRESS, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
     SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN,
     ServiceKey, ServiceValue, SourceRange, counter, crc32c, csum, ct, has_states,
@@ -45,7 +45,7 @@ use proxy_common::{
 use crate::{
     family::{Family, Fragment, V4, V6},
     maps::{
-        CONNTRACK, CT_NEW, FRAGMENTS, FlowMap, HANDOVER, LINKS, LOCAL_CIDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss,
+        FRAGMENTS, FlowMap, FlowTables, HANDOVER, LINKS, LOCAL_CIDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss,
         affinity_backend, backend_at, count, handed_over, in_addr_filter, link, node_addr_flags, now, refusal,
         remember_affinity, serves, service_range_miss,
     },
@@ -307,14 +307,16 @@ fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: boo
     // longest chains of calls (confirm, stale).
     // SAFETY: the per-CPU scratch value, valid for this program run.
     let key = unsafe {
-        (*s).flow_key = CtKey::new(t.saddr, t.daddr, t.sport, t.dport, t.proto);
-        &(*s).flow_key
+        let key = FlowScratch::flow_key::<F::FlowAddr>(s);
+        *key = CtKey::new(t.saddr, t.daddr, t.sport, t.dport, t.proto);
+        &*key
     };
-    // Established flows first; a flow not yet answered lives apart (`CT_NEW`), so that a flood
+    let (established, new_flows) = (F::FlowAddr::established(), F::FlowAddr::new_flows());
+    // Established flows first; a flow not yet answered lives apart (`CT_NEW*`), so that a flood
     // of new flows (SYNs, spoofed segments) evicts only its own kind.
-    let found = match CONNTRACK.get_ptr_mut(key) {
+    let found = match established.get_ptr_mut(key) {
         Some(entry_ptr) => Some((entry_ptr, true)),
-        None => CT_NEW.get_ptr_mut(key).map(|entry_ptr| (entry_ptr, false)),
+        None => new_flows.get_ptr_mut(key).map(|entry_ptr| (entry_ptr, false)),
     };
     if let Some((entry_ptr, confirmed)) = found {
         // SAFETY: map value and scratch pointers, valid for this program run; the copy is
@@ -350,11 +352,11 @@ fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: boo
         } else {
             let seen = seen_bits(entry, tcp_flags);
             if confirmed {
-                touch(&CONNTRACK, key, entry_ptr, entry, seen, now);
+                touch(established, key, entry_ptr, entry, seen, now);
             } else if seen & ct::SEEN_REPLY != 0 && tcp_flags & TCP_RST == 0 {
                 confirm(key, entry, seen, now);
             } else {
-                touch(&CT_NEW, key, entry_ptr, entry, seen, now);
+                touch(new_flows, key, entry_ptr, entry, seen, now);
             }
             if rewrite::<F>(ctx, t, entry).is_err() {
                 return PASS;
@@ -466,7 +468,14 @@ fn seen_bits(entry: &CtValue, tcp_flags: u8) -> u32 {
 /// Record a packet of a live flow: new state bits at once, the time at most every
 /// `REFRESH_NS`; both entries of the flow, putting back the other one if it was evicted.
 #[inline(always)]
-fn touch(map: &FlowMap, key: &CtKey, entry_ptr: *mut CtValue, entry: &CtValue, seen: u32, now: u64) {
+fn touch<A: FlowTables>(
+    map: &FlowMap<CtKey<A>>,
+    key: &CtKey<A>,
+    entry_ptr: *mut CtValue,
+    entry: &CtValue,
+    seen: u32,
+    now: u64,
+) {
     let flags = entry.flags | seen;
     if flags == entry.flags && now.saturating_sub(entry.last_seen) < ct::REFRESH_NS {
         return;
@@ -477,7 +486,7 @@ fn touch(map: &FlowMap, key: &CtKey, entry_ptr: *mut CtValue, entry: &CtValue, s
         (*entry_ptr).flags = flags;
         (*entry_ptr).last_seen = now;
     }
-    let pair_key = entry.pair_key(key.proto);
+    let pair_key = entry.pair_key::<A>(key.proto);
     match map.get_ptr_mut(&pair_key) {
         Some(pair) => unsafe {
             (*pair).flags |= flags & ct::FLOW_BITS;
@@ -489,13 +498,14 @@ fn touch(map: &FlowMap, key: &CtKey, entry_ptr: *mut CtValue, entry: &CtValue, s
 
 /// Put back the evicted other entry of a flow.
 #[inline(never)]
-fn heal(map: &FlowMap, key: &CtKey, entry: &CtValue, flags: u32, now: u64) {
+fn heal<A: FlowTables>(map: &FlowMap<CtKey<A>>, key: &CtKey<A>, entry: &CtValue, flags: u32, now: u64) {
     let Ok(s) = scratch() else { return };
     // SAFETY: the per-CPU scratch value, valid for this program run.
     let (pair_key, value) = unsafe {
-        (*s).reply_key = entry.pair_key(key.proto);
+        let pair_key = FlowScratch::reply_key::<A>(s);
+        *pair_key = entry.pair_key(key.proto);
         (*s).reply = mirror(key, entry, flags, now);
-        (&(*s).reply_key, &(*s).reply)
+        (&*pair_key, &(*s).reply)
     };
     if map.insert(pair_key, value, u64::from(BPF_NOEXIST)).is_ok() {
         count(counter::TC_CT_HEALED);
@@ -504,10 +514,10 @@ fn heal(map: &FlowMap, key: &CtKey, entry: &CtValue, flags: u32, now: u64) {
 
 /// The other entry of the flow whose entry `key` → `entry` is: its value is this key, mirrored.
 #[inline(always)]
-fn mirror(key: &CtKey, entry: &CtValue, flags: u32, now: u64) -> CtValue {
+fn mirror<A: FlowAddr>(key: &CtKey<A>, entry: &CtValue, flags: u32, now: u64) -> CtValue {
     CtValue {
-        src_addr: key.dst_addr,
-        dst_addr: key.src_addr,
+        src_addr: key.dst_addr.addr(),
+        dst_addr: key.src_addr.addr(),
         src_port: key.dst_port,
         dst_port: key.src_port,
         service_id: entry.service_id,
@@ -519,34 +529,36 @@ fn mirror(key: &CtKey, entry: &CtValue, flags: u32, now: u64) -> CtValue {
 
 /// The backend answered a new flow: both its entries move to the established table.
 #[inline(never)]
-fn confirm(key: &CtKey, entry: &CtValue, seen: u32, now: u64) {
+fn confirm<A: FlowTables>(key: &CtKey<A>, entry: &CtValue, seen: u32, now: u64) {
     let Ok(s) = scratch() else { return };
     let flags = entry.flags | seen;
     // SAFETY: the per-CPU scratch value, valid for this program run.
     let (pair_key, value) = unsafe {
-        (*s).reply_key = entry.pair_key(key.proto);
+        let pair_key = FlowScratch::reply_key::<A>(s);
+        *pair_key = entry.pair_key(key.proto);
         (*s).forward = CtValue { flags, last_seen: now, ..*entry };
         (*s).reply = mirror(key, entry, flags, now);
-        (&(*s).reply_key, &(*s).forward)
+        (&*pair_key, &(*s).forward)
     };
-    let _ = CONNTRACK.insert(key, value, 0);
-    let _ = CONNTRACK.insert(pair_key, unsafe { &(*s).reply }, 0);
-    let _ = CT_NEW.remove(pair_key);
-    let _ = CT_NEW.remove(key);
+    let _ = A::established().insert(key, value, 0);
+    let _ = A::established().insert(pair_key, unsafe { &(*s).reply }, 0);
+    let _ = A::new_flows().remove(pair_key);
+    let _ = A::new_flows().remove(key);
 }
 
 /// Remove both entries of a flow. The other entry's key is built in the scratch area's `key`
 /// (free wherever a flow is forgotten): on the stack it would put the longest chain of calls
 /// (a new flow's SNAT port search) past the BPF stack of older kernels.
 #[inline(never)]
-fn forget(key: &CtKey, entry: &CtValue, proto: u8) {
+fn forget<A: FlowTables>(key: &CtKey<A>, entry: &CtValue, proto: u8) {
     let Ok(s) = scratch() else { return };
     // SAFETY: the per-CPU scratch value, valid for this program run.
     let pair_key = unsafe {
-        (*s).key = entry.pair_key(proto);
-        &(*s).key
+        let pair_key = FlowScratch::key::<A>(s);
+        *pair_key = entry.pair_key(proto);
+        &*pair_key
     };
-    for map in [&CONNTRACK, &CT_NEW] {
+    for map in [A::established(), A::new_flows()] {
         let _ = map.remove(pair_key);
         let _ = map.remove(key);
     }
@@ -554,17 +566,17 @@ fn forget(key: &CtKey, entry: &CtValue, proto: u8) {
 
 /// The flow entry under `key`, established or new, in place (no copy on the BPF stack).
 #[inline(always)]
-fn flow_entry<'a>(key: &CtKey) -> Option<&'a CtValue> {
+fn flow_entry<'a, A: FlowTables>(key: &CtKey<A>) -> Option<&'a CtValue> {
     // SAFETY: map value pointers are valid for this program run.
-    CONNTRACK.get_ptr(key).or_else(|| CT_NEW.get_ptr(key)).map(|v| unsafe { &*v })
+    A::established().get_ptr(key).or_else(|| A::new_flows().get_ptr(key)).map(|v| unsafe { &*v })
 }
 
 /// Per-CPU room for the conntrack keys and values a packet writes: on the BPF stack they would
 /// not fit beside the rest of the path (512 bytes for a chain of calls).
 #[repr(C)]
 pub struct FlowScratch {
-    key: CtKey,
-    reply_key: CtKey,
+    key: KeySlot,
+    reply_key: KeySlot,
     forward: CtValue,
     reply: CtValue,
     icmp: IcmpFix,
@@ -572,12 +584,36 @@ pub struct FlowScratch {
     service: ServiceValue,
     backend: Backend,
     /// A packet's conntrack key, and a copy of its entry.
-    flow_key: CtKey,
+    flow_key: KeySlot,
     entry: CtValue,
     /// The route lookup of a masquerade address.
     fib: bpf_fib_lookup,
     /// `known_flow` → `forward_direct`: how to route the packet of an established flow (`ROUTE_*`).
     route: u32,
+}
+
+/// Room for a conntrack key of either family's tables.
+#[repr(C)]
+union KeySlot {
+    v4: CtKey<Addr4>,
+    v6: CtKey,
+}
+
+impl FlowScratch {
+    // The key slots as keys of the tables of addresses `A` (the union's fields start at its
+    // start). SAFETY of each: `s` is the per-CPU scratch value.
+    #[inline(always)]
+    unsafe fn key<A: FlowTables>(s: *mut Self) -> *mut CtKey<A> {
+        unsafe { (&raw mut (*s).key).cast() }
+    }
+    #[inline(always)]
+    unsafe fn reply_key<A: FlowTables>(s: *mut Self) -> *mut CtKey<A> {
+        unsafe { (&raw mut (*s).reply_key).cast() }
+    }
+    #[inline(always)]
+    unsafe fn flow_key<A: FlowTables>(s: *mut Self) -> *mut CtKey<A> {
+        unsafe { (&raw mut (*s).flow_key).cast() }
+    }
 }
 
 /// Look the route up (a packet of a new flow or of one not yet answered).
@@ -742,7 +778,7 @@ fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
         return TC_ACT_OK;
     }
     if route == ROUTE_LOOK_UP_AND_CACHE && rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
-        cache_route(s, &params);
+        cache_route::<F::FlowAddr>(s, &params);
     }
     // Forwarding takes one off the TTL; the lookup did not move the packet, but the bounds are
     // checked again for the verifier.
@@ -779,14 +815,14 @@ fn fits_link(ctx: &TcContext, mtu: u16) -> bool {
 /// in the entry of the flow under `s.flow_key`, if it is still the flow this packet was
 /// translated by (another CPU may have replaced it since).
 #[inline(always)]
-fn cache_route(s: *const FlowScratch, params: &bpf_fib_lookup) {
+fn cache_route<A: FlowTables>(s: *mut FlowScratch, params: &bpf_fib_lookup) {
     // SAFETY: the scratch value and a map value pointer, valid for this program run.
     unsafe {
         let mtu = params.__bindgen_anon_1.mtu_result;
         if mtu == 0 {
             return;
         }
-        let Some(entry) = CONNTRACK.get_ptr_mut(&(*s).flow_key) else { return };
+        let Some(entry) = A::established().get_ptr_mut(&*FlowScratch::flow_key::<A>(s)) else { return };
         if !(*entry).same_translation(&(*s).entry) {
             return;
         }
@@ -875,7 +911,7 @@ fn program_flow<F: Family>(
     }
     let (src_addr, src_port) = if let Some(snat_addr) = snat_addr {
         // 0: none free.
-        let port = snat_port(t, backend, &snat_addr, s);
+        let port = snat_port::<F::FlowAddr>(t, backend, &snat_addr, s);
         if port == 0 {
             count(counter::TC_SNAT_EXHAUSTED);
             return Ok(TC_ACT_SHOT);
@@ -887,8 +923,15 @@ fn program_flow<F: Family>(
         // not closed a second ago): then the client's port is remapped, as Linux's NAT does
         // when a reply tuple clashes.
         // SAFETY: the per-CPU scratch value, valid for this program run.
-        unsafe { (*s).reply_key = CtKey::new(backend.addr, t.saddr, backend.port, t.sport, t.proto) };
-        let port = if kpr_snat_try(u32::from(t.sport)) != 0 { t.sport } else { snat_port(t, backend, &t.saddr, s) };
+        unsafe {
+            *FlowScratch::reply_key::<F::FlowAddr>(s) =
+                CtKey::new(backend.addr, t.saddr, backend.port, t.sport, t.proto)
+        };
+        let port = if snat_try::<F::FlowAddr>(u32::from(t.sport)) != 0 {
+            t.sport
+        } else {
+            snat_port::<F::FlowAddr>(t, backend, &t.saddr, s)
+        };
         if port == 0 {
             count(counter::TC_SNAT_EXHAUSTED);
             return Ok(TC_ACT_SHOT);
@@ -906,23 +949,26 @@ fn program_flow<F: Family>(
             flags: 0,
             route: CachedRoute::NONE,
         };
-        (*s).key = CtKey::new(t.saddr, t.daddr, t.sport, t.dport, t.proto);
-        (*s).reply_key = (*s).forward.pair_key(t.proto);
-        (&(*s).forward, &(*s).key, &(*s).reply_key)
+        let key = FlowScratch::key::<F::FlowAddr>(s);
+        *key = CtKey::new(t.saddr, t.daddr, t.sport, t.dport, t.proto);
+        let reply_key = FlowScratch::reply_key::<F::FlowAddr>(s);
+        *reply_key = (*s).forward.pair_key(t.proto);
+        (&(*s).forward, &*key, &*reply_key)
     };
-    let forward = if CT_NEW.insert(key, forward, u64::from(BPF_NOEXIST)).is_ok() {
+    let new_flows = F::FlowAddr::new_flows();
+    let forward = if new_flows.insert(key, forward, u64::from(BPF_NOEXIST)).is_ok() {
         forward
-    } else if let Some(winner) = CT_NEW.get_ptr(key) {
+    } else if let Some(winner) = new_flows.get_ptr(key) {
         // Another CPU created the flow first (a SYN and its retransmission at once): take its
         // translation, and give back what this one held.
         let winner = unsafe { &*winner };
         count(counter::TC_CT_RACE_ADOPTED);
         if !winner.same_translation(forward) {
-            let _ = CT_NEW.remove(reply_key);
+            let _ = new_flows.remove(reply_key);
         }
         winner
     } else {
-        let _ = CT_NEW.remove(reply_key);
+        let _ = new_flows.remove(reply_key);
         count(counter::TC_CT_FULL);
         return Ok(TC_ACT_SHOT);
     };
@@ -939,7 +985,7 @@ fn program_flow<F: Family>(
 /// flow gets its old port back. Free: unused, expired, or a closed TCP flow's (as Linux's NAT
 /// reuses the tuples of closed connections). The flow's own leftover reply entry is reused.
 #[inline(never)]
-fn snat_port(t: &Tuple, backend: &Backend, snat_addr: &Addr, s: *mut FlowScratch) -> u16 {
+fn snat_port<A: FlowTables>(t: &Tuple, backend: &Backend, snat_addr: &Addr, s: *mut FlowScratch) -> u16 {
     let hash = flow_hash(t);
     let (min, max) = (KPR_SNAT_PORT_MIN.load(), KPR_SNAT_PORT_MAX.load());
     let span = u32::from(max.saturating_sub(min)) + 1;
@@ -947,12 +993,12 @@ fn snat_port(t: &Tuple, backend: &Backend, snat_addr: &Addr, s: *mut FlowScratch
     // SAFETY: the per-CPU scratch value, valid for this program run. The key of the reply
     // entry: all but its port, which each try sets.
     unsafe {
-        (*s).reply_key = CtKey::new(backend.addr, *snat_addr, backend.port, 0, t.proto);
+        *FlowScratch::reply_key::<A>(s) = CtKey::new(backend.addr, *snat_addr, backend.port, 0, t.proto);
     }
     for i in 0..SNAT_TRIES {
         let offset = start.wrapping_add(i.wrapping_mul(0x9e37_79b9)).checked_rem(span).unwrap_or(0);
         let port = min.wrapping_add(offset as u16).to_be();
-        if kpr_snat_try(u32::from(port)) != 0 {
+        if snat_try::<A>(u32::from(port)) != 0 {
             return port;
         }
     }
@@ -960,23 +1006,40 @@ fn snat_port(t: &Tuple, backend: &Backend, snat_addr: &Addr, s: *mut FlowScratch
 }
 
 /// One try of [`snat_port`]: 1 if the reply entry in the scratch area (`reply_key` but its
-/// port, `reply`) now holds `port`. A global function: the verifier checks it once per
-/// program, not once per try on every path that reaches it.
+/// port, `reply`) now holds `port`. A global function per family: the verifier checks it once
+/// per program, not once per try on every path that reaches it.
+#[inline(always)]
+fn snat_try<A: FlowTables>(port: u32) -> u32 {
+    if size_of::<A>() == size_of::<Addr4>() { kpr_snat_try4(port) } else { kpr_snat_try6(port) }
+}
+
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn kpr_snat_try(port: u32) -> u32 {
+pub extern "C" fn kpr_snat_try4(port: u32) -> u32 {
+    snat_try_in::<Addr4>(port)
+}
+
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn kpr_snat_try6(port: u32) -> u32 {
+    snat_try_in::<Addr>(port)
+}
+
+#[inline(always)]
+fn snat_try_in<A: FlowTables>(port: u32) -> u32 {
     let Ok(s) = scratch() else { return 0 };
     // SAFETY: the per-CPU scratch value, valid for this program run.
-    let (reply_key, reply) = unsafe { (&mut (*s).reply_key, &(*s).reply) };
+    let (reply_key, reply) = unsafe { (&mut *FlowScratch::reply_key::<A>(s), &(*s).reply) };
     reply_key.dst_port = port as u16;
     let proto = reply_key.proto;
-    // A port free in both tables is taken by the insert (which looks it up in `CT_NEW` itself):
+    let (established, new_flows) = (A::established(), A::new_flows());
+    // A port free in both tables is taken by the insert (which looks it up in `CT_NEW*` itself):
     // one lookup fewer than looking first.
     // SAFETY: map value pointers are valid for this program run.
-    let old = match CONNTRACK.get_ptr(reply_key) {
+    let old = match established.get_ptr(reply_key) {
         Some(old) => unsafe { &*old },
-        None if CT_NEW.insert(reply_key, reply, u64::from(BPF_NOEXIST)).is_ok() => return 1,
-        None => match CT_NEW.get_ptr(reply_key) {
+        None if new_flows.insert(reply_key, reply, u64::from(BPF_NOEXIST)).is_ok() => return 1,
+        None => match new_flows.get_ptr(reply_key) {
             Some(old) => unsafe { &*old },
             None => return 0,
         },
@@ -985,8 +1048,8 @@ pub extern "C" fn kpr_snat_try(port: u32) -> u32 {
         // The flow's own leftover (its other entry was lost, or removed first by the sweep):
         // made new, not kept with the old flow's state and age (an expired leftover would be
         // taken for an ended flow when the answer comes, and the answer passed untranslated).
-        let _ = CONNTRACK.remove(reply_key);
-        return u32::from(CT_NEW.insert(reply_key, reply, 0).is_ok());
+        let _ = established.remove(reply_key);
+        return u32::from(new_flows.insert(reply_key, reply, 0).is_ok());
     }
     let now = now();
     let idle = now.saturating_sub(old.last_seen);
@@ -994,7 +1057,7 @@ pub extern "C" fn kpr_snat_try(port: u32) -> u32 {
     if closed || KPR_CT_TIMEOUTS.load().expired(proto, old, now) {
         count(counter::TC_CT_EXPIRED);
         forget(reply_key, old, proto);
-        return u32::from(CT_NEW.insert(reply_key, reply, u64::from(BPF_NOEXIST)).is_ok());
+        return u32::from(new_flows.insert(reply_key, reply, u64::from(BPF_NOEXIST)).is_ok());
     }
     0
 }
@@ -1029,7 +1092,7 @@ fn mix(mut h: u32) -> u32 {
 fn reopen<F: Family>(ctx: &TcContext, t: &Tuple, entry_ptr: *mut CtValue, now: u64) -> bool {
     let Ok(s) = scratch() else { return false };
     // SAFETY: the per-CPU scratch value, valid for this program run.
-    let (key, entry) = unsafe { (&(*s).flow_key, &(*s).entry) };
+    let (key, entry) = unsafe { (&*FlowScratch::flow_key::<F::FlowAddr>(s), &(*s).entry) };
     if entry.flags & ct::REPLY != 0 {
         return false;
     }
@@ -1055,13 +1118,14 @@ fn reopen<F: Family>(ctx: &TcContext, t: &Tuple, entry_ptr: *mut CtValue, now: u
     }
     // SAFETY: the scratch area and map value pointers, valid for this program run.
     unsafe {
-        (*s).reply_key = entry.pair_key(key.proto);
-        match CONNTRACK.get_ptr_mut(&(*s).reply_key) {
+        let pair_key = FlowScratch::reply_key::<F::FlowAddr>(s);
+        *pair_key = entry.pair_key(key.proto);
+        match F::FlowAddr::established().get_ptr_mut(&*pair_key) {
             // The replies' entry must still be this flow's (it holds the SNAT port).
             Some(pair)
-                if (*pair).dst_addr.same(&key.src_addr)
+                if (*pair).dst_addr.same(&t.saddr)
                     && (*pair).dst_port == key.src_port
-                    && (*pair).src_addr.same(&key.dst_addr)
+                    && (*pair).src_addr.same(&t.daddr)
                     && (*pair).src_port == key.dst_port =>
             {
                 (*pair).flags = ct::REPLY;
@@ -1253,8 +1317,9 @@ fn icmp_error_flow<F: Family>(ctx: &TcContext, s: *mut FlowScratch) -> Result<bo
     let (isrc, idst) = (F::src(inner), F::dst(inner));
     // SAFETY: the per-CPU scratch value, valid for this program run.
     let key = unsafe {
-        (*s).key = CtKey::new(idst, isrc, ports[1], ports[0], proto);
-        &(*s).key
+        let key = FlowScratch::key::<F::FlowAddr>(s);
+        *key = CtKey::new(idst, isrc, ports[1], ports[0], proto);
+        &*key
     };
     // The quoted packet went from (translated) client to backend: the backend's reply entry
     // holds the original addresses.

@@ -175,9 +175,13 @@ struct AgentArgs {
     max_backends: u32,
     #[arg(long, default_value_t = defaults::MAX_SOCK_REVNAT)]
     max_sock_revnat: u32,
-    /// Per-packet conntrack entries (two per flow through NodePort/external frontends).
+    /// Per-packet conntrack entries (two per flow through NodePort/external frontends) of each
+    /// family's table of established flows.
     #[arg(long, default_value_t = defaults::MAX_CONNTRACK)]
     max_conntrack: u32,
+    /// The same, of each family's table of flows not answered yet.
+    #[arg(long, default_value_t = defaults::MAX_CONNTRACK_NEW)]
+    max_conntrack_new: u32,
     /// Restrict the per-packet datapath to these interfaces (comma-separated), or `none` to
     /// turn it off [default: every interface but loopback, including ones created later].
     #[arg(long, value_delimiter = ',')]
@@ -322,6 +326,7 @@ fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
     datapath.max_backends = args.max_backends;
     datapath.max_sock_revnat = args.max_sock_revnat;
     datapath.max_conntrack = args.max_conntrack;
+    datapath.max_conntrack_new = args.max_conntrack_new;
     datapath.ct_timeouts = config.conntrack.datapath();
     datapath.tc_netlink = args.tc_netlink;
     datapath.detect_local = match detector {

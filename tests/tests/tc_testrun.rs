@@ -21,9 +21,9 @@ use kpr::{
     testbed,
 };
 use proxy_common::{
-    Addr, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, LINK_FLAG_TC_INGRESS, LinkInfo, NODE_ADDR_LOCAL,
-    NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
-    SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MIN, counter, ct, program_names,
+    Addr, CidrKey, CtKey, CtKey4, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, LINK_FLAG_TC_INGRESS, LinkInfo,
+    NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
+    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MIN, counter, ct, program_names,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -360,33 +360,20 @@ impl Rig {
         Conntrack::open(&self.pins.0).unwrap()
     }
 
-    /// A conntrack table: established (`KPR_CONNTRACK`) or new (`KPR_CT_NEW`) flows.
-    fn table(&self, name: &str) -> aya::maps::HashMap<aya::maps::MapData, CtKey, CtValue> {
+    /// An IPv4 conntrack table: established (`KPR_CONNTRACK4`) or new (`KPR_CT_NEW4`) flows.
+    fn table4(&self, name: &str) -> aya::maps::HashMap<aya::maps::MapData, CtKey4, CtValue> {
         let map = aya::maps::MapData::from_pin(bpf::pin_dir(&self.pins.0).join(name)).unwrap();
         aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(map)).unwrap()
     }
 
-    /// Conntrack entries of both tables, as (key, value) pairs.
+    /// Conntrack entries of all tables, as (key, value) pairs (keys of either family).
     fn flows(&self) -> Vec<(CtKey, CtValue)> {
-        [proxy_common::map_names::CONNTRACK, proxy_common::map_names::CT_NEW]
-            .into_iter()
-            .flat_map(|name| self.table(name).iter().map(Result::unwrap).collect::<Vec<_>>())
-            .collect()
+        self.conntrack().entries().into_iter().map(|(_, key, value)| (key, value)).collect()
     }
 
     /// Remove conntrack entries (an LRU eviction, as the programs would meet it).
     fn evict(&self, which: impl Fn(&CtKey, &CtValue) -> bool) -> usize {
-        let mut evicted = 0;
-        for name in [proxy_common::map_names::CONNTRACK, proxy_common::map_names::CT_NEW] {
-            let mut table = self.table(name);
-            let doomed: Vec<CtKey> =
-                table.iter().map(Result::unwrap).filter(|(k, v)| which(k, v)).map(|(k, _)| k).collect();
-            for key in &doomed {
-                table.remove(key).unwrap();
-            }
-            evicted += doomed.len();
-        }
-        evicted
+        self.conntrack().remove_where(which).unwrap().1
     }
 }
 
@@ -674,7 +661,7 @@ fn no_endpoints_rejects_udp_with_icmp_port_unreachable() {
 fn packets_between_addresses_kpr_never_programmed_pass_at_the_address_filter() {
     let mut rig = Rig::new(&services());
     let (a, b, c) = (Ipv4Addr::new(10, 1, 1, 1), Ipv4Addr::new(10, 2, 2, 2), Ipv4Addr::new(10, 3, 3, 3));
-    let key = CtKey::new(a.into(), b.into(), 1000u16.to_be(), 2000u16.to_be(), 6);
+    let key = CtKey4::new(a.into(), b.into(), 1000u16.to_be(), 2000u16.to_be(), 6);
     let value = CtValue {
         src_addr: a.into(),
         dst_addr: c.into(),
@@ -685,7 +672,7 @@ fn packets_between_addresses_kpr_never_programmed_pass_at_the_address_filter() {
         flags: proxy_common::ct::SEEN_REPLY,
         route: proxy_common::CachedRoute::NONE,
     };
-    rig.table(proxy_common::map_names::CONNTRACK).insert(&key, &value, 0).unwrap();
+    rig.table4(proxy_common::map_names::CONNTRACK4).insert(&key, &value, 0).unwrap();
     let packet = Pkt { tcp_flags: 0x10, ..tcp(a, 1000, b, 2000) };
     assert_eq!(rig.ingress(&packet.bytes()), (TC_ACT_UNSPEC, packet.bytes()), "filtered out: untouched");
     rig.maps.mark_addresses([IpAddr::from(b).into()]).unwrap();
@@ -1047,7 +1034,7 @@ fn a_new_connection_on_a_closed_flows_tuple_starts_over_on_its_entries_unless_th
     let new_flows = rig.counter(counter::TC_NEW_FLOW);
     assert_eq!(rig.ingress(&syn.bytes()), (TC_ACT_OK, first.clone()), "same endpoint, same SNAT port");
     assert_eq!(rig.counter(counter::TC_NEW_FLOW), new_flows + 1);
-    assert_eq!(rig.table(proxy_common::map_names::CT_NEW).iter().count(), 0, "no new-flow entries");
+    assert_eq!(rig.table4(proxy_common::map_names::CT_NEW4).iter().count(), 0, "no new-flow entries");
     let flows = rig.flows();
     assert_eq!(flows.len(), 2);
     assert!(flows.iter().all(|(_, v)| v.flags & ct::FLOW_BITS == 0), "both entries start over: {flows:?}");
@@ -1204,7 +1191,10 @@ fn a_large_reply_in_fragments_is_translated_whole() {
 fn a_flood_of_new_flows_cannot_evict_established_ones() {
     // Tables of 64 entries each; eight established NodePort connections (answered), then 2000
     // SYNs from spoofed sources that are never answered.
-    let rig = Rig::with(&churn_services(), |cfg| cfg.max_conntrack = 64);
+    let rig = Rig::with(&churn_services(), |cfg| {
+        cfg.max_conntrack = 64;
+        cfg.max_conntrack_new = 64;
+    });
     let mut acks = Vec::new();
     for sport in 44000..44008 {
         let syn = tcp(CLIENT, sport, NODE_IP, 30090);
@@ -1366,8 +1356,8 @@ fn an_established_flow_keeps_its_route_for_about_a_second() {
         // The backend answers (the client has no route here: the host stack decides).
         let reply = Pkt { tcp_flags: 0x12, ..tcp(POD, 8080, NODE_IP, sport_of(&out)) };
         assert_eq!(rig.ingress(&reply.bytes()).0, TC_ACT_OK);
-        let key = CtKey::new(CLIENT.into(), NODE_IP.into(), 40010u16.to_be(), 30080u16.to_be(), 6);
-        let entry = || rig.table(proxy_common::map_names::CONNTRACK).get(&key, 0).unwrap();
+        let key = CtKey4::new(CLIENT.into(), NODE_IP.into(), 40010u16.to_be(), 30080u16.to_be(), 6);
+        let entry = || rig.table4(proxy_common::map_names::CONNTRACK4).get(&key, 0).unwrap();
         // The client's next segment: looked up, and the answer kept in its entry.
         let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
         assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_REDIRECT);
@@ -1396,7 +1386,7 @@ fn an_established_flow_keeps_its_route_for_about_a_second() {
         let mut aged = entry();
         // (Before 6.3 nothing is kept: period 0, made the last one.)
         aged.route.period = aged.route.period.wrapping_sub(1);
-        rig.table(proxy_common::map_names::CONNTRACK).insert(&key, &aged, 0).unwrap();
+        rig.table4(proxy_common::map_names::CONNTRACK4).insert(&key, &aged, 0).unwrap();
         assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK);
         assert_eq!(entry().route, aged.route, "nothing new kept");
         // The route back: the next segment is sent by it, and keeps it again, for this period.

@@ -26,8 +26,8 @@ use aya::{
     util::KernelVersion,
 };
 use proxy_common::{
-    Addr, Backend, CidrKey, CidrMask, CtKey, CtTimeouts, CtValue, LinkInfo, PIN_LAYOUT_VERSION, ServiceKey,
-    ServiceValue, SockRevNatKey, SockRevNatValue, SourceRange, counter, defaults, map_names, program_names,
+    Addr, Backend, CidrKey, CidrMask, CtTimeouts, LinkInfo, PIN_LAYOUT_VERSION, ServiceKey, ServiceValue,
+    SockRevNatKey, SockRevNatValue, SourceRange, counter, defaults, map_names, program_names,
 };
 
 use super::{BatchError, Capacity, Maps, conntrack::Conntrack};
@@ -58,7 +58,10 @@ pub struct DatapathConfig {
     pub max_service_ports: u32,
     pub max_backends: u32,
     pub max_sock_revnat: u32,
+    /// Entries of each family's conntrack table of established flows.
     pub max_conntrack: u32,
+    /// Entries of each family's conntrack table of flows not answered yet.
+    pub max_conntrack_new: u32,
     /// How the per-packet path tells local pods from other sources (`DETECT_LOCAL_*`).
     pub detect_local: u8,
     /// NodePorts answer on 127.0.0.0/8 for the node's own sockets (`localhostNodePorts`).
@@ -91,6 +94,7 @@ impl DatapathConfig {
             max_backends: defaults::MAX_BACKENDS,
             max_sock_revnat: defaults::MAX_SOCK_REVNAT,
             max_conntrack: defaults::MAX_CONNTRACK,
+            max_conntrack_new: defaults::MAX_CONNTRACK_NEW,
             detect_local: proxy_common::DETECT_LOCAL_NONE,
             localhost_node_ports: false,
             pod_links_covered: false,
@@ -378,8 +382,10 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .map_max_entries(map_names::BACKENDS, size(map_names::BACKENDS, cfg.max_backends))
         .map_max_entries(map_names::SOCK_REVNAT, size(map_names::SOCK_REVNAT, cfg.max_sock_revnat))
         .map_max_entries(map_names::SOCK_PICKS, size(map_names::SOCK_PICKS, cfg.max_sock_revnat))
-        .map_max_entries(map_names::CONNTRACK, size(map_names::CONNTRACK, cfg.max_conntrack))
-        .map_max_entries(map_names::CT_NEW, size(map_names::CT_NEW, cfg.max_conntrack))
+        .map_max_entries(map_names::CONNTRACK4, size(map_names::CONNTRACK4, cfg.max_conntrack))
+        .map_max_entries(map_names::CT_NEW4, size(map_names::CT_NEW4, cfg.max_conntrack_new))
+        .map_max_entries(map_names::CONNTRACK6, size(map_names::CONNTRACK6, cfg.max_conntrack))
+        .map_max_entries(map_names::CT_NEW6, size(map_names::CT_NEW6, cfg.max_conntrack_new))
         .override_global("KPR_HAVE_SET_RETVAL", &have_set_retval, true)
         .override_global("KPR_COARSE_CLOCK", &have_coarse_clock, true)
         .override_global("KPR_HOST_NETNS_COOKIE", &host_netns, true)
@@ -1117,10 +1123,7 @@ impl BpfMaps {
             Array::try_from(ebpf.take_map(map_names::BACKENDS).context("no backends map")?)?;
         let capacity = Capacity { service_ports, backends: backends.len() };
         let source_ranges = LpmTrie::try_from(ebpf.take_map(map_names::SOURCE_RANGES).context("no source range map")?)?;
-        let mut table = |name: &str| -> Result<HashMap<MapData, CtKey, CtValue>> {
-            Ok(HashMap::try_from(ebpf.take_map(name).with_context(|| format!("no map {name}"))?)?)
-        };
-        let conntrack = Conntrack::new([table(map_names::CONNTRACK)?, table(map_names::CT_NEW)?])?;
+        let conntrack = Conntrack::new(|name| ebpf.take_map(name).context("not in the object"))?;
         let sock_revnat = HashMap::try_from(ebpf.take_map(map_names::SOCK_REVNAT).context("no sock_revnat map")?)?;
         let addr_filter = Array::try_from(ebpf.take_map(map_names::ADDR_FILTER).context("no address filter map")?)?;
         Ok(Self { services, addr_filter, backends, source_ranges, conntrack, sock_revnat, capacity })

@@ -3,16 +3,17 @@
 //! sweep frees the rest, so the table never fills with flows that ended long ago).
 use std::{path::Path, time::Duration};
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 use aya::maps::{HashMap, IterableMap as _, Map, MapData};
-use proxy_common::{CtKey, CtTimeouts, CtValue, map_names};
+use proxy_common::{Addr, Addr4, CtKey, CtTimeouts, CtValue, FlowAddr, map_names};
 
 /// How often the agent sweeps.
 pub const SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 
-/// The pinned conntrack tables: established flows, and flows not answered yet.
+/// The pinned conntrack tables: per family, established flows and flows not answered yet.
 pub struct Conntrack {
-    tables: [HashMap<MapData, CtKey, CtValue>; 2],
+    v4: [Table<Addr4>; 2],
+    v6: [Table<Addr>; 2],
     capacity: u32,
 }
 
@@ -25,40 +26,59 @@ pub struct Sweep {
     pub expired: usize,
 }
 
-type Table = HashMap<MapData, CtKey, CtValue>;
+/// One conntrack table, keyed by addresses `A` (its family's).
+type Table<A> = HashMap<MapData, CtKey<A>, CtValue>;
 
 impl Conntrack {
     pub fn open(pin_root: &Path) -> Result<Self> {
-        let open = |name: &str| -> Result<Table> {
-            Ok(HashMap::try_from(Map::LruHashMap(super::bpf::open_pinned_map(pin_root, name)?))?)
-        };
-        Self::new([open(map_names::CONNTRACK)?, open(map_names::CT_NEW)?])
+        Self::new(|name| Ok(Map::LruHashMap(super::bpf::open_pinned_map(pin_root, name)?)))
     }
 
-    /// The tables of a loaded object: established, new.
-    pub fn new(tables: [Table; 2]) -> Result<Self> {
-        let capacity = tables[0].map().info()?.max_entries();
-        Ok(Self { tables, capacity })
+    /// The tables, each taken by its name from `take` (a loaded object's maps, or the pins).
+    pub fn new(mut take: impl FnMut(&str) -> Result<Map>) -> Result<Self> {
+        let mut table = |name: &str| -> Result<Map> { take(name).with_context(|| format!("no map {name}")) };
+        let v4 = [HashMap::try_from(table(map_names::CONNTRACK4)?)?, HashMap::try_from(table(map_names::CT_NEW4)?)?];
+        let v6 = [HashMap::try_from(table(map_names::CONNTRACK6)?)?, HashMap::try_from(table(map_names::CT_NEW6)?)?];
+        let mut capacity = 0;
+        for map in [v4[0].map(), v4[1].map(), v6[0].map(), v6[1].map()] {
+            capacity += map.info()?.max_entries();
+        }
+        Ok(Self { v4, v6, capacity })
     }
 
-    /// Entries each table holds at most.
+    /// Entries all tables hold at most.
     pub fn capacity(&self) -> u32 {
         self.capacity
     }
 
-    /// Entries now (two per flow): established, new.
+    /// Entries now (two per flow), both families: established, new.
     pub fn lens(&self) -> (usize, usize) {
-        let len = |t: &Table| t.keys().filter(Result::is_ok).count();
-        (len(&self.tables[0]), len(&self.tables[1]))
+        fn len<A: FlowAddr>(t: &Table<A>) -> usize
+        where
+            CtKey<A>: aya::Pod,
+        {
+            t.keys().filter(Result::is_ok).count()
+        }
+        (len(&self.v4[0]) + len(&self.v6[0]), len(&self.v4[1]) + len(&self.v6[1]))
     }
 
-    /// Every entry: (in the table of flows not answered yet, key, value).
+    /// Every entry, both families: (in a table of flows not answered yet, key, value).
     pub fn entries(&self) -> Vec<(bool, CtKey, CtValue)> {
-        let table = |i: usize| self.tables[i].iter().filter_map(Result::ok).map(move |(k, v)| (i == 1, k, v));
-        table(0).chain(table(1)).collect()
+        fn entries<A: FlowAddr>(tables: &[Table<A>; 2], out: &mut Vec<(bool, CtKey, CtValue)>)
+        where
+            CtKey<A>: aya::Pod,
+        {
+            for (i, table) in tables.iter().enumerate() {
+                out.extend(table.iter().filter_map(Result::ok).map(|(k, v)| (i == 1, k.wide(), v)));
+            }
+        }
+        let mut out = Vec::new();
+        entries(&self.v4, &mut out);
+        entries(&self.v6, &mut out);
+        out
     }
 
-    /// Entries now, both tables.
+    /// Entries now, all tables.
     pub fn len(&self) -> usize {
         let (established, new) = self.lens();
         established + new
@@ -75,44 +95,60 @@ impl Conntrack {
         Ok(Sweep { live, expired })
     }
 
-    /// Remove the entries `doomed` picks, in both tables: (entries left, entries removed).
-    ///
-    /// Each entry is read again just before it is removed: a walk of a full table takes long
-    /// enough for the programs to bring a doomed tuple back to life meanwhile (a new connection
-    /// on the tuple of an expired flow), and removing that entry would break the new
-    /// connection (its replies would find no flow).
+    /// Remove the entries `doomed` picks (it sees keys of either family, IPv4 mapped), in all
+    /// tables: (entries left, entries removed).
     pub fn remove_where(&mut self, doomed: impl Fn(&CtKey, &CtValue) -> bool) -> Result<(usize, usize)> {
         let (mut left, mut removed) = (0, 0);
-        for table in &mut self.tables {
-            let mut keys = Vec::new();
-            for (key, value) in table.iter().filter_map(Result::ok) {
-                if doomed(&key, &value) {
-                    keys.push(key);
-                } else {
-                    left += 1;
-                }
-            }
-            for key in keys {
-                match table.get(&key, 0) {
-                    Ok(value) if doomed(&key, &value) => {}
-                    Ok(_) => {
-                        left += 1;
-                        continue;
-                    }
-                    // Taken back by the programs meanwhile.
-                    Err(_) => continue,
-                }
-                match table.remove(&key) {
-                    Ok(()) => removed += 1,
-                    // Taken back by the programs meanwhile.
-                    Err(aya::maps::MapError::KeyNotFound) => {}
-                    Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
-                    Err(e) => return Err(e.into()),
-                }
-            }
+        for table in &mut self.v4 {
+            let (l, r) = remove_where(table, &doomed)?;
+            (left, removed) = (left + l, removed + r);
+        }
+        for table in &mut self.v6 {
+            let (l, r) = remove_where(table, &doomed)?;
+            (left, removed) = (left + l, removed + r);
         }
         Ok((left, removed))
     }
+}
+
+/// [`Conntrack::remove_where`] in one table.
+///
+/// Each entry is read again just before it is removed: a walk of a full table takes long
+/// enough for the programs to bring a doomed tuple back to life meanwhile (a new connection
+/// on the tuple of an expired flow), and removing that entry would break the new
+/// connection (its replies would find no flow).
+fn remove_where<A: FlowAddr>(table: &mut Table<A>, doomed: &impl Fn(&CtKey, &CtValue) -> bool) -> Result<(usize, usize)>
+where
+    CtKey<A>: aya::Pod,
+{
+    let (mut left, mut removed) = (0, 0);
+    let mut keys = Vec::new();
+    for (key, value) in table.iter().filter_map(Result::ok) {
+        if doomed(&key.wide(), &value) {
+            keys.push(key);
+        } else {
+            left += 1;
+        }
+    }
+    for key in keys {
+        match table.get(&key, 0) {
+            Ok(value) if doomed(&key.wide(), &value) => {}
+            Ok(_) => {
+                left += 1;
+                continue;
+            }
+            // Taken back by the programs meanwhile.
+            Err(_) => continue,
+        }
+        match table.remove(&key) {
+            Ok(()) => removed += 1,
+            // Taken back by the programs meanwhile.
+            Err(aya::maps::MapError::KeyNotFound) => {}
+            Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok((left, removed))
 }
 
 /// CLOCK_MONOTONIC in nanoseconds: `bpf_ktime_get_ns()`'s clock.
@@ -148,8 +184,7 @@ pub async fn sweep_forever(
         .await;
         match result {
             Ok(Ok((conntrack, sweep))) => {
-                // Two tables (established, new) of `capacity` each.
-                metrics.conntrack_swept(sweep.live, sweep.expired, conntrack.capacity() * 2);
+                metrics.conntrack_swept(sweep.live, sweep.expired, conntrack.capacity());
                 tables = Some(conntrack);
                 if sweep.expired > 0 {
                     tracing::debug!(live = sweep.live, expired = sweep.expired, "conntrack swept");

@@ -96,7 +96,7 @@ pub struct ServicesReport {
 pub struct ConntrackUse {
     pub established: usize,
     pub new: usize,
-    /// Of each table.
+    /// Of all tables (established and new, each family).
     pub capacity: u32,
 }
 
@@ -140,7 +140,7 @@ pub fn text(r: &ServicesReport) -> String {
     let c = &r.conntrack;
     let _ = writeln!(
         out,
-        "conntrack: {} established + {} new entries (of {} each; two per per-packet flow)",
+        "conntrack: {} established + {} new entries (of {} in all tables; two per per-packet flow)",
         c.established, c.new, c.capacity
     );
     let _ = writeln!(out, "counters:");

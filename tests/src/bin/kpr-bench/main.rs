@@ -421,7 +421,7 @@ fn tcp_frame(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u8) ->
 /// either way).
 fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static str, f64, String)>> {
     use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions};
-    use proxy_common::{CtKey, CtValue, IPPROTO_TCP};
+    use proxy_common::{CtKey4, CtValue, FlowAddr as _, IPPROTO_TCP};
     const ACK: u8 = 0x10;
     let name = testbed::unique_name("kb-tc");
     let pins = testbed::PinRoot(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
@@ -464,10 +464,10 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     // The kernel's `repeat` runs the program again on the packet it rewrote: a second flow
     // whose entry translates the rewritten packet back (client → backend becomes client →
     // frontend) makes every run an established-flow hit, alternating between the two.
-    let pinned = aya::maps::MapData::from_pin(bpf::pin_dir(&pins.0).join(proxy_common::map_names::CONNTRACK))?;
-    let mut conntrack: aya::maps::HashMap<_, CtKey, CtValue> =
+    let pinned = aya::maps::MapData::from_pin(bpf::pin_dir(&pins.0).join(proxy_common::map_names::CONNTRACK4))?;
+    let mut conntrack: aya::maps::HashMap<_, CtKey4, CtValue> =
         aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(pinned))?;
-    let forward_key = CtKey::new(
+    let forward_key = CtKey4::new(
         proxy_common::Addr::from_v4(u32::from(client).to_be()),
         proxy_common::Addr::from_v4(u32::from(TARGET_IP).to_be()),
         40000u16.to_be(),
@@ -475,18 +475,18 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
         IPPROTO_TCP,
     );
     let forward = conntrack.get(&forward_key, 0).context("the flow to the service was not confirmed")?;
-    let back_key = CtKey::new(forward.src_addr, forward.dst_addr, forward.src_port, forward.dst_port, IPPROTO_TCP);
+    let back_key = CtKey4::new(forward.src_addr, forward.dst_addr, forward.src_port, forward.dst_port, IPPROTO_TCP);
     let back = CtValue {
-        src_addr: forward_key.src_addr,
-        dst_addr: forward_key.dst_addr,
+        src_addr: forward_key.src_addr.addr(),
+        dst_addr: forward_key.dst_addr.addr(),
         src_port: forward_key.src_port,
         dst_port: forward_key.dst_port,
         route: proxy_common::CachedRoute::NONE,
         ..forward
     };
     let back_reply = CtValue {
-        src_addr: back_key.dst_addr,
-        dst_addr: back_key.src_addr,
+        src_addr: back_key.dst_addr.addr(),
+        dst_addr: back_key.src_addr.addr(),
         src_port: back_key.dst_port,
         dst_port: back_key.src_port,
         flags: forward.flags | proxy_common::ct::REPLY,
@@ -494,7 +494,7 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
         ..forward
     };
     conntrack.insert(&back_key, &back, 0)?;
-    conntrack.insert(&back.pair_key(IPPROTO_TCP), &back_reply, 0)?;
+    conntrack.insert(&back.pair_key::<proxy_common::Addr4>(IPPROTO_TCP), &back_reply, 0)?;
     // Every run a hit: one run takes the packet to the backend, the next brings it back.
     let dst_after = |runs: u32| -> Result<[u8; 4]> { Ok(run_with_output(&to_service, runs)?.1[30..34].try_into()?) };
     if dst_after(1)? != backend.octets() || dst_after(2)? != TARGET_IP.octets() {
