@@ -1123,9 +1123,9 @@ fn reopen<F: Family>(ctx: &TcContext, t: &Tuple, entry_ptr: *mut CtValue, now: u
         match F::FlowAddr::established().get_ptr_mut(&*pair_key) {
             // The replies' entry must still be this flow's (it holds the SNAT port).
             Some(pair)
-                if (*pair).dst_addr.same(&t.saddr)
+                if (*pair).dst_addr.same(&key.src_addr.addr())
                     && (*pair).dst_port == key.src_port
-                    && (*pair).src_addr.same(&t.daddr)
+                    && (*pair).src_addr.same(&key.dst_addr.addr())
                     && (*pair).src_port == key.dst_port =>
             {
                 (*pair).flags = ct::REPLY;
