@@ -52,10 +52,11 @@ pub async fn run(keep_running: bool) -> Result<()> {
     let interrupted = Arc::new(AtomicBool::new(false));
     {
         let interrupted = interrupted.clone();
+        // SIGTERM too (`kill`, `timeout`): its default action would end the demo before it
+        // removes the namespaces, cgroup and pins it made.
         tokio::spawn(async move {
-            if tokio::signal::ctrl_c().await.is_ok() {
-                interrupted.store(true, Ordering::Relaxed);
-            }
+            crate::shutdown_signal().await;
+            interrupted.store(true, Ordering::Relaxed);
         });
     }
 

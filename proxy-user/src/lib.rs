@@ -17,3 +17,14 @@ pub mod proxy_servers;
 pub mod source;
 pub mod takeover;
 pub mod testbed;
+
+/// SIGTERM (the kubelet stopping the pod, `kill`, `timeout`) or SIGINT (Ctrl-C): the agent's
+/// and the demo's orderly shutdown.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+    }
+}

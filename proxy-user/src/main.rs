@@ -305,7 +305,7 @@ async fn run_agent(args: AgentArgs) -> Result<()> {
     let cfg = agent_config(args)?;
     raise_fd_limit();
     raise_memlock_limit();
-    agent::run(cfg, shutdown_signal()).await
+    agent::run(cfg, kpr::shutdown_signal()).await
 }
 
 /// The agent's whole configuration: the file, the flags, and what follows from them.
@@ -430,16 +430,6 @@ fn raise_memlock_limit() {
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
     kpr::config::go_duration::parse(s)
-}
-
-/// SIGTERM (the kubelet stopping the pod) or SIGINT.
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
-    }
 }
 
 /// Print a report as text, or as JSON; a closed pipe (`| head`) is not an error.

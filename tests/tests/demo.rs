@@ -36,3 +36,39 @@ fn the_demo_shows_cluster_ip_node_port_trace_and_endpoints() {
     assert!(stdout.ends_with("demo: done, cleaning up\n"), "{stdout}");
     assert!(!stderr.contains("WARN") && !stderr.contains("ERROR"), "a clean run logs no warnings:\n{stderr}");
 }
+
+/// `kpr demo --keep-running` ended by SIGTERM (`kill`, `timeout`), not Ctrl-C, still removes
+/// the network namespaces and bpffs pins it made (SIGTERM's default action would leave them,
+/// and the programs they hold, behind).
+#[test]
+fn a_demo_kept_running_removes_what_it_made_on_sigterm() {
+    use std::io::{BufRead as _, BufReader};
+    let mut child = Command::new(kpr_tests::kpr_bin())
+        .args(["demo", "--keep-running"])
+        .env("NO_COLOR", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let tag = format!("kpr-demo-{}", child.id());
+    let ours = |listing: &str| listing.lines().filter(|l| l.contains(&tag)).count();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let running = lines.by_ref().map_while(Result::ok).any(|l| l.contains("running until Ctrl-C"));
+    let netns =
+        || String::from_utf8_lossy(&Command::new("ip").args(["netns", "list"]).output().unwrap().stdout).into_owned();
+    let pins = || {
+        std::fs::read_dir("/sys/fs/bpf")
+            .unwrap()
+            .filter_map(Result::ok)
+            .map(|e| e.file_name().to_string_lossy().into_owned() + "\n")
+            .collect::<String>()
+    };
+    let made = (ours(&netns()), ours(&pins()));
+    // SAFETY: kill(2) on the pid of the child this test started (and has not reaped).
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    assert!(running, "the demo got to running");
+    assert!(made.0 >= 5 && made.1 >= 1, "it made namespaces and pins: {made:?}");
+    assert!(status.success(), "an orderly exit: {status}");
+    assert_eq!((ours(&netns()), ours(&pins())), (0, 0), "nothing of {tag} left");
+}
