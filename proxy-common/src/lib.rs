@@ -26,8 +26,6 @@ pub mod map_names {
     /// Conntrack of IPv6 flows: established, not answered yet.
     pub const CONNTRACK6: &str = "KPR_CONNTRACK6";
     pub const CT_NEW6: &str = "KPR_CT_NEW6";
-    /// The conntrack tables, each family's established table before its new one.
-    pub const CONNTRACK_TABLES: [&str; 4] = [CONNTRACK4, CT_NEW4, CONNTRACK6, CT_NEW6];
     pub const NODE_ADDRS: &str = "KPR_NODE_ADDRS";
     pub const SOURCE_RANGES: &str = "KPR_SOURCE_RANGES";
     pub const LOCAL_CIDRS: &str = "KPR_LOCAL_CIDRS";

@@ -53,11 +53,11 @@ pub static CONNTRACK4: FlowMap<CtKey<Addr4>> = LruHashMap::new();
 #[btf_map(name = "KPR_CT_NEW4", pin_by_name)]
 pub static CT_NEW4: FlowMap<CtKey<Addr4>> = LruHashMap::new();
 
-/// `KPR_CONNTRACK4` of IPv6 flows.
+/// The same as `KPR_CONNTRACK4`, for IPv6 flows.
 #[btf_map(name = "KPR_CONNTRACK6", pin_by_name)]
 pub static CONNTRACK6: FlowMap<CtKey> = LruHashMap::new();
 
-/// `KPR_CT_NEW4` of IPv6 flows.
+/// The same as `KPR_CT_NEW4`, for IPv6 flows.
 #[btf_map(name = "KPR_CT_NEW6", pin_by_name)]
 pub static CT_NEW6: FlowMap<CtKey> = LruHashMap::new();
 
