@@ -39,7 +39,7 @@ use proxy_common::{
     DETECT_LOCAL_INTERFACE, FlowAddr, FragmentKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, LINK_FLAG_LOCAL_TRAFFIC,
     LINK_FLAG_TC_INGRESS, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
     SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN,
-    ServiceKey, ServiceValue, SourceRange, counter, crc32c, csum, ct, has_states,
+    ServiceKey, ServiceValue, SourceRange, counter, crc32c, csum, csum::L4State, ct, has_states,
 };
 
 use crate::{
@@ -1182,10 +1182,11 @@ fn fragment_key<F: Family>(ip: &F::Ip, saddr: &Addr, daddr: &Addr) -> Option<Fra
 /// Rewrite addresses and ports to `to`, fixing the IP and L4 checksums incrementally; the
 /// first fragment of a datagram leaves its rewrite for the later ones.
 ///
-/// The common case costs at most two helper calls: the L4 checksum goes through the kernel
-/// (only it knows whether the checksum is partial, left to the device, which changes the
-/// arithmetic), once for both addresses of the pseudo header and once for both ports. The
-/// header fields and the IPv4 checksum, which covers only its own header, are written in place.
+/// The common case costs one helper call: the L4 checksum goes through the kernel for both
+/// addresses of the pseudo header (only it knows whether the checksum is partial, left to the
+/// device, which changes the arithmetic), and what the field became says how the ports' change
+/// goes in (`ports_csum_in_place`; else a second call). The header fields and the IPv4
+/// checksum, which covers only its own header, are written in place.
 #[inline(always)]
 fn rewrite<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()> {
     if let Some(id) = t.first_fragment {
@@ -1205,12 +1206,16 @@ fn rewrite<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()
     };
     match inet_csum {
         Some((csum_off, flags)) => {
+            let mut ports_left = old_ports != new_ports;
             if addrs_changed {
+                let before = l4_csum_field(ctx, csum_off);
                 // Size 0: `to` is a precomputed difference.
-                let diff = u64::from(csum::fold32(addr_diff));
-                ctx.l4_csum_replace(csum_off, 0, diff, flags | u64::from(BPF_F_PSEUDO_HDR)).map_err(drop)?;
+                let diff = csum::fold32(addr_diff);
+                ctx.l4_csum_replace(csum_off, 0, u64::from(diff), flags | u64::from(BPF_F_PSEUDO_HDR)).map_err(drop)?;
+                ports_left =
+                    ports_left && !ports_csum_in_place(ctx, csum_off, before, diff, flags != 0, old_ports, new_ports);
             }
-            if old_ports != new_ports {
+            if ports_left {
                 ctx.l4_csum_replace(csum_off, u64::from(old_ports), u64::from(new_ports), flags | 4).map_err(drop)?;
             }
         }
@@ -1232,6 +1237,56 @@ fn rewrite<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()
         }
     }
     Ok(())
+}
+
+/// [`l4_csum_field`]: the field is not in the linear area. A plain integer, not an `Option`:
+/// the compiler may read an empty option's payload, an uninitialized slot the verifier refuses.
+const NO_FIELD: u32 = u32::MAX;
+
+/// The L4 checksum field at `off`, else `NO_FIELD`.
+#[inline(always)]
+fn l4_csum_field(ctx: &TcContext, off: usize) -> u32 {
+    let at = ctx.data() + off;
+    if at + 2 > ctx.data_end() {
+        return NO_FIELD;
+    }
+    // SAFETY: within [data, data_end), checked above; an unaligned read of plain bytes.
+    u32::from(unsafe { (at as *const u16).read_unaligned() })
+}
+
+/// The ports' share of the L4 checksum, after the kernel applied the addresses' (`diff`) to the
+/// field that was `before`: what the field became tells whether the packet's checksum is
+/// complete (the ports' change is then written into it here) or left to the device (nothing
+/// more to do) — a helper call saved on every translated packet. False: the field did not
+/// tell (`csum::l4_state`), and the kernel must be asked.
+#[inline(always)]
+fn ports_csum_in_place(
+    ctx: &TcContext,
+    off: usize,
+    before: u32,
+    diff: u32,
+    mark_mangled_0: bool,
+    old_ports: u32,
+    new_ports: u32,
+) -> bool {
+    let after = l4_csum_field(ctx, off);
+    if before == NO_FIELD || after == NO_FIELD {
+        return false;
+    }
+    match csum::l4_state(before as u16, after as u16, diff, mark_mangled_0) {
+        L4State::NoMore => true,
+        L4State::Unknown => false,
+        L4State::Complete => {
+            let check = csum::kernel::word_complete(after as u16, old_ports, new_ports);
+            let at = ctx.data() + off;
+            if at + 2 > ctx.data_end() {
+                return false;
+            }
+            // SAFETY: within [data, data_end), checked above; an unaligned write of plain bytes.
+            unsafe { (at as *mut u16).write_unaligned(csum::kernel::mangled(check, mark_mangled_0)) };
+            true
+        }
+    }
 }
 
 /// [`rewrite`] for a new flow's first packet, as a subprogram: the new-flow path has used its

@@ -270,3 +270,35 @@ pub fn sa(ip: Ipv4Addr, port: u16) -> SocketAddrV4 {
 pub fn sa6(ip: Ipv6Addr, port: u16) -> SocketAddrV6 {
     SocketAddrV6::new(ip, port, 0, 0)
 }
+
+/// Turn transmit checksum offload of link `name`, in the calling thread's network namespace,
+/// on or off (`ethtool -K name tx on|off`, through its ioctl). Off, the kernel completes the
+/// checksums of what leaves by the link (a packet left to the device, `CHECKSUM_PARTIAL`, is
+/// summed in software), and what the link's own stack sends carries a complete checksum, which
+/// the receiver verifies.
+pub fn set_tx_checksum_offload(name: &str, on: bool) -> Result<()> {
+    const ETHTOOL_STXCSUM: u32 = 0x17;
+    #[repr(C)]
+    struct EthtoolValue {
+        cmd: u32,
+        data: u32,
+    }
+    let mut value = EthtoolValue { cmd: ETHTOOL_STXCSUM, data: u32::from(on) };
+    // SAFETY: a zeroed ifreq is valid; the name fits (checked) and stays NUL-terminated.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    anyhow::ensure!(name.len() < ifr.ifr_name.len(), "link name {name} too long");
+    for (dst, src) in ifr.ifr_name.iter_mut().zip(name.bytes()) {
+        *dst = src as libc::c_char;
+    }
+    ifr.ifr_ifru.ifru_data = (&raw mut value).cast();
+    // SAFETY: plain syscalls on a socket we own; `ifr` and `value` outlive the ioctl.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        anyhow::ensure!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let rc = libc::ioctl(fd, libc::SIOCETHTOOL, &raw mut ifr);
+        let err = std::io::Error::last_os_error();
+        libc::close(fd);
+        anyhow::ensure!(rc == 0, "SIOCETHTOOL ETHTOOL_STXCSUM {name} {on}: {err}");
+    }
+    Ok(())
+}

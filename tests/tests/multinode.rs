@@ -338,6 +338,29 @@ fn node_ports_are_forwarded_past_a_forward_chain_that_drops() {
     assert!(forwarded >= 2, "the SYN and the SYN-ACK at least: {forwarded}");
 }
 
+/// The L4 checksum of a translated packet verifies in both of the kernel's states, which kpr
+/// tells apart from the field itself: complete (a client without checksum offload; the pod
+/// verifies the sum), and left to the device (`CHECKSUM_PARTIAL`, veth's default; node-a's
+/// eth0, here without offload, has the kernel complete the sum from what kpr left, and the pod
+/// and the client verify it). A wrong sum is a segment dropped, and a connection that never
+/// answers.
+#[test]
+fn node_port_checksums_verify_whoever_completes_them() {
+    let c = Cluster::new("km-csum").unwrap();
+    let pod_b = c.nodes[1].pod_ip;
+    c.write("svc.yaml", &service("Cluster", 30080, &[(pod_b, "node-b")]));
+    c.wait("*:30080/TCP ext", 1);
+    let a = c.nodes[0].ip;
+    let ask = |c: &Cluster| c.ext(move || tcp_ask_peer(SocketAddrV4::new(a, 30080), TIMEOUT));
+    c.ext(|| kpr_tests::set_tx_checksum_offload("eth0", false)).unwrap();
+    let (name, seen) = ask(&c).expect("complete checksums from the client");
+    assert_eq!((name.as_str(), seen), ("pod-b", a.to_string()));
+    c.ext(|| kpr_tests::set_tx_checksum_offload("eth0", true)).unwrap();
+    c.nodes[0].netns.run(|| kpr_tests::set_tx_checksum_offload("eth0", false)).unwrap().unwrap();
+    let (name, seen) = ask(&c).expect("checksums left to the device, completed by node-a");
+    assert_eq!((name.as_str(), seen), ("pod-b", a.to_string()));
+}
+
 /// `kpr COMMAND ARGS --pin-root pins`: stdout, after checking the command succeeded.
 fn kpr(command: &str, pins: &std::path::Path, args: &[&str]) -> String {
     let out = Command::new(kpr_tests::kpr_bin())
