@@ -46,8 +46,8 @@ use crate::{
     family::{Family, Fragment, V4, V6},
     maps::{
         FRAGMENTS, FlowMap, FlowTables, HANDOVER, LINKS, LOCAL_CIDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss,
-        affinity_backend, backend_at, count, handed_over, in_addr_filter, link, node_addr_flags, now, refusal,
-        remember_affinity, serves, service_range_miss,
+        TickClock, affinity_backend, backend_at, count, handed_over, in_addr_filter, link, node_addr_flags, now,
+        now_by_tick, refusal, remember_affinity, serves, service_range_miss,
     },
     packet::*,
     tc_reject::{reject_port_unreachable, reject_tcp},
@@ -326,7 +326,8 @@ fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: boo
             core::ptr::copy_nonoverlapping(entry_ptr, &raw mut (*s).entry, 1);
             &(*s).entry
         };
-        let now = now();
+        // SAFETY: the per-CPU scratch value.
+        let now = now_by_tick(unsafe { &raw mut (*s).clock });
         let syn = tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
         // How `forward_direct` routes the packet if it is translated here.
         let route = route_hint(ingress && confirmed, &entry.route, now);
@@ -590,6 +591,8 @@ pub struct FlowScratch {
     fib: bpf_fib_lookup,
     /// `known_flow` → `forward_direct`: how to route the packet of an established flow (`ROUTE_*`).
     route: u32,
+    /// The time at this CPU's last tick (`now_by_tick`).
+    clock: TickClock,
 }
 
 /// Room for a conntrack key of either family's tables.

@@ -916,6 +916,33 @@ fn an_expired_flow_gives_back_its_snat_port() {
     assert!(rig.counter(counter::TC_CT_EXPIRED) >= 1);
 }
 
+/// An established flow's packets ask the kernel for the time once per tick of its clock and
+/// keep it for the rest of the tick (`now_by_tick`): the time they read still moves, so a flow
+/// idle past its timeout is found expired at its next packet, and one within it is not.
+#[test]
+fn the_time_an_established_flows_packets_read_moves_with_the_clock() {
+    let rig = Rig::with(&churn_services(), |cfg| {
+        cfg.ct_timeouts = CtTimeouts { tcp_established: 300 * MS, ..CtTimeouts::DEFAULT };
+    });
+    let syn = tcp(CLIENT, 41100, NODE_IP, 30090);
+    let (_, out) = rig.ingress(&syn.bytes());
+    let reply = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out)) };
+    assert_eq!(rig.ingress(&reply.bytes()).0, TC_ACT_OK, "reply reversed");
+    let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
+    let hits = rig.counter(counter::TC_CT_HIT);
+    for _ in 0..3 {
+        assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK);
+    }
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK);
+    assert_eq!(rig.counter(counter::TC_CT_HIT) - hits, 4, "within its timeout the flow is live");
+    assert_eq!(rig.counter(counter::TC_CT_EXPIRED), 0);
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    rig.ingress(&ack.bytes());
+    assert_eq!(rig.counter(counter::TC_CT_EXPIRED), 1, "idle past its timeout, the flow expired");
+    assert_eq!(rig.counter(counter::TC_CT_HIT) - hits, 4);
+}
+
 #[test]
 fn flows_live_by_state_and_the_sweep_removes_ended_ones() {
     let rig = Rig::with(&churn_services(), |cfg| {
