@@ -347,18 +347,26 @@ fn node_ports_are_forwarded_past_a_forward_chain_that_drops() {
 #[test]
 fn node_port_checksums_verify_whoever_completes_them() {
     let c = Cluster::new("km-csum").unwrap();
-    let pod_b = c.nodes[1].pod_ip;
-    c.write("svc.yaml", &service("Cluster", 30080, &[(pod_b, "node-b")]));
+    let (pod_b, pod_b6) = (c.nodes[1].pod_ip, c.nodes[1].pod_ip6);
+    c.write("svc.yaml", &dual_stack_service("Cluster", 30080, &[(pod_b, "node-b")], Some(&[(pod_b6, "node-b")])));
     c.wait("*:30080/TCP ext", 1);
-    let a = c.nodes[0].ip;
-    let ask = |c: &Cluster| c.ext(move || tcp_ask_peer(SocketAddrV4::new(a, 30080), TIMEOUT));
+    c.wait("[*]:30080/TCP ext", 1);
+    let (a, a6) = (c.nodes[0].ip, c.nodes[0].ip6);
+    // Through node-a in each family: the pod answers, and sees node-a's address (masquerade).
+    let ask_both = |c: &Cluster, case: &str| {
+        for (node, addr) in
+            [(IpAddr::from(a), SocketAddr::new(a.into(), 30080)), (a6.into(), SocketAddr::new(a6.into(), 30080))]
+        {
+            let answer = c.ext(move || tcp_ask_peer(addr, TIMEOUT));
+            let (name, seen) = answer.unwrap_or_else(|e| panic!("{case}, via {addr}: {e}"));
+            assert_eq!((name.as_str(), seen), ("pod-b", node.to_string()), "{case}, via {addr}");
+        }
+    };
     c.ext(|| kpr_tests::set_tx_checksum_offload("eth0", false)).unwrap();
-    let (name, seen) = ask(&c).expect("complete checksums from the client");
-    assert_eq!((name.as_str(), seen), ("pod-b", a.to_string()));
+    ask_both(&c, "complete checksums from the client");
     c.ext(|| kpr_tests::set_tx_checksum_offload("eth0", true)).unwrap();
     c.nodes[0].netns.run(|| kpr_tests::set_tx_checksum_offload("eth0", false)).unwrap().unwrap();
-    let (name, seen) = ask(&c).expect("checksums left to the device, completed by node-a");
-    assert_eq!((name.as_str(), seen), ("pod-b", a.to_string()));
+    ask_both(&c, "checksums left to the device, completed by node-a");
 }
 
 /// `kpr COMMAND ARGS --pin-root pins`: stdout, after checking the command succeeded.
