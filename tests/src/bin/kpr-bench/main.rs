@@ -387,6 +387,7 @@ fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
     node.ip(&["link", "set", "out0", "up"])?;
     node.ip(&["link", "set", "out1", "up"])?;
     node.ip(&["route", "add", "10.0.0.0/8", "dev", "out0"])?;
+    node.ip(&["-6", "route", "add", "fd00::/8", "dev", "out0"])?;
     node.route_packets()?;
     let mut results = serde_json::Map::new();
     for forward_direct in [true, false] {
@@ -401,19 +402,84 @@ fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
     Ok(serde_json::Value::Object(results))
 }
 
-/// An Ethernet + IPv4 + TCP frame, checksums left zero, TTL 255: a run forwarding it takes
-/// one off, and below 2 the program leaves the packet to the stack (no route lookup).
-fn tcp_frame(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u8) -> Vec<u8> {
-    let mut p = vec![0u8; 14 + 20 + 20 + 6];
-    p[12..14].copy_from_slice(&[0x08, 0x00]);
-    p[14..26].copy_from_slice(&[0x45, 0, 0, 46, 0, 0, 0x40, 0, 255, 6, 0, 0]);
-    p[26..30].copy_from_slice(&src.octets());
-    p[30..34].copy_from_slice(&dst.octets());
-    p[34..36].copy_from_slice(&sport.to_be_bytes());
-    p[36..38].copy_from_slice(&dport.to_be_bytes());
-    p[46] = 0x50;
-    p[47] = flags;
+/// An Ethernet + IPv4 or IPv6 + TCP frame (6 bytes of payload), checksums left zero, TTL or
+/// hop limit 255: a run forwarding it takes one off, and below 2 the program leaves the packet
+/// to the stack (no route lookup).
+fn tcp_frame(src: impl Into<IpAddr>, sport: u16, dst: impl Into<IpAddr>, dport: u16, flags: u8) -> Vec<u8> {
+    let mut p = match (src.into(), dst.into()) {
+        (IpAddr::V4(src), IpAddr::V4(dst)) => {
+            let mut p = vec![0u8; 14 + 20];
+            p[12..14].copy_from_slice(&[0x08, 0x00]);
+            p[14..26].copy_from_slice(&[0x45, 0, 0, 46, 0, 0, 0x40, 0, 255, 6, 0, 0]);
+            p[26..30].copy_from_slice(&src.octets());
+            p[30..34].copy_from_slice(&dst.octets());
+            p
+        }
+        (src, dst) => {
+            let mut p = vec![0u8; 14 + 40];
+            p[12..14].copy_from_slice(&[0x86, 0xdd]);
+            p[14..22].copy_from_slice(&[0x60, 0, 0, 0, 0, 26, 6, 255]);
+            p[22..38].copy_from_slice(&to_v6(src).octets());
+            p[38..54].copy_from_slice(&to_v6(dst).octets());
+            p
+        }
+    };
+    let mut tcp = [0u8; 20 + 6];
+    tcp[0..2].copy_from_slice(&sport.to_be_bytes());
+    tcp[2..4].copy_from_slice(&dport.to_be_bytes());
+    tcp[12] = 0x50;
+    tcp[13] = flags;
+    p.extend_from_slice(&tcp);
     p
+}
+
+fn to_v6(addr: IpAddr) -> Ipv6Addr {
+    match addr {
+        IpAddr::V4(a) => a.to_ipv6_mapped(),
+        IpAddr::V6(a) => a,
+    }
+}
+
+/// Make `to_service` (client:40000 → target:80, whose flow `run` opened and the backend
+/// answered) hit conntrack on every run of the kernel's `repeat`, which runs the program again
+/// on the packet it rewrote: a second flow, in the family's established table `table`, whose
+/// entry translates the rewritten packet back (client → backend becomes client → target), so
+/// the runs alternate between the two flows.
+fn establish<A: proxy_common::FlowAddr>(
+    pins: &std::path::Path,
+    table: &str,
+    (client, target): (IpAddr, IpAddr),
+) -> Result<()>
+where
+    proxy_common::CtKey<A>: aya::Pod,
+{
+    use proxy_common::{CtKey, CtValue, IPPROTO_TCP};
+    let pinned = aya::maps::MapData::from_pin(bpf::pin_dir(pins).join(table))?;
+    let mut conntrack: aya::maps::HashMap<_, CtKey<A>, CtValue> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(pinned))?;
+    let forward_key = CtKey::<A>::new(client.into(), target.into(), 40000u16.to_be(), 80u16.to_be(), IPPROTO_TCP);
+    let forward = conntrack.get(&forward_key, 0).context("the flow to the service was not confirmed")?;
+    let back_key = CtKey::<A>::new(forward.src_addr, forward.dst_addr, forward.src_port, forward.dst_port, IPPROTO_TCP);
+    let back = CtValue {
+        src_addr: forward_key.src_addr.addr(),
+        dst_addr: forward_key.dst_addr.addr(),
+        src_port: forward_key.src_port,
+        dst_port: forward_key.dst_port,
+        route: proxy_common::CachedRoute::NONE,
+        ..forward
+    };
+    let back_reply = CtValue {
+        src_addr: back_key.dst_addr.addr(),
+        dst_addr: back_key.src_addr.addr(),
+        src_port: back_key.dst_port,
+        dst_port: back_key.src_port,
+        flags: forward.flags | proxy_common::ct::REPLY,
+        route: proxy_common::CachedRoute::NONE,
+        ..forward
+    };
+    conntrack.insert(&back_key, &back, 0)?;
+    conntrack.insert(&back.pair_key::<A>(IPPROTO_TCP), &back_reply, 0)?;
+    Ok(())
 }
 
 /// One object loaded with `forward_direct`: (label, ns per run, how it ran) for each test
@@ -421,7 +487,6 @@ fn tcp_frame(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u8) ->
 /// either way).
 fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static str, f64, String)>> {
     use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions};
-    use proxy_common::{CtKey4, CtValue, FlowAddr as _, IPPROTO_TCP};
     const ACK: u8 = 0x10;
     let name = testbed::unique_name("kb-tc");
     let pins = testbed::PinRoot(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
@@ -443,6 +508,14 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     let target = desired[&service_key(TARGET_IP, 80, Protocol::Tcp)].clone();
     desired
         .insert(kpr::model::desired::frontend_key(TARGET_IP, 80, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL), target);
+    // And an IPv6 service like it.
+    let backend6 = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 2);
+    let target6 = desired_with(1, 1, backend6)[&service_key(TARGET_IP6, 80, Protocol::Tcp)].clone();
+    desired.insert(service_key(TARGET_IP6, 80, Protocol::Tcp), target6.clone());
+    desired.insert(
+        kpr::model::desired::frontend_key(TARGET_IP6, 80, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL),
+        target6,
+    );
     Programmer::recover(&mut maps)?.apply(&desired, &mut maps);
     let prog: &SchedClassifier =
         ebpf.program(proxy_common::program_names::TC_INGRESS).context("tc program")?.try_into()?;
@@ -456,49 +529,37 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
         Ok((result.duration, buf, result.return_value))
     };
     let run = |input: &[u8], repeat: u32| -> Result<Duration> { Ok(run_with_output(input, repeat)?.0) };
+    // An established flow in each family: its first packet and the backend's answer, as on
+    // the wire, then the flow back (`establish`).
     let client = Ipv4Addr::new(10, 0, 0, 99);
     let to_service = tcp_frame(client, 40000, TARGET_IP, 80, ACK);
-    // An established flow: its first packet and the backend's answer, as on the wire.
-    run(&to_service, 1)?;
-    run(&tcp_frame(backend, BENCH_PORT, client, 40000, ACK), 1)?;
-    // The kernel's `repeat` runs the program again on the packet it rewrote: a second flow
-    // whose entry translates the rewritten packet back (client → backend becomes client →
-    // frontend) makes every run an established-flow hit, alternating between the two.
-    let pinned = aya::maps::MapData::from_pin(bpf::pin_dir(&pins.0).join(proxy_common::map_names::CONNTRACK4))?;
-    let mut conntrack: aya::maps::HashMap<_, CtKey4, CtValue> =
-        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(pinned))?;
-    let forward_key = CtKey4::new(
-        proxy_common::Addr::from_v4(u32::from(client).to_be()),
-        proxy_common::Addr::from_v4(u32::from(TARGET_IP).to_be()),
-        40000u16.to_be(),
-        80u16.to_be(),
-        IPPROTO_TCP,
-    );
-    let forward = conntrack.get(&forward_key, 0).context("the flow to the service was not confirmed")?;
-    let back_key = CtKey4::new(forward.src_addr, forward.dst_addr, forward.src_port, forward.dst_port, IPPROTO_TCP);
-    let back = CtValue {
-        src_addr: forward_key.src_addr.addr(),
-        dst_addr: forward_key.dst_addr.addr(),
-        src_port: forward_key.src_port,
-        dst_port: forward_key.dst_port,
-        route: proxy_common::CachedRoute::NONE,
-        ..forward
-    };
-    let back_reply = CtValue {
-        src_addr: back_key.dst_addr.addr(),
-        dst_addr: back_key.src_addr.addr(),
-        src_port: back_key.dst_port,
-        dst_port: back_key.src_port,
-        flags: forward.flags | proxy_common::ct::REPLY,
-        route: proxy_common::CachedRoute::NONE,
-        ..forward
-    };
-    conntrack.insert(&back_key, &back, 0)?;
-    conntrack.insert(&back.pair_key::<proxy_common::Addr4>(IPPROTO_TCP), &back_reply, 0)?;
-    // Every run a hit: one run takes the packet to the backend, the next brings it back.
-    let dst_after = |runs: u32| -> Result<[u8; 4]> { Ok(run_with_output(&to_service, runs)?.1[30..34].try_into()?) };
-    if dst_after(1)? != backend.octets() || dst_after(2)? != TARGET_IP.octets() {
-        bail!("the established flow's packets were not translated back and forth");
+    let client6 = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x99);
+    let to_service6 = tcp_frame(client6, 40000, TARGET_IP6, 80, ACK);
+    for (frame, client, target, backend) in [
+        (&to_service, IpAddr::from(client), IpAddr::from(TARGET_IP), IpAddr::from(backend)),
+        (&to_service6, client6.into(), TARGET_IP6.into(), backend6.into()),
+    ] {
+        run(frame, 1)?;
+        run(&tcp_frame(backend, BENCH_PORT, client, 40000, ACK), 1)?;
+        match target {
+            IpAddr::V4(_) => {
+                establish::<proxy_common::Addr4>(&pins.0, proxy_common::map_names::CONNTRACK4, (client, target))?
+            }
+            IpAddr::V6(_) => {
+                establish::<proxy_common::Addr>(&pins.0, proxy_common::map_names::CONNTRACK6, (client, target))?
+            }
+        }
+        // Every run a hit: one run takes the packet to the backend, the next brings it back.
+        let dst_after = |runs: u32| -> Result<IpAddr> {
+            let out = run_with_output(frame, runs)?.1;
+            Ok(match target {
+                IpAddr::V4(_) => <[u8; 4]>::try_from(&out[30..34])?.into(),
+                IpAddr::V6(_) => <[u8; 16]>::try_from(&out[38..54])?.into(),
+            })
+        };
+        if dst_after(1)? != backend || dst_after(2)? != target {
+            bail!("the established flow's packets to {target} were not translated back and forth");
+        }
     }
     // Sent straight out (TC_ACT_REDIRECT), or handed to the host stack (TC_ACT_OK).
     let verdict = run_with_output(&to_service, 1)?.2;
@@ -508,7 +569,7 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     // An ARP frame returns at the first check: the harness's own cost per run (the floor).
     let mut arp = tcp_frame(Ipv4Addr::UNSPECIFIED, 0, Ipv4Addr::UNSPECIFIED, 0, ACK);
     arp[12..14].copy_from_slice(&[0x08, 0x06]);
-    let mut inputs = vec![("established_flow", to_service.clone())];
+    let mut inputs = vec![("established_flow", to_service.clone()), ("established_flow_ipv6", to_service6)];
     if forward_direct {
         inputs.extend([
             ("not_a_service", tcp_frame(client, 40000, Ipv4Addr::new(10, 244, 9, 9), 80, ACK)),
