@@ -295,7 +295,7 @@ pub fn set_tx_checksum_offload(name: &str, on: bool) -> Result<()> {
     unsafe {
         let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
         anyhow::ensure!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
-        let rc = libc::ioctl(fd, libc::SIOCETHTOOL, &raw mut ifr);
+        let rc = libc::ioctl(fd, libc::SIOCETHTOOL as _, &raw mut ifr);
         let err = std::io::Error::last_os_error();
         libc::close(fd);
         anyhow::ensure!(rc == 0, "SIOCETHTOOL ETHTOOL_STXCSUM {name} {on}: {err}");
