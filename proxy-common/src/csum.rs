@@ -79,7 +79,9 @@ pub mod kernel {
     }
 
     /// The field after a 32-bit word of a complete checksum went from `from` to `to`
-    /// (`csum_replace4`); a checksum left to the device keeps its field.
+    /// (`csum_replace4`); a checksum left to the device keeps its field. [`super::replace`]
+    /// gives the same sum but may write the other zero of one's complement: this writes what
+    /// the kernel's call would have, bit for bit.
     #[inline(always)]
     pub const fn word_complete(check: u16, from: u32, to: u32) -> u16 {
         fold(add(add(!(check as u32), !from), to))

@@ -415,14 +415,15 @@ fn tcp_frame(src: impl Into<IpAddr>, sport: u16, dst: impl Into<IpAddr>, dport: 
             p[30..34].copy_from_slice(&dst.octets());
             p
         }
-        (src, dst) => {
+        (IpAddr::V6(src), IpAddr::V6(dst)) => {
             let mut p = vec![0u8; 14 + 40];
             p[12..14].copy_from_slice(&[0x86, 0xdd]);
             p[14..22].copy_from_slice(&[0x60, 0, 0, 0, 0, 26, 6, 255]);
-            p[22..38].copy_from_slice(&to_v6(src).octets());
-            p[38..54].copy_from_slice(&to_v6(dst).octets());
+            p[22..38].copy_from_slice(&src.octets());
+            p[38..54].copy_from_slice(&dst.octets());
             p
         }
+        (src, dst) => panic!("a frame from {src} to {dst}: one family per frame"),
     };
     let mut tcp = [0u8; 20 + 6];
     tcp[0..2].copy_from_slice(&sport.to_be_bytes());
@@ -431,13 +432,6 @@ fn tcp_frame(src: impl Into<IpAddr>, sport: u16, dst: impl Into<IpAddr>, dport: 
     tcp[13] = flags;
     p.extend_from_slice(&tcp);
     p
-}
-
-fn to_v6(addr: IpAddr) -> Ipv6Addr {
-    match addr {
-        IpAddr::V4(a) => a.to_ipv6_mapped(),
-        IpAddr::V6(a) => a,
-    }
 }
 
 /// Make `to_service` (client:40000 → target:80, whose flow `run` opened and the backend
