@@ -229,6 +229,12 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
     sorted[i].as_secs_f64() * 1e6
 }
 
+/// The middle value (the upper of the two middle ones for an even count).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
 /// Connection rate over IPv4, or over IPv6 (`v6`): an IPv6 ClusterIP, an IPv6 pod.
 fn connection_rate(sizes: &[usize], rounds: usize, per_round: usize, v6: bool) -> Result<serde_json::Value> {
     let name = testbed::unique_name("kb-conn");
@@ -389,15 +395,56 @@ fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
     node.ip(&["route", "add", "10.0.0.0/8", "dev", "out0"])?;
     node.ip(&["-6", "route", "add", "fd00::/8", "dev", "out0"])?;
     node.route_packets()?;
+    // Each object is loaded LOADS times (its JIT images and maps placed anew): one load's
+    // figures were seen to differ from the next's by up to half on a noisy machine, the
+    // floor's too. Each packet gets the median of all its rounds, and the median of its rounds
+    // less the same round's floor (`above_floor`, with each load's median).
+    const LOADS: u32 = 5;
     let mut results = serde_json::Map::new();
+    let (mut ranges, mut above_floor) = (serde_json::Map::new(), serde_json::Map::new());
     for forward_direct in [true, false] {
-        for (label, ns, runs) in node.run(move || tc_program_runs(repeat, forward_direct))?? {
+        // Per label: each load's rounds.
+        let mut pooled: Vec<(&str, Vec<Vec<f64>>, String)> = Vec::new();
+        for _ in 0..LOADS {
+            for (label, rounds, runs) in node.run(move || tc_program_runs(repeat.div_ceil(LOADS), forward_direct))?? {
+                match pooled.iter_mut().find(|(l, ..)| *l == label) {
+                    Some((_, loads, _)) => loads.push(rounds),
+                    None => pooled.push((label, vec![rounds], runs)),
+                }
+            }
+        }
+        let floor = pooled.iter().find(|(l, ..)| *l == "floor_non_ip").map(|(_, r, _)| r.clone()).unwrap_or_default();
+        for (label, loads, runs) in pooled {
+            if !forward_direct && label == "floor_non_ip" {
+                continue; // the same program's floor, measured again
+            }
             let label = if forward_direct { label.to_owned() } else { format!("{label}_host_routing") };
             let what = if forward_direct { "" } else { ", --host-routing" };
-            println!("tc ingress, {label}: {ns:.1} ns/packet (TestRun, {runs}, 10k services programmed{what})");
-            results.insert(label, json!(ns));
+            // Each round less its round's floor, by load (the packets run in rounds beside the floor).
+            let over: Option<Vec<Vec<f64>>> = (!label.starts_with("floor")
+                && loads.len() == floor.len()
+                && loads.iter().zip(&floor).all(|(l, f)| l.len() == f.len()))
+            .then(|| loads.iter().zip(&floor).map(|(l, f)| l.iter().zip(f).map(|(r, f)| r - f).collect()).collect());
+            let rounds: Vec<f64> = loads.concat();
+            let (min, max) = rounds.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+            let ns = median(rounds);
+            let mut over_text = String::new();
+            if let Some(over) = over {
+                let by_load: Vec<f64> = over.iter().map(|l| median(l.clone())).collect();
+                let all = median(over.concat());
+                over_text = format!(", {all:.1} above its rounds' floor (by load: {by_load:.1?})");
+                above_floor.insert(label.clone(), json!({ "median": all, "by_load": by_load }));
+            }
+            println!(
+                "tc ingress, {label}: {ns:.1} ns/packet{over_text}, rounds {min:.1}–{max:.1} (TestRun, {runs}, {LOADS} loads, 10k services programmed{what})"
+            );
+            results.insert(label.clone(), json!(ns));
+            ranges.insert(label, json!([min, max]));
         }
     }
+    results.insert("above_floor".into(), serde_json::Value::Object(above_floor));
+    results.insert("ranges".into(), serde_json::Value::Object(ranges));
+    results.insert("loads".into(), json!(LOADS));
     results.insert("repeat".into(), json!(repeat));
     Ok(serde_json::Value::Object(results))
 }
@@ -476,10 +523,10 @@ where
     Ok(())
 }
 
-/// One object loaded with `forward_direct`: (label, ns per run, how it ran) for each test
+/// One object loaded with `forward_direct`: (label, ns per run in each round, how it ran) for each test
 /// packet (with host routing, the established flow only: the other packets take the same path
 /// either way).
-fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static str, f64, String)>> {
+fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static str, Vec<f64>, String)>> {
     use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions};
     const ACK: u8 = 0x10;
     let name = testbed::unique_name("kb-tc");
@@ -563,31 +610,46 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     // An ARP frame returns at the first check: the harness's own cost per run (the floor).
     let mut arp = tcp_frame(Ipv4Addr::UNSPECIFIED, 0, Ipv4Addr::UNSPECIFIED, 0, ACK);
     arp[12..14].copy_from_slice(&[0x08, 0x06]);
-    let mut inputs = vec![("established_flow", to_service.clone()), ("established_flow_ipv6", to_service6)];
+    // The floor in every object: each round's figures are also taken against its round's floor.
+    let mut inputs = vec![
+        ("established_flow", to_service.clone()),
+        ("established_flow_ipv6", to_service6),
+        ("floor_non_ip", arp.clone()),
+    ];
     if forward_direct {
-        inputs.extend([
-            ("not_a_service", tcp_frame(client, 40000, Ipv4Addr::new(10, 244, 9, 9), 80, ACK)),
-            ("floor_non_ip", arp.clone()),
-        ]);
+        inputs.push(("not_a_service", tcp_frame(client, 40000, Ipv4Addr::new(10, 244, 9, 9), 80, ACK)));
     }
     // Runs in TestRuns of CHUNK: the packet's TTL lasts that long, and the harness's cost per
-    // TestRun (building the packet) is spread over them.
+    // TestRun (building the packet) is spread over them. The packets take turns in ROUNDS and
+    // each gets the median of its rounds: a burst of load from elsewhere on the machine (a
+    // neighbour of a VM) lands in some rounds of every packet, not in all of one packet's.
     const CHUNK: u32 = 200;
-    let chunks = repeat.div_ceil(CHUNK);
-    let mut out = Vec::new();
-    let how = format!("{} runs, {CHUNK} per TestRun", chunks * CHUNK);
-    for (label, input) in inputs {
-        let mut total = Duration::ZERO;
-        for _ in 0..chunks {
-            total += run(&input, CHUNK)?;
+    const ROUNDS: u32 = 9;
+    let chunks_per_round = repeat.div_ceil(CHUNK * ROUNDS);
+    let how = format!(
+        "{} runs, {CHUNK} per TestRun, median of {ROUNDS} alternating rounds",
+        chunks_per_round * CHUNK * ROUNDS
+    );
+    let mut per_round: Vec<Vec<f64>> = vec![Vec::new(); inputs.len()];
+    for _ in 0..ROUNDS {
+        for ((_, input), rounds) in inputs.iter().zip(&mut per_round) {
+            let mut total = Duration::ZERO;
+            for _ in 0..chunks_per_round {
+                total += run(input, CHUNK)?;
+            }
+            // TestRun reports the mean time of one run.
+            rounds.push(total.as_nanos() as f64 / f64::from(chunks_per_round));
         }
-        out.push((label, total.as_nanos() as f64 / f64::from(chunks), how.clone()));
+    }
+    let mut out = Vec::new();
+    for ((label, _), rounds) in inputs.iter().zip(per_round) {
+        out.push((*label, rounds, how.clone()));
     }
     if forward_direct {
         // A connection's first packet: a SYN from another client address every run (a new
         // flow each time: backend pick, two conntrack entries; a NodePort would add the SNAT
         // port search). One run per TestRun, so beside its own floor.
-        let runs = repeat.min(200_000);
+        let runs = repeat.min(70_000);
         let (mut total, mut floor) = (Duration::ZERO, Duration::ZERO);
         for i in 0..runs {
             let syn =
@@ -596,8 +658,8 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
             floor += run(&arp, 1)?;
         }
         let how = format!("{runs} TestRuns of one run");
-        out.push(("new_flow", total.as_nanos() as f64 / f64::from(runs), how.clone()));
-        out.push(("floor_single_run", floor.as_nanos() as f64 / f64::from(runs), how));
+        out.push(("new_flow", vec![total.as_nanos() as f64 / f64::from(runs)], how.clone()));
+        out.push(("floor_single_run", vec![floor.as_nanos() as f64 / f64::from(runs)], how));
     }
     Ok(out)
 }
