@@ -325,6 +325,7 @@ impl Peers {
         let mut lat: BTreeMap<&'static str, Vec<Duration>> = BTreeMap::new();
         let mut time: BTreeMap<&'static str, Duration> = BTreeMap::new();
         let mut failed: BTreeMap<&'static str, usize> = BTreeMap::new();
+        let mut round_rates: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
         for round in 0..=rounds {
             for &path in paths {
                 let world = &self.worlds[path];
@@ -352,10 +353,12 @@ impl Peers {
                 for failure in &failures {
                     eprintln!("round {round}: a connection failed: {failure}");
                 }
+                let samples_len = samples.len();
                 if round > 0 {
                     lat.entry(path).or_default().extend(samples);
                     *time.entry(path).or_default() += elapsed;
                     *failed.entry(path).or_default() += failures.len();
+                    round_rates.entry(path).or_default().push(samples_len as f64 / elapsed.as_secs_f64());
                 }
             }
         }
@@ -366,6 +369,7 @@ impl Peers {
                 l.sort();
                 let rate = Rate {
                     conn_per_s: l.len() as f64 / time[path].as_secs_f64(),
+                    round_rates: round_rates.remove(path).unwrap_or_default(),
                     p50_us: percentile(&l, 0.5),
                     p99_us: percentile(&l, 0.99),
                     max_us: percentile(&l, 1.0),
@@ -448,7 +452,10 @@ const STALLED: Duration = Duration::from_millis(200);
 
 /// One path's connection rate and connect() times.
 struct Rate {
+    /// All rounds' connections over all rounds' time.
     conn_per_s: f64,
+    /// Each round's rate, in round order (the paths take turns within a round).
+    round_rates: Vec<f64>,
     p50_us: f64,
     p99_us: f64,
     max_us: f64,
@@ -458,12 +465,24 @@ struct Rate {
     failed: usize,
 }
 
+/// Each path's rate against the direct path's: the median of the rounds' ratios, so that a
+/// burst of load from elsewhere on the machine, which slows every path in the rounds it
+/// lands in, moves the ratio less than it moves the rates.
+fn vs_direct(rates: &BTreeMap<&'static str, Rate>, path: &str) -> f64 {
+    let direct = &rates["direct"].round_rates;
+    let ratios: Vec<f64> = rates[path].round_rates.iter().zip(direct).map(|(r, d)| r / d).collect();
+    if ratios.is_empty() {
+        return rates[path].conn_per_s / rates["direct"].conn_per_s;
+    }
+    super::median(ratios)
+}
+
 fn rates_json(rates: &BTreeMap<&'static str, Rate>) -> serde_json::Value {
-    let direct = rates["direct"].conn_per_s;
     rates
         .iter()
         .map(|(path, r)| {
-            let v = json!({"conn_per_s": r.conn_per_s, "vs_direct": r.conn_per_s / direct, "p50_us": r.p50_us,
+            let v = json!({"conn_per_s": r.conn_per_s, "vs_direct": vs_direct(rates, path),
+                           "vs_direct_overall": r.conn_per_s / rates["direct"].conn_per_s, "p50_us": r.p50_us,
                            "p99_us": r.p99_us, "max_us": r.max_us, "stalled": r.stalled,
                            "failed": r.failed});
             (path.to_string(), v)
@@ -478,12 +497,11 @@ fn print_rates(title: &str, rates: &BTreeMap<&'static str, Rate>) {
         "{:>22} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>7}",
         "path", "conn/s", "vs direct", "p50 µs", "p99 µs", "max ms", "stalled", "failed"
     );
-    let direct = rates["direct"].conn_per_s;
     for (path, r) in rates {
         println!(
             "{path:>22} {:>10.0} {:>10.3} {:>10.1} {:>10.1} {:>10.1} {:>8} {:>7}",
             r.conn_per_s,
-            r.conn_per_s / direct,
+            vs_direct(rates, path),
             r.p50_us,
             r.p99_us,
             r.max_us / 1e3,
