@@ -235,6 +235,14 @@ fn median(mut values: Vec<f64>) -> f64 {
     values[values.len() / 2]
 }
 
+/// A path's rate against the direct path's: the median of the rounds' ratios (each round of
+/// the path against the direct path's round beside it), so that a burst of load from elsewhere
+/// on the machine, which slows every path of the rounds it lands in, moves the ratio less than
+/// it moves the rates.
+fn median_ratio(rounds: &[f64], direct_rounds: &[f64]) -> f64 {
+    median(rounds.iter().zip(direct_rounds).map(|(r, d)| r / d).collect())
+}
+
 /// Connection rate over IPv4, or over IPv6 (`v6`): an IPv6 ClusterIP, an IPv6 pod.
 fn connection_rate(sizes: &[usize], rounds: usize, per_round: usize, v6: bool) -> Result<serde_json::Value> {
     let name = testbed::unique_name("kb-conn");
@@ -420,11 +428,7 @@ fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
             }
             let label = if forward_direct { label.to_owned() } else { format!("{label}_host_routing") };
             let what = if forward_direct { "" } else { ", --host-routing" };
-            // Each round less its round's floor, by load (the packets run in rounds beside the floor).
-            let over: Option<Vec<Vec<f64>>> = (!label.starts_with("floor")
-                && loads.len() == floor.len()
-                && loads.iter().zip(&floor).all(|(l, f)| l.len() == f.len()))
-            .then(|| loads.iter().zip(&floor).map(|(l, f)| l.iter().zip(f).map(|(r, f)| r - f).collect()).collect());
+            let over = if label == "floor_non_ip" { None } else { less_floor(&loads, &floor) };
             let rounds: Vec<f64> = loads.concat();
             let (min, max) = rounds.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
             let ns = median(rounds);
@@ -447,6 +451,13 @@ fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
     results.insert("loads".into(), json!(LOADS));
     results.insert("repeat".into(), json!(repeat));
     Ok(serde_json::Value::Object(results))
+}
+
+/// Each round less the floor's round beside it, by load; None for a packet not measured in
+/// the floor's rounds (the single runs of a first packet).
+fn less_floor(loads: &[Vec<f64>], floor: &[Vec<f64>]) -> Option<Vec<Vec<f64>>> {
+    let same_rounds = loads.len() == floor.len() && loads.iter().zip(floor).all(|(l, f)| l.len() == f.len());
+    same_rounds.then(|| loads.iter().zip(floor).map(|(l, f)| l.iter().zip(f).map(|(r, f)| r - f).collect()).collect())
 }
 
 /// An Ethernet + IPv4 or IPv6 + TCP frame (6 bytes of payload), checksums left zero, TTL or
@@ -840,11 +851,10 @@ fn node_port_bench(
     );
     println!("{:>11} {:>10} {:>10} {:>10} {:>10}", "path", "conn/s", "vs direct", "p50", "p99");
     for (label, addr) in paths {
-        // Each family against its own direct path, round by round (the median of the rounds'
-        // ratios: a burst of load from elsewhere slows every path of the rounds it lands in).
+        // Each family against its own direct path.
         let direct = &rates[if addr.is_ipv4() { "direct" } else { "direct_ipv6" }];
         let (rate, p50, p99, rounds) = &rates[label];
-        let ratio = median(rounds.iter().zip(&direct.3).map(|(r, d)| r / d).collect());
+        let ratio = median_ratio(rounds, &direct.3);
         println!("{label:>11} {rate:>10.0} {ratio:>10.3} {p50:>8.1}µs {p99:>8.1}µs");
         out.insert(
             label.to_owned(),

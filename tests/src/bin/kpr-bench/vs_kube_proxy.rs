@@ -353,12 +353,11 @@ impl Peers {
                 for failure in &failures {
                     eprintln!("round {round}: a connection failed: {failure}");
                 }
-                let samples_len = samples.len();
                 if round > 0 {
+                    round_rates.entry(path).or_default().push(samples.len() as f64 / elapsed.as_secs_f64());
                     lat.entry(path).or_default().extend(samples);
                     *time.entry(path).or_default() += elapsed;
                     *failed.entry(path).or_default() += failures.len();
-                    round_rates.entry(path).or_default().push(samples_len as f64 / elapsed.as_secs_f64());
                 }
             }
         }
@@ -465,16 +464,9 @@ struct Rate {
     failed: usize,
 }
 
-/// Each path's rate against the direct path's: the median of the rounds' ratios, so that a
-/// burst of load from elsewhere on the machine, which slows every path in the rounds it
-/// lands in, moves the ratio less than it moves the rates.
+/// `path`'s rate against the direct path's, round by round.
 fn vs_direct(rates: &BTreeMap<&'static str, Rate>, path: &str) -> f64 {
-    let direct = &rates["direct"].round_rates;
-    let ratios: Vec<f64> = rates[path].round_rates.iter().zip(direct).map(|(r, d)| r / d).collect();
-    if ratios.is_empty() {
-        return rates[path].conn_per_s / rates["direct"].conn_per_s;
-    }
-    super::median(ratios)
+    super::median_ratio(&rates[path].round_rates, &rates["direct"].round_rates)
 }
 
 fn rates_json(rates: &BTreeMap<&'static str, Rate>) -> serde_json::Value {
