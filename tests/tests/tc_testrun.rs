@@ -897,10 +897,11 @@ fn churn_services() -> Desired {
 
 #[test]
 fn an_expired_flow_gives_back_its_snat_port() {
-    // Two SNAT ports; unanswered flows live 50 ms.
+    // Two SNAT ports; unanswered flows live half a second (long enough for a slow emulated VM
+    // to send the three packets within it).
     let rig = Rig::with(&churn_services(), |cfg| {
         cfg.snat_ports = (SNAT_PORT_MIN, SNAT_PORT_MIN + 1);
-        cfg.ct_timeouts = CtTimeouts { tcp_syn: 50 * MS, udp: 50 * MS, ..CtTimeouts::DEFAULT };
+        cfg.ct_timeouts = CtTimeouts { tcp_syn: 500 * MS, udp: 500 * MS, ..CtTimeouts::DEFAULT };
     });
     let client = |i: u8| Ipv4Addr::new(203, 0, 113, i);
     for i in 1..=2 {
@@ -909,7 +910,7 @@ fn an_expired_flow_gives_back_its_snat_port() {
     let third = udp(client(3), 5000, NODE_IP, 30053);
     assert_eq!(rig.ingress(&third.bytes()).0, TC_ACT_SHOT, "both ports taken");
     assert_eq!(rig.counter(counter::TC_SNAT_EXHAUSTED), 1);
-    std::thread::sleep(std::time::Duration::from_millis(120));
+    std::thread::sleep(std::time::Duration::from_millis(1100));
     let (verdict, out) = rig.ingress(&third.bytes());
     assert_eq!(verdict, TC_ACT_OK, "the expired flows' ports are taken back");
     assert!((SNAT_PORT_MIN..=SNAT_PORT_MIN + 1).contains(&sport_of(&out)));
@@ -922,7 +923,7 @@ fn an_expired_flow_gives_back_its_snat_port() {
 #[test]
 fn the_time_an_established_flows_packets_read_moves_with_the_clock() {
     let rig = Rig::with(&churn_services(), |cfg| {
-        cfg.ct_timeouts = CtTimeouts { tcp_established: 300 * MS, ..CtTimeouts::DEFAULT };
+        cfg.ct_timeouts = CtTimeouts { tcp_established: 1000 * MS, ..CtTimeouts::DEFAULT };
     });
     let syn = tcp(CLIENT, 41100, NODE_IP, 30090);
     let (_, out) = rig.ingress(&syn.bytes());
@@ -937,7 +938,7 @@ fn the_time_an_established_flows_packets_read_moves_with_the_clock() {
     assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK);
     assert_eq!(rig.counter(counter::TC_CT_HIT) - hits, 4, "within its timeout the flow is live");
     assert_eq!(rig.counter(counter::TC_CT_EXPIRED), 0);
-    std::thread::sleep(std::time::Duration::from_millis(400));
+    std::thread::sleep(std::time::Duration::from_millis(1300));
     rig.ingress(&ack.bytes());
     assert_eq!(rig.counter(counter::TC_CT_EXPIRED), 1, "idle past its timeout, the flow expired");
     assert_eq!(rig.counter(counter::TC_CT_HIT) - hits, 4);
@@ -1044,8 +1045,9 @@ fn a_closed_connections_snat_port_goes_to_a_new_one_after_a_second() {
 
 #[test]
 fn a_new_connection_on_a_closed_flows_tuple_starts_over_on_its_entries_unless_the_pick_moved() {
-    // Unanswered flows live 50 ms.
-    let timeouts = CtTimeouts { tcp_syn: 50 * MS, ..CtTimeouts::DEFAULT };
+    // Unanswered flows live half a second: long enough for the answer to come in time on a slow
+    // emulated VM (a SYN and its answer 50 ms apart were once too far apart there).
+    let timeouts = CtTimeouts { tcp_syn: 500 * MS, ..CtTimeouts::DEFAULT };
     let mut rig = Rig::with(&churn_services(), |cfg| cfg.ct_timeouts = timeouts);
     let syn = tcp(CLIENT, 44000, NODE_IP, 30090);
     let (_, first) = rig.ingress(&syn.bytes());
@@ -1070,7 +1072,7 @@ fn a_new_connection_on_a_closed_flows_tuple_starts_over_on_its_entries_unless_th
     // Closed again and reused without an answer: it lives as long as an unanswered flow.
     rig.ingress(&reset.bytes());
     assert_eq!(rig.ingress(&syn.bytes()).1, first);
-    std::thread::sleep(std::time::Duration::from_millis(120));
+    std::thread::sleep(std::time::Duration::from_millis(1100));
     let sweep = rig.conntrack().sweep(&timeouts, monotonic_now()).unwrap();
     assert_eq!(sweep, Sweep { live: 0, expired: 2 }, "the SYN timeout, not the established one");
 
