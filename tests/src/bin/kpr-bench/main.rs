@@ -37,36 +37,70 @@ const BENCH_PORT: u16 = 8081;
 mod chart;
 mod vs_kube_proxy;
 
+/// kpr's benchmarks: a program that prints its figures and writes them as JSON under
+/// target/bench/. With no mode, every benchmark (tens of minutes; the comparison with the real
+/// kube-proxy at 20k services alone is longer).
+#[derive(clap::Parser, Debug)]
+#[command(name = "kpr-bench")]
+#[command(group = clap::ArgGroup::new("mode").args(["vs_kube_proxy", "connection_rate", "node_port", "tc_only", "soak"]))]
+struct Args {
+    /// Fewer sizes, rounds and runs: a smoke run of the same code.
+    #[arg(long)]
+    quick: bool,
+    /// Only the comparison with the real kube-proxy (iptables and nftables modes), merged into
+    /// socket_lb.json.
+    #[arg(long)]
+    vs_kube_proxy: bool,
+    /// Only the socket-LB connection rate, over IPv4 and IPv6 (connection_rate.json).
+    #[arg(long)]
+    connection_rate: bool,
+    /// Only the NodePort paths, IPv4 and IPv6: kpr, kube-proxy's rules, direct (node_port.json).
+    #[arg(long)]
+    node_port: bool,
+    /// Only the tc programs' ns per packet (printed as JSON).
+    #[arg(long)]
+    tc_only: bool,
+    /// Only the NodePort churn: this many short connections per path (node_port_soak.json).
+    #[arg(long, value_name = "N")]
+    soak: Option<usize>,
+    /// The comparison's service counts, ascending [default: 1000,5000,10000,20000; --quick: 1000].
+    #[arg(long, value_delimiter = ',', value_name = "N,N,...")]
+    sizes: Option<Vec<usize>>,
+    /// How long a proxy's full sync may take at the sizes created cold, in seconds.
+    #[arg(long, value_name = "S")]
+    cold_sync_limit: Option<u64>,
+    /// Connection-rate rounds of --vs-kube-proxy and --node-port [default: 6 and 12; --quick: 2 and 4].
+    #[arg(long, value_name = "N")]
+    rounds: Option<usize>,
+    /// Connections per round of --vs-kube-proxy and --node-port [default: 200 and 300].
+    #[arg(long, value_name = "N")]
+    per_round: Option<usize>,
+    /// --tc-only: runs per test packet (more for a profile).
+    #[arg(long, value_name = "N", default_value_t = 1_000_000)]
+    repeat: u32,
+}
+
 fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let quick = args.iter().any(|a| a == "--quick");
-    // --sizes 1000,20000: the comparison's sizes (ascending).
-    let sizes_arg: Option<Vec<usize>> =
-        flag_value(&args, "--sizes").and_then(|v| v.split(',').map(|n| n.parse().ok()).collect());
-    // --cold-sync-limit S: how long a proxy's full sync may take at the sizes created cold.
-    let cold_sync_limit = flag_value(&args, "--cold-sync-limit")
-        .and_then(|v| v.parse().ok())
-        .map_or(vs_kube_proxy::COLD_SYNC_LIMIT, std::time::Duration::from_secs);
-    let vs_sizes: &[usize] = match &sizes_arg {
+    let args = <Args as clap::Parser>::parse();
+    let quick = args.quick;
+    let cold_sync_limit = args.cold_sync_limit.map_or(vs_kube_proxy::COLD_SYNC_LIMIT, Duration::from_secs);
+    let vs_sizes: &[usize] = match &args.sizes {
         Some(sizes) => sizes,
         None if quick => &[1_000],
         None => &[1_000, 5_000, 10_000, 20_000],
     };
-    // --vs-kube-proxy: only the comparison with the real kube-proxy, merged into socket_lb.json.
-    if args.iter().any(|a| a == "--vs-kube-proxy") {
+    if args.vs_kube_proxy {
         let path = bench_dir().join("socket_lb.json");
         let mut result: serde_json::Value =
             std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_else(|| json!({}));
-        // --rounds N --per-round M: longer connection-rate runs (default 6 × 200).
-        let rounds = flag_value(&args, "--rounds").and_then(|v| v.parse().ok()).unwrap_or(if quick { 2 } else { 6 });
-        let per_round = flag_value(&args, "--per-round").and_then(|v| v.parse().ok()).unwrap_or(200);
+        let rounds = args.rounds.unwrap_or(if quick { 2 } else { 6 });
+        let per_round = args.per_round.unwrap_or(200);
         vs_kube_proxy::run(vs_sizes, rounds, per_round, if quick { 3 } else { 20 }, cold_sync_limit, |vs| {
             write_vs(&mut result, vs.clone())
         })?;
         return Ok(());
     }
-    // --connection-rate: only the socket-LB connection rate, over IPv4 and IPv6.
-    if args.iter().any(|a| a == "--connection-rate") {
+    if args.connection_rate {
         let (rounds, per_round) = if quick { (4, 500) } else { (24, 500) };
         let sizes: &[usize] = if quick { &[100, 10_000] } else { &[100, 10_000, 50_000] };
         let conn = connection_rate(sizes, rounds, per_round, false)?;
@@ -74,20 +108,18 @@ fn main() -> Result<()> {
         write_json("connection_rate.json", &json!({"connection_rate": conn, "connection_rate_ipv6": conn6}))?;
         return Ok(());
     }
-    // --node-port: only the NodePort paths (IPv4 and IPv6: kpr, kube-proxy's rules, direct).
-    if args.iter().any(|a| a == "--node-port") {
-        let result = node_port_paths(if quick { 4 } else { 12 }, 300, if quick { 1 } else { 3 }, 0)?;
+    if args.node_port {
+        let rounds = args.rounds.unwrap_or(if quick { 4 } else { 12 });
+        let per_round = args.per_round.unwrap_or(300);
+        let result = node_port_paths(rounds, per_round, if quick { 1 } else { 3 }, 0)?;
         write_json("node_port.json", &json!({ "node_port": result }))?;
         return Ok(());
     }
-    if args.iter().any(|a| a == "--tc-only") {
-        // --repeat N: runs per test packet (default 1M); more for a profile.
-        let repeat = flag_value(&args, "--repeat").and_then(|v| v.parse().ok()).unwrap_or(1_000_000);
-        println!("{}", tc_ns_per_packet(repeat)?);
+    if args.tc_only {
+        println!("{}", tc_ns_per_packet(args.repeat)?);
         return Ok(());
     }
-    // --soak N: only the NodePort churn, N connections per path.
-    if let Some(n) = flag_value(&args, "--soak").and_then(|v| v.parse().ok()) {
+    if let Some(n) = args.soak {
         let result = node_port_paths(0, 0, 0, n)?;
         write_json("node_port_soak.json", &result)?;
         return Ok(());
@@ -116,11 +148,6 @@ fn main() -> Result<()> {
         write_vs(&mut result, vs.clone())
     })?;
     Ok(())
-}
-
-/// The value after `flag` on the command line.
-fn flag_value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
-    args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).map(String::as_str)
 }
 
 /// Merge the comparison so far into `result`, write the JSON and the chart.
