@@ -69,12 +69,13 @@ struct Args {
     /// How long a proxy's full sync may take at the sizes created cold, in seconds.
     #[arg(long, value_name = "S")]
     cold_sync_limit: Option<u64>,
-    /// Connection-rate rounds of --vs-kube-proxy and --node-port [default: 6 and 12; --quick: 2 and 4].
-    #[arg(long, value_name = "N")]
-    rounds: Option<usize>,
-    /// Connections per round of --vs-kube-proxy and --node-port [default: 200 and 300].
-    #[arg(long, value_name = "N")]
-    per_round: Option<usize>,
+    /// Connection-rate rounds of the kube-proxy comparison (the first warms up) and of the
+    /// NodePort paths [default: 6 and 12; --quick: 2 and 4].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(2..))]
+    rounds: Option<u16>,
+    /// Connections per round of the kube-proxy comparison and of the NodePort paths [default: 200 and 300].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    per_round: Option<u32>,
     /// --tc-only: runs per test packet (more for a profile).
     #[arg(long, value_name = "N", default_value_t = 1_000_000)]
     repeat: u32,
@@ -89,13 +90,16 @@ fn main() -> Result<()> {
         None if quick => &[1_000],
         None => &[1_000, 5_000, 10_000, 20_000],
     };
+    // The comparison's and the NodePort paths' rounds, in their own modes and in the full run.
+    let per_round = |default| args.per_round.map_or(default, |n| n as usize);
+    let (vs_rounds, vs_per_round) = (args.rounds.map_or(if quick { 2 } else { 6 }, usize::from), per_round(200));
+    let (np_rounds, np_per_round) = (args.rounds.map_or(if quick { 4 } else { 12 }, usize::from), per_round(300));
+    let (vs_latency_samples, iperf_secs) = if quick { (3, 1) } else { (20, 3) };
     if args.vs_kube_proxy {
         let path = bench_dir().join("socket_lb.json");
         let mut result: serde_json::Value =
             std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_else(|| json!({}));
-        let rounds = args.rounds.unwrap_or(if quick { 2 } else { 6 });
-        let per_round = args.per_round.unwrap_or(200);
-        vs_kube_proxy::run(vs_sizes, rounds, per_round, if quick { 3 } else { 20 }, cold_sync_limit, |vs| {
+        vs_kube_proxy::run(vs_sizes, vs_rounds, vs_per_round, vs_latency_samples, cold_sync_limit, |vs| {
             write_vs(&mut result, vs.clone())
         })?;
         return Ok(());
@@ -109,9 +113,7 @@ fn main() -> Result<()> {
         return Ok(());
     }
     if args.node_port {
-        let rounds = args.rounds.unwrap_or(if quick { 4 } else { 12 });
-        let per_round = args.per_round.unwrap_or(300);
-        let result = node_port_paths(rounds, per_round, if quick { 1 } else { 3 }, 0)?;
+        let result = node_port_paths(np_rounds, np_per_round, iperf_secs, 0)?;
         write_json("node_port.json", &json!({ "node_port": result }))?;
         return Ok(());
     }
@@ -132,19 +134,14 @@ fn main() -> Result<()> {
     let program = programming_time(10_000, 4)?;
     let latency = event_latency(if quick { 10 } else { 30 })?;
     let per_packet = tc_ns_per_packet(if quick { 100_000 } else { 1_000_000 })?;
-    let node_port = node_port_paths(
-        if quick { 4 } else { 12 },
-        300,
-        if quick { 1 } else { 3 },
-        if quick { 20_000 } else { 100_000 },
-    )?;
+    let node_port = node_port_paths(np_rounds, np_per_round, iperf_secs, if quick { 20_000 } else { 100_000 })?;
 
     let mut result = json!({
         "connection_rate": conn, "connection_rate_ipv6": conn6, "programming": program, "event_to_datapath": latency,
         "tc_per_packet": per_packet, "node_port": node_port,
     });
     write_json("socket_lb.json", &result)?;
-    vs_kube_proxy::run(vs_sizes, if quick { 2 } else { 6 }, 200, if quick { 3 } else { 20 }, cold_sync_limit, |vs| {
+    vs_kube_proxy::run(vs_sizes, vs_rounds, vs_per_round, vs_latency_samples, cold_sync_limit, |vs| {
         write_vs(&mut result, vs.clone())
     })?;
     Ok(())
