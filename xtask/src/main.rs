@@ -233,7 +233,7 @@ fn test_in_vms(root: &Path, env: &setup::Env, shorts: &[&str], filter: Option<&s
             }
             Err(e) => {
                 println!("kernel {short}: no result: {e:#}");
-                errors.push(format!("{short}: {e:#}"));
+                errors.push(format!("{e:#}"));
             }
         }
     }

@@ -303,10 +303,10 @@ fn test_script(binaries: &[PathBuf], env: &[(&str, String)], filter: Option<&str
 /// Boot each of `shorts` (e.g. `6.1`) in turn and run the privileged suites in it: per kernel,
 /// in order, (uname -r, passed, failed) or why it gave none.
 ///
-/// A VM that stops before every suite reported (its kernel crashed, or it ran out of time) is
-/// booted once more for the suites it did not finish: under emulation a 6.12 guest once died
-/// of qemu's, not kpr's, fault (see [`test_script`]). What finished counts as it reported; a
-/// second stop is an error.
+/// A VM whose kernel crashed before every suite reported is booted once more for the suites it
+/// did not finish: under emulation a 6.12 guest once died of qemu's, not kpr's, fault (see
+/// [`test_script`]). What finished counts as it reported; a second crash, a VM out of time or
+/// a suite that never reported (a binary the VM cannot see) is an error.
 pub fn run_tests(
     shorts: &[&str],
     binaries: &[PathBuf],
@@ -351,11 +351,11 @@ fn run_suites(
         } else {
             format!("stopped after {done} of {} test suites", binaries.len())
         };
-        let why = match run.crash {
+        let why = match &run.crash {
             Some(crash) => format!("{why}: its kernel crashed ({crash})"),
             None => why,
         };
-        if boot_number == 2 {
+        if boot_number == 2 || run.crash.is_none() {
             bail!("the {short} VM {why} (see its console above)");
         }
         println!("xtask: the {short} VM {why}; booting it again for the suites it did not finish");
