@@ -8,11 +8,17 @@ use network_types::{
 };
 use proxy_common::{Addr, Addr4, LinkInfo, csum};
 
-use crate::{maps::FlowTables, packet::IP_OFF};
+use crate::{
+    maps::FlowTables,
+    packet::{IP_OFF, read_word, write_word},
+};
 
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
 
+/// The functions given a header (`ip: &Self::Ip`) read its words whole ([`read_word`]): the
+/// header is in the packet, or a copy in a `WordAligned` (anywhere else on the stack the
+/// verifier refuses the program when it loads).
 pub trait Family {
     /// The IP header, without options or extension headers.
     type Ip: Copy;
@@ -103,22 +109,23 @@ impl Family for V4 {
     }
     #[inline(always)]
     fn fragment(ip: &Ipv4Hdr) -> Fragment {
-        let frags = u16::from_be_bytes(ip.frags);
+        // SAFETY (and below): a field of a header in the packet or word aligned (see `Family`).
+        let frags = u16::from_be(unsafe { read_word(ip.frags.as_ptr()) });
         if frags & 0x1fff != 0 {
             Fragment::Later
         } else if frags & 0x2000 != 0 {
-            Fragment::First(u16::from_ne_bytes(ip.id))
+            Fragment::First(unsafe { read_word(ip.id.as_ptr()) })
         } else {
             Fragment::Whole
         }
     }
     #[inline(always)]
     fn fragment_id(ip: &Ipv4Hdr) -> Option<u16> {
-        Some(u16::from_ne_bytes(ip.id))
+        Some(unsafe { read_word(ip.id.as_ptr()) })
     }
     #[inline(always)]
     fn l4_len(ip: &Ipv4Hdr) -> u16 {
-        u16::from_be_bytes(ip.tot_len).saturating_sub(20)
+        u16::from_be(unsafe { read_word(ip.tot_len.as_ptr()) }).saturating_sub(20)
     }
     #[inline(always)]
     fn l4_proto(ip: &Ipv4Hdr) -> Option<u8> {
@@ -126,11 +133,11 @@ impl Family for V4 {
     }
     #[inline(always)]
     fn src(ip: &Ipv4Hdr) -> Addr {
-        Addr::from_v4(u32::from_ne_bytes(ip.src_addr))
+        Addr::from_v4(unsafe { read_word(ip.src_addr.as_ptr()) })
     }
     #[inline(always)]
     fn dst(ip: &Ipv4Hdr) -> Addr {
-        Addr::from_v4(u32::from_ne_bytes(ip.dst_addr))
+        Addr::from_v4(unsafe { read_word(ip.dst_addr.as_ptr()) })
     }
     #[inline(always)]
     fn addr_diff(old: &Addr, new: &Addr) -> u64 {
@@ -143,10 +150,9 @@ impl Family for V4 {
     #[inline(always)]
     unsafe fn write_addrs(ip: *mut u8, src: &Addr, dst: &Addr, diff: u64) {
         unsafe {
-            let check = ip.add(10) as *mut u16;
-            check.write_unaligned(csum::replace(check.read_unaligned(), diff));
-            (ip.add(12) as *mut u32).write_unaligned(src.v4());
-            (ip.add(16) as *mut u32).write_unaligned(dst.v4());
+            write_word(ip.add(10), csum::replace(read_word(ip.add(10)), diff));
+            write_word(ip.add(12), src.v4());
+            write_word(ip.add(16), dst.v4());
         }
     }
     #[inline(always)]
@@ -182,8 +188,8 @@ impl Family for V4 {
     fn fib_params(params: &mut bpf_fib_lookup, ip: &Ipv4Hdr) {
         params.l4_protocol = ip.proto;
         params.__bindgen_anon_2.tos = ip.tos;
-        params.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(ip.src_addr);
-        params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(ip.dst_addr);
+        params.__bindgen_anon_3.ipv4_src = Self::src(ip).v4();
+        params.__bindgen_anon_4.ipv4_dst = Self::dst(ip).v4();
     }
     #[inline(always)]
     fn fib_dst(params: &mut bpf_fib_lookup, dst: &Addr) {
@@ -199,8 +205,7 @@ impl Family for V4 {
             // The checksum covers the TTL with the protocol byte.
             let (ttl, proto) = (ip.add(8).read(), ip.add(9).read());
             let (old, new) = (u16::from_ne_bytes([ttl, proto]), u16::from_ne_bytes([ttl - 1, proto]));
-            let check = ip.add(10) as *mut u16;
-            check.write_unaligned(csum::replace(check.read_unaligned(), csum::half_diff(old, new)));
+            write_word(ip.add(10), csum::replace(read_word(ip.add(10)), csum::half_diff(old, new)));
             ip.add(8).write(ttl - 1);
         }
     }
@@ -230,7 +235,8 @@ impl Family for V6 {
     }
     #[inline(always)]
     fn l4_len(ip: &Ipv6Hdr) -> u16 {
-        u16::from_be_bytes(ip.payload_len)
+        // SAFETY (and below): a field of a header in the packet or word aligned (see `Family`).
+        u16::from_be(unsafe { read_word(ip.payload_len.as_ptr()) })
     }
     #[inline(always)]
     fn l4_proto(ip: &Ipv6Hdr) -> Option<u8> {
@@ -243,13 +249,11 @@ impl Family for V6 {
     }
     #[inline(always)]
     fn src(ip: &Ipv6Hdr) -> Addr {
-        // SAFETY: 16 plain bytes, read as four words.
-        Addr(unsafe { (ip.src_addr.as_ptr() as *const [u32; 4]).read_unaligned() })
+        Addr(unsafe { read_word(ip.src_addr.as_ptr()) })
     }
     #[inline(always)]
     fn dst(ip: &Ipv6Hdr) -> Addr {
-        // SAFETY: 16 plain bytes, read as four words.
-        Addr(unsafe { (ip.dst_addr.as_ptr() as *const [u32; 4]).read_unaligned() })
+        Addr(unsafe { read_word(ip.dst_addr.as_ptr()) })
     }
     #[inline(always)]
     fn addr_diff(old: &Addr, new: &Addr) -> u64 {
@@ -265,13 +269,10 @@ impl Family for V6 {
     }
     #[inline(always)]
     unsafe fn write_addrs(ip: *mut u8, src: &Addr, dst: &Addr, _diff: u64) {
-        // No header checksum in IPv6. Word by word: a 16-byte unaligned write compiles to a
-        // call of `memmove`, a subprogram copying byte by byte.
+        // No header checksum in IPv6.
         unsafe {
-            for i in 0..4 {
-                (ip.add(8 + 4 * i) as *mut u32).write_unaligned(src.0[i]);
-                (ip.add(24 + 4 * i) as *mut u32).write_unaligned(dst.0[i]);
-            }
+            write_word(ip.add(8), src.0);
+            write_word(ip.add(24), dst.0);
         }
     }
     #[inline(always)]
@@ -296,7 +297,7 @@ impl Family for V6 {
     #[inline(always)]
     fn fib_params(params: &mut bpf_fib_lookup, ip: &Ipv6Hdr) {
         params.l4_protocol = ip.next_hdr;
-        params.__bindgen_anon_2.flowinfo = u32::from_ne_bytes(ip.vcf) & u32::from_be(0x0fff_ffff);
+        params.__bindgen_anon_2.flowinfo = unsafe { read_word::<u32>(ip.vcf.as_ptr()) } & u32::from_be(0x0fff_ffff);
         params.__bindgen_anon_3.ipv6_src = Self::src(ip).0;
         params.__bindgen_anon_4.ipv6_dst = Self::dst(ip).0;
     }

@@ -139,7 +139,7 @@ fn eth_type(ctx: &TcContext) -> Option<u16> {
         return ctx.load::<u16>(12).ok();
     }
     // SAFETY: bounds checked against data_end.
-    Some(unsafe { (at as *const u16).read_unaligned() })
+    Some(unsafe { read_word(at as *const u8) })
 }
 
 /// A packet's addresses and ports, as they sit in the packet (network byte order); an IPv4
@@ -252,9 +252,9 @@ fn inspect<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>) -> i32 {
     }
     let Some(h) = headers::<F>(ctx) else {
         // Shorter than Ethernet + IP + ports: only a datagram's last fragment may be.
-        return match ctx.load::<F::Ip>(IP_OFF) {
-            Ok(ip) if F::l4_proto(&ip).is_some() && F::fragment(&ip) == Fragment::Later => {
-                later_fragment::<F>(ctx, &ip).unwrap_or(PASS)
+        return match ctx.load::<F::Ip>(IP_OFF).map(WordAligned) {
+            Ok(ip) if F::l4_proto(&ip.0).is_some() && F::fragment(&ip.0) == Fragment::Later => {
+                later_fragment::<F>(ctx, &ip.0).unwrap_or(PASS)
             }
             _ => PASS,
         };
@@ -274,8 +274,8 @@ fn inspect<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>) -> i32 {
     let fragment = F::fragment(ip);
     if fragment == Fragment::Later {
         // A copy of the header: the packet is written while it is read.
-        let ip = *ip;
-        return later_fragment::<F>(ctx, &ip).unwrap_or(PASS);
+        let ip = WordAligned(*ip);
+        return later_fragment::<F>(ctx, &ip.0).unwrap_or(PASS);
     }
     if fragment != Fragment::Whole && proto == IPPROTO_SCTP {
         // SCTP splits its own chunks to the path MTU; the CRC of a datagram in IP fragments
@@ -286,8 +286,9 @@ fn inspect<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>) -> i32 {
     let t = Tuple {
         saddr: F::src(ip),
         daddr: F::dst(ip),
-        sport: u16::from_ne_bytes(h.ports[0]),
-        dport: u16::from_ne_bytes(h.ports[1]),
+        // SAFETY: fields of the packet.
+        sport: unsafe { read_word(h.ports[0].as_ptr()) },
+        dport: unsafe { read_word(h.ports[1].as_ptr()) },
         proto,
         first_fragment: match fragment {
             Fragment::First(id) => Some(id),
@@ -1250,13 +1251,13 @@ fn rewrite<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()
     if data + F::L4_OFF + 4 > ctx.data_end() {
         return Err(());
     }
-    // SAFETY: within [data, data_end), checked above; unaligned writes of plain bytes.
+    // SAFETY: within [data, data_end), checked above.
     unsafe {
         if addrs_changed {
             F::write_addrs((data + IP_OFF) as *mut u8, &to.src_addr, &to.dst_addr, addr_diff);
         }
         if old_ports != new_ports {
-            ((data + F::L4_OFF) as *mut u32).write_unaligned(new_ports);
+            write_word((data + F::L4_OFF) as *mut u8, new_ports);
         }
     }
     Ok(())
@@ -1273,8 +1274,8 @@ fn l4_csum_field(ctx: &TcContext, off: usize) -> u32 {
     if at + 2 > ctx.data_end() {
         return NO_FIELD;
     }
-    // SAFETY: within [data, data_end), checked above; an unaligned read of plain bytes.
-    u32::from(unsafe { (at as *const u16).read_unaligned() })
+    // SAFETY: within [data, data_end), checked above.
+    u32::from(unsafe { read_word::<u16>(at as *const u8) })
 }
 
 /// The ports' share of the L4 checksum, after the kernel applied the addresses' (`diff`) to the
@@ -1305,8 +1306,8 @@ fn ports_csum_in_place(
             if at + 2 > ctx.data_end() {
                 return false;
             }
-            // SAFETY: within [data, data_end), checked above; an unaligned write of plain bytes.
-            unsafe { (at as *mut u16).write_unaligned(csum::kernel::mangled(check, mark_mangled_0)) };
+            // SAFETY: within [data, data_end), checked above.
+            unsafe { write_word(at as *mut u8, csum::kernel::mangled(check, mark_mangled_0)) };
             true
         }
     }
@@ -1380,7 +1381,7 @@ fn icmp_error_flow<F: Family>(ctx: &TcContext, s: *mut FlowScratch) -> Result<bo
             &*((data + IP_OFF) as *const F::Ip),
             *((data + F::L4_OFF) as *const u8),
             &*((data + inner_off) as *const F::Ip),
-            ((data + inner_l4_off) as *const [u16; 2]).read_unaligned(),
+            read_word::<[u16; 2]>((data + inner_l4_off) as *const u8),
         )
     };
     if !F::quotes_packet(icmp_type) {
@@ -1447,7 +1448,7 @@ fn icmp_error_rewrite<F: Family>(ctx: &TcContext, s: *const FlowScratch) -> Resu
     // SAFETY: within [data, data_end), checked above.
     unsafe {
         F::write_addrs((data + inner_off) as *mut u8, &fix.client, &fix.frontend, fix.inner_diff);
-        ((data + inner_l4_off) as *mut u32).write_unaligned(fix.new_ports);
+        write_word((data + inner_l4_off) as *mut u8, fix.new_ports);
         F::write_addrs((data + IP_OFF) as *mut u8, &fix.new_src, &fix.client, fix.outer_diff);
     }
     count(counter::TC_CT_HIT);
