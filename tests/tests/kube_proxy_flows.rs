@@ -475,8 +475,12 @@ fn external_traffic_policy(local: bool) -> Case {
     }
 }
 
+/// An upstream subtest of `TestInternalTrafficPolicy`: its name, the policy, three endpoints
+/// (address, node) and what the client sees.
+type PolicySubtest = (&'static str, &'static str, [(&'static str, &'static str); 3], Expect);
+
 fn internal_traffic_policy() -> Vec<Case> {
-    let subtests: [(&'static str, &str, [(&'static str, &'static str); 3], Expect); 4] = [
+    let subtests: [PolicySubtest; 4] = [
         (
             "TestInternalTrafficPolicy/internalTrafficPolicy is cluster",
             "Cluster",

@@ -62,24 +62,6 @@ pub fn bootstrap_problem(
     ))
 }
 
-#[cfg(test)]
-mod bootstrap_tests {
-    use super::bootstrap_problem;
-
-    #[test]
-    fn the_kubernetes_service_is_no_way_to_reach_the_api_server_before_kpr() {
-        let url: http::Uri = "https://10.96.0.1:443".parse().unwrap();
-        let nothing = |_, _| false;
-        let programmed = |ip: std::net::IpAddr, port| ip.to_string() == "10.96.0.1" && port == 443;
-        let problem = bootstrap_problem(&url, Some("10.96.0.1"), nothing).expect("a deadlock after a reboot");
-        assert!(problem.contains("--master"), "{problem}");
-        assert_eq!(bootstrap_problem(&url, Some("10.96.0.1"), programmed), None, "a restart on the pinned datapath");
-        let direct: http::Uri = "https://192.168.0.10:6443".parse().unwrap();
-        assert_eq!(bootstrap_problem(&direct, Some("10.96.0.1"), nothing), None, "a direct address");
-        assert_eq!(bootstrap_problem(&url, None, nothing), None, "not in a pod");
-    }
-}
-
 /// Watch Services, EndpointSlices and this node's Node (and, when `service_cidrs`, the
 /// ServiceCIDRs) until the receiver goes away.
 pub async fn run(client: Client, node_name: String, service_cidrs: bool, tx: mpsc::Sender<SourceEvent>) -> Result<()> {
@@ -235,5 +217,23 @@ where
         if tx.send(out).await.is_err() {
             return Ok(());
         }
+    }
+}
+
+#[cfg(test)]
+mod bootstrap_tests {
+    use super::bootstrap_problem;
+
+    #[test]
+    fn the_kubernetes_service_is_no_way_to_reach_the_api_server_before_kpr() {
+        let url: http::Uri = "https://10.96.0.1:443".parse().unwrap();
+        let nothing = |_, _| false;
+        let programmed = |ip: std::net::IpAddr, port| ip.to_string() == "10.96.0.1" && port == 443;
+        let problem = bootstrap_problem(&url, Some("10.96.0.1"), nothing).expect("a deadlock after a reboot");
+        assert!(problem.contains("--master"), "{problem}");
+        assert_eq!(bootstrap_problem(&url, Some("10.96.0.1"), programmed), None, "a restart on the pinned datapath");
+        let direct: http::Uri = "https://192.168.0.10:6443".parse().unwrap();
+        assert_eq!(bootstrap_problem(&direct, Some("10.96.0.1"), nothing), None, "a direct address");
+        assert_eq!(bootstrap_problem(&url, None, nothing), None, "not in a pod");
     }
 }

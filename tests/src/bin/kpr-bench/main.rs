@@ -280,10 +280,8 @@ fn connection_rate(sizes: &[usize], rounds: usize, per_round: usize, v6: bool) -
     // steady, so the client-side difference (the socket hook) is not buried in server noise.
     let listener = topology.pods[0].netns.run(move || std::net::TcpListener::bind((pod, BENCH_PORT)))??;
     std::thread::spawn(move || {
-        for conn in listener.incoming() {
-            if let Ok(mut conn) = conn {
-                let _ = std::io::Write::write_all(&mut conn, b"pod\n");
-            }
+        for mut conn in listener.incoming().flatten() {
+            let _ = std::io::Write::write_all(&mut conn, b"pod\n");
         }
     });
     let mut cgroup = Cgroup::new(&name)?;
