@@ -201,12 +201,12 @@ impl Family for V4 {
     }
     #[inline(always)]
     unsafe fn decrement_hops(ip: *mut u8) {
+        // As the kernel's `ip_decrease_ttl`: the TTL is the high byte of its checksum word, so
+        // one less TTL is 0x0100 more in the checksum, its carry folded in.
         unsafe {
-            // The checksum covers the TTL with the protocol byte.
-            let (ttl, proto) = (ip.add(8).read(), ip.add(9).read());
-            let (old, new) = (u16::from_ne_bytes([ttl, proto]), u16::from_ne_bytes([ttl - 1, proto]));
-            write_word(ip.add(10), csum::replace(read_word(ip.add(10)), csum::half_diff(old, new)));
-            ip.add(8).write(ttl - 1);
+            let check = u32::from(read_word::<u16>(ip.add(10))) + u32::from(0x0100u16.to_be());
+            write_word(ip.add(10), (check + u32::from(check >= 0xffff)) as u16);
+            ip.add(8).write(ip.add(8).read() - 1);
         }
     }
 }

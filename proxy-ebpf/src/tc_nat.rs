@@ -1323,8 +1323,12 @@ fn rewrite_first<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<
 /// Two ports as the four bytes they are in the packet, read as one native word.
 #[inline(always)]
 fn ports_word(first: u16, second: u16) -> u32 {
-    let (a, b) = (first.to_ne_bytes(), second.to_ne_bytes());
-    u32::from_ne_bytes([a[0], a[1], b[0], b[1]])
+    // Shifts, not a byte array: the array's bytes compile to a mask and a shift each.
+    if cfg!(target_endian = "little") {
+        u32::from(first) | u32::from(second) << 16
+    } else {
+        u32::from(first) << 16 | u32::from(second)
+    }
 }
 
 /// Fix an SCTP packet's CRC32c for its ports going from `old` to `new` (`crc32c`: no second

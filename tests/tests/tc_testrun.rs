@@ -1312,7 +1312,14 @@ fn the_same_syn_on_two_cpus_at_once_makes_one_flow() {
 }
 
 /// `frame` (Ethernet + IPv4) with TTL `ttl` and its header checksum computed anew.
-fn with_ttl(mut frame: Vec<u8>, ttl: u8) -> Vec<u8> {
+fn with_ttl(frame: Vec<u8>, ttl: u8) -> Vec<u8> {
+    let id = u16::from_be_bytes([frame[18], frame[19]]);
+    with_id_ttl(frame, id, ttl)
+}
+
+/// `frame` (Ethernet + IPv4) with IP id `id`, TTL `ttl` and its header checksum computed anew.
+fn with_id_ttl(mut frame: Vec<u8>, id: u16, ttl: u8) -> Vec<u8> {
+    frame[18..20].copy_from_slice(&id.to_be_bytes());
     frame[22] = ttl;
     frame[24..26].copy_from_slice(&[0, 0]);
     let c = csum(&frame[14..34], 0);
@@ -1342,8 +1349,28 @@ fn translated_packets_go_straight_out_of_the_link_their_route_takes() {
         assert_eq!(verdict, TC_ACT_REDIRECT, "sent out of out0, not into the host stack");
         let nat_port = sport_of(&out);
         let expected = Pkt { src: NODE_IP.into(), sport: nat_port, dst: POD.into(), dport: 8080, ..syn }.bytes();
-        assert_eq!(out, with_ttl(expected, 63), "translated, one hop older");
+        assert_eq!(out, with_ttl(expected.clone(), 63), "translated, one hop older");
         assert_eq!(rig.counter(counter::TC_FORWARDED_DIRECT), 1);
+        // Every TTL the packet may come with, and the IP ids that put its header checksum where
+        // one TTL less carries: the checksum taken down with the TTL (the kernel's
+        // `ip_decrease_ttl` arithmetic) is the one computed anew.
+        let (mut sent, mut carried) = (1, 0);
+        for id in 0..=255 {
+            for ttl in 2..=255 {
+                // The translated header's checksum, before the hop, as a native word (the
+                // sum's bytes swapped): it overflows at +1.
+                let translated = with_id_ttl(expected.clone(), id, ttl);
+                let carries = u16::from_le_bytes([translated[24], translated[25]]) >= 0xfffe;
+                if id != 0 && !carries {
+                    continue;
+                }
+                let (_, out) = rig.ingress(&with_id_ttl(syn.bytes(), id, ttl));
+                assert_eq!(out, with_id_ttl(expected.clone(), id, ttl - 1), "TTL {ttl}, IP id {id}");
+                (sent, carried) = (sent + 1, carried + u32::from(carries));
+            }
+        }
+        assert!(carried > 0, "no packet whose checksum carries");
+        assert_eq!(rig.counter(counter::TC_FORWARDED_DIRECT), sent);
 
         // A TTL about to run out: left to the host stack (which answers "time exceeded").
         let (verdict, out) = rig.ingress(&with_ttl(tcp(CLIENT, 40004, NODE_IP, 30080).bytes(), 1));
@@ -1357,7 +1384,7 @@ fn translated_packets_go_straight_out_of_the_link_their_route_takes() {
         std::fs::write("/proc/sys/net/ipv4/ip_forward", "0").unwrap();
         let (verdict, _) = rig.ingress(&tcp(CLIENT, 40005, NODE_IP, 30080).bytes());
         assert_eq!(verdict, TC_ACT_OK);
-        assert_eq!(rig.counter(counter::TC_FORWARDED_DIRECT), 1);
+        assert_eq!(rig.counter(counter::TC_FORWARDED_DIRECT), sent);
     })
     .unwrap();
 }
