@@ -364,12 +364,49 @@ fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: boo
                 return PASS;
             }
             count(counter::TC_CT_HIT);
+            if route == ROUTE_CACHED
+                && let Some(verdict) = redirect_cached::<F>(ctx, s)
+            {
+                return verdict;
+            }
             // SAFETY: the per-CPU scratch value; `forward_direct`, next, takes it back.
             unsafe { (*s).route = route };
             return TC_ACT_OK;
         }
     }
     NO_FLOW
+}
+
+/// Send a translated packet of an established flow out by the route its entry keeps (copied
+/// to `s.entry`), here rather than in `forward_direct`: most packets of a flow go this way, and
+/// the stage's call, scratch lookup and bounds checks are saved on each. None: the packet is
+/// `forward_direct`'s (its TTL runs out, or it is too big for the link: the stack decides).
+#[inline(always)]
+fn redirect_cached<F: Family>(ctx: &TcContext, s: *mut FlowScratch) -> Option<i32> {
+    let data = ctx.data();
+    if data + IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
+        return None;
+    }
+    // SAFETY: within [data, data_end), checked above.
+    let ip = unsafe { &*((data + IP_OFF) as *const F::Ip) };
+    // SAFETY: the per-CPU scratch value; `known_flow` copied the flow's entry there.
+    let cached = unsafe { &(*s).entry.route };
+    if F::hops(ip) <= 1 || !fits_link(ctx, cached.mtu) {
+        return None;
+    }
+    // SAFETY: within [data, data_end), checked above; the scratch value.
+    unsafe {
+        F::decrement_hops((data + IP_OFF) as *mut u8);
+        count(counter::TC_FORWARDED_DIRECT);
+        // The next hop in the scratch area: on the stack it would lengthen the chains of calls
+        // through this stage.
+        let nh = &raw mut (*s).next_hop;
+        *nh = bpf_redir_neigh {
+            nh_family: u32::from(cached.family),
+            __bindgen_anon_1: bpf_redir_neigh__bindgen_ty_1 { ipv6_nh: cached.next_hop },
+        };
+        Some(bpf_redirect_neigh(cached.ifindex, nh, size_of::<bpf_redir_neigh>() as i32, 0) as i32)
+    }
 }
 
 /// How to route a packet of an established flow (`cacheable`: on its way in) sent straight
@@ -592,6 +629,8 @@ pub struct FlowScratch {
     fib: bpf_fib_lookup,
     /// `known_flow` → `forward_direct`: how to route the packet of an established flow (`ROUTE_*`).
     route: u32,
+    /// `redirect_cached`: the kept next hop, as `bpf_redirect_neigh` takes it.
+    next_hop: bpf_redir_neigh,
     /// The time at this CPU's last tick (`now_by_tick`).
     clock: TickClock,
 }
@@ -622,7 +661,8 @@ impl FlowScratch {
 
 /// Look the route up (a packet of a new flow or of one not yet answered).
 const ROUTE_LOOK_UP: u32 = 0;
-/// Use the route cached in the flow's entry (`s.entry.route`).
+/// The route cached in the flow's entry (`s.entry.route`) serves: `known_flow` sends the packet
+/// out by it (`redirect_cached`); a packet it could not send is looked up.
 const ROUTE_CACHED: u32 = 1;
 /// Look the route up and keep it in the flow's entry (under `s.flow_key`).
 const ROUTE_LOOK_UP_AND_CACHE: u32 = 2;
@@ -755,8 +795,8 @@ fn zero_fib(params: *mut bpf_fib_lookup) {
 /// off, too big for the link, a TTL or hop limit running out) goes on into the host stack,
 /// which handles it as it would have without kpr.
 ///
-/// An established flow's entry keeps the lookup's answer (6.3+, with the next hop): its
-/// packets that fit the link skip the lookup for about a second.
+/// An established flow's entry keeps the lookup's answer (6.3+, with the next hop): for about
+/// a second, its packets that fit the link are sent out by `known_flow` without it.
 #[inline(never)]
 fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     let Ok(s) = scratch() else { return TC_ACT_OK };
@@ -772,18 +812,6 @@ fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     let ip = unsafe { &*((data + IP_OFF) as *const F::Ip) };
     if F::hops(ip) <= 1 {
         return TC_ACT_OK; // the stack answers with "time exceeded"
-    }
-    // SAFETY: the scratch value; `known_flow` copied the flow's entry there.
-    let cached = unsafe { &(*s).entry.route };
-    if route == ROUTE_CACHED && fits_link(ctx, cached.mtu) {
-        // SAFETY: within [data, data_end), checked above.
-        unsafe { F::decrement_hops((data + IP_OFF) as *mut u8) };
-        count(counter::TC_FORWARDED_DIRECT);
-        let mut nh = bpf_redir_neigh {
-            nh_family: u32::from(cached.family),
-            __bindgen_anon_1: bpf_redir_neigh__bindgen_ty_1 { ipv6_nh: cached.next_hop },
-        };
-        return unsafe { bpf_redirect_neigh(cached.ifindex, &mut nh, size_of::<bpf_redir_neigh>() as i32, 0) as i32 };
     }
     let mut params = MaybeUninit::<bpf_fib_lookup>::uninit();
     // SAFETY: every byte written (in place: `assume_init` would copy it).
