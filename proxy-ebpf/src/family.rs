@@ -50,6 +50,9 @@ pub trait Family {
     fn l4_proto(ip: &Self::Ip) -> Option<u8>;
     fn src(ip: &Self::Ip) -> Addr;
     fn dst(ip: &Self::Ip) -> Addr;
+    /// The same address (of this family: an IPv4 flow's addresses are all mapped, and only
+    /// their last word is compared).
+    fn same_addr(a: &Addr, b: &Addr) -> bool;
     /// One's complement difference of an address going from `old` to `new`.
     fn addr_diff(old: &Addr, new: &Addr) -> u64;
     /// An address as a pseudo header sums it.
@@ -138,6 +141,10 @@ impl Family for V4 {
     #[inline(always)]
     fn dst(ip: &Ipv4Hdr) -> Addr {
         Addr::from_v4(unsafe { read_word(ip.dst_addr.as_ptr()) })
+    }
+    #[inline(always)]
+    fn same_addr(a: &Addr, b: &Addr) -> bool {
+        a.v4() == b.v4()
     }
     #[inline(always)]
     fn addr_diff(old: &Addr, new: &Addr) -> u64 {
@@ -254,6 +261,10 @@ impl Family for V6 {
     #[inline(always)]
     fn dst(ip: &Ipv6Hdr) -> Addr {
         Addr(unsafe { read_word(ip.dst_addr.as_ptr()) })
+    }
+    #[inline(always)]
+    fn same_addr(a: &Addr, b: &Addr) -> bool {
+        a.same(b)
     }
     #[inline(always)]
     fn addr_diff(old: &Addr, new: &Addr) -> u64 {

@@ -1245,7 +1245,7 @@ fn rewrite<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()
         let key = FragmentKey { src_addr: t.saddr.v4(), dst_addr: t.daddr.v4(), id, proto: t.proto, _pad: 0 };
         let _ = FRAGMENTS.insert(&key, to, 0);
     }
-    let addrs_changed = !(to.src_addr.same(&t.saddr) && to.dst_addr.same(&t.daddr));
+    let addrs_changed = !(F::same_addr(&to.src_addr, &t.saddr) && F::same_addr(&to.dst_addr, &t.daddr));
     let (old_ports, new_ports) = (ports_word(t.sport, t.dport), ports_word(to.src_port, to.dst_port));
     // One's complement difference of the addresses: for the IPv4 checksum and the pseudo header.
     let addr_diff = F::addr_diff(&t.saddr, &to.src_addr) + F::addr_diff(&t.daddr, &to.dst_addr);
