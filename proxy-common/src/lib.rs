@@ -680,21 +680,33 @@ impl CtTimeouts {
     /// How long a flow of `proto` in state `flags` lives after its latest packet.
     #[inline(always)]
     pub const fn lifetime(&self, proto: u8, flags: u32) -> u64 {
+        self.as_words()[Self::slot(proto, flags)]
+    }
+
+    /// Which lifetime bounds a flow of `proto` in state `flags`: the index of its field, so
+    /// that the datapath reads that one word of its copy.
+    #[inline(always)]
+    pub const fn slot(proto: u8, flags: u32) -> usize {
         if has_states(proto) {
             if ct::closed(flags) {
-                self.tcp_closed
+                3 // tcp_closed
             } else if flags & (ct::FIN_ORIG | ct::FIN_REPLY) != 0 {
-                self.tcp_close_wait
+                2 // tcp_close_wait
             } else if flags & ct::SEEN_REPLY != 0 {
-                self.tcp_established
+                1 // tcp_established
             } else {
-                self.tcp_syn
+                0 // tcp_syn
             }
         } else if flags & ct::SEEN_REPLY != 0 {
-            self.udp_stream
+            5 // udp_stream
         } else {
-            self.udp
+            4 // udp
         }
+    }
+
+    /// The lifetimes in field order.
+    pub const fn as_words(&self) -> [u64; 6] {
+        [self.tcp_syn, self.tcp_established, self.tcp_close_wait, self.tcp_closed, self.udp, self.udp_stream]
     }
 
     /// The entry has been idle longer than its state allows at `now` (CLOCK_MONOTONIC, ns).
@@ -860,4 +872,33 @@ mod pod {
     unsafe impl aya::Pod for super::AffinityKey {}
     unsafe impl aya::Pod for super::AffinityValue {}
     unsafe impl aya::Pod for super::Addr {}
+}
+
+#[cfg(test)]
+mod timeout_tests {
+    use super::*;
+
+    #[test]
+    fn each_state_reads_its_own_lifetime_word() {
+        let t = CtTimeouts { tcp_syn: 1, tcp_established: 2, tcp_close_wait: 3, tcp_closed: 4, udp: 5, udp_stream: 6 };
+        // The datapath reads word `slot` of the struct as it is in memory.
+        // SAFETY: six u64 fields, repr(C): the same bytes as [u64; 6].
+        let in_memory: [u64; 6] = unsafe { core::mem::transmute(t) };
+        assert_eq!(in_memory, t.as_words());
+        let (reply, fin_orig, fin_reply) = (ct::SEEN_REPLY, ct::FIN_ORIG, ct::FIN_REPLY);
+        for (proto, flags, lifetime) in [
+            (IPPROTO_TCP, 0, t.tcp_syn),
+            (IPPROTO_TCP, reply, t.tcp_established),
+            (IPPROTO_SCTP, reply, t.tcp_established),
+            (IPPROTO_TCP, reply | fin_orig, t.tcp_close_wait),
+            (IPPROTO_TCP, reply | fin_reply, t.tcp_close_wait),
+            (IPPROTO_TCP, reply | fin_orig | fin_reply, t.tcp_closed),
+            (IPPROTO_TCP, ct::RST, t.tcp_closed),
+            (IPPROTO_UDP, 0, t.udp),
+            (IPPROTO_UDP, reply, t.udp_stream),
+            (IPPROTO_UDP, reply | ct::RST, t.udp_stream),
+        ] {
+            assert_eq!(t.lifetime(proto, flags), lifetime, "proto {proto}, flags {flags:#x}");
+        }
+    }
 }

@@ -75,6 +75,18 @@ static KPR_CT_TIMEOUTS: Global<CtTimeouts> = Global::new(CtTimeouts::DEFAULT);
 #[unsafe(no_mangle)]
 static KPR_FLOW_HASH_SEED: Global<u32> = Global::new(0);
 
+/// Has the flow outlived the lifetime of its state? One word of `KPR_CT_TIMEOUTS` read: its
+/// `load` copies all six, on every packet.
+#[inline(always)]
+fn expired(proto: u8, entry: &CtValue, now: u64) -> bool {
+    const _: () = assert!(size_of::<CtTimeouts>() == size_of::<[u64; 6]>());
+    // SAFETY: `Global` is transparent over the `#[repr(C)]` struct of six u64 in the order of
+    // `as_words`, and the slot is one of them; volatile, as `load` reads it (the loader sets it).
+    let lifetime =
+        unsafe { (&raw const KPR_CT_TIMEOUTS).cast::<u64>().add(CtTimeouts::slot(proto, entry.flags)).read_volatile() };
+    now.saturating_sub(entry.last_seen) > lifetime
+}
+
 /// "Not mine": the next program of the hook (TCX) or filter of the chain (cls_bpf) decides.
 const PASS: i32 = TC_ACT_UNSPEC;
 
@@ -332,7 +344,7 @@ fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: boo
         let syn = tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
         // How `forward_direct` routes the packet if it is translated here.
         let route = route_hint(ingress && confirmed, &entry.route, now);
-        if KPR_CT_TIMEOUTS.load().expired(t.proto, entry, now) {
+        if expired(t.proto, entry, now) {
             count(counter::TC_CT_EXPIRED);
             forget(key, entry, t.proto);
         } else if ingress && syn && (ct::closed(entry.flags) || stale(ctx, t, entry)) {
@@ -1106,7 +1118,7 @@ fn snat_try_in<A: FlowTables>(port: u32) -> u32 {
     let now = now();
     let idle = now.saturating_sub(old.last_seen);
     let closed = ct::closed(old.flags) && idle > ct::CLOSED_PORT_REUSE_NS;
-    if closed || KPR_CT_TIMEOUTS.load().expired(proto, old, now) {
+    if closed || expired(proto, old, now) {
         count(counter::TC_CT_EXPIRED);
         forget(reply_key, old, proto);
         return u32::from(new_flows.insert(reply_key, reply, u64::from(BPF_NOEXIST)).is_ok());
