@@ -342,7 +342,7 @@ fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: boo
         // SAFETY: the per-CPU scratch value.
         let now = now_by_tick(unsafe { &raw mut (*s).clock });
         let syn = tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
-        // How `forward_direct` routes the packet if it is translated here.
+        // How the packet is sent on if it is translated here (`redirect_cached`, `forward_direct`).
         let route = route_hint(ingress && confirmed, &entry.route, now);
         if expired(t.proto, entry, now) {
             count(counter::TC_CT_EXPIRED);
