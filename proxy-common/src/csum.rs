@@ -9,12 +9,6 @@ pub const fn word_diff(old: u32, new: u32) -> u64 {
     (!old) as u64 + new as u64
 }
 
-/// The difference of replacing the 16-bit word `old` by `new`.
-#[inline(always)]
-pub const fn half_diff(old: u16, new: u16) -> u64 {
-    (!old) as u64 + new as u64
-}
-
 /// An accumulated sum folded to 32 bits with end-around carries (the kernel's `__wsum`).
 #[inline(always)]
 pub const fn fold32(mut sum: u64) -> u32 {
@@ -36,6 +30,15 @@ pub const fn fold16(sum: u64) -> u16 {
 #[inline(always)]
 pub const fn replace(check: u16, diff: u64) -> u16 {
     !fold16((!check) as u64 + diff)
+}
+
+/// An IPv4 header checksum `check` (as read from the packet) after its TTL went one down, as
+/// the kernel's `ip_decrease_ttl` computes it: the TTL is the high byte of its 16-bit word, so
+/// the checksum is 0x0100 (network order) more, its carry folded in.
+#[inline(always)]
+pub const fn ttl_decremented(check: u16) -> u16 {
+    let sum = check as u32 + 0x0100u16.to_be() as u32;
+    (sum + (sum >= 0xffff) as u32) as u16
 }
 
 /// What `bpf_l4_csum_replace` does to an L4 checksum field (net/core/filter.c and utils.c,
@@ -134,6 +137,11 @@ mod tests {
 
     use super::*;
 
+    /// The difference of replacing the 16-bit word `old` by `new`.
+    fn half_diff(old: u16, new: u16) -> u64 {
+        u64::from(!old) + u64::from(new)
+    }
+
     /// The checksum of `data` from scratch (native 16-bit words, as the programs read them).
     fn checksum(data: &[u8]) -> u16 {
         let sum: u64 = data.chunks(2).map(|c| u64::from(u16::from_ne_bytes([c[0], *c.get(1).unwrap_or(&0)]))).sum();
@@ -171,6 +179,27 @@ mod tests {
             header[10..12].copy_from_slice(&updated.to_ne_bytes());
             assert!(checksum(&header) == 0 || checksum(&header) == 0xffff, "round {round}: verifies");
         }
+    }
+
+    #[test]
+    fn a_ttl_one_down_gives_the_checksum_computed_anew() {
+        let mut next = crate::test_numbers(0x0bad_cafe);
+        let mut carried = 0;
+        for round in 0..100_000 {
+            let mut header = [0u8; 20];
+            header.iter_mut().for_each(|b| *b = next() as u8);
+            header[8] = header[8].max(1);
+            header[10..12].fill(0);
+            let check = checksum(&header);
+            header[10..12].copy_from_slice(&check.to_ne_bytes());
+            carried += u32::from(check >= 0xfffe);
+            let updated = ttl_decremented(check);
+            header[8] -= 1;
+            header[10..12].fill(0);
+            // The kernel's arithmetic gives the recomputation's zero (0x0000), never 0xffff.
+            assert_eq!(updated, checksum(&header), "round {round}");
+        }
+        assert!(carried > 0, "no checksum that carries");
     }
 
     /// A TCP segment over IPv4 with its pseudo header: (addresses, ports, checksum field, rest).

@@ -600,6 +600,12 @@ impl CachedRoute {
 }
 
 impl CtValue {
+    /// The flow has seen no packet for longer than `lifetime` at `now` (ns).
+    #[inline(always)]
+    pub const fn idle_longer_than(&self, lifetime: u64, now: u64) -> bool {
+        now.saturating_sub(self.last_seen) > lifetime
+    }
+
     /// Does this entry rewrite packets to the same addresses and ports as `other`?
     #[inline(always)]
     pub const fn same_translation(&self, other: &Self) -> bool {
@@ -712,7 +718,7 @@ impl CtTimeouts {
     /// The entry has been idle longer than its state allows at `now` (CLOCK_MONOTONIC, ns).
     #[inline(always)]
     pub const fn expired(&self, proto: u8, entry: &CtValue, now: u64) -> bool {
-        now.saturating_sub(entry.last_seen) > self.lifetime(proto, entry.flags)
+        entry.idle_longer_than(self.lifetime(proto, entry.flags), now)
     }
 }
 

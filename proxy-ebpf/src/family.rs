@@ -208,11 +208,8 @@ impl Family for V4 {
     }
     #[inline(always)]
     unsafe fn decrement_hops(ip: *mut u8) {
-        // As the kernel's `ip_decrease_ttl`: the TTL is the high byte of its 16-bit word, so one
-        // less TTL is 0x0100 (network order) more in the checksum, its carry folded in.
         unsafe {
-            let check = u32::from(read_word::<u16>(ip.add(10))) + u32::from(0x0100u16.to_be());
-            write_word(ip.add(10), (check + u32::from(check >= 0xffff)) as u16);
+            write_word(ip.add(10), csum::ttl_decremented(read_word(ip.add(10))));
             ip.add(8).write(ip.add(8).read() - 1);
         }
     }

@@ -84,7 +84,7 @@ fn expired(proto: u8, entry: &CtValue, now: u64) -> bool {
     // `as_words`, and the slot is one of them; volatile, as `load` reads it (the loader sets it).
     let lifetime =
         unsafe { (&raw const KPR_CT_TIMEOUTS).cast::<u64>().add(CtTimeouts::slot(proto, entry.flags)).read_volatile() };
-    now.saturating_sub(entry.last_seen) > lifetime
+    entry.idle_longer_than(lifetime, now)
 }
 
 /// "Not mine": the next program of the hook (TCX) or filter of the chain (cls_bpf) decides.
