@@ -12,6 +12,12 @@
 /// Version of the pinned map layout; part of the bpffs pin directory (`<pin-root>/v<N>`).
 pub const PIN_LAYOUT_VERSION: u32 = 10;
 
+/// The helper id the programs call `bpf_cast_to_kern_ctx` (6.2+) by: no kernel has it. The
+/// loader makes each such call the kfunc's where the kernel has one, and else the call stays
+/// dead code (its global says so). A stand-in because the object's linker writes no BTF for
+/// an external function, which a kfunc call needs.
+pub const CAST_TO_KERN_CTX_STANDIN: u32 = 0x6b70_7201;
+
 /// Map names, as seen by `bpftool map show` and used as pin file names.
 pub mod map_names {
     pub const SERVICES: &str = "KPR_SERVICES";

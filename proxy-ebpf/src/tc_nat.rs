@@ -90,6 +90,12 @@ fn expired(proto: u8, entry: &CtValue, now: u64) -> bool {
 /// "Not mine": the next program of the hook (TCX) or filter of the chain (cls_bpf) decides.
 const PASS: i32 = TC_ACT_UNSPEC;
 
+/// Where the kernel's `sk_buff` keeps `ip_summed` (the packet's checksum state), as
+/// `byte << 8 | bit`; set by the agent from the kernel's BTF where the programs may read it
+/// (6.2+: `bpf_cast_to_kern_ctx`). 0: they may not, and the checksum helper decides.
+#[unsafe(no_mangle)]
+static KPR_IP_SUMMED_AT: Global<u32> = Global::new(0);
+
 /// 1: a packet translated on its way in is sent straight out of the link its route leaves by;
 /// 0: it goes on through the host's forwarding path (`--host-routing`). Set by the agent.
 #[unsafe(no_mangle)]
@@ -1268,7 +1274,33 @@ fn rewrite<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()
         IPPROTO_UDP => Some((F::L4_OFF + UDP_CSUM, u64::from(BPF_F_MARK_MANGLED_0))),
         _ => None,
     };
+    // A complete checksum in the linear area, with no sum of the data kept in the skb: the
+    // field is changed in place, as the kernel's call would change it, bit for bit.
+    let field = match inet_csum {
+        Some((csum_off, _)) if checksum_complete(ctx) => l4_csum_field(ctx, csum_off),
+        _ => NO_FIELD,
+    };
     match inet_csum {
+        Some((csum_off, flags)) if field != NO_FIELD => {
+            let mark_mangled_0 = flags != 0;
+            if !(mark_mangled_0 && field == 0) {
+                let mut check = field as u16;
+                if addrs_changed {
+                    // The kernel marks a zero after each of its calls.
+                    let diff = csum::fold32(addr_diff);
+                    check = csum::kernel::mangled(csum::kernel::pseudo_complete(check, diff), mark_mangled_0);
+                }
+                if old_ports != new_ports {
+                    check = csum::kernel::word_complete(check, old_ports, new_ports);
+                }
+                let at = ctx.data() + csum_off;
+                if at + 2 > ctx.data_end() {
+                    return Err(());
+                }
+                // SAFETY: within [data, data_end), checked above.
+                unsafe { write_word(at as *mut u8, csum::kernel::mangled(check, mark_mangled_0)) };
+            }
+        }
         Some((csum_off, flags)) => {
             let mut ports_left = old_ports != new_ports;
             if addrs_changed {
@@ -1301,6 +1333,27 @@ fn rewrite<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()
         }
     }
     Ok(())
+}
+
+/// The packet's L4 checksum is complete and its skb keeps no sum of the data
+/// (`CHECKSUM_NONE`, `CHECKSUM_UNNECESSARY`): the program may change the field itself. False
+/// also where the kernel does not let the program read the state (before 6.2).
+#[inline(always)]
+fn checksum_complete(ctx: &TcContext) -> bool {
+    let at = KPR_IP_SUMMED_AT.load();
+    if at == 0 {
+        return false;
+    }
+    // SAFETY: the helper id the loader makes `bpf_cast_to_kern_ctx`'s call (it set `at`); the
+    // kfunc returns the program's context as the kernel's `sk_buff`, readable where its BTF says.
+    let ip_summed = unsafe {
+        let cast_to_kern_ctx: unsafe extern "C" fn(*mut core::ffi::c_void) -> *const u8 =
+            core::mem::transmute(proxy_common::CAST_TO_KERN_CTX_STANDIN as usize);
+        let skb = cast_to_kern_ctx(ctx.as_ptr());
+        (*skb.add((at >> 8) as usize) >> (at & 7)) & 3
+    };
+    // CHECKSUM_NONE 0, CHECKSUM_UNNECESSARY 1 (CHECKSUM_COMPLETE 2, CHECKSUM_PARTIAL 3).
+    ip_summed <= 1
 }
 
 /// [`l4_csum_field`]: the field is not in the linear area. A plain integer, not an `Option`:

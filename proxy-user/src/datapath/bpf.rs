@@ -333,6 +333,55 @@ pub struct BpfDatapath {
 
 /// Load the eBPF object with its maps created or reused under the pin directory; no program
 /// is loaded into the kernel yet.
+/// The running kernel is `major.minor` or later.
+pub(crate) fn kernel_since(major: u8, minor: u8) -> bool {
+    KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(major, minor, 0))
+}
+
+/// Where the programs may read an skb's checksum state themselves (6.2+): the id of the kfunc
+/// `bpf_cast_to_kern_ctx`, and `sk_buff.ip_summed` as `byte << 8 | bit`. Then a translated
+/// packet whose checksum is complete is fixed in place, without the checksum helper's call.
+fn kernel_skb_checksum_state() -> Option<(u32, u32)> {
+    if !kernel_since(6, 2) {
+        return None;
+    }
+    let btf = super::kernel_btf::KernelBtf::from_sys_fs()
+        .inspect_err(|e| {
+            tracing::info!("the kernel's BTF is unreadable ({e:#}): the checksum helper fixes every packet")
+        })
+        .ok()?;
+    let (Some(kfunc), Some(bit)) = (btf.func_id("bpf_cast_to_kern_ctx"), btf.field_bit_offset("sk_buff", "ip_summed"))
+    else {
+        tracing::info!(
+            "the kernel's BTF has no bpf_cast_to_kern_ctx or sk_buff.ip_summed: the checksum helper fixes every packet"
+        );
+        return None;
+    };
+    // Two bits within one byte, past the skb's first (0 means "unknown" to the programs).
+    (bit % 8 <= 6 && bit >= 8).then_some((kfunc, ((bit / 8) << 8) | (bit % 8)))
+}
+
+/// The object with each call of [`proxy_common::CAST_TO_KERN_CTX_STANDIN`] made a call of the
+/// kfunc `id` (`BPF_PSEUDO_KFUNC_CALL`), in a copy aligned as the ELF reader needs.
+fn with_kfunc_calls(object: &[u8], id: u32) -> Vec<u64> {
+    const CALL: u8 = 0x85; // BPF_JMP | BPF_CALL
+    const PSEUDO_KFUNC_CALL: u8 = 2 << 4; // the source register's nibble
+    let mut words = vec![0u64; object.len().div_ceil(8)];
+    // SAFETY: the words' bytes, as many as the object has.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), object.len()) };
+    bytes.copy_from_slice(object);
+    let mut standin = [CALL, 0, 0, 0, 0, 0, 0, 0];
+    standin[4..].copy_from_slice(&proxy_common::CAST_TO_KERN_CTX_STANDIN.to_le_bytes());
+    // Instructions are 8-byte aligned in their sections, and sections in the file.
+    for insn in bytes.as_chunks_mut::<8>().0 {
+        if *insn == standin {
+            insn[1] = PSEUDO_KFUNC_CALL;
+            insn[4..].copy_from_slice(&id.to_le_bytes());
+        }
+    }
+    words
+}
+
 pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
     if EBPF_OBJECT.is_empty() {
         bail!("this kpr binary was built without its eBPF object (AYA_BUILD_SKIP); rebuild with `cargo xtask build`");
@@ -343,8 +392,7 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .with_context(|| format!("failed to create the pin directory {} (is bpffs mounted?)", dir.display()))?;
     fs::set_permissions(&cfg.pin_root, std::os::unix::fs::PermissionsExt::from_mode(0o700))
         .with_context(|| format!("failed to restrict {}", cfg.pin_root.display()))?;
-    let kernel = KernelVersion::current().ok();
-    let kernel_since = |major, minor| u8::from(kernel.is_some_and(|v| v >= KernelVersion::new(major, minor, 0)));
+    let kernel_since = |major, minor| u8::from(kernel_since(major, minor));
     // bpf_set_retval (ECONNREFUSED for services without endpoints) exists from 5.18 on.
     let have_set_retval = kernel_since(5, 18);
     let have_coarse_clock = kernel_since(5, 11);
@@ -352,6 +400,15 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
     let redirect_next_hop = kernel_since(6, 3);
     let host_netns = netns_cookie().unwrap_or(0);
     let snat_ports = cfg.snat_ports;
+    let patched;
+    let (object, ip_summed_at) = match kernel_skb_checksum_state() {
+        Some((kfunc, at)) => {
+            patched = with_kfunc_calls(EBPF_OBJECT, kfunc);
+            // SAFETY: the words' bytes, as many as the object has (the last word is padded).
+            (unsafe { std::slice::from_raw_parts(patched.as_ptr().cast::<u8>(), EBPF_OBJECT.len()) }, at)
+        }
+        None => (EBPF_OBJECT, 0),
+    };
     if host_netns == 0 {
         tracing::warn!(
             "the kernel does not tell network namespaces apart (SO_NETNS_COOKIE): every socket counts as the node's"
@@ -400,7 +457,8 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .override_global("KPR_SNAT_PORT_MAX", &snat_ports.1, true)
         .override_global("KPR_CT_TIMEOUTS", &cfg.ct_timeouts, true)
         .override_global("KPR_FLOW_HASH_SEED", &flow_hash_seed(), true)
-        .load(EBPF_OBJECT)
+        .override_global("KPR_IP_SUMMED_AT", &ip_summed_at, true)
+        .load(object)
         .map_err(|e| match e {
             aya::EbpfError::MapError(aya::maps::MapError::PinError { .. }) | aya::EbpfError::MapError(_) => {
                 anyhow::Error::new(e).context(format!(
@@ -1370,4 +1428,38 @@ fn update_batch<K: Copy, V: Copy>(fd: BorrowedFd<'_>, keys: &[K], values: &[V]) 
 fn batch_unsupported(e: &std::io::Error) -> bool {
     // ENOTSUPP (524) from kernels or map types without batch ops; EINVAL from pre-5.6 kernels.
     matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(524) | Some(libc::EOPNOTSUPP))
+}
+
+#[cfg(test)]
+mod kfunc_call_tests {
+    use super::*;
+
+    #[test]
+    fn only_the_stand_in_calls_become_the_kfuncs() {
+        let insn = |code: u8, regs: u8, imm: u32| -> [u8; 8] {
+            let mut i = [code, regs, 0, 0, 0, 0, 0, 0];
+            i[4..].copy_from_slice(&imm.to_le_bytes());
+            i
+        };
+        let standin = proxy_common::CAST_TO_KERN_CTX_STANDIN;
+        // A helper call, a stand-in call, a load of the same constant, a stand-in call; and a
+        // tail that is not a whole instruction.
+        let object: Vec<u8> =
+            [insn(0x85, 0, 1), insn(0x85, 0, standin), insn(0xb7, 1, standin), insn(0x85, 0, standin)]
+                .concat()
+                .into_iter()
+                .chain([0x85, 0, 0])
+                .collect();
+        let words = with_kfunc_calls(&object, 63539);
+        // SAFETY: the words' bytes.
+        let patched = unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), object.len()) };
+        let want: Vec<u8> =
+            [insn(0x85, 0, 1), insn(0x85, 0x20, 63539), insn(0xb7, 1, standin), insn(0x85, 0x20, 63539)]
+                .concat()
+                .into_iter()
+                .chain([0x85, 0, 0])
+                .collect();
+        assert_eq!(patched, want.as_slice());
+        assert_eq!(words.as_ptr() as usize % 8, 0);
+    }
 }

@@ -9,6 +9,7 @@ pub mod bpf;
 pub mod conntrack;
 mod devconf;
 pub mod fake;
+pub mod kernel_btf;
 mod slots;
 mod sockets;
 
