@@ -331,8 +331,6 @@ pub struct BpfDatapath {
     pub host: BpfHost,
 }
 
-/// Load the eBPF object with its maps created or reused under the pin directory; no program
-/// is loaded into the kernel yet.
 /// The running kernel is `major.minor` or later.
 pub(crate) fn kernel_since(major: u8, minor: u8) -> bool {
     KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(major, minor, 0))
@@ -382,6 +380,8 @@ fn with_kfunc_calls(object: &[u8], id: u32) -> Vec<u64> {
     words
 }
 
+/// Load the eBPF object with its maps created or reused under the pin directory; no program
+/// is loaded into the kernel yet.
 pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
     if EBPF_OBJECT.is_empty() {
         bail!("this kpr binary was built without its eBPF object (AYA_BUILD_SKIP); rebuild with `cargo xtask build`");
