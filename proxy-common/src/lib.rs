@@ -10,7 +10,7 @@
 #![no_std]
 
 /// Version of the pinned map layout; part of the bpffs pin directory (`<pin-root>/v<N>`).
-pub const PIN_LAYOUT_VERSION: u32 = 10;
+pub const PIN_LAYOUT_VERSION: u32 = 11;
 
 /// The helper id the programs call `bpf_cast_to_kern_ctx` (6.2+) by: no kernel has it. The
 /// loader makes each such call the kfunc's where the kernel has one, and else the call stays
@@ -488,6 +488,9 @@ pub struct SockRevNatValue {
 pub trait FlowAddr: Copy {
     fn from_addr(addr: &Addr) -> Self;
     fn addr(&self) -> Addr;
+    /// The one's complement difference of an address of this family going from `old` to `new`
+    /// in the fields a checksum covers, as a sum to accumulate ([`csum::word_diff`]).
+    fn csum_diff(old: &Addr, new: &Addr) -> u64;
 }
 
 /// An IPv4 address in a conntrack key (`KPR_CONNTRACK4`, `KPR_CT_NEW4`), network byte order.
@@ -504,6 +507,10 @@ impl FlowAddr for Addr4 {
     fn addr(&self) -> Addr {
         Addr::from_v4(self.0)
     }
+    #[inline(always)]
+    fn csum_diff(old: &Addr, new: &Addr) -> u64 {
+        csum::word_diff(old.v4(), new.v4())
+    }
 }
 
 /// An IPv6 address in a conntrack key (`KPR_CONNTRACK6`, `KPR_CT_NEW6`) and `KPR_HANDOVER`'s
@@ -516,6 +523,14 @@ impl FlowAddr for Addr {
     #[inline(always)]
     fn addr(&self) -> Addr {
         *self
+    }
+    #[inline(always)]
+    fn csum_diff(old: &Addr, new: &Addr) -> u64 {
+        let mut diff = 0;
+        for i in 0..4 {
+            diff += csum::word_diff(old.0[i], new.0[i]);
+        }
+        diff
     }
 }
 
@@ -575,6 +590,10 @@ pub struct CtValue {
     pub last_seen: u64,
     /// `ct::*` bits: which direction this entry is, and what the flow has shown so far.
     pub flags: u32,
+    /// The checksum difference of the addresses' translation ([`addrs_csum_diff`] from the
+    /// entry's key to `src_addr`, `dst_addr`): worked out once when the entry is made, so that a
+    /// packet's IPv4 header and L4 pseudo header checksums take one addition each.
+    pub addrs_csum_diff: u32,
     /// Where this entry's translated packets leave the node when they are sent straight out:
     /// the route lookup's answer, kept for about a second.
     pub route: CachedRoute,
@@ -626,6 +645,13 @@ impl CtValue {
     pub fn pair_key<A: FlowAddr>(&self, proto: u8) -> CtKey<A> {
         CtKey::new(self.dst_addr, self.src_addr, self.dst_port, self.src_port, proto)
     }
+}
+
+/// [`CtValue::addrs_csum_diff`] of an entry whose key has the addresses `src`, `dst` and which
+/// rewrites them to `to_src`, `to_dst` (tables of addresses `A`), folded to 32 bits.
+#[inline(always)]
+pub fn addrs_csum_diff<A: FlowAddr>(src: &Addr, dst: &Addr, to_src: &Addr, to_dst: &Addr) -> u32 {
+    csum::fold32(A::csum_diff(src, to_src) + A::csum_diff(dst, to_dst))
 }
 
 /// Conntrack flow state (`CtValue::flags`) and lifetimes.
@@ -841,7 +867,7 @@ const _: () = assert!(size_of::<SockRevNatKey>() == 32);
 const _: () = assert!(size_of::<SockRevNatValue>() == 24);
 const _: () = assert!(size_of::<CtKey>() == 40);
 const _: () = assert!(size_of::<CtKey4>() == 16);
-const _: () = assert!(size_of::<CtValue>() == 80);
+const _: () = assert!(size_of::<CtValue>() == 88);
 const _: () = assert!(size_of::<CtTimeouts>() == 48);
 const _: () = assert!(size_of::<SourceRange>() == 20);
 const _: () = assert!(size_of::<FragmentKey>() == 12);
@@ -911,6 +937,44 @@ mod timeout_tests {
             (IPPROTO_UDP, reply | ct::RST, t.udp_stream),
         ] {
             assert_eq!(t.lifetime(proto, flags), lifetime, "proto {proto}, flags {flags:#x}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod addrs_csum_diff_tests {
+    use super::*;
+
+    /// The one's complement sum of a pseudo header's addresses, the ports and a checksum field:
+    /// 0xffff when the field is right for them (the rest of a segment only adds a constant).
+    fn sum(src: &Addr, dst: &Addr, ports: u32, check: u16, v4: bool) -> u16 {
+        let words = |a: &Addr| if v4 { [a.v4(), 0, 0, 0] } else { a.0 };
+        let total: u64 = words(src).iter().chain(words(dst).iter()).chain([ports].iter()).map(|&w| u64::from(w)).sum();
+        csum::fold16(total + u64::from(check))
+    }
+
+    /// An entry's difference, and the mirror entry's (its complement), keep a checksum right
+    /// through the translation as the tc programs apply it: one addition with the ports' own.
+    #[test]
+    fn an_entrys_difference_and_its_complement_translate_both_ways() {
+        let mut next = crate::test_numbers(0x2545_f491);
+        for round in 0..20_000 {
+            let v4 = round % 2 == 0;
+            let mut addr = || if v4 { Addr::from_v4(next()) } else { Addr([next(), next(), next(), next()]) };
+            let (src, dst, to_src, to_dst) = (addr(), addr(), addr(), addr());
+            let (ports, to_ports) = (next(), next());
+            // A field that makes the segment verify: the pseudo header and ports sum to its complement.
+            let check = !sum(&src, &dst, ports, 0, v4);
+            assert_eq!(sum(&src, &dst, ports, check, v4), 0xffff);
+            let diff = if v4 {
+                addrs_csum_diff::<Addr4>(&src, &dst, &to_src, &to_dst)
+            } else {
+                addrs_csum_diff::<Addr>(&src, &dst, &to_src, &to_dst)
+            };
+            let there = csum::replace(check, u64::from(diff) + csum::word_diff(ports, to_ports));
+            assert_eq!(sum(&to_src, &to_dst, to_ports, there, v4), 0xffff, "forward, round {round}");
+            let back = csum::replace(there, u64::from(!diff) + csum::word_diff(to_ports, ports));
+            assert_eq!(sum(&src, &dst, ports, back, v4), 0xffff, "back, round {round}");
         }
     }
 }

@@ -6,7 +6,7 @@ use network_types::{
     eth::EtherType,
     ip::{Ipv4Hdr, Ipv6Hdr},
 };
-use proxy_common::{Addr, Addr4, LinkInfo, csum};
+use proxy_common::{Addr, Addr4, FlowAddr, LinkInfo, csum};
 
 use crate::{
     maps::FlowTables,
@@ -54,7 +54,10 @@ pub trait Family {
     /// their last word is compared).
     fn same_addr(a: &Addr, b: &Addr) -> bool;
     /// One's complement difference of an address going from `old` to `new`.
-    fn addr_diff(old: &Addr, new: &Addr) -> u64;
+    #[inline(always)]
+    fn addr_diff(old: &Addr, new: &Addr) -> u64 {
+        Self::FlowAddr::csum_diff(old, new)
+    }
     /// An address as a pseudo header sums it.
     fn addr_sum(addr: &Addr) -> u64;
     /// Write the addresses into the header at `ip`; `diff` is theirs (`addr_diff`), for a
@@ -145,10 +148,6 @@ impl Family for V4 {
     #[inline(always)]
     fn same_addr(a: &Addr, b: &Addr) -> bool {
         a.v4() == b.v4()
-    }
-    #[inline(always)]
-    fn addr_diff(old: &Addr, new: &Addr) -> u64 {
-        csum::word_diff(old.v4(), new.v4())
     }
     #[inline(always)]
     fn addr_sum(addr: &Addr) -> u64 {
@@ -262,14 +261,6 @@ impl Family for V6 {
     #[inline(always)]
     fn same_addr(a: &Addr, b: &Addr) -> bool {
         a.same(b)
-    }
-    #[inline(always)]
-    fn addr_diff(old: &Addr, new: &Addr) -> u64 {
-        let mut diff = 0;
-        for i in 0..4 {
-            diff += csum::word_diff(old.0[i], new.0[i]);
-        }
-        diff
     }
     #[inline(always)]
     fn addr_sum(addr: &Addr) -> u64 {

@@ -39,7 +39,7 @@ use proxy_common::{
     DETECT_LOCAL_INTERFACE, FlowAddr, FragmentKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, LINK_FLAG_LOCAL_TRAFFIC,
     LINK_FLAG_TC_INGRESS, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
     SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN,
-    ServiceKey, ServiceValue, SourceRange, counter, crc32c, csum, csum::L4State, ct, has_states,
+    ServiceKey, ServiceValue, SourceRange, addrs_csum_diff, counter, crc32c, csum, csum::L4State, ct, has_states,
 };
 
 use crate::{
@@ -580,6 +580,8 @@ fn mirror<A: FlowAddr>(key: &CtKey<A>, entry: &CtValue, flags: u32, now: u64) ->
         service_id: entry.service_id,
         last_seen: now,
         flags: (flags & ct::FLOW_BITS) | (!entry.flags & ct::REPLY),
+        // The entry's translation undone: its difference negated.
+        addrs_csum_diff: !entry.addrs_csum_diff,
         route: CachedRoute::NONE,
     }
 }
@@ -976,6 +978,13 @@ fn program_flow<F: Family>(
             service_id: service.service_id,
             last_seen: now,
             flags: ct::REPLY,
+            // Its key: from the backend to the address the client is seen from.
+            addrs_csum_diff: addrs_csum_diff::<F::FlowAddr>(
+                &backend.addr,
+                snat_addr.as_ref().unwrap_or(&t.saddr),
+                &t.daddr,
+                &t.saddr,
+            ),
             route: CachedRoute::NONE,
         };
     }
@@ -1017,6 +1026,8 @@ fn program_flow<F: Family>(
             service_id: service.service_id,
             last_seen: now,
             flags: 0,
+            // The reply's translation undone.
+            addrs_csum_diff: !(*s).reply.addrs_csum_diff,
             route: CachedRoute::NONE,
         };
         let key = FlowScratch::key::<F::FlowAddr>(s);
@@ -1252,11 +1263,12 @@ fn fragment_key<F: Family>(ip: &F::Ip, saddr: &Addr, daddr: &Addr) -> Option<Fra
 /// Rewrite addresses and ports to `to`, fixing the IP and L4 checksums incrementally; the
 /// first fragment of a datagram leaves its rewrite for the later ones.
 ///
-/// The common case costs one helper call: the L4 checksum goes through the kernel for both
-/// addresses of the pseudo header (only it knows whether the checksum is partial, left to the
-/// device, which changes the arithmetic), and what the field became says how the ports' change
-/// goes in (`ports_csum_in_place`; else a second call). The header fields and the IPv4
-/// checksum, which covers only its own header, are written in place.
+/// The checksums take the entry's difference of the addresses and the ports' own. Where the
+/// packet's L4 checksum is complete and the program may see so (`checksum_complete`, 6.2+),
+/// its field is changed in place like the IPv4 header's; elsewhere it goes through the kernel
+/// (only it knows whether the checksum is partial, left to the device, which changes the
+/// arithmetic), and what the field became says how the ports' change goes in
+/// (`ports_csum_in_place`; else a second call).
 #[inline(always)]
 fn rewrite<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()> {
     if let Some(id) = t.first_fragment {
@@ -1265,8 +1277,9 @@ fn rewrite<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()
     }
     let addrs_changed = !(F::same_addr(&to.src_addr, &t.saddr) && F::same_addr(&to.dst_addr, &t.daddr));
     let (old_ports, new_ports) = (ports_word(t.sport, t.dport), ports_word(to.src_port, to.dst_port));
-    // One's complement difference of the addresses: for the IPv4 checksum and the pseudo header.
-    let addr_diff = F::addr_diff(&t.saddr, &to.src_addr) + F::addr_diff(&t.daddr, &to.dst_addr);
+    // One's complement difference of the addresses (for the IPv4 checksum and the pseudo
+    // header), worked out when the entry was made.
+    let addr_diff = to.addrs_csum_diff;
     // TCP's and UDP's checksums cover the addresses (pseudo header); SCTP's CRC32c does not.
     let inet_csum = match t.proto {
         IPPROTO_TCP => Some((F::L4_OFF + TCP_CSUM, 0)),
@@ -1275,7 +1288,8 @@ fn rewrite<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()
         _ => None,
     };
     // A complete checksum in the linear area, with no sum of the data kept in the skb: the
-    // field is changed in place, as the kernel's call would change it, bit for bit.
+    // field is changed in place, to the sum the kernel's calls would give (perhaps as one's
+    // complement's other zero, which verifies the same; a UDP zero is marked as they mark it).
     let field = match inet_csum {
         Some((csum_off, _)) if checksum_complete(ctx) => l4_csum_field(ctx, csum_off),
         _ => NO_FIELD,
@@ -1284,15 +1298,11 @@ fn rewrite<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()
         Some((csum_off, flags)) if field != NO_FIELD => {
             let mark_mangled_0 = flags != 0;
             if !(mark_mangled_0 && field == 0) {
-                let mut check = field as u16;
-                if addrs_changed {
-                    // The kernel marks a zero after each of its calls.
-                    let diff = csum::fold32(addr_diff);
-                    check = csum::kernel::mangled(csum::kernel::pseudo_complete(check, diff), mark_mangled_0);
-                }
+                let mut diff = if addrs_changed { u64::from(addr_diff) } else { 0 };
                 if old_ports != new_ports {
-                    check = csum::kernel::word_complete(check, old_ports, new_ports);
+                    diff += csum::word_diff(old_ports, new_ports);
                 }
+                let check = csum::replace(field as u16, diff);
                 let at = ctx.data() + csum_off;
                 if at + 2 > ctx.data_end() {
                     return Err(());
@@ -1306,7 +1316,7 @@ fn rewrite<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()
             if addrs_changed {
                 let before = l4_csum_field(ctx, csum_off);
                 // Size 0: `to` is a precomputed difference.
-                let diff = csum::fold32(addr_diff);
+                let diff = addr_diff;
                 ctx.l4_csum_replace(csum_off, 0, u64::from(diff), flags | u64::from(BPF_F_PSEUDO_HDR)).map_err(drop)?;
                 ports_left =
                     ports_left && !ports_csum_in_place(ctx, csum_off, before, diff, flags != 0, old_ports, new_ports);
@@ -1326,7 +1336,7 @@ fn rewrite<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()
     // SAFETY: within [data, data_end), checked above.
     unsafe {
         if addrs_changed {
-            F::write_addrs((data + IP_OFF) as *mut u8, &to.src_addr, &to.dst_addr, addr_diff);
+            F::write_addrs((data + IP_OFF) as *mut u8, &to.src_addr, &to.dst_addr, u64::from(addr_diff));
         }
         if old_ports != new_ports {
             write_word((data + F::L4_OFF) as *mut u8, new_ports);

@@ -670,6 +670,12 @@ fn packets_between_addresses_kpr_never_programmed_pass_at_the_address_filter() {
         service_id: 1,
         last_seen: monotonic_now(),
         flags: proxy_common::ct::SEEN_REPLY,
+        addrs_csum_diff: proxy_common::addrs_csum_diff::<proxy_common::Addr4>(
+            &a.into(),
+            &b.into(),
+            &a.into(),
+            &c.into(),
+        ),
         route: proxy_common::CachedRoute::NONE,
     };
     rig.table4(proxy_common::map_names::CONNTRACK4).insert(&key, &value, 0).unwrap();

@@ -539,6 +539,12 @@ where
         dst_addr: forward_key.dst_addr.addr(),
         src_port: forward_key.src_port,
         dst_port: forward_key.dst_port,
+        addrs_csum_diff: proxy_common::addrs_csum_diff::<A>(
+            &back_key.src_addr.addr(),
+            &back_key.dst_addr.addr(),
+            &forward_key.src_addr.addr(),
+            &forward_key.dst_addr.addr(),
+        ),
         route: proxy_common::CachedRoute::NONE,
         ..forward
     };
@@ -548,6 +554,12 @@ where
         src_port: back_key.dst_port,
         dst_port: back_key.src_port,
         flags: forward.flags | proxy_common::ct::REPLY,
+        addrs_csum_diff: proxy_common::addrs_csum_diff::<A>(
+            &back.dst_addr,
+            &back.src_addr,
+            &back_key.dst_addr.addr(),
+            &back_key.src_addr.addr(),
+        ),
         route: proxy_common::CachedRoute::NONE,
         ..forward
     };
