@@ -642,6 +642,8 @@ pub struct FlowScratch {
     /// A new flow's service entry and backend.
     service: ServiceValue,
     backend: Backend,
+    /// Its reply entry's [`CtValue::addrs_csum_diff`] while the client is not masqueraded.
+    reply_csum_diff: u32,
     /// A packet's conntrack key, and a copy of its entry.
     flow_key: KeySlot,
     entry: CtValue,
@@ -940,6 +942,10 @@ fn start_flow(t: &Tuple, service: &ServiceValue, now: u64) -> Result<i32, ()> {
     unsafe {
         (*s).service = *service;
         (*s).backend = backend;
+        // Here, off the frames of the SNAT port search: the reply entry's key goes from the
+        // backend to the client, its value from the frontend to the client. All four words of
+        // either family's addresses (IPv4 mapped): the same difference.
+        (*s).reply_csum_diff = addrs_csum_diff::<Addr>(&backend.addr, &t.saddr, &t.daddr, &t.saddr);
     }
     Ok(OPEN)
 }
@@ -978,17 +984,18 @@ fn program_flow<F: Family>(
             service_id: service.service_id,
             last_seen: now,
             flags: ct::REPLY,
-            // Its key: from the backend to the address the client is seen from.
-            addrs_csum_diff: addrs_csum_diff::<F::FlowAddr>(
-                &backend.addr,
-                snat_addr.as_ref().unwrap_or(&t.saddr),
-                &t.daddr,
-                &t.saddr,
-            ),
+            // The client's address may change below (masquerade).
+            addrs_csum_diff: (*s).reply_csum_diff,
             route: CachedRoute::NONE,
         };
     }
     let (src_addr, src_port) = if let Some(snat_addr) = snat_addr {
+        // SAFETY: the per-CPU scratch value, valid for this program run. The reply entry's key
+        // has the masquerade address where the client's was.
+        unsafe {
+            let diff = u64::from((*s).reply_csum_diff) + F::addr_diff(&snat_addr, &t.saddr);
+            (*s).reply.addrs_csum_diff = csum::fold32(diff);
+        }
         // 0: none free.
         let port = snat_port::<F::FlowAddr>(t, backend, &snat_addr, s);
         if port == 0 {
