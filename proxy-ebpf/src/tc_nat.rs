@@ -1323,10 +1323,10 @@ fn rewrite<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()
             if addrs_changed {
                 let before = l4_csum_field(ctx, csum_off);
                 // Size 0: `to` is a precomputed difference.
-                let diff = addr_diff;
-                ctx.l4_csum_replace(csum_off, 0, u64::from(diff), flags | u64::from(BPF_F_PSEUDO_HDR)).map_err(drop)?;
-                ports_left =
-                    ports_left && !ports_csum_in_place(ctx, csum_off, before, diff, flags != 0, old_ports, new_ports);
+                ctx.l4_csum_replace(csum_off, 0, u64::from(addr_diff), flags | u64::from(BPF_F_PSEUDO_HDR))
+                    .map_err(drop)?;
+                ports_left = ports_left
+                    && !ports_csum_in_place(ctx, csum_off, before, addr_diff, flags != 0, old_ports, new_ports);
             }
             if ports_left {
                 ctx.l4_csum_replace(csum_off, u64::from(old_ports), u64::from(new_ports), flags | 4).map_err(drop)?;
