@@ -327,7 +327,7 @@ fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: boo
     // SAFETY: the per-CPU scratch value, valid for this program run.
     let key = unsafe {
         let key = FlowScratch::flow_key::<F::FlowAddr>(s);
-        *key = CtKey::new(t.saddr, t.daddr, t.sport, t.dport, t.proto);
+        CtKey::write_words(key, &t.saddr, &t.daddr, t.sport, t.dport, t.proto);
         &*key
     };
     let (established, new_flows) = (F::FlowAddr::established(), F::FlowAddr::new_flows());
@@ -634,6 +634,10 @@ fn flow_entry<'a, A: FlowTables>(key: &CtKey<A>) -> Option<&'a CtValue> {
 /// not fit beside the rest of the path (512 bytes for a chain of calls).
 #[repr(C)]
 pub struct FlowScratch {
+    /// A packet's conntrack key, and a copy of its entry. First: the key is written in 8-byte
+    /// words, and at the start of the value it shares no cache line with the rest.
+    flow_key: KeySlot,
+    entry: CtValue,
     key: KeySlot,
     reply_key: KeySlot,
     forward: CtValue,
@@ -644,9 +648,6 @@ pub struct FlowScratch {
     backend: Backend,
     /// Its reply entry's [`CtValue::addrs_csum_diff`] while the client is not masqueraded.
     reply_csum_diff: u32,
-    /// A packet's conntrack key, and a copy of its entry.
-    flow_key: KeySlot,
-    entry: CtValue,
     /// The route lookup of a masquerade address.
     fib: bpf_fib_lookup,
     /// `known_flow` → `forward_direct`: how to route the packet of an established flow (`ROUTE_*`).
@@ -657,8 +658,8 @@ pub struct FlowScratch {
     clock: TickClock,
 }
 
-/// Room for a conntrack key of either family's tables.
-#[repr(C)]
+/// Room for a conntrack key of either family's tables, 8-byte aligned ([`CtKey::write_words`]).
+#[repr(C, align(8))]
 union KeySlot {
     v4: CtKey<Addr4>,
     v6: CtKey,
