@@ -615,7 +615,7 @@ impl<A: FlowAddr> CtKey<A> {
         dst_port: u16,
         proto: u8,
     ) {
-        const { assert!(size_of::<Self>() % 8 == 0) };
+        const { assert!(size_of::<Self>().is_multiple_of(8)) };
         let words = key.cast::<u64>();
         let ports = if cfg!(target_endian = "little") {
             u64::from(src_port) | u64::from(dst_port) << 16 | u64::from(proto) << 32
