@@ -10,7 +10,7 @@
 #![no_std]
 
 /// Version of the pinned map layout; part of the bpffs pin directory (`<pin-root>/v<N>`).
-pub const PIN_LAYOUT_VERSION: u32 = 11;
+pub const PIN_LAYOUT_VERSION: u32 = 12;
 
 /// The helper id the programs call `bpf_cast_to_kern_ctx` (6.2+) by: no kernel has it. The
 /// loader makes each such call the kfunc's where the kernel has one, and else the call stays
@@ -42,6 +42,7 @@ pub mod map_names {
     pub const HANDOVER: &str = "KPR_HANDOVER";
     pub const HANDOVER_COUNT: &str = "KPR_HANDOVER_COUNT";
     pub const ADDR_FILTER: &str = "KPR_ADDR_FILTER";
+    pub const TC_SLOW_PATH: &str = "KPR_TC_SLOW_PATH";
 }
 
 /// Program names (the Rust function names in `proxy-ebpf`).
@@ -57,6 +58,18 @@ pub mod program_names {
     pub const SOCK_RELEASE: &str = "kpr_sock_release";
     pub const TC_INGRESS: &str = "kpr_tc_ingress";
     pub const TC_EGRESS: &str = "kpr_tc_egress";
+    /// Where the tc programs hand a packet whose flow is not in conntrack (`KPR_TC_SLOW_PATH`).
+    pub const TC_INGRESS_SLOW: &str = "kpr_tc_ingress_slow";
+    pub const TC_EGRESS_SLOW: &str = "kpr_tc_egress_slow";
+    /// The slow programs, indexed by their `KPR_TC_SLOW_PATH` slot ([`super::tc_slow_path`]).
+    pub const TC_SLOW_PATH: [&str; 2] = [TC_INGRESS_SLOW, TC_EGRESS_SLOW];
+    const _: () = assert!(super::tc_slow_path::INGRESS == 0 && super::tc_slow_path::EGRESS == 1);
+}
+
+/// Slots of `KPR_TC_SLOW_PATH` (see [`program_names::TC_SLOW_PATH`]).
+pub mod tc_slow_path {
+    pub const INGRESS: u32 = 0;
+    pub const EGRESS: u32 = 1;
 }
 
 /// Default map sizes; the agent can override them at start.
@@ -890,8 +903,11 @@ pub mod counter {
     pub const TC_CT_RACE_ADOPTED: u32 = 19;
     /// tc: a translated packet was sent straight out of the link its route leaves by.
     pub const TC_FORWARDED_DIRECT: u32 = 20;
+    /// tc: a packet that needed the slow program found none in `KPR_TC_SLOW_PATH` (should
+    /// never happen: the agent fills it before it attaches): passed untranslated.
+    pub const TC_SLOW_PATH_MISSING: u32 = 21;
     /// Number of counters.
-    pub const COUNT: u32 = 21;
+    pub const COUNT: u32 = 22;
     /// Names for display, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -915,6 +931,7 @@ pub mod counter {
         "sock_agent_exempt",
         "tc_ct_race_adopted",
         "tc_forwarded_direct",
+        "tc_slow_path_missing",
     ];
 }
 

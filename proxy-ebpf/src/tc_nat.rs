@@ -29,7 +29,7 @@ use aya_ebpf::{
         BPF_FIB_LOOKUP_SKIP_NEIGH, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, bpf_fib_lookup, bpf_redir_neigh,
         bpf_redir_neigh__bindgen_ty_1,
     },
-    btf_maps::{PerCpuArray, lpm_trie::Key},
+    btf_maps::{PerCpuArray, ProgramArray, lpm_trie::Key},
     helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect_neigh},
     macros::{btf_map, classifier},
     programs::TcContext,
@@ -40,6 +40,7 @@ use proxy_common::{
     LINK_FLAG_TC_INGRESS, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
     SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN,
     ServiceKey, ServiceValue, SourceRange, addrs_csum_diff, counter, crc32c, csum, csum::L4State, ct, has_states,
+    tc_slow_path,
 };
 
 use crate::{
@@ -107,6 +108,16 @@ static KPR_FORWARD_DIRECT: Global<u8> = Global::new(1);
 #[unsafe(no_mangle)]
 static KPR_REDIRECT_NEXT_HOP: Global<u8> = Global::new(0);
 
+/// The slow programs (`program_names::TC_SLOW_PATH`), by slot: where the attached programs
+/// hand a packet whose flow is not in conntrack (a new flow, an ICMP error, not a flow at all).
+/// The attached programs keep to an established flow's path with its stages inlined: a
+/// subprogram call and its return cost about 7.5 ns where the kernel mitigates returns (AMD's
+/// SRSO), and a program with those stages inlined could not also call the new-flow path's chain
+/// of subprograms within the 512-byte BPF stack. A tail call starts the slow program on a
+/// stack of its own. Filled by the agent before it attaches; pinned, so that it outlives it.
+#[btf_map(name = "KPR_TC_SLOW_PATH", pin_by_name)]
+static SLOW_PATH: ProgramArray<2> = ProgramArray::new();
+
 #[classifier]
 pub fn kpr_tc_ingress(ctx: TcContext) -> i32 {
     match eth_type(&ctx) {
@@ -121,6 +132,24 @@ pub fn kpr_tc_egress(ctx: TcContext) -> i32 {
     if came_through_ingress(&ctx) {
         return PASS;
     }
+    match eth_type(&ctx) {
+        Some(t) if t == V4::ETH_TYPE => known::<V4>(&ctx, false),
+        Some(t) if t == V6::ETH_TYPE => known::<V6>(&ctx, false),
+        _ => PASS,
+    }
+}
+
+#[classifier]
+pub fn kpr_tc_ingress_slow(ctx: TcContext) -> i32 {
+    match eth_type(&ctx) {
+        Some(t) if t == V4::ETH_TYPE => slow_ingress::<V4>(&ctx),
+        Some(t) if t == V6::ETH_TYPE => slow_ingress::<V6>(&ctx),
+        _ => PASS,
+    }
+}
+
+#[classifier]
+pub fn kpr_tc_egress_slow(ctx: TcContext) -> i32 {
     let verdict = match eth_type(&ctx) {
         Some(t) if t == V4::ETH_TYPE => translate::<V4>(&ctx, false),
         Some(t) if t == V6::ETH_TYPE => translate::<V6>(&ctx, false),
@@ -129,8 +158,39 @@ pub fn kpr_tc_egress(ctx: TcContext) -> i32 {
     verdict.unwrap_or(PASS)
 }
 
+/// The attached programs' path: a packet of a flow in conntrack translated (the verdict),
+/// anything else handed to the slow program.
+#[inline(always)]
+fn known<F: Family>(ctx: &TcContext, ingress: bool) -> i32 {
+    let mut t = MaybeUninit::<Tuple>::uninit();
+    match read_and_translate::<F>(ctx, &mut t, ingress) {
+        NO_FLOW | AN_ICMP_ERROR => slow_path(ctx, ingress),
+        verdict => verdict,
+    }
+}
+
+/// Tail call the slow program; it returns only when its slot is empty.
+#[inline(always)]
+fn slow_path(ctx: &TcContext, ingress: bool) -> i32 {
+    let slot = if ingress { tc_slow_path::INGRESS } else { tc_slow_path::EGRESS };
+    // SAFETY: the slow programs take the same context and return a tc verdict.
+    unsafe { SLOW_PATH.tail_call(ctx, slot) };
+    count(counter::TC_SLOW_PATH_MISSING);
+    PASS
+}
+
+/// A packet on its way in, translated, sent straight out (unless `--host-routing`).
 #[inline(always)]
 fn ingress<F: Family>(ctx: &TcContext) -> i32 {
+    match known::<F>(ctx, true) {
+        TC_ACT_OK if KPR_FORWARD_DIRECT.load() != 0 => forward_direct::<F>(ctx),
+        verdict => verdict,
+    }
+}
+
+/// The same in the slow program: every stage, as subprograms.
+#[inline(always)]
+fn slow_ingress<F: Family>(ctx: &TcContext) -> i32 {
     match translate::<F>(ctx, true) {
         Ok(TC_ACT_OK) if KPR_FORWARD_DIRECT.load() != 0 => forward_direct::<F>(ctx),
         Ok(verdict) => verdict,
@@ -226,10 +286,16 @@ fn translate<F: Family>(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     })
 }
 
-/// The packet read (`inspect`) and, if its flow is in conntrack, translated (`known_flow`):
-/// a verdict, `AN_ICMP_ERROR`, or `NO_FLOW` with the packet's tuple filled in.
+/// [`read_and_translate`] as a subprogram, for the slow programs' chains of calls.
 #[inline(never)]
 fn known_packet<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>, ingress: bool) -> i32 {
+    read_and_translate::<F>(ctx, tuple, ingress)
+}
+
+/// The packet read (`inspect`) and, if its flow is in conntrack, translated (`known_flow`):
+/// a verdict, `AN_ICMP_ERROR`, or `NO_FLOW` with the packet's tuple filled in.
+#[inline(always)]
+fn read_and_translate<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>, ingress: bool) -> i32 {
     match inspect::<F>(ctx, tuple) {
         A_FLOW => {}
         verdict => return verdict,

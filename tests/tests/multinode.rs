@@ -706,9 +706,9 @@ fn a_program_attached_after_kpr_still_sees_what_kpr_does_not_translate() {
         .netns
         .run(move || -> Result<aya::Ebpf> {
             let mut ebpf = bpf::open_object(&cfg)?;
+            bpf::load_tc_programs(&mut ebpf)?;
             let prog: &mut aya::programs::SchedClassifier =
                 ebpf.program_mut(proxy_common::program_names::TC_INGRESS).context("program")?.try_into()?;
-            prog.load()?;
             prog.attach(c"eth0", aya::programs::TcAttachType::Ingress)?; // appended after kpr's
             bpf::BpfMaps::take_from(&mut ebpf)?.mark_addresses([IpAddr::from(node_ip).into()])?;
             Ok(ebpf)

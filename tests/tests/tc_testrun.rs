@@ -23,7 +23,7 @@ use kpr::{
 use proxy_common::{
     Addr, CidrKey, CtKey, CtKey4, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, LINK_FLAG_TC_INGRESS, LinkInfo,
     NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
-    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MIN, counter, ct, program_names,
+    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MIN, counter, ct, map_names, program_names, tc_slow_path,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -290,10 +290,7 @@ impl Rig {
         tune(&mut cfg);
         let mut ebpf = bpf::open_object(&cfg).expect("load object");
         // Programs first: taking a map out of the object before loading breaks its relocation.
-        for name in [program_names::TC_INGRESS, program_names::TC_EGRESS] {
-            let prog: &mut SchedClassifier = ebpf.program_mut(name).unwrap().try_into().unwrap();
-            prog.load().expect("verifier accepts the tc program");
-        }
+        bpf::load_tc_programs(&mut ebpf).expect("the verifier accepts the tc programs");
         let mut maps = BpfMaps::take_from(&mut ebpf).expect("maps");
         // The node's address, written into the node maps below, gets its filter bit here.
         maps.mark_addresses([NODE_IP.into(), NODE_IP6.into()]).unwrap();
@@ -547,6 +544,24 @@ fn cluster_ip_tcp_is_translated_both_ways_with_exact_checksums() {
         assert_eq!(out, Pkt { src: cluster_ip, sport: 80, ..reply }.bytes(), "reverse NAT");
         assert_eq!((rig.counter(counter::TC_NEW_FLOW), rig.counter(counter::TC_CT_HIT)), (flows, 2 * flows));
     }
+}
+
+/// The attached programs translate a known flow themselves and hand anything else to the slow
+/// programs by tail call (`KPR_TC_SLOW_PATH`). With the ingress slot empty, an established flow
+/// is still translated, and a new flow's first packet passes untouched, counted.
+#[test]
+fn a_new_flow_takes_the_slow_program_and_without_it_passes_counted() {
+    let mut rig = Rig::new(&services());
+    let to_pod = |p: Pkt| Pkt { dst: POD.into(), dport: 8080, ..p }.bytes();
+    let syn = tcp(CLIENT, 40200, CLUSTER_IP, 80);
+    assert_eq!(rig.ingress(&syn.bytes()), (TC_ACT_OK, to_pod(syn)), "a new flow, by the slow program");
+    let mut slots = aya::maps::ProgramArray::try_from(rig.ebpf.map_mut(map_names::TC_SLOW_PATH).unwrap()).unwrap();
+    slots.clear_index(&tc_slow_path::INGRESS).unwrap();
+    let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 5000, ..syn };
+    assert_eq!(rig.ingress(&ack.bytes()), (TC_ACT_OK, to_pod(ack)), "the known flow, without the slow program");
+    let other = tcp(CLIENT, 40201, CLUSTER_IP, 80);
+    assert_eq!(rig.ingress(&other.bytes()), (TC_ACT_UNSPEC, other.bytes()), "a new flow, without it");
+    assert_eq!((rig.counter(counter::TC_SLOW_PATH_MISSING), rig.counter(counter::TC_NEW_FLOW)), (1, 1));
 }
 
 /// A packet that came in by a link where kpr's ingress program runs was translated there: the

@@ -16,7 +16,9 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, IterableMap as _, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Key as LpmKey},
+    maps::{
+        Array, HashMap, IterableMap as _, LpmTrie, Map, MapData, PerCpuArray, ProgramArray, lpm_trie::Key as LpmKey,
+    },
     programs::{
         CgroupAttachMode, CgroupSockAddr, NetworkInterface, SchedClassifier, TcAttachType,
         cgroup_sock_addr::CgroupSockAddrLink,
@@ -521,13 +523,7 @@ impl BpfDatapath {
             // Without it, reverse-translation entries of closed sockets age out of the LRU map.
             tracing::warn!("socket release hook not attached: {e:#}");
         }
-        for name in TC_PROGRAMS {
-            let prog: &mut SchedClassifier = ebpf
-                .program_mut(name)
-                .with_context(|| format!("program `{name}` missing from the eBPF object"))?
-                .try_into()?;
-            prog.load().with_context(|| format!("the verifier rejected `{name}`"))?;
-        }
+        load_tc_programs(&mut ebpf)?;
 
         let maps = BpfMaps::take_from(&mut ebpf)?;
         let tc_netlink = cfg.tc_netlink || !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
@@ -538,6 +534,29 @@ impl BpfDatapath {
 }
 
 const TC_PROGRAMS: [&str; 2] = [program_names::TC_INGRESS, program_names::TC_EGRESS];
+
+/// Load the tc programs: the attached ones, and the slow programs they hand packets to, put in
+/// their `KPR_TC_SLOW_PATH` slots (pinned: they stay there when the agent is gone). Before
+/// any map is taken out of the object (that would break the programs' relocation).
+pub fn load_tc_programs(ebpf: &mut Ebpf) -> Result<()> {
+    let mut slow = Vec::new();
+    for name in TC_PROGRAMS.into_iter().chain(program_names::TC_SLOW_PATH) {
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(name)
+            .with_context(|| format!("program `{name}` missing from the eBPF object"))?
+            .try_into()?;
+        prog.load().with_context(|| format!("the verifier rejected `{name}`"))?;
+        if let Some(slot) = program_names::TC_SLOW_PATH.iter().position(|&slow_name| slow_name == name) {
+            slow.push((slot as u32, prog.fd()?.try_clone()?));
+        }
+    }
+    let map = ebpf.map_mut(map_names::TC_SLOW_PATH).context("KPR_TC_SLOW_PATH missing from the eBPF object")?;
+    let mut slots = ProgramArray::try_from(map)?;
+    for (slot, fd) in &slow {
+        slots.set(*slot, fd, 0).context("failed to fill KPR_TC_SLOW_PATH")?;
+    }
+    Ok(())
+}
 
 /// Swap `prog` into the cgroup link pinned at `path`, if that link is attached to the cgroup
 /// `cgroup_id` (the inode of the cgroup2 directory).

@@ -583,9 +583,7 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     let mut ebpf = bpf::open_object(&cfg)?;
     let range = kpr::model::cidr::Cidr::new(Ipv4Addr::new(10, 96, 0, 0).into(), 12).context("range")?;
     bpf::write_service_ranges(&mut ebpf, &[range].into())?;
-    let prog: &mut SchedClassifier =
-        ebpf.program_mut(proxy_common::program_names::TC_INGRESS).context("tc program")?.try_into()?;
-    prog.load()?;
+    bpf::load_tc_programs(&mut ebpf)?;
     let mut maps = kpr::datapath::bpf::BpfMaps::take_from(&mut ebpf)?;
     // The test packets come from outside the cluster: the target also gets its entry for
     // outside clients.
