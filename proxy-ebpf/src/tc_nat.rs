@@ -261,10 +261,10 @@ fn headers<'a, F: Family>(ctx: &TcContext) -> Option<&'a Headers<F::Ip>> {
     Some(unsafe { &*(ctx.data() as *const Headers<F::Ip>) })
 }
 
-/// The stages below are subprograms called one after the other, not inlined into each other:
-/// the BPF stack (512 bytes) bounds the frames of a chain of calls, not their sum. A packet of
-/// a known flow takes one of them (`known_packet`): a call and its return cost several ns
-/// where the kernel mitigates returns (AMD's SRSO: about 7.5 ns each on a Zen 4).
+/// The slow programs' path. Its stages are subprograms called one after the other, not inlined
+/// into each other: the BPF stack (512 bytes) bounds the frames of a chain of calls, not their
+/// sum. (The attached programs inline the first, `known_packet`'s, and make no call for a
+/// packet of a known flow: see `SLOW_PATH`.)
 #[inline(always)]
 fn translate<F: Family>(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     // Filled in by `known_packet` when it says so (not zeroed first: a memset on every packet).
@@ -718,7 +718,7 @@ fn flow_entry<'a, A: FlowTables>(key: &CtKey<A>) -> Option<&'a CtValue> {
 #[repr(C)]
 pub struct FlowScratch {
     /// A packet's conntrack key, and a copy of its entry. First: the key is written in 8-byte
-    /// words, and at the start of the value it shares no cache line with the rest.
+    /// words, 8-byte aligned, and here it lies within one cache line.
     flow_key: KeySlot,
     entry: CtValue,
     key: KeySlot,
