@@ -539,21 +539,17 @@ const TC_PROGRAMS: [&str; 2] = [program_names::TC_INGRESS, program_names::TC_EGR
 /// their `KPR_TC_SLOW_PATH` slots (pinned: they stay there when the agent is gone). Before
 /// any map is taken out of the object (that would break the programs' relocation).
 pub fn load_tc_programs(ebpf: &mut Ebpf) -> Result<()> {
-    let mut slow = Vec::new();
     for name in TC_PROGRAMS.into_iter().chain(program_names::TC_SLOW_PATH) {
         let prog: &mut SchedClassifier = ebpf
             .program_mut(name)
             .with_context(|| format!("program `{name}` missing from the eBPF object"))?
             .try_into()?;
         prog.load().with_context(|| format!("the verifier rejected `{name}`"))?;
-        if let Some(slot) = program_names::TC_SLOW_PATH.iter().position(|&slow_name| slow_name == name) {
-            slow.push((slot as u32, prog.fd()?.try_clone()?));
-        }
     }
-    let map = ebpf.map_mut(map_names::TC_SLOW_PATH).context("KPR_TC_SLOW_PATH missing from the eBPF object")?;
-    let mut slots = ProgramArray::try_from(map)?;
-    for (slot, fd) in &slow {
-        slots.set(*slot, fd, 0).context("failed to fill KPR_TC_SLOW_PATH")?;
+    for (slot, name) in (0u32..).zip(program_names::TC_SLOW_PATH) {
+        let fd = ebpf.program(name).context("a slow tc program")?.fd()?.try_clone()?;
+        let map = ebpf.map_mut(map_names::TC_SLOW_PATH).context("KPR_TC_SLOW_PATH missing from the eBPF object")?;
+        ProgramArray::try_from(map)?.set(slot, &fd, 0).context("failed to fill KPR_TC_SLOW_PATH")?;
     }
     Ok(())
 }
