@@ -10,7 +10,7 @@
 #![no_std]
 
 /// Version of the pinned map layout; part of the bpffs pin directory (`<pin-root>/v<N>`).
-pub const PIN_LAYOUT_VERSION: u32 = 12;
+pub const PIN_LAYOUT_VERSION: u32 = 13;
 
 /// The helper id the programs call `bpf_cast_to_kern_ctx` (6.2+) by: no kernel has it. The
 /// loader makes each such call the kfunc's where the kernel has one, and else the call stays
@@ -43,6 +43,12 @@ pub mod map_names {
     pub const HANDOVER_COUNT: &str = "KPR_HANDOVER_COUNT";
     pub const ADDR_FILTER: &str = "KPR_ADDR_FILTER";
     pub const TC_SLOW_PATH: &str = "KPR_TC_SLOW_PATH";
+    /// Per-CPU caches of established flows in front of the conntrack tables (not pinned: each
+    /// load of the programs starts with empty ones).
+    pub const FLOW_CACHE4: &str = "KPR_FLOW_CACHE4";
+    pub const FLOW_CACHE6: &str = "KPR_FLOW_CACHE6";
+    /// What the flow caches' entries are checked against ([`super::ct_generation`]).
+    pub const CT_GENERATION: &str = "KPR_CT_GENERATION";
 }
 
 /// Program names (the Rust function names in `proxy-ebpf`).
@@ -70,6 +76,18 @@ pub mod program_names {
 pub mod tc_slow_path {
     pub const INGRESS: u32 = 0;
     pub const EGRESS: u32 = 1;
+}
+
+/// Words of `KPR_CT_GENERATION`: a flow cache's entry serves only while both are what they
+/// were when it was filled. After a conntrack entry is removed, its remover writes one of them
+/// with a value it never had before: no later write can then bring back a value that a cached
+/// copy of the removed entry was filled under, whatever the order of racing writers.
+pub mod ct_generation {
+    /// The programs' (when they forget a flow): the clock in ns, shifted, and the CPU's number.
+    pub const DATAPATH: u32 = 0;
+    /// Userspace's (the agent's sweeps and flushes, `kpr conntrack flush`): `CLOCK_MONOTONIC` in ns.
+    pub const AGENT: u32 = 1;
+    pub const WORDS: u32 = 2;
 }
 
 /// Default map sizes; the agent can override them at start.
@@ -105,6 +123,9 @@ pub mod defaults {
     pub const MAX_SOURCE_RANGES: u32 = 16_384;
     /// Words of the address filter (`KPR_ADDR_FILTER`): 2^20 bits, 128 KiB.
     pub const ADDR_FILTER_WORDS: u32 = 16_384;
+    /// Entries of each per-CPU flow cache (`KPR_FLOW_CACHE4`, `KPR_FLOW_CACHE6`), a power of
+    /// two: 128 and 152 bytes each, 280 KiB per CPU.
+    pub const FLOW_CACHE_SLOTS: u32 = 1_024;
 }
 
 /// The bit of the address filter (`KPR_ADDR_FILTER`) that stands for `addr`: a multiplicative hash, its top 20 bits. The filter holds every address the
@@ -906,8 +927,11 @@ pub mod counter {
     /// tc: a packet that needed the slow program found none in `KPR_TC_SLOW_PATH` (should
     /// never happen: the agent fills it before it attaches): passed untranslated.
     pub const TC_SLOW_PATH_MISSING: u32 = 21;
+    /// tc: a packet of an established flow found it in conntrack and put it in this CPU's flow
+    /// cache, where the flow's next packets find it (`tc_ct_hit` less this: the cache's hits).
+    pub const TC_FLOW_CACHE_FILLED: u32 = 22;
     /// Number of counters.
-    pub const COUNT: u32 = 22;
+    pub const COUNT: u32 = 23;
     /// Names for display, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -932,6 +956,7 @@ pub mod counter {
         "tc_ct_race_adopted",
         "tc_forwarded_direct",
         "tc_slow_path_missing",
+        "tc_flow_cache_filled",
     ];
 }
 

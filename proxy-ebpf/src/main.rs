@@ -5,10 +5,12 @@
 //! `tc_nat`: tc programs on node interfaces that translate packets the socket hooks never see
 //! (NodePort, externalIPs, LoadBalancer IPs, ClusterIP traffic from other namespaces), with
 //! conntrack, reverse NAT and masquerade (kube-proxy's KUBE-NODEPORTS/KUBE-EXT/KUBE-MARK-MASQ).
+//! `flow_cache`: the per-CPU cache of established flows in front of `tc_nat`'s conntrack.
 #![no_std]
 #![no_main]
 
 mod family;
+mod flow_cache;
 mod maps;
 mod packet;
 mod sock_lb;

@@ -1,5 +1,6 @@
 //! The maps shared with the agent. Pinned by name under the agent's versioned pin directory;
 //! sizes here are placeholders that the agent overrides at load time.
+use crate::flow_cache::{CachedFlow, FLOW_CACHE4, FLOW_CACHE6};
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
@@ -40,6 +41,9 @@ pub static SOCK_PICKS: LruHashMap<SockRevNatKey, Backend, { defaults::MAX_SOCK_R
 #[btf_map(name = "KPR_COUNTERS", pin_by_name)]
 pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();
 
+/// A family's per-CPU flow cache.
+pub type FlowCache<A> = PerCpuArray<CachedFlow<A>, { defaults::FLOW_CACHE_SLOTS as usize }>;
+
 /// A conntrack table: a packet's 5-tuple → its rewrite (two entries per flow). LRU: when
 /// full, the least recently used flow goes.
 pub type FlowMap<K> = LruHashMap<K, CtValue, { defaults::MAX_CONNTRACK as usize }>;
@@ -67,6 +71,8 @@ pub trait FlowTables: FlowAddr + 'static {
     fn established() -> &'static FlowMap<CtKey<Self>>;
     /// Flows not answered yet.
     fn new_flows() -> &'static FlowMap<CtKey<Self>>;
+    /// This CPU's cache of established flows (`flow_cache`).
+    fn flow_cache() -> &'static FlowCache<Self>;
 }
 
 impl FlowTables for Addr4 {
@@ -78,6 +84,10 @@ impl FlowTables for Addr4 {
     fn new_flows() -> &'static FlowMap<CtKey<Self>> {
         &CT_NEW4
     }
+    #[inline(always)]
+    fn flow_cache() -> &'static FlowCache<Self> {
+        &FLOW_CACHE4
+    }
 }
 
 impl FlowTables for Addr {
@@ -88,6 +98,10 @@ impl FlowTables for Addr {
     #[inline(always)]
     fn new_flows() -> &'static FlowMap<CtKey<Self>> {
         &CT_NEW6
+    }
+    #[inline(always)]
+    fn flow_cache() -> &'static FlowCache<Self> {
+        &FLOW_CACHE6
     }
 }
 

@@ -45,6 +45,7 @@ use proxy_common::{
 
 use crate::{
     family::{Family, Fragment, V4, V6},
+    flow_cache,
     maps::{
         FRAGMENTS, FlowMap, FlowTables, HANDOVER, LINKS, LOCAL_CIDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss,
         TickClock, affinity_backend, backend_at, count, handed_over, in_addr_filter, link, node_addr_flags, now,
@@ -80,12 +81,17 @@ static KPR_FLOW_HASH_SEED: Global<u32> = Global::new(0);
 /// `load` copies all six, on every packet.
 #[inline(always)]
 fn expired(proto: u8, entry: &CtValue, now: u64) -> bool {
+    entry.idle_longer_than(lifetime(proto, entry.flags), now)
+}
+
+/// How long a flow of `proto` in state `flags` lives after its latest packet (one word of
+/// `KPR_CT_TIMEOUTS` read).
+#[inline(always)]
+fn lifetime(proto: u8, flags: u32) -> u64 {
     const _: () = assert!(size_of::<CtTimeouts>() == size_of::<[u64; 6]>());
     // SAFETY: `Global` is transparent over the `#[repr(C)]` struct of six u64 in the order of
     // `as_words`, and the slot is one of them; volatile, as `load` reads it (the loader sets it).
-    let lifetime =
-        unsafe { (&raw const KPR_CT_TIMEOUTS).cast::<u64>().add(CtTimeouts::slot(proto, entry.flags)).read_volatile() };
-    entry.idle_longer_than(lifetime, now)
+    unsafe { (&raw const KPR_CT_TIMEOUTS).cast::<u64>().add(CtTimeouts::slot(proto, flags)).read_volatile() }
 }
 
 /// "Not mine": the next program of the hook (TCX) or filter of the chain (cls_bpf) decides.
@@ -229,11 +235,17 @@ pub struct Tuple {
     pub sport: u16,
     pub dport: u16,
     pub proto: u8,
-    /// The first fragment of a datagram in fragments: its IP id (as in the packet).
-    pub first_fragment: Option<u16>,
+    /// The first fragment of a datagram in fragments: its IP id (as in the packet); else
+    /// `NOT_A_FIRST_FRAGMENT`. A plain integer, not an `Option`: an empty option's payload is
+    /// undefined, which the compiler may store from any register, and 6.1's verifier refuses a
+    /// pointer stored in two bytes.
+    pub first_fragment: u32,
     /// The length of the L4 header and payload.
     pub l4_len: u16,
 }
+
+/// [`Tuple::first_fragment`] of a packet that is not a datagram's first fragment.
+const NOT_A_FIRST_FRAGMENT: u32 = u32::MAX;
 
 /// The Ethernet type, IP header and L4 ports, read in place from the packet (no helper calls,
 /// no copy: a copy would be a load and a store per byte); headers outside the linear area are
@@ -392,8 +404,8 @@ fn inspect<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>) -> i32 {
         dport: unsafe { read_word(h.ports[1].as_ptr()) },
         proto,
         first_fragment: match fragment {
-            Fragment::First(id) => Some(id),
-            _ => None,
+            Fragment::First(id) => u32::from(id),
+            _ => NOT_A_FIRST_FRAGMENT,
         },
         l4_len: F::l4_len(ip),
     };
@@ -401,7 +413,8 @@ fn inspect<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>) -> i32 {
     A_FLOW
 }
 
-/// A packet of a flow in conntrack: translated as its entry says (`NO_FLOW`: no live entry).
+/// A packet of a flow in conntrack: translated as its entry says (`NO_FLOW`: no live entry),
+/// the entry taken from this CPU's flow cache where it serves, else from the table.
 #[inline(always)]
 fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: bool) -> i32 {
     let Ok(s) = scratch() else { return NO_FLOW };
@@ -413,85 +426,146 @@ fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: boo
         CtKey::write_words(key, &t.saddr, &t.daddr, t.sport, t.dport, t.proto);
         &*key
     };
+    // SAFETY: the per-CPU scratch value. The generation is read before the table's lookup
+    // (`flow_cache::generation`), and kept there for the fill: on the stack it would lengthen
+    // the chains of calls through this stage.
+    let now = unsafe {
+        (*s).generation = flow_cache::generation();
+        now_by_tick(&raw mut (*s).clock)
+    };
+    let straight_out = ingress && KPR_FORWARD_DIRECT.load() != 0;
+    let cached = if cacheable(t, tcp_flags) {
+        // SAFETY: the per-CPU scratch value.
+        flow_cache::serving(key, unsafe { (*s).generation }, now, straight_out)
+    } else {
+        None
+    };
+    // The entry, and how the packet is sent on (`redirect_by`, `forward_direct`).
+    let (entry, route) = match cached {
+        Some(entry) => (entry, if straight_out { ROUTE_CACHED } else { ROUTE_LOOK_UP }),
+        None => match table_flow::<F>(ctx, t, key, tcp_flags, ingress, now, s) {
+            Ok(found) => found,
+            Err(verdict) => return verdict,
+        },
+    };
+    if rewrite::<F>(ctx, t, entry).is_err() {
+        return PASS;
+    }
+    count(counter::TC_CT_HIT);
+    if route == ROUTE_CACHED
+        && let Some(verdict) = redirect_by::<F>(ctx, &entry.route, s)
+    {
+        return verdict;
+    }
+    // SAFETY: the per-CPU scratch value; `forward_direct`, next, takes it back.
+    unsafe { (*s).route = route };
+    TC_ACT_OK
+}
+
+/// `known_flow` in the conntrack table: the flow's entry (copied to `s.entry`, put in the flow
+/// cache when it may serve there) and how to route the packet, or the verdict on a packet that
+/// found no live flow (`NO_FLOW`) or started a flow anew.
+#[inline(always)]
+fn table_flow<'a, F: Family>(
+    ctx: &TcContext,
+    t: &Tuple,
+    key: &CtKey<F::FlowAddr>,
+    tcp_flags: u8,
+    ingress: bool,
+    now: u64,
+    s: *mut FlowScratch,
+) -> Result<(&'a CtValue, u32), i32> {
     let (established, new_flows) = (F::FlowAddr::established(), F::FlowAddr::new_flows());
     // Established flows first; a flow not yet answered lives apart (`CT_NEW*`), so that a flood
     // of new flows (SYNs, spoofed segments) evicts only its own kind.
-    let found = match established.get_ptr_mut(key) {
-        Some(entry_ptr) => Some((entry_ptr, true)),
-        None => new_flows.get_ptr_mut(key).map(|entry_ptr| (entry_ptr, false)),
+    let (entry_ptr, confirmed) = match established.get_ptr_mut(key) {
+        Some(entry_ptr) => (entry_ptr, true),
+        None => match new_flows.get_ptr_mut(key) {
+            Some(entry_ptr) => (entry_ptr, false),
+            None => return Err(NO_FLOW),
+        },
     };
-    if let Some((entry_ptr, confirmed)) = found {
-        // SAFETY: map value and scratch pointers, valid for this program run; the copy is
-        // read while the map's entry is written.
-        let entry = unsafe {
-            // Not an assignment: the compiler cannot tell the two apart and would call memmove.
-            core::ptr::copy_nonoverlapping(entry_ptr, &raw mut (*s).entry, 1);
-            &(*s).entry
-        };
-        // SAFETY: the per-CPU scratch value.
-        let now = now_by_tick(unsafe { &raw mut (*s).clock });
-        let syn = tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
-        // How the packet is sent on if it is translated here (`redirect_cached`, `forward_direct`).
-        let route = route_hint(ingress && confirmed, &entry.route, now);
-        if expired(t.proto, entry, now) {
-            count(counter::TC_CT_EXPIRED);
-            forget(key, entry, t.proto);
-        } else if ingress && syn && (ct::closed(entry.flags) || stale(ctx, t, entry)) {
-            // A new connection reusing the 5-tuple of a closed flow, or of one whose endpoint
-            // is gone: balanced anew (conntrack does the same for a SYN after TIME_WAIT). When
-            // the new pick is the old flow's translation, as it is while the service is
-            // unchanged (the pick is a hash of the tuple), the closed flow's entries start
-            // over in place: no forget, no inserts, and none again at the answer.
-            if confirmed && ct::closed(entry.flags) && reopen::<F>(ctx, t, entry_ptr, now) {
-                if rewrite::<F>(ctx, t, entry).is_err() {
-                    return PASS;
-                }
-                count(counter::TC_NEW_FLOW);
-                // SAFETY: the per-CPU scratch value; `forward_direct`, next, takes it back.
-                unsafe { (*s).route = route };
-                return TC_ACT_OK;
-            }
-            forget(key, entry, t.proto);
-        } else {
-            let seen = seen_bits(entry, tcp_flags);
-            if confirmed {
-                touch(established, key, entry_ptr, entry, seen, now);
-            } else if seen & ct::SEEN_REPLY != 0 && tcp_flags & TCP_RST == 0 {
-                confirm(key, entry, seen, now);
-            } else {
-                touch(new_flows, key, entry_ptr, entry, seen, now);
-            }
+    // SAFETY: map value and scratch pointers, valid for this program run; the copy is read
+    // while the map's entry is written.
+    let entry = unsafe {
+        // Not an assignment: the compiler cannot tell the two apart and would call memmove.
+        core::ptr::copy_nonoverlapping(entry_ptr, &raw mut (*s).entry, 1);
+        &(*s).entry
+    };
+    let syn = tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+    let route = route_hint(ingress && confirmed, &entry.route, now);
+    if expired(t.proto, entry, now) {
+        count(counter::TC_CT_EXPIRED);
+        forget(key, entry, t.proto);
+        return Err(NO_FLOW);
+    }
+    if ingress && syn && (ct::closed(entry.flags) || stale(ctx, t, entry)) {
+        // A new connection reusing the 5-tuple of a closed flow, or of one whose endpoint
+        // is gone: balanced anew (conntrack does the same for a SYN after TIME_WAIT). When
+        // the new pick is the old flow's translation, as it is while the service is
+        // unchanged (the pick is a hash of the tuple), the closed flow's entries start
+        // over in place: no forget, no inserts, and none again at the answer.
+        if confirmed && ct::closed(entry.flags) && reopen::<F>(ctx, t, entry_ptr, now) {
             if rewrite::<F>(ctx, t, entry).is_err() {
-                return PASS;
+                return Err(PASS);
             }
-            count(counter::TC_CT_HIT);
-            if route == ROUTE_CACHED
-                && let Some(verdict) = redirect_cached::<F>(ctx, s)
-            {
-                return verdict;
-            }
+            count(counter::TC_NEW_FLOW);
             // SAFETY: the per-CPU scratch value; `forward_direct`, next, takes it back.
             unsafe { (*s).route = route };
-            return TC_ACT_OK;
+            return Err(TC_ACT_OK);
+        }
+        forget(key, entry, t.proto);
+        return Err(NO_FLOW);
+    }
+    let seen = seen_bits(entry, tcp_flags);
+    if confirmed {
+        touch(established, key, entry_ptr, entry, seen, now);
+    } else if seen & ct::SEEN_REPLY != 0 && tcp_flags & TCP_RST == 0 {
+        confirm(key, entry, seen, now);
+    } else {
+        touch(new_flows, key, entry_ptr, entry, seen, now);
+    }
+    // The entry as it stays until its refresh is due, for the flow's next packets: a packet to
+    // be sent straight out needs the kept route.
+    let straight_out = ingress && KPR_FORWARD_DIRECT.load() != 0;
+    if confirmed
+        && cacheable(t, tcp_flags)
+        && entry.flags | seen == entry.flags
+        && !ct::closed(entry.flags)
+        && (route == ROUTE_CACHED || !straight_out)
+    {
+        let mut valid_until = entry.last_seen.saturating_add(ct::REFRESH_NS.min(lifetime(t.proto, entry.flags)));
+        if route == ROUTE_CACHED {
+            valid_until = valid_until.min(u64::from(entry.route.period + 1) << ct::ROUTE_PERIOD_SHIFT);
+        }
+        // SAFETY: the per-CPU scratch value.
+        let generation = unsafe { (*s).generation };
+        if flow_cache::fill(key, entry, generation, now, valid_until, route == ROUTE_CACHED) {
+            count(counter::TC_FLOW_CACHE_FILLED);
         }
     }
-    NO_FLOW
+    Ok((entry, route))
 }
 
-/// Send a translated packet of an established flow out by the route its entry keeps (copied
-/// to `s.entry`), here rather than in `forward_direct`: most packets of a flow go this way, and
+/// May this packet be served by the flow cache? One that changes nothing in its flow's entry
+/// (no SYN, FIN or RST; not a fragment, which must be remembered for its later ones).
+#[inline(always)]
+fn cacheable(t: &Tuple, tcp_flags: u8) -> bool {
+    t.first_fragment == NOT_A_FIRST_FRAGMENT && tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST) == 0
+}
+
+/// Send a translated packet of an established flow out by the route its entry keeps
+/// (`cached`), here rather than in `forward_direct`: most packets of a flow go this way, and
 /// the stage's call, scratch lookup and bounds checks are saved on each. None: the packet is
 /// `forward_direct`'s (its TTL runs out, or it is too big for the link: the stack decides).
 #[inline(always)]
-fn redirect_cached<F: Family>(ctx: &TcContext, s: *mut FlowScratch) -> Option<i32> {
+fn redirect_by<F: Family>(ctx: &TcContext, cached: &CachedRoute, s: *mut FlowScratch) -> Option<i32> {
     let data = ctx.data();
     if data + IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
         return None;
     }
     // SAFETY: within [data, data_end), checked above.
     let ip = unsafe { &*((data + IP_OFF) as *const F::Ip) };
-    // SAFETY: the per-CPU scratch value; `known_flow` copied the flow's entry there.
-    let cached = unsafe { &(*s).entry.route };
     if F::hops(ip) <= 1 || !fits_link(ctx, cached.mtu) {
         return None;
     }
@@ -704,6 +778,7 @@ fn forget<A: FlowTables>(key: &CtKey<A>, entry: &CtValue, proto: u8) {
         let _ = map.remove(pair_key);
         let _ = map.remove(key);
     }
+    flow_cache::forgotten();
 }
 
 /// The flow entry under `key`, established or new, in place (no copy on the BPF stack).
@@ -731,14 +806,16 @@ pub struct FlowScratch {
     backend: Backend,
     /// Its reply entry's [`CtValue::addrs_csum_diff`] while the client is not masqueraded.
     reply_csum_diff: u32,
-    /// The route lookup of a masquerade address.
+    /// The route lookup of a masquerade address, and then `forward_direct`'s.
     fib: bpf_fib_lookup,
     /// `known_flow` → `forward_direct`: how to route the packet of an established flow (`ROUTE_*`).
     route: u32,
-    /// `redirect_cached`: the kept next hop, as `bpf_redirect_neigh` takes it.
+    /// `redirect_by`: the kept next hop, as `bpf_redirect_neigh` takes it.
     next_hop: bpf_redir_neigh,
     /// The time at this CPU's last tick (`now_by_tick`).
     clock: TickClock,
+    /// `known_flow`: the conntrack generation read before its lookup (`flow_cache::fill`).
+    generation: flow_cache::Generation,
 }
 
 /// Room for a conntrack key of either family's tables, 8-byte aligned ([`CtKey::write_words`]).
@@ -767,8 +844,8 @@ impl FlowScratch {
 
 /// Look the route up (a packet of a new flow or of one not yet answered).
 const ROUTE_LOOK_UP: u32 = 0;
-/// The route cached in the flow's entry (`s.entry.route`) serves: `known_flow` sends the packet
-/// out by it (`redirect_cached`); a packet it could not send is looked up.
+/// The route kept in the flow's entry (`CtValue::route`) serves: `known_flow` sends the packet
+/// out by it (`redirect_by`); a packet it could not send is looked up.
 const ROUTE_CACHED: u32 = 1;
 /// Look the route up and keep it in the flow's entry (under `s.flow_key`).
 const ROUTE_LOOK_UP_AND_CACHE: u32 = 2;
@@ -919,11 +996,13 @@ fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     if F::hops(ip) <= 1 {
         return TC_ACT_OK; // the stack answers with "time exceeded"
     }
-    let mut params = MaybeUninit::<bpf_fib_lookup>::uninit();
-    // SAFETY: every byte written (in place: `assume_init` would copy it).
+    // In the scratch area (free here: a new flow's masquerade lookup is done), not on the
+    // stack: this stage is inlined into the attached programs, whose frame bounds the chains
+    // of calls through them.
+    // SAFETY: the per-CPU scratch value, every byte written.
     let params = unsafe {
-        zero_fib(params.as_mut_ptr());
-        &mut *params.as_mut_ptr()
+        zero_fib(&raw mut (*s).fib);
+        &mut (*s).fib
     };
     params.family = F::AF;
     params.ifindex = ifindex(ctx);
@@ -1221,6 +1300,7 @@ fn snat_try_in<A: FlowTables>(port: u32) -> u32 {
         // made new, not kept with the old flow's state and age (an expired leftover would be
         // taken for an ended flow when the answer comes, and the answer passed untranslated).
         let _ = established.remove(reply_key);
+        flow_cache::forgotten();
         return u32::from(new_flows.insert(reply_key, reply, 0).is_ok());
     }
     let now = now();
@@ -1362,7 +1442,8 @@ fn fragment_key<F: Family>(ip: &F::Ip, saddr: &Addr, daddr: &Addr) -> Option<Fra
 /// (`ports_csum_in_place`; else a second call).
 #[inline(always)]
 fn rewrite<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()> {
-    if let Some(id) = t.first_fragment {
+    if t.first_fragment != NOT_A_FIRST_FRAGMENT {
+        let id = t.first_fragment as u16;
         let key = FragmentKey { src_addr: t.saddr.v4(), dst_addr: t.daddr.v4(), id, proto: t.proto, _pad: 0 };
         let _ = FRAGMENTS.insert(&key, to, 0);
     }

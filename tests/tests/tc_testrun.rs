@@ -901,6 +901,74 @@ fn a_new_connection_reusing_the_tuple_of_a_flow_to_a_removed_endpoint_is_balance
     assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: other.into(), dport: 8080, ..syn }.bytes());
 }
 
+/// An established flow's packets that change nothing in its entry are served from this CPU's
+/// copy of it (`flow_cache`, no conntrack lookup), and the copy stops serving once conntrack
+/// changes: an entry rewritten from userspace (`Conntrack::changed`, which the agent's removals
+/// call), or the programs forgetting the flow for a new connection on its tuple.
+#[test]
+fn an_established_flows_packets_are_served_from_the_flow_cache_until_its_entry_changes() {
+    pin_to_cpu(0);
+    let mut rig = Rig::new(&services());
+    let families: [(IpAddr, IpAddr, IpAddr); 2] =
+        [(CLIENT.into(), CLUSTER_IP.into(), POD.into()), (CLIENT6.into(), CLUSTER_IP6.into(), POD6.into())];
+    for (client, cluster_ip, pod) in families {
+        let syn = tcp(client, 40050, cluster_ip, 80);
+        assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: pod, dport: 8080, ..syn }.bytes());
+        let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(pod, 8080, client, 40050) };
+        assert_eq!(rig.egress(&synack.bytes()).1, Pkt { src: cluster_ip, sport: 80, ..synack }.bytes());
+        let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
+        let (filled, hits) = (rig.counter(counter::TC_FLOW_CACHE_FILLED), rig.counter(counter::TC_CT_HIT));
+        for _ in 0..3 {
+            assert_eq!(rig.ingress(&ack.bytes()).1, Pkt { dst: pod, dport: 8080, ..ack }.bytes(), "{client}");
+        }
+        assert_eq!(rig.counter(counter::TC_CT_HIT) - hits, 3, "{client}");
+        assert_eq!(rig.counter(counter::TC_FLOW_CACHE_FILLED) - filled, 1, "{client}: the first ACK filled the cache");
+        // A FIN changes the entry: the table's path, not the cache's.
+        let fin = Pkt { tcp_flags: 0x11, ..ack };
+        assert_eq!(rig.ingress(&fin.bytes()).1, Pkt { dst: pod, dport: 8080, ..fin }.bytes(), "{client}");
+        let fin_bits = proxy_common::ct::FIN_ORIG;
+        let finned = |(k, v): &(CtKey, CtValue)| k.dst_addr == Addr::from(cluster_ip) && v.flags & fin_bits != 0;
+        assert!(rig.flows().iter().any(finned), "{client}: the FIN is in the entry");
+    }
+
+    // IPv4, a new flow: its entry rewritten from userspace.
+    let syn = tcp(CLIENT, 40051, CLUSTER_IP, 80);
+    rig.ingress(&syn.bytes());
+    rig.egress(&Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(POD, 8080, CLIENT, 40051) }.bytes());
+    let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
+    let to = |dst: Ipv4Addr, dport: u16| Pkt { dst: dst.into(), dport, ..ack }.bytes();
+    assert_eq!(rig.ingress(&ack.bytes()).1, to(POD, 8080));
+    let key = CtKey4::new(CLIENT.into(), CLUSTER_IP.into(), 40051u16.to_be(), 80u16.to_be(), proxy_common::IPPROTO_TCP);
+    let mut table = rig.table4(proxy_common::map_names::CONNTRACK4);
+    let mut entry = table.get(&key, 0).unwrap();
+    entry.dst_port = 8081u16.to_be();
+    table.insert(&key, &entry, 0).unwrap();
+    assert_eq!(rig.ingress(&ack.bytes()).1, to(POD, 8080), "behind the cache's back: its copy serves");
+    rig.conntrack().changed().unwrap();
+    assert_eq!(rig.ingress(&ack.bytes()).1, to(POD, 8081), "the copy no longer serves");
+    entry.dst_port = 8080u16.to_be();
+    table.insert(&key, &entry, 0).unwrap();
+    rig.conntrack().changed().unwrap();
+    assert_eq!(rig.ingress(&ack.bytes()).1, to(POD, 8080));
+    let filled = rig.counter(counter::TC_FLOW_CACHE_FILLED);
+    assert_eq!(rig.ingress(&ack.bytes()).1, to(POD, 8080));
+    assert_eq!(rig.counter(counter::TC_FLOW_CACHE_FILLED), filled, "served from the cache again");
+
+    // The endpoint goes away; a new connection on the tuple is balanced anew, the programs
+    // forgetting the old flow, and its packets do not get the old flow's copy.
+    let other = Ipv4Addr::new(10, 244, 7, 7);
+    let mut d = services();
+    cluster_ip(&mut d, 80, Protocol::Tcp, &[(other, 8080)]);
+    rig.reprogram(&d);
+    assert_eq!(rig.ingress(&ack.bytes()).1, to(POD, 8080), "established traffic keeps its endpoint");
+    assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: other.into(), dport: 8080, ..syn }.bytes());
+    let synack = Pkt { tcp_flags: 0x12, seq: 9000, ack: 1001, ..tcp(other, 8080, CLIENT, 40051) };
+    assert_eq!(rig.egress(&synack.bytes()).1, Pkt { src: CLUSTER_IP.into(), sport: 80, ..synack }.bytes());
+    for _ in 0..2 {
+        assert_eq!(rig.ingress(&ack.bytes()).1, to(other, 8080), "the new connection's endpoint");
+    }
+}
+
 const MS: u64 = 1_000_000;
 
 fn dst_of(packet: &[u8]) -> Ipv4Addr {
@@ -1482,6 +1550,8 @@ fn an_established_flow_keeps_its_route_for_about_a_second() {
         // (Before 6.3 nothing is kept: period 0, made the last one.)
         aged.route.period = aged.route.period.wrapping_sub(1);
         rig.table4(proxy_common::map_names::CONNTRACK4).insert(&key, &aged, 0).unwrap();
+        // A rewrite from userspace: the flow caches' copies of the entry stop serving.
+        rig.conntrack().changed().unwrap();
         assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK);
         assert_eq!(entry().route, aged.route, "nothing new kept");
         // The route back: the next segment is sent by it, and keeps it again, for this period.

@@ -4,16 +4,18 @@
 use std::{path::Path, time::Duration};
 
 use anyhow::{Context as _, Result};
-use aya::maps::{HashMap, IterableMap as _, Map, MapData};
-use proxy_common::{Addr, Addr4, CtKey, CtTimeouts, CtValue, FlowAddr, map_names};
+use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData};
+use proxy_common::{Addr, Addr4, CtKey, CtTimeouts, CtValue, FlowAddr, ct_generation, map_names};
 
 /// How often the agent sweeps.
 pub const SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 
-/// The pinned conntrack tables: per family, established flows and flows not answered yet.
+/// The pinned conntrack tables: per family, established flows and flows not answered yet; and
+/// the generation the programs' flow caches check their copies of entries against.
 pub struct Conntrack {
     v4: [Table<Addr4>; 2],
     v6: [Table<Addr>; 2],
+    generation: Array<MapData, u64>,
     capacity: u32,
 }
 
@@ -31,7 +33,10 @@ type Table<A> = HashMap<MapData, CtKey<A>, CtValue>;
 
 impl Conntrack {
     pub fn open(pin_root: &Path) -> Result<Self> {
-        Self::new(|name| Ok(Map::LruHashMap(super::bpf::open_pinned_map(pin_root, name)?)))
+        Self::new(|name| {
+            let map = super::bpf::open_pinned_map(pin_root, name)?;
+            Ok(if name == map_names::CT_GENERATION { Map::Array(map) } else { Map::LruHashMap(map) })
+        })
     }
 
     /// The tables, each taken by its name from `take` (a loaded object's maps, or the pins).
@@ -39,11 +44,12 @@ impl Conntrack {
         let mut table = |name: &str| -> Result<Map> { take(name).with_context(|| format!("no map {name}")) };
         let v4 = [HashMap::try_from(table(map_names::CONNTRACK4)?)?, HashMap::try_from(table(map_names::CT_NEW4)?)?];
         let v6 = [HashMap::try_from(table(map_names::CONNTRACK6)?)?, HashMap::try_from(table(map_names::CT_NEW6)?)?];
+        let generation = Array::try_from(table(map_names::CT_GENERATION)?)?;
         let mut capacity = 0;
         for map in [v4[0].map(), v4[1].map(), v6[0].map(), v6[1].map()] {
             capacity += map.info()?.max_entries();
         }
-        Ok(Self { v4, v6, capacity })
+        Ok(Self { v4, v6, generation, capacity })
     }
 
     /// Entries all tables hold at most.
@@ -97,17 +103,32 @@ impl Conntrack {
 
     /// Remove the entries `doomed` picks (it sees keys of either family, IPv4 mapped), in all
     /// tables: (entries left, entries removed).
+    /// Every CPU's flow cache stops serving its copies (even if the walk failed halfway).
     pub fn remove_where(&mut self, doomed: impl Fn(&CtKey, &CtValue) -> bool) -> Result<(usize, usize)> {
         let (mut left, mut removed) = (0, 0);
-        for table in &mut self.v4 {
-            let (l, r) = remove_where(table, &doomed)?;
-            (left, removed) = (left + l, removed + r);
+        let walked = (|| -> Result<()> {
+            for table in &mut self.v4 {
+                let (l, r) = remove_where(table, &doomed)?;
+                (left, removed) = (left + l, removed + r);
+            }
+            for table in &mut self.v6 {
+                let (l, r) = remove_where(table, &doomed)?;
+                (left, removed) = (left + l, removed + r);
+            }
+            Ok(())
+        })();
+        if removed > 0 {
+            self.changed()?;
         }
-        for table in &mut self.v6 {
-            let (l, r) = remove_where(table, &doomed)?;
-            (left, removed) = (left + l, removed + r);
-        }
-        Ok((left, removed))
+        walked.map(|()| (left, removed))
+    }
+
+    /// Entries were removed or rewritten from userspace: the programs' flow caches (copies of
+    /// entries, per CPU) stop serving, as the word they check gets a value it never had: the
+    /// clock in ns (`proxy_common::ct_generation` says why a new value, not a count).
+    pub fn changed(&mut self) -> Result<()> {
+        let now = monotonic_now();
+        self.generation.set(ct_generation::AGENT, &now, 0).context("failed to write KPR_CT_GENERATION")
     }
 }
 
