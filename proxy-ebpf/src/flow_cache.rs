@@ -86,42 +86,64 @@ pub fn forgotten() {
     }
 }
 
-/// The slot of `key` (8-byte aligned, as [`CtKey::write_words`] writes it) in this CPU's cache.
+/// [`probe`]: the key's slot serves another flow (or there is none); nothing is put there.
+pub const NO_SLOT: u32 = u32::MAX;
+
+/// The index of `key`'s slot (8-byte aligned, as [`CtKey::write_words`] writes it): the top bits
+/// of a sum of the key's words each multiplied by an odd constant (the products independent of
+/// each other, so that they are worked out side by side).
 #[inline(always)]
-fn slot<A: FlowTables>(key: &CtKey<A>) -> Option<*mut CachedFlow<A>> {
+fn slot_index<A: FlowTables>(key: &CtKey<A>) -> u32 {
+    const ODD: [u64; 5] = [
+        0x9E37_79B9_7F4A_7C15,
+        0xC2B2_AE3D_27D4_EB4F,
+        0x1656_67B1_9E37_79F9,
+        0xD6E8_FEB8_6659_FD93,
+        0xFF51_AFD7_ED55_8CCD,
+    ];
+    const { assert!(size_of::<CtKey<A>>() / 8 <= ODD.len()) };
     let words = (key as *const CtKey<A>).cast::<u64>();
     let mut hash = 0u64;
-    for i in 0..size_of::<CtKey<A>>() / 8 {
+    for (i, odd) in ODD.iter().enumerate().take(size_of::<CtKey<A>>() / 8) {
         // SAFETY: the key's words.
-        hash = (hash ^ unsafe { words.add(i).read() }).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        hash = hash.wrapping_add(unsafe { words.add(i).read() }.wrapping_mul(*odd));
     }
-    // The top bits: the ones every word's every bit reaches.
-    A::flow_cache().get_ptr_mut((hash >> (64 - SLOTS.trailing_zeros())) as u32)
+    (hash >> (64 - SLOTS.trailing_zeros())) as u32
 }
 
 /// The cached entry of `key`, if it serves a packet at `now` (`straight_out`: one to be sent
-/// straight out by the entry's kept route).
+/// straight out by the entry's kept route). Else `free` is the slot that [`fill`] may put the
+/// table's answer in, or `NO_SLOT` while the slot serves another flow: a flow keeps its slot
+/// until its copy is due for a refresh, so that flows sharing a slot do not take it from each
+/// other on every packet (and a packet that could not be cached costs no attempt).
 #[inline(always)]
-pub fn serving<'a, A: FlowTables>(
+pub fn probe<'a, A: FlowTables>(
     key: &CtKey<A>,
     generation: Generation,
     now: u64,
     straight_out: bool,
+    free: &mut u32,
 ) -> Option<&'a CtValue> {
+    *free = NO_SLOT;
+    let index = slot_index(key);
     // SAFETY: a map value, valid for this program run.
-    let cached = unsafe { &*slot(key)? };
-    let serves = now < cached.valid_until
-        && cached.generation == generation
-        && (!straight_out || cached.routed != 0)
-        && same_key(&cached.key, key);
-    serves.then_some(&cached.entry)
+    let cached = unsafe { &*A::flow_cache().get_ptr_mut(index)? };
+    let live = now < cached.valid_until && cached.generation == generation;
+    let same = same_key(&cached.key, key);
+    if live && same && (!straight_out || cached.routed != 0) {
+        return Some(&cached.entry);
+    }
+    if !live || same {
+        *free = index;
+    }
+    None
 }
 
-/// Put `entry` (the conntrack entry of `key`) in its slot, serving until `valid_until`, unless the
-/// slot serves another flow: a flow keeps its slot until its copy is due for a refresh, so that
-/// flows sharing a slot do not take it from each other on every packet. True: filled.
+/// Put `entry` (the conntrack entry of `key`) in slot `index` ([`probe`]'s `free`), serving
+/// until `valid_until`. True: filled.
 #[inline(always)]
 pub fn fill<A: FlowTables>(
+    index: u32,
     key: &CtKey<A>,
     entry: &CtValue,
     generation: Generation,
@@ -129,13 +151,12 @@ pub fn fill<A: FlowTables>(
     valid_until: u64,
     routed: bool,
 ) -> bool {
-    let Some(slot) = slot(key) else { return false };
+    if index == NO_SLOT || now >= valid_until {
+        return false;
+    }
+    let Some(slot) = A::flow_cache().get_ptr_mut(index) else { return false };
     // SAFETY: a map value of this CPU's, valid for this program run.
     unsafe {
-        let taken = now < (*slot).valid_until && (*slot).generation == generation && !same_key(&(*slot).key, key);
-        if taken || now >= valid_until {
-            return false;
-        }
         copy_words(key, &raw mut (*slot).key);
         core::ptr::copy_nonoverlapping(entry, &raw mut (*slot).entry, 1);
         (*slot).generation = generation;

@@ -429,16 +429,20 @@ fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: boo
     // SAFETY: the per-CPU scratch value. The generation is read before the table's lookup
     // (`flow_cache::generation`), and kept there for the fill: on the stack it would lengthen
     // the chains of calls through this stage.
+    let generation = flow_cache::generation();
     let now = unsafe {
-        (*s).generation = flow_cache::generation();
+        (*s).generation = generation;
         now_by_tick(&raw mut (*s).clock)
     };
     let straight_out = ingress && KPR_FORWARD_DIRECT.load() != 0;
-    let cached = if cacheable(t, tcp_flags) {
-        // SAFETY: the per-CPU scratch value.
-        flow_cache::serving(key, unsafe { (*s).generation }, now, straight_out)
-    } else {
-        None
+    // SAFETY: the per-CPU scratch value (the slot a fill may take kept there, as the generation).
+    let cached = unsafe {
+        (*s).cache_slot = flow_cache::NO_SLOT;
+        if cacheable(t, tcp_flags) {
+            flow_cache::probe(key, generation, now, straight_out, &mut (*s).cache_slot)
+        } else {
+            None
+        }
     };
     // The entry, and how the packet is sent on (`redirect_by`, `forward_direct`).
     let (entry, route) = match cached {
@@ -525,11 +529,13 @@ fn table_flow<'a, F: Family>(
     } else {
         touch(new_flows, key, entry_ptr, entry, seen, now);
     }
-    // The entry as it stays until its refresh is due, for the flow's next packets: a packet to
-    // be sent straight out needs the kept route.
+    // The entry as it stays until its refresh is due, for the flow's next packets, if `probe`
+    // left its slot free: a packet to be sent straight out needs the kept route.
     let straight_out = ingress && KPR_FORWARD_DIRECT.load() != 0;
-    if confirmed
-        && cacheable(t, tcp_flags)
+    // SAFETY: the per-CPU scratch value.
+    let (slot, generation) = unsafe { ((*s).cache_slot, (*s).generation) };
+    if slot != flow_cache::NO_SLOT
+        && confirmed
         && entry.flags | seen == entry.flags
         && !ct::closed(entry.flags)
         && (route == ROUTE_CACHED || !straight_out)
@@ -538,9 +544,7 @@ fn table_flow<'a, F: Family>(
         if route == ROUTE_CACHED {
             valid_until = valid_until.min(u64::from(entry.route.period + 1) << ct::ROUTE_PERIOD_SHIFT);
         }
-        // SAFETY: the per-CPU scratch value.
-        let generation = unsafe { (*s).generation };
-        if flow_cache::fill(key, entry, generation, now, valid_until, route == ROUTE_CACHED) {
+        if flow_cache::fill(slot, key, entry, generation, now, valid_until, route == ROUTE_CACHED) {
             count(counter::TC_FLOW_CACHE_FILLED);
         }
     }
@@ -814,8 +818,10 @@ pub struct FlowScratch {
     next_hop: bpf_redir_neigh,
     /// The time at this CPU's last tick (`now_by_tick`).
     clock: TickClock,
-    /// `known_flow`: the conntrack generation read before its lookup (`flow_cache::fill`).
+    /// `known_flow`: the conntrack generation read before its lookup, and the flow cache's slot
+    /// its entry may be put in (`flow_cache::probe`, `flow_cache::fill`).
     generation: flow_cache::Generation,
+    cache_slot: u32,
 }
 
 /// Room for a conntrack key of either family's tables, 8-byte aligned ([`CtKey::write_words`]).
