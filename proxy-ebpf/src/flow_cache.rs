@@ -13,7 +13,7 @@
 //! - while the kept route it may be sent straight out by is of the current period;
 //! - while `KPR_CT_GENERATION` is as it was when it was filled: whoever removes a conntrack entry
 //!   (the programs forgetting a flow, the agent's sweep and endpoint flushes, `kpr conntrack
-//!   flush`) changes it, and every CPU's cache is then empty at once;
+//!   flush`) changes it, and every CPU's copies stop serving at once;
 //! - for packets that change nothing in the entry (no SYN, FIN or RST; not a fragment): those
 //!   take the table's path.
 //!
@@ -72,8 +72,9 @@ pub fn generation() -> Generation {
 }
 
 /// A conntrack entry was removed by the programs: every CPU's cached flows stop serving. The
-/// word gets a value it never had: the clock in ns and this CPU's number (a plain store; BPF has
-/// no atomic add before 5.12, and two CPUs adding one each at once could write the same value).
+/// word gets a value it never had: the clock in ns and this CPU's number. A plain store: Rust's
+/// BPF target offers no atomic add, and two CPUs each adding one by a read and a write could
+/// write the same value.
 #[inline(always)]
 pub fn forgotten() {
     if let Some(word) = CT_GENERATION.get_ptr_mut(ct_generation::DATAPATH) {
