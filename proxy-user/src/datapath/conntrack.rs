@@ -117,7 +117,8 @@ impl Conntrack {
             }
             Ok(())
         })();
-        if removed > 0 {
+        // A walk that failed may have removed entries it did not get to count.
+        if removed > 0 || walked.is_err() {
             self.changed()?;
         }
         walked.map(|()| (left, removed))
