@@ -426,10 +426,11 @@ fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: boo
         CtKey::write_words(key, &t.saddr, &t.daddr, t.sport, t.dport, t.proto);
         &*key
     };
-    // SAFETY: the per-CPU scratch value. The generation is read before the table's lookup
-    // (`flow_cache::generation`), and kept there for the fill: on the stack it would lengthen
-    // the chains of calls through this stage.
+    // The generation is read before the table's lookup (`flow_cache::generation`), and kept in
+    // the scratch area for the fill: on the stack it would lengthen the chains of calls through
+    // this stage.
     let generation = flow_cache::generation();
+    // SAFETY: the per-CPU scratch value.
     let now = unsafe {
         (*s).generation = generation;
         now_by_tick(&raw mut (*s).clock)
@@ -447,7 +448,7 @@ fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: boo
     // The entry, and how the packet is sent on (`redirect_by`, `forward_direct`).
     let (entry, route) = match cached {
         Some(entry) => (entry, if straight_out { ROUTE_CACHED } else { ROUTE_LOOK_UP }),
-        None => match table_flow::<F>(ctx, t, key, tcp_flags, ingress, now, s) {
+        None => match table_flow::<F>(ctx, t, key, tcp_flags, ingress, straight_out, now, s) {
             Ok(found) => found,
             Err(verdict) => return verdict,
         },
@@ -476,6 +477,7 @@ fn table_flow<'a, F: Family>(
     key: &CtKey<F::FlowAddr>,
     tcp_flags: u8,
     ingress: bool,
+    straight_out: bool,
     now: u64,
     s: *mut FlowScratch,
 ) -> Result<(&'a CtValue, u32), i32> {
@@ -531,7 +533,6 @@ fn table_flow<'a, F: Family>(
     }
     // The entry as it stays until its refresh is due, for the flow's next packets, if `probe`
     // left its slot free: a packet to be sent straight out needs the kept route.
-    let straight_out = ingress && KPR_FORWARD_DIRECT.load() != 0;
     // SAFETY: the per-CPU scratch value.
     let (slot, generation) = unsafe { ((*s).cache_slot, (*s).generation) };
     if slot != flow_cache::NO_SLOT
