@@ -70,7 +70,7 @@ struct Args {
     #[arg(long, value_name = "S")]
     cold_sync_limit: Option<u64>,
     /// Connection-rate rounds of the kube-proxy comparison (the first warms up) and of the
-    /// NodePort paths [default: 6 and 12; --quick: 2 and 4].
+    /// NodePort paths [default: 30 and 12; --quick: 2 and 4].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(2..))]
     rounds: Option<u16>,
     /// Connections per round of the kube-proxy comparison and of the NodePort paths [default: 200 and 300].
@@ -92,7 +92,9 @@ fn main() -> Result<()> {
     };
     // The comparison's and the NodePort paths' rounds, in their own modes and in the full run.
     let per_round = |default| args.per_round.map_or(default, |n| n as usize);
-    let (vs_rounds, vs_per_round) = (args.rounds.map_or(if quick { 2 } else { 6 }, usize::from), per_round(200));
+    // 30 rounds of the comparison: its measuring is seconds beside the minutes of creating the
+    // Services and syncing the proxies, and 6 rounds' ratios moved by ±5% from run to run.
+    let (vs_rounds, vs_per_round) = (args.rounds.map_or(if quick { 2 } else { 30 }, usize::from), per_round(200));
     let (np_rounds, np_per_round) = (args.rounds.map_or(if quick { 4 } else { 12 }, usize::from), per_round(300));
     let (vs_latency_samples, iperf_secs) = if quick { (3, 1) } else { (20, 3) };
     if args.vs_kube_proxy {
@@ -917,7 +919,7 @@ fn node_port_bench(
         );
     }
 
-    // Throughput with iperf3 (when installed): one TCP stream per path.
+    // Throughput with iperf3 (when installed): one TCP stream per path, the paths alternating.
     if iperf_secs > 0 && Command::new("iperf3").arg("--version").output().is_ok() {
         let mut server = Command::new("ip")
             .args(["netns", "exec", &pod_ns.name, "iperf3", "-s", "-p", "5201"])
@@ -940,35 +942,56 @@ fn node_port_bench(
              iptables -t nat -A KUBE-EXT-BENCH2 -j KUBE-MARK-MASQ && iptables -t nat -A KUBE-EXT-BENCH2 -p tcp -j DNAT --to-destination {pod}:5201 && \
              iptables -t nat -A KUBE-NODEPORTS -p tcp --dport 30091 -j KUBE-EXT-BENCH2)"
         ))?;
-        let mut tput = serde_json::Map::new();
-        for (label, host, port) in [
+        let paths = [
             ("direct", pod.to_string(), 5201),
             ("kpr", "10.0.0.1".into(), 30081),
             ("iptables", "10.0.0.1".into(), 30091),
-        ] {
-            let iperf = || -> Result<serde_json::Value> {
-                let outp = Command::new("ip")
-                    .args(["netns", "exec", &ext.name, "iperf3", "-c", &host, "-p", &port.to_string()])
-                    .args(["-t", &iperf_secs.to_string(), "-J"])
-                    .output()?;
-                Ok(serde_json::from_slice(&outp.stdout).unwrap_or_default())
-            };
-            // The one server may still be closing the last test ("the server is busy"): one
-            // more try, and a failure is told, not shown as a rate of 0.
-            let mut v = iperf()?;
-            if v["end"]["sum_received"]["bits_per_second"].as_f64().is_none() {
-                eprintln!("{label}: iperf3 failed ({}); once more", v["error"]);
-                std::thread::sleep(Duration::from_secs(1));
-                v = iperf()?;
+        ];
+        let iperf = |host: &str, port: u16| -> Result<serde_json::Value> {
+            let outp = Command::new("ip")
+                .args(["netns", "exec", &ext.name, "iperf3", "-c", host, "-p", &port.to_string()])
+                .args(["-t", &iperf_secs.to_string(), "-J"])
+                .output()?;
+            Ok(serde_json::from_slice(&outp.stdout).unwrap_or_default())
+        };
+        // The paths take turns in IPERF_ROUNDS rounds, as the connection rates do: a slow
+        // spell of the machine lands in one round of every path, not in all of one path's.
+        const IPERF_ROUNDS: usize = 5;
+        let mut gbit: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+        for round in 0..IPERF_ROUNDS {
+            for (label, host, port) in &paths {
+                // The one server may still be closing the last test ("the server is busy"):
+                // one more try, and a failure is told, not shown as a rate of 0.
+                let mut v = iperf(host, *port)?;
+                if v["end"]["sum_received"]["bits_per_second"].as_f64().is_none() {
+                    eprintln!("round {round}, {label}: iperf3 failed ({}); once more", v["error"]);
+                    std::thread::sleep(Duration::from_secs(1));
+                    v = iperf(host, *port)?;
+                }
+                match v["end"]["sum_received"]["bits_per_second"].as_f64() {
+                    Some(bps) => gbit.entry(*label).or_default().push(bps / 1e9),
+                    None => eprintln!("round {round}, {label}: iperf3 failed again ({})", v["error"]),
+                }
             }
-            let Some(bps) = v["end"]["sum_received"]["bits_per_second"].as_f64() else {
-                eprintln!("{label}: iperf3 failed again ({})", v["error"]);
-                tput.insert(label.to_owned(), serde_json::Value::Null);
+        }
+        // Per path: the median of its rounds, and the median of its rounds' ratios to the
+        // direct path's round (the rounds where both gave a figure).
+        let (mut tput, mut ratios) = (serde_json::Map::new(), serde_json::Map::new());
+        for (label, ..) in &paths {
+            let Some(rounds) = gbit.get(label).filter(|r| r.len() == IPERF_ROUNDS) else {
+                tput.insert((*label).to_owned(), serde_json::Value::Null);
                 continue;
             };
-            println!("{label:>10} throughput {:.2} Gbit/s", bps / 1e9);
-            tput.insert(label.to_owned(), json!(bps / 1e9));
+            let ratio = gbit.get("direct").filter(|d| d.len() == IPERF_ROUNDS).map(|d| median_ratio(rounds, d));
+            let ratio_text = ratio.map(|r| format!(", {r:.3}× direct")).unwrap_or_default();
+            println!(
+                "{label:>10} throughput {:.2} Gbit/s{ratio_text} (median of {IPERF_ROUNDS} alternating rounds of {iperf_secs} s: {rounds:.2?})",
+                median(rounds.clone())
+            );
+            tput.insert((*label).to_owned(), json!(median(rounds.clone())));
+            ratios.insert((*label).to_owned(), json!(ratio));
         }
+        out.insert("throughput_ratio_vs_direct".into(), serde_json::Value::Object(ratios));
         out.insert("throughput_gbit_s".into(), serde_json::Value::Object(tput));
         let _ = server.kill();
         let _ = server.wait();
