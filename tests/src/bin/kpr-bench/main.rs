@@ -957,7 +957,8 @@ fn node_port_bench(
         // The paths take turns in IPERF_ROUNDS rounds, as the connection rates do: a slow
         // spell of the machine lands in one round of every path, not in all of one path's.
         const IPERF_ROUNDS: usize = 5;
-        let mut gbit: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+        // Per path, each round's figure (None: iperf3 gave none).
+        let mut gbit: BTreeMap<&str, Vec<Option<f64>>> = BTreeMap::new();
         for round in 0..IPERF_ROUNDS {
             for (label, host, port) in &paths {
                 // The one server may still be closing the last test ("the server is busy"):
@@ -968,27 +969,32 @@ fn node_port_bench(
                     std::thread::sleep(Duration::from_secs(1));
                     v = iperf(host, *port)?;
                 }
-                match v["end"]["sum_received"]["bits_per_second"].as_f64() {
-                    Some(bps) => gbit.entry(*label).or_default().push(bps / 1e9),
-                    None => eprintln!("round {round}, {label}: iperf3 failed again ({})", v["error"]),
+                let bps = v["end"]["sum_received"]["bits_per_second"].as_f64();
+                if bps.is_none() {
+                    eprintln!("round {round}, {label}: iperf3 failed again ({})", v["error"]);
                 }
+                gbit.entry(*label).or_default().push(bps.map(|b| b / 1e9));
             }
         }
         // Per path: the median of its rounds, and the median of its rounds' ratios to the
         // direct path's round (the rounds where both gave a figure).
         let (mut tput, mut ratios) = (serde_json::Map::new(), serde_json::Map::new());
         for (label, ..) in &paths {
-            let Some(rounds) = gbit.get(label).filter(|r| r.len() == IPERF_ROUNDS) else {
+            let rounds: Vec<f64> = gbit[label].iter().flatten().copied().collect();
+            if rounds.is_empty() {
                 tput.insert((*label).to_owned(), serde_json::Value::Null);
                 continue;
-            };
-            let ratio = gbit.get("direct").filter(|d| d.len() == IPERF_ROUNDS).map(|d| median_ratio(rounds, d));
+            }
+            let (both, direct): (Vec<f64>, Vec<f64>) =
+                gbit[label].iter().zip(&gbit["direct"]).filter_map(|(r, d)| Some(((*r)?, (*d)?))).unzip();
+            let ratio = (!both.is_empty()).then(|| median_ratio(&both, &direct));
             let ratio_text = ratio.map(|r| format!(", {r:.3}× direct")).unwrap_or_default();
+            let gbit_s = median(rounds.clone());
             println!(
-                "{label:>10} throughput {:.2} Gbit/s{ratio_text} (median of {IPERF_ROUNDS} alternating rounds of {iperf_secs} s: {rounds:.2?})",
-                median(rounds.clone())
+                "{label:>10} throughput {gbit_s:.2} Gbit/s{ratio_text} (median of {} of {IPERF_ROUNDS} alternating rounds of {iperf_secs} s: {rounds:.2?})",
+                rounds.len()
             );
-            tput.insert((*label).to_owned(), json!(median(rounds.clone())));
+            tput.insert((*label).to_owned(), json!(gbit_s));
             ratios.insert((*label).to_owned(), json!(ratio));
         }
         out.insert("throughput_ratio_vs_direct".into(), serde_json::Value::Object(ratios));
