@@ -47,6 +47,9 @@ pub mod map_names {
     /// load of the programs starts with empty ones).
     pub const FLOW_CACHE4: &str = "KPR_FLOW_CACHE4";
     pub const FLOW_CACHE6: &str = "KPR_FLOW_CACHE6";
+    /// A word per slot of those caches: which flow it holds, until when.
+    pub const FLOW_CACHE_TAGS4: &str = "KPR_FLOW_CACHE_TAGS4";
+    pub const FLOW_CACHE_TAGS6: &str = "KPR_FLOW_CACHE_TAGS6";
     /// What the flow caches' entries are checked against ([`super::ct_generation`]).
     pub const CT_GENERATION: &str = "KPR_CT_GENERATION";
 }
@@ -124,7 +127,7 @@ pub mod defaults {
     /// Words of the address filter (`KPR_ADDR_FILTER`): 2^20 bits, 128 KiB.
     pub const ADDR_FILTER_WORDS: u32 = 16_384;
     /// Entries of each per-CPU flow cache (`KPR_FLOW_CACHE4`, `KPR_FLOW_CACHE6`), a power of
-    /// two: 128 and 152 bytes each, 280 KiB per CPU.
+    /// two: 128 and 152 bytes each, and a word each to tell what a slot holds: 296 KiB per CPU.
     pub const FLOW_CACHE_SLOTS: u32 = 1_024;
 }
 

@@ -17,6 +17,13 @@
 //! - for packets that change nothing in the entry (no SYN, FIN or RST; not a fragment): those
 //!   take the table's path.
 //!
+//! A slot is told apart by its tag first, a word per slot in an array of their own (8 KiB per
+//! family and CPU, so it stays in the CPU's caches): part of the key's hash and when the copy
+//! stops serving. A packet of a flow not cached (a young flow's first packets, nearly every
+//! packet of short connections) then costs a read of that warm word, not of its slot, which a
+//! busy node has pushed out of the CPU's caches long since: on the NodePort bench that miss
+//! was the attached program's costliest instruction.
+//!
 //! What the cache cannot see: the kernel evicting an entry from a full table (LRU). Its cached
 //! copy serves until its refresh is due (at most a second); the next packet then re-creates the
 //! flow as it does today after an eviction. A refresh is also the only lookup that marks a
@@ -58,6 +65,17 @@ pub static FLOW_CACHE4: FlowCache<Addr4> = PerCpuArray::new();
 #[btf_map(name = "KPR_FLOW_CACHE6")]
 pub static FLOW_CACHE6: FlowCache<Addr> = PerCpuArray::new();
 
+/// A cache's tags, by slot: the low half of the key's hash in the high 32 bits, the copy's
+/// `valid_until` in units of 2^20 ns (about a millisecond, rounded down; 52 days before the
+/// word wraps) in the low 32. 0: never filled.
+pub type SlotTags = [u64; SLOTS];
+
+#[btf_map(name = "KPR_FLOW_CACHE_TAGS4")]
+pub static FLOW_CACHE_TAGS4: PerCpuArray<SlotTags, 1> = PerCpuArray::new();
+
+#[btf_map(name = "KPR_FLOW_CACHE_TAGS6")]
+pub static FLOW_CACHE_TAGS6: PerCpuArray<SlotTags, 1> = PerCpuArray::new();
+
 /// See [`proxy_common::ct_generation`]. Pinned: the agent and the CLI change it.
 #[btf_map(name = "KPR_CT_GENERATION", pin_by_name)]
 static CT_GENERATION: Array<u64, { ct_generation::WORDS as usize }> = Array::new();
@@ -90,11 +108,20 @@ pub fn forgotten() {
 /// [`probe`]: the key's slot serves another flow (or there is none); nothing is put there.
 pub const NO_SLOT: u32 = u32::MAX;
 
-/// The index of `key`'s slot (8-byte aligned, as [`CtKey::write_words`] writes it): the top bits
-/// of a sum of the key's words each multiplied by an odd constant (the products independent of
-/// each other, so that they are worked out side by side).
+/// The slot [`probe`] left for [`fill`], and the key's hash for its tag (not worked out again).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct FreeSlot {
+    pub index: u32,
+    hash: u32,
+}
+
+/// The index of `key`'s slot (8-byte aligned, as [`CtKey::write_words`] writes it) and its
+/// tag's hash: the top bits and the low half of a sum of the key's words each multiplied by an
+/// odd constant (the products independent of each other, so that they are worked out side by
+/// side).
 #[inline(always)]
-fn slot_index<A: FlowTables>(key: &CtKey<A>) -> u32 {
+fn slot_of<A: FlowTables>(key: &CtKey<A>) -> (u32, u32) {
     const ODD: [u64; 5] = [
         0x9E37_79B9_7F4A_7C15,
         0xC2B2_AE3D_27D4_EB4F,
@@ -109,7 +136,21 @@ fn slot_index<A: FlowTables>(key: &CtKey<A>) -> u32 {
         // SAFETY: the key's words.
         hash = hash.wrapping_add(unsafe { words.add(i).read() }.wrapping_mul(*odd));
     }
-    (hash >> (64 - SLOTS.trailing_zeros())) as u32
+    ((hash >> (64 - SLOTS.trailing_zeros())) as u32, hash as u32)
+}
+
+/// A time in the tags' units.
+#[inline(always)]
+fn coarse(ns: u64) -> u32 {
+    (ns >> 20) as u32
+}
+
+/// Does the tag say its slot's copy may still serve at `now`? Never when it does not (the
+/// tag's time is rounded down), and for a slot of another generation too: those keep their
+/// slot until their time is up, as they do when their own flow's packets find them.
+#[inline(always)]
+fn tag_live(tag: u64, now: u64) -> bool {
+    (tag as u32).wrapping_sub(coarse(now)) as i32 > 0
 }
 
 /// The cached entry of `key`, if it serves a packet at `now` (`straight_out`: one to be sent
@@ -123,10 +164,19 @@ pub fn probe<'a, A: FlowTables>(
     generation: Generation,
     now: u64,
     straight_out: bool,
-    free: &mut u32,
+    free: &mut FreeSlot,
 ) -> Option<&'a CtValue> {
-    *free = NO_SLOT;
-    let index = slot_index(key);
+    let (index, hash) = slot_of(key);
+    *free = FreeSlot { index: NO_SLOT, hash };
+    // SAFETY: a map value, valid for this program run; the index is below SLOTS (`slot_of`).
+    let tag = unsafe { *(*A::flow_cache_tags().get_ptr_mut(0)?).get(index as usize)? };
+    if (tag >> 32) as u32 != hash {
+        // Another flow's slot, or an empty one: its tag tells whether it is free.
+        if !tag_live(tag, now) {
+            free.index = index;
+        }
+        return None;
+    }
     // SAFETY: a map value, valid for this program run.
     let cached = unsafe { &*A::flow_cache().get_ptr_mut(index)? };
     let live = now < cached.valid_until && cached.generation == generation;
@@ -135,16 +185,16 @@ pub fn probe<'a, A: FlowTables>(
         return Some(&cached.entry);
     }
     if !live || same {
-        *free = index;
+        free.index = index;
     }
     None
 }
 
-/// Put `entry` (the conntrack entry of `key`) in slot `index` ([`probe`]'s `free`), serving
+/// Put `entry` (the conntrack entry of `key`) in `slot` ([`probe`]'s `free`), serving
 /// until `valid_until`. True: filled.
 #[inline(always)]
 pub fn fill<A: FlowTables>(
-    index: u32,
+    slot: FreeSlot,
     key: &CtKey<A>,
     entry: &CtValue,
     generation: Generation,
@@ -152,17 +202,20 @@ pub fn fill<A: FlowTables>(
     valid_until: u64,
     routed: bool,
 ) -> bool {
-    if index == NO_SLOT || now >= valid_until {
+    if slot.index == NO_SLOT || now >= valid_until {
         return false;
     }
-    let Some(slot) = A::flow_cache().get_ptr_mut(index) else { return false };
-    // SAFETY: a map value of this CPU's, valid for this program run.
+    let Some(tags) = A::flow_cache_tags().get_ptr_mut(0) else { return false };
+    let Some(cached) = A::flow_cache().get_ptr_mut(slot.index) else { return false };
+    // SAFETY: map values of this CPU's, valid for this program run.
     unsafe {
-        copy_words(key, &raw mut (*slot).key);
-        core::ptr::copy_nonoverlapping(entry, &raw mut (*slot).entry, 1);
-        (*slot).generation = generation;
-        (*slot).valid_until = valid_until;
-        (*slot).routed = u64::from(routed);
+        let Some(tag) = (*tags).get_mut(slot.index as usize) else { return false };
+        *tag = u64::from(slot.hash) << 32 | u64::from(coarse(valid_until));
+        copy_words(key, &raw mut (*cached).key);
+        core::ptr::copy_nonoverlapping(entry, &raw mut (*cached).entry, 1);
+        (*cached).generation = generation;
+        (*cached).valid_until = valid_until;
+        (*cached).routed = u64::from(routed);
     }
     true
 }

@@ -1,6 +1,6 @@
 //! The maps shared with the agent. Pinned by name under the agent's versioned pin directory;
 //! sizes here are placeholders that the agent overrides at load time.
-use crate::flow_cache::{CachedFlow, FLOW_CACHE4, FLOW_CACHE6};
+use crate::flow_cache::{CachedFlow, FLOW_CACHE_TAGS4, FLOW_CACHE_TAGS6, FLOW_CACHE4, FLOW_CACHE6, SlotTags};
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
@@ -73,6 +73,8 @@ pub trait FlowTables: FlowAddr + 'static {
     fn new_flows() -> &'static FlowMap<CtKey<Self>>;
     /// This CPU's cache of established flows (`flow_cache`).
     fn flow_cache() -> &'static FlowCache<Self>;
+    /// What each slot of that cache holds, in a word per slot (`flow_cache::SlotTags`).
+    fn flow_cache_tags() -> &'static PerCpuArray<SlotTags, 1>;
 }
 
 impl FlowTables for Addr4 {
@@ -88,6 +90,10 @@ impl FlowTables for Addr4 {
     fn flow_cache() -> &'static FlowCache<Self> {
         &FLOW_CACHE4
     }
+    #[inline(always)]
+    fn flow_cache_tags() -> &'static PerCpuArray<SlotTags, 1> {
+        &FLOW_CACHE_TAGS4
+    }
 }
 
 impl FlowTables for Addr {
@@ -102,6 +108,10 @@ impl FlowTables for Addr {
     #[inline(always)]
     fn flow_cache() -> &'static FlowCache<Self> {
         &FLOW_CACHE6
+    }
+    #[inline(always)]
+    fn flow_cache_tags() -> &'static PerCpuArray<SlotTags, 1> {
+        &FLOW_CACHE_TAGS6
     }
 }
 

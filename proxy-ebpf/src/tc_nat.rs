@@ -438,7 +438,7 @@ fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: boo
     let straight_out = ingress && KPR_FORWARD_DIRECT.load() != 0;
     // SAFETY: the per-CPU scratch value (the slot a fill may take kept there, as the generation).
     let cached = unsafe {
-        (*s).cache_slot = flow_cache::NO_SLOT;
+        (*s).cache_slot.index = flow_cache::NO_SLOT;
         if cacheable(t, tcp_flags) {
             flow_cache::probe(key, generation, now, straight_out, &mut (*s).cache_slot)
         } else {
@@ -535,7 +535,7 @@ fn table_flow<'a, F: Family>(
     // left its slot free: a packet to be sent straight out needs the kept route.
     // SAFETY: the per-CPU scratch value.
     let (slot, generation) = unsafe { ((*s).cache_slot, (*s).generation) };
-    if slot != flow_cache::NO_SLOT
+    if slot.index != flow_cache::NO_SLOT
         && confirmed
         && entry.flags | seen == entry.flags
         && !ct::closed(entry.flags)
@@ -822,7 +822,7 @@ pub struct FlowScratch {
     /// `known_flow`: the conntrack generation read before its lookup, and the flow cache's slot
     /// its entry may be put in (`flow_cache::probe`, `flow_cache::fill`).
     generation: flow_cache::Generation,
-    cache_slot: u32,
+    cache_slot: flow_cache::FreeSlot,
 }
 
 /// Room for a conntrack key of either family's tables, 8-byte aligned ([`CtKey::write_words`]).
