@@ -72,6 +72,9 @@ pub trait Family {
     fn masquerade_addr(link: &LinkInfo) -> Option<Addr>;
     /// A route lookup's addresses (and the header's traffic class).
     fn fib_params(params: &mut bpf_fib_lookup, ip: &Self::Ip);
+    /// Parts of it: the header's traffic class, a source and a destination address.
+    fn fib_tos(params: &mut bpf_fib_lookup, ip: &Self::Ip);
+    fn fib_src(params: &mut bpf_fib_lookup, src: &Addr);
     fn fib_dst(params: &mut bpf_fib_lookup, dst: &Addr);
     /// The TTL / hop limit.
     fn hops(ip: &Self::Ip) -> u8;
@@ -193,9 +196,17 @@ impl Family for V4 {
     #[inline(always)]
     fn fib_params(params: &mut bpf_fib_lookup, ip: &Ipv4Hdr) {
         params.l4_protocol = ip.proto;
-        params.__bindgen_anon_2.tos = ip.tos;
+        Self::fib_tos(params, ip);
         params.__bindgen_anon_3.ipv4_src = Self::src(ip).v4();
         params.__bindgen_anon_4.ipv4_dst = Self::dst(ip).v4();
+    }
+    #[inline(always)]
+    fn fib_tos(params: &mut bpf_fib_lookup, ip: &Ipv4Hdr) {
+        params.__bindgen_anon_2.tos = ip.tos;
+    }
+    #[inline(always)]
+    fn fib_src(params: &mut bpf_fib_lookup, src: &Addr) {
+        params.__bindgen_anon_3.ipv4_src = src.v4();
     }
     #[inline(always)]
     fn fib_dst(params: &mut bpf_fib_lookup, dst: &Addr) {
@@ -296,9 +307,17 @@ impl Family for V6 {
     #[inline(always)]
     fn fib_params(params: &mut bpf_fib_lookup, ip: &Ipv6Hdr) {
         params.l4_protocol = ip.next_hdr;
-        params.__bindgen_anon_2.flowinfo = unsafe { read_word::<u32>(ip.vcf.as_ptr()) } & u32::from_be(0x0fff_ffff);
+        Self::fib_tos(params, ip);
         params.__bindgen_anon_3.ipv6_src = Self::src(ip).0;
         params.__bindgen_anon_4.ipv6_dst = Self::dst(ip).0;
+    }
+    #[inline(always)]
+    fn fib_tos(params: &mut bpf_fib_lookup, ip: &Ipv6Hdr) {
+        params.__bindgen_anon_2.flowinfo = unsafe { read_word::<u32>(ip.vcf.as_ptr()) } & u32::from_be(0x0fff_ffff);
+    }
+    #[inline(always)]
+    fn fib_src(params: &mut bpf_fib_lookup, src: &Addr) {
+        params.__bindgen_anon_3.ipv6_src = src.0;
     }
     #[inline(always)]
     fn fib_dst(params: &mut bpf_fib_lookup, dst: &Addr) {

@@ -290,7 +290,17 @@ fn translate<F: Family>(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     let t = unsafe { t.assume_init() };
     let tcp_flags = flow_flags::<F>(ctx, t.proto);
     Ok(match unknown_flow::<F>(ctx, &t, tcp_flags, ingress) {
-        OPEN => open_flow::<F>(ctx, &t, tcp_flags),
+        OPEN => {
+            let s = scratch()?;
+            // SAFETY (both): the per-CPU scratch value. A route kept for a packet not sent on
+            // serves no other.
+            unsafe { (*s).route = if ingress { ROUTE_MAY_KEEP } else { ROUTE_LOOK_UP } };
+            let verdict = open_flow::<F>(ctx, &t, tcp_flags);
+            if verdict != TC_ACT_OK {
+                unsafe { (*s).route = ROUTE_LOOK_UP };
+            }
+            verdict
+        }
         // kube-proxy's REJECT: a TCP reset, else ICMP port unreachable (UDP and SCTP).
         REJECT if t.proto == IPPROTO_TCP => reject_tcp::<F>(ctx, &t),
         REJECT => reject_port_unreachable::<F>(ctx, &t),
@@ -856,6 +866,12 @@ const ROUTE_LOOK_UP: u32 = 0;
 const ROUTE_CACHED: u32 = 1;
 /// Look the route up and keep it in the flow's entry (under `s.flow_key`).
 const ROUTE_LOOK_UP_AND_CACHE: u32 = 2;
+/// `s.fib` holds this packet's route: looked up for a new flow's masquerade address as
+/// `forward_direct` would have (6.3+), it sends the packet by that answer.
+const ROUTE_LOOKED_UP: u32 = 3;
+/// A new flow's first packet on its way in: a masquerade lookup may keep its answer for it
+/// (`ROUTE_LOOKED_UP`); else as `ROUTE_LOOK_UP`.
+const ROUTE_MAY_KEEP: u32 = 4;
 
 /// How an ICMP error about a translated flow is translated back.
 #[repr(C)]
@@ -943,8 +959,14 @@ fn ifindex(ctx: &TcContext) -> u32 {
 /// route to it leaves by, else the node's primary address of the family.
 /// The lookup's parameters live in the scratch area: on the stack they would put a new flow's
 /// longest chain of calls past the BPF stack of older kernels.
+///
+/// For a new flow's first packet on its way in (`ROUTE_MAY_KEEP`), to be sent straight out
+/// (6.3+: the lookup's next hop serves `bpf_redirect_neigh`), the lookup is the one
+/// `forward_direct` makes (the packet's protocol, TOS and source, as the kernel routes a
+/// forwarded packet: after its DNAT, before its masquerade), and its answer is kept for it
+/// (`ROUTE_LOOKED_UP`): one route lookup for that packet, not two.
 #[inline(never)]
-fn masquerade_source<F: Family>(ctx: &TcContext, backend: &Addr) -> Option<Addr> {
+fn masquerade_source<F: Family>(ctx: &TcContext, t: &Tuple, backend: &Addr) -> Option<Addr> {
     let s = scratch().ok()?;
     // SAFETY: the per-CPU scratch value, valid for this program run.
     let params = unsafe {
@@ -953,11 +975,36 @@ fn masquerade_source<F: Family>(ctx: &TcContext, backend: &Addr) -> Option<Addr>
     };
     params.family = F::AF;
     params.ifindex = ifindex(ctx);
+    // Whether the answer may be kept is told by `s.route` alone, here and after the lookup:
+    // a flag held across the helper's call would be spilled, and this frame is on the longest
+    // chain of calls (`reopen`'s).
+    let data = ctx.data();
+    // SAFETY (here and below): the per-CPU scratch value.
+    if unsafe { (*s).route } == ROUTE_MAY_KEEP {
+        if KPR_FORWARD_DIRECT.load() != 0
+            && KPR_REDIRECT_NEXT_HOP.load() != 0
+            && data + IP_OFF + size_of::<F::Ip>() <= ctx.data_end()
+        {
+            // The tuple's source, not the header's: the header's is a copy (a call on the
+            // BPF stack, for an IPv6 address read unaligned from the packet).
+            params.l4_protocol = t.proto;
+            // SAFETY: within [data, data_end), checked above.
+            F::fib_tos(params, unsafe { &*((data + IP_OFF) as *const F::Ip) });
+            F::fib_src(params, &t.saddr);
+        } else {
+            unsafe { (*s).route = ROUTE_LOOK_UP };
+        }
+    }
     F::fib_dst(params, backend);
-    let rc = unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, 0) };
+    let flags = if unsafe { (*s).route } == ROUTE_MAY_KEEP { BPF_FIB_LOOKUP_SKIP_NEIGH } else { 0 };
+    let rc = unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, flags) };
     if (rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) || rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH))
         && let Some(addr) = link(params.ifindex).and_then(|l| F::masquerade_addr(&l))
     {
+        if rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) && unsafe { (*s).route } == ROUTE_MAY_KEEP {
+            // `translate` takes it back if the packet does not go on to `forward_direct`.
+            unsafe { (*s).route = ROUTE_LOOKED_UP };
+        }
         return Some(addr);
     }
     link(0).and_then(|l| F::masquerade_addr(&l))
@@ -1006,23 +1053,23 @@ fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     // In the scratch area (free here: a new flow's masquerade lookup is done), not on the
     // stack: this stage is inlined into the attached programs, whose frame bounds the chains
     // of calls through them.
-    // SAFETY: the per-CPU scratch value, every byte written.
-    let params = unsafe {
-        zero_fib(&raw mut (*s).fib);
-        &mut (*s).fib
-    };
-    params.family = F::AF;
-    params.ifindex = ifindex(ctx);
-    F::fib_params(params, ip);
+    // SAFETY: the per-CPU scratch value, every byte written (or kept: `ROUTE_LOOKED_UP`).
+    let params = unsafe { &mut (*s).fib };
     let next_hop = KPR_REDIRECT_NEXT_HOP.load() != 0;
-    let flags = if next_hop { BPF_FIB_LOOKUP_SKIP_NEIGH } else { 0 };
-    // tot_len 0: the kernel checks the packet against the MTU of the link found (GSO aware).
-    let rc = unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, flags) };
-    if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) && rc != i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
-        return TC_ACT_OK;
-    }
-    if route == ROUTE_LOOK_UP_AND_CACHE && rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
-        cache_route::<F::FlowAddr>(s, params);
+    if route != ROUTE_LOOKED_UP {
+        zero_fib(params);
+        params.family = F::AF;
+        params.ifindex = ifindex(ctx);
+        F::fib_params(params, ip);
+        let flags = if next_hop { BPF_FIB_LOOKUP_SKIP_NEIGH } else { 0 };
+        // tot_len 0: the kernel checks the packet against the MTU of the link found (GSO aware).
+        let rc = unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, flags) };
+        if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) && rc != i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
+            return TC_ACT_OK;
+        }
+        if route == ROUTE_LOOK_UP_AND_CACHE && rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
+            cache_route::<F::FlowAddr>(s, params);
+        }
     }
     // Forwarding takes one off the TTL; the lookup did not move the packet, but the bounds are
     // checked again for the verifier.
@@ -1143,7 +1190,7 @@ fn program_flow<F: Family>(
     // Replies must come back through this node: masquerade what the entry says and a client
     // that is its own backend (hairpin), as kube-proxy does.
     let masquerade = service.flags & SERVICE_FLAG_SNAT != 0 || backend.addr.same(&t.saddr);
-    let snat_addr = if masquerade { masquerade_source::<F>(ctx, &backend.addr) } else { None };
+    let snat_addr = if masquerade { masquerade_source::<F>(ctx, t, &backend.addr) } else { None };
     // SAFETY (here and below): the per-CPU scratch value, valid for this program run.
     unsafe {
         (*s).reply = CtValue {
@@ -1368,7 +1415,7 @@ fn reopen<F: Family>(ctx: &TcContext, t: &Tuple, entry_ptr: *mut CtValue, now: u
     }
     let same_source = if service.flags & SERVICE_FLAG_SNAT != 0 || backend.addr.same(&t.saddr) {
         !entry.src_addr.same(&t.saddr)
-            && masquerade_source::<F>(ctx, &backend.addr).is_some_and(|addr| addr.same(&entry.src_addr))
+            && masquerade_source::<F>(ctx, t, &backend.addr).is_some_and(|addr| addr.same(&entry.src_addr))
     } else {
         entry.src_addr.same(&t.saddr) && entry.src_port == t.sport
     };
