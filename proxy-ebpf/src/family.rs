@@ -197,8 +197,8 @@ impl Family for V4 {
     fn fib_params(params: &mut bpf_fib_lookup, ip: &Ipv4Hdr) {
         params.l4_protocol = ip.proto;
         Self::fib_tos(params, ip);
-        params.__bindgen_anon_3.ipv4_src = Self::src(ip).v4();
-        params.__bindgen_anon_4.ipv4_dst = Self::dst(ip).v4();
+        Self::fib_src(params, &Self::src(ip));
+        Self::fib_dst(params, &Self::dst(ip));
     }
     #[inline(always)]
     fn fib_tos(params: &mut bpf_fib_lookup, ip: &Ipv4Hdr) {
@@ -308,8 +308,8 @@ impl Family for V6 {
     fn fib_params(params: &mut bpf_fib_lookup, ip: &Ipv6Hdr) {
         params.l4_protocol = ip.next_hdr;
         Self::fib_tos(params, ip);
-        params.__bindgen_anon_3.ipv6_src = Self::src(ip).0;
-        params.__bindgen_anon_4.ipv6_dst = Self::dst(ip).0;
+        Self::fib_src(params, &Self::src(ip));
+        Self::fib_dst(params, &Self::dst(ip));
     }
     #[inline(always)]
     fn fib_tos(params: &mut bpf_fib_lookup, ip: &Ipv6Hdr) {
