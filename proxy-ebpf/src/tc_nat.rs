@@ -509,7 +509,7 @@ fn table_flow<'a, F: Family>(
         &(*s).entry
     };
     let syn = tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
-    let route = route_hint(ingress && confirmed, &entry.route, now);
+    let mut route = route_hint(ingress && confirmed, &entry.route, now);
     if expired(t.proto, entry, now) {
         count(counter::TC_CT_EXPIRED);
         forget(key, entry, t.proto);
@@ -538,6 +538,9 @@ fn table_flow<'a, F: Family>(
         touch(established, key, entry_ptr, entry, seen, now);
     } else if seen & ct::SEEN_REPLY != 0 && tcp_flags & TCP_RST == 0 {
         confirm(key, entry, seen, now);
+        // The answer's route, looked up and kept in its entry, now established, for the
+        // flow's next replies.
+        route = route_hint(ingress, &entry.route, now);
     } else {
         touch(new_flows, key, entry_ptr, entry, seen, now);
     }
@@ -769,6 +772,13 @@ fn confirm<A: FlowTables>(key: &CtKey<A>, entry: &CtValue, seen: u32, now: u64) 
         *pair_key = entry.pair_key(key.proto);
         (*s).forward = CtValue { flags, last_seen: now, ..*entry };
         (*s).reply = mirror(key, entry, flags, now);
+        // The other entry's kept route (its first packet's, `program_flow`) goes with it.
+        if let Some(pair) = A::new_flows().get_ptr(&*pair_key)
+            && (*pair).same_translation(&(*s).reply)
+        {
+            // Not an assignment, which would be a call of memmove.
+            core::ptr::copy_nonoverlapping(&raw const (*pair).route, &raw mut (*s).reply.route, 1);
+        }
         (&*pair_key, &(*s).forward)
     };
     let _ = A::established().insert(key, value, 0);
@@ -1109,22 +1119,33 @@ fn fits_link(ctx: &TcContext, mtu: u16) -> bool {
 fn cache_route<A: FlowTables>(s: *mut FlowScratch, params: &bpf_fib_lookup) {
     // SAFETY: the scratch value and a map value pointer, valid for this program run.
     unsafe {
-        let mtu = params.__bindgen_anon_1.mtu_result;
-        if mtu == 0 {
+        if params.__bindgen_anon_1.mtu_result == 0 {
             return;
         }
         let Some(entry) = A::established().get_ptr_mut(&*FlowScratch::flow_key::<A>(s)) else { return };
         if !(*entry).same_translation(&(*s).entry) {
             return;
         }
-        (*entry).route = CachedRoute {
-            ifindex: params.ifindex,
-            period: route_period(now()),
-            mtu,
-            family: params.family,
-            _pad: 0,
-            next_hop: params.__bindgen_anon_4.ipv6_dst,
-        };
+        (*entry).route = kept_route(params, now());
+    }
+}
+
+/// A successful lookup's route (`BPF_FIB_LOOKUP_SKIP_NEIGH`: its next hop) as a flow's entry
+/// keeps it, with the link's MTU (reported from 5.12 on; NONE without it).
+#[inline(always)]
+fn kept_route(params: &bpf_fib_lookup, now: u64) -> CachedRoute {
+    // SAFETY: the lookup's answer, every byte written by the kernel or zeroed before it.
+    let mtu = unsafe { params.__bindgen_anon_1.mtu_result };
+    if mtu == 0 {
+        return CachedRoute::NONE;
+    }
+    CachedRoute {
+        ifindex: params.ifindex,
+        period: route_period(now),
+        mtu,
+        family: params.family,
+        _pad: 0,
+        next_hop: unsafe { params.__bindgen_anon_4.ipv6_dst },
     }
 }
 
@@ -1252,7 +1273,9 @@ fn program_flow<F: Family>(
             flags: 0,
             // The reply's translation undone.
             addrs_csum_diff: !(*s).reply.addrs_csum_diff,
-            route: CachedRoute::NONE,
+            // The masquerade lookup's answer is this packet's route (`forward_direct`) and
+            // the flow's next packets': it moves with the entry to the established table.
+            route: if (*s).route == ROUTE_LOOKED_UP { kept_route(&(*s).fib, now) } else { CachedRoute::NONE },
         };
         let key = FlowScratch::key::<F::FlowAddr>(s);
         *key = CtKey::new(t.saddr, t.daddr, t.sport, t.dport, t.proto);

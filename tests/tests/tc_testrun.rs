@@ -1565,6 +1565,86 @@ fn an_established_flow_keeps_its_route_for_about_a_second() {
     .unwrap();
 }
 
+#[test]
+fn a_new_flow_keeps_the_routes_its_first_packet_and_its_answer_took() {
+    let ns = forwarding_node("kt-rk");
+    let name = ns.name.clone();
+    ns.run(move || {
+        // Kept from 6.3 on (as above).
+        let cached = aya::util::KernelVersion::current().unwrap() >= aya::util::KernelVersion::new(6, 3, 0);
+        let route = |args: &[&str]| testbed::ip(&[&["-n", name.as_str(), "route"], args].concat()).unwrap();
+        let routes = |verb: &str| {
+            route(&[verb, "10.244.0.0/16", "dev", "out0"]);
+            route(&[verb, "10.0.0.99/32", "dev", "out0"]);
+        };
+        // The client is routed too: the backend's answer goes straight out, as the SYN did.
+        route(&["add", "10.0.0.99/32", "dev", "out0"]);
+        let out0 = unsafe { libc::if_nametoindex(c"out0".as_ptr()) };
+        let mut rig = Rig::with(&services(), |cfg| cfg.forward_direct = true);
+        // out0 with an address of its own, the masquerade address of what leaves by it: the
+        // new flow's lookup of that address is its first packet's route.
+        let mut links: aya::maps::HashMap<_, u32, LinkInfo> =
+            aya::maps::HashMap::try_from(rig.ebpf.map_mut(proxy_common::map_names::LINKS).unwrap()).unwrap();
+        let out0_link = LinkInfo { addr: u32::from(NODE_IP).to_be(), flags: 0, addr6: NODE_IP6.into() };
+        links.insert(&out0, &out0_link, 0).unwrap();
+        let rig = rig;
+        let period_ns = 1u64 << ct::ROUTE_PERIOD_SHIFT;
+        let period_now = || (monotonic_now() >> ct::ROUTE_PERIOD_SHIFT) as u32;
+        let table = || rig.table4(proxy_common::map_names::CONNTRACK4);
+        for attempt in 0..5u16 {
+            // Early in a period of the clock, as above; one that outlasted it starts over.
+            let into = monotonic_now() % period_ns;
+            if into > period_ns / 4 {
+                std::thread::sleep(std::time::Duration::from_nanos(period_ns - into + 20_000_000));
+            }
+            let period = period_now();
+            let syn = tcp(CLIENT, 40050 + attempt, NODE_IP, 30080);
+            let (verdict, out) = rig.ingress(&syn.bytes());
+            assert_eq!(verdict, TC_ACT_REDIRECT);
+            let nat_port = sport_of(&out);
+            let answer = Pkt { tcp_flags: 0x12, ..tcp(POD, 8080, NODE_IP, nat_port) };
+            assert_eq!(rig.ingress(&answer.bytes()).0, TC_ACT_REDIRECT, "the answer, straight out");
+            // Established now; each entry keeps the route its direction's first packet took.
+            let client_key = CtKey4::new(CLIENT.into(), NODE_IP.into(), syn.sport.to_be(), 30080u16.to_be(), 6);
+            let backend_key = CtKey4::new(POD.into(), NODE_IP.into(), 8080u16.to_be(), nat_port.to_be(), 6);
+            let kept = |key: &CtKey4| {
+                let r = table().get(key, 0).unwrap().route;
+                (r.ifindex, r.mtu, r.family, r.next_hop[0], r.period)
+            };
+            let inet = libc::AF_INET as u8;
+            if cached {
+                assert_eq!(
+                    kept(&client_key),
+                    (out0, 1500, inet, u32::from_ne_bytes(POD.octets()), period),
+                    "the SYN's"
+                );
+                assert_eq!(
+                    kept(&backend_key),
+                    (out0, 1500, inet, u32::from_ne_bytes(CLIENT.octets()), period),
+                    "the answer's"
+                );
+            } else {
+                assert_eq!(kept(&client_key), (0, 0, 0, 0, 0));
+                assert_eq!(kept(&backend_key), (0, 0, 0, 0, 0));
+            }
+            // Both routes gone: the client's ACK and the backend's first data go by the kept
+            // routes, with no lookup of their own (which would find none: the host stack's).
+            routes("del");
+            let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
+            let data = Pkt { tcp_flags: 0x18, seq: 7001, ack: 1001, ..answer };
+            let verdicts = (rig.ingress(&ack.bytes()).0, rig.ingress(&data.bytes()).0);
+            routes("add");
+            if period_now() != period && attempt < 4 {
+                continue;
+            }
+            let expected = if cached { TC_ACT_REDIRECT } else { TC_ACT_OK };
+            assert_eq!(verdicts, (expected, expected));
+            return;
+        }
+    })
+    .unwrap();
+}
+
 /// `churn_services` with sessionAffinity ClientIP (`timeout` seconds), and the TCP NodePort's
 /// service port also on CLUSTER_IP:90 from outside.
 fn affinity_services(timeout: u32) -> Desired {
