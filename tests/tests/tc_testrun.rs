@@ -1568,20 +1568,25 @@ fn an_established_flow_keeps_its_route_for_about_a_second() {
 #[test]
 fn a_new_flow_keeps_the_routes_its_first_packet_and_its_answer_took() {
     let ns = forwarding_node("kt-rk");
+    ns.sh("echo 1 > /proc/sys/net/ipv6/conf/all/forwarding").unwrap();
     let name = ns.name.clone();
     ns.run(move || {
         // Kept from 6.3 on (as above).
         let cached = aya::util::KernelVersion::current().unwrap() >= aya::util::KernelVersion::new(6, 3, 0);
-        let route = |args: &[&str]| testbed::ip(&[&["-n", name.as_str(), "route"], args].concat()).unwrap();
-        let routes = |verb: &str| {
-            route(&[verb, "10.244.0.0/16", "dev", "out0"]);
-            route(&[verb, "10.0.0.99/32", "dev", "out0"]);
+        let ip = |args: &[&str]| testbed::ip(&[&["-n", name.as_str()], args].concat()).unwrap();
+        // Per family: the client, the node, the backend; the pods' and the client's routes.
+        let families: [(IpAddr, IpAddr, IpAddr, [&str; 2], &str); 2] = [
+            (CLIENT.into(), NODE_IP.into(), POD.into(), ["10.244.0.0/16", "10.0.0.99/32"], "-4"),
+            (CLIENT6.into(), NODE_IP6.into(), POD6.into(), ["fd00:10:244::/48", "fd00::99/128"], "-6"),
+        ];
+        let routes = |verb: &str, (prefixes, family): ([&str; 2], &str)| {
+            for prefix in prefixes {
+                ip(&[family, "route", verb, prefix, "dev", "out0"]);
+            }
         };
-        // The client is routed too: the backend's answer goes straight out, as the SYN did.
-        route(&["add", "10.0.0.99/32", "dev", "out0"]);
         let out0 = unsafe { libc::if_nametoindex(c"out0".as_ptr()) };
         let mut rig = Rig::with(&services(), |cfg| cfg.forward_direct = true);
-        // out0 with an address of its own, the masquerade address of what leaves by it: the
+        // out0 with addresses of its own, the masquerade addresses of what leaves by it: the
         // new flow's lookup of that address is its first packet's route.
         let mut links: aya::maps::HashMap<_, u32, LinkInfo> =
             aya::maps::HashMap::try_from(rig.ebpf.map_mut(proxy_common::map_names::LINKS).unwrap()).unwrap();
@@ -1590,56 +1595,67 @@ fn a_new_flow_keeps_the_routes_its_first_packet_and_its_answer_took() {
         let rig = rig;
         let period_ns = 1u64 << ct::ROUTE_PERIOD_SHIFT;
         let period_now = || (monotonic_now() >> ct::ROUTE_PERIOD_SHIFT) as u32;
-        let table = || rig.table4(proxy_common::map_names::CONNTRACK4);
-        for attempt in 0..5u16 {
-            // Early in a period of the clock, as above; one that outlasted it starts over.
-            let into = monotonic_now() % period_ns;
-            if into > period_ns / 4 {
-                std::thread::sleep(std::time::Duration::from_nanos(period_ns - into + 20_000_000));
+        // The route an established entry keeps: link, MTU, family, next hop (as the kernel's
+        // lookup answers it: an IPv4 address in the first word), period.
+        let kept = |key: &CtKey| {
+            let (_, entry) = rig.flows().into_iter().find(|(k, _)| k == key).expect("an established entry");
+            let r = entry.route;
+            (r.ifindex, r.mtu, r.family, r.next_hop, r.period)
+        };
+        let next_hop = |addr: IpAddr| match addr {
+            IpAddr::V4(a) => [u32::from_ne_bytes(a.octets()), 0, 0, 0],
+            IpAddr::V6(a) => {
+                let o = a.octets();
+                std::array::from_fn(|i| u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]]))
             }
-            let period = period_now();
-            let syn = tcp(CLIENT, 40050 + attempt, NODE_IP, 30080);
-            let (verdict, out) = rig.ingress(&syn.bytes());
-            assert_eq!(verdict, TC_ACT_REDIRECT);
-            let nat_port = sport_of(&out);
-            let answer = Pkt { tcp_flags: 0x12, ..tcp(POD, 8080, NODE_IP, nat_port) };
-            assert_eq!(rig.ingress(&answer.bytes()).0, TC_ACT_REDIRECT, "the answer, straight out");
-            // Established now; each entry keeps the route its direction's first packet took.
-            let client_key = CtKey4::new(CLIENT.into(), NODE_IP.into(), syn.sport.to_be(), 30080u16.to_be(), 6);
-            let backend_key = CtKey4::new(POD.into(), NODE_IP.into(), 8080u16.to_be(), nat_port.to_be(), 6);
-            let kept = |key: &CtKey4| {
-                let r = table().get(key, 0).unwrap().route;
-                (r.ifindex, r.mtu, r.family, r.next_hop[0], r.period)
-            };
-            let inet = libc::AF_INET as u8;
-            if cached {
-                assert_eq!(
-                    kept(&client_key),
-                    (out0, 1500, inet, u32::from_ne_bytes(POD.octets()), period),
-                    "the SYN's"
-                );
-                assert_eq!(
-                    kept(&backend_key),
-                    (out0, 1500, inet, u32::from_ne_bytes(CLIENT.octets()), period),
-                    "the answer's"
-                );
-            } else {
-                assert_eq!(kept(&client_key), (0, 0, 0, 0, 0));
-                assert_eq!(kept(&backend_key), (0, 0, 0, 0, 0));
+        };
+        // The IPv6 pods (`forwarding_node` routes the IPv4 ones).
+        ip(&["-6", "route", "add", "fd00:10:244::/48", "dev", "out0"]);
+        for (client, node, pod, prefixes, family) in families {
+            // The client is routed too: the backend's answer goes straight out, as the SYN did.
+            ip(&[family, "route", "add", prefixes[1], "dev", "out0"]);
+            let af = if client.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 } as u8;
+            let mut done = false;
+            for attempt in 0..5u16 {
+                // Early in a period of the clock, as above; one that outlasted it starts over.
+                let into = monotonic_now() % period_ns;
+                if into > period_ns / 4 {
+                    std::thread::sleep(std::time::Duration::from_nanos(period_ns - into + 20_000_000));
+                }
+                let period = period_now();
+                let syn = tcp(client, 40050 + attempt, node, 30080);
+                let (verdict, out) = rig.ingress(&syn.bytes());
+                assert_eq!(verdict, TC_ACT_REDIRECT, "{client}");
+                let nat_port = sport_of(&out);
+                let answer = Pkt { tcp_flags: 0x12, ..tcp(pod, 8080, node, nat_port) };
+                assert_eq!(rig.ingress(&answer.bytes()).0, TC_ACT_REDIRECT, "the answer, straight out");
+                // Established now; each entry keeps the route its direction's first packet took.
+                let client_key = CtKey::new(client.into(), node.into(), syn.sport.to_be(), 30080u16.to_be(), 6);
+                let backend_key = CtKey::new(pod.into(), node.into(), 8080u16.to_be(), nat_port.to_be(), 6);
+                if cached {
+                    assert_eq!(kept(&client_key), (out0, 1500, af, next_hop(pod), period), "the SYN's");
+                    assert_eq!(kept(&backend_key), (out0, 1500, af, next_hop(client), period), "the answer's");
+                } else {
+                    assert_eq!(kept(&client_key), (0, 0, 0, [0; 4], 0));
+                    assert_eq!(kept(&backend_key), (0, 0, 0, [0; 4], 0));
+                }
+                // Both routes gone: the client's ACK and the backend's first data go by the
+                // kept routes, with no lookup of their own (which would find none: the host
+                // stack's).
+                routes("del", (prefixes, family));
+                let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
+                let data = Pkt { tcp_flags: 0x18, seq: 7001, ack: 1001, ..answer };
+                let verdicts = (rig.ingress(&ack.bytes()).0, rig.ingress(&data.bytes()).0);
+                routes("add", (prefixes, family));
+                if period_now() != period && attempt < 4 {
+                    continue;
+                }
+                let expected = if cached { TC_ACT_REDIRECT } else { TC_ACT_OK };
+                assert_eq!(verdicts, (expected, expected), "{client}");
+                done = true;
+                break;
             }
-            // Both routes gone: the client's ACK and the backend's first data go by the kept
-            // routes, with no lookup of their own (which would find none: the host stack's).
-            routes("del");
-            let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
-            let data = Pkt { tcp_flags: 0x18, seq: 7001, ack: 1001, ..answer };
-            let verdicts = (rig.ingress(&ack.bytes()).0, rig.ingress(&data.bytes()).0);
-            routes("add");
-            if period_now() != period && attempt < 4 {
-                continue;
-            }
-            let expected = if cached { TC_ACT_REDIRECT } else { TC_ACT_OK };
-            assert_eq!(verdicts, (expected, expected));
-            return;
+            assert!(done);
         }
     })
     .unwrap();
