@@ -880,7 +880,8 @@ const ROUTE_LOOK_UP_AND_CACHE: u32 = 2;
 /// `forward_direct` would have (6.3+), it sends the packet by that answer.
 const ROUTE_LOOKED_UP: u32 = 3;
 /// A new flow's first packet on its way in: a masquerade lookup may keep its answer for it
-/// (`ROUTE_LOOKED_UP`); else as `ROUTE_LOOK_UP`.
+/// (`ROUTE_LOOKED_UP`); else `forward_direct` looks it up and keeps the answer in the new
+/// flow's entry (`keep_route`).
 const ROUTE_MAY_KEEP: u32 = 4;
 
 /// How an ICMP error about a translated flow is translated back.
@@ -1077,8 +1078,8 @@ fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
         if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) && rc != i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
             return TC_ACT_OK;
         }
-        if route == ROUTE_LOOK_UP_AND_CACHE && rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
-            cache_route::<F::FlowAddr>(s, params);
+        if rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
+            keep_route::<F::FlowAddr>(s, route, next_hop, params);
         }
     }
     // Forwarding takes one off the TTL; the lookup did not move the packet, but the bounds are
@@ -1112,21 +1113,32 @@ fn fits_link(ctx: &TcContext, mtu: u16) -> bool {
     skb.gso_size != 0 || skb.len <= u32::from(mtu) + ETH_LEN as u32
 }
 
-/// Cache a successful route lookup (with the link's MTU, which the kernel reports from 5.12 on)
-/// in the entry of the flow under `s.flow_key`, if it is still the flow this packet was
-/// translated by (another CPU may have replaced it since).
+/// Keep a successful route lookup (with the link's MTU, which the kernel reports from 5.12 on)
+/// in the entry of the flow this packet was translated by, if it still is (another CPU may
+/// have replaced it since): an established flow's (`ROUTE_LOOK_UP_AND_CACHE`, under
+/// `s.flow_key`), or the new flow's this packet opened (`ROUTE_MAY_KEEP`, under `s.key`, with
+/// 6.3+'s next hop; the route moves with the entry at the answer, as `program_flow`'s
+/// masquerade lookup does).
 #[inline(always)]
-fn cache_route<A: FlowTables>(s: *mut FlowScratch, params: &bpf_fib_lookup) {
-    // SAFETY: the scratch value and a map value pointer, valid for this program run.
+fn keep_route<A: FlowTables>(s: *mut FlowScratch, route: u32, next_hop: bool, params: &bpf_fib_lookup) {
+    // SAFETY: the scratch value and map value pointers, valid for this program run.
     unsafe {
         if params.__bindgen_anon_1.mtu_result == 0 {
             return;
         }
-        let Some(entry) = A::established().get_ptr_mut(&*FlowScratch::flow_key::<A>(s)) else { return };
-        if !(*entry).same_translation(&(*s).entry) {
-            return;
+        let (entry, translated_by) = match route {
+            ROUTE_LOOK_UP_AND_CACHE => {
+                (A::established().get_ptr_mut(&*FlowScratch::flow_key::<A>(s)), &raw const (*s).entry)
+            }
+            ROUTE_MAY_KEEP if next_hop => {
+                (A::new_flows().get_ptr_mut(&*FlowScratch::key::<A>(s)), &raw const (*s).forward)
+            }
+            _ => return,
+        };
+        let Some(entry) = entry else { return };
+        if (*entry).same_translation(&*translated_by) {
+            (*entry).route = kept_route(params, now());
         }
-        (*entry).route = kept_route(params, now());
     }
 }
 

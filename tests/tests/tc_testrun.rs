@@ -1574,10 +1574,18 @@ fn a_new_flow_keeps_the_routes_its_first_packet_and_its_answer_took() {
         // Kept from 6.3 on (as above).
         let cached = aya::util::KernelVersion::current().unwrap() >= aya::util::KernelVersion::new(6, 3, 0);
         let ip = |args: &[&str]| testbed::ip(&[&["-n", name.as_str()], args].concat()).unwrap();
-        // Per family: the client, the node, the backend; the pods' and the client's routes.
-        let families: [(IpAddr, IpAddr, IpAddr, [&str; 2], &str); 2] = [
-            (CLIENT.into(), NODE_IP.into(), POD.into(), ["10.244.0.0/16", "10.0.0.99/32"], "-4"),
-            (CLIENT6.into(), NODE_IP6.into(), POD6.into(), ["fd00:10:244::/48", "fd00::99/128"], "-6"),
+        // Per family: the client, the node, the ClusterIP, the backend; the pods' and the
+        // client's routes.
+        let families: [(IpAddr, IpAddr, IpAddr, IpAddr, [&str; 2], &str); 2] = [
+            (CLIENT.into(), NODE_IP.into(), CLUSTER_IP.into(), POD.into(), ["10.244.0.0/16", "10.0.0.99/32"], "-4"),
+            (
+                CLIENT6.into(),
+                NODE_IP6.into(),
+                CLUSTER_IP6.into(),
+                POD6.into(),
+                ["fd00:10:244::/48", "fd00::99/128"],
+                "-6",
+            ),
         ];
         let routes = |verb: &str, (prefixes, family): ([&str; 2], &str)| {
             for prefix in prefixes {
@@ -1611,51 +1619,58 @@ fn a_new_flow_keeps_the_routes_its_first_packet_and_its_answer_took() {
         };
         // The IPv6 pods (`forwarding_node` routes the IPv4 ones).
         ip(&["-6", "route", "add", "fd00:10:244::/48", "dev", "out0"]);
-        for (client, node, pod, prefixes, family) in families {
+        let mut sport = 40050;
+        for (client, node, cluster_ip, pod, prefixes, family) in families {
             // The client is routed too: the backend's answer goes straight out, as the SYN did.
             ip(&[family, "route", "add", prefixes[1], "dev", "out0"]);
             let af = if client.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 } as u8;
-            let mut done = false;
-            for attempt in 0..5u16 {
-                // Early in a period of the clock, as above; one that outlasted it starts over.
-                let into = monotonic_now() % period_ns;
-                if into > period_ns / 4 {
-                    std::thread::sleep(std::time::Duration::from_nanos(period_ns - into + 20_000_000));
+            // The NodePort (masqueraded: the masquerade address's lookup is kept) and the
+            // ClusterIP (not masqueraded from this client: the forwarding lookup is kept).
+            for (frontend, port, masqueraded) in [(node, 30080, true), (cluster_ip, 80, false)] {
+                let mut done = false;
+                for _attempt in 0..5 {
+                    // Early in a period of the clock, as above; one that outlasted it starts over.
+                    let into = monotonic_now() % period_ns;
+                    if into > period_ns / 4 {
+                        std::thread::sleep(std::time::Duration::from_nanos(period_ns - into + 20_000_000));
+                    }
+                    let period = period_now();
+                    sport += 1;
+                    let syn = tcp(client, sport, frontend, port);
+                    let (verdict, out) = rig.ingress(&syn.bytes());
+                    assert_eq!(verdict, TC_ACT_REDIRECT, "{frontend}");
+                    // The backend answers the address and port it saw.
+                    let (seen, seen_port) = (if masqueraded { node } else { client }, sport_of(&out));
+                    let answer = Pkt { tcp_flags: 0x12, ..tcp(pod, 8080, seen, seen_port) };
+                    assert_eq!(rig.ingress(&answer.bytes()).0, TC_ACT_REDIRECT, "the answer, straight out");
+                    // Established now; each entry keeps the route its direction's first packet took.
+                    let client_key = CtKey::new(client.into(), frontend.into(), sport.to_be(), port.to_be(), 6);
+                    let backend_key = CtKey::new(pod.into(), seen.into(), 8080u16.to_be(), seen_port.to_be(), 6);
+                    if cached {
+                        assert_eq!(kept(&client_key), (out0, 1500, af, next_hop(pod), period), "the SYN's");
+                        assert_eq!(kept(&backend_key), (out0, 1500, af, next_hop(client), period), "the answer's");
+                    } else {
+                        assert_eq!(kept(&client_key), (0, 0, 0, [0; 4], 0));
+                        assert_eq!(kept(&backend_key), (0, 0, 0, [0; 4], 0));
+                    }
+                    // Both routes gone: the client's ACK and the backend's first data go by the
+                    // kept routes, with no lookup of their own (which would find none: the host
+                    // stack's).
+                    routes("del", (prefixes, family));
+                    let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
+                    let data = Pkt { tcp_flags: 0x18, seq: 7001, ack: 1001, ..answer };
+                    let verdicts = (rig.ingress(&ack.bytes()).0, rig.ingress(&data.bytes()).0);
+                    routes("add", (prefixes, family));
+                    if period_now() != period {
+                        continue;
+                    }
+                    let expected = if cached { TC_ACT_REDIRECT } else { TC_ACT_OK };
+                    assert_eq!(verdicts, (expected, expected), "{frontend}");
+                    done = true;
+                    break;
                 }
-                let period = period_now();
-                let syn = tcp(client, 40050 + attempt, node, 30080);
-                let (verdict, out) = rig.ingress(&syn.bytes());
-                assert_eq!(verdict, TC_ACT_REDIRECT, "{client}");
-                let nat_port = sport_of(&out);
-                let answer = Pkt { tcp_flags: 0x12, ..tcp(pod, 8080, node, nat_port) };
-                assert_eq!(rig.ingress(&answer.bytes()).0, TC_ACT_REDIRECT, "the answer, straight out");
-                // Established now; each entry keeps the route its direction's first packet took.
-                let client_key = CtKey::new(client.into(), node.into(), syn.sport.to_be(), 30080u16.to_be(), 6);
-                let backend_key = CtKey::new(pod.into(), node.into(), 8080u16.to_be(), nat_port.to_be(), 6);
-                if cached {
-                    assert_eq!(kept(&client_key), (out0, 1500, af, next_hop(pod), period), "the SYN's");
-                    assert_eq!(kept(&backend_key), (out0, 1500, af, next_hop(client), period), "the answer's");
-                } else {
-                    assert_eq!(kept(&client_key), (0, 0, 0, [0; 4], 0));
-                    assert_eq!(kept(&backend_key), (0, 0, 0, [0; 4], 0));
-                }
-                // Both routes gone: the client's ACK and the backend's first data go by the
-                // kept routes, with no lookup of their own (which would find none: the host
-                // stack's).
-                routes("del", (prefixes, family));
-                let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
-                let data = Pkt { tcp_flags: 0x18, seq: 7001, ack: 1001, ..answer };
-                let verdicts = (rig.ingress(&ack.bytes()).0, rig.ingress(&data.bytes()).0);
-                routes("add", (prefixes, family));
-                if period_now() != period && attempt < 4 {
-                    continue;
-                }
-                let expected = if cached { TC_ACT_REDIRECT } else { TC_ACT_OK };
-                assert_eq!(verdicts, (expected, expected), "{client}");
-                done = true;
-                break;
+                assert!(done, "every attempt outlasted its period");
             }
-            assert!(done);
         }
     })
     .unwrap();
