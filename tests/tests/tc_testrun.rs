@@ -1576,7 +1576,8 @@ fn a_new_flow_keeps_the_routes_its_first_packet_and_its_answer_took() {
         let ip = |args: &[&str]| testbed::ip(&[&["-n", name.as_str()], args].concat()).unwrap();
         // Per family: the client, the node, the ClusterIP, the backend; the pods' and the
         // client's routes.
-        let families: [(IpAddr, IpAddr, IpAddr, IpAddr, [&str; 2], &str); 2] = [
+        type Family = (IpAddr, IpAddr, IpAddr, IpAddr, [&'static str; 2], &'static str);
+        let families: [Family; 2] = [
             (CLIENT.into(), NODE_IP.into(), CLUSTER_IP.into(), POD.into(), ["10.244.0.0/16", "10.0.0.99/32"], "-4"),
             (
                 CLIENT6.into(),
