@@ -772,7 +772,8 @@ fn confirm<A: FlowTables>(key: &CtKey<A>, entry: &CtValue, seen: u32, now: u64) 
         *pair_key = entry.pair_key(key.proto);
         (*s).forward = CtValue { flags, last_seen: now, ..*entry };
         (*s).reply = mirror(key, entry, flags, now);
-        // The other entry's kept route (its first packet's, `program_flow`) goes with it.
+        // The other entry's kept route (its first packet's: `program_flow`, `keep_route`)
+        // goes with it.
         if let Some(pair) = A::new_flows().get_ptr(&*pair_key)
             && (*pair).same_translation(&(*s).reply)
         {
