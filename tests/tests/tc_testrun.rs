@@ -1478,6 +1478,22 @@ fn translated_packets_go_straight_out_of_the_link_their_route_takes() {
     .unwrap();
 }
 
+/// Waits, if it must, until early in a period of the kept routes' clock, and returns that
+/// period: far enough in that the programs' coarse clock (up to a tick behind
+/// CLOCK_MONOTONIC) is in it too, and early enough that a test's few packets and `ip`
+/// commands end in it.
+fn early_in_a_route_period() -> u32 {
+    let period_ns = 1u64 << ct::ROUTE_PERIOD_SHIFT;
+    let settled = 20_000_000; // a tick is at most 10 ms (HZ=100)
+    let into = monotonic_now() % period_ns;
+    if into < settled {
+        std::thread::sleep(std::time::Duration::from_nanos(settled - into));
+    } else if into > period_ns / 4 {
+        std::thread::sleep(std::time::Duration::from_nanos(period_ns - into + settled));
+    }
+    (monotonic_now() >> ct::ROUTE_PERIOD_SHIFT) as u32
+}
+
 #[test]
 fn an_established_flow_keeps_its_route_for_about_a_second() {
     let ns = forwarding_node("kt-rc");
@@ -1492,15 +1508,10 @@ fn an_established_flow_keeps_its_route_for_about_a_second() {
         // reads the coarse clock, a tick behind). Each attempt starts early in a period, and
         // one that outlasted it (emulated, `ip` alone can take a large part of a second) starts
         // over on a new tuple in the next.
-        let period_ns = 1u64 << ct::ROUTE_PERIOD_SHIFT;
         let period_now = || (monotonic_now() >> ct::ROUTE_PERIOD_SHIFT) as u32;
         let mut attempt = 0u16;
         let (ack, key, forwarded) = loop {
-            let into = monotonic_now() % period_ns;
-            if into > period_ns / 4 {
-                std::thread::sleep(std::time::Duration::from_nanos(period_ns - into + 20_000_000));
-            }
-            let period = period_now();
+            let period = early_in_a_route_period();
             let forwarded = rig.counter(counter::TC_FORWARDED_DIRECT);
             let syn = tcp(CLIENT, 40010 + attempt, NODE_IP, 30080);
             let (verdict, out) = rig.ingress(&syn.bytes());
@@ -1556,9 +1567,10 @@ fn an_established_flow_keeps_its_route_for_about_a_second() {
         assert_eq!(entry().route, aged.route, "nothing new kept");
         // The route back: the next segment is sent by it, and keeps it again, for this period.
         route(&["add", "10.244.0.0/16", "dev", "out0"]);
+        let period = early_in_a_route_period();
         assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_REDIRECT);
         if cached {
-            assert_eq!((entry().route.ifindex, entry().route.period), (out0, period_now()));
+            assert_eq!((entry().route.ifindex, entry().route.period), (out0, period));
         }
         assert_eq!(rig.counter(counter::TC_FORWARDED_DIRECT), forwarded_now + 1);
     })
@@ -1602,7 +1614,6 @@ fn a_new_flow_keeps_the_routes_its_first_packet_and_its_answer_took() {
         let out0_link = LinkInfo { addr: u32::from(NODE_IP).to_be(), flags: 0, addr6: NODE_IP6.into() };
         links.insert(&out0, &out0_link, 0).unwrap();
         let rig = rig;
-        let period_ns = 1u64 << ct::ROUTE_PERIOD_SHIFT;
         let period_now = || (monotonic_now() >> ct::ROUTE_PERIOD_SHIFT) as u32;
         // The route an established entry keeps: link, MTU, family, next hop (as the kernel's
         // lookup answers it: an IPv4 address in the first word), period.
@@ -1631,11 +1642,7 @@ fn a_new_flow_keeps_the_routes_its_first_packet_and_its_answer_took() {
                 let mut done = false;
                 for _attempt in 0..5 {
                     // Early in a period of the clock, as above; one that outlasted it starts over.
-                    let into = monotonic_now() % period_ns;
-                    if into > period_ns / 4 {
-                        std::thread::sleep(std::time::Duration::from_nanos(period_ns - into + 20_000_000));
-                    }
-                    let period = period_now();
+                    let period = early_in_a_route_period();
                     sport += 1;
                     let syn = tcp(client, sport, frontend, port);
                     let (verdict, out) = rig.ingress(&syn.bytes());
@@ -1647,13 +1654,7 @@ fn a_new_flow_keeps_the_routes_its_first_packet_and_its_answer_took() {
                     // Established now; each entry keeps the route its direction's first packet took.
                     let client_key = CtKey::new(client.into(), frontend.into(), sport.to_be(), port.to_be(), 6);
                     let backend_key = CtKey::new(pod.into(), seen.into(), 8080u16.to_be(), seen_port.to_be(), 6);
-                    if cached {
-                        assert_eq!(kept(&client_key), (out0, 1500, af, next_hop(pod), period), "the SYN's");
-                        assert_eq!(kept(&backend_key), (out0, 1500, af, next_hop(client), period), "the answer's");
-                    } else {
-                        assert_eq!(kept(&client_key), (0, 0, 0, [0; 4], 0));
-                        assert_eq!(kept(&backend_key), (0, 0, 0, [0; 4], 0));
-                    }
+                    let kept_now = (kept(&client_key), kept(&backend_key));
                     // Both routes gone: the client's ACK and the backend's first data go by the
                     // kept routes, with no lookup of their own (which would find none: the host
                     // stack's).
@@ -1664,6 +1665,12 @@ fn a_new_flow_keeps_the_routes_its_first_packet_and_its_answer_took() {
                     routes("add", (prefixes, family));
                     if period_now() != period {
                         continue;
+                    }
+                    if cached {
+                        assert_eq!(kept_now.0, (out0, 1500, af, next_hop(pod), period), "the SYN's");
+                        assert_eq!(kept_now.1, (out0, 1500, af, next_hop(client), period), "the answer's");
+                    } else {
+                        assert_eq!(kept_now, ((0, 0, 0, [0; 4], 0), (0, 0, 0, [0; 4], 0)));
                     }
                     let expected = if cached { TC_ACT_REDIRECT } else { TC_ACT_OK };
                     assert_eq!(verdicts, (expected, expected), "{frontend}");
