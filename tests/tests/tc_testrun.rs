@@ -1491,6 +1491,11 @@ fn early_in_a_route_period() -> u32 {
     } else if into > period_ns / 4 {
         std::thread::sleep(std::time::Duration::from_nanos(period_ns - into + settled));
     }
+    period_now()
+}
+
+/// The kept routes' period CLOCK_MONOTONIC is in now.
+fn period_now() -> u32 {
     (monotonic_now() >> ct::ROUTE_PERIOD_SHIFT) as u32
 }
 
@@ -1508,7 +1513,6 @@ fn an_established_flow_keeps_its_route_for_about_a_second() {
         // reads the coarse clock, a tick behind). Each attempt starts early in a period, and
         // one that outlasted it (emulated, `ip` alone can take a large part of a second) starts
         // over on a new tuple in the next.
-        let period_now = || (monotonic_now() >> ct::ROUTE_PERIOD_SHIFT) as u32;
         let mut attempt = 0u16;
         let (ack, key, forwarded) = loop {
             let period = early_in_a_route_period();
@@ -1614,7 +1618,6 @@ fn a_new_flow_keeps_the_routes_its_first_packet_and_its_answer_took() {
         let out0_link = LinkInfo { addr: u32::from(NODE_IP).to_be(), flags: 0, addr6: NODE_IP6.into() };
         links.insert(&out0, &out0_link, 0).unwrap();
         let rig = rig;
-        let period_now = || (monotonic_now() >> ct::ROUTE_PERIOD_SHIFT) as u32;
         // The route an established entry keeps: link, MTU, family, next hop (as the kernel's
         // lookup answers it: an IPv4 address in the first word), period.
         let kept = |key: &CtKey| {
