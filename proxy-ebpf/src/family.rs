@@ -70,8 +70,16 @@ pub trait Family {
     fn reply_header(src: &Addr, dst: &Addr, proto: u8, payload_len: u16) -> Self::Ip;
     /// The address MASQUERADE picks on `link`, if it has one.
     fn masquerade_addr(link: &LinkInfo) -> Option<Addr>;
-    /// A route lookup's addresses (and the header's traffic class).
-    fn fib_params(params: &mut bpf_fib_lookup, ip: &Self::Ip);
+    /// The header's protocol field (IPv4) or next header (IPv6), as it is.
+    fn next_header(ip: &Self::Ip) -> u8;
+    /// A route lookup's protocol, addresses and the header's traffic class.
+    #[inline(always)]
+    fn fib_params(params: &mut bpf_fib_lookup, ip: &Self::Ip) {
+        params.l4_protocol = Self::next_header(ip);
+        Self::fib_tos(params, ip);
+        Self::fib_src(params, &Self::src(ip));
+        Self::fib_dst(params, &Self::dst(ip));
+    }
     /// Parts of it: the header's traffic class, a source and a destination address.
     fn fib_tos(params: &mut bpf_fib_lookup, ip: &Self::Ip);
     fn fib_src(params: &mut bpf_fib_lookup, src: &Addr);
@@ -194,11 +202,8 @@ impl Family for V4 {
         (link.addr != 0).then_some(Addr::from_v4(link.addr))
     }
     #[inline(always)]
-    fn fib_params(params: &mut bpf_fib_lookup, ip: &Ipv4Hdr) {
-        params.l4_protocol = ip.proto;
-        Self::fib_tos(params, ip);
-        Self::fib_src(params, &Self::src(ip));
-        Self::fib_dst(params, &Self::dst(ip));
+    fn next_header(ip: &Ipv4Hdr) -> u8 {
+        ip.proto
     }
     #[inline(always)]
     fn fib_tos(params: &mut bpf_fib_lookup, ip: &Ipv4Hdr) {
@@ -305,11 +310,8 @@ impl Family for V6 {
         (!link.addr6.is_unspecified()).then_some(link.addr6)
     }
     #[inline(always)]
-    fn fib_params(params: &mut bpf_fib_lookup, ip: &Ipv6Hdr) {
-        params.l4_protocol = ip.next_hdr;
-        Self::fib_tos(params, ip);
-        Self::fib_src(params, &Self::src(ip));
-        Self::fib_dst(params, &Self::dst(ip));
+    fn next_header(ip: &Ipv6Hdr) -> u8 {
+        ip.next_hdr
     }
     #[inline(always)]
     fn fib_tos(params: &mut bpf_fib_lookup, ip: &Ipv6Hdr) {
