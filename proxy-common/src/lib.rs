@@ -336,6 +336,12 @@ pub const LINK_FLAG_NETLINK_TC: u32 = 4;
 /// before the detachment.
 pub const LINK_FLAG_TC_INGRESS: u32 = 8;
 
+/// `LinkInfo::flags`: one end of a veth (or netkit) pair whose other end is in another network
+/// namespace (a pod's). A packet sent straight out by this link is handed to that other end
+/// (`bpf_redirect_peer`): it enters the pod at once, without the queue and second receive a
+/// transmission on the pair costs.
+pub const LINK_FLAG_PEER: u32 = 16;
+
 /// Value of `KPR_LINKS` (key: ifindex; ifindex 0 holds the fallback): what the per-packet path
 /// needs to know about a link.
 #[repr(C)]
@@ -712,14 +718,16 @@ pub struct CachedRoute {
     pub mtu: u16,
     /// The next hop's family (an IPv4 route may have an IPv6 gateway).
     pub family: u8,
-    pub _pad: u8,
+    /// 1: the link is a `LINK_FLAG_PEER` one, and `next_hop` holds the MAC addresses.
+    pub peer: u8,
     /// The next hop (the gateway, else the destination) as `bpf_redir_neigh` takes it: an
-    /// IPv4 address in the first word.
+    /// IPv4 address in the first word. For `peer`: the packet's new destination and source MAC
+    /// addresses (the next hop's and the link's), in the first 12 bytes.
     pub next_hop: [u32; 4],
 }
 
 impl CachedRoute {
-    pub const NONE: Self = Self { ifindex: 0, period: 0, mtu: 0, family: 0, _pad: 0, next_hop: [0; 4] };
+    pub const NONE: Self = Self { ifindex: 0, period: 0, mtu: 0, family: 0, peer: 0, next_hop: [0; 4] };
 }
 
 impl CtValue {
@@ -933,8 +941,11 @@ pub mod counter {
     /// tc: a packet of an established flow found it in conntrack and put it in this CPU's flow
     /// cache, where the flow's next packets find it (`tc_ct_hit` less this: the cache's hits).
     pub const TC_FLOW_CACHE_FILLED: u32 = 22;
+    /// tc: a packet sent straight out went to a pod's end of a veth pair at once
+    /// (`LINK_FLAG_PEER`, `bpf_redirect_peer`); also counted in `tc_forwarded_direct`.
+    pub const TC_REDIRECTED_PEER: u32 = 23;
     /// Number of counters.
-    pub const COUNT: u32 = 23;
+    pub const COUNT: u32 = 24;
     /// Names for display, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -960,6 +971,7 @@ pub mod counter {
         "tc_forwarded_direct",
         "tc_slow_path_missing",
         "tc_flow_cache_filled",
+        "tc_redirected_peer",
     ];
 }
 

@@ -312,6 +312,14 @@ pub fn link(ifindex: u32) -> Option<LinkInfo> {
     LINKS.get_ptr(&key).map(|link| unsafe { *link })
 }
 
+/// Link `ifindex`'s `LINK_FLAG_*` (0: no entry), read in place.
+#[inline(always)]
+pub fn link_flags(ifindex: u32) -> u32 {
+    let key = ifindex;
+    // SAFETY: a map value pointer, read at once.
+    LINKS.get_ptr(&key).map_or(0, |link| unsafe { (*link).flags })
+}
+
 #[inline(always)]
 pub fn count(index: u32) {
     if let Some(slot) = COUNTERS.get_ptr_mut(index) {

@@ -30,14 +30,14 @@ use aya_ebpf::{
         bpf_redir_neigh__bindgen_ty_1,
     },
     btf_maps::{PerCpuArray, ProgramArray, lpm_trie::Key},
-    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect_neigh},
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect_neigh, bpf_redirect_peer},
     macros::{btf_map, classifier},
     programs::TcContext,
 };
 use proxy_common::{
     AFFINITY_BY_ADDR, Addr, Addr4, Backend, CachedRoute, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR,
     DETECT_LOCAL_INTERFACE, FlowAddr, FragmentKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, LINK_FLAG_LOCAL_TRAFFIC,
-    LINK_FLAG_TC_INGRESS, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
+    LINK_FLAG_PEER, LINK_FLAG_TC_INGRESS, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
     SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN,
     ServiceKey, ServiceValue, SourceRange, addrs_csum_diff, counter, crc32c, csum, csum::L4State, ct, has_states,
     tc_slow_path,
@@ -48,8 +48,8 @@ use crate::{
     flow_cache,
     maps::{
         FRAGMENTS, FlowMap, FlowTables, HANDOVER, LINKS, LOCAL_CIDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss,
-        TickClock, affinity_backend, backend_at, count, handed_over, in_addr_filter, link, node_addr_flags, now,
-        now_by_tick, refusal, remember_affinity, serves, service_range_miss,
+        TickClock, affinity_backend, backend_at, count, handed_over, in_addr_filter, link, link_flags, node_addr_flags,
+        now, now_by_tick, refusal, remember_affinity, serves, service_range_miss,
     },
     packet::*,
     tc_reject::{reject_port_unreachable, reject_tcp},
@@ -590,6 +590,13 @@ fn redirect_by<F: Family>(ctx: &TcContext, cached: &CachedRoute, s: *mut FlowScr
     // SAFETY: within [data, data_end), checked above; the scratch value.
     unsafe {
         F::decrement_hops((data + IP_OFF) as *mut u8);
+        if cached.peer != 0 {
+            write_macs(data as *mut u8, &cached.next_hop);
+            let verdict = bpf_redirect_peer(cached.ifindex, 0) as i32;
+            count(counter::TC_FORWARDED_DIRECT);
+            count(counter::TC_REDIRECTED_PEER);
+            return Some(verdict);
+        }
         count(counter::TC_FORWARDED_DIRECT);
         // The next hop in the scratch area: on the stack it would lengthen the chains of calls
         // through this stage.
@@ -834,6 +841,8 @@ pub struct FlowScratch {
     reply_csum_diff: u32,
     /// The route lookup of a masquerade address, and then `forward_direct`'s.
     fib: bpf_fib_lookup,
+    /// 1: `fib`'s link is a peer one, and `fib` holds its MAC addresses (`peer_route`).
+    fib_peer: u32,
     /// `known_flow` → `forward_direct`: how to route the packet of an established flow (`ROUTE_*`).
     route: u32,
     /// `redirect_by`: the kept next hop, as `bpf_redirect_neigh` takes it.
@@ -983,6 +992,7 @@ fn masquerade_source<F: Family>(ctx: &TcContext, t: &Tuple, backend: &Addr) -> O
     // SAFETY: the per-CPU scratch value, valid for this program run.
     let params = unsafe {
         zero_fib(&raw mut (*s).fib);
+        (*s).fib_peer = 0;
         &mut (*s).fib
     };
     params.family = F::AF;
@@ -1070,6 +1080,8 @@ fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     let next_hop = KPR_REDIRECT_NEXT_HOP.load() != 0;
     if route != ROUTE_LOOKED_UP {
         zero_fib(params);
+        // SAFETY: the per-CPU scratch value.
+        unsafe { (*s).fib_peer = 0 };
         params.family = F::AF;
         params.ifindex = ifindex(ctx);
         F::fib_params(params, ip);
@@ -1080,8 +1092,17 @@ fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
             return TC_ACT_OK;
         }
         if rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
+            // SAFETY: the per-CPU scratch value.
+            unsafe { (*s).fib_peer = u32::from(peer_route::<F>(ctx, params)) };
             keep_route::<F::FlowAddr>(s, route, next_hop, params);
         }
+    } else if peer_route::<F>(ctx, params) {
+        // The masquerade lookup's answer, which `program_flow` kept in the new flow's entry as
+        // a next hop (here, off the chains of calls through the masquerade lookup): a peer
+        // link's MAC addresses take its place.
+        // SAFETY: the per-CPU scratch value.
+        unsafe { (*s).fib_peer = 1 };
+        keep_route::<F::FlowAddr>(s, ROUTE_MAY_KEEP, next_hop, params);
     }
     // Forwarding takes one off the TTL; the lookup did not move the packet, but the bounds are
     // checked again for the verifier.
@@ -1092,6 +1113,21 @@ fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     // SAFETY: within [data, data_end), checked above.
     unsafe { F::decrement_hops((data + IP_OFF) as *mut u8) };
     count(counter::TC_FORWARDED_DIRECT);
+    // SAFETY: the per-CPU scratch value.
+    if unsafe { (*s).fib_peer } != 0 {
+        let eth = data as *mut u8;
+        // SAFETY: the lookup's answer (the MAC addresses' member of its union); the Ethernet
+        // header, within [data, data_end) (checked above).
+        unsafe {
+            let found = &params.__bindgen_anon_6.__bindgen_anon_2;
+            for i in 0..6 {
+                eth.add(i).write(found.dmac[i]);
+                eth.add(6 + i).write(found.smac[i]);
+            }
+        }
+        count(counter::TC_REDIRECTED_PEER);
+        return unsafe { bpf_redirect_peer(params.ifindex, 0) as i32 };
+    }
     if next_hop {
         // The lookup's next hop: the gateway, else the destination (its family may differ from
         // the packet's: an IPv4 route via an IPv6 gateway).
@@ -1138,28 +1174,86 @@ fn keep_route<A: FlowTables>(s: *mut FlowScratch, route: u32, next_hop: bool, pa
         };
         let Some(entry) = entry else { return };
         if (*entry).same_translation(&*translated_by) {
-            (*entry).route = kept_route(params, now());
+            keep_in(&raw mut (*entry).route, params, (*s).fib_peer != 0, now());
         }
     }
 }
 
-/// A successful lookup's route (`BPF_FIB_LOOKUP_SKIP_NEIGH`: its next hop) as a flow's entry
-/// keeps it, with the link's MTU (reported from 5.12 on; NONE without it).
+/// Write a successful lookup's route (`BPF_FIB_LOOKUP_SKIP_NEIGH`: its next hop; a peer
+/// route: its MAC addresses, as the Ethernet header has them) into `route`, a flow entry's,
+/// with the link's MTU (reported from 5.12 on; NONE without it). In place, field by field: a
+/// route built on the stack and copied would widen the frames of the chains of calls.
+///
+/// # Safety
+/// `route` is writable.
 #[inline(always)]
-fn kept_route(params: &bpf_fib_lookup, now: u64) -> CachedRoute {
-    // SAFETY: the lookup's answer, every byte written by the kernel or zeroed before it.
-    let mtu = unsafe { params.__bindgen_anon_1.mtu_result };
-    if mtu == 0 {
-        return CachedRoute::NONE;
+unsafe fn keep_in(route: *mut CachedRoute, params: &bpf_fib_lookup, peer: bool, now: u64) {
+    // SAFETY: the lookup's answer, every byte written by the kernel or zeroed before it;
+    // `route` is writable (the caller's word).
+    unsafe {
+        let mtu = params.__bindgen_anon_1.mtu_result;
+        if mtu == 0 {
+            *route = CachedRoute::NONE;
+            return;
+        }
+        (*route).ifindex = params.ifindex;
+        (*route).period = route_period(now);
+        (*route).mtu = mtu;
+        (*route).family = params.family;
+        (*route).peer = u8::from(peer);
+        if peer {
+            let found = &params.__bindgen_anon_6.__bindgen_anon_2;
+            let bytes = (&raw mut (*route).next_hop).cast::<u8>();
+            for i in 0..6 {
+                bytes.add(i).write(found.dmac[i]);
+                bytes.add(6 + i).write(found.smac[i]);
+            }
+            (*route).next_hop[3] = 0;
+        } else {
+            (*route).next_hop = params.__bindgen_anon_4.ipv6_dst;
+        }
     }
-    CachedRoute {
-        ifindex: params.ifindex,
-        period: route_period(now),
-        mtu,
-        family: params.family,
-        _pad: 0,
-        next_hop: unsafe { params.__bindgen_anon_4.ipv6_dst },
+}
+
+/// Write a peer route's MAC addresses (`keep_in`) over the packet's, a word at a time.
+///
+/// # Safety
+/// `eth` is the packet's Ethernet header, writable.
+#[inline(always)]
+unsafe fn write_macs(eth: *mut u8, macs: &[u32; 4]) {
+    unsafe {
+        write_word(eth, macs[0]);
+        write_word(eth.add(4), macs[1]);
+        write_word(eth.add(8), macs[2]);
     }
+}
+
+/// After a successful route lookup (`params`, the scratch area's): does its link hand packets
+/// to a pod's end of a veth pair (`LINK_FLAG_PEER`)? Then the packet goes to that end at once
+/// (`bpf_redirect_peer`) with the MAC addresses a transmission would give it: the next hop's
+/// and the link's, in `params` when this says yes. A 6.3+ lookup skips the neighbour (for the
+/// next hop of `bpf_redirect_neigh`): looked up again without skipping it. No (the neighbour
+/// is not resolved yet, or the route is not the same): the link's neighbour path, as for any
+/// link.
+#[inline(always)]
+fn peer_route<F: Family>(ctx: &TcContext, params: &mut bpf_fib_lookup) -> bool {
+    if params.family != F::AF || link_flags(params.ifindex) & LINK_FLAG_PEER == 0 {
+        return false;
+    }
+    if KPR_REDIRECT_NEXT_HOP.load() == 0 {
+        return true; // the lookup found the neighbour
+    }
+    let out = params.ifindex;
+    // The packet's own link again, and the MTU checked against the packet, as the first time.
+    params.ifindex = ifindex(ctx);
+    params.__bindgen_anon_1.tot_len = 0;
+    // SAFETY: the helper writes within the size it is given.
+    let rc = unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, 0) };
+    if rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) && params.ifindex == out {
+        return true;
+    }
+    params.ifindex = out;
+    false
 }
 
 #[inline(always)]
@@ -1286,10 +1380,13 @@ fn program_flow<F: Family>(
             flags: 0,
             // The reply's translation undone.
             addrs_csum_diff: !(*s).reply.addrs_csum_diff,
-            // The masquerade lookup's answer is this packet's route (`forward_direct`) and
-            // the flow's next packets': it moves with the entry to the established table.
-            route: if (*s).route == ROUTE_LOOKED_UP { kept_route(&(*s).fib, now) } else { CachedRoute::NONE },
+            route: CachedRoute::NONE,
         };
+        // The masquerade lookup's answer is this packet's route (`forward_direct`) and the
+        // flow's next packets': it moves with the entry to the established table.
+        if (*s).route == ROUTE_LOOKED_UP {
+            keep_in(&raw mut (*s).forward.route, &(*s).fib, (*s).fib_peer != 0, now);
+        }
         let key = FlowScratch::key::<F::FlowAddr>(s);
         *key = CtKey::new(t.saddr, t.daddr, t.sport, t.dport, t.proto);
         let reply_key = FlowScratch::reply_key::<F::FlowAddr>(s);

@@ -333,9 +333,16 @@ fn node_ports_are_forwarded_past_a_forward_chain_that_drops() {
     let (name, seen) = c.ext(move || tcp_ask_peer(SocketAddrV4::new(a, 30080), TIMEOUT).unwrap());
     // Translated on node-a's eth0 and sent straight back out of it, the reply likewise.
     assert_eq!((name.as_str(), seen), ("pod-b", a.to_string()));
-    let forwarded =
-        bpf::read_counters(&c.nodes[0].pins).unwrap()[proxy_common::counter::TC_FORWARDED_DIRECT as usize].1;
+    let counters = bpf::read_counters(&c.nodes[0].pins).unwrap();
+    let forwarded = counters[proxy_common::counter::TC_FORWARDED_DIRECT as usize].1;
     assert!(forwarded >= 2, "the SYN and the SYN-ACK at least: {forwarded}");
+    // node-a's eth0 is a veth whose other end is the switch's port: what goes back to the
+    // client (the SYN-ACK, the pod's answer) is handed to that end at once, with the MAC
+    // addresses the switch forwards by (they came to node-a's own MAC: kept, the switch would
+    // drop them as frames for the port they came from). The SYN's next hop, node-b, is not
+    // resolved yet: it takes `bpf_redirect_neigh`, which resolves it.
+    let to_peer = counters[proxy_common::counter::TC_REDIRECTED_PEER as usize].1;
+    assert!(to_peer >= 2, "the SYN-ACK and the answer to the switch's end of eth0: {to_peer}");
 }
 
 /// The L4 checksum of a translated packet verifies in both of the kernel's states, which kpr

@@ -8,7 +8,7 @@ use std::{
 };
 
 use k8s_openapi::api::core::v1::Node;
-use proxy_common::{Addr, LINK_FLAG_LOCAL_TRAFFIC, LinkInfo, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT};
+use proxy_common::{Addr, LINK_FLAG_LOCAL_TRAFFIC, LINK_FLAG_PEER, LinkInfo, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT};
 
 use super::{IpFamily, NodeInfo, cidr::Cidr};
 
@@ -19,6 +19,8 @@ pub struct HostLink {
     pub name: String,
     pub loopback: bool,
     pub addrs: Vec<IpAddr>,
+    /// One end of a veth (or netkit) pair whose other end is in another network namespace.
+    pub peer_elsewhere: bool,
 }
 
 /// What kpr uses of the node's `v1/Node` object.
@@ -232,7 +234,8 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
             IpAddr::V6(_) => None,
         });
         let addr6 = masquerade_v6(&mut link.addrs.iter()).map(Addr::from).unwrap_or_default();
-        let flags = if local_traffic_link(&link.name) { LINK_FLAG_LOCAL_TRAFFIC } else { 0 };
+        let flags = if local_traffic_link(&link.name) { LINK_FLAG_LOCAL_TRAFFIC } else { 0 }
+            | if link.peer_elsewhere { LINK_FLAG_PEER } else { 0 };
         link_info.insert(link.index, LinkInfo { addr: addr.unwrap_or(0), flags, addr6 });
         let covered = match &settings.tc_links {
             TcLinks::All => true,
@@ -274,6 +277,7 @@ mod tests {
             name: name.into(),
             loopback: name == "lo",
             addrs: addrs.iter().map(|a| a.parse().unwrap()).collect(),
+            peer_elsewhere: name.starts_with("veth"),
         }
     }
 
@@ -400,6 +404,8 @@ mod tests {
         let flagged: Vec<u32> =
             p.links.iter().filter(|(_, l)| l.flags & LINK_FLAG_LOCAL_TRAFFIC != 0).map(|(i, _)| *i).collect();
         assert_eq!(flagged, [5]);
+        assert_eq!(p.links[&5].flags, LINK_FLAG_LOCAL_TRAFFIC | LINK_FLAG_PEER, "a pod's end of a veth pair");
+        assert_eq!(p.links[&2].flags, 0);
         let settings = NodeSettings { detect_local: DetectLocal::BridgeInterface("cni0".into()), ..settings };
         let p = plan(&host(), Some(&node), &settings);
         assert_eq!(p.links[&4].flags, LINK_FLAG_LOCAL_TRAFFIC);

@@ -3,7 +3,7 @@
 //! change, so links created later (pods come and go) and addresses added at runtime are
 //! followed without a restart.
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     ffi::CStr,
     net::IpAddr,
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
@@ -14,10 +14,11 @@ use anyhow::{Context as _, Result};
 use tokio::{io::unix::AsyncFd, sync::mpsc};
 
 use super::SourceEvent;
-use crate::model::node::HostLink;
+use crate::{model::node::HostLink, netlink};
 
 /// Every link of this network namespace with its addresses, by index.
 pub fn snapshot() -> Result<Vec<HostLink>> {
+    let paired = links_with_peer_elsewhere();
     let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills a list we free with freeifaddrs; entries are read-only here.
     if unsafe { libc::getifaddrs(&mut list) } != 0 {
@@ -39,8 +40,9 @@ pub fn snapshot() -> Result<Vec<HostLink>> {
             libc::AF_PACKET => {
                 let ll = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_ll) };
                 let loopback = ifa.ifa_flags & libc::IFF_LOOPBACK as u32 != 0;
-                by_name
-                    .insert(name.clone(), HostLink { index: ll.sll_ifindex as u32, name, loopback, addrs: Vec::new() });
+                let index = ll.sll_ifindex as u32;
+                let peer_elsewhere = paired.contains(&index);
+                by_name.insert(name.clone(), HostLink { index, name, loopback, addrs: Vec::new(), peer_elsewhere });
             }
             libc::AF_INET => {
                 let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
@@ -66,6 +68,31 @@ pub fn snapshot() -> Result<Vec<HostLink>> {
     let mut links: Vec<HostLink> = by_name.into_values().collect();
     links.sort_by_key(|l| l.index);
     Ok(links)
+}
+
+/// The links that are one end of a veth (or netkit) pair whose other end is in another
+/// network namespace (`IFLA_LINK_NETNSID`: a pod's). None if the dump fails: every link is
+/// then sent to through its neighbour, as any other.
+fn links_with_peer_elsewhere() -> BTreeSet<u32> {
+    // An ifinfomsg of zeros: every link of every family.
+    let request = netlink::message(libc::RTM_GETLINK, libc::NLM_F_DUMP as u16, &[0; 16]);
+    let links = match netlink::dump(libc::NETLINK_ROUTE, &request) {
+        Ok(links) => links,
+        Err(e) => {
+            tracing::warn!("listing the links' kinds: {e}");
+            return BTreeSet::new();
+        }
+    };
+    links
+        .iter()
+        .filter_map(|link| {
+            let index = u32::from_ne_bytes(link.get(4..8)?.try_into().ok()?);
+            let attrs = link.get(16..)?;
+            let kind = netlink::find(netlink::find(attrs, libc::IFLA_LINKINFO)?, libc::IFLA_INFO_KIND)?;
+            let paired = matches!(kind.strip_suffix(b"\0").unwrap_or(kind), b"veth" | b"netkit");
+            (paired && netlink::find(attrs, libc::IFLA_LINK_NETNSID).is_some()).then_some(index)
+        })
+        .collect()
 }
 
 /// The source address routing picks for `dst` (RTM_GETROUTE's preferred source), as a
