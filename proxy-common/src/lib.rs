@@ -336,7 +336,7 @@ pub const LINK_FLAG_NETLINK_TC: u32 = 4;
 /// before the detachment.
 pub const LINK_FLAG_TC_INGRESS: u32 = 8;
 
-/// `LinkInfo::flags`: one end of a veth (or netkit) pair whose other end is in another network
+/// `LinkInfo::flags`: one end of a veth pair whose other end is in another network
 /// namespace (a pod's). A packet sent straight out by this link is handed to that other end
 /// (`bpf_redirect_peer`): it enters the pod at once, without the queue and second receive a
 /// transmission on the pair costs.

@@ -19,7 +19,7 @@ pub struct HostLink {
     pub name: String,
     pub loopback: bool,
     pub addrs: Vec<IpAddr>,
-    /// One end of a veth (or netkit) pair whose other end is in another network namespace.
+    /// One end of a veth pair whose other end is in another network namespace.
     pub peer_elsewhere: bool,
 }
 

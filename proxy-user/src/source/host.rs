@@ -70,7 +70,7 @@ pub fn snapshot() -> Result<Vec<HostLink>> {
     Ok(links)
 }
 
-/// The links that are one end of a veth (or netkit) pair whose other end is in another
+/// The links that are one end of a veth pair whose other end is in another
 /// network namespace (`IFLA_LINK_NETNSID`: a pod's). None if the dump fails: every link is
 /// then sent to through its neighbour, as any other.
 fn links_with_peer_elsewhere() -> BTreeSet<u32> {
@@ -89,7 +89,8 @@ fn links_with_peer_elsewhere() -> BTreeSet<u32> {
             let index = u32::from_ne_bytes(link.get(4..8)?.try_into().ok()?);
             let attrs = link.get(16..)?;
             let kind = netlink::find(netlink::find(attrs, libc::IFLA_LINKINFO)?, libc::IFLA_INFO_KIND)?;
-            let paired = matches!(kind.strip_suffix(b"\0").unwrap_or(kind), b"veth" | b"netkit");
+            // Not netkit: in its L3 mode a packet has no MAC addresses to write.
+            let paired = kind.strip_suffix(b"\0").unwrap_or(kind) == b"veth";
             (paired && netlink::find(attrs, libc::IFLA_LINK_NETNSID).is_some()).then_some(index)
         })
         .collect()
