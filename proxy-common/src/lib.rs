@@ -41,6 +41,7 @@ pub mod map_names {
     pub const AFFINITY: &str = "KPR_AFFINITY";
     pub const HANDOVER: &str = "KPR_HANDOVER";
     pub const HANDOVER_COUNT: &str = "KPR_HANDOVER_COUNT";
+    pub const HOST_STATE: &str = "KPR_HOST_STATE";
     pub const ADDR_FILTER: &str = "KPR_ADDR_FILTER";
     pub const TC_SLOW_PATH: &str = "KPR_TC_SLOW_PATH";
     /// Per-CPU caches of established flows in front of the conntrack tables (not pinned: each
@@ -304,6 +305,13 @@ pub const DETECT_LOCAL_CIDR: u8 = 1;
 /// Traffic arriving on links marked `LINK_FLAG_LOCAL_TRAFFIC` (BridgeInterface,
 /// InterfaceNamePrefix).
 pub const DETECT_LOCAL_INTERFACE: u8 = 2;
+
+/// `KPR_HOST_STATE` bit: nothing on the host filters forwarded packets (netfilter's forward
+/// hook is empty, or the operator said so), so a packet translated on its way in may be sent
+/// straight out of its link, past that hook. Unset (also in a map just made): it goes on
+/// through the host's forwarding path, where a NetworkPolicy in the FORWARD chain holds for
+/// it as for kube-proxy's traffic.
+pub const HOST_FORWARD_DIRECT_OK: u32 = 1;
 
 /// `KPR_LINKS` key holding, as `addr`, the source address routing picks for the ClusterIPs:
 /// the node's own unmasqueraded connections to a ClusterIP keep it (kube-proxy DNATs in OUTPUT,

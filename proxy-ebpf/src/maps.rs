@@ -126,6 +126,17 @@ pub static HANDOVER: LruHashMap<CtKey, u8, { defaults::MAX_HANDOVER as usize }> 
 #[btf_map(name = "KPR_HANDOVER_COUNT", pin_by_name)]
 pub static HANDOVER_COUNT: Array<u32, 1> = Array::new();
 
+/// The host as the agent last saw it (`HOST_FORWARD_DIRECT_OK`), written at runtime: a
+/// firewall that starts filtering forwarded packets takes effect without a reload.
+#[btf_map(name = "KPR_HOST_STATE", pin_by_name)]
+pub static HOST_STATE: Array<u32, 1> = Array::new();
+
+/// May a translated packet skip the host's forwarding path (its netfilter forward hook)?
+#[inline(always)]
+pub fn host_lets_direct() -> bool {
+    HOST_STATE.get(0).is_some_and(|state| *state & proxy_common::HOST_FORWARD_DIRECT_OK != 0)
+}
+
 /// Is `key` the tuple of a flow kube-proxy translated before the takeover?
 #[inline(always)]
 pub fn handed_over(key: &CtKey) -> bool {

@@ -48,8 +48,8 @@ use crate::{
     flow_cache,
     maps::{
         FRAGMENTS, FlowMap, FlowTables, HANDOVER, LINKS, LOCAL_CIDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss,
-        TickClock, affinity_backend, backend_at, count, handed_over, in_addr_filter, link, link_flags, node_addr_flags,
-        now, now_by_tick, refusal, remember_affinity, serves, service_range_miss,
+        TickClock, affinity_backend, backend_at, count, handed_over, host_lets_direct, in_addr_filter, link,
+        link_flags, node_addr_flags, now, now_by_tick, refusal, remember_affinity, serves, service_range_miss,
     },
     packet::*,
     tc_reject::{reject_port_unreachable, reject_tcp},
@@ -1062,6 +1062,12 @@ fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     // SAFETY: the per-CPU scratch value, valid for this program run; the hint is taken back
     // so that no later packet sees it.
     let route = unsafe { core::mem::replace(&mut (*s).route, ROUTE_LOOK_UP) };
+    // Something filters forwarded packets (a NetworkPolicy in the FORWARD chain): the host's
+    // forwarding path, as for kube-proxy's traffic. An established flow's kept route stops
+    // serving at the end of its period, when its next packet comes here.
+    if !host_lets_direct() {
+        return TC_ACT_OK;
+    }
     let data = ctx.data();
     if data + IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
         return TC_ACT_OK;

@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use crate::{
     datapath::{
         Maps, Programmer,
-        bpf::{BpfDatapath, DatapathConfig, HostDatapath},
+        bpf::{BpfDatapath, DatapathConfig, ForwardDirect, HostDatapath},
         conntrack,
     },
     metrics::Metrics,
@@ -122,6 +122,10 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
         cfg.datapath.ct_timeouts,
         metrics.clone(),
     ));
+    let firewall_task = (cfg.datapath.forward_direct == ForwardDirect::Auto).then(|| {
+        let host_state = crate::datapath::bpf::open_host_state(&cfg.datapath.pin_root);
+        tokio::spawn(watch_forward_filters(host_state, metrics.clone()))
+    });
     let serve_health = cfg.node.tc_links != TcLinks::Off;
     let mut syncer = Syncer::new(ClusterState::with_options(NodeInfo::default(), cfg.options), programmer, cfg.node);
     syncer.host_links = source::host::snapshot()?;
@@ -140,11 +144,61 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
     source_task.abort();
     host_task.abort();
     sweep_task.abort();
+    if let Some(task) = firewall_task {
+        task.abort();
+    }
     for task in server_tasks {
         task.abort();
     }
     tracing::info!("stopped; the datapath stays programmed until the next agent takes over");
     Ok(())
+}
+
+/// How often the host's forward hook is read for filters (`--forward-direct auto`).
+const FORWARD_FILTERS_INTERVAL: Duration = Duration::from_secs(1);
+
+/// `--forward-direct auto`: keep the programs' `KPR_HOST_STATE` in step with the host's
+/// forward hook, from before the first link is attached (the first check runs at once) for as
+/// long as the agent runs. While anything filters forwarded packets there, translated packets
+/// take the host's forwarding path, and a NetworkPolicy enforced there holds for them.
+async fn watch_forward_filters(host_state: Result<aya::maps::Array<aya::maps::MapData, u32>>, metrics: Arc<Metrics>) {
+    let mut host_state = match host_state {
+        Ok(map) => map,
+        Err(e) => {
+            // A map just made says "host path": safe, only slower.
+            tracing::warn!("cannot open KPR_HOST_STATE ({e:#}): translated packets take the host's forwarding path");
+            return;
+        }
+    };
+    let mut tick = tokio::time::interval(FORWARD_FILTERS_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last: Option<Vec<String>> = None;
+    loop {
+        tick.tick().await;
+        let filters = match tokio::task::spawn_blocking(crate::source::firewall::forward_filters).await {
+            Ok(filters) => filters,
+            Err(e) => vec![format!("the check failed ({e})")],
+        };
+        if last.as_ref() == Some(&filters) {
+            continue;
+        }
+        let direct = filters.is_empty();
+        if let Err(e) = crate::datapath::bpf::set_host_forward_direct(&mut host_state, direct) {
+            tracing::warn!("{e:#}");
+            continue; // tried again at the next tick
+        }
+        metrics.forward_direct(direct);
+        if direct {
+            tracing::info!("nothing filters forwarded packets: translated packets are sent straight out of their link");
+        } else {
+            tracing::info!(
+                filters = %filters.join("; "),
+                "the host filters forwarded packets: translated packets take its forwarding path, where those \
+                 filters apply to them as to kube-proxy's (--forward-direct always skips them)"
+            );
+        }
+        last = Some(filters);
+    }
 }
 
 /// The datapath content the agent would program now (`kpr diff`): the source's complete

@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand};
 use kpr::{
     agent::{self, AgentConfig, SourceConfig},
     config::{FlagOverrides, ProxyConfig},
-    datapath::bpf::{self, DatapathConfig},
+    datapath::bpf::{self, DatapathConfig, ForwardDirect},
     model::{
         ProxyOptions,
         node::{DetectLocal, NodeSettings, TcLinks},
@@ -143,8 +143,15 @@ struct AgentArgs {
     /// exists; kernels before 6.6 always do.
     #[arg(long)]
     tc_netlink: bool,
-    /// Hand packets the per-packet path translated to the host's forwarding path (netfilter's
-    /// FORWARD chain, routing) instead of sending them straight out of their link.
+    /// When packets the per-packet path translated on their way in are sent straight out of
+    /// their link, skipping the host's forwarding path (netfilter's FORWARD chain, routing):
+    /// `auto` only while nothing filters forwarded packets there (no rule or drop policy on
+    /// the forward hook, checked every second), so that a NetworkPolicy enforced in FORWARD
+    /// (Calico iptables, kube-router, kube-network-policies) holds for Service traffic as it
+    /// does behind kube-proxy; `always` skips it even then; `never` never does.
+    #[arg(long, value_enum, default_value_t = ForwardDirect::Auto)]
+    forward_direct: ForwardDirect,
+    /// The same as `--forward-direct never` (kept for earlier command lines).
     #[arg(long)]
     host_routing: bool,
     /// `mode: iptables`: leave packets to the service range that no service port takes to the
@@ -338,7 +345,8 @@ fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
     datapath.pod_links_covered = tc_links == TcLinks::All;
     // Straight out only where kpr is on every link: a reply that comes back by a link kpr is
     // not on meets the host's conntrack, which must then have seen the flow's first packet.
-    datapath.forward_direct = !args.host_routing && datapath.pod_links_covered;
+    datapath.forward_direct =
+        if args.host_routing || !datapath.pod_links_covered { ForwardDirect::Never } else { args.forward_direct };
     datapath.agent_cgroup_id = match bpf::agent_cgroup_id() {
         Ok(Some(id)) => id,
         Ok(None) => {

@@ -77,6 +77,7 @@ pub struct Metrics {
     map_entries: Family<Named, Gauge>,
     map_capacity: Family<Named, Gauge>,
     service_ports_failed: Gauge,
+    forward_direct: Gauge,
     sync_errors: Counter,
     source_restarts: Family<Named, Counter>,
     conntrack_expired: Counter,
@@ -109,6 +110,7 @@ impl Metrics {
             map_entries: Family::default(),
             map_capacity: Family::default(),
             service_ports_failed: Gauge::default(),
+            forward_direct: Gauge::default(),
             sync_errors: Counter::default(),
             source_restarts: Family::default(),
             conntrack_expired: Counter::default(),
@@ -182,6 +184,11 @@ impl Metrics {
             "kpr_service_ports_not_programmed",
             "Service ports left out of the datapath at the last sync (did not fit the maps)",
             m.service_ports_failed.clone(),
+        );
+        r.register(
+            "kpr_forward_direct",
+            "1 while translated packets skip the host's forwarding path (nothing filters forwarded packets there)",
+            m.forward_direct.clone(),
         );
         r.register("kpr_sync_errors", "Syncs that could not write the datapath completely", m.sync_errors.clone());
         r.register(
@@ -278,6 +285,10 @@ impl Metrics {
     pub fn conntrack_swept(&self, live: usize, expired: usize, capacity: u32) {
         self.conntrack_expired.inc_by(expired as u64);
         self.map_use("conntrack", live, capacity);
+    }
+
+    pub fn forward_direct(&self, direct: bool) {
+        self.forward_direct.set(i64::from(direct));
     }
 
     pub fn healthz(&self, ok: bool) {

@@ -302,3 +302,30 @@ pub fn set_tx_checksum_offload(name: &str, on: bool) -> Result<()> {
     }
     Ok(())
 }
+
+/// Add or delete the device route `prefix`/`len` on link `ifindex` in the calling thread's
+/// network namespace, over rtnetlink, in-process: a test that must change routes within
+/// a short window (the kept routes' period) cannot afford an `ip` process, which under an
+/// emulated CPU takes a large part of a second.
+pub fn device_route(add: bool, prefix: IpAddr, len: u8, ifindex: u32) -> std::io::Result<()> {
+    use kpr::netlink;
+    const RTA_DST: u16 = 1;
+    const RTA_OIF: u16 = 4;
+    let (family, dst) = match prefix {
+        IpAddr::V4(a) => (libc::AF_INET as u8, a.octets().to_vec()),
+        IpAddr::V6(a) => (libc::AF_INET6 as u8, a.octets().to_vec()),
+    };
+    // struct rtmsg: family, dst_len, src_len, tos, table, protocol, scope, type, flags.
+    let (protocol, scope, kind) =
+        if add { (libc::RTPROT_BOOT, libc::RT_SCOPE_LINK, libc::RTN_UNICAST) } else { (0, libc::RT_SCOPE_NOWHERE, 0) };
+    let mut body = vec![family, len, 0, 0, libc::RT_TABLE_MAIN, protocol, scope, kind];
+    body.extend_from_slice(&0u32.to_ne_bytes());
+    body.extend(netlink::attr(RTA_DST, &dst));
+    body.extend(netlink::attr(RTA_OIF, &ifindex.to_ne_bytes()));
+    let (kind, flags) = if add {
+        (libc::RTM_NEWROUTE, libc::NLM_F_ACK | libc::NLM_F_CREATE | libc::NLM_F_EXCL)
+    } else {
+        (libc::RTM_DELROUTE, libc::NLM_F_ACK)
+    };
+    netlink::request_ack(libc::NETLINK_ROUTE, &netlink::message(kind, flags as u16, &body))
+}

@@ -318,9 +318,11 @@ fn ipv6_node_port_reaches_a_pod_on_another_node_masqueraded() {
     assert_eq!(name, "pod-b");
 }
 
+/// `--forward-direct always`: translated packets skip the host's forwarding path even where it
+/// filters (the operator's choice; a NetworkPolicy there does not hold for them).
 #[test]
-fn node_ports_are_forwarded_past_a_forward_chain_that_drops() {
-    let c = Cluster::new("km-fwd").unwrap();
+fn forward_direct_always_skips_a_forward_chain_that_drops() {
+    let c = Cluster::new_with("km-fwd", &["--forward-direct", "always"]).unwrap();
     // Docker's FORWARD policy on node-a: the host's forwarding path drops whatever it sees.
     c.nodes[0]
         .netns
@@ -343,6 +345,83 @@ fn node_ports_are_forwarded_past_a_forward_chain_that_drops() {
     // resolved yet: it takes `bpf_redirect_neigh`, which resolves it.
     let to_peer = counters[proxy_common::counter::TC_REDIRECTED_PEER as usize].1;
     assert!(to_peer >= 2, "the SYN-ACK and the answer to the switch's end of eth0: {to_peer}");
+}
+
+/// The value the agent keeps in `KPR_HOST_STATE` for the programs, once it is `want`
+/// (`--forward-direct auto` follows the host's forward hook, checked every second).
+fn wait_host_state(pins: &std::path::Path, want: u32) {
+    let deadline = std::time::Instant::now() + testbed::slow(Duration::from_secs(10));
+    loop {
+        let have = bpf::open_host_state(pins).and_then(|m| Ok(m.get(&0, 0)?)).ok();
+        if have == Some(want) {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "KPR_HOST_STATE is {have:?}, not {want}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The packets a counter rule of node-a's `inet kprpol forward` chain has seen.
+fn policy_drops(node: &Netns) -> u64 {
+    let mut nft = Command::new("nft");
+    nft.args(["list", "chain", "inet", "kprpol", "forward"]);
+    node.exec_in(&mut nft).unwrap();
+    let out = nft.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let words: Vec<&str> = text.split_whitespace().collect();
+    let at = words.iter().position(|w| *w == "packets").expect("a counter in the chain");
+    words[at + 1].parse().unwrap()
+}
+
+/// A NetworkPolicy enforced in the host's FORWARD chain (as Calico's iptables dataplane,
+/// kube-router and kube-network-policies enforce it: a rule that drops what goes to pod-b's
+/// port) holds for Service traffic through kpr as it does through kube-proxy, whose DNATed
+/// packets are forwarded by the host: a NodePort from outside and the ClusterIP from pod-a
+/// (translated per packet on node-a) both fail, and the policy's counter saw them. With the
+/// policy gone, the same connections are served again, straight out of their link.
+#[test]
+fn a_network_policy_in_the_forward_chain_holds_for_service_traffic() {
+    let c = Cluster::new("km-pol").unwrap();
+    let pod_b = c.nodes[1].pod_ip;
+    c.write("svc.yaml", &service("Cluster", 30080, &[(pod_b, "node-b")]));
+    c.wait("*:30080/TCP ext", 1);
+    let (a, cluster_ip) = (c.nodes[0].ip, SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, (30080 % 250) as u8), 80));
+    let node_a = &c.nodes[0];
+    let direct = || bpf::read_counters(&node_a.pins).unwrap()[proxy_common::counter::TC_FORWARDED_DIRECT as usize].1;
+    // Nothing filters yet: straight out.
+    wait_host_state(&node_a.pins, proxy_common::HOST_FORWARD_DIRECT_OK);
+    let before = direct();
+    let (name, _) = c.ext(move || tcp_ask_peer(SocketAddrV4::new(a, 30080), TIMEOUT).unwrap());
+    assert_eq!(name, "pod-b");
+    assert!(direct() > before, "sent straight out while nothing filters");
+
+    // The policy: pod-b's port denied in node-a's forward hook.
+    node_a
+        .netns
+        .sh("nft add table inet kprpol && \
+             nft add chain inet kprpol forward '{ type filter hook forward priority 0; policy accept; }' && \
+             nft add rule inet kprpol forward ip daddr 10.244.2.2 tcp dport 8080 counter drop")
+        .unwrap();
+    wait_host_state(&node_a.pins, 0);
+    let short = Duration::from_millis(500);
+    for attempt in 0..3 {
+        let err = c.ext(move || tcp_ask_peer(SocketAddrV4::new(a, 30080), short).unwrap_err());
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "NodePort attempt {attempt}: {err}");
+        let err = node_a._pod.run(move || tcp_ask_peer(cluster_ip, short).unwrap_err()).unwrap();
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "ClusterIP from pod-a, attempt {attempt}: {err}");
+    }
+    let dropped = policy_drops(&node_a.netns);
+    assert!(dropped >= 6, "the policy saw every SYN (3 NodePort, 3 ClusterIP): {dropped}");
+
+    // The policy gone: served again, straight out.
+    node_a.netns.sh("nft delete table inet kprpol").unwrap();
+    wait_host_state(&node_a.pins, proxy_common::HOST_FORWARD_DIRECT_OK);
+    let before = direct();
+    let (name, _) = c.ext(move || tcp_ask_peer(SocketAddrV4::new(a, 30080), TIMEOUT).unwrap());
+    assert_eq!(name, "pod-b");
+    let (name, _) = node_a._pod.run(move || tcp_ask_peer(cluster_ip, TIMEOUT).unwrap()).unwrap();
+    assert_eq!(name, "pod-b");
+    assert!(direct() > before);
 }
 
 /// The L4 checksum of a translated packet verifies in both of the kernel's states, which kpr

@@ -286,7 +286,7 @@ impl Rig {
         cfg.max_service_ports = 64;
         cfg.max_backends = 64;
         // Verdicts independent of this machine's routes, unless a test asks (in a namespace).
-        cfg.forward_direct = false;
+        cfg.forward_direct = bpf::ForwardDirect::Never;
         tune(&mut cfg);
         let mut ebpf = bpf::open_object(&cfg).expect("load object");
         // Programs first: taking a map out of the object before loading breaks its relocation.
@@ -1432,7 +1432,7 @@ fn forwarding_node(tag: &str) -> testbed::Netns {
 fn translated_packets_go_straight_out_of_the_link_their_route_takes() {
     let ns = forwarding_node("kt-fwd");
     ns.run(|| {
-        let rig = Rig::with(&services(), |cfg| cfg.forward_direct = true);
+        let rig = Rig::with(&services(), |cfg| cfg.forward_direct = bpf::ForwardDirect::Always);
         let syn = tcp(CLIENT, 40003, NODE_IP, 30080);
         let (verdict, out) = rig.ingress(&syn.bytes());
         assert_eq!(verdict, TC_ACT_REDIRECT, "sent out of out0, not into the host stack");
@@ -1502,17 +1502,19 @@ fn period_now() -> u32 {
 #[test]
 fn an_established_flow_keeps_its_route_for_about_a_second() {
     let ns = forwarding_node("kt-rc");
-    let name = ns.name.clone();
     ns.run(move || {
         // The route lookup skips the neighbour table, and so can be kept, from 6.3 on.
         let cached = aya::util::KernelVersion::current().unwrap() >= aya::util::KernelVersion::new(6, 3, 0);
-        let route = |args: &[&str]| testbed::ip(&[&["-n", name.as_str(), "route"], args].concat()).unwrap();
         let out0 = unsafe { libc::if_nametoindex(c"out0".as_ptr()) };
-        let rig = Rig::with(&services(), |cfg| cfg.forward_direct = true);
+        // In-process (rtnetlink): changed within a route period.
+        let pods = (IpAddr::from(Ipv4Addr::new(10, 244, 0, 0)), 16);
+        let route = |add: bool| kpr_tests::device_route(add, pods.0, pods.1, out0).unwrap();
+        let rig = Rig::with(&services(), |cfg| cfg.forward_direct = bpf::ForwardDirect::Always);
         // The kept route must be checked within the period it was kept in (1.07 s; the program
         // reads the coarse clock, a tick behind). Each attempt starts early in a period, and
-        // one that outlasted it (emulated, `ip` alone can take a large part of a second) starts
-        // over on a new tuple in the next.
+        // one whose packets did not all fall in it starts over on a new tuple in the next,
+        // until one does (only packets and in-process route changes are in that window).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
         let mut attempt = 0u16;
         let (ack, key, forwarded) = loop {
             let period = early_in_a_route_period();
@@ -1527,6 +1529,16 @@ fn an_established_flow_keeps_its_route_for_about_a_second() {
             // The client's next segment: looked up, and the answer kept in its entry.
             let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
             assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_REDIRECT);
+            // The route is gone: for the rest of the period, the flow keeps the one it had...
+            route(false);
+            let verdict = rig.ingress(&ack.bytes()).0;
+            let in_period = period_now() == period;
+            if !in_period {
+                route(true);
+                attempt += 1;
+                assert!(std::time::Instant::now() < deadline, "no attempt fit a route period in 120 s");
+                continue;
+            }
             let kept = rig.table4(proxy_common::map_names::CONNTRACK4).get(&key, 0).unwrap().route;
             if cached {
                 assert_eq!(
@@ -1536,14 +1548,6 @@ fn an_established_flow_keeps_its_route_for_about_a_second() {
                 );
             } else {
                 assert_eq!(kept, proxy_common::CachedRoute::NONE);
-            }
-            // The route is gone: for the rest of the period, the flow keeps the one it had...
-            route(&["del", "10.244.0.0/16"]);
-            let verdict = rig.ingress(&ack.bytes()).0;
-            if period_now() != period && attempt < 4 {
-                route(&["add", "10.244.0.0/16", "dev", "out0"]);
-                attempt += 1;
-                continue;
             }
             assert_eq!(verdict, if cached { TC_ACT_REDIRECT } else { TC_ACT_OK });
             break (ack, key, forwarded);
@@ -1570,7 +1574,7 @@ fn an_established_flow_keeps_its_route_for_about_a_second() {
         assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK);
         assert_eq!(entry().route, aged.route, "nothing new kept");
         // The route back: the next segment is sent by it, and keeps it again, for this period.
-        route(&["add", "10.244.0.0/16", "dev", "out0"]);
+        route(true);
         let period = early_in_a_route_period();
         assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_REDIRECT);
         if cached {
@@ -1604,13 +1608,14 @@ fn a_new_flow_keeps_the_routes_its_first_packet_and_its_answer_took() {
                 "-6",
             ),
         ];
-        let routes = |verb: &str, (prefixes, family): ([&str; 2], &str)| {
-            for prefix in prefixes {
-                ip(&[family, "route", verb, prefix, "dev", "out0"]);
+        let out0 = unsafe { libc::if_nametoindex(c"out0".as_ptr()) };
+        // In-process (rtnetlink): they are changed within a route period.
+        let routes = |add: bool, prefixes: [(IpAddr, u8); 2]| {
+            for (prefix, len) in prefixes {
+                kpr_tests::device_route(add, prefix, len, out0).unwrap();
             }
         };
-        let out0 = unsafe { libc::if_nametoindex(c"out0".as_ptr()) };
-        let mut rig = Rig::with(&services(), |cfg| cfg.forward_direct = true);
+        let mut rig = Rig::with(&services(), |cfg| cfg.forward_direct = bpf::ForwardDirect::Always);
         // out0 with addresses of its own, the masquerade addresses of what leaves by it: the
         // new flow's lookup of that address is its first packet's route.
         let mut links: aya::maps::HashMap<_, u32, LinkInfo> =
@@ -1638,13 +1643,21 @@ fn a_new_flow_keeps_the_routes_its_first_packet_and_its_answer_took() {
         for (client, node, cluster_ip, pod, prefixes, family) in families {
             // The client is routed too: the backend's answer goes straight out, as the SYN did.
             ip(&[family, "route", "add", prefixes[1], "dev", "out0"]);
+            let prefixes = prefixes.map(|p| {
+                let (addr, len) = p.split_once('/').unwrap();
+                (addr.parse::<IpAddr>().unwrap(), len.parse::<u8>().unwrap())
+            });
             let af = if client.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 } as u8;
             // The NodePort (masqueraded: the masquerade address's lookup is kept) and the
             // ClusterIP (not masqueraded from this client: the forwarding lookup is kept).
             for (frontend, port, masqueraded) in [(node, 30080, true), (cluster_ip, 80, false)] {
-                let mut done = false;
-                for _attempt in 0..5 {
-                    // Early in a period of the clock, as above; one that outlasted it starts over.
+                // Each attempt starts early in a period of the clock, as above, and one whose
+                // packets did not all fall in it starts over on a new tuple; only the packets
+                // and the route changes are in that window (no process, no table walk), so an
+                // attempt fits a period even under an emulated CPU, and the test waits for one
+                // that does rather than counting on the first few.
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+                let (period, client_key, backend_key, verdicts) = loop {
                     let period = early_in_a_route_period();
                     sport += 1;
                     let syn = tcp(client, sport, frontend, port);
@@ -1654,33 +1667,34 @@ fn a_new_flow_keeps_the_routes_its_first_packet_and_its_answer_took() {
                     let (seen, seen_port) = (if masqueraded { node } else { client }, sport_of(&out));
                     let answer = Pkt { tcp_flags: 0x12, ..tcp(pod, 8080, seen, seen_port) };
                     assert_eq!(rig.ingress(&answer.bytes()).0, TC_ACT_REDIRECT, "the answer, straight out");
-                    // Established now; each entry keeps the route its direction's first packet took.
-                    let client_key = CtKey::new(client.into(), frontend.into(), sport.to_be(), port.to_be(), 6);
-                    let backend_key = CtKey::new(pod.into(), seen.into(), 8080u16.to_be(), seen_port.to_be(), 6);
-                    let kept_now = (kept(&client_key), kept(&backend_key));
-                    // Both routes gone: the client's ACK and the backend's first data go by the
-                    // kept routes, with no lookup of their own (which would find none: the host
-                    // stack's).
-                    routes("del", (prefixes, family));
+                    // Established now; each entry keeps the route its direction's first packet
+                    // took. Both routes gone: the client's ACK and the backend's first data go
+                    // by the kept routes, with no lookup of their own (which would find none:
+                    // the host stack's).
+                    routes(false, prefixes);
                     let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
                     let data = Pkt { tcp_flags: 0x18, seq: 7001, ack: 1001, ..answer };
                     let verdicts = (rig.ingress(&ack.bytes()).0, rig.ingress(&data.bytes()).0);
-                    routes("add", (prefixes, family));
-                    if period_now() != period {
-                        continue;
+                    let in_period = period_now() == period;
+                    routes(true, prefixes);
+                    let client_key = CtKey::new(client.into(), frontend.into(), sport.to_be(), port.to_be(), 6);
+                    let backend_key = CtKey::new(pod.into(), seen.into(), 8080u16.to_be(), seen_port.to_be(), 6);
+                    if in_period {
+                        break (period, client_key, backend_key, verdicts);
                     }
-                    if cached {
-                        assert_eq!(kept_now.0, (out0, 1500, af, next_hop(pod), period), "the SYN's");
-                        assert_eq!(kept_now.1, (out0, 1500, af, next_hop(client), period), "the answer's");
-                    } else {
-                        assert_eq!(kept_now, ((0, 0, 0, [0; 4], 0), (0, 0, 0, [0; 4], 0)));
-                    }
-                    let expected = if cached { TC_ACT_REDIRECT } else { TC_ACT_OK };
-                    assert_eq!(verdicts, (expected, expected), "{frontend}");
-                    done = true;
-                    break;
+                    assert!(std::time::Instant::now() < deadline, "no attempt fit a route period in 120 s");
+                };
+                // What the entries keep (read now: packets sent by a kept route within its
+                // period leave it as it is).
+                let kept_now = (kept(&client_key), kept(&backend_key));
+                if cached {
+                    assert_eq!(kept_now.0, (out0, 1500, af, next_hop(pod), period), "the SYN's");
+                    assert_eq!(kept_now.1, (out0, 1500, af, next_hop(client), period), "the answer's");
+                } else {
+                    assert_eq!(kept_now, ((0, 0, 0, [0; 4], 0), (0, 0, 0, [0; 4], 0)));
                 }
-                assert!(done, "every attempt outlasted its period");
+                let expected = if cached { TC_ACT_REDIRECT } else { TC_ACT_OK };
+                assert_eq!(verdicts, (expected, expected), "{frontend}");
             }
         }
     })

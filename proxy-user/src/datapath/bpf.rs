@@ -79,9 +79,9 @@ pub struct DatapathConfig {
     pub snat_ports: (u16, u16),
     /// Attach the per-packet programs as netlink tc filters even where TCX exists.
     pub tc_netlink: bool,
-    /// Send packets translated on their way in straight out of their link (else through the
-    /// host's forwarding path).
-    pub forward_direct: bool,
+    /// When packets translated on their way in are sent straight out of their link, past the
+    /// host's forwarding path.
+    pub forward_direct: ForwardDirect,
     /// cgroup id whose sockets are not translated to externalIPs and LoadBalancer IPs (the
     /// agent's own, see [`agent_cgroup_id`]); 0: none.
     pub agent_cgroup_id: u64,
@@ -100,7 +100,7 @@ impl DatapathConfig {
             detect_local: proxy_common::DETECT_LOCAL_NONE,
             localhost_node_ports: false,
             pod_links_covered: false,
-            forward_direct: true,
+            forward_direct: ForwardDirect::Auto,
             agent_cgroup_id: 0,
             refuse_service_range: false,
             ct_timeouts: CtTimeouts::DEFAULT,
@@ -108,6 +108,33 @@ impl DatapathConfig {
             tc_netlink: false,
         }
     }
+}
+
+/// When a packet translated on its way in may skip the host's forwarding path (netfilter's
+/// forward hook, where NetworkPolicy engines such as Calico's iptables dataplane enforce) and
+/// be sent straight out of its link.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ForwardDirect {
+    /// Only while nothing filters forwarded packets on the host (the agent checks every
+    /// second, [`crate::source::firewall`]).
+    Auto,
+    /// Even where something does: a NetworkPolicy in the FORWARD chain does not hold for
+    /// Service traffic then.
+    Always,
+    /// Never: every translated packet takes the host's forwarding path.
+    Never,
+}
+
+/// Tell the programs whether translated packets may skip the host's forwarding path now
+/// (`KPR_HOST_STATE`, read per packet; [`ForwardDirect::Auto`]'s runtime switch).
+pub fn set_host_forward_direct<T: BorrowMut<MapData>>(map: &mut Array<T, u32>, ok: bool) -> Result<()> {
+    let state = if ok { proxy_common::HOST_FORWARD_DIRECT_OK } else { 0 };
+    map.set(0, &state, 0).context("failed to write KPR_HOST_STATE")
+}
+
+/// The pinned `KPR_HOST_STATE` map.
+pub fn open_host_state(pin_root: &Path) -> Result<Array<MapData, u32>> {
+    Ok(Array::try_from(Map::Array(open_pinned_map(pin_root, map_names::HOST_STATE)?))?)
 }
 
 /// A pin root someone else created (or can write) could hand kpr maps and links it does not
@@ -451,7 +478,7 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .override_global("KPR_POD_LINKS_COVERED", &u8::from(cfg.pod_links_covered), true)
         .override_global("KPR_LOCALHOST_NODEPORTS", &u8::from(cfg.localhost_node_ports), true)
         .override_global("KPR_AGENT_CGROUP_ID", &cfg.agent_cgroup_id, true)
-        .override_global("KPR_FORWARD_DIRECT", &u8::from(cfg.forward_direct), true)
+        .override_global("KPR_FORWARD_DIRECT", &u8::from(cfg.forward_direct != ForwardDirect::Never), true)
         .override_global("KPR_REDIRECT_NEXT_HOP", &redirect_next_hop, true)
         .override_global("KPR_DETECT_LOCAL", &cfg.detect_local, true)
         .override_global("KPR_REFUSE_SERVICE_RANGE", &u8::from(cfg.refuse_service_range), true)
@@ -471,6 +498,15 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
                 ))
             }
             e => anyhow::Error::new(e).context("failed to load the eBPF object"),
+        })
+        .and_then(|mut ebpf| {
+            // `Auto`: the agent's watch writes it, before any link is attached (a map just
+            // made says "host path").
+            if cfg.forward_direct == ForwardDirect::Always {
+                let map = ebpf.map_mut(map_names::HOST_STATE).context("no map KPR_HOST_STATE")?;
+                set_host_forward_direct(&mut Array::try_from(map)?, true)?;
+            }
+            Ok(ebpf)
         })
 }
 

@@ -2,6 +2,7 @@
 //! - [`kube`]: the Kubernetes API (kube-rs watchers), as kube-proxy's informers see it;
 //! - [`manifests`]: a directory of YAML manifests, for nodes without a cluster and for tests;
 //! - [`host`]: the node's links and addresses, from the kernel.
+pub mod firewall;
 pub mod host;
 pub mod kube;
 pub mod manifests;

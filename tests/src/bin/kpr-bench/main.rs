@@ -601,7 +601,7 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     let name = testbed::unique_name("kb-tc");
     let pins = testbed::PinRoot(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
     let mut cfg = DatapathConfig::new(pins.0.clone(), "/nonexistent".into());
-    cfg.forward_direct = forward_direct;
+    cfg.forward_direct = if forward_direct { bpf::ForwardDirect::Always } else { bpf::ForwardDirect::Never };
     // As the agent runs by default: the service range (10.96.0.0/12 here) refused.
     cfg.refuse_service_range = true;
     let mut ebpf = bpf::open_object(&cfg)?;
