@@ -8,7 +8,8 @@
 //!   ext 203.0.113.2, .130, 2600:5200::1 ──(203.0.113.1, 2600:5200::fe) ext0 ┐
 //!                         node 192.168.0.2, 192.168.1.2, 2001:db8::1, 2001:db8:1::2 ── eth0 ── router
 //!   pod <ip> (one namespace per pod IP) ── vp<i> ┘                  (192.168.0.1, 2001:db8::fe)
-//!       (169.254.1.1 and fe80::1 on every pod link, as Calico does)
+//!       (169.254.1.1 and fe80::1 on every pod link, as Calico does; 169.254.1.1 of scope
+//!        global, or of scope link as unnumbered and gateway-style CNIs set it up)
 //! ```
 //!
 //! The router is the node's default gateway and answers for *every* address (a local route for
@@ -64,6 +65,19 @@ impl World {
     /// A node with pods at `pod_ips`, each serving `ports` (TCP and UDP); the router answers
     /// on `probed_ports`.
     pub fn new(prefix: &str, pod_ips: &[IpAddr], ports: &[u16], probed_ports: &[u16]) -> Result<Self> {
+        Self::with_pod_gateway_scope(prefix, pod_ips, ports, probed_ports, "global")
+    }
+
+    /// [`World::new`] with the pod links' 169.254.1.1 of `scope` (`global`, `link`): with
+    /// `link`, MASQUERADE never picks it for what leaves by a pod link and takes the first
+    /// global address of the node (`inet_select_addr`).
+    pub fn with_pod_gateway_scope(
+        prefix: &str,
+        pod_ips: &[IpAddr],
+        ports: &[u16],
+        probed_ports: &[u16],
+        scope: &str,
+    ) -> Result<Self> {
         let node = Netns::new(&format!("{prefix}-n"))?;
         let router = Netns::new(&format!("{prefix}-r"))?;
         let ext = Netns::new(&format!("{prefix}-x"))?;
@@ -119,7 +133,7 @@ impl World {
             let pod = Netns::new(&format!("{prefix}-p{i}"))?;
             let link = format!("vp{i}");
             node.ip(&["link", "add", &link, "type", "veth", "peer", "name", "eth0", "netns", &pod.name])?;
-            node.ip(&["addr", "add", &format!("{POD_GATEWAY}/32"), "dev", &link])?;
+            node.ip(&["addr", "add", &format!("{POD_GATEWAY}/32"), "dev", &link, "scope", scope])?;
             node.ip(&["-6", "addr", "add", &format!("{POD_GATEWAY6}/64"), "dev", &link, "nodad"])?;
             node.ip(&["link", "set", &link, "up"])?;
             pod.ip(&["link", "set", "lo", "up"])?;

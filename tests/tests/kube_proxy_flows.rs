@@ -892,8 +892,15 @@ fn differential(mode: &str) {
     )
     .expect("control plane");
     let tag = testbed::unique_name(&format!("kf{}", &mode[..2]));
-    let kp_world = World::new(&format!("{tag}k"), &pods, &[80, 53, 8443, 5353], &probed).expect("kube-proxy's world");
-    let kpr_world = World::new(&format!("{tag}r"), &pods, &[80, 53, 8443, 5353], &probed).expect("kpr's world");
+    // The pod links' gateway address: of scope link in one mode's worlds (MASQUERADE then takes
+    // the node's first global address for what leaves by a pod link), global in the other's;
+    // the masquerade source does not depend on the mode, so each is covered once.
+    let scope = if mode == "iptables" { "link" } else { "global" };
+    let world = |side: &str| {
+        World::with_pod_gateway_scope(&format!("{tag}{side}"), &pods, &[80, 53, 8443, 5353], &probed, scope)
+    };
+    let kp_world = world("k").expect("kube-proxy's world");
+    let kpr_world = world("r").expect("kpr's world");
     let cgroup = Cgroup::new(&tag).expect("kpr's cgroup");
     cluster
         .apply(&format!(

@@ -19,6 +19,11 @@ pub struct HostLink {
     pub name: String,
     pub loopback: bool,
     pub addrs: Vec<IpAddr>,
+    /// IPv4 addresses of `addrs` that the kernel's source selection for a global destination
+    /// passes over (`inet_select_addr`): scoped narrower than global (a link-scoped
+    /// `169.254.x.y` of an unnumbered or gateway-style pod link, host-scoped `127.0.0.1`), or
+    /// secondary.
+    pub v4_unselectable: Vec<std::net::Ipv4Addr>,
     /// One end of a veth pair whose other end is in another network namespace.
     pub peer_elsewhere: bool,
 }
@@ -208,6 +213,15 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
         _ => false,
     };
     let mut link_info = BTreeMap::new();
+    // The IPv4 masquerade source of a link, as MASQUERADE picks it
+    // (`inet_select_addr(out, next hop, RT_SCOPE_UNIVERSE)`): its first primary address of
+    // global scope.
+    let masquerade_v4 = |link: &HostLink| {
+        link.addrs.iter().find_map(|a| match a {
+            IpAddr::V4(v4) if !v4.is_loopback() && !link.v4_unselectable.contains(v4) => Some(*v4),
+            _ => None,
+        })
+    };
     // The IPv6 masquerade source of a link: its first address MASQUERADE could pick (not
     // link-local: a backend elsewhere could not answer it).
     let masquerade_v6 = |addrs: &mut dyn Iterator<Item = &IpAddr>| {
@@ -219,20 +233,20 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
     // newest address of a link first: getifaddrs' order). Then the IPv6 node IP.
     let non_loopback = || links.iter().filter(|l| !l.loopback).flat_map(|l| &l.addrs);
     let fallback_v6 = masquerade_v6(&mut non_loopback()).or(primaries[1]);
+    // A link without one: the kernel's next choice, the first such address of any link in its
+    // order (by index; a global address on `lo` counts); then the primary.
+    let fallback_v4 = links.iter().find_map(masquerade_v4).or(primary);
     link_info.insert(
         0,
         LinkInfo {
-            addr: primary.map_or(0, |p| u32::from(p).to_be()),
+            addr: fallback_v4.map_or(0, |p| u32::from(p).to_be()),
             flags: 0,
             addr6: fallback_v6.map(Addr::from).unwrap_or_default(),
         },
     );
     let mut tc_links = BTreeMap::new();
     for link in links.iter().filter(|l| !l.loopback && l.index != 0) {
-        let addr = link.addrs.iter().find_map(|a| match a {
-            IpAddr::V4(a) => Some(u32::from(*a).to_be()),
-            IpAddr::V6(_) => None,
-        });
+        let addr = masquerade_v4(link).map(|a| u32::from(a).to_be());
         let addr6 = masquerade_v6(&mut link.addrs.iter()).map(Addr::from).unwrap_or_default();
         let flags = if local_traffic_link(&link.name) { LINK_FLAG_LOCAL_TRAFFIC } else { 0 }
             | if link.peer_elsewhere { LINK_FLAG_PEER } else { 0 };
@@ -277,6 +291,12 @@ mod tests {
             name: name.into(),
             loopback: name == "lo",
             addrs: addrs.iter().map(|a| a.parse().unwrap()).collect(),
+            // As the kernel reports them: link-local IPv4 addresses with scope link.
+            v4_unselectable: addrs
+                .iter()
+                .filter_map(|a| a.parse::<Ipv4Addr>().ok())
+                .filter(|a| a.is_link_local() || a.is_loopback())
+                .collect(),
             peer_elsewhere: name.starts_with("veth"),
         }
     }
@@ -370,6 +390,29 @@ mod tests {
         )
         .unwrap();
         assert!(NodeObject::from_node(&tainted).draining);
+    }
+
+    /// Pod-facing links with only a link-scoped address (unnumbered, gateway-style CNIs):
+    /// MASQUERADE never picks it (`inet_select_addr` skips scope link) and takes the kernel's
+    /// next choice, the first global address of the node's links; a link with both picks its
+    /// global one, whichever came first.
+    #[test]
+    fn ipv4_masquerade_source_skips_link_scoped_addresses_as_the_kernel_does() {
+        let links = vec![
+            link(1, "lo", &["127.0.0.1"]),
+            link(2, "eth0", &["192.168.0.2"]),
+            link(3, "cali1", &["169.254.1.1"]),
+            link(4, "cali2", &["169.254.1.5", "10.244.0.1"]),
+        ];
+        let p = plan(&links, None, &NodeSettings::default());
+        assert_eq!(p.links[&3].addr, 0, "169.254.1.1 is never a masquerade source");
+        assert_eq!(p.links[&0].addr, u32::from(Ipv4Addr::new(192, 168, 0, 2)).to_be(), "the kernel's next choice");
+        assert_eq!(p.links[&4].addr, u32::from(Ipv4Addr::new(10, 244, 0, 1)).to_be());
+        // A global address on lo comes first in the kernel's order.
+        let mut with_lo = links.clone();
+        with_lo[0] = link(1, "lo", &["127.0.0.1", "198.51.100.7"]);
+        let p = plan(&with_lo, None, &NodeSettings::default());
+        assert_eq!(p.links[&0].addr, u32::from(Ipv4Addr::new(198, 51, 100, 7)).to_be());
     }
 
     #[test]

@@ -19,6 +19,7 @@ use crate::{model::node::HostLink, netlink};
 /// Every link of this network namespace with its addresses, by index.
 pub fn snapshot() -> Result<Vec<HostLink>> {
     let paired = links_with_peer_elsewhere();
+    let unselectable = v4_unselectable();
     let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills a list we free with freeifaddrs; entries are read-only here.
     if unsafe { libc::getifaddrs(&mut list) } != 0 {
@@ -42,7 +43,16 @@ pub fn snapshot() -> Result<Vec<HostLink>> {
                 let loopback = ifa.ifa_flags & libc::IFF_LOOPBACK as u32 != 0;
                 let index = ll.sll_ifindex as u32;
                 let peer_elsewhere = paired.contains(&index);
-                by_name.insert(name.clone(), HostLink { index, name, loopback, addrs: Vec::new(), peer_elsewhere });
+                let v4_unselectable = unselectable.get(&index).cloned().unwrap_or_default();
+                let link = HostLink {
+                    index,
+                    name: name.clone(),
+                    loopback,
+                    addrs: Vec::new(),
+                    v4_unselectable,
+                    peer_elsewhere,
+                };
+                by_name.insert(name, link);
             }
             libc::AF_INET => {
                 let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
@@ -94,6 +104,41 @@ fn links_with_peer_elsewhere() -> BTreeSet<u32> {
             (paired && netlink::find(attrs, libc::IFLA_LINK_NETNSID).is_some()).then_some(index)
         })
         .collect()
+}
+
+/// Per link, the IPv4 addresses the kernel's source selection passes over for a global
+/// destination: scoped narrower than global (`scope link`, `scope host`) or secondary
+/// (RTM_GETADDR; getifaddrs tells neither). Empty if the dump fails: every address counts.
+fn v4_unselectable() -> BTreeMap<u32, Vec<std::net::Ipv4Addr>> {
+    const IFA_ADDRESS: u16 = 1;
+    const IFA_LOCAL: u16 = 2;
+    const IFA_F_SECONDARY: u8 = 0x01;
+    // struct ifaddrmsg: family, prefixlen, flags, scope, index.
+    let request =
+        netlink::message(libc::RTM_GETADDR, libc::NLM_F_DUMP as u16, &[libc::AF_INET as u8, 0, 0, 0, 0, 0, 0, 0]);
+    let addrs = match netlink::dump(libc::NETLINK_ROUTE, &request) {
+        Ok(addrs) => addrs,
+        Err(e) => {
+            tracing::warn!("listing the addresses' scopes: {e}");
+            return BTreeMap::new();
+        }
+    };
+    let mut out: BTreeMap<u32, Vec<std::net::Ipv4Addr>> = BTreeMap::new();
+    for msg in &addrs {
+        let Some(head) = msg.get(..8) else { continue };
+        let (flags, scope, index) = (head[2], head[3], u32::from_ne_bytes([head[4], head[5], head[6], head[7]]));
+        if head[0] != libc::AF_INET as u8 || (scope == libc::RT_SCOPE_UNIVERSE && flags & IFA_F_SECONDARY == 0) {
+            continue;
+        }
+        let attrs = &msg[8..];
+        let Some(addr) = netlink::find(attrs, IFA_LOCAL).or_else(|| netlink::find(attrs, IFA_ADDRESS)) else {
+            continue;
+        };
+        if let Ok(octets) = <[u8; 4]>::try_from(addr) {
+            out.entry(index).or_default().push(octets.into());
+        }
+    }
+    out
 }
 
 /// The source address routing picks for `dst` (RTM_GETROUTE's preferred source), as a
