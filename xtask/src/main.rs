@@ -212,7 +212,9 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>, kernels: &[String])
 /// twice, timed out) is an error once all have run. Each kernel's `kernel <uname -r>: N passed,
 /// M failed` line is printed at the end. The test binaries and the image are built once.
 fn test_in_vms(root: &Path, env: &setup::Env, shorts: &[&str], filter: Option<&str>) -> Result<(u64, u64)> {
-    let binaries = test_binaries(root, env, vm::SUITES.as_slice())?;
+    let suites: Vec<&str> = vm::SUITES.iter().map(|(suite, _)| *suite).collect();
+    let binaries: Vec<(PathBuf, &[&str])> =
+        test_binaries(root, env, &suites)?.into_iter().zip(vm::SUITES.map(|(_, skips)| skips)).collect();
     // The suites run in VMs need no control plane (`vm::SUITES`).
     // The VM kernels have SCTP (this machine's may not): its end-to-end test must run there.
     let image = image::build(root, env, "latest")?;
