@@ -477,6 +477,7 @@ impl Syncer {
             // The changes received changed nothing: the datapath is up to date.
             if !self.programmer.has_failures() {
                 self.proxy_health.updated();
+                self.proxy_health.synced();
                 self.metrics.synced_nothing();
             }
             return;
@@ -635,6 +636,8 @@ impl Syncer {
             self.trigger_times.drain(..).map(|t| now.duration_since(t).unwrap_or_default().as_secs_f64()).collect();
         m.synced(started.elapsed().as_secs_f64(), full, &latencies);
         self.proxy_health.updated();
+        // Only syncs after the source's complete lists come here: ready.
+        self.proxy_health.synced();
     }
 }
 

@@ -3,7 +3,9 @@
 //! `syncPeriod`) to reach the datapath; `/healthz` is also 503 while the node is being deleted
 //! or is tainted `ToBeDeletedByClusterAutoscaler`, so cloud load balancers drain it, while
 //! `/livez` (the kubelet's liveness probe) ignores the node. Bodies and status codes are
-//! kube-proxy's (`pkg/proxy/healthcheck/proxy_health.go`).
+//! kube-proxy's (`pkg/proxy/healthcheck/proxy_health.go`). Like kube-proxy's, both answer 200
+//! while the agent is starting; `/readyz` (kpr's own, the DaemonSet's readiness probe) waits
+//! for the first full sync: ready means every Service the source listed is in the datapath.
 use std::{
     collections::BTreeMap,
     sync::{Arc, Mutex},
@@ -27,6 +29,8 @@ struct State {
     /// The oldest change not yet in the datapath.
     oldest_pending: Option<SystemTime>,
     node_eligible: bool,
+    /// The first full sync is in the datapath.
+    synced: bool,
 }
 
 /// Shared between the sync loop (which reports) and the HTTP server (which answers).
@@ -59,7 +63,7 @@ pub struct FamilyReport {
 impl ProxyHealth {
     /// Healthy from the start (kube-proxy marks itself updated when its loop starts).
     pub fn new(timeout: Duration, metrics: Arc<Metrics>) -> Self {
-        let state = State { last_updated: SystemTime::now(), oldest_pending: None, node_eligible: true };
+        let state = State { last_updated: SystemTime::now(), oldest_pending: None, node_eligible: true, synced: false };
         Self { state: Mutex::new(state), timeout, metrics }
     }
 
@@ -78,6 +82,12 @@ impl ProxyHealth {
         let mut state = self.state();
         state.oldest_pending = None;
         state.last_updated = SystemTime::now();
+    }
+
+    /// The first full sync (every Service and EndpointSlice the source listed) is in the
+    /// datapath.
+    pub fn synced(&self) {
+        self.state().synced = true;
     }
 
     /// Whether the node may take load-balanced traffic (not being deleted, not tainted for
@@ -123,6 +133,12 @@ impl ProxyHealth {
         (status(ok), report)
     }
 
+    /// `/readyz`: synced once, and healthy (the node aside).
+    pub fn readyz(&self) -> (http::StatusCode, Report) {
+        let (ok, report) = self.report(false);
+        (status(ok && self.state().synced), report)
+    }
+
     /// `/livez`: the proxy's health only.
     pub fn livez(&self) -> (http::StatusCode, Report) {
         let (ok, report) = self.report(false);
@@ -162,6 +178,20 @@ mod tests {
         assert_eq!(report.node_eligible, None, "/livez does not report the node");
         h.updated();
         assert_eq!(h.healthz().0, http::StatusCode::OK);
+    }
+
+    #[test]
+    fn readyz_waits_for_the_first_full_sync_healthz_does_not() {
+        let h = health(Duration::from_secs(60));
+        assert_eq!(h.healthz().0, http::StatusCode::OK, "kube-proxy's /healthz: 200 while starting");
+        assert_eq!(h.readyz().0, http::StatusCode::SERVICE_UNAVAILABLE, "not ready before the first sync");
+        h.synced();
+        assert_eq!(h.readyz().0, http::StatusCode::OK);
+        let late = health(Duration::from_millis(10));
+        late.synced();
+        late.queued_update();
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(late.readyz().0, http::StatusCode::SERVICE_UNAVAILABLE, "a change late past the timeout");
     }
 
     #[test]

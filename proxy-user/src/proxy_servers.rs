@@ -1,7 +1,8 @@
 //! kube-proxy's two servers, at kube-proxy's addresses:
 //! - `metricsBindAddress` (default `127.0.0.1:10249`): `/metrics`, `/proxyMode` (`kpr`),
 //!   `/configz` (the effective configuration) and `/healthz` (`ok`: the process answers);
-//! - `healthzBindAddress` (default `0.0.0.0:10256`): `/healthz` and `/livez` ([`ProxyHealth`]).
+//! - `healthzBindAddress` (default `0.0.0.0:10256`): `/healthz` and `/livez` ([`ProxyHealth`]),
+//!   and kpr's `/readyz` (synced once: the DaemonSet's readiness probe).
 //!
 //! Both are bound before the agent starts, so a port in use or an address the node does not
 //! have is a startup error, not a silent gap in monitoring.
@@ -72,6 +73,10 @@ impl Listeners {
                 }
                 "/livez" => {
                     let (status, report) = health.livez();
+                    http_server::json(status, &report)
+                }
+                "/readyz" => {
+                    let (status, report) = health.readyz();
                     http_server::json(status, &report)
                 }
                 _ => http_server::not_found(),

@@ -393,6 +393,7 @@ fn entry<A: Into<IpAddr> + Copy>(
             flags,
             source_ranges: vec![],
             affinity_timeout: 0,
+            serving: vec![],
         },
     );
 }

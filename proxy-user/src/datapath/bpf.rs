@@ -1339,20 +1339,20 @@ impl Maps for BpfMaps {
         Ok(())
     }
 
-    fn flush_flows(&mut self, service_id: u32, backends: &[Backend]) -> Result<usize> {
-        let goes_to = |addr: Addr, port: u16| backends.iter().any(|b| b.addr == addr && b.port == port);
-        let (_, flushed) = self.conntrack.remove_where(|k, v| {
-            v.service_id == service_id && (goes_to(v.dst_addr, v.dst_port) || goes_to(k.src_addr, k.src_port))
-        })?;
+    fn flush_flows(&mut self, service_id: u32, to: &[Addr]) -> Result<usize> {
+        let goes_to = |addr: Addr| to.contains(&addr);
+        let (_, flushed) = self
+            .conntrack
+            .remove_where(|k, v| v.service_id == service_id && (goes_to(v.dst_addr) || goes_to(k.src_addr)))?;
         // The socket path's flows: sockets it connected to these backends through this service.
         let cookies: std::collections::BTreeSet<u64> = self
             .sock_revnat
             .iter()
             .filter_map(Result::ok)
-            .filter(|(k, v)| v.service_id == service_id && goes_to(k.addr, k.port))
+            .filter(|(k, v)| v.service_id == service_id && goes_to(k.addr))
             .map(|(k, _)| k.cookie)
             .collect();
-        let aborted = if cookies.is_empty() { 0 } else { super::sockets::abort_udp(&cookies, backends) };
+        let aborted = if cookies.is_empty() { 0 } else { super::sockets::abort_udp(&cookies, to) };
         Ok(flushed + aborted)
     }
 

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use anyhow::{Result, bail};
-use proxy_common::{Backend, ServiceKey, ServiceValue};
+use proxy_common::{Addr, Backend, ServiceKey, ServiceValue};
 
 use super::{BatchError, Capacity, Maps};
 use crate::model::cidr::Cidr;
@@ -21,7 +21,7 @@ pub struct FakeMaps {
     pub fail_service_writes: usize,
     pub source_ranges: std::collections::BTreeSet<(u32, Cidr)>,
     /// `flush_flows` calls: (service id, backends).
-    pub flushed: Vec<(u32, Vec<Backend>)>,
+    pub flushed: Vec<(u32, Vec<Addr>)>,
 }
 
 impl FakeMaps {
@@ -127,8 +127,8 @@ impl Maps for FakeMaps {
         Ok(())
     }
 
-    fn flush_flows(&mut self, service_id: u32, backends: &[Backend]) -> Result<usize> {
-        self.flushed.push((service_id, backends.to_vec()));
+    fn flush_flows(&mut self, service_id: u32, to: &[Addr]) -> Result<usize> {
+        self.flushed.push((service_id, to.to_vec()));
         Ok(0)
     }
 }

@@ -20,7 +20,7 @@ use std::{
 };
 
 use anyhow::{Result, bail};
-use proxy_common::{Backend, IPPROTO_UDP, ServiceKey, ServiceValue};
+use proxy_common::{Addr, Backend, IPPROTO_UDP, ServiceKey, ServiceValue};
 
 use crate::model::{
     cidr::Cidr,
@@ -52,10 +52,11 @@ pub trait Maps: Send {
     fn source_ranges(&self) -> Result<Vec<(u32, Cidr)>>;
     fn add_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()>;
     fn remove_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()>;
-    /// Forget the flows of `service_id` that go to any of `backends`: per-packet conntrack
-    /// entries (both directions) and, for UDP, the sockets the socket path connected to them
+    /// Forget the flows of `service_id` that go to any of the endpoint addresses `to` (any
+    /// port: kube-proxy matches the reply's source address): per-packet conntrack entries
+    /// (both directions) and, for UDP, the sockets the socket path connected to them
     /// (aborted); returns how many entries and sockets went.
-    fn flush_flows(&mut self, service_id: u32, backends: &[Backend]) -> Result<usize>;
+    fn flush_flows(&mut self, service_id: u32, to: &[Addr]) -> Result<usize>;
 }
 
 /// A batch that stopped part-way: the first `done` elements were written.
@@ -179,6 +180,9 @@ pub struct Programmer {
     capacity: Capacity,
     /// Service ports whose last write failed (logged once, not on every retry).
     failing: BTreeSet<ServiceKey>,
+    /// UDP service ports: the endpoint addresses their flows may still go to (every backend
+    /// and serving endpoint since the flows were last flushed).
+    udp_reach: BTreeMap<ServiceKey, BTreeSet<Addr>>,
 }
 
 impl Programmer {
@@ -215,7 +219,15 @@ impl Programmer {
             maps.remove_source_ranges(id, &stale)?;
         }
         let next_id = used_ids.last().map_or(1, |id| id.wrapping_add(1).max(1));
-        Ok(Self { programmed, slots, used_ids, next_id, capacity, failing: BTreeSet::new() })
+        Ok(Self {
+            programmed,
+            slots,
+            used_ids,
+            next_id,
+            capacity,
+            failing: BTreeSet::new(),
+            udp_reach: BTreeMap::new(),
+        })
     }
 
     pub fn programmed(&self) -> &BTreeMap<ServiceKey, Programmed> {
@@ -228,6 +240,7 @@ impl Programmer {
     pub fn carry_over(&mut self, previous: &Programmer) {
         self.slots.carry_quarantine(&previous.slots);
         self.failing.clone_from(&previous.failing);
+        self.udp_reach.clone_from(&previous.udp_reach);
     }
 
     /// Some service ports could not be written at the last apply.
@@ -282,7 +295,9 @@ impl Programmer {
                     if let Err(e) = maps.remove_source_ranges(old.value.service_id, &old.source_ranges) {
                         tracing::warn!(service = %display_key(&key), "failed to remove source ranges: {e:#}");
                     }
-                    flush_udp_flows(maps, &key, old.value.service_id, &old.backends);
+                    let to: Vec<Addr> = old.backends.iter().map(|b| b.addr).collect();
+                    flush_udp_flows(maps, &key, old.value.service_id, &to);
+                    self.udp_reach.remove(&key);
                     self.used_ids.remove(&old.value.service_id);
                     self.release_range(&old.value, &ServiceValue { backends_count: 0, ..old.value });
                     report.removed += 1;
@@ -338,6 +353,8 @@ impl Programmer {
         let backend_writes: Vec<(u32, Backend)> =
             pending.iter().flat_map(|p| (p.value.backends_start..).zip(p.backends.iter().copied())).collect();
         if pending.is_empty() {
+            // Which endpoints serve may have changed all the same.
+            self.flush_unserved_udp(desired, maps);
             return report;
         }
 
@@ -366,9 +383,10 @@ impl Programmer {
                 if let Some(old) = p.old {
                     self.release_range(&old, &p.value);
                     report.updated += 1;
-                    let before = self.programmed.get(&p.key).map(|o| o.backends.as_slice()).unwrap_or_default();
-                    let removed: Vec<Backend> = before.iter().filter(|b| !p.backends.contains(b)).copied().collect();
-                    flush_udp_flows(maps, &p.key, old.service_id, &removed);
+                    // Flows may still go to what it had: `flush_unserved_udp` decides.
+                    if let Some(before) = self.programmed.get(&p.key).filter(|_| p.key.proto == IPPROTO_UDP) {
+                        self.udp_reach.entry(p.key).or_default().extend(before.backends.iter().map(|b| b.addr));
+                    }
                 } else {
                     report.added += 1;
                 }
@@ -389,7 +407,31 @@ impl Programmer {
                 self.note_failure(&p.key, want, &anyhow::anyhow!("the map write failed"));
             }
         }
+        self.flush_unserved_udp(desired, maps);
         report
+    }
+
+    /// kube-proxy's conntrack cleanup (1.31+): a UDP flow goes on to its endpoint for as long
+    /// as that endpoint serves, picked for new flows or not (traffic policies, topology and
+    /// termination do not move flows); flows to an address that no longer serves are flushed,
+    /// so that their next datagram picks a live endpoint; while nothing serves, flows are left
+    /// as they are.
+    fn flush_unserved_udp(&mut self, desired: &Desired, maps: &mut dyn Maps) {
+        self.udp_reach.retain(|key, _| desired.contains_key(key));
+        for (key, want) in desired.iter().filter(|(key, _)| key.proto == IPPROTO_UDP) {
+            let Some(programmed) = self.programmed.get(key) else { continue };
+            let reach = self.udp_reach.entry(*key).or_default();
+            reach.extend(programmed.backends.iter().map(|b| b.addr));
+            if want.serving.is_empty() {
+                continue;
+            }
+            let serving: BTreeSet<Addr> = want.serving.iter().map(|ip| Addr::from(*ip)).collect();
+            let gone: Vec<Addr> = reach.difference(&serving).copied().collect();
+            if !gone.is_empty() {
+                flush_udp_flows(maps, key, programmed.value.service_id, &gone);
+                reach.retain(|addr| serving.contains(addr));
+            }
+        }
     }
 
     /// Room in the backend array and an id for a service port about to be (re)written.
@@ -503,13 +545,15 @@ pub fn affinity_id(name: &crate::model::ServicePortName) -> u32 {
 /// endpoint went away, so the next datagram of such a flow picks a live backend (a connected
 /// socket of the socket path is aborted: connecting again picks one). TCP flows keep their
 /// endpoint until they end.
-fn flush_udp_flows(maps: &mut dyn Maps, key: &ServiceKey, service_id: u32, removed: &[Backend]) {
-    if key.proto != IPPROTO_UDP || removed.is_empty() {
+fn flush_udp_flows(maps: &mut dyn Maps, key: &ServiceKey, service_id: u32, to: &[Addr]) {
+    if key.proto != IPPROTO_UDP || to.is_empty() {
         return;
     }
-    match maps.flush_flows(service_id, removed) {
+    match maps.flush_flows(service_id, to) {
         Ok(0) => {}
-        Ok(n) => tracing::info!(service = %display_key(key), flows = n, "flushed UDP flows of removed endpoints"),
+        Ok(n) => {
+            tracing::info!(service = %display_key(key), flows = n, "flushed UDP flows of endpoints that stopped serving")
+        }
         Err(e) => tracing::warn!(service = %display_key(key), "failed to flush UDP flows: {e:#}"),
     }
 }

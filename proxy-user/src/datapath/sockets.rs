@@ -14,7 +14,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use proxy_common::{Addr, Backend};
+use proxy_common::Addr;
 
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
 const SOCK_DESTROY: u16 = 21;
@@ -62,8 +62,8 @@ struct Message {
 
 /// Abort the connected UDP sockets whose cookie is in `cookies` and whose peer is one of
 /// `backends`, in every network namespace of the node (pods' included); how many.
-pub fn abort_udp(cookies: &BTreeSet<u64>, backends: &[Backend]) -> usize {
-    let peers: BTreeSet<(Addr, u16)> = backends.iter().map(|b| (b.addr, b.port)).collect();
+pub fn abort_udp(cookies: &BTreeSet<u64>, to: &[Addr]) -> usize {
+    let peers: BTreeSet<Addr> = to.iter().copied().collect();
     std::thread::scope(|s| {
         let workers: Vec<_> = namespaces()
             .into_iter()
@@ -72,8 +72,21 @@ pub fn abort_udp(cookies: &BTreeSet<u64>, backends: &[Backend]) -> usize {
                 s.spawn(move || {
                     let aborted = in_namespace(&path, || abort_in_this_namespace(cookies, peers));
                     aborted.unwrap_or_else(|e| {
-                        // A namespace whose processes just exited: nothing to abort there.
-                        tracing::debug!(netns = %path.display(), "UDP sockets not aborted: {e:#}");
+                        let gone = e.chain().any(|c| {
+                            c.downcast_ref::<io::Error>()
+                                .is_some_and(|e| matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ESRCH)))
+                        });
+                        if gone {
+                            // A namespace whose processes just exited: nothing to abort there.
+                            tracing::debug!(netns = %path.display(), "UDP sockets not aborted: {e:#}");
+                        } else {
+                            // Most often no CAP_SYS_ADMIN (setns): such sockets keep sending to
+                            // the endpoint until the application reconnects.
+                            tracing::warn!(
+                                netns = %path.display(),
+                                "connected UDP sockets of endpoints that stopped serving not aborted: {e:#}"
+                            );
+                        }
                         0
                     })
                 })
@@ -111,7 +124,7 @@ fn in_namespace<T>(path: &PathBuf, f: impl FnOnce() -> Result<T>) -> Result<T> {
     f()
 }
 
-fn abort_in_this_namespace(cookies: &BTreeSet<u64>, peers: &BTreeSet<(Addr, u16)>) -> Result<usize> {
+fn abort_in_this_namespace(cookies: &BTreeSet<u64>, peers: &BTreeSet<Addr>) -> Result<usize> {
     let socket = netlink_socket()?;
     let mut doomed = Vec::new();
     // IPv6 sockets name IPv4 peers mapped, as the maps do.
@@ -122,7 +135,7 @@ fn abort_in_this_namespace(cookies: &BTreeSet<u64>, peers: &BTreeSet<(Addr, u16)
                 .filter(|id| {
                     let cookie = u64::from(id.cookie[0]) | u64::from(id.cookie[1]) << 32;
                     let peer = if family == libc::AF_INET { Addr::from_v4(id.dst[0]) } else { Addr(id.dst) };
-                    cookies.contains(&cookie) && peers.contains(&(peer, id.dport))
+                    cookies.contains(&cookie) && peers.contains(&peer)
                 })
                 .map(|id| (family, id)),
         );

@@ -25,6 +25,7 @@ fn port(n: u8, backends: &[u8]) -> DesiredPort {
         flags: 0,
         source_ranges: vec![],
         affinity_timeout: 0,
+        serving: vec![],
     }
 }
 
@@ -209,28 +210,59 @@ fn source_ranges_are_written_before_the_entry_and_cleaned_up_after() {
     assert!(maps.source_ranges.is_empty());
 }
 
+/// kube-proxy's conntrack cleanup (1.31+, `pkg/proxy/conntrack/cleanup.go`): UDP flows to an
+/// endpoint are flushed when it stops serving, not when it stops being picked; while nothing
+/// serves, flows are left alone; TCP flows never.
 #[test]
-fn udp_flows_of_removed_endpoints_are_flushed_tcp_flows_are_not() {
+fn udp_flows_are_flushed_when_their_endpoint_stops_serving_tcp_flows_never() {
     let mut maps = FakeMaps::new(CAP);
     let mut p = Programmer::recover(&mut maps).unwrap();
     let udp = service_key(Ipv4Addr::new(10, 96, 0, 53), 53, Protocol::Udp);
+    let ip = |n: u8| std::net::IpAddr::from(Ipv4Addr::new(10, 0, 0, n));
+    let addr = |n: u8| Addr::from(ip(n));
     let mut d = desired(&[(1, &[1, 2])]);
-    let mut dns = port(53, &[1, 2]);
-    dns.name.protocol = Protocol::Udp;
-    d.insert(udp, dns);
-    p.apply(&d, &mut maps);
-    for entry in d.values_mut() {
-        entry.backends.truncate(1);
-    }
+    let dns = |picked: &[u8], serving: &[u8]| {
+        let mut dns = port(53, picked);
+        dns.name.protocol = Protocol::Udp;
+        dns.serving = serving.iter().map(|n| ip(*n)).collect();
+        dns
+    };
+    d.insert(udp, dns(&[1, 2, 3], &[1, 2, 3]));
     p.apply(&d, &mut maps);
     let id = maps.services[&udp].service_id;
-    assert_eq!(
-        maps.flushed,
-        vec![(id, vec![backend(Ipv4Addr::new(10, 0, 0, 2), 8080)])],
-        "only the UDP service's removed endpoint"
-    );
-    p.apply(&desired(&[(1, &[1])]), &mut maps);
-    assert_eq!(maps.flushed.len(), 2, "deleting the UDP service flushes its flows");
+    // 3 terminates but still serves: no longer picked (the others are ready), its flows go on.
+    d.insert(udp, dns(&[1, 2], &[1, 2, 3]));
+    // (the TCP service loses endpoint 2: its flows are never flushed)
+    d.insert(key(1), port(1, &[1]));
+    p.apply(&d, &mut maps);
+    assert_eq!(maps.flushed, vec![], "an endpoint that serves keeps its UDP flows");
+    // 3 stops serving (its pod is gone), with no change to what is picked: now its flows go.
+    d.insert(udp, dns(&[1, 2], &[1, 2]));
+    p.apply(&d, &mut maps);
+    assert_eq!(maps.flushed, vec![(id, vec![addr(3)])]);
+    // 2 leaves for good.
+    d.insert(udp, dns(&[1], &[1]));
+    p.apply(&d, &mut maps);
+    assert_eq!(maps.flushed[1..], [(id, vec![addr(2)])]);
+    // Nothing serves: flows are left as they are...
+    d.insert(udp, dns(&[], &[]));
+    p.apply(&d, &mut maps);
+    assert_eq!(maps.flushed.len(), 2, "nothing serves: nothing flushed");
+    // ...until something serves again: then the flows to 1 go.
+    d.insert(udp, dns(&[4], &[4]));
+    p.apply(&d, &mut maps);
+    assert_eq!(maps.flushed[2..], [(id, vec![addr(1)])]);
+    // A reconcile (a programmer rebuilt from the maps) keeps what flows may still reach.
+    d.insert(udp, dns(&[], &[]));
+    p.apply(&d, &mut maps);
+    let mut rebuilt = Programmer::recover(&mut maps).unwrap();
+    rebuilt.carry_over(&p);
+    d.insert(udp, dns(&[5], &[5]));
+    rebuilt.apply(&d, &mut maps);
+    assert_eq!(maps.flushed[3..], [(id, vec![addr(4)])]);
+    // Deleting the UDP service flushes its flows.
+    rebuilt.apply(&desired(&[(1, &[1])]), &mut maps);
+    assert_eq!(maps.flushed[4..], [(id, vec![addr(5)])], "deleting the UDP service flushes its flows");
 }
 
 #[test]

@@ -38,6 +38,11 @@ pub struct DesiredPort {
     pub source_ranges: Vec<Cidr>,
     /// sessionAffinity ClientIP timeout in seconds; 0: none.
     pub affinity_timeout: u32,
+    /// UDP only (empty otherwise): the addresses of the port's serving endpoints of the
+    /// frontend's family, whatever the traffic policies, topology or termination say. UDP flows
+    /// to any other address are flushed, as kube-proxy's conntrack cleanup does (1.31+): a flow
+    /// keeps an endpoint that is no longer picked for new flows for as long as it serves.
+    pub serving: Vec<IpAddr>,
 }
 
 pub type Desired = BTreeMap<ServiceKey, DesiredPort>;
@@ -112,8 +117,14 @@ pub fn service_entries<'a>(
         }
         let by_port = endpoints::endpoints_by_port(slices.iter().copied(), family, node, skipped);
         for (sp, ranges) in translated.ports.iter().zip(&ranges) {
-            let cat = endpoints::categorize(endpoints::for_port(&by_port, &sp.name), sp, node);
-            family_entries(sp, family, &cat, node, options, ranges, &mut out);
+            let endpoints = endpoints::for_port(&by_port, &sp.name);
+            let cat = endpoints::categorize(endpoints, sp, node);
+            let serving: Vec<IpAddr> = if sp.protocol == Protocol::Udp {
+                endpoints.iter().filter(|e| e.serving).map(|e| e.ip).collect::<BTreeSet<_>>().into_iter().collect()
+            } else {
+                Vec::new()
+            };
+            family_entries(sp, family, &cat, &serving, node, options, ranges, &mut out);
         }
     }
     // A refused service range: every other port of its ClusterIPs is rejected, whatever the
@@ -129,6 +140,7 @@ pub fn service_entries<'a>(
                 flags: 0,
                 source_ranges: Vec::new(),
                 affinity_timeout: 0,
+                serving: Vec::new(),
             };
             out.push((key, port));
         }
@@ -137,10 +149,12 @@ pub fn service_entries<'a>(
 }
 
 /// The entries of one service port in one family's proxier.
+#[allow(clippy::too_many_arguments)]
 fn family_entries(
     sp: &ServicePort,
     family: IpFamily,
     cat: &endpoints::Categorized,
+    serving: &[IpAddr],
     node: &NodeInfo,
     options: &ProxyOptions,
     all_ranges: &[Cidr],
@@ -178,6 +192,7 @@ fn family_entries(
                     flags,
                     source_ranges,
                     affinity_timeout: sp.session_affinity_timeout.unwrap_or(0),
+                    serving: serving.to_vec(),
                 },
             ));
         }

@@ -219,7 +219,7 @@ fn desired_with(n: usize, backends_per_service: usize, target_backend: impl Into
         };
         desired.insert(
             service_key(ip, 80, Protocol::Tcp),
-            DesiredPort { name, backends, flags: 0, source_ranges: vec![], affinity_timeout: 0 },
+            DesiredPort { name, backends, flags: 0, source_ranges: vec![], affinity_timeout: 0, serving: vec![] },
         );
     }
     desired
@@ -843,6 +843,7 @@ fn node_port_bench(
             flags: proxy_common::SERVICE_FLAG_SNAT,
             source_ranges: vec![],
             affinity_timeout: 0,
+            serving: vec![],
         },
     );
     let np6 =
