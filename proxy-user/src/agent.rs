@@ -626,6 +626,8 @@ impl Syncer {
         let capacity = self.programmer.capacity();
         m.map_use("services", programmed.len(), capacity.service_ports);
         m.map_use("backends", slots, capacity.backends);
+        let (ranges, range_capacity) = self.programmer.source_ranges_use();
+        m.map_use("source_ranges", ranges, range_capacity);
         let (internal, external) = self.state.no_local_endpoints();
         m.no_local_endpoints(internal, external);
         if report.failed > 0 {

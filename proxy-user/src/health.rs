@@ -1,16 +1,19 @@
 //! kube-proxy's healthCheckNodePort servers: for each LoadBalancer service with
 //! externalTrafficPolicy=Local, an HTTP server on the node answering 200 when the node has
 //! local endpoints (and the proxy itself is healthy) and 503 otherwise, with kube-proxy's JSON
-//! body. Cloud load balancers use it to send traffic only to nodes that can serve it. The
-//! servers listen on every address, so they share one bounded pool of connections
-//! ([`http_server::Limits`]).
+//! body. Cloud load balancers use it to send traffic only to nodes that can serve it. Each
+//! listens on every address of both families (`[::]`, dual-stack, as kube-proxy's Go listener
+//! on `:port`), with a bounded pool of its own ([`http_server::Limits`]: per source address,
+//! short header timeout), so that clients holding connections to one port cannot make a load
+//! balancer drain the node from another. A port that could not be bound is tried again at
+//! the next update.
 use std::{
     collections::BTreeMap,
     sync::{Arc, Mutex},
 };
 
 use http::StatusCode;
-use tokio::{sync::Semaphore, task::JoinHandle};
+use tokio::task::JoinHandle;
 
 pub use crate::http_server::Limits;
 use crate::{
@@ -25,7 +28,6 @@ pub struct HealthServers {
     state: Shared,
     servers: BTreeMap<u16, JoinHandle<()>>,
     limits: Limits,
-    permits: Arc<Semaphore>,
     /// The proxy's own health (`serviceProxyHealthy`); healthy when absent.
     proxy: Option<Arc<ProxyHealth>>,
 }
@@ -38,8 +40,7 @@ impl Default for HealthServers {
 
 impl HealthServers {
     pub fn with_limits(limits: Limits) -> Self {
-        let permits = Arc::new(Semaphore::new(limits.connections));
-        Self { state: Shared::default(), servers: BTreeMap::new(), limits, permits, proxy: None }
+        Self { state: Shared::default(), servers: BTreeMap::new(), limits, proxy: None }
     }
 
     /// Answer 503 on every port while the proxy is unhealthy, as kube-proxy does.
@@ -51,7 +52,8 @@ impl HealthServers {
     /// Serve exactly the ports of `wanted` (port → service, local endpoints).
     pub fn update(&mut self, wanted: BTreeMap<u16, (ObjectKey, usize)>) {
         for (port, server) in std::mem::take(&mut self.servers) {
-            if wanted.contains_key(&port) {
+            // A server that ended could not bind its port: started again below.
+            if wanted.contains_key(&port) && !server.is_finished() {
                 self.servers.insert(port, server);
             } else {
                 server.abort();
@@ -68,12 +70,18 @@ impl HealthServers {
                         None => http_server::not_found(),
                     }
                 });
-                let (limits, permits) = (self.limits, self.permits.clone());
+                let limits = self.limits;
                 let service = wanted[&port].0.to_string();
                 let server = tokio::spawn(async move {
-                    match tokio::net::TcpListener::bind(("0.0.0.0", port)).await {
-                        Ok(listener) => http_server::serve(listener, limits, permits, handler).await,
-                        Err(e) => tracing::error!(port, %service, "failed to open the health check node port: {e}"),
+                    match bind_dual_stack(port) {
+                        Ok(listener) => {
+                            http_server::serve(listener, limits, http_server::Pool::new(&limits), handler).await
+                        }
+                        Err(e) => tracing::error!(
+                            port,
+                            %service,
+                            "failed to open the health check node port (tried again at the next sync): {e}"
+                        ),
                     }
                 });
                 self.servers.insert(port, server);
@@ -89,6 +97,39 @@ impl Drop for HealthServers {
             server.abort();
         }
     }
+}
+
+/// A listener on `port` of every address of both families (`[::]` without IPV6_V6ONLY), or of
+/// IPv4 alone on a node without IPv6.
+fn bind_dual_stack(port: u16) -> std::io::Result<tokio::net::TcpListener> {
+    let any6 = std::net::SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port));
+    let socket = match tokio::net::TcpSocket::new_v6() {
+        Ok(socket) => socket,
+        Err(e) if e.raw_os_error() == Some(libc::EAFNOSUPPORT) => {
+            let socket = tokio::net::TcpSocket::new_v4()?;
+            socket.set_reuseaddr(true)?;
+            socket.bind((std::net::Ipv4Addr::UNSPECIFIED, port).into())?;
+            return socket.listen(1024);
+        }
+        Err(e) => return Err(e),
+    };
+    socket.set_reuseaddr(true)?;
+    // SAFETY: setsockopt on a socket we own, with an int option value.
+    let off: libc::c_int = 0;
+    let rc = unsafe {
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&socket),
+            libc::IPPROTO_IPV6,
+            libc::IPV6_V6ONLY,
+            (&raw const off).cast(),
+            size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    socket.bind(any6)?;
+    socket.listen(1024)
 }
 
 /// The answer kube-proxy's health check server gives.
@@ -114,9 +155,73 @@ mod tests {
         net::TcpStream,
     };
 
+    /// 1,100 connections held open from one address (a pod, an outside client) cost it its
+    /// share; a probe from another address is answered at once, over IPv4 and over IPv6
+    /// (the port is dual-stack); those idle past the header timeout are closed.
+    #[tokio::test]
+    async fn connections_held_open_cannot_make_the_node_drain() {
+        let limits = super::Limits {
+            connections: 64,
+            per_source: 4,
+            header_timeout: Duration::from_millis(300),
+            timeout: Duration::from_secs(5),
+        };
+        let mut servers = super::HealthServers::with_limits(limits);
+        let port = std::net::TcpListener::bind("[::]:0").unwrap().local_addr().unwrap().port();
+        servers.update([(port, (super::ObjectKey::new("shop", "web"), 1))].into());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // From 127.0.0.2: held open, never a request (1,100 descriptors here: the soft limit
+        // raised to the hard one, as the agent does).
+        let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit/setrlimit read and write one rlimit.
+        unsafe {
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
+        let mut held = Vec::new();
+        for _ in 0..1100 {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+            held.push(socket.connect(([127, 0, 0, 1], port).into()).await.unwrap());
+        }
+        let probe = |addr: std::net::SocketAddr| async move {
+            let started = Instant::now();
+            let mut probe = TcpStream::connect(addr).await.unwrap();
+            probe.write_all(b"GET /healthz HTTP/1.1\r\n\r\n").await.unwrap();
+            let mut answer = String::new();
+            tokio::time::timeout(Duration::from_secs(2), probe.read_to_string(&mut answer))
+                .await
+                .expect("answered")
+                .unwrap();
+            (answer, started.elapsed())
+        };
+        for addr in [([127, 0, 0, 1], port).into(), (std::net::Ipv6Addr::LOCALHOST, port).into()] {
+            let (answer, took) = probe(addr).await;
+            assert!(answer.starts_with("HTTP/1.1 200 OK"), "{addr}: {answer}");
+            assert!(took < Duration::from_millis(250), "{addr}: answered at once, not after the held ones: {took:?}");
+        }
+        // The held connections: all but 4 closed at once, and those 4 after the header timeout.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let mut open = 0;
+        for conn in &mut held {
+            let mut byte = [0u8; 1];
+            // Nothing within a millisecond: still open (a closed one reads EOF or a reset).
+            if tokio::time::timeout(Duration::from_millis(1), conn.read(&mut byte)).await.is_err() {
+                open += 1;
+            }
+        }
+        assert_eq!(open, 0, "every held connection closed");
+    }
+
     #[tokio::test]
     async fn idle_connections_cannot_starve_the_server() {
-        let limits = super::Limits { connections: 8, timeout: Duration::from_millis(300) };
+        let limits = super::Limits {
+            connections: 8,
+            per_source: 64,
+            header_timeout: Duration::from_millis(300),
+            timeout: Duration::from_secs(4),
+        };
         let mut servers = super::HealthServers::with_limits(limits);
         // A free port for the test.
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -127,8 +232,8 @@ mod tests {
         for _ in 0..40 {
             idle.push(TcpStream::connect(("127.0.0.1", port)).await.unwrap());
         }
-        // A load balancer's probe is still answered: the idle ones time out and free their
-        // slots (40 idle / 8 slots × 300 ms, well within the deadline).
+        // A load balancer's probe is still answered: it waits for a slot, which the idle ones
+        // give up at their header timeout (the cap holds: 8 slots for 41 connections).
         let started = Instant::now();
         let mut probe = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
         probe.write_all(b"GET /healthz HTTP/1.1\r\n\r\n").await.unwrap();
@@ -138,7 +243,7 @@ mod tests {
             .expect("answered")
             .unwrap();
         assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
-        assert!(started.elapsed() >= Duration::from_millis(300), "it waited for a slot: the cap holds");
+        assert!(started.elapsed() >= Duration::from_millis(250), "it waited for a slot: the cap holds");
     }
 
     #[tokio::test]

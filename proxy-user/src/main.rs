@@ -120,6 +120,13 @@ struct FlowSelect {
     frontend: Option<String>,
 }
 
+/// `--host-external-ips`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum HostExternalIps {
+    All,
+    Local,
+}
+
 #[derive(clap::Args)]
 struct AgentArgs {
     /// kube-proxy's configuration file (a `KubeProxyConfiguration`, as in kubeadm's
@@ -151,6 +158,13 @@ struct AgentArgs {
     /// does behind kube-proxy; `always` skips it even then; `never` never does.
     #[arg(long, value_enum, default_value_t = ForwardDirect::Auto)]
     forward_direct: ForwardDirect,
+    /// Connections the node's own processes make to a Service's externalIP or LoadBalancer IP:
+    /// `all` translates them to its endpoints whatever the address, as kube-proxy does (a
+    /// Service can then take over the node's traffic to any address, CVE-2020-8554; kpr's own
+    /// connections are exempt); `local` only where the address is one of the node's own, as
+    /// Cilium's socket load balancer does. Pods and outside clients are served either way.
+    #[arg(long, value_enum, default_value_t = HostExternalIps::All)]
+    host_external_ips: HostExternalIps,
     /// The same as `--forward-direct never` (kept for earlier command lines).
     #[arg(long)]
     host_routing: bool,
@@ -182,6 +196,11 @@ struct AgentArgs {
     max_backends: u32,
     #[arg(long, default_value_t = defaults::MAX_SOCK_REVNAT)]
     max_sock_revnat: u32,
+    /// Entries of the loadBalancerSourceRanges map (one per range per LoadBalancer IP
+    /// frontend); a Service whose ranges do not fit is left as it was, and the others are
+    /// programmed.
+    #[arg(long, default_value_t = defaults::MAX_SOURCE_RANGES)]
+    max_source_ranges: u32,
     /// Per-packet conntrack entries (two per flow through NodePort/external frontends) of each
     /// family's table of established flows.
     #[arg(long, default_value_t = defaults::MAX_CONNTRACK)]
@@ -332,6 +351,7 @@ fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
     datapath.max_service_ports = args.max_service_ports;
     datapath.max_backends = args.max_backends;
     datapath.max_sock_revnat = args.max_sock_revnat;
+    datapath.max_source_ranges = args.max_source_ranges;
     datapath.max_conntrack = args.max_conntrack;
     datapath.max_conntrack_new = args.max_conntrack_new;
     datapath.ct_timeouts = config.conntrack.datapath();
@@ -393,6 +413,7 @@ fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
             masquerade_all: config.masquerade_all,
             detect_local: detector.implemented(),
             refuse_service_range,
+            host_external_ips_local_only: args.host_external_ips == HostExternalIps::Local,
         },
         sync_period: config.sync_period,
         min_sync_period: config.min_sync_period,

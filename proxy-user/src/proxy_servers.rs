@@ -1,6 +1,8 @@
 //! kube-proxy's two servers, at kube-proxy's addresses:
 //! - `metricsBindAddress` (default `127.0.0.1:10249`): `/metrics`, `/proxyMode` (`kpr`),
-//!   `/configz` (the effective configuration) and `/healthz` (`ok`: the process answers);
+//!   `/configz` (the effective configuration) and `/healthz` (`ok`: the process answers), and
+//!   `/livez` and `/readyz` as on the healthz server: on loopback by default, where no pod can
+//!   hold connections to them, so the DaemonSet's probes use these;
 //! - `healthzBindAddress` (default `0.0.0.0:10256`): `/healthz` and `/livez` ([`ProxyHealth`]),
 //!   and kpr's `/readyz` (synced once: the DaemonSet's readiness probe).
 //!
@@ -10,7 +12,7 @@ use std::{net::SocketAddr, sync::Arc};
 
 use anyhow::Result;
 use http::StatusCode;
-use tokio::{sync::Semaphore, task::JoinHandle};
+use tokio::task::JoinHandle;
 
 use crate::{
     http_server::{self, Handler, Limits},
@@ -56,14 +58,23 @@ impl Listeners {
         let mut tasks = Vec::new();
         if let Some(listener) = self.metrics {
             let configz = serde_json::to_vec(&configz).expect("serializable");
+            let health = health.clone();
             let handler: Handler = Arc::new(move |request| match request.uri.path() {
                 "/metrics" => http_server::reply(StatusCode::OK, OPENMETRICS, metrics.encode()),
                 "/proxyMode" => http_server::reply(StatusCode::OK, TEXT, PROXY_MODE),
                 "/configz" => http_server::reply(StatusCode::OK, "application/json", configz.clone()),
                 "/healthz" => http_server::reply(StatusCode::OK, TEXT, "ok"),
+                "/livez" => {
+                    let (status, report) = health.livez();
+                    http_server::json(status, &report)
+                }
+                "/readyz" => {
+                    let (status, report) = health.readyz();
+                    http_server::json(status, &report)
+                }
                 _ => http_server::not_found(),
             });
-            tasks.push(http_server::spawn(listener, limits, Arc::new(Semaphore::new(limits.connections)), handler));
+            tasks.push(http_server::spawn(listener, limits, http_server::Pool::new(&limits), handler));
         }
         if let Some(listener) = self.healthz {
             let handler: Handler = Arc::new(move |request| match request.uri.path() {
@@ -81,7 +92,7 @@ impl Listeners {
                 }
                 _ => http_server::not_found(),
             });
-            tasks.push(http_server::spawn(listener, limits, Arc::new(Semaphore::new(limits.connections)), handler));
+            tasks.push(http_server::spawn(listener, limits, http_server::Pool::new(&limits), handler));
         }
         tasks
     }

@@ -411,6 +411,39 @@ fn the_agents_own_sockets_are_not_taken_over_by_an_external_ip() {
     assert_eq!(h.counter("sock_agent_exempt"), 4);
 }
 
+/// A kubelet-like process on the node talks to its API server at another machine's address,
+/// which a Service claims as an externalIP (CVE-2020-8554). By default, as kube-proxy does,
+/// the node's connections to it go to the Service's endpoint; with `--host-external-ips
+/// local` they reach the API server, while a pod still gets the Service.
+#[test]
+fn host_external_ips_local_keeps_the_nodes_connections_to_other_machines() {
+    const REMOTE: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
+    for (args, node_reaches) in [(&[][..], "pod-a"), (&["--host-external-ips", "local"][..], "apiserver")] {
+        let mut h = Harness::new("kt-hostext", &["pod-a", "apiserver"]).unwrap();
+        // The API server: another machine (here the second pod's namespace), routed to.
+        let api = &h.topology.pods[1];
+        api.netns.ip(&["addr", "add", &format!("{REMOTE}/32"), "dev", "eth0"]).unwrap();
+        let _apiserver = kpr::testbed::NameServer::tcp(&api.netns, sa(REMOTE, 80), "apiserver").unwrap();
+        h.topology.client.ip(&["route", "add", &format!("{REMOTE}/32"), "via", &api.ip.to_string()]).unwrap();
+        let manifest = kpr::testbed::service_manifest("test", "web", &[IP.into()], &[HTTP])
+            .replace("  ports:\n", &format!("  externalIPs: [{REMOTE}]\n  ports:\n"));
+        h.write("web-svc.yaml", &manifest).unwrap();
+        h.write_endpoints("web", &[HTTP], &[0]).unwrap();
+        // As a DaemonSet runs it: in the node's namespace, alone in its cgroup.
+        h.agent_in_node_netns = true;
+        h.agent_own_cgroup = true;
+        h.agent_args = args.iter().map(|a| (*a).to_owned()).collect();
+        h.start_agent().unwrap();
+        h.wait(&format!("{REMOTE}:80/TCP"), Some(1)).unwrap();
+        // The kubelet-like process: on the node, in the cgroup the socket hooks cover.
+        assert_eq!(answers_from(&h, &h.cgroup.path, REMOTE), four(node_reaches), "{args:?}");
+        assert_eq!(answers_from(&h, &h.cgroup.path, IP), four("pod-a"), "the ClusterIP, translated: {args:?}");
+        // A pod reaching the externalIP gets the Service either way.
+        let (name, _) = h.topology.pods[0].netns.run(move || tcp_ask(sa(REMOTE, 80), TIMEOUT).unwrap()).unwrap();
+        assert_eq!(name, "pod-a", "{args:?}");
+    }
+}
+
 #[test]
 fn an_agent_sharing_its_cgroup_exempts_nobody() {
     // An agent sharing its cgroup (a shell's session on a dev node; here the test's):

@@ -60,6 +60,8 @@ pub struct DatapathConfig {
     pub max_service_ports: u32,
     pub max_backends: u32,
     pub max_sock_revnat: u32,
+    /// Entries of the loadBalancerSourceRanges map.
+    pub max_source_ranges: u32,
     /// Entries of each family's conntrack table of established flows.
     pub max_conntrack: u32,
     /// Entries of each family's conntrack table of flows not answered yet.
@@ -95,6 +97,7 @@ impl DatapathConfig {
             max_service_ports: defaults::MAX_SERVICE_PORTS,
             max_backends: defaults::MAX_BACKENDS,
             max_sock_revnat: defaults::MAX_SOCK_REVNAT,
+            max_source_ranges: defaults::MAX_SOURCE_RANGES,
             max_conntrack: defaults::MAX_CONNTRACK,
             max_conntrack_new: defaults::MAX_CONNTRACK_NEW,
             detect_local: proxy_common::DETECT_LOCAL_NONE,
@@ -472,6 +475,7 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .map_max_entries(map_names::CT_NEW4, size(map_names::CT_NEW4, cfg.max_conntrack_new))
         .map_max_entries(map_names::CONNTRACK6, size(map_names::CONNTRACK6, cfg.max_conntrack))
         .map_max_entries(map_names::CT_NEW6, size(map_names::CT_NEW6, cfg.max_conntrack_new))
+        .map_max_entries(map_names::SOURCE_RANGES, size(map_names::SOURCE_RANGES, cfg.max_source_ranges))
         .override_global("KPR_HAVE_SET_RETVAL", &have_set_retval, true)
         .override_global("KPR_COARSE_CLOCK", &have_coarse_clock, true)
         .override_global("KPR_HOST_NETNS_COOKIE", &host_netns, true)
@@ -1263,6 +1267,10 @@ impl BpfMaps {
 impl Maps for BpfMaps {
     fn capacity(&self) -> Capacity {
         self.capacity
+    }
+
+    fn source_range_capacity(&self) -> u32 {
+        self.source_ranges.map().info().map_or(defaults::MAX_SOURCE_RANGES, |i| i.max_entries())
     }
 
     fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>> {

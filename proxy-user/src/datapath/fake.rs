@@ -20,8 +20,10 @@ pub struct FakeMaps {
     /// Fail the next N `set_service` calls (simulates a kernel error).
     pub fail_service_writes: usize,
     pub source_ranges: std::collections::BTreeSet<(u32, Cidr)>,
-    /// `flush_flows` calls: (service id, backends).
+    /// `flush_flows` calls: (service id, endpoint addresses).
     pub flushed: Vec<(u32, Vec<Addr>)>,
+    /// Entries the source range map holds at most.
+    pub source_range_capacity: u32,
 }
 
 impl FakeMaps {
@@ -35,6 +37,7 @@ impl FakeMaps {
             fail_service_writes: 0,
             source_ranges: Default::default(),
             flushed: Vec::new(),
+            source_range_capacity: u32::MAX,
         }
     }
 
@@ -52,6 +55,10 @@ impl FakeMaps {
 impl Maps for FakeMaps {
     fn capacity(&self) -> Capacity {
         self.capacity
+    }
+
+    fn source_range_capacity(&self) -> u32 {
+        self.source_range_capacity
     }
 
     fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>> {

@@ -39,6 +39,10 @@ pub struct Capacity {
 /// syscall each on the kernel side), in the order given.
 pub trait Maps: Send {
     fn capacity(&self) -> Capacity;
+    /// Entries the loadBalancerSourceRanges map holds at most.
+    fn source_range_capacity(&self) -> u32 {
+        u32::MAX
+    }
     /// Every entry of the services map.
     fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>>;
     /// `count` backend slots starting at `start`.
@@ -183,6 +187,8 @@ pub struct Programmer {
     /// UDP service ports: the endpoint addresses their flows may still go to (every backend
     /// and serving endpoint since the flows were last flushed).
     udp_reach: BTreeMap<ServiceKey, BTreeSet<Addr>>,
+    /// Entries the loadBalancerSourceRanges map holds at most.
+    source_range_capacity: u32,
 }
 
 impl Programmer {
@@ -227,6 +233,7 @@ impl Programmer {
             capacity,
             failing: BTreeSet::new(),
             udp_reach: BTreeMap::new(),
+            source_range_capacity: maps.source_range_capacity(),
         })
     }
 
@@ -280,6 +287,15 @@ impl Programmer {
         self.capacity
     }
 
+    /// loadBalancerSourceRanges entries programmed, and the map's capacity.
+    pub fn source_ranges_use(&self) -> (usize, u32) {
+        (self.source_ranges_in_use(), self.source_range_capacity)
+    }
+
+    fn source_ranges_in_use(&self) -> usize {
+        self.programmed.values().map(|p| p.source_ranges.len()).sum()
+    }
+
     pub fn apply(&mut self, desired: &Desired, maps: &mut dyn Maps) -> ApplyReport {
         let now = std::time::Instant::now();
         self.slots.end_quarantine(now);
@@ -313,6 +329,8 @@ impl Programmer {
         let mut pending: Vec<Pending> = Vec::new();
         let mut failed_services = BTreeSet::new();
         let mut new_entries = 0;
+        // loadBalancerSourceRanges entries: a port's new ones go in before its old ones leave.
+        let mut ranges_used: usize = self.source_ranges_in_use();
         for (key, want) in desired {
             let backends: Vec<Backend> = want.backends.iter().map(|(ip, port)| backend(*ip, *port)).collect();
             let old = self.programmed.get(key);
@@ -322,8 +340,18 @@ impl Programmer {
             let old_ranges = old.map(|p| p.source_ranges.clone()).unwrap_or_default();
             let shrinking = old.is_some_and(|p| backends.iter().all(|b| p.backends.contains(b)));
             let old = old.map(|p| p.value);
-            match self.reserve(old, want, new_entries, shrinking) {
+            let added_ranges = want.source_ranges.iter().filter(|r| !old_ranges.contains(r)).count();
+            let reserved = if ranges_used + added_ranges > self.source_range_capacity as usize {
+                Err(anyhow::anyhow!(
+                    "the loadBalancerSourceRanges map is full ({} entries); raise --max-source-ranges",
+                    self.source_range_capacity
+                ))
+            } else {
+                self.reserve(old, want, new_entries, shrinking)
+            };
+            match reserved {
                 Ok(value) => {
+                    ranges_used += added_ranges;
                     new_entries += usize::from(old.is_none());
                     pending.push(Pending {
                         key: *key,

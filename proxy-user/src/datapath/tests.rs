@@ -187,6 +187,41 @@ fn recovers_from_existing_maps_and_repairs_drift() {
     assert!(maps.violations.is_empty(), "{:?}", maps.violations);
 }
 
+/// A full loadBalancerSourceRanges map is one service's failure, not the node's: a service
+/// whose ranges do not fit is left out whole (its other ports too), every other service is
+/// programmed, and it goes in once there is room.
+#[test]
+fn a_full_source_range_map_stops_only_the_service_that_does_not_fit() {
+    let mut maps = FakeMaps::new(CAP);
+    maps.source_range_capacity = 3;
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    let ranged = |d: &mut Desired, n: u8, ranges: &[&str]| {
+        let entry = d.get_mut(&key(n)).unwrap();
+        entry.flags = proxy_common::SERVICE_FLAG_SOURCE_RANGES;
+        entry.source_ranges = ranges.iter().map(|r| cidr(r)).collect();
+    };
+    let mut d = desired(&[(1, &[1]), (2, &[2])]);
+    ranged(&mut d, 1, &["10.0.0.0/8", "192.0.2.0/24"]);
+    p.apply(&d, &mut maps);
+    assert_eq!(p.source_ranges_use(), (2, 3));
+    // Service 3 wants two more ranges (one fits); service 4 and a change to service 2 none.
+    d.extend(desired(&[(3, &[3]), (4, &[4])]));
+    ranged(&mut d, 3, &["198.51.100.0/24", "203.0.113.0/24"]);
+    d.get_mut(&key(2)).unwrap().backends = vec![(Ipv4Addr::new(10, 0, 0, 5).into(), 8080)];
+    let report = p.apply(&d, &mut maps);
+    assert_eq!((report.added, report.updated, report.failed), (1, 1, 1), "{report:?}");
+    assert!(!maps.services.contains_key(&key(3)), "left out whole");
+    assert!(maps.services.contains_key(&key(4)), "another service goes in");
+    assert_eq!(maps.visible_backends(&key(2)), Some(vec![backend(Ipv4Addr::new(10, 0, 0, 5), 8080)]));
+    assert!(p.has_failures());
+    // Service 1 gives up a range: service 3 fits at the next apply.
+    ranged(&mut d, 1, &["10.0.0.0/8"]);
+    p.apply(&d, &mut maps);
+    p.apply(&d, &mut maps);
+    assert!(maps.services.contains_key(&key(3)));
+    assert_eq!(p.source_ranges_use(), (3, 3));
+}
+
 #[test]
 fn source_ranges_are_written_before_the_entry_and_cleaned_up_after() {
     let mut maps = FakeMaps::new(CAP);

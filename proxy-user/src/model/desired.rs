@@ -167,6 +167,10 @@ fn family_entries(
     // `chosen`: an externalIP or LoadBalancer IP, an address the Service (or its status) picks.
     let mut push = |ip: IpAddr, port: u16, [pod, external, from_node]: &[Verdict; 3], ranges: &[Cidr], chosen: bool| {
         for (scope, verdict) in [(SCOPE_POD, pod), (SCOPE_EXTERNAL, external), (SCOPE_NODE, from_node)] {
+            // No entry: the node's own connections to that address pass untranslated.
+            if scope == SCOPE_NODE && chosen && options.host_external_ips_local_only && !node.addresses.contains(&ip) {
+                continue;
+            }
             let key = frontend_key(ip, port, sp.protocol, scope);
             // The node's own traffic was decided at sync time (no per-packet source).
             let filtered = !ranges.is_empty() && scope != SCOPE_NODE;
@@ -868,7 +872,7 @@ mod tests {
     fn external_frontends_follow_the_external_traffic_policy() {
         let node =
             NodeInfo { name: "node-a".into(), addresses: vec!["10.0.0.1".parse().unwrap()], ..NodeInfo::default() };
-        let options = ProxyOptions { masquerade_all: false, detect_local: true, refuse_service_range: false };
+        let options = ProxyOptions { detect_local: true, ..Default::default() };
         let mut st = ClusterState::with_options(node, options);
         let svc = service_yaml(
             "metadata: {name: web, namespace: shop}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalIPs: [192.0.2.7]\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n  ports: [{name: http, port: 80, nodePort: 30080}]\nstatus: {loadBalancer: {ingress: [{ip: 198.51.100.1}]}}",
@@ -905,5 +909,38 @@ mod tests {
         }
         assert_eq!(show("10.96.0.10", 80, SCOPE_NODE).1 & SERVICE_FLAG_EXTERNAL_ADDR, 0, "a ClusterIP is for everyone");
         assert_eq!(st.health_checks()[&32000], (ObjectKey::new("shop", "web"), 1));
+    }
+
+    /// `--host-external-ips local`: the node's own connections to an externalIP or
+    /// LoadBalancer IP that is not the node's pass untranslated (no entry for them); one that
+    /// is the node's, the ClusterIP and the NodePort are translated as before; pods and outside
+    /// clients are served either way.
+    #[test]
+    fn host_external_ips_local_leaves_the_nodes_connections_to_other_machines_alone() {
+        let node = NodeInfo {
+            name: "node-a".into(),
+            addresses: vec!["10.0.0.1".parse().unwrap(), "192.0.2.8".parse().unwrap()],
+            ..NodeInfo::default()
+        };
+        let options = ProxyOptions { detect_local: true, host_external_ips_local_only: true, ..Default::default() };
+        let mut st = ClusterState::with_options(node, options);
+        let svc = service_yaml(
+            "metadata: {name: api, namespace: shop}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalIPs: [192.0.2.7, 192.0.2.8]\n  ports: [{name: https, port: 6443, nodePort: 30443}]\nstatus: {loadBalancer: {ingress: [{ip: 198.51.100.1}]}}",
+        );
+        let slice = slice_yaml(
+            "metadata: {name: api-1, namespace: shop, labels: {kubernetes.io/service-name: api}}\naddressType: IPv4\nports: [{name: https, port: 8443}]\nendpoints: [{addresses: [10.0.0.2], nodeName: node-b}]",
+        );
+        st.replace_services(vec![svc]);
+        st.replace_slices(vec![slice]);
+        let d = st.desired();
+        let has = |ip: &str, port: u16, scope: u8| {
+            d.contains_key(&frontend_key(ip.parse::<IpAddr>().unwrap(), port, Protocol::Tcp, scope))
+        };
+        for ip in ["192.0.2.7", "198.51.100.1"] {
+            assert!(!has(ip, 6443, SCOPE_NODE), "{ip}: another machine's address, left to the node");
+            assert!(has(ip, 6443, SCOPE_POD) && has(ip, 6443, SCOPE_EXTERNAL), "{ip}: pods and outside served");
+        }
+        assert!(has("192.0.2.8", 6443, SCOPE_NODE), "the node's own address: translated");
+        assert!(has("10.96.0.10", 6443, SCOPE_NODE) && has("0.0.0.0", 30443, SCOPE_NODE));
     }
 }

@@ -162,6 +162,10 @@ pub struct ProxyOptions {
     /// mode does: an unknown port of a ClusterIP is rejected (and an unallocated address of
     /// the service range dropped, by the datapath). Also: the ServiceCIDRs are watched.
     pub refuse_service_range: bool,
+    /// The node's own processes reach an externalIP or LoadBalancer IP that is not one of the
+    /// node's addresses as it is (`--host-external-ips local`): no Service can take over the
+    /// node's connections to other machines (CVE-2020-8554). Off: translated, as kube-proxy does.
+    pub host_external_ips_local_only: bool,
 }
 
 /// An IP family. kube-proxy runs one proxier per family, and each sees a Service only through
