@@ -103,7 +103,9 @@ impl DatapathConfig {
             detect_local: proxy_common::DETECT_LOCAL_NONE,
             localhost_node_ports: false,
             pod_links_covered: false,
-            forward_direct: ForwardDirect::Auto,
+            // The agent's own default is `Auto` (its flag), which needs its watch of the host
+            // to write `KPR_HOST_STATE`; a datapath loaded without one forwards directly.
+            forward_direct: ForwardDirect::Always,
             agent_cgroup_id: 0,
             refuse_service_range: false,
             ct_timeouts: CtTimeouts::DEFAULT,
