@@ -414,7 +414,13 @@ fn deploy_manifests_are_accepted_by_the_api_server() {
     assert_eq!(get("daemonset/kpr", "{.spec.template.spec.hostNetwork}"), "true");
     assert_eq!(get("daemonset/kpr", "{.spec.template.spec.serviceAccountName}"), "kpr");
     assert_eq!(get("daemonset/kpr", "{.spec.updateStrategy.rollingUpdate.maxUnavailable}"), "1");
-    assert_eq!(get("daemonset/kpr", "{.spec.template.spec.containers[0].readinessProbe.httpGet.path}"), "/healthz");
+    // Ready once synced (kube-proxy's /healthz is 200 while starting); both probes on the
+    // loopback metrics server, where no pod can hold connections.
+    let probe = |which: &str, field: &str| {
+        get("daemonset/kpr", &format!("{{.spec.template.spec.containers[0].{which}.httpGet.{field}}}"))
+    };
+    assert_eq!((probe("readinessProbe", "path"), probe("readinessProbe", "port")), ("/readyz".into(), "10249".into()));
+    assert_eq!((probe("livenessProbe", "path"), probe("livenessProbe", "port")), ("/livez".into(), "10249".into()));
     assert!(get("configmap/kpr", "{.data.config\\.conf}").contains("kind: KubeProxyConfiguration"));
 }
 
