@@ -64,15 +64,7 @@ impl Listeners {
                 "/proxyMode" => http_server::reply(StatusCode::OK, TEXT, PROXY_MODE),
                 "/configz" => http_server::reply(StatusCode::OK, "application/json", configz.clone()),
                 "/healthz" => http_server::reply(StatusCode::OK, TEXT, "ok"),
-                "/livez" => {
-                    let (status, report) = health.livez();
-                    http_server::json(status, &report)
-                }
-                "/readyz" => {
-                    let (status, report) = health.readyz();
-                    http_server::json(status, &report)
-                }
-                _ => http_server::not_found(),
+                path => probe(&health, path).unwrap_or_else(http_server::not_found),
             });
             tasks.push(http_server::spawn(listener, limits, http_server::Pool::new(&limits), handler));
         }
@@ -82,18 +74,20 @@ impl Listeners {
                     let (status, report) = health.healthz();
                     http_server::json(status, &report)
                 }
-                "/livez" => {
-                    let (status, report) = health.livez();
-                    http_server::json(status, &report)
-                }
-                "/readyz" => {
-                    let (status, report) = health.readyz();
-                    http_server::json(status, &report)
-                }
-                _ => http_server::not_found(),
+                path => probe(&health, path).unwrap_or_else(http_server::not_found),
             });
             tasks.push(http_server::spawn(listener, limits, http_server::Pool::new(&limits), handler));
         }
         tasks
     }
+}
+
+/// `/livez` and `/readyz`, the kubelet's probes, served alike by both servers.
+fn probe(health: &ProxyHealth, path: &str) -> Option<http_server::Reply> {
+    let (status, report) = match path {
+        "/livez" => health.livez(),
+        "/readyz" => health.readyz(),
+        _ => return None,
+    };
+    Some(http_server::json(status, &report))
 }
