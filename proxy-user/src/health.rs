@@ -155,6 +155,15 @@ mod tests {
         net::TcpStream,
     };
 
+    /// A health check port (a free one) for `shop/web` with one local endpoint, listening.
+    async fn serving_one(limits: super::Limits) -> (super::HealthServers, u16) {
+        let mut servers = super::HealthServers::with_limits(limits);
+        let port = std::net::TcpListener::bind("[::]:0").unwrap().local_addr().unwrap().port();
+        servers.update([(port, (super::ObjectKey::new("shop", "web"), 1))].into());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        (servers, port)
+    }
+
     /// 1,100 connections held open from one address (a pod, an outside client) cost it its
     /// share; a probe from another address is answered at once, over IPv4 and over IPv6
     /// (the port is dual-stack); those idle past the header timeout are closed.
@@ -166,10 +175,7 @@ mod tests {
             header_timeout: Duration::from_millis(300),
             timeout: Duration::from_secs(5),
         };
-        let mut servers = super::HealthServers::with_limits(limits);
-        let port = std::net::TcpListener::bind("[::]:0").unwrap().local_addr().unwrap().port();
-        servers.update([(port, (super::ObjectKey::new("shop", "web"), 1))].into());
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (_servers, port) = serving_one(limits).await;
         // From 127.0.0.2: held open, never a request (1,100 descriptors here: the soft limit
         // raised to the hard one, as the agent does).
         let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
@@ -222,11 +228,7 @@ mod tests {
             header_timeout: Duration::from_millis(300),
             timeout: Duration::from_secs(4),
         };
-        let mut servers = super::HealthServers::with_limits(limits);
-        // A free port for the test.
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        servers.update([(port, (super::ObjectKey::new("shop", "web"), 1))].into());
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (_servers, port) = serving_one(limits).await;
         // Forty idle clients: more than the cap; they never send a request.
         let mut idle = Vec::new();
         for _ in 0..40 {

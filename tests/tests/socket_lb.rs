@@ -375,15 +375,21 @@ fn external_ip_takeover(h: &mut Harness, own_cgroup: bool) -> (Ipv4Addr, kpr::te
     const OWNED: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
     h.topology.client.ip(&["addr", "add", &format!("{OWNED}/32"), "dev", "lo"]).unwrap();
     let owner = kpr::testbed::NameServer::tcp(&h.topology.client, sa(OWNED, 80), "owner").unwrap();
+    start_with_external_ip(h, OWNED, own_cgroup);
+    h.wait(&format!("{OWNED}:80/TCP node"), Some(1)).unwrap();
+    (OWNED, owner)
+}
+
+/// The Service `web` with pod-a behind it, claiming `addr` as an externalIP, and the agent
+/// started in the node's namespace (alone in its cgroup with `own_cgroup`, as a DaemonSet).
+fn start_with_external_ip(h: &mut Harness, addr: Ipv4Addr, own_cgroup: bool) {
     let manifest = kpr::testbed::service_manifest("test", "web", &[IP.into()], &[HTTP])
-        .replace("  ports:\n", &format!("  externalIPs: [{OWNED}]\n  ports:\n"));
+        .replace("  ports:\n", &format!("  externalIPs: [{addr}]\n  ports:\n"));
     h.write("web-svc.yaml", &manifest).unwrap();
     h.write_endpoints("web", &[HTTP], &[0]).unwrap();
     h.agent_in_node_netns = true;
     h.agent_own_cgroup = own_cgroup;
     h.start_agent().unwrap();
-    h.wait(&format!("{OWNED}:80/TCP node"), Some(1)).unwrap();
-    (OWNED, owner)
 }
 
 /// Who answers 4 TCP connections to `addr`:80 from a process in `cgroup` on the node.
@@ -425,15 +431,8 @@ fn host_external_ips_local_keeps_the_nodes_connections_to_other_machines() {
         api.netns.ip(&["addr", "add", &format!("{REMOTE}/32"), "dev", "eth0"]).unwrap();
         let _apiserver = kpr::testbed::NameServer::tcp(&api.netns, sa(REMOTE, 80), "apiserver").unwrap();
         h.topology.client.ip(&["route", "add", &format!("{REMOTE}/32"), "via", &api.ip.to_string()]).unwrap();
-        let manifest = kpr::testbed::service_manifest("test", "web", &[IP.into()], &[HTTP])
-            .replace("  ports:\n", &format!("  externalIPs: [{REMOTE}]\n  ports:\n"));
-        h.write("web-svc.yaml", &manifest).unwrap();
-        h.write_endpoints("web", &[HTTP], &[0]).unwrap();
-        // As a DaemonSet runs it: in the node's namespace, alone in its cgroup.
-        h.agent_in_node_netns = true;
-        h.agent_own_cgroup = true;
         h.agent_args = args.iter().map(|a| (*a).to_owned()).collect();
-        h.start_agent().unwrap();
+        start_with_external_ip(&mut h, REMOTE, true);
         h.wait(&format!("{REMOTE}:80/TCP"), Some(1)).unwrap();
         // The kubelet-like process: on the node, in the cgroup the socket hooks cover.
         assert_eq!(answers_from(&h, &h.cgroup.path, REMOTE), four(node_reaches), "{args:?}");
