@@ -911,7 +911,8 @@ pub mod counter {
     /// (kube-proxy's REJECT).
     pub const TC_REJECTED: u32 = 7;
     /// tc: dropped (no local endpoint for traffic policy Local, source not in
-    /// loadBalancerSourceRanges, a non-SYN TCP packet for a service without endpoints).
+    /// loadBalancerSourceRanges, a non-SYN TCP packet for a service without endpoints, an IPv4
+    /// packet arriving with the node's own address as source where kpr set `accept_local`).
     pub const TC_DROPPED: u32 = 8;
     /// tc: no free SNAT port found for a new flow: dropped.
     pub const TC_SNAT_EXHAUSTED: u32 = 9;

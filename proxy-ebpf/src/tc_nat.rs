@@ -25,7 +25,8 @@ use core::mem::MaybeUninit;
 use aya_ebpf::{
     EbpfContext as _, Global,
     bindings::{
-        __sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
+        __sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_NOT_FWDED,
+        BPF_FIB_LKUP_RET_SUCCESS,
         BPF_FIB_LOOKUP_SKIP_NEIGH, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, bpf_fib_lookup, bpf_redir_neigh,
         bpf_redir_neigh__bindgen_ty_1,
     },
@@ -36,7 +37,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AFFINITY_BY_ADDR, Addr, Addr4, Backend, CachedRoute, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR,
-    DETECT_LOCAL_INTERFACE, FlowAddr, FragmentKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, LINK_FLAG_LOCAL_TRAFFIC,
+    DETECT_LOCAL_INTERFACE, FlowAddr, FragmentKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, LINK_FLAG_ACCEPT_LOCAL_SET,
+    LINK_FLAG_LOCAL_TRAFFIC,
     LINK_FLAG_PEER, LINK_FLAG_TC_INGRESS, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
     SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN,
     ServiceKey, ServiceValue, SourceRange, addrs_csum_diff, counter, crc32c, csum, csum::L4State, ct, has_states,
@@ -188,6 +190,10 @@ fn slow_path(ctx: &TcContext, ingress: bool) -> i32 {
 /// A packet on its way in, translated, sent straight out (unless `--host-routing`).
 #[inline(always)]
 fn ingress<F: Family>(ctx: &TcContext) -> i32 {
+    if martian_source::<F>(ctx) {
+        count(counter::TC_DROPPED);
+        return TC_ACT_SHOT;
+    }
     match known::<F>(ctx, true) {
         TC_ACT_OK if KPR_FORWARD_DIRECT.load() != 0 => forward_direct::<F>(ctx),
         verdict => verdict,
@@ -202,6 +208,34 @@ fn slow_ingress<F: Family>(ctx: &TcContext) -> i32 {
         Ok(verdict) => verdict,
         Err(()) => PASS,
     }
+}
+
+/// A packet that arrives with one of the node's own addresses as source, on a link where kpr
+/// turned `accept_local` on (`LINK_FLAG_ACCEPT_LOCAL_SET`): a martian, which the kernel would
+/// drop there without kpr. `accept_local` is for kpr's own masqueraded packets, which have the
+/// node's address once translated; it must not let a pod, or a machine outside, send as the
+/// node. One array read for most packets (the address filter), a hash lookup for the node's.
+#[inline(always)]
+fn martian_source<F: Family>(ctx: &TcContext) -> bool {
+    if !F::LOCAL_SOURCE_IS_MARTIAN {
+        return false;
+    }
+    let data = ctx.data();
+    let src = if data + IP_OFF + size_of::<F::Ip>() <= ctx.data_end() {
+        // SAFETY: within [data, data_end), checked above; the header is plain bytes.
+        F::src(unsafe { &*((data + IP_OFF) as *const F::Ip) })
+    } else {
+        match ctx.load::<F::Ip>(IP_OFF).map(WordAligned) {
+            Ok(ip) => F::src(&ip.0),
+            Err(_) => return false,
+        }
+    };
+    if !in_addr_filter(&src) || node_addr_flags(&src) & NODE_ADDR_LOCAL == 0 {
+        return false;
+    }
+    let ifindex = ifindex(ctx);
+    // SAFETY: a map value pointer, read at once.
+    LINKS.get_ptr(&ifindex).is_some_and(|link| unsafe { (*link).flags } & LINK_FLAG_ACCEPT_LOCAL_SET != 0)
 }
 
 /// Did this packet come in by a link where kpr's ingress program ran (`LINK_FLAG_TC_INGRESS`)?
@@ -977,7 +1011,8 @@ fn ifindex(ctx: &TcContext) -> u32 {
 }
 
 /// The address MASQUERADE would give a packet to `backend`: the first address of the link the
-/// route to it leaves by, else the node's primary address of the family.
+/// route to it leaves by, else the node's primary address of the family; `None` where the
+/// packet is not masqueraded at all (`backend` is one of the node's own addresses).
 /// The lookup's parameters live in the scratch area: on the stack they would put a new flow's
 /// longest chain of calls past the BPF stack of older kernels.
 ///
@@ -1020,6 +1055,12 @@ fn masquerade_source<F: Family>(ctx: &TcContext, t: &Tuple, backend: &Addr) -> O
     F::fib_dst(params, backend);
     let flags = if unsafe { (*s).route } == ROUTE_MAY_KEEP { BPF_FIB_LOOKUP_SKIP_NEIGH } else { 0 };
     let rc = unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, flags) };
+    if rc == i64::from(BPF_FIB_LKUP_RET_NOT_FWDED) {
+        // Delivered locally (a host-network endpoint of this node): never masqueraded, as a
+        // DNATed packet that goes to INPUT never meets kube-proxy's MASQUERADE in
+        // POSTROUTING. The endpoint answers the client itself, through the egress program.
+        return None;
+    }
     if (rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) || rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH))
         && let Some(addr) = link(params.ifindex).and_then(|l| F::masquerade_addr(&l))
     {

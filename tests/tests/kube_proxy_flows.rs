@@ -727,6 +727,33 @@ fn internal_external_masquerade() -> Vec<Case> {
         .collect()
 }
 
+/// Not upstream's: a Service whose endpoint is a host-network pod of this node (the node's
+/// own address; the node's listener on port 9 answers `node`). kube-proxy DNATs and the packet
+/// is delivered locally, never through POSTROUTING: the endpoint sees the client's own
+/// address, also where the Service masquerades (eTP=Cluster), and answers it directly.
+fn host_network_endpoint() -> Case {
+    let mut objects = service("ns1", "svc1", "LoadBalancer", "172.30.0.41", &[("p80", 80, "TCP", 3001, 9)], "", &["1.2.3.4"]);
+    objects += &slice("ns1", "svc1", &[("p80", 9, "TCP")], &[ep(NODE_IP_S, Some(NODE))]);
+    let v6 = "  ipFamilies: [IPv6]\n  ipFamilyPolicy: SingleStack\n";
+    objects += &service("ns2", "svc2", "NodePort", "fd00:172:30::42", &[("p80", 80, "TCP", 3002, 9)], v6, &[]);
+    objects += &slice("ns2", "svc2", &[("p80", 9, "TCP")], &[ep("2001:db8::1", Some(NODE))]);
+    const NODE_EP: &[&str] = &["node"];
+    let ext6 = Client::External(IpAddr::V6(EXT_CLIENT6));
+    Case {
+        source: "kpr/host-network endpoint on this node",
+        knobs: BASE,
+        objects,
+        rows: vec![
+            tcp("external to NodePort, unmasqueraded", EXT, NODE_IP_S, 3001, To(NODE_EP, false)),
+            tcp("external to LB IP, unmasqueraded", EXT, "1.2.3.4", 80, To(NODE_EP, false)),
+            tcp("pod to NodePort, unmasqueraded", POD, NODE_IP_S, 3001, To(NODE_EP, false)),
+            tcp("pod to cluster IP, unmasqueraded", POD, "172.30.0.41", 80, To(NODE_EP, false)),
+            tcp("node to NodePort", Client::Node, NODE_IP_S, 3001, To(NODE_EP, true)),
+            tcp("external to IPv6 NodePort, unmasqueraded", ext6, "2001:db8::1", 3002, To(NODE_EP, false)),
+        ],
+    }
+}
+
 /// nftables' copy of a table: the same rows without the localhost ones (nftables mode has no
 /// localhost NodePorts, and its tests have no such rows).
 fn for_mode(mode: &str, mut cases: Vec<Case>) -> Vec<Case> {
@@ -747,6 +774,7 @@ fn cases(mode: &str) -> Vec<Case> {
     all.extend(terminating_endpoints(true));
     all.extend(terminating_endpoints(false));
     all.extend(internal_external_masquerade());
+    all.push(host_network_endpoint());
     for_mode(mode, all)
 }
 
@@ -872,8 +900,9 @@ fn pods_and_ports(cases: &[Case]) -> (Vec<IpAddr>, Vec<u16>) {
                 pods.insert(ip);
             }
             if let To(eps, _) = &row.expect {
-                for e in *eps {
-                    pods.insert(e.parse::<SocketAddr>().unwrap().ip());
+                // Not an `ip:port`: the node's own listener.
+                for e in eps.iter().filter_map(|e| e.parse::<SocketAddr>().ok()) {
+                    pods.insert(e.ip());
                 }
             }
         }

@@ -547,6 +547,39 @@ fn cluster_ip_tcp_is_translated_both_ways_with_exact_checksums() {
     }
 }
 
+/// kpr turns `accept_local` on for its own masqueraded packets; without it the kernel drops an
+/// IPv4 packet arriving with one of the node's addresses as source (a martian). On a link where
+/// kpr set it (`LINK_FLAG_ACCEPT_LOCAL_SET`), the ingress program drops such packets itself, so
+/// a pod cannot send as the node: to a Service (which would take it for the node's own
+/// connection) or to anything else. IPv6 has no such check in the kernel; a link where
+/// accept_local was on before kpr keeps the kernel's answer.
+#[test]
+fn a_packet_sent_as_the_node_is_dropped_where_kpr_set_accept_local() {
+    let rig = Rig::new(&services());
+    let mut links: aya::maps::HashMap<_, u32, LinkInfo> =
+        aya::maps::HashMap::try_from(aya::maps::MapData::from_pin(bpf::pin_dir(&rig.pins.0).join(map_names::LINKS)).map(aya::maps::Map::HashMap).unwrap()).unwrap();
+    // The test run's packets come in by loopback (ifindex 1): make it a link kpr set.
+    let flagged = LinkInfo { addr: 0, flags: proxy_common::LINK_FLAG_ACCEPT_LOCAL_SET, addr6: Ipv6Addr::UNSPECIFIED.into() };
+    links.insert(&1, &flagged, 0).unwrap();
+    let as_node = [
+        tcp(NODE_IP, 40050, NODE_IP, 30082).bytes(),
+        tcp(NODE_IP, 40051, CLUSTER_IP, 80).bytes(),
+        udp(NODE_IP, 40052, Ipv4Addr::new(10, 0, 0, 7), 53).bytes(),
+    ];
+    for packet in &as_node {
+        assert_eq!(rig.ingress(packet).0, TC_ACT_SHOT, "sent as the node");
+    }
+    assert_eq!(rig.counter(counter::TC_DROPPED), 3);
+    let from_pod = tcp(Ipv4Addr::new(10, 244, 1, 5), 40053, CLUSTER_IP, 80);
+    assert_eq!(rig.ingress(&from_pod.bytes()).1, Pkt { dst: POD.into(), dport: 8080, ..from_pod }.bytes());
+    let v6_as_node = tcp(NODE_IP6, 40054, CLUSTER_IP6, 80);
+    assert_ne!(rig.ingress(&v6_as_node.bytes()).0, TC_ACT_SHOT, "IPv6: the kernel has no such check");
+    // A link where accept_local was already on: the kernel accepts it, and so does kpr.
+    links.insert(&1, &LinkInfo { flags: 0, ..flagged }, 0).unwrap();
+    assert_ne!(rig.ingress(&as_node[0]).0, TC_ACT_SHOT);
+    assert_eq!(rig.counter(counter::TC_DROPPED), 3);
+}
+
 /// The attached programs translate a known flow themselves and hand anything else to the slow
 /// programs by tail call (`KPR_TC_SLOW_PATH`). With the ingress slot empty, an established flow
 /// is still translated, and a new flow's first packet passes untouched, counted.
