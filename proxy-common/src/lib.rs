@@ -780,8 +780,13 @@ pub mod ct {
     pub const FIN_REPLY: u32 = 8;
     /// Either side sent a RST.
     pub const RST: u32 = 16;
+    /// TCP: the backend answered (`SEEN_REPLY`), the client has not acknowledged the answer
+    /// yet (nf_conntrack's SYN_RECV): the flow keeps the SYN timeout, and a new flow stays
+    /// with the flows not answered, until the client's ACK. So SYNs whose SYN-ACKs are never
+    /// acknowledged hold their SNAT ports for a minute, not for the established timeout.
+    pub const AWAITING_ACK: u32 = 32;
     /// Bits that describe the flow (the same in both of its entries).
-    pub const FLOW_BITS: u32 = SEEN_REPLY | FIN_ORIG | FIN_REPLY | RST;
+    pub const FLOW_BITS: u32 = SEEN_REPLY | FIN_ORIG | FIN_REPLY | RST | AWAITING_ACK;
     /// `last_seen` is rewritten at most this often (a write per packet would bounce the entry's
     /// cache line between CPUs).
     pub const REFRESH_NS: u64 = 1_000_000_000;
@@ -844,10 +849,10 @@ impl CtTimeouts {
                 3 // tcp_closed
             } else if flags & (ct::FIN_ORIG | ct::FIN_REPLY) != 0 {
                 2 // tcp_close_wait
-            } else if flags & ct::SEEN_REPLY != 0 {
+            } else if flags & (ct::SEEN_REPLY | ct::AWAITING_ACK) == ct::SEEN_REPLY {
                 1 // tcp_established
             } else {
-                0 // tcp_syn
+                0 // tcp_syn (SYN_SENT, SYN_RECV)
             }
         } else if flags & ct::SEEN_REPLY != 0 {
             5 // udp_stream
@@ -1054,6 +1059,7 @@ mod timeout_tests {
         for (proto, flags, lifetime) in [
             (IPPROTO_TCP, 0, t.tcp_syn),
             (IPPROTO_TCP, reply, t.tcp_established),
+            (IPPROTO_TCP, reply | ct::AWAITING_ACK, t.tcp_syn),
             (IPPROTO_SCTP, reply, t.tcp_established),
             (IPPROTO_TCP, reply | fin_orig, t.tcp_close_wait),
             (IPPROTO_TCP, reply | fin_reply, t.tcp_close_wait),

@@ -543,7 +543,9 @@ fn table_flow<'a, F: Family>(
         &(*s).entry
     };
     let syn = tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
-    let mut route = route_hint(ingress && confirmed, &entry.route, now);
+    // Replies keep their route from the first answer on (TCP's waits for the client's ACK
+    // among the new flows, and moves with the entry when it comes).
+    let mut route = route_hint(ingress && (confirmed || entry.flags & ct::REPLY != 0), &entry.route, now);
     if expired(t.proto, entry, now) {
         count(counter::TC_CT_EXPIRED);
         forget(key, entry, t.proto);
@@ -567,10 +569,10 @@ fn table_flow<'a, F: Family>(
         forget(key, entry, t.proto);
         return Err(NO_FLOW);
     }
-    let seen = seen_bits(entry, tcp_flags);
+    let seen = seen_bits(t.proto, entry, tcp_flags);
     if confirmed {
         touch(established, key, entry_ptr, entry, seen, now);
-    } else if seen & ct::SEEN_REPLY != 0 && tcp_flags & TCP_RST == 0 {
+    } else if seen & ESTABLISHES != 0 {
         confirm(key, entry, seen, now);
         // The answer's route, looked up and kept in its entry, now established, for the
         // flow's next replies.
@@ -724,11 +726,25 @@ fn sctp_as_tcp_flags<F: Family>(ctx: &TcContext) -> u8 {
     }
 }
 
-/// What this packet tells of its flow: an answer from the backend, a FIN, a RST.
+/// [`seen_bits`]: this packet establishes its flow (TCP: the client's ACK of the backend's
+/// answer, SYN_RECV → ESTABLISHED; else the backend's answer). Never stored in an entry.
+const ESTABLISHES: u32 = 1 << 31;
+
+/// What this packet tells of its flow: an answer from the backend (TCP's first one: awaiting
+/// the client's ACK), the client's ACK of it, a FIN, a RST; and whether it `ESTABLISHES` it.
 #[inline(always)]
-fn seen_bits(entry: &CtValue, tcp_flags: u8) -> u32 {
+fn seen_bits(proto: u8, entry: &CtValue, tcp_flags: u8) -> u32 {
     let reply = entry.flags & ct::REPLY != 0;
     let mut bits = if reply { ct::SEEN_REPLY } else { 0 };
+    if proto == IPPROTO_TCP {
+        if reply && entry.flags & ct::SEEN_REPLY == 0 {
+            bits |= ct::AWAITING_ACK;
+        } else if !reply && entry.flags & ct::AWAITING_ACK != 0 && tcp_flags & (TCP_ACK | TCP_RST) == TCP_ACK {
+            bits |= ESTABLISHES;
+        }
+    } else if reply && tcp_flags & TCP_RST == 0 {
+        bits |= ESTABLISHES;
+    }
     if tcp_flags & TCP_FIN != 0 {
         bits |= if reply { ct::FIN_REPLY } else { ct::FIN_ORIG };
     }
@@ -738,8 +754,9 @@ fn seen_bits(entry: &CtValue, tcp_flags: u8) -> u32 {
     bits
 }
 
-/// Record a packet of a live flow: new state bits at once, the time at most every
-/// `REFRESH_NS`; both entries of the flow, putting back the other one if it was evicted.
+/// Record a packet of a live flow: new state bits at once (`AWAITING_ACK` cleared by the
+/// packet that `ESTABLISHES` it), the time at most every `REFRESH_NS`; both entries of the
+/// flow, putting back the other one if it was evicted.
 #[inline(always)]
 fn touch<A: FlowTables>(
     map: &FlowMap<CtKey<A>>,
@@ -749,7 +766,8 @@ fn touch<A: FlowTables>(
     seen: u32,
     now: u64,
 ) {
-    let flags = entry.flags | seen;
+    let cleared = if seen & ESTABLISHES != 0 { ct::AWAITING_ACK | ESTABLISHES } else { 0 };
+    let flags = (entry.flags | seen) & !cleared;
     if flags == entry.flags && now.saturating_sub(entry.last_seen) < ct::REFRESH_NS {
         return;
     }
@@ -762,7 +780,7 @@ fn touch<A: FlowTables>(
     let pair_key = entry.pair_key::<A>(key.proto);
     match map.get_ptr_mut(&pair_key) {
         Some(pair) => unsafe {
-            (*pair).flags |= flags & ct::FLOW_BITS;
+            (*pair).flags = ((*pair).flags | (flags & ct::FLOW_BITS)) & !cleared;
             (*pair).last_seen = now;
         },
         None => heal(map, key, entry, flags, now),
@@ -802,11 +820,12 @@ fn mirror<A: FlowAddr>(key: &CtKey<A>, entry: &CtValue, flags: u32, now: u64) ->
     }
 }
 
-/// The backend answered a new flow: both its entries move to the established table.
+/// A new flow is established (TCP: the client acknowledged the backend's answer; else the
+/// backend answered): both its entries move to the established table.
 #[inline(never)]
 fn confirm<A: FlowTables>(key: &CtKey<A>, entry: &CtValue, seen: u32, now: u64) {
     let Ok(s) = scratch() else { return };
-    let flags = entry.flags | seen;
+    let flags = (entry.flags | seen) & !(ct::AWAITING_ACK | ESTABLISHES);
     // SAFETY: the per-CPU scratch value, valid for this program run.
     let (pair_key, value) = unsafe {
         let pair_key = FlowScratch::reply_key::<A>(s);
@@ -1199,8 +1218,8 @@ fn fits_link(ctx: &TcContext, mtu: u16) -> bool {
 
 /// Keep a successful route lookup (with the link's MTU, which the kernel reports from 5.12 on)
 /// in the entry of the flow this packet was translated by, if it still is (another CPU may
-/// have replaced it since): an established flow's (`ROUTE_LOOK_UP_AND_CACHE`, under
-/// `s.flow_key`), or the new flow's this packet opened (`ROUTE_MAY_KEEP`, under `s.key`, with
+/// have replaced it since): an established flow's, or an answered one's awaiting the client's
+/// ACK (`ROUTE_LOOK_UP_AND_CACHE`, under `s.flow_key`), or the new flow's this packet opened (`ROUTE_MAY_KEEP`, under `s.key`, with
 /// 6.3+'s next hop; the route moves with the entry at the answer, as `program_flow`'s
 /// masquerade lookup does).
 #[inline(always)]
@@ -1212,7 +1231,8 @@ fn keep_route<A: FlowTables>(s: *mut FlowScratch, route: u32, next_hop: bool, pa
         }
         let (entry, translated_by) = match route {
             ROUTE_LOOK_UP_AND_CACHE => {
-                (A::established().get_ptr_mut(&*FlowScratch::flow_key::<A>(s)), &raw const (*s).entry)
+                let key = &*FlowScratch::flow_key::<A>(s);
+                (A::established().get_ptr_mut(key).or_else(|| A::new_flows().get_ptr_mut(key)), &raw const (*s).entry)
             }
             ROUTE_MAY_KEEP if next_hop => {
                 (A::new_flows().get_ptr_mut(&*FlowScratch::key::<A>(s)), &raw const (*s).forward)

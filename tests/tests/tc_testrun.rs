@@ -971,6 +971,8 @@ fn an_established_flows_packets_are_served_from_the_flow_cache_until_its_entry_c
     rig.egress(&Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(POD, 8080, CLIENT, 40051) }.bytes());
     let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
     let to = |dst: Ipv4Addr, dport: u16| Pkt { dst: dst.into(), dport, ..ack }.bytes();
+    // The handshake's ACK establishes the flow (its entries move); the next packet fills the cache.
+    assert_eq!(rig.ingress(&ack.bytes()).1, to(POD, 8080));
     assert_eq!(rig.ingress(&ack.bytes()).1, to(POD, 8080));
     let key = CtKey4::new(CLIENT.into(), CLUSTER_IP.into(), 40051u16.to_be(), 80u16.to_be(), proxy_common::IPPROTO_TCP);
     let mut table = rig.table4(proxy_common::map_names::CONNTRACK4);
@@ -1178,6 +1180,7 @@ fn a_new_connection_on_a_closed_flows_tuple_starts_over_on_its_entries_unless_th
     let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(backend, 8080, NODE_IP, snat_port) };
     let reversed = Pkt { src: NODE_IP.into(), sport: 30090, dst: CLIENT.into(), dport: 44000, ..synack }.bytes();
     assert_eq!(rig.ingress(&synack.bytes()), (TC_ACT_OK, reversed.clone()));
+    rig.ingress(&Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn }.bytes());
     let reset = Pkt { tcp_flags: 0x04, seq: 1001, ..syn };
     rig.ingress(&reset.bytes());
 
@@ -1353,9 +1356,11 @@ fn a_flood_of_new_flows_cannot_evict_established_ones() {
         let (_, out) = rig.ingress(&syn.bytes());
         let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out)) };
         assert_eq!(rig.ingress(&synack.bytes()).0, TC_ACT_OK);
-        acks.push(Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn });
+        let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
+        assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK, "the handshake's last ACK");
+        acks.push(ack);
     }
-    assert_eq!(rig.conntrack().lens(), (16, 0), "answered: established");
+    assert_eq!(rig.conntrack().lens(), (16, 0), "answered and acknowledged: established");
     for i in 0..2000u32 {
         let spoofed = Ipv4Addr::from(u32::from(Ipv4Addr::new(198, 18, 0, 0)) + i);
         rig.ingress(&tcp(spoofed, 1024 + (i % 60000) as u16, NODE_IP, 30090).bytes());
@@ -1367,6 +1372,37 @@ fn a_flood_of_new_flows_cannot_evict_established_ones() {
         assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK);
     }
     assert_eq!(rig.counter(counter::TC_CT_RECREATED), 0, "every established connection still had its flow");
+}
+
+/// nf_conntrack's SYN_RECV: a flow the backend answered is established only by the client's
+/// ACK of that answer. Until then it stays among the new flows on the SYN timeout, so SYNs
+/// whose SYN-ACKs are never acknowledged (spoofed sources) give their SNAT ports back after
+/// a minute, not after the established timeout of a day; the ACK moves it to the
+/// established table, where it lives by the established timeout.
+#[test]
+fn an_answer_the_client_never_acknowledges_holds_its_flow_for_the_syn_timeout_only() {
+    let timeouts = CtTimeouts { tcp_syn: 500 * MS, ..CtTimeouts::DEFAULT };
+    let rig = Rig::with(&churn_services(), |cfg| cfg.ct_timeouts = timeouts);
+    let answer_of = |sport: u16| {
+        let (_, out) = rig.ingress(&tcp(CLIENT, sport, NODE_IP, 30090).bytes());
+        let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out)) };
+        assert_eq!(rig.ingress(&synack.bytes()).0, TC_ACT_OK, "the answer is reversed");
+    };
+    // Ten answered, never acknowledged; one answered and acknowledged.
+    for sport in 45000..45010 {
+        answer_of(sport);
+    }
+    answer_of(45100);
+    let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..tcp(CLIENT, 45100, NODE_IP, 30090) };
+    assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK);
+    assert_eq!(rig.conntrack().lens(), (2, 20), "the acknowledged flow established, the others not");
+    let awaiting = rig.flows().iter().filter(|(_, v)| v.flags & ct::AWAITING_ACK != 0).count();
+    assert_eq!(awaiting, 20, "SYN_RECV, both entries of each");
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    let sweep = rig.conntrack().sweep(&timeouts, monotonic_now()).unwrap();
+    assert_eq!(sweep, Sweep { live: 2, expired: 20 }, "the SYN timeout for the unacknowledged ones");
+    assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK);
+    assert_eq!(rig.counter(counter::TC_CT_RECREATED), 0, "the established one kept its flow");
 }
 
 /// Run this thread on CPU `cpu` only.

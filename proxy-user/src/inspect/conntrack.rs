@@ -36,6 +36,7 @@ fn state(proto: u8, flags: u32) -> &'static str {
     match (proxy_common::has_states(proto), flags) {
         (true, f) if ct::closed(f) => "closed",
         (true, f) if f & (ct::FIN_ORIG | ct::FIN_REPLY) != 0 => "closing",
+        (true, f) if f & ct::AWAITING_ACK != 0 => "syn-recv",
         (true, f) if f & ct::SEEN_REPLY != 0 => "established",
         (true, _) => "syn-sent",
         (false, f) if f & ct::SEEN_REPLY != 0 => "assured",
