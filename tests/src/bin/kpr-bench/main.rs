@@ -637,8 +637,8 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
         Ok((result.duration, buf, result.return_value))
     };
     let run = |input: &[u8], repeat: u32| -> Result<Duration> { Ok(run_with_output(input, repeat)?.0) };
-    // An established flow in each family: its first packet and the backend's answer, as on
-    // the wire, then the flow back (`establish`).
+    // An established flow in each family: its first packet, the backend's answer and the
+    // client's next packet, as on the wire, then the flow back (`establish`).
     let client = Ipv4Addr::new(10, 0, 0, 99);
     let to_service = tcp_frame(client, 40000, TARGET_IP, 80, ACK);
     let client6 = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x99);
@@ -649,6 +649,9 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     ] {
         run(frame, 1)?;
         run(&tcp_frame(backend, BENCH_PORT, client, 40000, ACK), 1)?;
+        // The client's acknowledgement of the answer establishes the flow (SYN_RECV →
+        // ESTABLISHED, as nf_conntrack).
+        run(frame, 1)?;
         match target {
             IpAddr::V4(_) => {
                 establish::<proxy_common::Addr4>(&pins.0, proxy_common::map_names::CONNTRACK4, (client, target))?
