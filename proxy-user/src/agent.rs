@@ -280,6 +280,8 @@ pub struct Syncer {
     pub programmer: Programmer,
     /// healthCheckNodePort servers, with the per-packet (external) datapath.
     pub health: Option<crate::health::HealthServers>,
+    /// Where they listen: the NodePort addresses with `nodePortAddresses`, else everywhere.
+    health_bind: crate::health::BindTo,
     pub node_settings: NodeSettings,
     pub host_links: Vec<HostLink>,
     pub node_object: Option<NodeObject>,
@@ -319,6 +321,7 @@ impl Syncer {
             state,
             programmer,
             health: None,
+            health_bind: crate::health::BindTo::Any,
             node_settings,
             host_links: Vec::new(),
             node_object: None,
@@ -544,6 +547,12 @@ impl Syncer {
             self.deferred_node = None;
         }
         self.apply_node_plan(host, &now);
+        self.health_bind = if self.node_settings.node_port_addresses.is_empty() {
+            crate::health::BindTo::Any
+        } else {
+            let nodeport = plan.node_addrs.iter().filter(|(_, f)| *f & proxy_common::NODE_ADDR_NODEPORT != 0);
+            crate::health::BindTo::Addresses(nodeport.map(|(a, _)| *a).collect())
+        };
         self.state.set_node(plan.info);
         self.last_sync = Some(Instant::now());
     }
@@ -581,7 +590,7 @@ impl Syncer {
         let desired = self.state.desired();
         let report = self.programmer.apply(&desired, maps);
         if let Some(health) = &mut self.health {
-            health.update(self.state.health_checks());
+            health.update(self.state.health_checks(), &self.health_bind);
         }
         self.report_sync(&report, reconciling || !self.synced_once, started);
         if !self.synced_once {
@@ -735,6 +744,30 @@ mod tests {
             service_yaml("metadata: {name: web, namespace: d}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}");
         syncer.apply(SourceEvent::ServicesListed(vec![svc]));
         (syncer, maps, FakeHost::default())
+    }
+
+    /// The health check ports listen where NodePorts are served: everywhere by default, on
+    /// the node addresses `nodePortAddresses` matches when it is set.
+    #[test]
+    fn health_check_ports_listen_on_the_node_port_addresses() {
+        let (mut syncer, mut maps, mut host) = syncer_with_web_service();
+        let addrs = ["192.0.2.5", "198.51.100.9"].iter().map(|a| a.parse().unwrap()).collect();
+        let eth0 = HostLink {
+            index: 2,
+            name: "eth0".into(),
+            loopback: false,
+            addrs,
+            v4_unselectable: vec![],
+            peer_elsewhere: false,
+        };
+        syncer.host_links = vec![eth0];
+        syncer.sync(&mut maps, &mut host, Instant::now());
+        assert_eq!(syncer.health_bind, crate::health::BindTo::Any);
+        syncer.node_settings.node_port_addresses =
+            vec![crate::model::node::NodePortAddress::Cidr("192.0.2.0/24".parse().unwrap())];
+        syncer.node_dirty = true;
+        syncer.sync(&mut maps, &mut host, Instant::now());
+        assert_eq!(syncer.health_bind, crate::health::BindTo::Addresses(vec!["192.0.2.5".parse().unwrap()]));
     }
 
     #[test]

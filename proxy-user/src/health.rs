@@ -3,12 +3,14 @@
 //! local endpoints (and the proxy itself is healthy) and 503 otherwise, with kube-proxy's JSON
 //! body. Cloud load balancers use it to send traffic only to nodes that can serve it. Each
 //! listens on every address of both families (`[::]`, dual-stack, as kube-proxy's Go listener
-//! on `:port`), with a bounded pool of its own ([`http_server::Limits`]: per source address,
+//! on `:port`), or, with `nodePortAddresses`, on each of the node's addresses they match, as
+//! kube-proxy's (`newServiceHealthServer`); with a bounded pool of its own ([`http_server::Limits`]: per source address,
 //! short header timeout), so that clients holding connections to one port cannot make a load
 //! balancer drain the node from another. A port that could not be bound is tried again at
 //! the next update.
 use std::{
     collections::BTreeMap,
+    net::{IpAddr, SocketAddr},
     sync::{Arc, Mutex},
 };
 
@@ -24,9 +26,20 @@ use crate::{
 
 type Shared = Arc<Mutex<BTreeMap<u16, (ObjectKey, usize)>>>;
 
+/// Where the health check ports listen.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum BindTo {
+    /// Every address of both families (no `nodePortAddresses`).
+    #[default]
+    Any,
+    /// These node addresses only (those `nodePortAddresses` matches).
+    Addresses(Vec<IpAddr>),
+}
+
 pub struct HealthServers {
     state: Shared,
     servers: BTreeMap<u16, JoinHandle<()>>,
+    bind: BindTo,
     limits: Limits,
     /// The proxy's own health (`serviceProxyHealthy`); healthy when absent.
     proxy: Option<Arc<ProxyHealth>>,
@@ -40,7 +53,7 @@ impl Default for HealthServers {
 
 impl HealthServers {
     pub fn with_limits(limits: Limits) -> Self {
-        Self { state: Shared::default(), servers: BTreeMap::new(), limits, proxy: None }
+        Self { state: Shared::default(), servers: BTreeMap::new(), bind: BindTo::Any, limits, proxy: None }
     }
 
     /// Answer 503 on every port while the proxy is unhealthy, as kube-proxy does.
@@ -49,11 +62,14 @@ impl HealthServers {
         self
     }
 
-    /// Serve exactly the ports of `wanted` (port → service, local endpoints).
-    pub fn update(&mut self, wanted: BTreeMap<u16, (ObjectKey, usize)>) {
+    /// Serve exactly the ports of `wanted` (port → service, local endpoints), on `bind`'s
+    /// addresses (a change of them opens every port again).
+    pub fn update(&mut self, wanted: BTreeMap<u16, (ObjectKey, usize)>, bind: &BindTo) {
+        let rebind = *bind != self.bind;
+        self.bind = bind.clone();
         for (port, server) in std::mem::take(&mut self.servers) {
             // A server that ended could not bind its port: started again below.
-            if wanted.contains_key(&port) && !server.is_finished() {
+            if wanted.contains_key(&port) && !server.is_finished() && !rebind {
                 self.servers.insert(port, server);
             } else {
                 server.abort();
@@ -72,10 +88,16 @@ impl HealthServers {
                 });
                 let limits = self.limits;
                 let service = wanted[&port].0.to_string();
+                let bind = self.bind.clone();
                 let server = tokio::spawn(async move {
-                    match bind_dual_stack(port) {
-                        Ok(listener) => {
-                            http_server::serve(listener, limits, http_server::Pool::new(&limits), handler).await
+                    match listen(&bind, port) {
+                        Ok(listeners) => {
+                            // One pool for the port, whichever address a client comes to.
+                            let pool = http_server::Pool::new(&limits);
+                            let serving = listeners.into_iter().map(|listener| {
+                                http_server::serve(listener, limits, pool.clone(), handler.clone())
+                            });
+                            futures::future::join_all(serving).await;
                         }
                         Err(e) => tracing::error!(
                             port,
@@ -96,6 +118,25 @@ impl Drop for HealthServers {
         for server in self.servers.values() {
             server.abort();
         }
+    }
+}
+
+/// The listeners of health check port `port`: every address, or each of `bind`'s (all of them
+/// or none: a port open on some addresses only is tried again whole).
+fn listen(bind: &BindTo, port: u16) -> std::io::Result<Vec<tokio::net::TcpListener>> {
+    match bind {
+        BindTo::Any => Ok(vec![bind_dual_stack(port)?]),
+        BindTo::Addresses(addrs) => addrs
+            .iter()
+            .map(|ip| {
+                let addr = SocketAddr::new(*ip, port);
+                let socket =
+                    if ip.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+                socket.set_reuseaddr(true)?;
+                socket.bind(addr).map_err(|e| std::io::Error::new(e.kind(), format!("{addr}: {e}")))?;
+                socket.listen(1024)
+            })
+            .collect(),
     }
 }
 
@@ -159,7 +200,7 @@ mod tests {
     async fn serving_one(limits: super::Limits) -> (super::HealthServers, u16) {
         let mut servers = super::HealthServers::with_limits(limits);
         let port = std::net::TcpListener::bind("[::]:0").unwrap().local_addr().unwrap().port();
-        servers.update([(port, (super::ObjectKey::new("shop", "web"), 1))].into());
+        servers.update([(port, (super::ObjectKey::new("shop", "web"), 1))].into(), &super::BindTo::Any);
         tokio::time::sleep(Duration::from_millis(100)).await;
         (servers, port)
     }
@@ -246,6 +287,33 @@ mod tests {
             .unwrap();
         assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
         assert!(started.elapsed() >= Duration::from_millis(250), "it waited for a slot: the cap holds");
+    }
+
+    /// With `nodePortAddresses`, a health check port listens on the matching node addresses
+    /// only, as kube-proxy's: here 127.0.0.1 and not 127.0.0.2 (both local); a change of the
+    /// addresses opens the port again where they say.
+    #[tokio::test]
+    async fn with_node_port_addresses_the_port_listens_on_those_addresses_only() {
+        let answers = |ip: [u8; 4], port: u16| async move {
+            let Ok(mut conn) = TcpStream::connect((std::net::Ipv4Addr::from(ip), port)).await else {
+                return None;
+            };
+            conn.write_all(b"GET /healthz HTTP/1.1\r\n\r\n").await.unwrap();
+            let mut answer = String::new();
+            tokio::time::timeout(Duration::from_secs(2), conn.read_to_string(&mut answer)).await.ok()?.ok()?;
+            Some(answer.lines().next().unwrap_or_default().to_owned())
+        };
+        let mut servers = super::HealthServers::default();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let wanted = || [(port, (super::ObjectKey::new("shop", "web"), 1))].into();
+        let only = super::BindTo::Addresses(vec!["127.0.0.1".parse().unwrap()]);
+        servers.update(wanted(), &only);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(answers([127, 0, 0, 1], port).await.as_deref(), Some("HTTP/1.1 200 OK"));
+        assert_eq!(answers([127, 0, 0, 2], port).await, None, "not a NodePort address: refused");
+        servers.update(wanted(), &super::BindTo::Any);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(answers([127, 0, 0, 2], port).await.as_deref(), Some("HTTP/1.1 200 OK"), "every address");
     }
 
     #[tokio::test]
