@@ -349,6 +349,11 @@ pub const LINK_FLAG_TC_INGRESS: u32 = 8;
 /// (`bpf_redirect_peer`): it enters the pod at once, without the queue and second receive a
 /// transmission on the pair costs.
 pub const LINK_FLAG_PEER: u32 = 16;
+/// `LinkInfo::flags`: IPv4 `rp_filter` is on for this link (the larger of `all` and the
+/// link's, as the kernel reads it): strict (1) or loose (2). kpr translates a new flow's first
+/// packet before the kernel's routing would check its source, so the programs check it then.
+pub const LINK_FLAG_RP_FILTER_STRICT: u32 = 32;
+pub const LINK_FLAG_RP_FILTER_LOOSE: u32 = 64;
 
 /// Value of `KPR_LINKS` (key: ifindex; ifindex 0 holds the fallback): what the per-packet path
 /// needs to know about a link.

@@ -35,9 +35,11 @@ pub trait Family {
     const PORT_UNREACHABLE: [u8; 2];
     /// ICMP's checksum covers a pseudo header (ICMPv6 does, ICMPv4 does not).
     const ICMP_PSEUDO_HEADER: bool;
-    /// The kernel drops a packet that arrives with one of the node's own addresses as source
-    /// unless the link has `accept_local` (IPv4's `fib_validate_source`; IPv6 has no such check).
-    const LOCAL_SOURCE_IS_MARTIAN: bool;
+    /// The kernel checks an arriving packet's source (IPv4's `fib_validate_source`; IPv6 has
+    /// no such checks): one of the node's own addresses is a martian unless the link has
+    /// `accept_local`, and with `rp_filter` the route back to it must exist (loose) or leave
+    /// by the link the packet came in by (strict).
+    const KERNEL_CHECKS_SOURCE: bool;
 
     /// The ICMP errors that quote the packet they are about.
     fn quotes_packet(icmp_type: u8) -> bool;
@@ -121,7 +123,7 @@ impl Family for V4 {
     const ICMP_PROTO: u8 = 1;
     const PORT_UNREACHABLE: [u8; 2] = [3, 3];
     const ICMP_PSEUDO_HEADER: bool = false;
-    const LOCAL_SOURCE_IS_MARTIAN: bool = true;
+    const KERNEL_CHECKS_SOURCE: bool = true;
 
     #[inline(always)]
     fn quotes_packet(icmp_type: u8) -> bool {
@@ -242,7 +244,7 @@ impl Family for V6 {
     const ICMP_PROTO: u8 = 58;
     const PORT_UNREACHABLE: [u8; 2] = [1, 4];
     const ICMP_PSEUDO_HEADER: bool = true;
-    const LOCAL_SOURCE_IS_MARTIAN: bool = false;
+    const KERNEL_CHECKS_SOURCE: bool = false;
 
     #[inline(always)]
     fn quotes_packet(icmp_type: u8) -> bool {

@@ -25,8 +25,8 @@ use core::mem::MaybeUninit;
 use aya_ebpf::{
     EbpfContext as _, Global,
     bindings::{
-        __sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_NOT_FWDED,
-        BPF_FIB_LKUP_RET_SUCCESS,
+        __sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_BLACKHOLE, BPF_FIB_LKUP_RET_NO_NEIGH,
+        BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_PROHIBIT, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LKUP_RET_UNREACHABLE,
         BPF_FIB_LOOKUP_SKIP_NEIGH, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, bpf_fib_lookup, bpf_redir_neigh,
         bpf_redir_neigh__bindgen_ty_1,
     },
@@ -38,7 +38,7 @@ use aya_ebpf::{
 use proxy_common::{
     AFFINITY_BY_ADDR, Addr, Addr4, Backend, CachedRoute, CidrKey, CtKey, CtTimeouts, CtValue, DETECT_LOCAL_CIDR,
     DETECT_LOCAL_INTERFACE, FlowAddr, FragmentKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, LINK_FLAG_ACCEPT_LOCAL_SET,
-    LINK_FLAG_LOCAL_TRAFFIC,
+    LINK_FLAG_LOCAL_TRAFFIC, LINK_FLAG_RP_FILTER_LOOSE, LINK_FLAG_RP_FILTER_STRICT,
     LINK_FLAG_PEER, LINK_FLAG_TC_INGRESS, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
     SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MAX, SNAT_PORT_MIN,
     ServiceKey, ServiceValue, SourceRange, addrs_csum_diff, counter, crc32c, csum, csum::L4State, ct, has_states,
@@ -217,7 +217,7 @@ fn slow_ingress<F: Family>(ctx: &TcContext) -> i32 {
 /// node. One array read for most packets (the address filter), a hash lookup for the node's.
 #[inline(always)]
 fn martian_source<F: Family>(ctx: &TcContext) -> bool {
-    if !F::LOCAL_SOURCE_IS_MARTIAN {
+    if !F::KERNEL_CHECKS_SOURCE {
         return false;
     }
     let data = ctx.data();
@@ -684,6 +684,10 @@ fn pick<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: bool) -> 
     if !ingress {
         return Ok(egress_drop(ctx, t));
     }
+    if !reverse_path_ok::<F>(ctx, t) {
+        count(counter::TC_DROPPED);
+        return Ok(TC_ACT_SHOT);
+    }
     let scope = source_scope(ctx, t);
     let service = match lookup_frontend(t, scope) {
         Some(service) => service,
@@ -699,6 +703,45 @@ fn pick<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: bool) -> 
         },
     };
     start_flow(t, &service, now())
+}
+
+/// The kernel's reverse path filter (IPv4 `rp_filter`), on a new flow's first packet where
+/// its link has it (`LINK_FLAG_RP_FILTER_*`): kpr translates the packet (and may masquerade it
+/// or send it straight out) before the kernel's routing would check its source, so a pod
+/// could otherwise send as another pod through a Service. Strict: the route back to the
+/// source leaves by this link; loose: there is a route back. A packet of an established flow
+/// is not checked again (its tuple is that of a flow whose first packet was).
+#[inline(never)]
+fn reverse_path_ok<F: Family>(ctx: &TcContext, t: &Tuple) -> bool {
+    if !F::KERNEL_CHECKS_SOURCE {
+        return true;
+    }
+    let ifindex = ifindex(ctx);
+    // SAFETY: a map value pointer, read at once.
+    let mode = LINKS.get_ptr(&ifindex).map_or(0, |link| unsafe { (*link).flags })
+        & (LINK_FLAG_RP_FILTER_STRICT | LINK_FLAG_RP_FILTER_LOOSE);
+    if mode == 0 {
+        return true;
+    }
+    let Ok(s) = scratch() else { return true };
+    // SAFETY: the per-CPU scratch value, valid for this program run (a new flow's masquerade
+    // lookup, later, zeroes it again).
+    let params = unsafe {
+        zero_fib(&raw mut (*s).fib);
+        &mut (*s).fib
+    };
+    params.family = F::AF;
+    params.ifindex = ifindex;
+    F::fib_dst(params, &t.saddr);
+    let rc = unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, 0) };
+    if rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) || rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
+        return mode & LINK_FLAG_RP_FILTER_LOOSE != 0 || params.ifindex == ifindex;
+    }
+    // No route back (unreachable, blackhole, prohibit) fails either mode; a local source is the
+    // martian check's, forwarding turned off the kernel's own.
+    !(rc == i64::from(BPF_FIB_LKUP_RET_BLACKHOLE)
+        || rc == i64::from(BPF_FIB_LKUP_RET_UNREACHABLE)
+        || rc == i64::from(BPF_FIB_LKUP_RET_PROHIBIT))
 }
 
 /// The TCP flags byte: read straight from the packet when the header is in the linear area

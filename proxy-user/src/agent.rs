@@ -759,6 +759,7 @@ mod tests {
             addrs,
             v4_unselectable: vec![],
             peer_elsewhere: false,
+            rp_filter: 0,
         };
         syncer.host_links = vec![eth0];
         syncer.sync(&mut maps, &mut host, Instant::now());

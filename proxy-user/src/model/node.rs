@@ -8,7 +8,10 @@ use std::{
 };
 
 use k8s_openapi::api::core::v1::Node;
-use proxy_common::{Addr, LINK_FLAG_LOCAL_TRAFFIC, LINK_FLAG_PEER, LinkInfo, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT};
+use proxy_common::{
+    Addr, LINK_FLAG_LOCAL_TRAFFIC, LINK_FLAG_PEER, LINK_FLAG_RP_FILTER_LOOSE, LINK_FLAG_RP_FILTER_STRICT, LinkInfo,
+    NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT,
+};
 
 use super::{IpFamily, NodeInfo, cidr::Cidr};
 
@@ -26,6 +29,9 @@ pub struct HostLink {
     pub v4_unselectable: Vec<std::net::Ipv4Addr>,
     /// One end of a veth pair whose other end is in another network namespace.
     pub peer_elsewhere: bool,
+    /// IPv4 `rp_filter` in effect on the link (the larger of `all`'s and its own): 0 off,
+    /// 1 strict, 2 loose.
+    pub rp_filter: u8,
 }
 
 /// What kpr uses of the node's `v1/Node` object.
@@ -249,7 +255,12 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
         let addr = masquerade_v4(link).map(|a| u32::from(a).to_be());
         let addr6 = masquerade_v6(&mut link.addrs.iter()).map(Addr::from).unwrap_or_default();
         let flags = if local_traffic_link(&link.name) { LINK_FLAG_LOCAL_TRAFFIC } else { 0 }
-            | if link.peer_elsewhere { LINK_FLAG_PEER } else { 0 };
+            | if link.peer_elsewhere { LINK_FLAG_PEER } else { 0 }
+            | match link.rp_filter {
+                1 => LINK_FLAG_RP_FILTER_STRICT,
+                2 => LINK_FLAG_RP_FILTER_LOOSE,
+                _ => 0,
+            };
         link_info.insert(link.index, LinkInfo { addr: addr.unwrap_or(0), flags, addr6 });
         let covered = match &settings.tc_links {
             TcLinks::All => true,
@@ -298,6 +309,7 @@ mod tests {
                 .filter(|a| a.is_link_local() || a.is_loopback())
                 .collect(),
             peer_elsewhere: name.starts_with("veth"),
+            rp_filter: 0,
         }
     }
 
@@ -452,6 +464,13 @@ mod tests {
         let settings = NodeSettings { detect_local: DetectLocal::BridgeInterface("cni0".into()), ..settings };
         let p = plan(&host(), Some(&node), &settings);
         assert_eq!(p.links[&4].flags, LINK_FLAG_LOCAL_TRAFFIC);
+        // rp_filter in effect on a link: the programs check a new flow's source as the kernel would.
+        let mut links = host();
+        links[1].rp_filter = 1;
+        links[2].rp_filter = 2;
+        let p = plan(&links, Some(&node), &settings);
+        assert_eq!(p.links[&links[1].index].flags & LINK_FLAG_RP_FILTER_STRICT, LINK_FLAG_RP_FILTER_STRICT);
+        assert_eq!(p.links[&links[2].index].flags & LINK_FLAG_RP_FILTER_LOOSE, LINK_FLAG_RP_FILTER_LOOSE);
 
         let settings = NodeSettings {
             tc_links: TcLinks::Only(vec!["eth1".into()]),

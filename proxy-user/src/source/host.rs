@@ -20,6 +20,7 @@ use crate::{model::node::HostLink, netlink};
 pub fn snapshot() -> Result<Vec<HostLink>> {
     let paired = links_with_peer_elsewhere();
     let unselectable = v4_unselectable();
+    let rp_filter_all = rp_filter("all");
     let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills a list we free with freeifaddrs; entries are read-only here.
     if unsafe { libc::getifaddrs(&mut list) } != 0 {
@@ -51,6 +52,7 @@ pub fn snapshot() -> Result<Vec<HostLink>> {
                     addrs: Vec::new(),
                     v4_unselectable,
                     peer_elsewhere,
+                    rp_filter: rp_filter_all.max(rp_filter(&name)),
                 };
                 by_name.insert(name, link);
             }
@@ -218,6 +220,13 @@ pub async fn run(tx: mpsc::Sender<SourceEvent>) -> Result<()> {
             None => tokio::time::sleep(Duration::from_secs(5)).await,
         }
     }
+}
+
+/// IPv4 `rp_filter` of `conf` (`all` or a link's name) in this network namespace; 0 when
+/// unreadable.
+fn rp_filter(conf: &str) -> u8 {
+    let path = format!("/proc/sys/net/ipv4/conf/{conf}/rp_filter");
+    std::fs::read_to_string(path).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0)
 }
 
 /// A non-blocking rtnetlink socket subscribed to link and address changes.
