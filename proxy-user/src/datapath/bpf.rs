@@ -1351,9 +1351,10 @@ impl Maps for BpfMaps {
 
     fn flush_flows(&mut self, service_id: u32, to: &[Addr]) -> Result<usize> {
         let goes_to = |addr: Addr| to.contains(&addr);
-        let (_, flushed) = self
-            .conntrack
-            .remove_where(|k, v| v.service_id == service_id && (goes_to(v.dst_addr) || goes_to(k.src_addr)))?;
+        let families = [to.iter().any(Addr::is_v4), to.iter().any(|a| !a.is_v4())];
+        let (_, flushed) = self.conntrack.remove_where_in(families, |k, v| {
+            v.service_id == service_id && (goes_to(v.dst_addr) || goes_to(k.src_addr))
+        })?;
         // The socket path's flows: sockets it connected to these backends through this service.
         let cookies: std::collections::BTreeSet<u64> = self
             .sock_revnat

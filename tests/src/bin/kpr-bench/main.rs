@@ -42,7 +42,7 @@ mod vs_kube_proxy;
 /// kube-proxy at 20k services alone is longer).
 #[derive(clap::Parser, Debug)]
 #[command(name = "kpr-bench")]
-#[command(group = clap::ArgGroup::new("mode").args(["vs_kube_proxy", "connection_rate", "node_port", "tc_only", "soak"]))]
+#[command(group = clap::ArgGroup::new("mode").args(["vs_kube_proxy", "connection_rate", "node_port", "tc_only", "soak", "sync_scale"]))]
 struct Args {
     /// Fewer sizes, rounds and runs: a smoke run of the same code.
     #[arg(long)]
@@ -60,6 +60,10 @@ struct Args {
     /// Only the tc programs' ns per packet (printed as JSON).
     #[arg(long)]
     tc_only: bool,
+    /// Only the sync loop at scale: a UDP Service of 5,000 endpoints and 1,000 endpoint changes,
+    /// with the conntrack table holding its flows (sync_scale.json).
+    #[arg(long)]
+    sync_scale: bool,
     /// Only the NodePort churn: this many short connections per path (node_port_soak.json).
     #[arg(long, value_name = "N")]
     soak: Option<usize>,
@@ -121,6 +125,11 @@ fn main() -> Result<()> {
     }
     if args.tc_only {
         println!("{}", tc_ns_per_packet(args.repeat)?);
+        return Ok(());
+    }
+    if args.sync_scale {
+        let result = sync_scale(if quick { 100 } else { 1_000 })?;
+        write_json("sync_scale.json", &result)?;
         return Ok(());
     }
     if let Some(n) = args.soak {
@@ -384,6 +393,103 @@ fn programming_time(services: usize, backends: usize) -> Result<serde_json::Valu
     );
     Ok(json!({ "service_ports": services, "endpoints_each": backends, "cold_ms": cold.as_secs_f64() * 1e3,
                "incremental_changed": incr.updated, "incremental_ms": incremental.as_secs_f64() * 1e3 }))
+}
+
+/// The sync loop's programming step at scale (issue 42): one UDP Service port of 5,000
+/// endpoints (a big DNS-like Service) beside 999 small ones, its flows in the conntrack table
+/// (20,000 flows, 40,000 entries), then `changes` endpoint changes, each its own sync (one
+/// endpoint replaced: the gone one's UDP flows are flushed, a walk of the conntrack tables),
+/// and the same changes coalesced into one sync. Real maps on fresh pins, no agent: the
+/// figures are the time one sync holds the loop (kube-proxy's `/healthz` turns unhealthy when
+/// a change waits longer than twice `syncPeriod`).
+fn sync_scale(changes: usize) -> Result<serde_json::Value> {
+    const BIG: usize = 5_000;
+    const FLOWS: usize = 20_000;
+    let name = testbed::unique_name("kb-sync");
+    let cgroup = Cgroup::new(&name)?;
+    let pins = testbed::PinRoot(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
+    let mut datapath = BpfDatapath::load(&DatapathConfig::new(pins.0.clone(), cgroup.path.clone()))?;
+    let mut programmer = Programmer::recover(&mut datapath.maps)?;
+    let mut desired = desired_with(1_000, 4, Ipv4Addr::new(10, 244, 1, 2));
+    let big_ip = Ipv4Addr::new(10, 96, 5, 53);
+    let endpoint = |i: usize| IpAddr::from(Ipv4Addr::new(10, 201, (i / 250) as u8, (i % 250) as u8 + 1));
+    let big_key = service_key(IpAddr::from(big_ip), 53, Protocol::Udp);
+    let name = ServicePortName { service: ObjectKey::new("bench", "dns"), port: String::new(), protocol: Protocol::Udp };
+    let backends: Vec<(IpAddr, u16)> = (0..BIG).map(|i| (endpoint(i), 5353)).collect();
+    let serving = backends.iter().map(|(ip, _)| *ip).collect();
+    desired.insert(
+        big_key,
+        DesiredPort { name, backends, flags: 0, source_ranges: vec![], affinity_timeout: 0, serving },
+    );
+    let started = Instant::now();
+    let report = programmer.apply(&desired, &mut datapath.maps);
+    let cold_ms = started.elapsed().as_secs_f64() * 1e3;
+    if report.failed > 0 {
+        bail!("{} service ports failed to program", report.failed);
+    }
+    // The big Service's flows: client i → the ClusterIP, to endpoint i % BIG, and back.
+    let service_id = programmer.programmed()[&big_key].value.service_id;
+    let mut table: aya::maps::HashMap<_, proxy_common::CtKey4, proxy_common::CtValue> = aya::maps::HashMap::try_from(
+        aya::maps::Map::LruHashMap(aya::maps::MapData::from_pin(
+            bpf::pin_dir(&pins.0).join(proxy_common::map_names::CONNTRACK4),
+        )?),
+    )?;
+    let (cluster_ip, dns) = (proxy_common::Addr::from(IpAddr::from(big_ip)), 53u16.to_be());
+    for i in 0..FLOWS {
+        let client = proxy_common::Addr::from(IpAddr::from(Ipv4Addr::from(0x0a00_0000 + i as u32 + 2)));
+        let backend = proxy_common::Addr::from(endpoint(i % BIG));
+        let sport = (40_000 + (i % 20_000) as u16).to_be();
+        let value = |src, dst, sp, dp, flags| proxy_common::CtValue {
+            src_addr: src,
+            dst_addr: dst,
+            src_port: sp,
+            dst_port: dp,
+            service_id,
+            last_seen: kpr::datapath::conntrack::monotonic_now(),
+            flags,
+            addrs_csum_diff: 0,
+            route: proxy_common::CachedRoute::NONE,
+        };
+        let forward = proxy_common::CtKey4::new(client, cluster_ip, sport, dns, proxy_common::IPPROTO_UDP);
+        let reply = proxy_common::CtKey4::new(backend, client, 5353u16.to_be(), sport, proxy_common::IPPROTO_UDP);
+        table.insert(&forward, &value(client, backend, sport, 5353u16.to_be(), proxy_common::ct::SEEN_REPLY), 0)?;
+        let back = proxy_common::ct::SEEN_REPLY | proxy_common::ct::REPLY;
+        table.insert(&reply, &value(cluster_ip, client, dns, sport, back), 0)?;
+    }
+    // One change per sync: endpoint i leaves, a new one takes its place.
+    let mut times = Vec::with_capacity(changes);
+    let replace = |d: &mut Desired, i: usize, with: IpAddr| {
+        let port = d.get_mut(&big_key).expect("the big Service");
+        port.backends[i].0 = with;
+        port.serving[i] = with;
+    };
+    let fresh = |i: usize| IpAddr::from(Ipv4Addr::new(10, 202, (i / 250) as u8, (i % 250) as u8 + 1));
+    for i in 0..changes {
+        replace(&mut desired, i, fresh(i));
+        let started = Instant::now();
+        programmer.apply(&desired, &mut datapath.maps);
+        times.push(started.elapsed());
+    }
+    let total_ms: f64 = times.iter().map(Duration::as_secs_f64).sum::<f64>() * 1e3;
+    let flows_left = table.keys().count() / 2;
+    times.sort();
+    let (p50, p99) = (percentile(&times, 0.5) / 1e3, percentile(&times, 0.99) / 1e3);
+    // The same number of changes in one sync (changes coalesced by minSyncPeriod).
+    for i in 0..changes {
+        replace(&mut desired, i, endpoint(i));
+    }
+    let started = Instant::now();
+    programmer.apply(&desired, &mut datapath.maps);
+    let coalesced_ms = started.elapsed().as_secs_f64() * 1e3;
+    println!(
+        "
+sync at scale: 1,000 TCP service ports and a UDP one of {BIG} endpoints with {FLOWS} flows in conntrack: cold {cold_ms:.1} ms; \
+         {changes} endpoint changes one sync each: p50 {p50:.2} ms, p99 {p99:.2} ms, {total_ms:.0} ms in all \
+         ({flows_left} flows left); the same {changes} changes in one sync: {coalesced_ms:.1} ms"
+    );
+    Ok(json!({ "service_ports": 1_001, "big_endpoints": BIG, "flows": FLOWS, "cold_ms": cold_ms, "changes": changes,
+               "per_change_p50_ms": p50, "per_change_p99_ms": p99, "per_change_total_ms": total_ms,
+               "flows_left": flows_left, "coalesced_ms": coalesced_ms }))
 }
 
 /// Manifest change → the map holds it, through the real agent (inotify, reload, sync).
