@@ -325,6 +325,23 @@ fn an_unconnected_udp_socket_stays_on_one_endpoint_while_it_lasts() {
     let remaining: Vec<usize> = (0..3).filter(|&i| i != gone).collect();
     h.write_endpoints("web", &[HTTP, DNS], &remaining).unwrap();
     h.wait("10.96.0.10:53/UDP", Some(2)).unwrap();
+    // The agent forgets what the socket kept (the programs can tell a gone endpoint only in a
+    // service of at most 64): no pick of the socket path points at the removed pod.
+    let gone_ip = proxy_common::Addr::from(std::net::IpAddr::from(h.topology.pods[gone].ip));
+    let picks_path = kpr::datapath::bpf::pin_dir(&h.pin_root).join(proxy_common::map_names::SOCK_PICKS);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let picks: aya::maps::HashMap<_, proxy_common::SockRevNatKey, proxy_common::Backend> =
+            aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
+                aya::maps::MapData::from_pin(&picks_path).unwrap(),
+            ))
+            .unwrap();
+        if !picks.iter().filter_map(Result::ok).any(|(_, b)| b.addr == gone_ip) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "a socket still keeps the removed endpoint {first}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let after: std::collections::BTreeSet<String> = (0..20).map(|_| ask(&socket)).collect();
     assert_eq!(after.len(), 1, "{after:?}");
     assert!(!after.contains(&first), "the removed endpoint {first} no longer answers");

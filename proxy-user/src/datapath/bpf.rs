@@ -1221,6 +1221,8 @@ pub struct BpfMaps {
     /// The socket path's translations (socket cookie + backend → service), to find the
     /// connected UDP sockets of an endpoint that left.
     sock_revnat: HashMap<MapData, SockRevNatKey, SockRevNatValue>,
+    /// The endpoint each unconnected UDP socket keeps for a frontend (socket cookie + frontend).
+    sock_picks: HashMap<MapData, SockRevNatKey, Backend>,
     capacity: Capacity,
 }
 
@@ -1240,8 +1242,9 @@ impl BpfMaps {
         let source_ranges = LpmTrie::try_from(ebpf.take_map(map_names::SOURCE_RANGES).context("no source range map")?)?;
         let conntrack = Conntrack::new(|name| ebpf.take_map(name).context("not in the object"))?;
         let sock_revnat = HashMap::try_from(ebpf.take_map(map_names::SOCK_REVNAT).context("no sock_revnat map")?)?;
+        let sock_picks = HashMap::try_from(ebpf.take_map(map_names::SOCK_PICKS).context("no sock_picks map")?)?;
         let addr_filter = Array::try_from(ebpf.take_map(map_names::ADDR_FILTER).context("no address filter map")?)?;
-        Ok(Self { services, addr_filter, backends, source_ranges, conntrack, sock_revnat, capacity })
+        Ok(Self { services, addr_filter, backends, source_ranges, conntrack, sock_revnat, sock_picks, capacity })
     }
 
     /// Give addresses (IPv4, network byte order) their bits in the address filter: what a
@@ -1261,8 +1264,9 @@ impl BpfMaps {
         let conntrack = Conntrack::open(pin_root)?;
         let capacity = Capacity { service_ports, backends: backends.len() };
         let sock_revnat = HashMap::try_from(Map::LruHashMap(open(map_names::SOCK_REVNAT)?))?;
+        let sock_picks = HashMap::try_from(Map::LruHashMap(open(map_names::SOCK_PICKS)?))?;
         let addr_filter = Array::try_from(Map::Array(open(map_names::ADDR_FILTER)?))?;
-        Ok(Self { services, addr_filter, backends, source_ranges, conntrack, sock_revnat, capacity })
+        Ok(Self { services, addr_filter, backends, source_ranges, conntrack, sock_revnat, sock_picks, capacity })
     }
 }
 
@@ -1349,22 +1353,35 @@ impl Maps for BpfMaps {
         Ok(())
     }
 
-    fn flush_flows(&mut self, service_id: u32, to: &[Addr]) -> Result<usize> {
-        let goes_to = |addr: Addr| to.contains(&addr);
-        let families = [to.iter().any(Addr::is_v4), to.iter().any(|a| !a.is_v4())];
+    fn flush_flows(&mut self, flushes: &[super::UdpFlush]) -> Result<usize> {
+        let by_service: std::collections::HashMap<u32, &super::UdpFlush> =
+            flushes.iter().map(|f| (f.service_id, f)).collect();
+        let goes_to = |service_id: u32, addr: &Addr| by_service.get(&service_id).is_some_and(|f| f.gone.contains(addr));
+        let gone: Vec<Addr> = flushes.iter().flat_map(|f| f.gone.iter().copied()).collect();
+        let families = [gone.iter().any(Addr::is_v4), gone.iter().any(|a| !a.is_v4())];
         let (_, flushed) = self.conntrack.remove_where_in(families, |k, v| {
-            v.service_id == service_id && (goes_to(v.dst_addr) || goes_to(k.src_addr))
+            goes_to(v.service_id, &v.dst_addr) || goes_to(v.service_id, &k.src_addr)
         })?;
-        // The socket path's flows: sockets it connected to these backends through this service.
-        let cookies: std::collections::BTreeSet<u64> = self
-            .sock_revnat
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(k, v)| v.service_id == service_id && goes_to(k.addr))
+        // The socket path's flows: sockets it connected to these backends through these services.
+        let cookies: BTreeSet<u64> = super::conntrack::read_all_of(&self.sock_revnat)
+            .into_iter()
+            .filter(|(k, v)| goes_to(v.service_id, &k.addr))
             .map(|(k, _)| k.cookie)
             .collect();
-        let aborted = if cookies.is_empty() { 0 } else { super::sockets::abort_udp(&cookies, to) };
-        Ok(flushed + aborted)
+        let aborted = if cookies.is_empty() { 0 } else { super::sockets::abort_udp(&cookies, &gone) };
+        // Unconnected sockets keep the endpoint they picked for a frontend (`KPR_SOCK_PICKS`):
+        // forgotten, so that their next datagram picks again (the programs can tell a gone
+        // endpoint themselves only in a service of at most 64).
+        let through = |k: &SockRevNatKey, f: &super::UdpFlush| {
+            f.frontends.iter().any(|(addr, port)| *port == k.port && (*addr == k.addr || *addr == addr.unspecified_like()))
+        };
+        let picks: Vec<SockRevNatKey> = super::conntrack::read_all_of(&self.sock_picks)
+            .into_iter()
+            .filter(|(k, b)| flushes.iter().any(|f| f.gone.contains(&b.addr) && through(k, f)))
+            .map(|(k, _)| k)
+            .collect();
+        let forgotten = picks.iter().filter(|k| self.sock_picks.remove(k).is_ok()).count();
+        Ok(flushed + aborted + forgotten)
     }
 
     fn remove_service(&mut self, key: &ServiceKey) -> Result<()> {

@@ -192,6 +192,11 @@ where
     read_all(table.map()).unwrap_or_else(|| table.iter().filter_map(Result::ok).collect())
 }
 
+/// Every entry of a hash map of the agent's (batches where the kernel can, as [`all`]).
+pub(crate) fn read_all_of<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>) -> Vec<(K, V)> {
+    read_all(map.map()).unwrap_or_else(|| map.iter().filter_map(Result::ok).collect())
+}
+
 /// Every entry of hash map `map`, read thousands at a time (`BPF_MAP_LOOKUP_BATCH`, 5.6+):
 /// a walk one entry at a time takes two system calls per entry, which made a conntrack table
 /// of 40,000 entries cost about 100 ms per walk, and the agent walks it for every UDP endpoint

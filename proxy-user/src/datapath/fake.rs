@@ -134,8 +134,8 @@ impl Maps for FakeMaps {
         Ok(())
     }
 
-    fn flush_flows(&mut self, service_id: u32, to: &[Addr]) -> Result<usize> {
-        self.flushed.push((service_id, to.to_vec()));
+    fn flush_flows(&mut self, flushes: &[super::UdpFlush]) -> Result<usize> {
+        self.flushed.extend(flushes.iter().map(|f| (f.service_id, f.gone.iter().copied().collect())));
         Ok(0)
     }
 }

@@ -56,11 +56,21 @@ pub trait Maps: Send {
     fn source_ranges(&self) -> Result<Vec<(u32, Cidr)>>;
     fn add_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()>;
     fn remove_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()>;
-    /// Forget the flows of `service_id` that go to any of the endpoint addresses `to` (any
-    /// port: kube-proxy matches the reply's source address): per-packet conntrack entries
-    /// (both directions) and, for UDP, the sockets the socket path connected to them
-    /// (aborted); returns how many entries and sockets went.
-    fn flush_flows(&mut self, service_id: u32, to: &[Addr]) -> Result<usize>;
+    /// Forget the UDP flows of each flush's service that go to any of its `gone` endpoint
+    /// addresses (any port: kube-proxy matches the reply's source address), in one walk of
+    /// each table: per-packet conntrack entries (both directions), the sockets the socket path
+    /// connected to them (aborted), and the endpoints unconnected sockets keep for the
+    /// service's frontends (their next datagram picks again); returns how many went.
+    fn flush_flows(&mut self, flushes: &[UdpFlush]) -> Result<usize>;
+}
+
+/// The UDP flows of one service port to flush: to `gone`, through any of `frontends`
+/// (address and port as the service entries have them; an unspecified address is a NodePort's).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UdpFlush {
+    pub service_id: u32,
+    pub frontends: BTreeSet<(Addr, u16)>,
+    pub gone: BTreeSet<Addr>,
 }
 
 /// A batch that stopped part-way: the first `done` elements were written.
@@ -187,6 +197,8 @@ pub struct Programmer {
     /// UDP service ports: the endpoint addresses their flows may still go to (every backend
     /// and serving endpoint since the flows were last flushed).
     udp_reach: BTreeMap<ServiceKey, BTreeSet<Addr>>,
+    /// UDP flushes queued in this `apply`, by service id (done once, at its end).
+    udp_flushes: BTreeMap<u32, UdpFlush>,
     /// Entries the loadBalancerSourceRanges map holds at most.
     source_range_capacity: u32,
 }
@@ -233,6 +245,7 @@ impl Programmer {
             capacity,
             failing: BTreeSet::new(),
             udp_reach: BTreeMap::new(),
+            udp_flushes: BTreeMap::new(),
             source_range_capacity: maps.source_range_capacity(),
         })
     }
@@ -312,7 +325,7 @@ impl Programmer {
                         tracing::warn!(service = %display_key(&key), "failed to remove source ranges: {e:#}");
                     }
                     let to: Vec<Addr> = old.backends.iter().map(|b| b.addr).collect();
-                    flush_udp_flows(maps, &key, old.value.service_id, &to);
+                    self.queue_udp_flush(&key, old.value.service_id, &to);
                     self.udp_reach.remove(&key);
                     self.used_ids.remove(&old.value.service_id);
                     self.release_range(&old.value, &ServiceValue { backends_count: 0, ..old.value });
@@ -446,6 +459,7 @@ impl Programmer {
     /// as they are.
     fn flush_unserved_udp(&mut self, desired: &Desired, maps: &mut dyn Maps) {
         self.udp_reach.retain(|key, _| desired.contains_key(key));
+        let mut pending = Vec::new();
         for (key, want) in desired.iter().filter(|(key, _)| key.proto == IPPROTO_UDP) {
             let Some(programmed) = self.programmed.get(key) else { continue };
             let reach = self.udp_reach.entry(*key).or_default();
@@ -456,9 +470,44 @@ impl Programmer {
             let serving: BTreeSet<Addr> = want.serving.iter().map(|ip| Addr::from(*ip)).collect();
             let gone: Vec<Addr> = reach.difference(&serving).copied().collect();
             if !gone.is_empty() {
-                flush_udp_flows(maps, key, programmed.value.service_id, &gone);
+                pending.push((*key, programmed.value.service_id, gone));
                 reach.retain(|addr| serving.contains(addr));
             }
+        }
+        for (key, service_id, gone) in pending {
+            self.queue_udp_flush(&key, service_id, &gone);
+        }
+        self.flush_queued_udp(maps);
+    }
+
+    /// Flush later in this `apply` (all at once: each flush walks the conntrack tables).
+    fn queue_udp_flush(&mut self, key: &ServiceKey, service_id: u32, to: &[Addr]) {
+        if key.proto != IPPROTO_UDP || to.is_empty() {
+            return;
+        }
+        let flush = self.udp_flushes.entry(service_id).or_insert_with(|| UdpFlush { service_id, ..UdpFlush::default() });
+        flush.frontends.insert((key.addr, key.port));
+        flush.gone.extend(to.iter().copied());
+    }
+
+    /// UDP has no connection end: as kube-proxy deletes the conntrack entries of UDP flows whose
+    /// endpoint went away, so the next datagram of such a flow picks a live backend (a connected
+    /// socket of the socket path is aborted: connecting again picks one). TCP flows keep their
+    /// endpoint until they end.
+    fn flush_queued_udp(&mut self, maps: &mut dyn Maps) {
+        if self.udp_flushes.is_empty() {
+            return;
+        }
+        let flushes: Vec<UdpFlush> = std::mem::take(&mut self.udp_flushes).into_values().collect();
+        match maps.flush_flows(&flushes) {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                service_ports = flushes.len(),
+                endpoints = flushes.iter().map(|f| f.gone.len()).sum::<usize>(),
+                flows = n,
+                "flushed UDP flows of endpoints that stopped serving"
+            ),
+            Err(e) => tracing::warn!(service_ports = flushes.len(), "failed to flush UDP flows: {e:#}"),
         }
     }
 
@@ -567,23 +616,6 @@ fn in_place(old: &ServiceValue, new: &ServiceValue) -> bool {
 pub fn affinity_id(name: &crate::model::ServicePortName) -> u32 {
     let hash = name.to_string().bytes().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193));
     hash.max(1)
-}
-
-/// UDP has no connection end: as kube-proxy deletes the conntrack entries of UDP flows whose
-/// endpoint went away, so the next datagram of such a flow picks a live backend (a connected
-/// socket of the socket path is aborted: connecting again picks one). TCP flows keep their
-/// endpoint until they end.
-fn flush_udp_flows(maps: &mut dyn Maps, key: &ServiceKey, service_id: u32, to: &[Addr]) {
-    if key.proto != IPPROTO_UDP || to.is_empty() {
-        return;
-    }
-    match maps.flush_flows(service_id, to) {
-        Ok(0) => {}
-        Ok(n) => {
-            tracing::info!(service = %display_key(key), flows = n, "flushed UDP flows of endpoints that stopped serving")
-        }
-        Err(e) => tracing::warn!(service = %display_key(key), "failed to flush UDP flows: {e:#}"),
-    }
 }
 
 /// A service port reserved for writing in this `apply`.
