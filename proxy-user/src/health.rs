@@ -94,9 +94,9 @@ impl HealthServers {
                         Ok(listeners) => {
                             // One pool for the port, whichever address a client comes to.
                             let pool = http_server::Pool::new(&limits);
-                            let serving = listeners.into_iter().map(|listener| {
-                                http_server::serve(listener, limits, pool.clone(), handler.clone())
-                            });
+                            let serving = listeners
+                                .into_iter()
+                                .map(|listener| http_server::serve(listener, limits, pool.clone(), handler.clone()));
                             futures::future::join_all(serving).await;
                         }
                         Err(e) => tracing::error!(

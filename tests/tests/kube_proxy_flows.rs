@@ -732,7 +732,8 @@ fn internal_external_masquerade() -> Vec<Case> {
 /// is delivered locally, never through POSTROUTING: the endpoint sees the client's own
 /// address, also where the Service masquerades (eTP=Cluster), and answers it directly.
 fn host_network_endpoint() -> Case {
-    let mut objects = service("ns1", "svc1", "LoadBalancer", "172.30.0.41", &[("p80", 80, "TCP", 3001, 9)], "", &["1.2.3.4"]);
+    let mut objects =
+        service("ns1", "svc1", "LoadBalancer", "172.30.0.41", &[("p80", 80, "TCP", 3001, 9)], "", &["1.2.3.4"]);
     objects += &slice("ns1", "svc1", &[("p80", 9, "TCP")], &[ep(NODE_IP_S, Some(NODE))]);
     let v6 = "  ipFamilies: [IPv6]\n  ipFamilyPolicy: SingleStack\n";
     objects += &service("ns2", "svc2", "NodePort", "fd00:172:30::42", &[("p80", 80, "TCP", 3002, 9)], v6, &[]);

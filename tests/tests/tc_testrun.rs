@@ -556,10 +556,15 @@ fn cluster_ip_tcp_is_translated_both_ways_with_exact_checksums() {
 #[test]
 fn a_packet_sent_as_the_node_is_dropped_where_kpr_set_accept_local() {
     let rig = Rig::new(&services());
-    let mut links: aya::maps::HashMap<_, u32, LinkInfo> =
-        aya::maps::HashMap::try_from(aya::maps::MapData::from_pin(bpf::pin_dir(&rig.pins.0).join(map_names::LINKS)).map(aya::maps::Map::HashMap).unwrap()).unwrap();
+    let mut links: aya::maps::HashMap<_, u32, LinkInfo> = aya::maps::HashMap::try_from(
+        aya::maps::MapData::from_pin(bpf::pin_dir(&rig.pins.0).join(map_names::LINKS))
+            .map(aya::maps::Map::HashMap)
+            .unwrap(),
+    )
+    .unwrap();
     // The test run's packets come in by loopback (ifindex 1): make it a link kpr set.
-    let flagged = LinkInfo { addr: 0, flags: proxy_common::LINK_FLAG_ACCEPT_LOCAL_SET, addr6: Ipv6Addr::UNSPECIFIED.into() };
+    let flagged =
+        LinkInfo { addr: 0, flags: proxy_common::LINK_FLAG_ACCEPT_LOCAL_SET, addr6: Ipv6Addr::UNSPECIFIED.into() };
     links.insert(&1, &flagged, 0).unwrap();
     let as_node = [
         tcp(NODE_IP, 40050, NODE_IP, 30082).bytes(),

@@ -1373,7 +1373,9 @@ impl Maps for BpfMaps {
         // forgotten, so that their next datagram picks again (the programs can tell a gone
         // endpoint themselves only in a service of at most 64).
         let through = |k: &SockRevNatKey, f: &super::UdpFlush| {
-            f.frontends.iter().any(|(addr, port)| *port == k.port && (*addr == k.addr || *addr == addr.unspecified_like()))
+            f.frontends
+                .iter()
+                .any(|(addr, port)| *port == k.port && (*addr == k.addr || *addr == addr.unspecified_like()))
         };
         let picks: Vec<SockRevNatKey> = super::conntrack::read_all_of(&self.sock_picks)
             .into_iter()

@@ -239,9 +239,8 @@ fn read_all<K: aya::Pod, V: aya::Pod>(map: &MapData) -> Option<Vec<(K, V)>> {
         };
         // SAFETY: the kernel writes at most `count` keys and values into buffers of that
         // capacity, and the token into `token_out`.
-        let rc = unsafe {
-            libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_BATCH, &raw mut attr, size_of::<BatchAttr>() as u32)
-        };
+        let rc =
+            unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_BATCH, &raw mut attr, size_of::<BatchAttr>() as u32) };
         let errno = if rc < 0 { std::io::Error::last_os_error().raw_os_error() } else { None };
         if rc < 0 && errno != Some(libc::ENOENT) {
             return None;

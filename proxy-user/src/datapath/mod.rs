@@ -485,7 +485,8 @@ impl Programmer {
         if key.proto != IPPROTO_UDP || to.is_empty() {
             return;
         }
-        let flush = self.udp_flushes.entry(service_id).or_insert_with(|| UdpFlush { service_id, ..UdpFlush::default() });
+        let flush =
+            self.udp_flushes.entry(service_id).or_insert_with(|| UdpFlush { service_id, ..UdpFlush::default() });
         flush.frontends.insert((key.addr, key.port));
         flush.gone.extend(to.iter().copied());
     }

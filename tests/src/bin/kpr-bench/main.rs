@@ -414,13 +414,12 @@ fn sync_scale(changes: usize) -> Result<serde_json::Value> {
     let big_ip = Ipv4Addr::new(10, 96, 5, 53);
     let endpoint = |i: usize| IpAddr::from(Ipv4Addr::new(10, 201, (i / 250) as u8, (i % 250) as u8 + 1));
     let big_key = service_key(IpAddr::from(big_ip), 53, Protocol::Udp);
-    let name = ServicePortName { service: ObjectKey::new("bench", "dns"), port: String::new(), protocol: Protocol::Udp };
+    let name =
+        ServicePortName { service: ObjectKey::new("bench", "dns"), port: String::new(), protocol: Protocol::Udp };
     let backends: Vec<(IpAddr, u16)> = (0..BIG).map(|i| (endpoint(i), 5353)).collect();
     let serving = backends.iter().map(|(ip, _)| *ip).collect();
-    desired.insert(
-        big_key,
-        DesiredPort { name, backends, flags: 0, source_ranges: vec![], affinity_timeout: 0, serving },
-    );
+    desired
+        .insert(big_key, DesiredPort { name, backends, flags: 0, source_ranges: vec![], affinity_timeout: 0, serving });
     let started = Instant::now();
     let report = programmer.apply(&desired, &mut datapath.maps);
     let cold_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -429,11 +428,10 @@ fn sync_scale(changes: usize) -> Result<serde_json::Value> {
     }
     // The big Service's flows: client i → the ClusterIP, to endpoint i % BIG, and back.
     let service_id = programmer.programmed()[&big_key].value.service_id;
-    let mut table: aya::maps::HashMap<_, proxy_common::CtKey4, proxy_common::CtValue> = aya::maps::HashMap::try_from(
-        aya::maps::Map::LruHashMap(aya::maps::MapData::from_pin(
+    let mut table: aya::maps::HashMap<_, proxy_common::CtKey4, proxy_common::CtValue> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(aya::maps::MapData::from_pin(
             bpf::pin_dir(&pins.0).join(proxy_common::map_names::CONNTRACK4),
-        )?),
-    )?;
+        )?))?;
     let (cluster_ip, dns) = (proxy_common::Addr::from(IpAddr::from(big_ip)), 53u16.to_be());
     for i in 0..FLOWS {
         let client = proxy_common::Addr::from(IpAddr::from(Ipv4Addr::from(0x0a00_0000 + i as u32 + 2)));
