@@ -107,9 +107,9 @@ pub mod defaults {
     /// Per-packet conntrack entries (two per translated flow) of each family's table of
     /// established flows, LRU (131,072 flows: kube-proxy's default `conntrack.min`).
     pub const MAX_CONNTRACK: u32 = 262_144;
-    /// Entries of each family's table of flows not answered yet, LRU: a TCP flow is there until
-    /// the backend's SYN-ACK, so a quarter of the established table's (a flood of SYNs or
-    /// one-way datagrams evicts only its own kind).
+    /// Entries of each family's table of flows not established yet, LRU: a TCP flow is there
+    /// until the client acknowledges the backend's SYN-ACK, so a quarter of the established
+    /// table's (a flood of SYNs or one-way datagrams evicts only its own kind).
     pub const MAX_CONNTRACK_NEW: u32 = 65_536;
     /// Local addresses of the node (NodePort frontends, "from the node" sources).
     pub const MAX_NODE_ADDRS: u32 = 4_096;
@@ -814,7 +814,7 @@ pub mod ct {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CtTimeouts {
-    /// TCP before the backend answered: 60 s (a SYN's retries give up by then).
+    /// TCP until the client acknowledged the backend's answer (SYN_SENT, SYN_RECV): 60 s.
     pub tcp_syn: u64,
     /// TCP established (`conntrack.tcpEstablishedTimeout`, kube-proxy's default 24 h).
     pub tcp_established: u64,
