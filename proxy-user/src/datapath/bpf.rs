@@ -859,24 +859,46 @@ impl BpfHost {
         self.dir.join(format!("link_{program}_if{ifindex}"))
     }
 
-    /// Attach (or, after a restart, swap into the pinned links) both tc programs on a link.
+    /// Attach (or, after a restart, swap into the pinned links) both tc programs on a link,
+    /// then let it accept local sources.
     fn attach_link(&mut self, ifindex: u32, name: &str) -> Result<()> {
-        // Masquerade rewrites the source to the node's own address before routing; the
-        // kernel drops such "martian" packets unless the interface accepts local sources.
+        if self.tc_netlink {
+            self.attach_netlink(ifindex, name)?;
+        } else {
+            self.attach_tcx(ifindex, name)?;
+        }
+        self.accept_local(ifindex, name);
+        Ok(())
+    }
+
+    /// Masquerade rewrites the source to the node's own address before routing; the kernel
+    /// drops such "martian" packets unless the link accepts local sources. The ingress program
+    /// then drops the martians kpr did not make (`LINK_FLAG_ACCEPT_LOCAL_SET`): so the link is
+    /// marked in `KPR_LINKS` first, with the program attached, and accept_local turned on last
+    /// (the other order left a window in which a pod could send as the node).
+    fn accept_local(&mut self, ifindex: u32, name: &str) {
         let sysctl = format!("/proc/sys/net/ipv4/conf/{name}/accept_local");
-        if fs::read_to_string(&sysctl).is_ok_and(|v| v.trim() == "0") {
-            match super::devconf::set_accept_local(ifindex, true) {
-                Ok(()) => {
-                    self.accept_local_set.insert(ifindex);
-                }
-                Err(e) => {
-                    tracing::warn!(interface = %name, "failed to set accept_local: {e}; masqueraded flows may be dropped")
-                }
+        if !fs::read_to_string(&sysctl).is_ok_and(|v| v.trim() == "0") {
+            return;
+        }
+        let mut info = self.links.get(&ifindex, 0).unwrap_or_default();
+        info.flags |= proxy_common::LINK_FLAG_ACCEPT_LOCAL_SET;
+        if let Err(e) = self.links.insert(&ifindex, &info, 0) {
+            tracing::warn!(interface = %name, "failed to mark the link before setting accept_local: {e}; left off");
+            return;
+        }
+        match super::devconf::set_accept_local(ifindex, true) {
+            Ok(()) => {
+                self.accept_local_set.insert(ifindex);
+            }
+            Err(e) => {
+                tracing::warn!(interface = %name, "failed to set accept_local: {e}; masqueraded flows may be dropped")
             }
         }
-        if self.tc_netlink {
-            return self.attach_netlink(ifindex, name);
-        }
+    }
+
+    /// Both tc programs as TCX links, pinned; after a restart, swapped into the pinned links.
+    fn attach_tcx(&mut self, ifindex: u32, name: &str) -> Result<()> {
         for (program, attach_type) in [(TC_PROGRAMS[0], TcAttachType::Ingress), (TC_PROGRAMS[1], TcAttachType::Egress)]
         {
             let link_path = self.tc_pin(program, ifindex);
