@@ -63,7 +63,7 @@ impl Conntrack {
         where
             CtKey<A>: aya::Pod,
         {
-            all(t).len()
+            read_all_of(t).len()
         }
         (len(&self.v4[0]) + len(&self.v6[0]), len(&self.v4[1]) + len(&self.v6[1]))
     }
@@ -75,7 +75,7 @@ impl Conntrack {
             CtKey<A>: aya::Pod,
         {
             for (i, table) in tables.iter().enumerate() {
-                out.extend(all(table).into_iter().map(|(k, v)| (i == 1, k.wide(), v)));
+                out.extend(read_all_of(table).into_iter().map(|(k, v)| (i == 1, k.wide(), v)));
             }
         }
         let mut out = Vec::new();
@@ -162,7 +162,7 @@ where
             left += 1;
         }
     };
-    all(table).into_iter().for_each(|(k, v)| pick(k, v));
+    read_all_of(table).into_iter().for_each(|(k, v)| pick(k, v));
     for key in keys {
         match table.get(&key, 0) {
             Ok(value) if doomed(&key.wide(), &value) => {}
@@ -184,79 +184,9 @@ where
     Ok((left, removed))
 }
 
-/// Every entry of `table`: read in batches where the kernel can, else one at a time.
-fn all<A: FlowAddr>(table: &Table<A>) -> Vec<(CtKey<A>, CtValue)>
-where
-    CtKey<A>: aya::Pod,
-{
-    read_all(table.map()).unwrap_or_else(|| table.iter().filter_map(Result::ok).collect())
-}
-
-/// Every entry of a hash map of the agent's (batches where the kernel can, as [`all`]).
+/// Every entry of a hash map: read in batches where the kernel can, else one at a time.
 pub(crate) fn read_all_of<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>) -> Vec<(K, V)> {
-    read_all(map.map()).unwrap_or_else(|| map.iter().filter_map(Result::ok).collect())
-}
-
-/// Every entry of hash map `map`, read thousands at a time (`BPF_MAP_LOOKUP_BATCH`, 5.6+):
-/// a walk one entry at a time takes two system calls per entry, which made a conntrack table
-/// of 40,000 entries cost about 100 ms per walk, and the agent walks it for every UDP endpoint
-/// that stops serving. `None` where the kernel has no batch reads for the map (walk it one
-/// entry at a time then). A concurrent change may be seen or not, as with the other walk.
-fn read_all<K: aya::Pod, V: aya::Pod>(map: &MapData) -> Option<Vec<(K, V)>> {
-    use std::os::fd::{AsFd as _, AsRawFd as _};
-    const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
-    /// `union bpf_attr`'s batch member.
-    #[repr(C)]
-    #[derive(Default)]
-    struct BatchAttr {
-        in_batch: u64,
-        out_batch: u64,
-        keys: u64,
-        values: u64,
-        count: u32,
-        map_fd: u32,
-        elem_flags: u64,
-        flags: u64,
-    }
-    // Larger than any bucket of the kernel's hash tables (`ENOSPC` otherwise).
-    const CHUNK: usize = 4096;
-    let fd = map.fd().as_fd().as_raw_fd() as u32;
-    let mut keys: Vec<K> = Vec::with_capacity(CHUNK);
-    let mut values: Vec<V> = Vec::with_capacity(CHUNK);
-    let mut out = Vec::new();
-    // The batch token: the kernel's bucket index (4 bytes for hash maps; room for 8).
-    let (mut token_in, mut token_out) = (0u64, 0u64);
-    let mut first = true;
-    loop {
-        let mut attr = BatchAttr {
-            in_batch: if first { 0 } else { (&raw const token_in) as u64 },
-            out_batch: (&raw mut token_out) as u64,
-            keys: keys.as_mut_ptr() as u64,
-            values: values.as_mut_ptr() as u64,
-            count: CHUNK as u32,
-            map_fd: fd,
-            ..BatchAttr::default()
-        };
-        // SAFETY: the kernel writes at most `count` keys and values into buffers of that
-        // capacity, and the token into `token_out`.
-        let rc =
-            unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_BATCH, &raw mut attr, size_of::<BatchAttr>() as u32) };
-        let errno = if rc < 0 { std::io::Error::last_os_error().raw_os_error() } else { None };
-        if rc < 0 && errno != Some(libc::ENOENT) {
-            return None;
-        }
-        // SAFETY: the kernel filled `count` of each (also on ENOENT: the last batch).
-        unsafe {
-            keys.set_len(attr.count as usize);
-            values.set_len(attr.count as usize);
-        }
-        out.extend(keys.drain(..).zip(values.drain(..)));
-        if errno == Some(libc::ENOENT) {
-            return Some(out);
-        }
-        token_in = token_out;
-        first = false;
-    }
+    super::bpf::lookup_batch(map.map()).unwrap_or_else(|| map.iter().filter_map(Result::ok).collect())
 }
 
 /// CLOCK_MONOTONIC in nanoseconds: `bpf_ktime_get_ns()`'s clock.
