@@ -60,12 +60,19 @@ pub struct AgentConfig {
     pub configz: serde_json::Value,
     /// Take the node over from kube-proxy after the first sync ([`crate::takeover`]).
     pub cleanup_kube_proxy: bool,
+    /// The kernel's conntrack sysctls kube-proxy would set, and where they are.
+    pub netfilter_sysctls: (std::path::PathBuf, Vec<(&'static str, u64)>),
 }
 
 /// Run until `shutdown` completes. The pinned datapath stays in place on exit, like kube-proxy's
 /// rules: `kpr cleanup` removes it.
 pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result<()> {
     let _lock = crate::datapath::bpf::AgentLock::acquire(&cfg.datapath.pin_root)?;
+    // kube-proxy fails to start here; kpr's own flows do not depend on these, so it warns.
+    let (dir, writes) = &cfg.netfilter_sysctls;
+    for e in crate::datapath::netfilter_sysctls::apply(dir, writes) {
+        tracing::warn!("{e:#}");
+    }
     // Bound first: a port in use is a startup error, before anything is attached.
     let listeners = crate::proxy_servers::Listeners::bind(cfg.metrics_bind_address, cfg.healthz_bind_address).await?;
     let metrics = Arc::new(Metrics::new(Some(cfg.datapath.pin_root.clone())));

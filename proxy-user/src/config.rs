@@ -132,6 +132,20 @@ pub struct ConntrackConfig {
     pub udp_stream_timeout: Option<String>,
 }
 
+/// kube-proxy's `conntrack.*`: the timeouts (kpr's flows and the kernel's tracker) and the
+/// kernel tracker's table size and liberal mode ([`crate::datapath::netfilter_sysctls`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConntrackSettings {
+    #[serde(flatten)]
+    pub timeouts: ConntrackTimeouts,
+    /// kube-proxy's default 32768; 0 leaves the table size alone.
+    pub max_per_core: Option<i32>,
+    /// kube-proxy's default 131072.
+    pub min: Option<i32>,
+    pub tcp_be_liberal: bool,
+}
+
 /// kube-proxy's conntrack timeouts (0: leave the kernel's).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -211,7 +225,7 @@ pub struct ProxyConfig {
     pub sync_period: Duration,
     #[serde(with = "go_duration")]
     pub min_sync_period: Duration,
-    pub conntrack: ConntrackTimeouts,
+    pub conntrack: ConntrackSettings,
     pub kubeconfig: Option<PathBuf>,
     /// `mode` as written (kpr is one mode of its own; kept for `/configz`).
     pub mode: String,
@@ -282,7 +296,7 @@ impl ProxyConfig {
         if mode != "nftables" {
             mode_block["localhostNodePorts"] = self.localhost_node_ports.into();
         }
-        let ct = &self.conntrack;
+        let ct = &self.conntrack.timeouts;
         let mut config = serde_json::json!({
             "apiVersion": API_VERSION,
             "kind": KIND,
@@ -304,6 +318,9 @@ impl ProxyConfig {
                 "tcpCloseWaitTimeout": go(ct.tcp_close_wait),
                 "udpTimeout": go(ct.udp),
                 "udpStreamTimeout": go(ct.udp_stream),
+                "maxPerCore": self.conntrack.max_per_core,
+                "min": self.conntrack.min,
+                "tcpBeLiberal": self.conntrack.tcp_be_liberal,
             },
         });
         config[if mode == "nftables" { "nftables" } else { "iptables" }] = mode_block;
@@ -430,7 +447,7 @@ fn resolve(file: KubeProxyConfiguration) -> Result<ProxyConfig> {
     }
 
     let ct = file.conntrack.unwrap_or_default();
-    let conntrack = ConntrackTimeouts {
+    let timeouts = ConntrackTimeouts {
         tcp_established: field(
             "conntrack.tcpEstablishedTimeout",
             ct.tcp_established_timeout,
@@ -445,6 +462,13 @@ fn resolve(file: KubeProxyConfiguration) -> Result<ProxyConfig> {
             bail!("{name}: must be greater than or equal to 0");
         }
     }
+    // kube-proxy's defaults (pkg/proxy/apis/config/v1alpha1/defaults.go).
+    let conntrack = ConntrackSettings {
+        timeouts,
+        max_per_core: Some(ct.max_per_core.unwrap_or(32 * 1024)),
+        min: Some(ct.min.unwrap_or(128 * 1024)),
+        tcp_be_liberal: ct.tcp_be_liberal.unwrap_or(false),
+    };
     if let Some(bit) = iptables.masquerade_bit.or(nftables.masquerade_bit)
         && !(0..=31).contains(&bit)
     {
@@ -755,8 +779,8 @@ winkernel:
         assert_eq!(c.healthz_bind_address, Some("0.0.0.0:10256".parse().unwrap()));
         assert_eq!(c.metrics_bind_address, Some("127.0.0.1:10249".parse().unwrap()));
         assert_eq!((c.sync_period, c.min_sync_period), (Duration::from_secs(30), Duration::from_secs(1)));
-        assert_eq!(c.conntrack.tcp_established, Duration::from_secs(86_400));
-        assert_eq!(c.conntrack.tcp_close_wait, Duration::from_secs(3_600));
+        assert_eq!(c.conntrack.timeouts.tcp_established, Duration::from_secs(86_400));
+        assert_eq!(c.conntrack.timeouts.tcp_close_wait, Duration::from_secs(3_600));
         assert!(c.localhost_node_ports && !c.masquerade_all);
         assert_eq!(c.kubeconfig, Some(PathBuf::from("/var/lib/kube-proxy/kubeconfig.conf")));
         assert_eq!(c.hostname_override, None);
@@ -778,8 +802,8 @@ winkernel:
         assert_eq!(c.hostname_override.as_deref(), Some("node-a"));
         assert_eq!(c.metrics_bind_address, Some("0.0.0.0:10249".parse().unwrap()));
         assert_eq!(c.detector(), DetectLocal::InterfaceNamePrefix("veth".into()));
-        assert_eq!(c.conntrack.tcp_established, Duration::from_secs(9000));
-        assert_eq!(c.conntrack.udp, Duration::from_secs(30));
+        assert_eq!(c.conntrack.timeouts.tcp_established, Duration::from_secs(9000));
+        assert_eq!(c.conntrack.timeouts.udp, Duration::from_secs(30));
         assert_eq!(c.node_port_addresses(), [NodePortAddress::Cidr("192.168.0.0/16".parse().unwrap())]);
         assert!(!c.localhost_node_ports_effective());
     }

@@ -205,6 +205,11 @@ struct AgentArgs {
     /// family's table of established flows.
     #[arg(long, default_value_t = defaults::MAX_CONNTRACK)]
     max_conntrack: u32,
+    /// Where the kernel's conntrack sysctls are written from kube-proxy's `conntrack.*`
+    /// settings, as kube-proxy writes them (a container's /proc/sys is read-only: the
+    /// DaemonSet mounts the node's `/proc/sys/net/netfilter` here).
+    #[arg(long, default_value = "/proc/sys/net/netfilter")]
+    netfilter_sysctl_dir: PathBuf,
     /// The same, of each family's table of flows not answered yet.
     #[arg(long, default_value_t = defaults::MAX_CONNTRACK_NEW)]
     max_conntrack_new: u32,
@@ -354,7 +359,7 @@ fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
     datapath.max_source_ranges = args.max_source_ranges;
     datapath.max_conntrack = args.max_conntrack;
     datapath.max_conntrack_new = args.max_conntrack_new;
-    datapath.ct_timeouts = config.conntrack.datapath();
+    datapath.ct_timeouts = config.conntrack.timeouts.datapath();
     datapath.tc_netlink = args.tc_netlink;
     datapath.detect_local = match detector {
         DetectLocal::None => proxy_common::DETECT_LOCAL_NONE,
@@ -421,6 +426,13 @@ fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
         healthz_bind_address: config.healthz_bind_address,
         configz: config.configz(),
         cleanup_kube_proxy: args.cleanup_kube_proxy,
+        netfilter_sysctls: (
+            args.netfilter_sysctl_dir,
+            kpr::datapath::netfilter_sysctls::plan(
+                &config.conntrack,
+                std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+            ),
+        ),
     };
     Ok(cfg)
 }

@@ -232,6 +232,33 @@ impl Cluster {
                 "apiserver.ext",
             ],
         )?;
+        // The API server's client certificate for the kubelets (exec, logs, port-forward).
+        let mut csr = vec!["req"];
+        csr.extend(ec);
+        csr.extend(["-keyout", "kubelet-client.key", "-out", "kubelet-client.csr"]);
+        csr.extend(["-subj", "/O=system:masters/CN=kube-apiserver-kubelet-client"]);
+        openssl(d, &csr)?;
+        fs::write(d.join("kubelet-client.ext"), "extendedKeyUsage=clientAuth\nkeyUsage=digitalSignature\n")?;
+        openssl(
+            d,
+            &[
+                "x509",
+                "-req",
+                "-in",
+                "kubelet-client.csr",
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                "kubelet-client.crt",
+                "-days",
+                "3",
+                "-extfile",
+                "kubelet-client.ext",
+            ],
+        )?;
         openssl(d, &["genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-out", "sa.key"])?;
         openssl(d, &["pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub"])?;
         fs::write(d.join("tokens.csv"), format!("{},kpr-admin,kpr-admin,\"system:masters\"\n", self.admin_token))?;
@@ -271,6 +298,10 @@ impl Cluster {
             .arg(format!("--tls-cert-file={}", d("apiserver.crt")))
             .arg(format!("--tls-private-key-file={}", d("apiserver.key")))
             .arg(format!("--client-ca-file={}", d("ca.crt")))
+            .arg(format!("--kubelet-client-certificate={}", d("kubelet-client.crt")))
+            .arg(format!("--kubelet-client-key={}", d("kubelet-client.key")))
+            // The nodes' names resolve nowhere: reach the kubelets by address.
+            .arg("--kubelet-preferred-address-types=InternalIP")
             .arg(format!("--token-auth-file={}", d("tokens.csv")))
             .arg("--service-account-issuer=https://kubernetes.default.svc")
             .arg(format!("--service-account-key-file={}", d("sa.pub")))

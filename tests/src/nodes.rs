@@ -38,6 +38,10 @@ use crate::cluster::{Cluster, Relay, k8s_bin, kubeconfig_yaml, spawn_child};
 
 /// Where every node reaches the API server (a relay to the host's).
 pub const API_PORT: u16 = 6443;
+/// The cluster DNS Service's address the kubelets give the pods (`clusterDNS`).
+pub const CLUSTER_DNS: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+/// The host's address on its links to the nodes ([`Node::expose_to_host`]).
+pub const HOST_LEG_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 76, 1);
 
 /// What the kubelet sets when it may (`setupKernelTunables`); a node's mount namespace shows
 /// it these values so that it needs to change nothing on the machine.
@@ -97,6 +101,27 @@ impl Node {
         Ok(node)
     }
 
+    /// A link from the host to this node (a veth pair: `host0` in the node), with a host route
+    /// to the node's address only, so that the API server reaches its kubelet (exec, logs,
+    /// port-forward) and a test program on the host its NodePorts, as on a real cluster. The
+    /// route leads into this node's namespace and dies with the link; nothing leaves the machine.
+    pub fn expose_to_host(&self) -> Result<()> {
+        // `kh<pid><node's last letter>`: unique on the host, within IFNAMSIZ.
+        let host_side = format!("kh{}{}", std::process::id(), self.name.chars().last().unwrap_or('x'));
+        testbed::ip(&["link", "add", &host_side, "type", "veth", "peer", "name", "host0", "netns", &self.netns.name])?;
+        testbed::ip(&["addr", "add", &format!("{HOST_LEG_IP}/32"), "dev", &host_side])?;
+        testbed::ip(&["link", "set", &host_side, "up"])?;
+        testbed::ip(&["route", "add", &format!("{}/32", self.ip), "dev", &host_side, "src", &HOST_LEG_IP.to_string()])?;
+        self.netns.ip(&["link", "set", "host0", "up"])?;
+        self.netns.ip(&["route", "add", &format!("{HOST_LEG_IP}/32"), "dev", "host0", "src", &self.ip.to_string()])?;
+        Ok(())
+    }
+
+    /// The node's directory (configuration and logs).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// The kubelet's cgroup root (the same name in every v1 hierarchy).
     fn cgroup_root_name(&self) -> String {
         self.cgroup2.file_name().expect("named").to_string_lossy().into_owned()
@@ -113,7 +138,7 @@ impl Node {
         fs::write(d.join("containerd.toml"), containerd_config(d, &runc(d)?))?;
         fs::write(d.join("cni/10-kpr.conflist"), cni_config(pod_cidr))?;
         fs::write(d.join("resolv.conf"), "")?;
-        fs::write(d.join("kubelet.yaml"), kubelet_config(self.ip, &self.cgroup_root_name(), d))?;
+        fs::write(d.join("kubelet.yaml"), kubelet_config(self.ip, &self.cgroup_root_name(), d, &cluster.ca()))?;
         for (key, value) in KUBELET_SYSCTLS {
             fs::write(d.join(format!("sysctl-{}", key.replace('/', "-"))), format!("{value}\n"))?;
         }
@@ -326,8 +351,10 @@ fn cni_config(pod_cidr: &str) -> String {
 
 /// The kubelet's configuration: the node's runtime, cgroup v1 (this host's) with its own
 /// cgroup root, the API server's admin credentials (no node authorizer in the test cluster),
-/// and thresholds that let it keep the imported images (no registry to pull them again).
-fn kubelet_config(ip: Ipv4Addr, cgroup_root: &str, dir: &Path) -> String {
+/// client certificates of the cluster's CA for its API (the API server's, for exec and logs),
+/// the cluster DNS address, and thresholds that let it keep the imported images (no registry
+/// to pull them again).
+fn kubelet_config(ip: Ipv4Addr, cgroup_root: &str, dir: &Path, ca: &Path) -> String {
     format!(
         r#"apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
@@ -344,10 +371,13 @@ authentication:
     enabled: false
   webhook:
     enabled: false
+  x509:
+    clientCAFile: {ca}
 authorization:
   mode: AlwaysAllow
 resolvConf: {resolv}
 clusterDomain: cluster.local
+clusterDNS: [{CLUSTER_DNS}]
 localStorageCapacityIsolation: false
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
@@ -357,7 +387,8 @@ evictionHard:
   imagefs.available: 1%
 nodeStatusUpdateFrequency: 2s
 "#,
-        resolv = dir.join("resolv.conf").display()
+        resolv = dir.join("resolv.conf").display(),
+        ca = ca.display(),
     )
 }
 

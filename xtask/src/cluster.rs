@@ -19,34 +19,60 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 
 /// The programs built from `tools/k8s`, and the Go package each comes from.
-const BINARIES: &[(&str, &str)] = &[
-    ("etcd", "go.etcd.io/etcd/server/v3"),
-    ("kube-apiserver", "k8s.io/kubernetes/cmd/kube-apiserver"),
-    ("kube-controller-manager", "k8s.io/kubernetes/cmd/kube-controller-manager"),
-    ("kube-scheduler", "k8s.io/kubernetes/cmd/kube-scheduler"),
-    ("kubelet", "k8s.io/kubernetes/cmd/kubelet"),
-    ("kube-proxy", "k8s.io/kubernetes/cmd/kube-proxy"),
-    ("kubectl", "k8s.io/kubernetes/cmd/kubectl"),
+const BINARIES: &[GoBinary] = &[
+    GoBinary::program("etcd", "go.etcd.io/etcd/server/v3"),
+    GoBinary::program("kube-apiserver", "k8s.io/kubernetes/cmd/kube-apiserver"),
+    GoBinary::program("kube-controller-manager", "k8s.io/kubernetes/cmd/kube-controller-manager"),
+    GoBinary::program("kube-scheduler", "k8s.io/kubernetes/cmd/kube-scheduler"),
+    GoBinary::program("kubelet", "k8s.io/kubernetes/cmd/kubelet"),
+    GoBinary::program("kube-proxy", "k8s.io/kubernetes/cmd/kube-proxy"),
+    GoBinary::program("kubectl", "k8s.io/kubernetes/cmd/kubectl"),
 ];
+
+/// A binary built from a Go module: a program (`go build`) or a package's tests (`go test -c`).
+pub struct GoBinary {
+    pub name: &'static str,
+    pub package: &'static str,
+    pub test: bool,
+}
+
+impl GoBinary {
+    pub const fn program(name: &'static str, package: &'static str) -> Self {
+        Self { name, package, test: false }
+    }
+}
 
 /// Bumped when the way the binaries are built changes (flags below), to invalidate caches.
 const RECIPE: &str = "1";
 
 /// The directory holding the binaries of the pinned version, building them first if needed.
 pub fn ensure_k8s_binaries(root: &Path) -> Result<PathBuf> {
-    let module = root.join("tools/k8s");
-    let go_mod = fs::read_to_string(module.join("go.mod")).context("failed to read tools/k8s/go.mod")?;
-    let go_sum = fs::read_to_string(module.join("go.sum")).context("failed to read tools/k8s/go.sum")?;
+    ensure_go_binaries(
+        root,
+        "k8s",
+        BINARIES,
+        "etcd, the control plane, kubelet, kube-proxy and kubectl (about 20 minutes on 2 cores when Go's caches are cold)",
+    )
+}
+
+/// `binaries` of module `tools/<module>`, cached in `<cache>/<module>-<version>-<hash>/bin`
+/// (the version is the module's `k8s.io/kubernetes` pin), built first if any is missing.
+pub fn ensure_go_binaries(root: &Path, module: &str, binaries: &[GoBinary], what: &str) -> Result<PathBuf> {
+    let dir_of_module = root.join("tools").join(module);
+    let read = |f: &str| {
+        fs::read_to_string(dir_of_module.join(f)).with_context(|| format!("failed to read tools/{module}/{f}"))
+    };
+    let (go_mod, go_sum) = (read("go.mod")?, read("go.sum")?);
     let version = pinned_version(&go_mod)?;
     let key = format!("{version}-{:016x}", fnv1a(&[RECIPE.as_bytes(), go_mod.as_bytes(), go_sum.as_bytes()]));
-    let dir = cache_root()?.join(format!("k8s-{key}"));
+    let dir = cache_root()?.join(format!("{module}-{key}"));
     let bin = dir.join("bin");
-    let complete = |bin: &Path| BINARIES.iter().all(|(name, _)| bin.join(name).is_file());
+    let complete = |bin: &Path| binaries.iter().all(|b| bin.join(b.name).is_file());
     if !complete(&bin) {
-        build(&module, &version, &dir)?;
+        build(&dir_of_module, &version, &dir, binaries, what)?;
     }
     // A convenience link in the (ignored) .tools directory.
-    let link = root.join(".tools").join(format!("k8s-{version}"));
+    let link = root.join(".tools").join(format!("{module}-{version}"));
     if fs::read_link(&link).ok().as_deref() != Some(dir.as_path()) {
         fs::create_dir_all(root.join(".tools"))?;
         let _ = fs::remove_file(&link);
@@ -76,9 +102,9 @@ fn pinned_version(go_mod: &str) -> Result<String> {
 
 /// Build into a temporary directory next to `dir`, then rename it into place, so an interrupted
 /// build never leaves a half-filled cache.
-fn build(module: &Path, version: &str, dir: &Path) -> Result<()> {
+fn build(module: &Path, version: &str, dir: &Path, binaries: &[GoBinary], what: &str) -> Result<()> {
     if Command::new("go").arg("version").output().is_err() {
-        bail!("Go is required to build the tests' Kubernetes (etcd, kube-apiserver, kubelet, kube-proxy, ...)");
+        bail!("Go is required to build the tests' Kubernetes ({what})");
     }
     let parent = dir.parent().expect("cache dir has a parent");
     fs::create_dir_all(parent)?;
@@ -95,14 +121,12 @@ fn build(module: &Path, version: &str, dir: &Path) -> Result<()> {
             " -X {pkg}.gitVersion={version} -X {pkg}.gitMajor=1 -X {pkg}.gitMinor={minor} -X {pkg}.gitTreeState=clean"
         );
     }
-    println!(
-        "setup: building etcd, the control plane, kubelet, kube-proxy and kubectl {version} from \
-         tools/k8s (Go module proxy; about 20 minutes on 2 cores when Go's caches are cold)"
-    );
+    println!("setup: building {what} ({version}) from {} (Go module proxy)", module.display());
     let started = Instant::now();
-    for (name, pkg) in BINARIES {
+    for GoBinary { name, package: pkg, test } in binaries {
         let status = Command::new("go")
-            .args(["build", "-ldflags", &ldflags, "-o"])
+            .args(if *test { ["test", "-c"].as_slice() } else { ["build"].as_slice() })
+            .args(["-ldflags", &ldflags, "-o"])
             .arg(tmp_bin.join(name))
             .arg(pkg)
             .current_dir(module)
@@ -119,7 +143,7 @@ fn build(module: &Path, version: &str, dir: &Path) -> Result<()> {
     }
     let _ = fs::remove_dir_all(dir);
     fs::rename(&tmp, dir)?;
-    println!("setup: built the control plane in {:.0?} into {}", started.elapsed(), dir.display());
+    println!("setup: built {what} in {:.0?} into {}", started.elapsed(), dir.display());
     Ok(())
 }
 

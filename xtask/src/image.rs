@@ -27,13 +27,21 @@ use crate::setup;
 pub const MUSL_TARGET: &str = "x86_64-unknown-linux-musl";
 const BINARY_PATH: &str = "/usr/local/bin/kpr";
 
-/// What one image holds: its repository name (`docker.io/library/<name>`), root file system and
-/// command.
+/// What one image holds: its name (the layout's directory), repository (`docker.io/library/<name>`
+/// unless set), root file system, command and environment.
 struct Image {
     name: &'static str,
+    repository: Option<&'static str>,
     files: BTreeMap<String, Entry>,
     entrypoint: &'static str,
     cmd: &'static str,
+    env: &'static [&'static str],
+}
+
+impl Image {
+    fn new(name: &'static str, files: BTreeMap<String, Entry>, entrypoint: &'static str, cmd: &'static str) -> Self {
+        Self { name, repository: None, files, entrypoint, cmd, env: &[] }
+    }
 }
 
 /// Build the static binary and write the image; returns the layout directory
@@ -42,7 +50,7 @@ pub fn build(root: &Path, env: &setup::Env, tag: &str) -> Result<PathBuf> {
     let binary = static_binary(root, env, "proxy-user", "kpr")?;
     let mut files = netfilter_tools()?;
     files.insert(BINARY_PATH.trim_start_matches('/').to_owned(), Entry::File(binary, 0o755));
-    write_image(root, &Image { name: "kpr", files, entrypoint: BINARY_PATH, cmd: "agent" }, tag)
+    write_image(root, &Image::new("kpr", files, BINARY_PATH, "agent"), tag)
 }
 
 /// The test pods' image, `kpr-testpod:latest`: `kpr-probe` alone (it serves, asks, holds a
@@ -50,7 +58,7 @@ pub fn build(root: &Path, env: &setup::Env, tag: &str) -> Result<PathBuf> {
 pub fn build_testpod(root: &Path, env: &setup::Env) -> Result<PathBuf> {
     let binary = static_binary(root, env, "kpr-tests", "kpr-probe")?;
     let files = BTreeMap::from([("kpr-probe".to_owned(), Entry::File(binary, 0o755))]);
-    write_image(root, &Image { name: "kpr-testpod", files, entrypoint: "/kpr-probe", cmd: "pause" }, "latest")
+    write_image(root, &Image::new("kpr-testpod", files, "/kpr-probe", "pause"), "latest")
 }
 
 /// `bin` of `package`, built static (musl, release) and stripped: symbols are half the
@@ -109,21 +117,25 @@ fn write_layout(dir: &Path, image: &Image, tag: &str, revision: &str) -> Result<
     fs::create_dir_all(dir.join("blobs/sha256"))?;
     let layer_tar = layer(&image.files)?;
     let diff_id = sha256(&layer_tar);
-    let mut gz = flate2::GzBuilder::new().mtime(0).write(Vec::new(), flate2::Compression::best());
+    let mut gz = flate2::GzBuilder::new().mtime(0).write(Vec::new(), flate2::Compression::default());
     gz.write_all(&layer_tar)?;
     let layer_gz = gz.finish()?;
     let layer = blob(dir, &layer_gz)?;
 
+    let mut run = json!({
+        "Entrypoint": [image.entrypoint],
+        "Cmd": [image.cmd],
+        // The tag too: images of one build under two tags are two images (a rolling
+        // update's "new image" in the tests).
+        "Labels": { "org.opencontainers.image.revision": revision, "org.opencontainers.image.version": tag },
+    });
+    if !image.env.is_empty() {
+        run["Env"] = json!(image.env);
+    }
     let config = serde_json::to_vec(&json!({
         "architecture": "amd64",
         "os": "linux",
-        "config": {
-            "Entrypoint": [image.entrypoint],
-            "Cmd": [image.cmd],
-            // The tag too: images of one build under two tags are two images (a rolling
-            // update's "new image" in the tests).
-            "Labels": { "org.opencontainers.image.revision": revision, "org.opencontainers.image.version": tag },
-        },
+        "config": run,
         "rootfs": { "type": "layers", "diff_ids": [format!("sha256:{diff_id}")] },
         "history": [{ "created_by": "cargo xtask image" }],
     }))?;
@@ -140,7 +152,10 @@ fn write_layout(dir: &Path, image: &Image, tag: &str, revision: &str) -> Result<
     entry["annotations"] = json!({
         "org.opencontainers.image.ref.name": tag,
         // containerd's importer names the image after this.
-        "io.containerd.image.name": format!("docker.io/library/{}:{tag}", image.name),
+        "io.containerd.image.name": match image.repository {
+            Some(repository) => format!("{repository}:{tag}"),
+            None => format!("docker.io/library/{}:{tag}", image.name),
+        },
     });
     let index = json!({
         "schemaVersion": 2,
@@ -295,4 +310,161 @@ fn git_revision(root: &Path) -> String {
         .filter(|o| o.status.success())
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
         .unwrap_or_else(|| "unknown".to_owned())
+}
+
+/// The tags the pinned e2e suite asks for (`test/utils/image/manifest.go`): agnhost and pause.
+pub struct E2eTags {
+    pub agnhost: String,
+    pub pause: String,
+}
+
+/// The images of the e2e network suite (`cargo xtask e2e`), offline, under the names the suite
+/// asks for so that the kubelets' `IfNotPresent` finds them: `agnhost` (the suite's Go binary,
+/// the CoreDNS built beside it, and the tools its specs shell out to, from this machine's
+/// Debian packages, as upstream's alpine-based image has them), `pause`, and the pinned
+/// kube-proxy with the netfilter tools (`kpr-kube-proxy`), the suite's reference proxy.
+/// Returns the archives.
+pub fn build_e2e(root: &Path, e2e_bin: &Path, k8s_bin: &Path, tags: &E2eTags) -> Result<Vec<PathBuf>> {
+    let read = |dir: &Path, name: &str| fs::read(dir.join(name)).with_context(|| format!("reading {name}"));
+    let agnhost = read(e2e_bin, "agnhost")?;
+    let mut files = debian_tools(AGNHOST_TOOLS)?;
+    files.insert("agnhost".to_owned(), Entry::File(agnhost.clone(), 0o755));
+    files.insert("coredns".to_owned(), Entry::File(read(e2e_bin, "coredns")?, 0o755));
+    for (path, text) in AGNHOST_ETC {
+        files.insert((*path).to_owned(), Entry::File(text.as_bytes().to_vec(), 0o644));
+    }
+    let images = [
+        (
+            Image {
+                name: "agnhost",
+                repository: Some("registry.k8s.io/e2e-test-images/agnhost"),
+                files,
+                entrypoint: "/agnhost",
+                cmd: "pause",
+                env: &["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+            },
+            tags.agnhost.as_str(),
+        ),
+        (
+            // agnhost's own `pause` is what pause does: sleep until a signal.
+            Image {
+                name: "pause",
+                repository: Some("registry.k8s.io/pause"),
+                files: BTreeMap::from([("pause".to_owned(), Entry::File(agnhost, 0o755))]),
+                entrypoint: "/pause",
+                cmd: "pause",
+                env: &[],
+            },
+            tags.pause.as_str(),
+        ),
+        (kube_proxy_image(k8s_bin)?, "latest"),
+    ];
+    let mut archives = Vec::new();
+    for (image, tag) in &images {
+        let layout = write_image(root, image, tag)?;
+        archives.push(PathBuf::from(format!("{}.oci.tar", layout.display())));
+    }
+    Ok(archives)
+}
+
+/// kube-proxy (the pinned, static build) with iptables (nft and legacy), nft and conntrack;
+/// `iptables` is the nft variant, as on this machine.
+fn kube_proxy_image(k8s_bin: &Path) -> Result<Image> {
+    let mut files = netfilter_tools()?;
+    files.extend(debian_tools(&["/usr/sbin/conntrack"])?);
+    for link in ["iptables", "iptables-save", "iptables-restore", "ip6tables", "ip6tables-save", "ip6tables-restore"] {
+        files.insert(format!("usr/sbin/{link}"), Entry::Symlink("xtables-nft-multi".to_owned()));
+    }
+    let binary = fs::read(k8s_bin.join("kube-proxy")).context("reading kube-proxy")?;
+    files.insert("usr/local/bin/kube-proxy".to_owned(), Entry::File(binary, 0o755));
+    Ok(Image {
+        name: "kpr-kube-proxy",
+        repository: None,
+        files,
+        entrypoint: "/usr/local/bin/kube-proxy",
+        cmd: "--help",
+        env: &["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+    })
+}
+
+/// What agnhost's specs run besides agnhost (upstream's Dockerfile: bind-tools, curl,
+/// netcat-openbsd, iproute2, iperf, bash; conntrack for the CLOSE_WAIT spec), and busybox for
+/// the shell and coreutils.
+const AGNHOST_TOOLS: &[&str] = &[
+    "/usr/bin/busybox",
+    "/usr/bin/dash",
+    "/bin/bash",
+    "/usr/bin/curl",
+    "/usr/bin/nc.openbsd",
+    "/usr/bin/dig",
+    "/usr/bin/nslookup",
+    "/usr/sbin/ip",
+    "/usr/bin/ss",
+    "/usr/sbin/conntrack",
+    "/usr/bin/iperf",
+];
+
+const AGNHOST_ETC: &[(&str, &str)] = &[
+    ("etc/passwd", "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"),
+    ("etc/group", "root:x:0:\nnogroup:x:65534:\n"),
+    ("etc/nsswitch.conf", "hosts: files dns\n"),
+    ("tmp/.keep", ""),
+];
+
+/// `tools` from this machine with the libraries they load, at their paths; busybox's applets
+/// as links for every other command (`seq`, `wget`, ...), `nc` for `nc.openbsd`, and `sh` is
+/// dash: Debian's busybox shell runs its own applets before `PATH` (its `nc` is not OpenBSD's).
+fn debian_tools(tools: &[&str]) -> Result<BTreeMap<String, Entry>> {
+    let mut files = BTreeMap::new();
+    let mut provided = BTreeSet::new();
+    for tool in tools {
+        let data = fs::read(tool).with_context(|| format!("reading {tool} (`cargo xtask setup` installs it)"))?;
+        let name = Path::new(tool).file_name().expect("a file").to_string_lossy().replace(".openbsd", "");
+        provided.insert(name.clone());
+        let dir = Path::new(tool).parent().expect("absolute").to_string_lossy().trim_start_matches('/').to_owned();
+        files.insert(format!("{dir}/{name}"), Entry::File(data, 0o755));
+        if !tool.ends_with("busybox") {
+            for library in shared_libraries(tool)? {
+                let data = fs::read(&library).with_context(|| format!("reading {library}"))?;
+                files.insert(library.trim_start_matches('/').to_owned(), Entry::File(data, 0o755));
+            }
+        }
+    }
+    if tools.contains(&"/usr/bin/busybox") {
+        let out = Command::new("/usr/bin/busybox").arg("--list-full").output().context("busybox --list-full")?;
+        for applet in String::from_utf8_lossy(&out.stdout).lines() {
+            let name = applet.rsplit('/').next().unwrap_or(applet);
+            if !provided.contains(name) && !files.contains_key(applet) {
+                files.insert(applet.to_owned(), Entry::Symlink("/usr/bin/busybox".to_owned()));
+            }
+        }
+        files.insert("bin/sh".to_owned(), Entry::Symlink("/usr/bin/dash".to_owned()));
+    }
+    Ok(files)
+}
+
+/// The tags of agnhost and pause in the pinned suite's `test/utils/image/manifest.go`.
+pub fn e2e_tags(manifest_go: &str) -> Result<E2eTags> {
+    // `configs[Agnhost] = Config{list.PromoterE2eRegistry, "agnhost", "2.63.0"}`
+    let tag = |key: &str| -> Result<String> {
+        let line = manifest_go
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("configs[{key}] =")))
+            .with_context(|| format!("manifest.go has no configs[{key}]"))?;
+        let quoted: Vec<&str> = line.split('"').collect();
+        quoted.get(3).map(|t| (*t).to_owned()).with_context(|| format!("cannot read the tag in {line:?}"))
+    };
+    Ok(E2eTags { agnhost: tag("Agnhost")?, pause: tag("Pause")? })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn reads_the_suites_image_tags() {
+        let manifest = "\tconfigs[Agnhost] = Config{list.PromoterE2eRegistry, \"agnhost\", \"2.63.0\"}\n\
+                        \tconfigs[AgnhostPrivate] = Config{list.PrivateRegistry, \"agnhost\", \"2.6\"}\n\
+                        \tconfigs[Pause] = Config{list.GcRegistry, \"pause\", \"3.10.2\"}\n";
+        let tags = super::e2e_tags(manifest).unwrap();
+        assert_eq!((tags.agnhost.as_str(), tags.pause.as_str()), ("2.63.0", "3.10.2"));
+    }
 }

@@ -3,6 +3,7 @@
 //! xtask itself builds with whatever stable Rust the machine has; every other crate builds with
 //! the pinned toolchain (`toolchain.pin`), which `setup` installs.
 mod cluster;
+mod e2e;
 mod image;
 mod setup;
 mod vm;
@@ -66,6 +67,27 @@ enum Cmd {
         #[arg(long)]
         testpod: bool,
     },
+    /// Run Kubernetes' e2e network suite (test/e2e/network, built offline from tools/e2e) on a
+    /// local two-node cluster, once per proxy; writes target/e2e/<proxy>/ and
+    /// target/e2e/summary.json and prints each spec whose outcome differs between the proxies.
+    /// Fails when kpr fails a spec a kube-proxy passes.
+    E2e {
+        /// The proxy the nodes run (repeatable; default kpr and kube-proxy-iptables).
+        #[arg(long = "proxy", value_parser = ["kpr", "kube-proxy-iptables", "kube-proxy-nftables"])]
+        proxies: Vec<String>,
+        /// Only specs matching this regular expression (default: `\[sig-network\]`).
+        #[arg(long)]
+        focus: Option<String>,
+        /// Leave out specs matching this regular expression (default: xtask/src/e2e.rs's SKIPS).
+        #[arg(long)]
+        skip: Option<String>,
+        /// Ginkgo processes running specs in parallel.
+        #[arg(long, default_value_t = 4)]
+        nodes: u32,
+        /// Keep the cluster's data directories.
+        #[arg(long)]
+        keep: bool,
+    },
     /// Run the benchmarks (release build); prints numbers and writes target/bench/*.json.
     Bench {
         /// Extra arguments for the benchmark program (see `--help` of kpr-bench).
@@ -127,6 +149,11 @@ fn run_command() -> Result<()> {
         Cmd::Image { tag, testpod } => {
             let env = setup::ensure_all(&root)?;
             if testpod { image::build_testpod(&root, &env) } else { image::build(&root, &env, &tag) }.map(drop)
+        }
+        Cmd::E2e { proxies, focus, skip, nodes, keep } => {
+            let env = setup::ensure_all(&root)?;
+            let proxies = if proxies.is_empty() { vec!["kpr".into(), "kube-proxy-iptables".into()] } else { proxies };
+            e2e::run(&root, &env, &e2e::Options { proxies, focus, skip, procs: nodes, keep })
         }
         Cmd::Bench { args } => {
             let env = setup::ensure_all(&root)?;

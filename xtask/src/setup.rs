@@ -181,6 +181,12 @@ fn ensure_packages() -> Result<()> {
         // (with ctr) and the CNI plugins, found by absolute path.
         ("containerd", "containerd"),
         ("/usr/lib/cni/bridge", "containernetworking-plugins"),
+        // The e2e suite's agnhost image (xtask/src/image.rs): the tools its specs run.
+        ("busybox", "busybox-static"),
+        ("nc.openbsd", "netcat-openbsd"),
+        ("dig", "bind9-dnsutils"),
+        ("iperf", "iperf"),
+        ("curl", "curl"),
     ];
     let present = |cmd: &str| if cmd.starts_with('/') { Path::new(cmd).is_file() } else { on_path(cmd) };
     let missing: Vec<&str> = wanted.iter().filter(|(cmd, _)| !present(cmd)).map(|(_, pkg)| *pkg).collect();

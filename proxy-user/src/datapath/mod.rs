@@ -10,6 +10,7 @@ pub mod conntrack;
 mod devconf;
 pub mod fake;
 pub mod kernel_btf;
+pub mod netfilter_sysctls;
 mod slots;
 mod sockets;
 
