@@ -210,7 +210,7 @@ impl Cluster {
         openssl(d, &csr)?;
         fs::write(
             d.join("apiserver.ext"),
-            "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc\nextendedKeyUsage=serverAuth\nkeyUsage=digitalSignature,keyEncipherment\n",
+            "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,IP:192.168.76.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc\nextendedKeyUsage=serverAuth\nkeyUsage=digitalSignature,keyEncipherment\n",
         )?;
         openssl(
             d,
@@ -307,6 +307,8 @@ impl Cluster {
             .arg(format!("--service-account-key-file={}", d("sa.pub")))
             .arg(format!("--service-account-signing-key-file={}", d("sa.key")))
             .args(["--authorization-mode=RBAC", "--anonymous-auth=false", "--profiling=false"])
+            // Privileged pods (kube-proxy's DaemonSet, the e2e suite's host-exec pods).
+            .arg("--allow-privileged=true")
             .args(["--enable-priority-and-fairness=false", "--v=1"]);
         self.apiserver = Some(spawn_child(&mut cmd, &self.home_cgroup, &self.dir.join("apiserver.log"))?);
         Ok(())
@@ -470,6 +472,15 @@ pub struct Relay {
 impl Relay {
     pub fn new(ns: &Netns, listen: SocketAddrV4, target: SocketAddrV4) -> Result<Self> {
         let listener = ns.run(move || TcpListener::bind(listen))??;
+        Self::serve(listener, target)
+    }
+
+    /// A relay from `listen` in this process's namespace (an address of a test's own link).
+    pub fn on_host(listen: SocketAddrV4, target: SocketAddrV4) -> Result<Self> {
+        Self::serve(TcpListener::bind(listen).with_context(|| format!("binding {listen}"))?, target)
+    }
+
+    fn serve(listener: TcpListener, target: SocketAddrV4) -> Result<Self> {
         listener.set_nonblocking(true)?;
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();

@@ -68,6 +68,8 @@ pub struct Node {
     v1_cgroups: Vec<PathBuf>,
     /// The node's first process (containerd's parent, then the kubelet).
     init: Option<Child>,
+    /// The host's end of the link [`Node::expose_to_host`] made.
+    host_leg: Option<String>,
 }
 
 impl Node {
@@ -94,24 +96,39 @@ impl Node {
         fs::create_dir(&cgroup2).with_context(|| format!("creating {}", cgroup2.display()))?;
         let dir = std::env::temp_dir().join(format!("{unique}.node"));
         // From here on, drop removes what was made, also when the rest fails.
-        let mut node =
-            Self { name: name.to_owned(), ip, netns, dir, cgroup2, v1_cgroups: Vec::new(), init: None, _relay: relay };
+        let mut node = Self {
+            name: name.to_owned(),
+            ip,
+            netns,
+            dir,
+            cgroup2,
+            v1_cgroups: Vec::new(),
+            init: None,
+            host_leg: None,
+            _relay: relay,
+        };
         fs::create_dir_all(node.dir.join("cni"))?;
         add_v1_cgroup_roots(&unique, &mut node.v1_cgroups)?;
         Ok(node)
     }
 
-    /// A link from the host to this node (a veth pair: `host0` in the node), with a host route
-    /// to the node's address only, so that the API server reaches its kubelet (exec, logs,
-    /// port-forward) and a test program on the host its NodePorts, as on a real cluster. The
-    /// route leads into this node's namespace and dies with the link; nothing leaves the machine.
-    pub fn expose_to_host(&self) -> Result<()> {
+    /// A link from the host to this node (a veth pair: `host0` in the node), with host routes
+    /// to the node's address and its pods only, so that the API server reaches its kubelet
+    /// (exec, logs, port-forward), a test program on the host its NodePorts, and its pods the
+    /// API server's advertised address ([`HOST_LEG_IP`], through a relay), as on a real
+    /// cluster. The routes lead into this node's namespace and die with the link; nothing
+    /// leaves the machine.
+    pub fn expose_to_host(&mut self, pod_cidr: &str) -> Result<()> {
         // `kh<pid><node's last letter>`: unique on the host, within IFNAMSIZ.
         let host_side = format!("kh{}{}", std::process::id(), self.name.chars().last().unwrap_or('x'));
         testbed::ip(&["link", "add", &host_side, "type", "veth", "peer", "name", "host0", "netns", &self.netns.name])?;
+        self.host_leg = Some(host_side.clone());
         testbed::ip(&["addr", "add", &format!("{HOST_LEG_IP}/32"), "dev", &host_side])?;
         testbed::ip(&["link", "set", &host_side, "up"])?;
-        testbed::ip(&["route", "add", &format!("{}/32", self.ip), "dev", &host_side, "src", &HOST_LEG_IP.to_string()])?;
+        let (src, node) = (HOST_LEG_IP.to_string(), self.ip.to_string());
+        testbed::ip(&["route", "add", &format!("{node}/32"), "dev", &host_side, "src", &src])?;
+        // Through the node (it answers ARP for its own address, not for its pods').
+        testbed::ip(&["route", "add", pod_cidr, "via", &node, "dev", &host_side, "src", &src])?;
         self.netns.ip(&["link", "set", "host0", "up"])?;
         self.netns.ip(&["route", "add", &format!("{HOST_LEG_IP}/32"), "dev", "host0", "src", &self.ip.to_string()])?;
         Ok(())
@@ -146,7 +163,8 @@ impl Node {
         fs::write(&script, init_script(self, images)?)?;
 
         let mut cmd = Command::new("unshare");
-        cmd.args(["--mount", "--propagation", "slave", "sh"]).arg(&script);
+        // A UTS namespace too: a host-network pod's hostname is its node's name, as on a real node.
+        cmd.args(["--mount", "--uts", "--propagation", "slave", "sh"]).arg(&script);
         self.netns.exec_in(&mut cmd)?;
         self.init = Some(spawn_child(&mut cmd, &self.cgroup2, &d.join("node.log"))?);
         Ok(())
@@ -203,6 +221,12 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         self.kill_all();
+        // Its peer goes with the node's namespace, but only once nothing holds that any more.
+        if let Some(leg) = self.host_leg.take()
+            && let Err(e) = testbed::ip(&["link", "del", &leg])
+        {
+            eprintln!("nodes: failed to remove {leg}: {e:#}");
+        }
         for root in std::iter::once(&self.cgroup2).chain(&self.v1_cgroups) {
             if let Err(e) = remove_cgroup_tree(root) {
                 eprintln!("nodes: failed to remove cgroup {}: {e:#}", root.display());
@@ -243,6 +267,7 @@ D='{d}'
 SOCK=/run/containerd/containerd.sock
 # Shared within the node (pod mounts with HostToContainer propagation), never back to the host.
 mount --make-rshared /
+hostname '{name}'
 mount -t tmpfs -o mode=755 node-run /run
 mkdir -p "$D/var-lib"; mount --bind "$D/var-lib" /var/lib
 mount -t tmpfs -o mode=755 node-var-log /var/log

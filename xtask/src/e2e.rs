@@ -27,6 +27,7 @@ const BINARIES: &[GoBinary] = &[
     GoBinary::program("ginkgo", "github.com/onsi/ginkgo/v2/ginkgo"),
     GoBinary::program("agnhost", "k8s.io/kubernetes/test/images/agnhost"),
     GoBinary::program("coredns", "kpr.local/tools/e2e/coredns"),
+    GoBinary::program("regression-issue-74839", "k8s.io/kubernetes/test/images/regression-issue-74839"),
 ];
 
 /// The default selection: sig-network's specs.
@@ -39,11 +40,10 @@ pub const SKIPS: &[(&str, &str)] = &[
     (r"Disruptive|Serial", "restarts nodes or needs the whole cluster alone; out of a parallel run"),
     (r"SCTP", "this machine's kernel has no sctp module"),
     (r"IPv6|DualStack", "the e2e cluster is IPv4 only (kpr's IPv6 paths are covered by tests/)"),
-    (r"\[sig-network\] DNS", "needs the jessie-dnsutils image; tests DNS, not the proxy"),
     (r"Networking-Performance|IPerf2|PerformanceDNS", "throughput benchmarks, not behaviour"),
+    (r"Feature:Networking-(DNS|IPv4|IPv6)", "they reach the Internet; nothing here routes off the machine"),
     (r"Feature:(OffByDefault|Example|Federation)|\[Alpha\]", "feature gates off in the pinned control plane"),
     (r"HostPort", "the test CNI (bridge) has no portmap plugin"),
-    (r"Ingress|IngressClass", "ingress controllers, not Service proxies"),
 ];
 
 pub struct Options {
@@ -53,6 +53,22 @@ pub struct Options {
     pub procs: u32,
     pub keep: bool,
 }
+
+impl Options {
+    /// CI's subset: sig-network's `[Conformance]` specs against kpr, judged by pass/fail.
+    pub fn conformance() -> Self {
+        Self {
+            proxies: vec!["kpr".to_owned()],
+            focus: Some(CONFORMANCE_FOCUS.to_owned()),
+            skip: None,
+            procs: 4,
+            keep: false,
+        }
+    }
+}
+
+/// sig-network's conformance specs (the tag is in the spec's text).
+pub const CONFORMANCE_FOCUS: &str = r"\[sig-network\].*\[Conformance\]";
 
 pub fn run(root: &Path, env: &setup::Env, options: &Options) -> Result<()> {
     let started = Instant::now();
@@ -84,7 +100,7 @@ pub fn run(root: &Path, env: &setup::Env, options: &Options) -> Result<()> {
         println!("xtask: e2e with {proxy}: focus {focus:?}, skip {skip:?}, {} ginkgo processes", options.procs);
         let mut cmd = Command::new(root.join("target/debug/kpr-e2e"));
         cmd.arg("--proxy").arg(proxy).arg("--e2e-bin").arg(&e2e_bin).arg("--out").arg(&out);
-        cmd.arg("--agnhost-tag").arg(&tags.agnhost);
+        cmd.arg("--agnhost-tag").arg(&tags["Agnhost"]);
         for archive in &images {
             cmd.arg("--image").arg(archive);
         }

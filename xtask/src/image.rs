@@ -237,6 +237,7 @@ fn layer(files: &BTreeMap<String, Entry>) -> Result<Vec<u8>> {
     Ok(tar.into_inner()?)
 }
 
+#[derive(Clone)]
 enum Entry {
     File(Vec<u8>, u32),
     Symlink(String),
@@ -312,52 +313,78 @@ fn git_revision(root: &Path) -> String {
         .unwrap_or_else(|| "unknown".to_owned())
 }
 
-/// The tags the pinned e2e suite asks for (`test/utils/image/manifest.go`): agnhost and pause.
-pub struct E2eTags {
-    pub agnhost: String,
-    pub pause: String,
-}
+/// The images the pinned e2e suite asks for (`test/utils/image/manifest.go`): the key of its
+/// `configs` table and the repository; their tags are read from the pinned sources.
+pub const E2E_IMAGES: [(&str, &str); 7] = [
+    ("Agnhost", "registry.k8s.io/e2e-test-images/agnhost"),
+    ("Pause", "registry.k8s.io/pause"),
+    ("BusyBox", "registry.k8s.io/e2e-test-images/busybox"),
+    ("RegressionIssue74839", "registry.k8s.io/e2e-test-images/regression-issue-74839"),
+    // The CLOSE_WAIT spec's host-network pod: it runs `sleep`, `sh`, `conntrack` and `grep`.
+    ("DistrolessIptables", "registry.k8s.io/build-image/distroless-iptables"),
+    // The DNS specs' "jessie" prober: `dig`, `getent`, a shell.
+    ("GlibcDnsTesting", "registry.k8s.io/e2e-test-images/glibc-dns-testing"),
+    // The kube-proxy DaemonSet of `cargo xtask e2e` (not the suite's).
+    ("KubeProxy", "docker.io/library/kpr-kube-proxy"),
+];
 
 /// The images of the e2e network suite (`cargo xtask e2e`), offline, under the names the suite
 /// asks for so that the kubelets' `IfNotPresent` finds them: `agnhost` (the suite's Go binary,
 /// the CoreDNS built beside it, and the tools its specs shell out to, from this machine's
-/// Debian packages, as upstream's alpine-based image has them), `pause`, and the pinned
+/// Debian packages, as upstream's alpine-based image has them; also under the names of
+/// `distroless-iptables` and `glibc-dns-testing`), `pause`, `busybox`, `regression-issue-74839`, and the pinned
 /// kube-proxy with the netfilter tools (`kpr-kube-proxy`), the suite's reference proxy.
-/// Returns the archives.
-pub fn build_e2e(root: &Path, e2e_bin: &Path, k8s_bin: &Path, tags: &E2eTags) -> Result<Vec<PathBuf>> {
+/// `tags` maps [`E2E_IMAGES`]' keys to tags. Returns the archives.
+pub fn build_e2e(root: &Path, e2e_bin: &Path, k8s_bin: &Path, tags: &BTreeMap<String, String>) -> Result<Vec<PathBuf>> {
     let read = |dir: &Path, name: &str| fs::read(dir.join(name)).with_context(|| format!("reading {name}"));
     let agnhost = read(e2e_bin, "agnhost")?;
-    let mut files = debian_tools(AGNHOST_TOOLS)?;
-    files.insert("agnhost".to_owned(), Entry::File(agnhost.clone(), 0o755));
-    files.insert("coredns".to_owned(), Entry::File(read(e2e_bin, "coredns")?, 0o755));
+    let mut agnhost_files = debian_tools(AGNHOST_TOOLS, "/usr/bin/dash")?;
+    agnhost_files.insert("agnhost".to_owned(), Entry::File(agnhost.clone(), 0o755));
+    agnhost_files.insert("coredns".to_owned(), Entry::File(read(e2e_bin, "coredns")?, 0o755));
     for (path, text) in AGNHOST_ETC {
-        files.insert((*path).to_owned(), Entry::File(text.as_bytes().to_vec(), 0o644));
+        agnhost_files.insert((*path).to_owned(), Entry::File(text.as_bytes().to_vec(), 0o644));
     }
+    const PATH: &[&str] = &["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"];
+    let image = |name, key: &str, files, entrypoint, cmd, env| -> Result<(Image, String)> {
+        let repository = E2E_IMAGES.iter().find(|(k, _)| *k == key).map(|(_, r)| *r).expect("listed");
+        let tag = if key == "KubeProxy" {
+            "latest".to_owned()
+        } else {
+            tags.get(key).with_context(|| format!("no tag for {key}"))?.clone()
+        };
+        Ok((Image { name, repository: Some(repository), files, entrypoint, cmd, env }, tag))
+    };
+    let regression = read(e2e_bin, "regression-issue-74839")?;
     let images = [
-        (
-            Image {
-                name: "agnhost",
-                repository: Some("registry.k8s.io/e2e-test-images/agnhost"),
-                files,
-                entrypoint: "/agnhost",
-                cmd: "pause",
-                env: &["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
-            },
-            tags.agnhost.as_str(),
-        ),
-        (
-            // agnhost's own `pause` is what pause does: sleep until a signal.
-            Image {
-                name: "pause",
-                repository: Some("registry.k8s.io/pause"),
-                files: BTreeMap::from([("pause".to_owned(), Entry::File(agnhost, 0o755))]),
-                entrypoint: "/pause",
-                cmd: "pause",
-                env: &[],
-            },
-            tags.pause.as_str(),
-        ),
-        (kube_proxy_image(k8s_bin)?, "latest"),
+        image("agnhost", "Agnhost", agnhost_files.clone(), "/agnhost", "pause", PATH)?,
+        image("distroless-iptables", "DistrolessIptables", agnhost_files.clone(), "/agnhost", "pause", PATH)?,
+        image("glibc-dns-testing", "GlibcDnsTesting", agnhost_files, "/agnhost", "pause", PATH)?,
+        // agnhost's own `pause` is what pause does: sleep until a signal.
+        image(
+            "pause",
+            "Pause",
+            BTreeMap::from([("pause".to_owned(), Entry::File(agnhost, 0o755))]),
+            "/pause",
+            "pause",
+            &[],
+        )?,
+        image(
+            "busybox",
+            "BusyBox",
+            debian_tools(&["/usr/bin/busybox"], "/usr/bin/busybox")?,
+            "/usr/bin/busybox",
+            "sh",
+            PATH,
+        )?,
+        image(
+            "regression-issue-74839",
+            "RegressionIssue74839",
+            BTreeMap::from([("regression-issue-74839".to_owned(), Entry::File(regression, 0o755))]),
+            "/regression-issue-74839",
+            "--help",
+            &[],
+        )?,
+        image("kpr-kube-proxy", "KubeProxy", kube_proxy_files(k8s_bin)?, "/usr/local/bin/kube-proxy", "--help", PATH)?,
     ];
     let mut archives = Vec::new();
     for (image, tag) in &images {
@@ -369,22 +396,15 @@ pub fn build_e2e(root: &Path, e2e_bin: &Path, k8s_bin: &Path, tags: &E2eTags) ->
 
 /// kube-proxy (the pinned, static build) with iptables (nft and legacy), nft and conntrack;
 /// `iptables` is the nft variant, as on this machine.
-fn kube_proxy_image(k8s_bin: &Path) -> Result<Image> {
+fn kube_proxy_files(k8s_bin: &Path) -> Result<BTreeMap<String, Entry>> {
     let mut files = netfilter_tools()?;
-    files.extend(debian_tools(&["/usr/sbin/conntrack"])?);
+    files.extend(debian_tools(&["/usr/sbin/conntrack"], "")?);
     for link in ["iptables", "iptables-save", "iptables-restore", "ip6tables", "ip6tables-save", "ip6tables-restore"] {
         files.insert(format!("usr/sbin/{link}"), Entry::Symlink("xtables-nft-multi".to_owned()));
     }
     let binary = fs::read(k8s_bin.join("kube-proxy")).context("reading kube-proxy")?;
     files.insert("usr/local/bin/kube-proxy".to_owned(), Entry::File(binary, 0o755));
-    Ok(Image {
-        name: "kpr-kube-proxy",
-        repository: None,
-        files,
-        entrypoint: "/usr/local/bin/kube-proxy",
-        cmd: "--help",
-        env: &["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
-    })
+    Ok(files)
 }
 
 /// What agnhost's specs run besides agnhost (upstream's Dockerfile: bind-tools, curl,
@@ -395,6 +415,9 @@ const AGNHOST_TOOLS: &[&str] = &[
     "/usr/bin/dash",
     "/bin/bash",
     "/usr/bin/curl",
+    // GNU wget: the static busybox's crashes resolving a name (static glibc, no NSS).
+    "/usr/bin/wget",
+    "/usr/bin/getent",
     "/usr/bin/nc.openbsd",
     "/usr/bin/dig",
     "/usr/bin/nslookup",
@@ -413,8 +436,9 @@ const AGNHOST_ETC: &[(&str, &str)] = &[
 
 /// `tools` from this machine with the libraries they load, at their paths; busybox's applets
 /// as links for every other command (`seq`, `wget`, ...), `nc` for `nc.openbsd`, and `sh` is
-/// dash: Debian's busybox shell runs its own applets before `PATH` (its `nc` is not OpenBSD's).
-fn debian_tools(tools: &[&str]) -> Result<BTreeMap<String, Entry>> {
+/// `shell` (dash beside other tools: Debian's busybox shell runs its own applets before
+/// `PATH`, and its `nc` is not OpenBSD's).
+fn debian_tools(tools: &[&str], shell: &str) -> Result<BTreeMap<String, Entry>> {
     let mut files = BTreeMap::new();
     let mut provided = BTreeSet::new();
     for tool in tools {
@@ -438,13 +462,13 @@ fn debian_tools(tools: &[&str]) -> Result<BTreeMap<String, Entry>> {
                 files.insert(applet.to_owned(), Entry::Symlink("/usr/bin/busybox".to_owned()));
             }
         }
-        files.insert("bin/sh".to_owned(), Entry::Symlink("/usr/bin/dash".to_owned()));
+        files.insert("bin/sh".to_owned(), Entry::Symlink(shell.to_owned()));
     }
     Ok(files)
 }
 
-/// The tags of agnhost and pause in the pinned suite's `test/utils/image/manifest.go`.
-pub fn e2e_tags(manifest_go: &str) -> Result<E2eTags> {
+/// The tags of [`E2E_IMAGES`] in the pinned suite's `test/utils/image/manifest.go`.
+pub fn e2e_tags(manifest_go: &str) -> Result<BTreeMap<String, String>> {
     // `configs[Agnhost] = Config{list.PromoterE2eRegistry, "agnhost", "2.63.0"}`
     let tag = |key: &str| -> Result<String> {
         let line = manifest_go
@@ -454,7 +478,11 @@ pub fn e2e_tags(manifest_go: &str) -> Result<E2eTags> {
         let quoted: Vec<&str> = line.split('"').collect();
         quoted.get(3).map(|t| (*t).to_owned()).with_context(|| format!("cannot read the tag in {line:?}"))
     };
-    Ok(E2eTags { agnhost: tag("Agnhost")?, pause: tag("Pause")? })
+    E2E_IMAGES
+        .iter()
+        .filter(|(key, _)| *key != "KubeProxy")
+        .map(|(key, _)| Ok(((*key).to_owned(), tag(key)?)))
+        .collect()
 }
 
 #[cfg(test)]
@@ -463,8 +491,16 @@ mod tests {
     fn reads_the_suites_image_tags() {
         let manifest = "\tconfigs[Agnhost] = Config{list.PromoterE2eRegistry, \"agnhost\", \"2.63.0\"}\n\
                         \tconfigs[AgnhostPrivate] = Config{list.PrivateRegistry, \"agnhost\", \"2.6\"}\n\
-                        \tconfigs[Pause] = Config{list.GcRegistry, \"pause\", \"3.10.2\"}\n";
+                        \tconfigs[BusyBox] = Config{list.PromoterE2eRegistry, \"busybox\", \"1.37.0-1\"}\n\
+                        \tconfigs[DistrolessIptables] = Config{list.BuildImageRegistry, \"distroless-iptables\", \"v0.9.6\"}\n\
+                        \tconfigs[GlibcDnsTesting] = Config{list.PromoterE2eRegistry, \"glibc-dns-testing\", \"2.0.0\"}\n\
+                        \tconfigs[Pause] = Config{list.GcRegistry, \"pause\", \"3.10.2\"}\n\
+                        \tconfigs[RegressionIssue74839] = Config{list.PromoterE2eRegistry, \"regression-issue-74839\", \"1.4\"}\n";
         let tags = super::e2e_tags(manifest).unwrap();
-        assert_eq!((tags.agnhost.as_str(), tags.pause.as_str()), ("2.63.0", "3.10.2"));
+        assert_eq!(tags["Agnhost"], "2.63.0");
+        assert_eq!(tags["Pause"], "3.10.2");
+        assert_eq!(tags["DistrolessIptables"], "v0.9.6");
+        assert!(!tags.contains_key("KubeProxy"));
+        assert!(super::e2e_tags("configs[Agnhost] = Config{}").is_err());
     }
 }

@@ -222,6 +222,17 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>, kernels: &[String])
     let (passed, failed) = run_tests(&mut privileged)?;
     tally.0 += passed;
     tally.1 += failed;
+    // Kubernetes' own sig-network conformance specs against kpr (`cargo xtask e2e` runs the
+    // whole sig-network suite against kpr and kube-proxy side by side).
+    if filter.is_none() {
+        match e2e::run(root, env, &e2e::Options::conformance()) {
+            Ok(()) => tally.0 += 1,
+            Err(e) => {
+                eprintln!("xtask: the e2e conformance specs failed: {e:#}");
+                tally.1 += 1;
+            }
+        }
+    }
     println!("xtask: {} passed, {} failed (this machine's kernel)", tally.0, tally.1);
 
     let (passed, failed) = test_in_vms(root, env, &vm::KERNELS.map(|(short, _)| short), filter)?;

@@ -1378,16 +1378,20 @@ impl Maps for BpfMaps {
     fn flush_flows(&mut self, flushes: &[super::UdpFlush]) -> Result<usize> {
         let by_service: std::collections::HashMap<u32, &super::UdpFlush> =
             flushes.iter().map(|f| (f.service_id, f)).collect();
-        let goes_to = |service_id: u32, addr: &Addr| by_service.get(&service_id).is_some_and(|f| f.gone.contains(addr));
-        let gone: Vec<Addr> = flushes.iter().flat_map(|f| f.gone.iter().copied()).collect();
+        let goes_to = |service_id: u32, addr: Addr, port: u16| {
+            by_service.get(&service_id).is_some_and(|f| f.gone.contains(&(addr, port)))
+        };
+        let gone: Vec<Addr> = flushes.iter().flat_map(|f| f.gone.iter().map(|(addr, _)| *addr)).collect();
         let families = [gone.iter().any(Addr::is_v4), gone.iter().any(|a| !a.is_v4())];
+        // A flow's forward entry holds the endpoint it was translated to, its reply entry is
+        // keyed by it.
         let (_, flushed) = self.conntrack.remove_where_in(families, |k, v| {
-            goes_to(v.service_id, &v.dst_addr) || goes_to(v.service_id, &k.src_addr)
+            goes_to(v.service_id, v.dst_addr, v.dst_port) || goes_to(v.service_id, k.src_addr, k.src_port)
         })?;
         // The socket path's flows: sockets it connected to these backends through these services.
         let cookies: BTreeSet<u64> = super::conntrack::read_all_of(&self.sock_revnat)
             .into_iter()
-            .filter(|(k, v)| goes_to(v.service_id, &k.addr))
+            .filter(|(k, v)| goes_to(v.service_id, k.addr, k.port))
             .map(|(k, _)| k.cookie)
             .collect();
         let aborted = if cookies.is_empty() { 0 } else { super::sockets::abort_udp(&cookies, &gone) };
@@ -1401,7 +1405,7 @@ impl Maps for BpfMaps {
         };
         let picks: Vec<SockRevNatKey> = super::conntrack::read_all_of(&self.sock_picks)
             .into_iter()
-            .filter(|(k, b)| flushes.iter().any(|f| f.gone.contains(&b.addr) && through(k, f)))
+            .filter(|(k, b)| flushes.iter().any(|f| f.gone.contains(&(b.addr, b.port)) && through(k, f)))
             .map(|(k, _)| k)
             .collect();
         let forgotten = picks.iter().filter(|k| self.sock_picks.remove(k).is_ok()).count();

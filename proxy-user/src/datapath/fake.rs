@@ -21,7 +21,8 @@ pub struct FakeMaps {
     pub fail_service_writes: usize,
     pub source_ranges: std::collections::BTreeSet<(u32, Cidr)>,
     /// `flush_flows` calls: (service id, endpoint addresses).
-    pub flushed: Vec<(u32, Vec<Addr>)>,
+    /// Each flush: the service and the endpoints (address, port in host order) it named.
+    pub flushed: Vec<(u32, Vec<(Addr, u16)>)>,
     /// Entries the source range map holds at most.
     pub source_range_capacity: u32,
 }
@@ -135,7 +136,9 @@ impl Maps for FakeMaps {
     }
 
     fn flush_flows(&mut self, flushes: &[super::UdpFlush]) -> Result<usize> {
-        self.flushed.extend(flushes.iter().map(|f| (f.service_id, f.gone.iter().copied().collect())));
+        self.flushed.extend(
+            flushes.iter().map(|f| (f.service_id, f.gone.iter().map(|(a, p)| (*a, u16::from_be(*p))).collect())),
+        );
         Ok(0)
     }
 }

@@ -57,21 +57,27 @@ pub trait Maps: Send {
     fn source_ranges(&self) -> Result<Vec<(u32, Cidr)>>;
     fn add_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()>;
     fn remove_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()>;
-    /// Forget the UDP flows of each flush's service that go to any of its `gone` endpoint
-    /// addresses (any port: kube-proxy matches the reply's source address), in one walk of
+    /// Forget the UDP flows of each flush's service that go to any of its `gone` endpoints
+    /// (address and port, as kube-proxy matches the reply's source), in one walk of
     /// each table: per-packet conntrack entries (both directions), the sockets the socket path
     /// connected to them (aborted), and the endpoints unconnected sockets keep for the
     /// service's frontends (their next datagram picks again); returns how many went.
     fn flush_flows(&mut self, flushes: &[UdpFlush]) -> Result<usize>;
 }
 
-/// The UDP flows of one service port to flush: to `gone`, through any of `frontends`
-/// (address and port as the service entries have them; an unspecified address is a NodePort's).
+/// The UDP flows of one service port to flush: to `gone` endpoints, through any of `frontends`
+/// (address and port as the maps have them, the port in network byte order; an unspecified
+/// frontend address is a NodePort's).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct UdpFlush {
     pub service_id: u32,
     pub frontends: BTreeSet<(Addr, u16)>,
-    pub gone: BTreeSet<Addr>,
+    pub gone: BTreeSet<(Addr, u16)>,
+}
+
+/// A backend as [`UdpFlush::gone`] names it.
+fn endpoint_of(b: &Backend) -> (Addr, u16) {
+    (b.addr, b.port)
 }
 
 /// A batch that stopped part-way: the first `done` elements were written.
@@ -197,7 +203,7 @@ pub struct Programmer {
     failing: BTreeSet<ServiceKey>,
     /// UDP service ports: the endpoint addresses their flows may still go to (every backend
     /// and serving endpoint since the flows were last flushed).
-    udp_reach: BTreeMap<ServiceKey, BTreeSet<Addr>>,
+    udp_reach: BTreeMap<ServiceKey, BTreeSet<(Addr, u16)>>,
     /// UDP flushes queued in this `apply`, by service id (done once, at its end).
     udp_flushes: BTreeMap<u32, UdpFlush>,
     /// Entries the loadBalancerSourceRanges map holds at most.
@@ -325,7 +331,7 @@ impl Programmer {
                     if let Err(e) = maps.remove_source_ranges(old.value.service_id, &old.source_ranges) {
                         tracing::warn!(service = %display_key(&key), "failed to remove source ranges: {e:#}");
                     }
-                    let to: Vec<Addr> = old.backends.iter().map(|b| b.addr).collect();
+                    let to: Vec<(Addr, u16)> = old.backends.iter().map(endpoint_of).collect();
                     self.queue_udp_flush(&key, old.value.service_id, &to);
                     self.udp_reach.remove(&key);
                     self.used_ids.remove(&old.value.service_id);
@@ -427,7 +433,7 @@ impl Programmer {
                     report.updated += 1;
                     // Flows may still go to what it had: `flush_unserved_udp` decides.
                     if let Some(before) = self.programmed.get(&p.key).filter(|_| p.key.proto == IPPROTO_UDP) {
-                        self.udp_reach.entry(p.key).or_default().extend(before.backends.iter().map(|b| b.addr));
+                        self.udp_reach.entry(p.key).or_default().extend(before.backends.iter().map(endpoint_of));
                     }
                 } else {
                     report.added += 1;
@@ -464,12 +470,13 @@ impl Programmer {
         for (key, want) in desired.iter().filter(|(key, _)| key.proto == IPPROTO_UDP) {
             let Some(programmed) = self.programmed.get(key) else { continue };
             let reach = self.udp_reach.entry(*key).or_default();
-            reach.extend(programmed.backends.iter().map(|b| b.addr));
+            reach.extend(programmed.backends.iter().map(endpoint_of));
             if want.serving.is_empty() {
                 continue;
             }
-            let serving: BTreeSet<Addr> = want.serving.iter().map(|ip| Addr::from(*ip)).collect();
-            let gone: Vec<Addr> = reach.difference(&serving).copied().collect();
+            let serving: BTreeSet<(Addr, u16)> =
+                want.serving.iter().map(|e| (Addr::from(e.ip()), e.port().to_be())).collect();
+            let gone: Vec<(Addr, u16)> = reach.difference(&serving).copied().collect();
             if !gone.is_empty() {
                 pending.push((*key, programmed.value.service_id, gone));
                 reach.retain(|addr| serving.contains(addr));
@@ -482,7 +489,7 @@ impl Programmer {
     }
 
     /// Flush later in this `apply` (all at once: each flush walks the conntrack tables).
-    fn queue_udp_flush(&mut self, key: &ServiceKey, service_id: u32, to: &[Addr]) {
+    fn queue_udp_flush(&mut self, key: &ServiceKey, service_id: u32, to: &[(Addr, u16)]) {
         if key.proto != IPPROTO_UDP || to.is_empty() {
             return;
         }

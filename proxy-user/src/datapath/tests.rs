@@ -259,7 +259,7 @@ fn udp_flows_are_flushed_when_their_endpoint_stops_serving_tcp_flows_never() {
     let dns = |picked: &[u8], serving: &[u8]| {
         let mut dns = port(53, picked);
         dns.name.protocol = Protocol::Udp;
-        dns.serving = serving.iter().map(|n| ip(*n)).collect();
+        dns.serving = serving.iter().map(|n| std::net::SocketAddr::new(ip(*n), 8080)).collect();
         dns
     };
     d.insert(udp, dns(&[1, 2, 3], &[1, 2, 3]));
@@ -274,11 +274,11 @@ fn udp_flows_are_flushed_when_their_endpoint_stops_serving_tcp_flows_never() {
     // 3 stops serving (its pod is gone), with no change to what is picked: now its flows go.
     d.insert(udp, dns(&[1, 2], &[1, 2]));
     p.apply(&d, &mut maps);
-    assert_eq!(maps.flushed, vec![(id, vec![addr(3)])]);
+    assert_eq!(maps.flushed, vec![(id, vec![(addr(3), 8080)])]);
     // 2 leaves for good.
     d.insert(udp, dns(&[1], &[1]));
     p.apply(&d, &mut maps);
-    assert_eq!(maps.flushed[1..], [(id, vec![addr(2)])]);
+    assert_eq!(maps.flushed[1..], [(id, vec![(addr(2), 8080)])]);
     // Nothing serves: flows are left as they are...
     d.insert(udp, dns(&[], &[]));
     p.apply(&d, &mut maps);
@@ -286,7 +286,7 @@ fn udp_flows_are_flushed_when_their_endpoint_stops_serving_tcp_flows_never() {
     // ...until something serves again: then the flows to 1 go.
     d.insert(udp, dns(&[4], &[4]));
     p.apply(&d, &mut maps);
-    assert_eq!(maps.flushed[2..], [(id, vec![addr(1)])]);
+    assert_eq!(maps.flushed[2..], [(id, vec![(addr(1), 8080)])]);
     // A reconcile (a programmer rebuilt from the maps) keeps what flows may still reach.
     d.insert(udp, dns(&[], &[]));
     p.apply(&d, &mut maps);
@@ -294,10 +294,37 @@ fn udp_flows_are_flushed_when_their_endpoint_stops_serving_tcp_flows_never() {
     rebuilt.carry_over(&p);
     d.insert(udp, dns(&[5], &[5]));
     rebuilt.apply(&d, &mut maps);
-    assert_eq!(maps.flushed[3..], [(id, vec![addr(4)])]);
+    assert_eq!(maps.flushed[3..], [(id, vec![(addr(4), 8080)])]);
     // Deleting the UDP service flushes its flows.
     rebuilt.apply(&desired(&[(1, &[1])]), &mut maps);
-    assert_eq!(maps.flushed[4..], [(id, vec![addr(5)])], "deleting the UDP service flushes its flows");
+    assert_eq!(maps.flushed[4..], [(id, vec![(addr(5), 8080)])], "deleting the UDP service flushes its flows");
+}
+
+/// Upstream's `CleanStaleEntries` (1.33+) matches an endpoint by address and port: a new
+/// targetPort (the same pods) moves UDP flows off the old port (e2e "Conntrack should be able
+/// to cleanup conntrack entries when UDP service target port changes for a NodePort service").
+#[test]
+fn a_new_target_port_flushes_the_udp_flows_to_the_old_one() {
+    let mut maps = FakeMaps::new(CAP);
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    let udp = service_key(Ipv4Addr::new(10, 96, 0, 53), 53, Protocol::Udp);
+    let ip = |n: u8| std::net::IpAddr::from(Ipv4Addr::new(10, 0, 0, n));
+    let dns = |target: u16| {
+        let mut dns = port(53, &[]);
+        dns.name.protocol = Protocol::Udp;
+        dns.backends = vec![(ip(1), target)];
+        dns.serving = vec![std::net::SocketAddr::new(ip(1), target)];
+        dns
+    };
+    let mut d = desired(&[]);
+    d.insert(udp, dns(8080));
+    p.apply(&d, &mut maps);
+    let id = maps.services[&udp].service_id;
+    d.insert(udp, dns(9090));
+    p.apply(&d, &mut maps);
+    assert_eq!(maps.flushed, vec![(id, vec![(Addr::from(ip(1)), 8080)])]);
+    p.apply(&d, &mut maps);
+    assert_eq!(maps.flushed.len(), 1, "flushed once");
 }
 
 #[test]

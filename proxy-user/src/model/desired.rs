@@ -6,7 +6,7 @@
 //! changed; [`ClusterState::desired`] merges the per-service results.
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::IpAddr,
+    net::{IpAddr, SocketAddr},
 };
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
@@ -38,11 +38,13 @@ pub struct DesiredPort {
     pub source_ranges: Vec<Cidr>,
     /// sessionAffinity ClientIP timeout in seconds; 0: none.
     pub affinity_timeout: u32,
-    /// UDP only (empty otherwise): the addresses of the port's serving endpoints of the
+    /// UDP only (empty otherwise): the port's serving endpoints (address and port) of the
     /// frontend's family, whatever the traffic policies, topology or termination say. UDP flows
-    /// to any other address are flushed, as kube-proxy's conntrack cleanup does (1.31+): a flow
-    /// keeps an endpoint that is no longer picked for new flows for as long as it serves.
-    pub serving: Vec<IpAddr>,
+    /// to any other endpoint are flushed, as kube-proxy's conntrack cleanup does (1.33+,
+    /// `CleanStaleEntries`: a flow whose reply source is not a serving endpoint's address and
+    /// port): a flow keeps an endpoint that is no longer picked for new flows for as long as
+    /// it serves, and a new targetPort moves flows off the old one.
+    pub serving: Vec<SocketAddr>,
 }
 
 pub type Desired = BTreeMap<ServiceKey, DesiredPort>;
@@ -119,8 +121,9 @@ pub fn service_entries<'a>(
         for (sp, ranges) in translated.ports.iter().zip(&ranges) {
             let endpoints = endpoints::for_port(&by_port, &sp.name);
             let cat = endpoints::categorize(endpoints, sp, node);
-            let serving: Vec<IpAddr> = if sp.protocol == Protocol::Udp {
-                endpoints.iter().filter(|e| e.serving).map(|e| e.ip).collect::<BTreeSet<_>>().into_iter().collect()
+            let serving: Vec<SocketAddr> = if sp.protocol == Protocol::Udp {
+                let serving = endpoints.iter().filter(|e| e.serving).map(|e| SocketAddr::new(e.ip, e.port));
+                serving.collect::<BTreeSet<_>>().into_iter().collect()
             } else {
                 Vec::new()
             };
@@ -154,7 +157,7 @@ fn family_entries(
     sp: &ServicePort,
     family: IpFamily,
     cat: &endpoints::Categorized,
-    serving: &[IpAddr],
+    serving: &[SocketAddr],
     node: &NodeInfo,
     options: &ProxyOptions,
     all_ranges: &[Cidr],

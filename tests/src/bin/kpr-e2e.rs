@@ -6,7 +6,7 @@
 //! stopped and removed on exit. Run it through `cargo xtask e2e`, which builds what it needs.
 use std::{
     fs,
-    net::Ipv4Addr,
+    net::{Ipv4Addr, SocketAddrV4},
     path::{Path, PathBuf},
     process::{Command, ExitCode},
     sync::atomic::{AtomicI32, Ordering},
@@ -16,7 +16,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use clap::Parser;
 use kpr_tests::{
-    cluster::{Cluster, k8s_bin},
+    cluster::{Cluster, Relay, k8s_bin},
     nodes::{self, API_PORT, Node},
 };
 
@@ -97,15 +97,21 @@ fn stop_ginkgo_on_signal() {
 fn run(args: &Args) -> Result<bool> {
     let started = Instant::now();
     fs::create_dir_all(&args.out)?;
-    let mut cluster = Cluster::start("kpr-e2e")?;
+    // The `kubernetes` Service's endpoint must not be a loopback address (Endpoints reject it):
+    // the API server advertises the host's address on its links to the nodes, relayed below.
+    let advertise = format!("--advertise-address={}", nodes::HOST_LEG_IP);
+    let mut cluster = Cluster::start_with("kpr-e2e", &[&advertise])?;
     cluster.keep = args.keep;
     cluster.start_controllers()?;
     let mut a = Node::new(&cluster, "node-a", NODE_A)?;
     let mut b = Node::new(&cluster, "node-b", NODE_B)?;
     nodes::link(&a, PODS_A, &b, PODS_B)?;
-    for node in [&a, &b] {
-        node.expose_to_host()?;
-    }
+    a.expose_to_host(PODS_A)?;
+    b.expose_to_host(PODS_B)?;
+    let _api_for_pods = Relay::on_host(
+        SocketAddrV4::new(nodes::HOST_LEG_IP, cluster.api_port),
+        SocketAddrV4::new(Ipv4Addr::LOCALHOST, cluster.api_port),
+    )?;
     a.boot(&cluster, PODS_A, &args.images)?;
     b.boot(&cluster, PODS_B, &args.images)?;
     let outcome = (|| -> Result<bool> {

@@ -417,7 +417,7 @@ fn sync_scale(changes: usize) -> Result<serde_json::Value> {
     let name =
         ServicePortName { service: ObjectKey::new("bench", "dns"), port: String::new(), protocol: Protocol::Udp };
     let backends: Vec<(IpAddr, u16)> = (0..BIG).map(|i| (endpoint(i), 5353)).collect();
-    let serving = backends.iter().map(|(ip, _)| *ip).collect();
+    let serving = backends.iter().map(|(ip, port)| std::net::SocketAddr::new(*ip, *port)).collect();
     desired
         .insert(big_key, DesiredPort { name, backends, flags: 0, source_ranges: vec![], affinity_timeout: 0, serving });
     let started = Instant::now();
@@ -459,7 +459,7 @@ fn sync_scale(changes: usize) -> Result<serde_json::Value> {
     let replace = |d: &mut Desired, i: usize, with: IpAddr| {
         let port = d.get_mut(&big_key).expect("the big Service");
         port.backends[i].0 = with;
-        port.serving[i] = with;
+        port.serving[i].set_ip(with);
     };
     let fresh = |i: usize| IpAddr::from(Ipv4Addr::new(10, 202, (i / 250) as u8, (i % 250) as u8 + 1));
     for i in 0..changes {
