@@ -46,6 +46,13 @@ pub const SKIPS: &[(&str, &str)] = &[
     (r"HostPort", "the test CNI (bridge) has no portmap plugin"),
 ];
 
+/// What CI's pass/fail subset also leaves out: specs that fail with kube-proxy too on this
+/// harness (the full `cargo xtask e2e` still runs them, side by side).
+pub const CI_SKIPS: &[(&str, &str)] = &[(
+    r"Proxy version v1 should proxy through a service and a pod",
+    "the API server's proxy to the TLS port of its service answers 503 with kube-proxy as with kpr",
+)];
+
 pub struct Options {
     pub proxies: Vec<String>,
     pub focus: Option<String>,
@@ -60,8 +67,10 @@ impl Options {
         Self {
             proxies: vec!["kpr".to_owned()],
             focus: Some(CONFORMANCE_FOCUS.to_owned()),
-            skip: None,
-            procs: 4,
+            skip: Some(SKIPS.iter().chain(CI_SKIPS).map(|(re, _)| *re).collect::<Vec<_>>().join("|")),
+            // The specs mostly wait (for pods, for timeouts): 46 of them take about 2,000
+            // spec-seconds, so six at a time keep CI's share near six minutes.
+            procs: 6,
             keep: false,
         }
     }

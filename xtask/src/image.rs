@@ -201,6 +201,11 @@ fn netfilter_tools() -> Result<BTreeMap<String, Entry>> {
     for extension in fs::read_dir(XTABLES_EXTENSIONS).with_context(|| format!("reading {XTABLES_EXTENSIONS}"))? {
         let path = extension?.path();
         let data = fs::read(&path)?; // symlinks followed: each alias is its own copy
+        // Their own libraries too (`statistic` loads libm): a missing one fails the rule's load.
+        for library in shared_libraries(&path.to_string_lossy())? {
+            let data = fs::read(&library).with_context(|| format!("reading {library}"))?;
+            files.insert(library.trim_start_matches('/').to_owned(), Entry::File(data, 0o755));
+        }
         files.insert(path.to_string_lossy().trim_start_matches('/').to_owned(), Entry::File(data, 0o644));
     }
     Ok(files)

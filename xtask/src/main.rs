@@ -87,6 +87,9 @@ enum Cmd {
         /// Keep the cluster's data directories.
         #[arg(long)]
         keep: bool,
+        /// Run what CI runs instead: sig-network's [Conformance] specs against kpr.
+        #[arg(long, conflicts_with_all = ["proxies", "focus", "skip"])]
+        conformance: bool,
     },
     /// Run the benchmarks (release build); prints numbers and writes target/bench/*.json.
     Bench {
@@ -150,8 +153,11 @@ fn run_command() -> Result<()> {
             let env = setup::ensure_all(&root)?;
             if testpod { image::build_testpod(&root, &env) } else { image::build(&root, &env, &tag) }.map(drop)
         }
-        Cmd::E2e { proxies, focus, skip, nodes, keep } => {
+        Cmd::E2e { proxies, focus, skip, nodes, keep, conformance } => {
             let env = setup::ensure_all(&root)?;
+            if conformance {
+                return e2e::run(&root, &env, &e2e::Options { keep, ..e2e::Options::conformance() });
+            }
             let proxies = if proxies.is_empty() { vec!["kpr".into(), "kube-proxy-iptables".into()] } else { proxies };
             e2e::run(&root, &env, &e2e::Options { proxies, focus, skip, procs: nodes, keep })
         }
