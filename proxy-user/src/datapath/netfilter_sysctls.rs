@@ -56,8 +56,9 @@ fn table_size(settings: &ConntrackSettings, cpus: usize) -> Option<u64> {
 
 /// Write `plan`'s values under `dir` (`/proc/sys/net/netfilter`, or where the DaemonSet mounts
 /// it writable) where they differ, and raise the hash size with the table, as kube-proxy does.
-/// A setting that cannot be written is an error naming it; the caller logs it (kpr's own
-/// flows do not depend on it).
+/// A setting that cannot be written is an error naming it, which the caller logs (kpr's own
+/// flows do not depend on it); not one: no tracker loaded, or the table size from a network
+/// namespace that may not set it (logged as information).
 pub fn apply(dir: &Path, writes: &[(&'static str, u64)]) -> Vec<anyhow::Error> {
     let mut errors = Vec::new();
     for &(name, value) in writes {
@@ -69,6 +70,17 @@ pub fn apply(dir: &Path, writes: &[(&'static str, u64)]) -> Vec<anyhow::Error> {
         match fs::write(&path, value.to_string()) {
             Ok(()) => {
                 tracing::info!(sysctl = %path.display(), value, "set the kernel's conntrack setting as kube-proxy does")
+            }
+            // No connection tracker loaded: nothing uses the setting.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                tracing::info!(sysctl = %path.display(), "no kernel connection tracker here: left unset");
+                continue;
+            }
+            // The table size is the machine's: a network namespace other than the first may
+            // not set it (kind's kube-proxy is configured with maxPerCore 0 for this reason).
+            Err(e) if name == "nf_conntrack_max" && e.kind() == std::io::ErrorKind::PermissionDenied => {
+                tracing::info!(sysctl = %path.display(), value, "the conntrack table size is the machine's: left as it is");
+                continue;
             }
             Err(e) => {
                 errors.push(anyhow::anyhow!(
@@ -173,12 +185,15 @@ mod tests {
         fs::create_dir_all(&dir).unwrap();
         fs::write(dir.join("nf_conntrack_tcp_timeout_close_wait"), "60\n").unwrap();
         fs::write(dir.join("nf_conntrack_tcp_timeout_established"), "86400\n").unwrap();
+        // Unwritable (a directory in its place); absent (no tracker loaded) is not an error.
+        fs::create_dir_all(dir.join("nf_conntrack_udp_timeout")).unwrap();
         let errors = apply(
             &dir,
             &[
                 ("nf_conntrack_tcp_timeout_established", 86_400),
                 ("nf_conntrack_tcp_timeout_close_wait", 3_600),
-                ("missing/nf_conntrack_udp_timeout", 30),
+                ("nf_conntrack_udp_timeout", 30),
+                ("nf_conntrack_udp_timeout_stream", 120),
             ],
         );
         assert_eq!(fs::read_to_string(dir.join("nf_conntrack_tcp_timeout_close_wait")).unwrap(), "3600");
