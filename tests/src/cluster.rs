@@ -112,6 +112,23 @@ fn openssl(dir: &Path, args: &[&str]) -> Result<()> {
     Ok(())
 }
 
+/// `<name>.key` and `<name>.crt` in `dir`: a P-256 key and a certificate for `subject` with the
+/// extensions `ext`, signed by the CA there (`ca.key`, `ca.crt`).
+fn signed_by_ca(dir: &Path, name: &str, subject: &str, ext: &str) -> Result<()> {
+    let (key, csr, crt, ext_file) =
+        (format!("{name}.key"), format!("{name}.csr"), format!("{name}.crt"), format!("{name}.ext"));
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+    let mut req = vec!["req"];
+    req.extend(ec);
+    req.extend(["-keyout", &key, "-out", &csr, "-subj", subject]);
+    openssl(dir, &req)?;
+    fs::write(dir.join(&ext_file), ext)?;
+    let sign = ["x509", "-req", "-in", &csr, "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial"];
+    let mut args = sign.to_vec();
+    args.extend(["-out", &crt, "-days", "3", "-extfile", &ext_file]);
+    openssl(dir, &args)
+}
+
 fn random_token() -> Result<String> {
     let mut buf = [0u8; 16];
     fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;
@@ -204,60 +221,18 @@ impl Cluster {
         ca.extend(ec);
         ca.extend(["-keyout", "ca.key", "-out", "ca.crt", "-days", "3", "-subj", "/CN=kpr-test-ca"]);
         openssl(d, &ca)?;
-        let mut csr = vec!["req"];
-        csr.extend(ec);
-        csr.extend(["-keyout", "apiserver.key", "-out", "apiserver.csr", "-subj", "/CN=kube-apiserver"]);
-        openssl(d, &csr)?;
-        fs::write(
-            d.join("apiserver.ext"),
+        signed_by_ca(
+            d,
+            "apiserver",
+            "/CN=kube-apiserver",
             "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,IP:192.168.76.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc\nextendedKeyUsage=serverAuth\nkeyUsage=digitalSignature,keyEncipherment\n",
         )?;
-        openssl(
-            d,
-            &[
-                "x509",
-                "-req",
-                "-in",
-                "apiserver.csr",
-                "-CA",
-                "ca.crt",
-                "-CAkey",
-                "ca.key",
-                "-CAcreateserial",
-                "-out",
-                "apiserver.crt",
-                "-days",
-                "3",
-                "-extfile",
-                "apiserver.ext",
-            ],
-        )?;
         // The API server's client certificate for the kubelets (exec, logs, port-forward).
-        let mut csr = vec!["req"];
-        csr.extend(ec);
-        csr.extend(["-keyout", "kubelet-client.key", "-out", "kubelet-client.csr"]);
-        csr.extend(["-subj", "/O=system:masters/CN=kube-apiserver-kubelet-client"]);
-        openssl(d, &csr)?;
-        fs::write(d.join("kubelet-client.ext"), "extendedKeyUsage=clientAuth\nkeyUsage=digitalSignature\n")?;
-        openssl(
+        signed_by_ca(
             d,
-            &[
-                "x509",
-                "-req",
-                "-in",
-                "kubelet-client.csr",
-                "-CA",
-                "ca.crt",
-                "-CAkey",
-                "ca.key",
-                "-CAcreateserial",
-                "-out",
-                "kubelet-client.crt",
-                "-days",
-                "3",
-                "-extfile",
-                "kubelet-client.ext",
-            ],
+            "kubelet-client",
+            "/O=system:masters/CN=kube-apiserver-kubelet-client",
+            "extendedKeyUsage=clientAuth\nkeyUsage=digitalSignature\n",
         )?;
         openssl(d, &["genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-out", "sa.key"])?;
         openssl(d, &["pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub"])?;

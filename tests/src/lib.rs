@@ -252,6 +252,21 @@ impl Drop for Harness {
 }
 
 /// A loopback address with a port free right now.
+/// Block SIGINT and SIGTERM in this thread (call it before any other thread exists, so that
+/// all inherit the mask) and return the set, for `sigwait`: a long-running program then stops
+/// on either by taking down what it started, rather than dying with it left behind.
+pub fn block_stop_signals() -> libc::sigset_t {
+    // SAFETY: plain signal-mask calls on a zeroed sigset_t.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
 pub fn free_loopback_port() -> Result<SocketAddr> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
 }

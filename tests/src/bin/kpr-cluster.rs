@@ -11,15 +11,7 @@ fn main() -> Result<()> {
         return Ok(());
     }
     // Block the signals before any thread exists, then wait for one of them.
-    // SAFETY: plain signal-mask calls on a zeroed sigset_t.
-    let set = unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        set
-    };
+    let set = kpr_tests::block_stop_signals();
     let mut cluster = Cluster::start("kpr-cluster")?;
     cluster.keep = keep;
     let kubeconfig = &cluster.admin_kubeconfig;

@@ -70,15 +70,7 @@ fn main() -> ExitCode {
 /// SIGINT or SIGTERM end the suite (its process group), so that `run` returns and the cluster
 /// is taken down by its destructors rather than left behind.
 fn stop_ginkgo_on_signal() {
-    // SAFETY: plain signal-mask calls on a zeroed sigset_t, before any other thread exists.
-    let set = unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        set
-    };
+    let set = kpr_tests::block_stop_signals();
     std::thread::spawn(move || {
         loop {
             let mut sig = 0;
