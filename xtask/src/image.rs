@@ -193,19 +193,13 @@ fn netfilter_tools() -> Result<BTreeMap<String, Entry>> {
         for link in links {
             files.insert(format!("usr/sbin/{link}"), Entry::Symlink(name.clone()));
         }
-        for library in shared_libraries(tool)? {
-            let data = fs::read(&library).with_context(|| format!("reading {library}"))?;
-            files.insert(library.trim_start_matches('/').to_owned(), Entry::File(data, 0o755));
-        }
+        add_libraries(&mut files, tool)?;
     }
     for extension in fs::read_dir(XTABLES_EXTENSIONS).with_context(|| format!("reading {XTABLES_EXTENSIONS}"))? {
         let path = extension?.path();
         let data = fs::read(&path)?; // symlinks followed: each alias is its own copy
         // Their own libraries too (`statistic` loads libm): a missing one fails the rule's load.
-        for library in shared_libraries(&path.to_string_lossy())? {
-            let data = fs::read(&library).with_context(|| format!("reading {library}"))?;
-            files.insert(library.trim_start_matches('/').to_owned(), Entry::File(data, 0o755));
-        }
+        add_libraries(&mut files, &path.to_string_lossy())?;
         files.insert(path.to_string_lossy().trim_start_matches('/').to_owned(), Entry::File(data, 0o644));
     }
     Ok(files)
@@ -246,6 +240,15 @@ fn layer(files: &BTreeMap<String, Entry>) -> Result<Vec<u8>> {
 enum Entry {
     File(Vec<u8>, u32),
     Symlink(String),
+}
+
+/// The shared libraries `binary` loads, at their paths in `files`.
+fn add_libraries(files: &mut BTreeMap<String, Entry>, binary: &str) -> Result<()> {
+    for library in shared_libraries(binary)? {
+        let data = fs::read(&library).with_context(|| format!("reading {library}"))?;
+        files.insert(library.trim_start_matches('/').to_owned(), Entry::File(data, 0o755));
+    }
+    Ok(())
 }
 
 /// The shared libraries `binary` loads (and the loader), as `ldd` resolves them here.
@@ -452,11 +455,9 @@ fn debian_tools(tools: &[&str], shell: &str) -> Result<BTreeMap<String, Entry>> 
         provided.insert(name.clone());
         let dir = Path::new(tool).parent().expect("absolute").to_string_lossy().trim_start_matches('/').to_owned();
         files.insert(format!("{dir}/{name}"), Entry::File(data, 0o755));
+        // busybox is static: nothing to load.
         if !tool.ends_with("busybox") {
-            for library in shared_libraries(tool)? {
-                let data = fs::read(&library).with_context(|| format!("reading {library}"))?;
-                files.insert(library.trim_start_matches('/').to_owned(), Entry::File(data, 0o755));
-            }
+            add_libraries(&mut files, tool)?;
         }
     }
     if tools.contains(&"/usr/bin/busybox") {

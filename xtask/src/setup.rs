@@ -187,6 +187,7 @@ fn ensure_packages() -> Result<()> {
         ("dig", "bind9-dnsutils"),
         ("iperf", "iperf"),
         ("curl", "curl"),
+        ("wget", "wget"),
     ];
     let present = |cmd: &str| if cmd.starts_with('/') { Path::new(cmd).is_file() } else { on_path(cmd) };
     let missing: Vec<&str> = wanted.iter().filter(|(cmd, _)| !present(cmd)).map(|(_, pkg)| *pkg).collect();

@@ -245,6 +245,25 @@ fn source_ranges_are_written_before_the_entry_and_cleaned_up_after() {
     assert!(maps.source_ranges.is_empty());
 }
 
+/// The UDP DNS-like service port of the flush tests: 10.96.0.53:53.
+fn udp_key() -> ServiceKey {
+    service_key(Ipv4Addr::new(10, 96, 0, 53), 53, Protocol::Udp)
+}
+
+/// Endpoint `n` of the flush tests: 10.0.0.n.
+fn endpoint_ip(n: u8) -> std::net::IpAddr {
+    Ipv4Addr::new(10, 0, 0, n).into()
+}
+
+/// A UDP service port picking `picked` (endpoints on 8080) whose serving endpoints are `serving`.
+fn udp_port(picked: &[(u8, u16)], serving: &[(u8, u16)]) -> DesiredPort {
+    let mut dns = port(53, &[]);
+    dns.name.protocol = Protocol::Udp;
+    dns.backends = picked.iter().map(|(n, p)| (endpoint_ip(*n), *p)).collect();
+    dns.serving = serving.iter().map(|(n, p)| std::net::SocketAddr::new(endpoint_ip(*n), *p)).collect();
+    dns
+}
+
 /// kube-proxy's conntrack cleanup (1.31+, `pkg/proxy/conntrack/cleanup.go`): UDP flows to an
 /// endpoint are flushed when it stops serving, not when it stops being picked; while nothing
 /// serves, flows are left alone; TCP flows never.
@@ -252,16 +271,11 @@ fn source_ranges_are_written_before_the_entry_and_cleaned_up_after() {
 fn udp_flows_are_flushed_when_their_endpoint_stops_serving_tcp_flows_never() {
     let mut maps = FakeMaps::new(CAP);
     let mut p = Programmer::recover(&mut maps).unwrap();
-    let udp = service_key(Ipv4Addr::new(10, 96, 0, 53), 53, Protocol::Udp);
-    let ip = |n: u8| std::net::IpAddr::from(Ipv4Addr::new(10, 0, 0, n));
-    let addr = |n: u8| Addr::from(ip(n));
+    let udp = udp_key();
+    let addr = |n: u8| Addr::from(endpoint_ip(n));
     let mut d = desired(&[(1, &[1, 2])]);
-    let dns = |picked: &[u8], serving: &[u8]| {
-        let mut dns = port(53, picked);
-        dns.name.protocol = Protocol::Udp;
-        dns.serving = serving.iter().map(|n| std::net::SocketAddr::new(ip(*n), 8080)).collect();
-        dns
-    };
+    let on_8080 = |ns: &[u8]| ns.iter().map(|n| (*n, 8080)).collect::<Vec<_>>();
+    let dns = |picked: &[u8], serving: &[u8]| udp_port(&on_8080(picked), &on_8080(serving));
     d.insert(udp, dns(&[1, 2, 3], &[1, 2, 3]));
     p.apply(&d, &mut maps);
     let id = maps.services[&udp].service_id;
@@ -307,15 +321,9 @@ fn udp_flows_are_flushed_when_their_endpoint_stops_serving_tcp_flows_never() {
 fn a_new_target_port_flushes_the_udp_flows_to_the_old_one() {
     let mut maps = FakeMaps::new(CAP);
     let mut p = Programmer::recover(&mut maps).unwrap();
-    let udp = service_key(Ipv4Addr::new(10, 96, 0, 53), 53, Protocol::Udp);
-    let ip = |n: u8| std::net::IpAddr::from(Ipv4Addr::new(10, 0, 0, n));
-    let dns = |target: u16| {
-        let mut dns = port(53, &[]);
-        dns.name.protocol = Protocol::Udp;
-        dns.backends = vec![(ip(1), target)];
-        dns.serving = vec![std::net::SocketAddr::new(ip(1), target)];
-        dns
-    };
+    let udp = udp_key();
+    let ip = endpoint_ip;
+    let dns = |target: u16| udp_port(&[(1, target)], &[(1, target)]);
     let mut d = desired(&[]);
     d.insert(udp, dns(8080));
     p.apply(&d, &mut maps);
