@@ -43,6 +43,12 @@ pub const CLUSTER_DNS: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 /// The host's address on its links to the nodes ([`Node::expose_to_host`]).
 pub const HOST_LEG_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 76, 1);
 
+/// The two nodes' addresses on their link, and their pod ranges (routed to each other).
+pub const NODE_A: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 1);
+pub const NODE_B: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 2);
+pub const PODS_A: &str = "10.244.1.0/24";
+pub const PODS_B: &str = "10.244.2.0/24";
+
 /// What the kubelet sets when it may (`setupKernelTunables`); a node's mount namespace shows
 /// it these values so that it needs to change nothing on the machine.
 const KUBELET_SYSCTLS: [(&str, &str); 6] = [
@@ -132,6 +138,15 @@ impl Node {
         self.netns.ip(&["link", "set", "host0", "up"])?;
         self.netns.ip(&["route", "add", &format!("{HOST_LEG_IP}/32"), "dev", "host0", "src", &self.ip.to_string()])?;
         Ok(())
+    }
+
+    /// A default route out of `eth0` (the link to the other node), as a real node has one:
+    /// kube-proxy's DNAT and REJECT come after the route lookup, so without it a host-network
+    /// client's connection to a ClusterIP (of any ServiceCIDR, also one a spec adds) fails
+    /// before kube-proxy sees it. It names no gateway: a packet no proxy translated dies
+    /// unanswered at ARP in the other node; nothing leaves the namespaces.
+    pub fn route_default_on_link(&self) -> Result<()> {
+        self.netns.ip(&["route", "add", "default", "dev", "eth0"])
     }
 
     /// The node's directory (configuration and logs).
@@ -357,7 +372,8 @@ fn runc(dir: &Path) -> Result<PathBuf> {
 }
 
 /// A bridge (`cni0`, the pods' gateway) with host-local addresses from `pod_cidr`; no
-/// masquerade (the nodes route each other's pod ranges).
+/// masquerade (the nodes route each other's pod ranges); `portmap` for `hostPort`s (iptables
+/// rules in the node's namespace, only for pods that ask for one), as kind's CNI has it.
 fn cni_config(pod_cidr: &str) -> String {
     serde_json::json!({
         "cniVersion": "0.4.0",
@@ -369,6 +385,9 @@ fn cni_config(pod_cidr: &str) -> String {
             "ipMasq": false,
             "hairpinMode": true,
             "ipam": { "type": "host-local", "ranges": [[{ "subnet": pod_cidr }]], "routes": [{ "dst": "0.0.0.0/0" }] },
+        }, {
+            "type": "portmap",
+            "capabilities": { "portMappings": true },
         }],
     })
     .to_string()
@@ -377,8 +396,9 @@ fn cni_config(pod_cidr: &str) -> String {
 /// The kubelet's configuration: the node's runtime, cgroup v1 (this host's) with its own
 /// cgroup root, the API server's admin credentials (no node authorizer in the test cluster),
 /// client certificates of the cluster's CA for its API (the API server's, for exec and logs),
-/// the cluster DNS address, and thresholds that let it keep the imported images (no registry
-/// to pull them again).
+/// the cluster DNS address, thresholds that let it keep the imported images (no registry to
+/// pull them again), and local-storage isolation on, as by default (a pod over its
+/// `ephemeral-storage` limit is evicted; e2e's "rejected for evicted pods" counts on it).
 fn kubelet_config(ip: Ipv4Addr, cgroup_root: &str, dir: &Path, ca: &Path) -> String {
     format!(
         r#"apiVersion: kubelet.config.k8s.io/v1beta1
@@ -403,7 +423,7 @@ authorization:
 resolvConf: {resolv}
 clusterDomain: cluster.local
 clusterDNS: [{CLUSTER_DNS}]
-localStorageCapacityIsolation: false
+localStorageCapacityIsolation: true
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 evictionHard:

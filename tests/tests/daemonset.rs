@@ -12,7 +12,7 @@
 use std::{
     collections::BTreeSet,
     io::{BufRead as _, BufReader, Write as _},
-    net::{Ipv4Addr, SocketAddrV4},
+    net::SocketAddrV4,
     path::{Path, PathBuf},
     process::{Child, ChildStdin, ChildStdout, Stdio},
     time::{Duration, Instant},
@@ -21,14 +21,10 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use kpr_tests::{
     cluster::Cluster,
-    nodes::{self, API_PORT, Node, PodProcess},
+    nodes::{self, API_PORT, NODE_A, NODE_B, Node, PODS_A, PODS_B, PodProcess},
     probe::{Kind, Outcome},
 };
 
-const NODE_A: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 1);
-const NODE_B: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 2);
-const PODS_A: &str = "10.244.1.0/24";
-const PODS_B: &str = "10.244.2.0/24";
 const SERVERS: [&str; 2] = ["server-a", "server-b"];
 const CLIENTS: [&str; 2] = ["client-a", "client-b"];
 

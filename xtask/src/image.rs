@@ -342,13 +342,26 @@ pub const E2E_IMAGES: [(&str, &str); 7] = [
 /// Debian packages, as upstream's alpine-based image has them; also under the names of
 /// `distroless-iptables` and `glibc-dns-testing`), `pause`, `busybox`, `regression-issue-74839`, and the pinned
 /// kube-proxy with the netfilter tools (`kpr-kube-proxy`), the suite's reference proxy.
-/// `tags` maps [`E2E_IMAGES`]' keys to tags. Returns the archives.
-pub fn build_e2e(root: &Path, e2e_bin: &Path, k8s_bin: &Path, tags: &BTreeMap<String, String>) -> Result<Vec<PathBuf>> {
+/// `k8s_src` is the pinned Kubernetes source tree (agnhost's TLS pair for `porter`), `tags`
+/// maps [`E2E_IMAGES`]' keys to tags. Returns the archives.
+pub fn build_e2e(
+    root: &Path,
+    e2e_bin: &Path,
+    k8s_bin: &Path,
+    k8s_src: &Path,
+    tags: &BTreeMap<String, String>,
+) -> Result<Vec<PathBuf>> {
     let read = |dir: &Path, name: &str| fs::read(dir.join(name)).with_context(|| format!("reading {name}"));
     let agnhost = read(e2e_bin, "agnhost")?;
     let mut agnhost_files = debian_tools(AGNHOST_TOOLS, "/usr/bin/dash")?;
     agnhost_files.insert("agnhost".to_owned(), Entry::File(agnhost.clone(), 0o755));
     agnhost_files.insert("coredns".to_owned(), Entry::File(read(e2e_bin, "coredns")?, 0o755));
+    // Upstream's Dockerfile adds `porter`'s key pair at the root (the specs point
+    // `CERT_FILE`/`KEY_FILE` there).
+    for name in ["localhost.crt", "localhost.key"] {
+        let pair = k8s_src.join("test/images/agnhost/porter");
+        agnhost_files.insert(name.to_owned(), Entry::File(read(&pair, name)?, 0o644));
+    }
     for (path, text) in AGNHOST_ETC {
         agnhost_files.insert((*path).to_owned(), Entry::File(text.as_bytes().to_vec(), 0o644));
     }
