@@ -205,14 +205,14 @@ struct AgentArgs {
     /// family's table of established flows.
     #[arg(long, default_value_t = defaults::MAX_CONNTRACK)]
     max_conntrack: u32,
+    /// The same, of each family's table of flows not answered yet.
+    #[arg(long, default_value_t = defaults::MAX_CONNTRACK_NEW)]
+    max_conntrack_new: u32,
     /// Where the kernel's conntrack sysctls are written from kube-proxy's `conntrack.*`
     /// settings, as kube-proxy writes them (a container's /proc/sys is read-only: the
     /// DaemonSet mounts the node's `/proc/sys/net/netfilter` here).
     #[arg(long, default_value = "/proc/sys/net/netfilter")]
     netfilter_sysctl_dir: PathBuf,
-    /// The same, of each family's table of flows not answered yet.
-    #[arg(long, default_value_t = defaults::MAX_CONNTRACK_NEW)]
-    max_conntrack_new: u32,
     /// Restrict the per-packet datapath to these interfaces (comma-separated), or `none` to
     /// turn it off [default: every interface but loopback, including ones created later].
     #[arg(long, value_delimiter = ',')]

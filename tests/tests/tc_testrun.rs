@@ -1404,8 +1404,20 @@ fn an_answer_the_client_never_acknowledges_holds_its_flow_for_the_syn_timeout_on
     let awaiting = rig.flows().iter().filter(|(_, v)| v.flags & ct::AWAITING_ACK != 0).count();
     assert_eq!(awaiting, 20, "SYN_RECV, both entries of each");
     std::thread::sleep(std::time::Duration::from_millis(1100));
-    let sweep = rig.conntrack().sweep(&timeouts, monotonic_now()).unwrap();
+    let mut conntrack = rig.conntrack();
+    let sweep = conntrack.sweep(&timeouts, monotonic_now()).unwrap();
     assert_eq!(sweep, Sweep { live: 2, expired: 20 }, "the SYN timeout for the unacknowledged ones");
+    let live: Vec<(&str, usize)> = conntrack.table_use().iter().map(|t| (t.name, t.live)).collect();
+    assert_eq!(
+        live,
+        [
+            ("conntrack_established_v4", 2),
+            ("conntrack_new_v4", 0),
+            ("conntrack_established_v6", 0),
+            ("conntrack_new_v6", 0)
+        ],
+        "each table's entries after the sweep (what kpr_map_entries and the pressure alarm see)"
+    );
     assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK);
     assert_eq!(rig.counter(counter::TC_CT_RECREATED), 0, "the established one kept its flow");
 }

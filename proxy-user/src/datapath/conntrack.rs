@@ -16,7 +16,22 @@ pub struct Conntrack {
     v4: [Table<Addr4>; 2],
     v6: [Table<Addr>; 2],
     generation: Array<MapData, u64>,
-    capacity: u32,
+    /// Each table's size, in [`TABLES`]' order.
+    capacities: [u32; 4],
+    /// Each table's entries at the end of the last walk, in [`TABLES`]' order.
+    live: [usize; 4],
+}
+
+/// The tables, in the order [`Conntrack::table_use`] reports them.
+pub const TABLES: [&str; 4] =
+    ["conntrack_established_v4", "conntrack_new_v4", "conntrack_established_v6", "conntrack_new_v6"];
+
+/// One table's entries and size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableUse {
+    pub name: &'static str,
+    pub live: usize,
+    pub capacity: u32,
 }
 
 /// What one sweep found.
@@ -45,16 +60,21 @@ impl Conntrack {
         let v4 = [HashMap::try_from(table(map_names::CONNTRACK4)?)?, HashMap::try_from(table(map_names::CT_NEW4)?)?];
         let v6 = [HashMap::try_from(table(map_names::CONNTRACK6)?)?, HashMap::try_from(table(map_names::CT_NEW6)?)?];
         let generation = Array::try_from(table(map_names::CT_GENERATION)?)?;
-        let mut capacity = 0;
-        for map in [v4[0].map(), v4[1].map(), v6[0].map(), v6[1].map()] {
-            capacity += map.info()?.max_entries();
+        let mut capacities = [0; 4];
+        for (capacity, map) in capacities.iter_mut().zip([v4[0].map(), v4[1].map(), v6[0].map(), v6[1].map()]) {
+            *capacity = map.info()?.max_entries();
         }
-        Ok(Self { v4, v6, generation, capacity })
+        Ok(Self { v4, v6, generation, capacities, live: [0; 4] })
     }
 
     /// Entries all tables hold at most.
     pub fn capacity(&self) -> u32 {
-        self.capacity
+        self.capacities.iter().sum()
+    }
+
+    /// Each table's entries at the end of the last walk of it, and its size.
+    pub fn table_use(&self) -> [TableUse; 4] {
+        std::array::from_fn(|i| TableUse { name: TABLES[i], live: self.live[i], capacity: self.capacities[i] })
     }
 
     /// Entries now (two per flow), both families: established, new.
@@ -117,13 +137,13 @@ impl Conntrack {
     ) -> Result<(usize, usize)> {
         let (mut left, mut removed) = (0, 0);
         let walked = (|| -> Result<()> {
-            for table in self.v4.iter_mut().filter(|_| families[0]) {
+            for (i, table) in self.v4.iter_mut().enumerate().filter(|_| families[0]) {
                 let (l, r) = remove_where(table, &doomed)?;
-                (left, removed) = (left + l, removed + r);
+                (left, removed, self.live[i]) = (left + l, removed + r, l);
             }
-            for table in self.v6.iter_mut().filter(|_| families[1]) {
+            for (i, table) in self.v6.iter_mut().enumerate().filter(|_| families[1]) {
                 let (l, r) = remove_where(table, &doomed)?;
-                (left, removed) = (left + l, removed + r);
+                (left, removed, self.live[2 + i]) = (left + l, removed + r, l);
             }
             Ok(())
         })();
@@ -197,6 +217,35 @@ pub fn monotonic_now() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// Warns when a table nears full, before its LRU starts evicting flows (an evicted established
+/// flow is reset at its next packet), and says when it is back: once per crossing, not per
+/// sweep.
+#[derive(Default)]
+pub struct PressureAlarm {
+    raised: [bool; 4],
+}
+
+impl PressureAlarm {
+    /// Raised at this share of a table...
+    pub const RAISE: f64 = 0.9;
+    /// ...and cleared below this one.
+    pub const CLEAR: f64 = 0.75;
+
+    /// The tables whose alarm changed with this sweep: (table, raised now).
+    pub fn observe(&mut self, tables: &[TableUse; 4]) -> Vec<(TableUse, bool)> {
+        let mut changed = Vec::new();
+        for (raised, table) in self.raised.iter_mut().zip(tables) {
+            let share = table.live as f64 / f64::from(table.capacity.max(1));
+            let now = if *raised { share >= Self::CLEAR } else { share >= Self::RAISE };
+            if now != *raised {
+                *raised = now;
+                changed.push((*table, now));
+            }
+        }
+        changed
+    }
+}
+
 /// Sweep every [`SWEEP_INTERVAL`] until the task is dropped; failures are logged, never fatal.
 pub async fn sweep_forever(
     pin_root: std::path::PathBuf,
@@ -207,6 +256,7 @@ pub async fn sweep_forever(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The tables, opened once and handed to each blocking sweep and back.
     let mut tables: Option<Conntrack> = None;
+    let mut alarm = PressureAlarm::default();
     loop {
         tick.tick().await;
         let root = pin_root.clone();
@@ -223,6 +273,30 @@ pub async fn sweep_forever(
         match result {
             Ok(Ok((conntrack, sweep))) => {
                 metrics.conntrack_swept(sweep.live, sweep.expired, conntrack.capacity());
+                let table_use = conntrack.table_use();
+                for table in &table_use {
+                    metrics.map_use(table.name, table.live, table.capacity);
+                }
+                for (table, raised) in alarm.observe(&table_use) {
+                    let (name, live, capacity) = (table.name, table.live, table.capacity);
+                    if raised {
+                        tracing::warn!(
+                            table = name,
+                            live,
+                            capacity,
+                            "per-packet conntrack table nearly full: when full, its least recently used \
+                             flows are evicted and reset at their next packet; raise --max-conntrack \
+                             (established) or --max-conntrack-new"
+                        );
+                    } else {
+                        tracing::info!(
+                            table = name,
+                            live,
+                            capacity,
+                            "per-packet conntrack table no longer nearly full"
+                        );
+                    }
+                }
                 tables = Some(conntrack);
                 if sweep.expired > 0 {
                     tracing::debug!(live = sweep.live, expired = sweep.expired, "conntrack swept");
@@ -231,5 +305,29 @@ pub async fn sweep_forever(
             Ok(Err(e)) => tracing::warn!("conntrack sweep failed: {e:#}"),
             Err(e) => tracing::warn!("conntrack sweep task failed: {e}"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tables(live: [usize; 4]) -> [TableUse; 4] {
+        std::array::from_fn(|i| TableUse { name: TABLES[i], live: live[i], capacity: 100 })
+    }
+
+    #[test]
+    fn the_alarm_rises_at_ninety_percent_of_one_table_and_clears_below_seventy_five() {
+        let mut alarm = PressureAlarm::default();
+        // Together they hold 40% of all entries; the established IPv4 table alone is at 90%.
+        let changed = alarm.observe(&tables([90, 30, 20, 20]));
+        assert_eq!(changed.len(), 1, "{changed:?}");
+        assert_eq!((changed[0].0.name, changed[0].1), ("conntrack_established_v4", true));
+        assert!(alarm.observe(&tables([95, 30, 20, 20])).is_empty(), "raised once, not per sweep");
+        assert!(alarm.observe(&tables([80, 30, 20, 20])).is_empty(), "80% is above the clearing mark");
+        let changed = alarm.observe(&tables([74, 30, 20, 89]));
+        assert_eq!(changed.len(), 1, "{changed:?}");
+        assert_eq!((changed[0].0.name, changed[0].1), ("conntrack_established_v4", false));
+        assert!(alarm.observe(&tables([0, 0, 0, 89])).is_empty(), "89% of the new-flow table raises nothing");
     }
 }
