@@ -68,7 +68,7 @@ impl Options {
             proxies: vec!["kpr".to_owned()],
             focus: Some(CONFORMANCE_FOCUS.to_owned()),
             skip: None,
-            // The specs mostly wait (for pods, for timeouts): 46 of them take about 2,000
+            // The specs mostly wait (for pods, for timeouts): 47 of them take about 2,000
             // spec-seconds, so six at a time keep CI's share near six minutes.
             procs: 6,
             keep: false,
