@@ -282,9 +282,15 @@ impl Metrics {
         self.source_restarts.get_or_create(&Named { name: source.into() }).inc();
     }
 
-    pub fn conntrack_swept(&self, live: usize, expired: usize, capacity: u32) {
+    /// A sweep removed `expired` entries and left `tables` as they are: each table's use, and
+    /// their sum as `conntrack`.
+    pub fn conntrack_swept(&self, expired: usize, tables: &[crate::datapath::conntrack::TableUse]) {
         self.conntrack_expired.inc_by(expired as u64);
-        self.map_use("conntrack", live, capacity);
+        for table in tables {
+            self.map_use(table.name, table.live, table.capacity);
+        }
+        let live = tables.iter().map(|t| t.live).sum();
+        self.map_use("conntrack", live, tables.iter().map(|t| t.capacity).sum());
     }
 
     pub fn forward_direct(&self, direct: bool) {

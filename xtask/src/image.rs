@@ -358,9 +358,9 @@ pub fn build_e2e(
     agnhost_files.insert("coredns".to_owned(), Entry::File(read(e2e_bin, "coredns")?, 0o755));
     // Upstream's Dockerfile adds `porter`'s key pair at the root (the specs point
     // `CERT_FILE`/`KEY_FILE` there).
+    let porter = k8s_src.join("test/images/agnhost/porter");
     for name in ["localhost.crt", "localhost.key"] {
-        let pair = k8s_src.join("test/images/agnhost/porter");
-        agnhost_files.insert(name.to_owned(), Entry::File(read(&pair, name)?, 0o644));
+        agnhost_files.insert(name.to_owned(), Entry::File(read(&porter, name)?, 0o644));
     }
     for (path, text) in AGNHOST_ETC {
         agnhost_files.insert((*path).to_owned(), Entry::File(text.as_bytes().to_vec(), 0o644));

@@ -272,11 +272,8 @@ pub async fn sweep_forever(
         .await;
         match result {
             Ok(Ok((conntrack, sweep))) => {
-                metrics.conntrack_swept(sweep.live, sweep.expired, conntrack.capacity());
                 let table_use = conntrack.table_use();
-                for table in &table_use {
-                    metrics.map_use(table.name, table.live, table.capacity);
-                }
+                metrics.conntrack_swept(sweep.expired, &table_use);
                 for (table, raised) in alarm.observe(&table_use) {
                     let (name, live, capacity) = (table.name, table.live, table.capacity);
                     if raised {
