@@ -6,11 +6,48 @@
 //! - no `bool`, `Option` or enums in values; 32-bit ids.
 //!
 //! Any change to a layout here must bump [`PIN_LAYOUT_VERSION`], which versions the bpffs pin
-//! directory, so an old agent's maps are never read with a new layout.
+//! directory, so an old agent's maps are never read with a new layout, and raise the changed
+//! map's entry in [`CARRIED_MAPS`] to it.
 #![no_std]
 
 /// Version of the pinned map layout; part of the bpffs pin directory (`<pin-root>/v<N>`).
 pub const PIN_LAYOUT_VERSION: u32 = 13;
+
+/// The pinned maps an agent takes over from an older layout's directory (an upgrade), each
+/// with the oldest layout version whose map of that name reads as this one's: raise it when a
+/// change makes the map read otherwise. The state a flow needs (services, backends, conntrack,
+/// affinity, reverse translation) then survives an upgrade that changed something else, such
+/// as a new counter. Not listed, so made anew: the slow-path program array (it holds the old
+/// programs); the flow caches are not pinned at all. The loader also checks each carried map's type, sizes and flags against the new
+/// object, and makes any that differ anew.
+pub const CARRIED_MAPS: [(&str, u32); 22] = {
+    use map_names::*;
+    [
+        (SERVICES, 12),
+        (BACKENDS, 12),
+        (SOCK_REVNAT, 12),
+        (SOCK_PICKS, 12),
+        (FRAGMENTS, 12),
+        (CONNTRACK4, 12),
+        (CT_NEW4, 12),
+        (CONNTRACK6, 12),
+        (CT_NEW6, 12),
+        (NODE_ADDRS, 12),
+        (SOURCE_RANGES, 12),
+        (LOCAL_CIDRS, 12),
+        (LINKS, 12),
+        (SERVICE_CIDRS, 12),
+        (SERVICE_RANGE_COVER, 12),
+        (AFFINITY, 12),
+        (HANDOVER, 12),
+        (HANDOVER_COUNT, 12),
+        (HOST_STATE, 12),
+        (ADDR_FILTER, 12),
+        // v13 added a counter and the flow caches' generation.
+        (COUNTERS, 13),
+        (CT_GENERATION, 13),
+    ]
+};
 
 /// The helper id the programs call `bpf_cast_to_kern_ctx` (6.2+) by: no kernel has it. The
 /// loader makes each such call the kfunc's where the kernel has one, and else the call stays

@@ -301,6 +301,8 @@ pub struct Syncer {
     node_dirty: bool,
     last_sync: Option<Instant>,
     synced_once: bool,
+    /// Another layout's pins were removed (after the first sync).
+    other_layouts_retired: bool,
     /// A full list was applied: give the memory it took back to the system after the sync.
     release_memory: bool,
     /// Where frontend conflicts go as Kubernetes Events (API source only).
@@ -338,6 +340,7 @@ impl Syncer {
             node_dirty: true,
             last_sync: None,
             synced_once: false,
+            other_layouts_retired: false,
             release_memory: false,
             conflict_events: None,
             metrics: Arc::new(Metrics::default()),
@@ -476,6 +479,15 @@ impl Syncer {
         self.program_node(host);
         self.sync_services(maps, started);
         self.apply_deferred_node(host);
+        self.retire_other_layouts(host);
+    }
+
+    /// After the first sync is written, not before: another layout's programs serve until then.
+    fn retire_other_layouts(&mut self, host: &mut dyn HostDatapath) {
+        if self.state.synced() && !self.state.has_changes() && !self.other_layouts_retired {
+            self.other_layouts_retired = true;
+            host.retire_other_layouts();
+        }
     }
 
     fn sync_services(&mut self, maps: &mut dyn Maps, started: Instant) {
@@ -519,6 +531,7 @@ impl Syncer {
             Err(e) => tracing::error!("reconcile could not read the maps: {e:#}"),
         }
         self.apply_deferred_node(host);
+        self.retire_other_layouts(host);
     }
 
     /// The node plan, when the node's facts (or the ClusterIP whose route gives the node's
@@ -784,13 +797,17 @@ mod tests {
         syncer.sync(&mut maps, &mut host, Instant::now());
         assert_eq!(maps.writes, 0, "slices not listed yet: nothing programmed");
         assert_eq!(host.plans.len(), 1, "the node is programmed from the start");
+        syncer.reconcile(&mut maps, &mut host);
+        assert_eq!(host.retired, 0, "an older layout's programs serve until the first sync is written");
         syncer.apply(SourceEvent::SlicesListed(vec![web_slice(&["10.0.0.7"])]));
         syncer.sync(&mut maps, &mut host, Instant::now());
         assert_eq!(visible(&maps), Some(vec!["10.0.0.7".into()]));
+        assert_eq!(host.retired, 1, "and are retired once it is");
 
         maps.services.clear(); // drift: someone emptied the map
         syncer.reconcile(&mut maps, &mut host);
         assert_eq!(visible(&maps), Some(vec!["10.0.0.7".into()]));
+        assert_eq!(host.retired, 1, "once");
     }
 
     #[test]

@@ -821,6 +821,123 @@ fn a_program_attached_after_kpr_still_sees_what_kpr_does_not_translate() {
     drop(second);
 }
 
+/// What clients of one address see while the traffic of [`keep_asking`] runs.
+#[derive(Debug, Default)]
+struct Asked {
+    /// Backends that answered new connections, with their counts.
+    answers: std::collections::BTreeMap<String, usize>,
+    /// Lines the established connection echoed.
+    echoed: usize,
+    /// What went wrong, with how often.
+    failures: std::collections::BTreeMap<String, usize>,
+}
+
+/// From a thread in `netns`, until `stop`: a new connection to `addr` every few milliseconds,
+/// and a line on `established` (an echoing connection to it).
+fn keep_asking(
+    netns: &Netns,
+    addr: SocketAddrV4,
+    mut established: TcpStream,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<Asked> {
+    use std::io::{BufRead as _, BufReader, Write as _};
+    // A thread started inside the namespace stays in it.
+    netns
+        .run(move || {
+            std::thread::spawn(move || {
+                let mut asked = Asked::default();
+                let mut reader = BufReader::new(established.try_clone().unwrap());
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    match tcp_ask_peer(addr, TIMEOUT) {
+                        Ok((name, _)) => *asked.answers.entry(name).or_default() += 1,
+                        Err(e) => *asked.failures.entry(format!("new connection: {e}")).or_default() += 1,
+                    }
+                    let mut line = String::new();
+                    match established.write_all(b"ping\n").and_then(|()| reader.read_line(&mut line)) {
+                        Ok(_) if line == "ping\n" => asked.echoed += 1,
+                        Ok(_) => {
+                            *asked.failures.entry(format!("established connection: read {line:?}")).or_default() += 1
+                        }
+                        Err(e) => *asked.failures.entry(format!("established connection: {e}")).or_default() += 1,
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                asked
+            })
+        })
+        .unwrap()
+}
+
+/// An echoing connection to `addr` from `netns`, and the backend that answered it.
+fn connect_from(netns: &Netns, addr: SocketAddrV4) -> (TcpStream, String) {
+    use std::io::{BufRead as _, BufReader};
+    netns
+        .run(move || {
+            let conn = TcpStream::connect_timeout(&addr.into(), TIMEOUT).unwrap();
+            conn.set_read_timeout(Some(TIMEOUT)).unwrap();
+            let mut name = String::new();
+            BufReader::new(&conn).read_line(&mut name).unwrap();
+            (conn, name.trim_end().to_owned())
+        })
+        .unwrap()
+}
+
+/// An upgrade to a new pin layout (the running agent's pins, renamed to the previous version's
+/// directory, play the old release's): the old programs serve until the new agent's first sync
+/// is written, the maps a flow needs carry over, and clients notice nothing. An external
+/// client's established NodePort connection and a pod's ClusterIP connection keep talking, the
+/// new connections both make all through the upgrade are answered, and ClientIP affinity keeps
+/// each on its backend. With TCX links, and with the netlink filters of kernels before 6.6
+/// (replaced in place at the new agent's attach, on the carried maps).
+#[test]
+fn an_upgrade_to_a_new_pin_layout_keeps_flows_affinity_and_new_connections() {
+    upgrade_keeps_flows(&[]);
+    upgrade_keeps_flows(&["--tc-netlink"]);
+}
+
+fn upgrade_keeps_flows(agent_args: &[&str]) {
+    let mut c = Cluster::new_with("km-upgrade", agent_args).unwrap();
+    let endpoints = [(c.nodes[0].pod_ip, "node-a"), (c.nodes[1].pod_ip, "node-b")];
+    let manifest = service("Cluster", 30080, &endpoints)
+        .replace("  externalTrafficPolicy:", "  sessionAffinity: ClientIP\n  externalTrafficPolicy:");
+    c.write("svc.yaml", &manifest);
+    c.wait("*:30080/TCP ext", 2);
+    let node_port = SocketAddrV4::new(c.nodes[0].ip, 30080);
+    let cluster_ip = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 80), 80);
+    let (ext_conn, ext_backend) = connect_from(&c.ext, node_port);
+    let (pod_conn, pod_backend) = connect_from(&c.nodes[0]._pod, cluster_ip);
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let ext = keep_asking(&c.ext, node_port, ext_conn, stop.clone());
+    let pod = keep_asking(&c.nodes[0]._pod, cluster_ip, pod_conn, stop.clone());
+    std::thread::sleep(Duration::from_millis(300));
+
+    // The upgrade: the old agent goes, its pins become the previous layout's, the new starts.
+    let mut old_agent = c.nodes[0].agent.take().unwrap();
+    old_agent.kill().unwrap();
+    old_agent.wait().unwrap();
+    let pins = c.nodes[0].pins.clone();
+    let old = pins.join(format!("v{}", proxy_common::PIN_LAYOUT_VERSION - 1));
+    std::fs::rename(bpf::pin_dir(&pins), &old).unwrap();
+    c.start_agent(0).unwrap();
+    let deadline = std::time::Instant::now() + testbed::slow(Duration::from_secs(20));
+    while old.exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!old.exists(), "the old layout is retired after the first sync");
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+
+    let log = || std::fs::read_to_string(&c.log).unwrap_or_default();
+    for (client, asked, backend) in [("ext", ext, ext_backend), ("pod-a", pod, pod_backend)] {
+        let asked = asked.join().unwrap();
+        assert!(asked.failures.is_empty(), "{agent_args:?} {client}: {asked:?}\nagents' log:\n{}", log());
+        assert_eq!(asked.answers.keys().collect::<Vec<_>>(), [&backend], "{agent_args:?} {client}: {asked:?}");
+        assert!(asked.echoed > 10 && asked.answers[&backend] > 10, "{agent_args:?} {client}: {asked:?}");
+    }
+    assert!(log().contains("carrying over an older layout's maps"), "{}", log());
+}
+
 #[test]
 fn without_tcx_the_netlink_filters_outlive_and_survive_restarts() {
     // Kernels before 6.6 have no TCX: netlink tc filters, here asked for on a newer kernel.

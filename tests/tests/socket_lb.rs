@@ -367,9 +367,39 @@ fn restarts_reconcile_pinned_hooks_with_the_layout_and_the_cgroup() {
     std::fs::rename(&current, &old).unwrap();
     h.start_agent().unwrap();
     h.wait("10.96.0.10:80/TCP", Some(1)).unwrap();
+    // Once the new agent's first sync is written.
+    let deadline = std::time::Instant::now() + kpr::testbed::slow(TIMEOUT);
+    while old.exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     assert!(!old.exists(), "the old layout's pins are removed");
     assert_eq!(kpr_hooks_on(&h.cgroup.path), hooks, "one set of hooks, not two");
     assert_eq!(tcp_spread(&h, 10).len(), 1);
+
+    // The previous layout's maps are carried over, but one that reads otherwise than this
+    // layout's (here an affinity map of other sizes) is made anew.
+    h.kill_agent().unwrap();
+    let old = h.pin_root.join(format!("v{}", proxy_common::PIN_LAYOUT_VERSION - 1));
+    std::fs::rename(&current, &old).unwrap();
+    let affinity = old.join(proxy_common::map_names::AFFINITY);
+    std::fs::remove_file(&affinity).unwrap();
+    let created = std::process::Command::new("bpftool")
+        .args(["map", "create"])
+        .arg(&affinity)
+        .args(["type", "hash", "key", "4", "value", "4", "entries", "16", "name", "KPR_AFFINITY"])
+        .status()
+        .unwrap();
+    assert!(created.success());
+    h.start_agent().unwrap();
+    let deadline = std::time::Instant::now() + kpr::testbed::slow(TIMEOUT);
+    while old.exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!old.exists(), "the old layout's pins are removed");
+    let log = std::fs::read_to_string(h.log_path()).unwrap();
+    assert!(log.contains("carrying over an older layout's maps"), "{log}");
+    assert!(log.contains("an older layout's map differs from this one's: made anew map=KPR_AFFINITY"), "{log}");
+    assert_eq!(tcp_spread(&h, 10).len(), 1, "served on the carried maps");
 
     // A restart with another --cgroup moves the hooks there.
     h.kill_agent().unwrap();

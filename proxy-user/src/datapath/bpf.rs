@@ -467,7 +467,14 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         }
         have
     };
-    EbpfLoader::new()
+    let pod_links_covered = u8::from(cfg.pod_links_covered);
+    let localhost_node_ports = u8::from(cfg.localhost_node_ports);
+    let forward_direct = u8::from(cfg.forward_direct != ForwardDirect::Never);
+    let refuse_service_range = u8::from(cfg.refuse_service_range);
+    let seed = flow_hash_seed();
+    let mut carried = carry_over_maps(&cfg.pin_root);
+    let mut loader = EbpfLoader::new();
+    loader
         .default_map_pin_directory(&dir)
         .map_max_entries(map_names::SERVICES, size(map_names::SERVICES, cfg.max_service_ports))
         .map_max_entries(map_names::BACKENDS, size(map_names::BACKENDS, cfg.max_backends))
@@ -481,19 +488,32 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .override_global("KPR_HAVE_SET_RETVAL", &have_set_retval, true)
         .override_global("KPR_COARSE_CLOCK", &have_coarse_clock, true)
         .override_global("KPR_HOST_NETNS_COOKIE", &host_netns, true)
-        .override_global("KPR_POD_LINKS_COVERED", &u8::from(cfg.pod_links_covered), true)
-        .override_global("KPR_LOCALHOST_NODEPORTS", &u8::from(cfg.localhost_node_ports), true)
+        .override_global("KPR_POD_LINKS_COVERED", &pod_links_covered, true)
+        .override_global("KPR_LOCALHOST_NODEPORTS", &localhost_node_ports, true)
         .override_global("KPR_AGENT_CGROUP_ID", &cfg.agent_cgroup_id, true)
-        .override_global("KPR_FORWARD_DIRECT", &u8::from(cfg.forward_direct != ForwardDirect::Never), true)
+        .override_global("KPR_FORWARD_DIRECT", &forward_direct, true)
         .override_global("KPR_REDIRECT_NEXT_HOP", &redirect_next_hop, true)
         .override_global("KPR_DETECT_LOCAL", &cfg.detect_local, true)
-        .override_global("KPR_REFUSE_SERVICE_RANGE", &u8::from(cfg.refuse_service_range), true)
+        .override_global("KPR_REFUSE_SERVICE_RANGE", &refuse_service_range, true)
         .override_global("KPR_SNAT_PORT_MIN", &snat_ports.0, true)
         .override_global("KPR_SNAT_PORT_MAX", &snat_ports.1, true)
         .override_global("KPR_CT_TIMEOUTS", &cfg.ct_timeouts, true)
-        .override_global("KPR_FLOW_HASH_SEED", &flow_hash_seed(), true)
-        .override_global("KPR_IP_SUMMED_AT", &ip_summed_at, true)
-        .load(object)
+        .override_global("KPR_FLOW_HASH_SEED", &seed, true)
+        .override_global("KPR_IP_SUMMED_AT", &ip_summed_at, true);
+    let loaded = loop {
+        match loader.load(object) {
+            // A carried map that this layout reads otherwise after all: made anew.
+            Err(aya::EbpfError::MapError(aya::maps::MapError::IncompatiblePinnedMap { name, property, .. }))
+                if carried.contains(&name.as_str()) =>
+            {
+                tracing::warn!(map = %name, property, "an older layout's map differs from this one's: made anew");
+                carried.retain(|c| *c != name);
+                fs::remove_file(dir.join(&name)).with_context(|| format!("failed to unpin the carried map {name}"))?;
+            }
+            loaded => break loaded,
+        }
+    };
+    loaded
         .map_err(|e| match e {
             aya::EbpfError::MapError(aya::maps::MapError::PinError { .. }) | aya::EbpfError::MapError(_) => {
                 anyhow::Error::new(e).context(format!(
@@ -569,8 +589,9 @@ impl BpfDatapath {
 
         let maps = BpfMaps::take_from(&mut ebpf)?;
         let tc_netlink = cfg.tc_netlink || !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
-        let host = BpfHost::take_from(ebpf, dir, tc_netlink)?;
-        remove_other_layouts(&cfg.pin_root);
+        // Another layout's programs keep serving until this agent's first sync is written
+        // ([`HostDatapath::retire_other_layouts`]).
+        let host = BpfHost::take_from(ebpf, dir, tc_netlink, cfg.pin_root.clone())?;
         Ok(Self { maps, host })
     }
 }
@@ -739,21 +760,55 @@ fn undo_host_changes(dir: &Path) {
     }
 }
 
-/// Pin directories of other layout versions (an upgrade or a downgrade): their programs would
-/// keep running first, on maps nobody updates. Unpinning their links detaches them (once no
-/// agent of that version holds them); their maps go with their last user.
-fn remove_other_layouts(pin_root: &Path) {
+/// The pin directories of other layout versions under `pin_root`, with their versions.
+fn other_layouts(pin_root: &Path) -> Vec<(u32, PathBuf)> {
     let current = pin_dir(pin_root);
-    let Ok(entries) = fs::read_dir(pin_root) else { return };
-    for entry in entries.flatten() {
-        let path = entry.path();
-        let name = entry.file_name();
-        let is_layout = name
-            .to_str()
-            .is_some_and(|n| n.len() > 1 && n.starts_with('v') && n[1..].bytes().all(|b| b.is_ascii_digit()));
-        if !is_layout || path == current {
-            continue;
+    let Ok(entries) = fs::read_dir(pin_root) else { return Vec::new() };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let version = entry.file_name().to_str()?.strip_prefix('v')?.parse().ok()?;
+            let path = entry.path();
+            (path != current).then_some((version, path))
+        })
+        .collect()
+}
+
+/// The map `name` of layout `version` reads as this layout's (see [`proxy_common::CARRIED_MAPS`]).
+fn reads_as_ours(version: u32, name: &str) -> bool {
+    version == PIN_LAYOUT_VERSION
+        || version < PIN_LAYOUT_VERSION
+            && proxy_common::CARRIED_MAPS.iter().any(|(carried, since)| *carried == name && version >= *since)
+}
+
+/// An upgrade: pin the maps of the newest older layout that this one reads as its own
+/// ([`proxy_common::CARRIED_MAPS`]) into this layout's directory, unless it has pins already.
+/// They stay the same kernel maps, so flows, affinity and the programmed services carry over
+/// while the old programs still run on them. Returns the names of the maps carried.
+fn carry_over_maps(pin_root: &Path) -> Vec<&'static str> {
+    let dir = pin_dir(pin_root);
+    if fs::read_dir(&dir).map_or(true, |mut files| files.next().is_some()) {
+        return Vec::new();
+    }
+    let older = other_layouts(pin_root).into_iter().filter(|(v, _)| *v < PIN_LAYOUT_VERSION).max();
+    let Some((version, old)) = older else { return Vec::new() };
+    let mut carried = Vec::new();
+    for (name, _) in proxy_common::CARRIED_MAPS.into_iter().filter(|(name, _)| reads_as_ours(version, name)) {
+        let Ok(map) = MapData::from_pin(old.join(name)) else { continue };
+        match map.pin(dir.join(name)) {
+            Ok(()) => carried.push(name),
+            Err(e) => tracing::warn!(map = name, "failed to carry the map over from {}: {e}", old.display()),
         }
+    }
+    tracing::info!(from = %old.display(), maps = ?carried, "carrying over an older layout's maps");
+    carried
+}
+
+/// Unpin the directories of other layout versions (an upgrade or a downgrade): their links
+/// detach (once no agent of that version holds them), and their maps go with their last user
+/// (a carried map stays, pinned here).
+fn remove_other_layouts(pin_root: &Path) {
+    for (_, path) in other_layouts(pin_root) {
         let removed = fs::read_dir(&path)
             .map(|files| files.flatten().filter(|f| fs::remove_file(f.path()).is_ok()).count())
             .unwrap_or(0);
@@ -785,6 +840,10 @@ pub trait HostDatapath: Send {
     /// Make the node maps and the per-packet attachments match `plan`. A link that cannot be
     /// attached is logged and retried at the next call; the rest still applies.
     fn apply_node(&mut self, plan: &NodePlan) -> Result<()>;
+
+    /// The agent's first sync is written: another layout's programs, left serving until now
+    /// (an upgrade or a downgrade), go.
+    fn retire_other_layouts(&mut self) {}
 }
 
 pub struct BpfHost {
@@ -807,10 +866,12 @@ pub struct BpfHost {
     addr_filter: Array<MapData, u64>,
     /// The host's forwarding was checked (at the first attach).
     forwarding_checked: bool,
+    /// Where other layouts' pins are (`retire_other_layouts`).
+    pin_root: PathBuf,
 }
 
 impl BpfHost {
-    fn take_from(mut ebpf: Ebpf, dir: PathBuf, tc_netlink: bool) -> Result<Self> {
+    fn take_from(mut ebpf: Ebpf, dir: PathBuf, tc_netlink: bool, pin_root: PathBuf) -> Result<Self> {
         let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("no map {name}"));
         let node_addrs = HashMap::try_from(take(map_names::NODE_ADDRS)?)?;
         let links = HashMap::try_from(take(map_names::LINKS)?)?;
@@ -836,6 +897,7 @@ impl BpfHost {
             tc_netlink,
             netlink_links,
             forwarding_checked: false,
+            pin_root,
         })
     }
 
@@ -1064,6 +1126,10 @@ impl HostDatapath for BpfHost {
             sync_hash(&mut self.links, &links)?;
         }
         Ok(())
+    }
+
+    fn retire_other_layouts(&mut self) {
+        remove_other_layouts(&self.pin_root);
     }
 }
 
@@ -1480,16 +1546,20 @@ pub fn read_counters(pin_root: &Path) -> Result<Vec<(&'static str, u64)>> {
 /// Remove kpr's pins: the links (which detaches the programs once no agent holds them) and
 /// the maps. What `kube-proxy --cleanup` is to iptables rules.
 pub fn cleanup(pin_root: &Path) -> Result<()> {
-    let dir = pin_dir(pin_root);
-    undo_host_changes(&dir);
-    if !dir.exists() {
-        return Ok(());
+    // Another layout's pins too: an upgrade stopped before the new agent's first sync leaves
+    // the old one's attached.
+    let dirs = other_layouts(pin_root).into_iter().chain([(PIN_LAYOUT_VERSION, pin_dir(pin_root))]);
+    for (version, dir) in dirs.filter(|(_, dir)| dir.exists()) {
+        // What kpr changed on the links is read from the links' map, when it reads as ours.
+        if reads_as_ours(version, map_names::LINKS) {
+            undo_host_changes(&dir);
+        }
+        for entry in fs::read_dir(&dir)? {
+            let path = entry?.path();
+            fs::remove_file(&path).with_context(|| format!("failed to remove {}", path.display()))?;
+        }
+        fs::remove_dir(&dir)?;
     }
-    for entry in fs::read_dir(&dir)? {
-        let path = entry?.path();
-        fs::remove_file(&path).with_context(|| format!("failed to remove {}", path.display()))?;
-    }
-    fs::remove_dir(&dir)?;
     // Remove the root too when it is ours and now empty.
     let _ = fs::remove_dir(pin_root);
     Ok(())

@@ -147,11 +147,17 @@ impl Maps for FakeMaps {
 #[derive(Default)]
 pub struct FakeHost {
     pub plans: Vec<crate::model::node::NodePlan>,
+    /// Calls of `retire_other_layouts`.
+    pub retired: usize,
 }
 
 impl super::bpf::HostDatapath for FakeHost {
     fn apply_node(&mut self, plan: &crate::model::node::NodePlan) -> Result<()> {
         self.plans.push(plan.clone());
         Ok(())
+    }
+
+    fn retire_other_layouts(&mut self) {
+        self.retired += 1;
     }
 }
