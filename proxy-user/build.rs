@@ -4,7 +4,28 @@ use aya_build::{Package, Toolchain};
 
 const PINNED_TOOLCHAIN: &str = include_str!("../toolchain.pin");
 
+/// The commit being built (`kpr --version`), rebuilt when HEAD moves; `unknown` outside a
+/// git checkout.
+fn git_commit() -> String {
+    let git = |args: &[&str]| {
+        let out = std::process::Command::new("git").args(args).current_dir(env!("CARGO_MANIFEST_DIR")).output().ok()?;
+        out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    };
+    if let Some(dir) = git(&["rev-parse", "--absolute-git-dir"]) {
+        let head_ref = git(&["symbolic-ref", "-q", "HEAD"]);
+        for file in [Some("HEAD".to_owned()), head_ref].into_iter().flatten() {
+            let path = std::path::Path::new(&dir).join(file);
+            // A file that does not exist would rebuild every time (a packed ref).
+            if path.exists() {
+                println!("cargo::rerun-if-changed={}", path.display());
+            }
+        }
+    }
+    git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_else(|| "unknown".to_owned())
+}
+
 fn main() -> anyhow::Result<()> {
+    println!("cargo::rustc-env=KPR_GIT_COMMIT={}", git_commit());
     println!("cargo::rerun-if-changed=../toolchain.pin");
     // aya-build watches proxy-ebpf's own sources; the eBPF object also compiles proxy-common.
     println!("cargo::rerun-if-changed=../proxy-common/src");

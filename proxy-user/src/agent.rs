@@ -60,6 +60,8 @@ pub struct AgentConfig {
     pub configz: serde_json::Value,
     /// Take the node over from kube-proxy after the first sync ([`crate::takeover`]).
     pub cleanup_kube_proxy: bool,
+    /// The agent's OOM score adjustment (`oomScoreAdj`), applied at start when set.
+    pub oom_score_adj: Option<i32>,
     /// The kernel's conntrack sysctls kube-proxy would set, and where they are.
     pub netfilter_sysctls: (std::path::PathBuf, Vec<(&'static str, u64)>),
 }

@@ -204,6 +204,18 @@ pub struct FlagOverrides {
     pub kubeconfig: Option<PathBuf>,
     pub metrics_bind_address: Option<String>,
     pub healthz_bind_address: Option<String>,
+    pub conntrack_max_per_core: Option<i32>,
+    pub conntrack_min: Option<i32>,
+    pub conntrack_tcp_established: Option<Duration>,
+    pub conntrack_tcp_close_wait: Option<Duration>,
+    pub conntrack_tcp_be_liberal: Option<bool>,
+    pub conntrack_udp: Option<Duration>,
+    pub conntrack_udp_stream: Option<Duration>,
+    /// The deprecated `--healthz-port` / `--metrics-port`: the port of the server's address
+    /// (0 turns it off).
+    pub healthz_port: Option<u16>,
+    pub metrics_port: Option<u16>,
+    pub oom_score_adj: Option<i32>,
 }
 
 /// The effective configuration: the file with kube-proxy's defaults, then flags on top.
@@ -227,8 +239,12 @@ pub struct ProxyConfig {
     pub min_sync_period: Duration,
     pub conntrack: ConntrackSettings,
     pub kubeconfig: Option<PathBuf>,
-    /// `mode` as written (kpr is one mode of its own; kept for `/configz`).
+    /// `mode` as written: it picks kube-proxy's defaults of that mode and whether the service
+    /// range is refused (nftables); `ipvs` is served as `iptables`.
     pub mode: String,
+    /// `oomScoreAdj`: written to the agent's /proc/self/oom_score_adj when set (kube-proxy
+    /// defaults it to -999; kpr's datapath outlives the agent, so kpr leaves it alone).
+    pub oom_score_adj: Option<i32>,
 }
 
 impl Default for ProxyConfig {
@@ -239,21 +255,29 @@ impl Default for ProxyConfig {
 }
 
 impl ProxyConfig {
-    /// Read, check and resolve a configuration file.
-    pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("failed to read the configuration file {}", path.display()))?;
-        Self::parse(&text).with_context(|| format!("invalid configuration file {}", path.display()))
+    /// Read, check and resolve a configuration file (kube-proxy's defaults without one), with
+    /// `--proxy-mode` in place of its `mode` when given: the mode's defaults follow it.
+    pub fn load(path: Option<&Path>, mode: Option<&str>) -> Result<Self> {
+        let mut file = match path {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("failed to read the configuration file {}", path.display()))?;
+                parse_file(&text).with_context(|| format!("invalid configuration file {}", path.display()))?
+            }
+            None => KubeProxyConfiguration::default(),
+        };
+        if let Some(mode) = mode {
+            file.mode = Some(mode.to_owned());
+        }
+        resolve(file).with_context(|| match (path, mode) {
+            (_, Some(mode)) => format!("--proxy-mode {mode}"),
+            (Some(path), None) => format!("invalid configuration file {}", path.display()),
+            (None, None) => "kube-proxy's defaults".to_owned(),
+        })
     }
 
     pub fn parse(text: &str) -> Result<Self> {
-        let file: KubeProxyConfiguration = serde_yaml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))?;
-        match (file.api_version.as_deref(), file.kind.as_deref()) {
-            (Some(API_VERSION), Some(KIND)) => {}
-            (Some(API_VERSION), other) => bail!("kind: expected `{KIND}`, found {other:?}"),
-            (other, _) => bail!("apiVersion: expected `{API_VERSION}`, found {other:?}"),
-        }
-        resolve(file)
+        resolve(parse_file(text)?)
     }
 
     /// The local-traffic detector, given the Node (its podCIDRs) for NodeCIDR. A mode whose
@@ -385,6 +409,36 @@ impl ProxyConfig {
         if let Some(raw) = &flags.healthz_bind_address {
             self.healthz_bind_address = server_address_flag("--healthz-bind-address", raw, 10256)?;
         }
+        if let Some(adj) = flags.oom_score_adj {
+            anyhow::ensure!((-1000..=1000).contains(&adj), "--oom-score-adj: must be within the range [-1000, 1000]");
+            self.oom_score_adj = Some(adj);
+        }
+        let ct = &mut self.conntrack;
+        if flags.conntrack_max_per_core.is_some() {
+            ct.max_per_core = flags.conntrack_max_per_core;
+        }
+        if flags.conntrack_min.is_some() {
+            ct.min = flags.conntrack_min;
+        }
+        ct.tcp_be_liberal = flags.conntrack_tcp_be_liberal.unwrap_or(ct.tcp_be_liberal);
+        let t = &mut ct.timeouts;
+        t.tcp_established = flags.conntrack_tcp_established.unwrap_or(t.tcp_established);
+        t.tcp_close_wait = flags.conntrack_tcp_close_wait.unwrap_or(t.tcp_close_wait);
+        t.udp = flags.conntrack_udp.unwrap_or(t.udp);
+        t.udp_stream = flags.conntrack_udp_stream.unwrap_or(t.udp_stream);
+        // As kube-proxy: the port replaces the address's, and 0 turns the server off.
+        for (port, address) in
+            [(flags.healthz_port, &mut self.healthz_bind_address), (flags.metrics_port, &mut self.metrics_bind_address)]
+        {
+            match port {
+                Some(0) => *address = None,
+                Some(port) => {
+                    let ip = address.map_or(IpAddr::from([0, 0, 0, 0]), |a| a.ip());
+                    *address = Some(SocketAddr::new(ip, port));
+                }
+                None => {}
+            }
+        }
         Ok(())
     }
 
@@ -405,6 +459,16 @@ impl ProxyConfig {
             .map_err(|e| anyhow::anyhow!("--detect-local-mode: {e}"))?;
         self.detect_local.mode = mode.to_owned();
         Ok(())
+    }
+}
+
+/// The file as written, its apiVersion and kind checked.
+fn parse_file(text: &str) -> Result<KubeProxyConfiguration> {
+    let file: KubeProxyConfiguration = serde_yaml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))?;
+    match (file.api_version.as_deref(), file.kind.as_deref()) {
+        (Some(API_VERSION), Some(KIND)) => Ok(file),
+        (Some(API_VERSION), other) => bail!("kind: expected `{KIND}`, found {other:?}"),
+        (other, _) => bail!("apiVersion: expected `{API_VERSION}`, found {other:?}"),
     }
 }
 
@@ -530,6 +594,7 @@ fn resolve(file: KubeProxyConfiguration) -> Result<ProxyConfig> {
         conntrack,
         kubeconfig: client.kubeconfig.filter(|k| !k.is_empty()).map(PathBuf::from),
         mode,
+        oom_score_adj: file.oom_score_adj,
     })
 }
 
@@ -611,11 +676,10 @@ fn ignored_fields(file: &KubeProxyConfiguration) -> Vec<&'static str> {
             out.push(name);
         }
     };
-    note(file.mode.as_deref().is_some_and(|m| !m.is_empty()), "mode");
+    note(file.mode.as_deref() == Some("ipvs"), "mode: ipvs (served as iptables mode)");
     note(file.ipvs.is_some(), "ipvs");
     note(file.winkernel.is_some(), "winkernel");
     note(file.feature_gates.as_ref().is_some_and(|g| !g.is_empty()), "featureGates");
-    note(file.oom_score_adj.is_some(), "oomScoreAdj");
     note(file.port_range.as_deref().is_some_and(|p| !p.is_empty()), "portRange");
     note(file.config_sync_period.is_some(), "configSyncPeriod");
     note(file.enable_profiling == Some(true), "enableProfiling");

@@ -14,9 +14,13 @@ pub mod model;
 pub mod netlink;
 pub mod proxy_health;
 pub mod proxy_servers;
+pub mod settings;
 pub mod source;
 pub mod takeover;
 pub mod testbed;
+
+/// kpr's version and the commit it was built from (`kpr --version`, the agent's first log line).
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("KPR_GIT_COMMIT"), ")");
 
 /// SIGTERM (the kubelet stopping the pod, `kill`, `timeout`) or SIGINT (Ctrl-C): the agent's
 /// and the demo's orderly shutdown.

@@ -1,24 +1,20 @@
 //! `kpr`: the agent and its operator commands.
-use std::{net::IpAddr, path::PathBuf, time::Duration};
+use std::{path::PathBuf, time::Duration};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use kpr::{
-    agent::{self, AgentConfig, SourceConfig},
-    config::{FlagOverrides, ProxyConfig},
-    datapath::bpf::{self, DatapathConfig, ForwardDirect},
-    model::{
-        ProxyOptions,
-        node::{DetectLocal, NodeSettings, TcLinks},
-    },
+    agent,
+    datapath::bpf,
+    settings::{AgentArgs, agent_config, parse_duration},
 };
-use proxy_common::defaults;
 
 #[derive(Parser)]
-#[command(name = "kpr", version, about = "kube-proxy replacement on eBPF")]
+#[command(name = "kpr", version = kpr::VERSION, about = "kube-proxy replacement on eBPF")]
 struct Cli {
-    /// Log lines as text or as JSON objects (for log collectors).
-    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    /// Log lines as text or as JSON objects (for log collectors); kube-proxy's
+    /// `--logging-format` too.
+    #[arg(long, alias = "logging-format", global = true, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
@@ -120,150 +116,14 @@ struct FlowSelect {
     frontend: Option<String>,
 }
 
-/// `--host-external-ips`.
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum HostExternalIps {
-    All,
-    Local,
-}
-
-#[derive(clap::Args)]
-struct AgentArgs {
-    /// kube-proxy's configuration file (a `KubeProxyConfiguration`, as in kubeadm's
-    /// `kube-system/kube-proxy` ConfigMap). Flags given explicitly override it.
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// Read Services, EndpointSlices and this node's Node from this directory of manifests
-    /// instead of the API.
-    #[arg(long, conflicts_with = "kubeconfig")]
-    manifests: Option<PathBuf>,
-    /// Kubeconfig of the cluster [default: the file's clientConnection.kubeconfig, else the
-    /// in-cluster config or KUBECONFIG].
-    #[arg(long)]
-    kubeconfig: Option<PathBuf>,
-    /// The API server's address, overriding the kubeconfig's (kube-proxy's --master). In a
-    /// pod without a kubeconfig, give this or a kubeconfig: the in-cluster address is the
-    /// `kubernetes` Service, which kpr itself has to program first.
-    #[arg(long)]
-    master: Option<String>,
-    /// Attach the per-packet programs as netlink tc filters (priority 1000) even where TCX
-    /// exists; kernels before 6.6 always do.
-    #[arg(long)]
-    tc_netlink: bool,
-    /// When packets the per-packet path translated on their way in are sent straight out of
-    /// their link, skipping the host's forwarding path (netfilter's FORWARD chain, routing):
-    /// `auto` only while nothing filters forwarded packets there (no rule or drop policy on
-    /// the forward hook, checked every second), so that a NetworkPolicy enforced in FORWARD
-    /// (Calico iptables, kube-router, kube-network-policies) holds for Service traffic as it
-    /// does behind kube-proxy; `always` skips it even then; `never` never does.
-    #[arg(long, value_enum, default_value_t = ForwardDirect::Auto)]
-    forward_direct: ForwardDirect,
-    /// Connections the node's own processes make to a Service's externalIP or LoadBalancer IP:
-    /// `all` translates them to its endpoints whatever the address, as kube-proxy does (a
-    /// Service can then take over the node's traffic to any address, CVE-2020-8554; kpr's own
-    /// connections are exempt); `local` only where the address is one of the node's own, as
-    /// Cilium's socket load balancer does. Pods and outside clients are served either way.
-    #[arg(long, value_enum, default_value_t = HostExternalIps::All)]
-    host_external_ips: HostExternalIps,
-    /// The same as `--forward-direct never` (kept for earlier command lines).
-    #[arg(long)]
-    host_routing: bool,
-    /// `mode: iptables`: leave packets to the service range that no service port takes to the
-    /// routing table, as kube-proxy's iptables mode does. By default kpr refuses them as its
-    /// nftables mode does (an unknown port of a ClusterIP rejected, an unallocated address
-    /// dropped) instead of letting them leave the node.
-    #[arg(long)]
-    pass_service_range: bool,
-    /// Take the node over from kube-proxy: once every Service is programmed, leave the flows
-    /// kube-proxy translated to netfilter's conntrack and remove kube-proxy's iptables chains
-    /// and nftables tables (as `kube-proxy --cleanup` does). Needs iptables-save/-restore and
-    /// nft on PATH for the backends in use.
-    #[arg(long)]
-    cleanup_kube_proxy: bool,
-    /// cgroup2 directory whose sockets are load-balanced [default: the cgroup2 root].
-    #[arg(long)]
-    cgroup: Option<PathBuf>,
-    /// bpffs directory for kpr's pinned maps and links (a layout version is appended).
-    #[arg(long, default_value = "/sys/fs/bpf/kpr")]
-    pin_root: PathBuf,
-    /// This node's name (endpoint locality, the Node to watch) [default: the file's
-    /// hostnameOverride, else NODE_NAME, else the host name].
-    #[arg(long = "hostname-override", alias = "node-name")]
-    hostname_override: Option<String>,
-    #[arg(long, default_value_t = defaults::MAX_SERVICE_PORTS)]
-    max_service_ports: u32,
-    #[arg(long, default_value_t = defaults::MAX_BACKENDS)]
-    max_backends: u32,
-    #[arg(long, default_value_t = defaults::MAX_SOCK_REVNAT)]
-    max_sock_revnat: u32,
-    /// Entries of the loadBalancerSourceRanges map (one per range per LoadBalancer IP
-    /// frontend); a Service whose ranges do not fit is left as it was, and the others are
-    /// programmed.
-    #[arg(long, default_value_t = defaults::MAX_SOURCE_RANGES)]
-    max_source_ranges: u32,
-    /// Per-packet conntrack entries (two per flow through NodePort/external frontends) of each
-    /// family's table of established flows.
-    #[arg(long, default_value_t = defaults::MAX_CONNTRACK)]
-    max_conntrack: u32,
-    /// The same, of each family's table of flows not answered yet.
-    #[arg(long, default_value_t = defaults::MAX_CONNTRACK_NEW)]
-    max_conntrack_new: u32,
-    /// Where the kernel's conntrack sysctls are written from kube-proxy's `conntrack.*`
-    /// settings, as kube-proxy writes them (a container's /proc/sys is read-only: the
-    /// DaemonSet mounts the node's `/proc/sys/net/netfilter` here).
-    #[arg(long, default_value = "/proc/sys/net/netfilter")]
-    netfilter_sysctl_dir: PathBuf,
-    /// Restrict the per-packet datapath to these interfaces (comma-separated), or `none` to
-    /// turn it off [default: every interface but loopback, including ones created later].
-    #[arg(long, value_delimiter = ',')]
-    interfaces: Vec<String>,
-    /// Addresses that are this node's (NodePorts, "from the node") even if no interface holds
-    /// them; the first is the primary address (masquerade fallback, `primary` NodePorts).
-    #[arg(long = "node-ip")]
-    node_ips: Vec<IpAddr>,
-    /// The pods' range(s), comma-separated (kube-proxy's --cluster-cidr).
-    #[arg(long)]
-    cluster_cidr: Option<String>,
-    /// ClusterCIDR, NodeCIDR, BridgeInterface or InterfaceNamePrefix.
-    #[arg(long)]
-    detect_local_mode: Option<String>,
-    #[arg(long)]
-    pod_bridge_interface: Option<String>,
-    #[arg(long)]
-    pod_interface_name_prefix: Option<String>,
-    /// CIDRs (or `primary`) of the addresses NodePorts are served on.
-    #[arg(long = "nodeport-addresses", value_delimiter = ',')]
-    nodeport_addresses: Option<Vec<String>>,
-    /// Masquerade all traffic to ClusterIPs.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    masquerade_all: Option<bool>,
-    /// Serve NodePorts on 127.0.0.0/8 to the node's own sockets.
-    #[arg(long = "iptables-localhost-nodeports")]
-    localhost_nodeports: Option<bool>,
-    /// The node's primary address (kube-proxy's --bind-address).
-    #[arg(long)]
-    bind_address: Option<IpAddr>,
-    /// Full reconcile interval (Go duration, e.g. 30s).
-    #[arg(long = "iptables-sync-period", value_parser = parse_duration)]
-    sync_period: Option<Duration>,
-    /// Least time between two syncs (Go duration, e.g. 1s; 0s: none).
-    #[arg(long = "iptables-min-sync-period", value_parser = parse_duration)]
-    min_sync_period: Option<Duration>,
-    /// Seconds between full reconciles (older spelling of --iptables-sync-period).
-    #[arg(long)]
-    reconcile_interval: Option<u64>,
-    /// kube-proxy's metrics server: IP:port, or an IP (port 10249); empty: off.
-    #[arg(long)]
-    metrics_bind_address: Option<String>,
-    /// kube-proxy's healthz server: IP:port, or an IP (port 10256); empty: off.
-    #[arg(long)]
-    healthz_bind_address: Option<String>,
-}
-
 #[tokio::main]
 async fn main() -> Result<()> {
-    let cli = Cli::parse();
-    init_logging(cli.log_format);
+    let cli = Cli::parse_from(with_agent_implied(std::env::args_os().collect()));
+    let filter = match &cli.command {
+        Command::Agent(args) => args.kube_proxy.log_filter(),
+        _ => "info",
+    };
+    init_logging(cli.log_format, filter);
     match cli.command {
         Command::Agent(args) => run_agent(args).await,
         Command::Services { pin_root, output } => {
@@ -276,27 +136,58 @@ async fn main() -> Result<()> {
             let report = kpr::inspect::trace::trace(&pin_root, source, destination, from)?;
             print_out(output, &report, kpr::inspect::trace::text)
         }
-        Command::Cleanup { pin_root, force } => {
-            if bpf::AgentLock::held(&pin_root) && !force {
-                anyhow::bail!(
-                    "a kpr agent is running on {}: stop it first (or --force, which leaves the node without service translation)",
-                    pin_root.display()
-                );
-            }
-            bpf::cleanup(&pin_root)?;
-            // The NAT chains kept for the flows kube-proxy made, if a takeover left them.
-            kpr::takeover::release_nat_hooks();
-            println!("removed kpr's pins under {}", pin_root.display());
-            Ok(())
-        }
+        Command::Cleanup { pin_root, force } => cleanup(&pin_root, force),
         Command::Demo { keep_running } => kpr::demo::run(keep_running).await,
     }
 }
 
+/// kube-proxy's command line runs the agent: `kpr --config=…` with no command (a DaemonSet
+/// copied from kube-proxy's, its command changed to `kpr`), or kpr installed as `kube-proxy`.
+fn with_agent_implied(mut argv: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    use clap::CommandFactory as _;
+    let as_kube_proxy = argv.first().and_then(|a| std::path::Path::new(a).file_name()) == Some("kube-proxy".as_ref());
+    // The first argument after the global flags (`--log-format json`) names a command, if any.
+    let mut args = argv.iter().skip(1).filter_map(|a| a.to_str());
+    let first = loop {
+        match args.next() {
+            Some("--log-format" | "--logging-format") => {
+                args.next();
+            }
+            Some(a) if a.starts_with("--log-format=") || a.starts_with("--logging-format=") => {}
+            other => break other,
+        }
+    };
+    let is_command = |a: &str| a == "help" || Cli::command().get_subcommands().any(|c| c.get_name() == a);
+    let about_kpr = |a: &str| ["-h", "--help", "-V", "--version"].contains(&a);
+    let implied = match first {
+        Some(a) if is_command(a) => false,
+        Some(a) => as_kube_proxy || (a.starts_with('-') && !about_kpr(a)),
+        None => as_kube_proxy,
+    };
+    if implied {
+        argv.insert(1, "agent".into());
+    }
+    argv
+}
+
+fn cleanup(pin_root: &std::path::Path, force: bool) -> Result<()> {
+    if bpf::AgentLock::held(pin_root) && !force {
+        anyhow::bail!(
+            "a kpr agent is running on {}: stop it first (or --force, which leaves the node without service translation)",
+            pin_root.display()
+        );
+    }
+    bpf::cleanup(pin_root)?;
+    // The NAT chains kept for the flows kube-proxy made, if a takeover left them.
+    kpr::takeover::release_nat_hooks();
+    println!("removed kpr's pins under {}", pin_root.display());
+    Ok(())
+}
+
 /// Logs go to stderr; colours only on a terminal and without `NO_COLOR`.
-fn init_logging(format: LogFormat) {
+fn init_logging(format: LogFormat, default_filter: &str) {
     use std::io::IsTerminal as _;
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_filter.into());
     let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match format {
         LogFormat::Json => logs.json().flatten_event(true).init(),
@@ -307,134 +198,29 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-/// The configuration file (or kube-proxy's defaults), then the flags given on top.
-fn effective_config(args: &AgentArgs) -> Result<ProxyConfig> {
-    let mut config = match &args.config {
-        Some(path) => ProxyConfig::load(path)?,
-        None => ProxyConfig::default(),
-    };
-    config.apply_flags(&FlagOverrides {
-        hostname_override: args.hostname_override.clone(),
-        cluster_cidr: args.cluster_cidr.clone(),
-        detect_local_mode: args.detect_local_mode.clone(),
-        pod_bridge_interface: args.pod_bridge_interface.clone(),
-        pod_interface_name_prefix: args.pod_interface_name_prefix.clone(),
-        node_port_addresses: args.nodeport_addresses.clone(),
-        masquerade_all: args.masquerade_all,
-        localhost_node_ports: args.localhost_nodeports,
-        bind_address: args.bind_address,
-        sync_period: args.sync_period.or(args.reconcile_interval.map(Duration::from_secs)),
-        min_sync_period: args.min_sync_period,
-        kubeconfig: args.kubeconfig.clone(),
-        metrics_bind_address: args.metrics_bind_address.clone(),
-        healthz_bind_address: args.healthz_bind_address.clone(),
-    })?;
-    Ok(config)
-}
-
 async fn run_agent(args: AgentArgs) -> Result<()> {
+    kpr::settings::log_startup(args.tc_netlink, &args.pin_root);
+    if args.kube_proxy.cleanup == Some(true) {
+        return cleanup(&args.pin_root, false);
+    }
+    let kube_proxy = args.kube_proxy.clone();
     let cfg = agent_config(args)?;
+    if kube_proxy.init_only == Some(true) {
+        // kube-proxy's privileged start-up work: the kernel's conntrack settings.
+        let (dir, writes) = &cfg.netfilter_sysctls;
+        for e in kpr::datapath::netfilter_sysctls::apply(dir, writes) {
+            tracing::warn!("{e:#}");
+        }
+        return Ok(());
+    }
+    if let Some(adj) = cfg.oom_score_adj
+        && let Err(e) = std::fs::write("/proc/self/oom_score_adj", adj.to_string())
+    {
+        tracing::warn!("oomScoreAdj {adj} not applied: {e}");
+    }
     raise_fd_limit();
     raise_memlock_limit();
     agent::run(cfg, kpr::shutdown_signal()).await
-}
-
-/// The agent's whole configuration: the file, the flags, and what follows from them.
-fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
-    let config = effective_config(&args)?;
-    let cgroup = match args.cgroup {
-        Some(c) => bpf::cgroup2_dir(&c)?,
-        None => bpf::cgroup2_root()?,
-    };
-    let tc_links = match args.interfaces.as_slice() {
-        [] => TcLinks::All,
-        [none] if none == "none" => TcLinks::Off,
-        names => TcLinks::Only(names.to_vec()),
-    };
-    let detector = config.detector();
-    let mut datapath = DatapathConfig::new(args.pin_root, cgroup);
-    datapath.max_service_ports = args.max_service_ports;
-    datapath.max_backends = args.max_backends;
-    datapath.max_sock_revnat = args.max_sock_revnat;
-    datapath.max_source_ranges = args.max_source_ranges;
-    datapath.max_conntrack = args.max_conntrack;
-    datapath.max_conntrack_new = args.max_conntrack_new;
-    datapath.ct_timeouts = config.conntrack.timeouts.datapath();
-    datapath.tc_netlink = args.tc_netlink;
-    datapath.detect_local = match detector {
-        DetectLocal::None => proxy_common::DETECT_LOCAL_NONE,
-        DetectLocal::ClusterCidr(_) | DetectLocal::NodeCidr => proxy_common::DETECT_LOCAL_CIDR,
-        DetectLocal::BridgeInterface(_) | DetectLocal::InterfaceNamePrefix(_) => proxy_common::DETECT_LOCAL_INTERFACE,
-    };
-    datapath.localhost_node_ports = config.localhost_node_ports_effective();
-    datapath.pod_links_covered = tc_links == TcLinks::All;
-    // Straight out only where kpr is on every link: a reply that comes back by a link kpr is
-    // not on meets the host's conntrack, which must then have seen the flow's first packet.
-    datapath.forward_direct =
-        if args.host_routing || !datapath.pod_links_covered { ForwardDirect::Never } else { args.forward_direct };
-    datapath.agent_cgroup_id = match bpf::agent_cgroup_id() {
-        Ok(Some(id)) => id,
-        Ok(None) => {
-            tracing::info!(
-                "kpr shares its cgroup with other processes: its own connections are translated like theirs \
-                 (externalIPs and LoadBalancer IPs included)"
-            );
-            0
-        }
-        Err(e) => {
-            tracing::warn!("cannot tell kpr's own cgroup ({e:#}): its own connections are translated like others'");
-            0
-        }
-    };
-    // What no service port takes in the service range is refused, as kube-proxy's nftables
-    // mode does; iptables mode passes it to the routing table, which kpr does on request only.
-    let refuse_service_range = config.mode == "nftables" || !args.pass_service_range;
-    if args.pass_service_range && config.mode == "nftables" {
-        tracing::warn!("--pass-service-range has no effect in mode: nftables, which refuses the service range itself");
-    }
-    datapath.refuse_service_range = refuse_service_range;
-    let source = match args.manifests {
-        Some(dir) => SourceConfig::Manifests(dir),
-        None => SourceConfig::Kube { kubeconfig: config.kubeconfig.clone(), master: args.master.clone() },
-    };
-    let name = match config.hostname_override.clone().or_else(|| std::env::var("NODE_NAME").ok()) {
-        Some(n) => n,
-        None => std::fs::read_to_string("/proc/sys/kernel/hostname")?.trim().to_lowercase(),
-    };
-    let node = NodeSettings {
-        name,
-        node_port_addresses: config.node_port_addresses(),
-        detect_local: detector.clone(),
-        node_ips: args.node_ips,
-        bind_address: Some(config.bind_address).filter(|a| !a.is_unspecified()),
-        tc_links,
-    };
-    tracing::info!(config = %serde_json::to_string(&config)?, "effective configuration");
-    let cfg = AgentConfig {
-        source,
-        datapath,
-        node,
-        options: ProxyOptions {
-            masquerade_all: config.masquerade_all,
-            detect_local: detector.implemented(),
-            refuse_service_range,
-            host_external_ips_local_only: args.host_external_ips == HostExternalIps::Local,
-        },
-        sync_period: config.sync_period,
-        min_sync_period: config.min_sync_period,
-        metrics_bind_address: config.metrics_bind_address,
-        healthz_bind_address: config.healthz_bind_address,
-        configz: config.configz(),
-        cleanup_kube_proxy: args.cleanup_kube_proxy,
-        netfilter_sysctls: (
-            args.netfilter_sysctl_dir,
-            kpr::datapath::netfilter_sysctls::plan(
-                &config.conntrack,
-                std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
-            ),
-        ),
-    };
-    Ok(cfg)
 }
 
 /// Raise the soft limit on open files to the hard limit (as Go programs such as kube-proxy
@@ -467,10 +253,6 @@ fn raise_memlock_limit() {
              may fail (give the agent CAP_SYS_RESOURCE)"
         );
     }
-}
-
-fn parse_duration(s: &str) -> Result<Duration, String> {
-    kpr::config::go_duration::parse(s)
 }
 
 /// Print a report as text, or as JSON; a closed pipe (`| head`) is not an error.
@@ -541,6 +323,98 @@ mod tests {
     use k8s_openapi::api::{apps::v1::DaemonSet, core::v1::ConfigMap};
 
     use super::*;
+
+    fn argv(args: &[&str]) -> Vec<std::ffi::OsString> {
+        args.iter().map(Into::into).collect()
+    }
+
+    fn words(argv: Vec<std::ffi::OsString>) -> Vec<String> {
+        argv.into_iter().map(|a| a.into_string().unwrap()).collect()
+    }
+
+    /// kubeadm's kube-proxy DaemonSet command, its binary swapped for kpr (or kpr installed as
+    /// `kube-proxy`), with the flags other distributions add: the agent runs on them.
+    #[test]
+    fn a_kube_proxy_command_line_runs_the_agent() {
+        let flags = [
+            "--config=/var/lib/kube-proxy/config.conf",
+            "--hostname-override=node-1",
+            "--v=2",
+            "--logging-format=json",
+            "--proxy-mode=nftables",
+            "--feature-gates=A=true,B=false",
+            "--kube-api-qps",
+            "5",
+            "--ipvs-strict-arp",
+            "--conntrack-max-per-core=0",
+            "--conntrack-tcp-timeout-established=2h",
+            "--conntrack-tcp-be-liberal",
+            "--oom-score-adj=-999",
+            "--healthz-port=0",
+        ];
+        for binary in ["/usr/local/bin/kpr", "/usr/local/bin/kube-proxy"] {
+            let line: Vec<&str> = [binary].into_iter().chain(flags).collect();
+            let cli = Cli::try_parse_from(with_agent_implied(argv(&line))).unwrap_or_else(|e| panic!("{binary}: {e}"));
+            assert!(cli.log_format == LogFormat::Json);
+            let Command::Agent(args) = cli.command else { panic!("{binary}: not the agent") };
+            assert_eq!(args.config.as_deref(), Some(std::path::Path::new("/var/lib/kube-proxy/config.conf")));
+            assert_eq!(args.hostname_override.as_deref(), Some("node-1"));
+            let kp = &args.kube_proxy;
+            assert_eq!((kp.verbosity, kp.log_filter()), (Some(2), "info"));
+            assert_eq!(kp.proxy_mode.as_deref(), Some("nftables"));
+            assert_eq!(kp.conntrack_max_per_core, Some(0));
+            assert_eq!(kp.conntrack_tcp_timeout_established, Some(Duration::from_secs(7200)));
+            assert_eq!(kp.conntrack_tcp_be_liberal, Some(true));
+            assert_eq!(kp.oom_score_adj, Some(-999));
+            assert_eq!(kp.healthz_port, Some(0));
+            assert_eq!(args.ignored.given(), ["--feature-gates", "--kube-api-qps", "--ipvs-strict-arp"]);
+        }
+    }
+
+    #[test]
+    fn only_a_command_line_without_a_command_is_the_agents() {
+        for (line, want) in [
+            (&["kpr", "services"][..], &["kpr", "services"][..]),
+            (&["kpr", "--log-format", "json", "services"], &["kpr", "--log-format", "json", "services"]),
+            (&["kpr", "--log-format=json", "agent"], &["kpr", "--log-format=json", "agent"]),
+            (&["kpr", "--version"], &["kpr", "--version"]),
+            (&["kpr", "--help"], &["kpr", "--help"]),
+            (&["kpr"], &["kpr"]),
+            (&["kpr", "--v=2"], &["kpr", "agent", "--v=2"]),
+            (&["kpr", "--log-format", "json", "--v", "4"], &["kpr", "agent", "--log-format", "json", "--v", "4"]),
+            (&["/bin/kube-proxy"], &["/bin/kube-proxy", "agent"]),
+            (&["/bin/kube-proxy", "--cleanup"], &["/bin/kube-proxy", "agent", "--cleanup"]),
+        ] {
+            assert_eq!(words(with_agent_implied(argv(line))), want, "{line:?}");
+        }
+    }
+
+    /// kube-proxy's flags reach the effective configuration as its file's fields would.
+    #[test]
+    fn kube_proxy_flags_set_the_configuration() {
+        let line = [
+            "kpr",
+            "agent",
+            "--proxy-mode",
+            "nftables",
+            "--conntrack-min=1000",
+            "--conntrack-udp-timeout=45s",
+            "--healthz-port=12000",
+            "--metrics-port=0",
+        ];
+        let Command::Agent(args) = Cli::try_parse_from(line).unwrap().command else { unreachable!() };
+        let config = kpr::settings::effective_config(&args).unwrap();
+        assert_eq!(config.mode, "nftables");
+        assert!(!config.localhost_node_ports, "nftables mode's default");
+        assert_eq!(config.conntrack.min, Some(1000));
+        assert_eq!(config.conntrack.timeouts.udp, Duration::from_secs(45));
+        assert_eq!(config.healthz_bind_address, Some("0.0.0.0:12000".parse().unwrap()));
+        assert_eq!(config.metrics_bind_address, None);
+        let bad = ["kpr", "agent", "--proxy-mode", "userspace"];
+        let Command::Agent(args) = Cli::try_parse_from(bad).unwrap().command else { unreachable!() };
+        let e = format!("{:#}", kpr::settings::effective_config(&args).unwrap_err());
+        assert!(e.contains("--proxy-mode userspace") && e.contains("not supported"), "{e}");
+    }
 
     const DAEMONSET: &str = include_str!("../../deploy/daemonset.yaml");
     const CONFIGMAP: &str = include_str!("../../deploy/configmap.yaml");

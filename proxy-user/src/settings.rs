@@ -1,0 +1,440 @@
+//! The agent's settings: its command line (kpr's flags, and kube-proxy's own as a DaemonSet
+//! copied from kube-proxy carries them), the configuration file under them, and the
+//! [`AgentConfig`] that follows from both.
+use std::{net::IpAddr, path::PathBuf, time::Duration};
+
+use anyhow::Result;
+use proxy_common::defaults;
+
+use crate::{
+    agent::{AgentConfig, SourceConfig},
+    config::{FlagOverrides, ProxyConfig},
+    datapath::bpf::{self, DatapathConfig, ForwardDirect},
+    model::{
+        ProxyOptions,
+        node::{DetectLocal, NodeSettings, TcLinks},
+    },
+};
+
+/// The agent's first log line, as kube-proxy's "Version info": what runs, on what kernel,
+/// attached how, on which pin layout.
+pub fn log_startup(tc_netlink: bool, pin_root: &std::path::Path) {
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let tcx = !tc_netlink && bpf::kernel_since(6, 6);
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        commit = env!("KPR_GIT_COMMIT"),
+        kernel = kernel.trim(),
+        per_packet_attach = if tcx { "tcx" } else { "netlink" },
+        pin_dir = %bpf::pin_dir(pin_root).display(),
+        "kpr agent starting"
+    );
+}
+
+/// A Go duration (`30s`, `1m30s`), as kube-proxy's flags take them.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    crate::config::go_duration::parse(s)
+}
+
+/// `--host-external-ips`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum HostExternalIps {
+    All,
+    Local,
+}
+
+#[derive(clap::Args)]
+pub struct AgentArgs {
+    /// kube-proxy's configuration file (a `KubeProxyConfiguration`, as in kubeadm's
+    /// `kube-system/kube-proxy` ConfigMap). Flags given explicitly override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Read Services, EndpointSlices and this node's Node from this directory of manifests
+    /// instead of the API.
+    #[arg(long, conflicts_with = "kubeconfig")]
+    pub manifests: Option<PathBuf>,
+    /// Kubeconfig of the cluster [default: the file's clientConnection.kubeconfig, else the
+    /// in-cluster config or KUBECONFIG].
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// The API server's address, overriding the kubeconfig's (kube-proxy's --master). In a
+    /// pod without a kubeconfig, give this or a kubeconfig: the in-cluster address is the
+    /// `kubernetes` Service, which kpr itself has to program first.
+    #[arg(long)]
+    pub master: Option<String>,
+    /// Attach the per-packet programs as netlink tc filters (priority 1000) even where TCX
+    /// exists; kernels before 6.6 always do.
+    #[arg(long)]
+    pub tc_netlink: bool,
+    /// When packets the per-packet path translated on their way in are sent straight out of
+    /// their link, skipping the host's forwarding path (netfilter's FORWARD chain, routing):
+    /// `auto` only while nothing filters forwarded packets there (no rule or drop policy on
+    /// the forward hook, checked every second), so that a NetworkPolicy enforced in FORWARD
+    /// (Calico iptables, kube-router, kube-network-policies) holds for Service traffic as it
+    /// does behind kube-proxy; `always` skips it even then; `never` never does.
+    #[arg(long, value_enum, default_value_t = ForwardDirect::Auto)]
+    pub forward_direct: ForwardDirect,
+    /// Connections the node's own processes make to a Service's externalIP or LoadBalancer IP:
+    /// `all` translates them to its endpoints whatever the address, as kube-proxy does (a
+    /// Service can then take over the node's traffic to any address, CVE-2020-8554; kpr's own
+    /// connections are exempt); `local` only where the address is one of the node's own, as
+    /// Cilium's socket load balancer does. Pods and outside clients are served either way.
+    #[arg(long, value_enum, default_value_t = HostExternalIps::All)]
+    pub host_external_ips: HostExternalIps,
+    /// The same as `--forward-direct never` (kept for earlier command lines).
+    #[arg(long)]
+    pub host_routing: bool,
+    /// `mode: iptables`: leave packets to the service range that no service port takes to the
+    /// routing table, as kube-proxy's iptables mode does. By default kpr refuses them as its
+    /// nftables mode does (an unknown port of a ClusterIP rejected, an unallocated address
+    /// dropped) instead of letting them leave the node.
+    #[arg(long)]
+    pub pass_service_range: bool,
+    /// Take the node over from kube-proxy: once every Service is programmed, leave the flows
+    /// kube-proxy translated to netfilter's conntrack and remove kube-proxy's iptables chains
+    /// and nftables tables (as `kube-proxy --cleanup` does). Needs iptables-save/-restore and
+    /// nft on PATH for the backends in use.
+    #[arg(long)]
+    pub cleanup_kube_proxy: bool,
+    /// cgroup2 directory whose sockets are load-balanced [default: the cgroup2 root].
+    #[arg(long)]
+    pub cgroup: Option<PathBuf>,
+    /// bpffs directory for kpr's pinned maps and links (a layout version is appended).
+    #[arg(long, default_value = "/sys/fs/bpf/kpr")]
+    pub pin_root: PathBuf,
+    /// This node's name (endpoint locality, the Node to watch) [default: the file's
+    /// hostnameOverride, else NODE_NAME, else the host name].
+    #[arg(long = "hostname-override", alias = "node-name")]
+    pub hostname_override: Option<String>,
+    /// Entries of the service map (a ClusterIP's port takes one per source class); fixed
+    /// once pinned.
+    #[arg(long, default_value_t = defaults::MAX_SERVICE_PORTS)]
+    pub max_service_ports: u32,
+    /// Slots of the backend array (each service port's endpoints, contiguous); fixed once pinned.
+    #[arg(long, default_value_t = defaults::MAX_BACKENDS)]
+    pub max_backends: u32,
+    /// Entries of the socket path's reverse-translation and datagram-pick maps (LRU).
+    #[arg(long, default_value_t = defaults::MAX_SOCK_REVNAT)]
+    pub max_sock_revnat: u32,
+    /// Entries of the loadBalancerSourceRanges map (one per range per LoadBalancer IP
+    /// frontend); a Service whose ranges do not fit is left as it was, and the others are
+    /// programmed.
+    #[arg(long, default_value_t = defaults::MAX_SOURCE_RANGES)]
+    pub max_source_ranges: u32,
+    /// Per-packet conntrack entries (two per flow through NodePort/external frontends) of each
+    /// family's table of established flows.
+    #[arg(long, default_value_t = defaults::MAX_CONNTRACK)]
+    pub max_conntrack: u32,
+    /// The same, of each family's table of flows not answered yet.
+    #[arg(long, default_value_t = defaults::MAX_CONNTRACK_NEW)]
+    pub max_conntrack_new: u32,
+    /// Where the kernel's conntrack sysctls are written from kube-proxy's `conntrack.*`
+    /// settings, as kube-proxy writes them (a container's /proc/sys is read-only: the
+    /// DaemonSet mounts the node's `/proc/sys/net/netfilter` here).
+    #[arg(long, default_value = "/proc/sys/net/netfilter")]
+    pub netfilter_sysctl_dir: PathBuf,
+    /// Restrict the per-packet datapath to these interfaces (comma-separated), or `none` to
+    /// turn it off [default: every interface but loopback, including ones created later].
+    #[arg(long, value_delimiter = ',')]
+    pub interfaces: Vec<String>,
+    /// Addresses that are this node's (NodePorts, "from the node") even if no interface holds
+    /// them; the first is the primary address (masquerade fallback, `primary` NodePorts).
+    #[arg(long = "node-ip")]
+    pub node_ips: Vec<IpAddr>,
+    /// The pods' range(s), comma-separated (kube-proxy's --cluster-cidr).
+    #[arg(long)]
+    pub cluster_cidr: Option<String>,
+    /// ClusterCIDR, NodeCIDR, BridgeInterface or InterfaceNamePrefix.
+    #[arg(long)]
+    pub detect_local_mode: Option<String>,
+    /// detectLocalMode BridgeInterface: the bridge whose traffic is the pods' (kube-proxy's flag).
+    #[arg(long)]
+    pub pod_bridge_interface: Option<String>,
+    /// detectLocalMode InterfaceNamePrefix: the prefix of the pods' links (kube-proxy's flag).
+    #[arg(long)]
+    pub pod_interface_name_prefix: Option<String>,
+    /// CIDRs (or `primary`) of the addresses NodePorts are served on.
+    #[arg(long = "nodeport-addresses", value_delimiter = ',')]
+    pub nodeport_addresses: Option<Vec<String>>,
+    /// Masquerade all traffic to ClusterIPs.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub masquerade_all: Option<bool>,
+    /// Serve NodePorts on 127.0.0.0/8 to the node's own sockets.
+    #[arg(long = "iptables-localhost-nodeports")]
+    pub localhost_nodeports: Option<bool>,
+    /// The node's primary address (kube-proxy's --bind-address).
+    #[arg(long)]
+    pub bind_address: Option<IpAddr>,
+    /// Full reconcile interval (Go duration, e.g. 30s).
+    #[arg(long = "iptables-sync-period", value_parser = parse_duration)]
+    pub sync_period: Option<Duration>,
+    /// Least time between two syncs (Go duration, e.g. 1s; 0s: none).
+    #[arg(long = "iptables-min-sync-period", value_parser = parse_duration)]
+    pub min_sync_period: Option<Duration>,
+    /// Seconds between full reconciles (older spelling of --iptables-sync-period).
+    #[arg(long)]
+    pub reconcile_interval: Option<u64>,
+    /// kube-proxy's metrics server: IP:port, or an IP (port 10249); empty: off.
+    #[arg(long)]
+    pub metrics_bind_address: Option<String>,
+    /// kube-proxy's healthz server: IP:port, or an IP (port 10256); empty: off.
+    #[arg(long)]
+    pub healthz_bind_address: Option<String>,
+    #[command(flatten)]
+    pub kube_proxy: KubeProxyFlags,
+    #[command(flatten)]
+    pub ignored: IgnoredFlags,
+}
+
+/// kube-proxy's own flags that kpr maps onto its settings, so that a DaemonSet copied from
+/// kube-proxy's starts as it is (kube-proxy's names, Go's `--flag=value` and bare booleans).
+#[derive(clap::Args, Clone, Debug, Default)]
+#[command(next_help_heading = "kube-proxy's flags")]
+pub struct KubeProxyFlags {
+    /// Log verbosity as kube-proxy's: up to 2 (kube-proxy's usual) info, 3-4 debug, 5 and
+    /// more trace. `RUST_LOG`, when set, decides instead.
+    #[arg(long = "v", short = 'v')]
+    pub verbosity: Option<u8>,
+    /// The configuration file's `mode`: iptables, nftables or ipvs (iptables' behaviour). kpr
+    /// has one datapath; the mode picks kube-proxy's defaults for it and whether the service
+    /// range is refused (nftables) [default: the file's, else iptables].
+    #[arg(long)]
+    pub proxy_mode: Option<String>,
+    /// Remove kpr's pins and undo what it changed on the node, then exit (as `kpr cleanup`).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub cleanup: Option<bool>,
+    /// Write the kernel's conntrack settings (`conntrack.*`), then exit.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub init_only: Option<bool>,
+    /// The file's `oomScoreAdj`: the agent's /proc/self/oom_score_adj (kube-proxy's default
+    /// is -999; kpr's datapath outlives the agent, so kpr leaves it alone unless told).
+    #[arg(long, allow_negative_numbers = true)]
+    pub oom_score_adj: Option<i32>,
+    /// The file's `conntrack.maxPerCore`.
+    #[arg(long)]
+    pub conntrack_max_per_core: Option<i32>,
+    /// The file's `conntrack.min`.
+    #[arg(long)]
+    pub conntrack_min: Option<i32>,
+    /// The file's `conntrack.tcpEstablishedTimeout`.
+    #[arg(long, value_parser = parse_duration)]
+    pub conntrack_tcp_timeout_established: Option<Duration>,
+    /// The file's `conntrack.tcpCloseWaitTimeout`.
+    #[arg(long, value_parser = parse_duration)]
+    pub conntrack_tcp_timeout_close_wait: Option<Duration>,
+    /// The file's `conntrack.tcpBeLiberal`.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub conntrack_tcp_be_liberal: Option<bool>,
+    /// The file's `conntrack.udpTimeout`.
+    #[arg(long, value_parser = parse_duration)]
+    pub conntrack_udp_timeout: Option<Duration>,
+    /// The file's `conntrack.udpStreamTimeout`.
+    #[arg(long, value_parser = parse_duration)]
+    pub conntrack_udp_timeout_stream: Option<Duration>,
+    /// The port of the healthz server's address (deprecated in kube-proxy; 0: off).
+    #[arg(long)]
+    pub healthz_port: Option<u16>,
+    /// The port of the metrics server's address (deprecated in kube-proxy; 0: off).
+    #[arg(long)]
+    pub metrics_port: Option<u16>,
+}
+
+impl KubeProxyFlags {
+    /// The log filter `--v` asks for.
+    pub fn log_filter(&self) -> &'static str {
+        match self.verbosity.unwrap_or(0) {
+            0..=2 => "info",
+            3..=4 => "debug",
+            _ => "trace",
+        }
+    }
+}
+
+/// kube-proxy flags with no meaning for kpr, each accepted (with or without a value) and
+/// named in one warning at start.
+macro_rules! ignored_flags {
+    ($($field:ident = $flag:literal),* $(,)?) => {
+        #[derive(clap::Args, Clone, Debug, Default)]
+        #[command(next_help_heading = "kube-proxy's flags that kpr accepts and ignores")]
+        pub struct IgnoredFlags {
+            $(
+                #[arg(long = $flag, num_args = 0..=1, default_missing_value = "true", value_name = "VALUE",
+                      help = concat!("kube-proxy's --", $flag, ": no effect in kpr"))]
+                $field: Option<String>,
+            )*
+        }
+
+        impl IgnoredFlags {
+            /// The flags given, as `--name`.
+            pub fn given(&self) -> Vec<&'static str> {
+                let mut given = Vec::new();
+                $(if self.$field.is_some() {
+                    given.push(concat!("--", $flag));
+                })*
+                given
+            }
+        }
+    };
+}
+
+ignored_flags! {
+    feature_gates = "feature-gates",
+    kube_api_content_type = "kube-api-content-type",
+    kube_api_qps = "kube-api-qps",
+    kube_api_burst = "kube-api-burst",
+    bind_address_hard_fail = "bind-address-hard-fail",
+    profiling = "profiling",
+    show_hidden_metrics_for_version = "show-hidden-metrics-for-version",
+    iptables_masquerade_bit = "iptables-masquerade-bit",
+    ipvs_sync_period = "ipvs-sync-period",
+    ipvs_min_sync_period = "ipvs-min-sync-period",
+    ipvs_scheduler = "ipvs-scheduler",
+    ipvs_exclude_cidrs = "ipvs-exclude-cidrs",
+    ipvs_strict_arp = "ipvs-strict-arp",
+    ipvs_tcp_timeout = "ipvs-tcp-timeout",
+    ipvs_tcpfin_timeout = "ipvs-tcpfin-timeout",
+    ipvs_udp_timeout = "ipvs-udp-timeout",
+    config_sync_period = "config-sync-period",
+    vmodule = "vmodule",
+    log_flush_frequency = "log-flush-frequency",
+    log_text_split_stream = "log-text-split-stream",
+    log_text_info_buffer_size = "log-text-info-buffer-size",
+    log_json_split_stream = "log-json-split-stream",
+    log_json_info_buffer_size = "log-json-info-buffer-size",
+}
+
+/// The configuration file (or kube-proxy's defaults), then the flags given on top.
+pub fn effective_config(args: &AgentArgs) -> Result<ProxyConfig> {
+    let ignored = args.ignored.given();
+    if !ignored.is_empty() {
+        tracing::warn!(flags = ?ignored, "kube-proxy flags accepted but without effect in kpr");
+    }
+    let kp = &args.kube_proxy;
+    let mut config = ProxyConfig::load(args.config.as_deref(), kp.proxy_mode.as_deref())?;
+    config.apply_flags(&FlagOverrides {
+        hostname_override: args.hostname_override.clone(),
+        cluster_cidr: args.cluster_cidr.clone(),
+        detect_local_mode: args.detect_local_mode.clone(),
+        pod_bridge_interface: args.pod_bridge_interface.clone(),
+        pod_interface_name_prefix: args.pod_interface_name_prefix.clone(),
+        node_port_addresses: args.nodeport_addresses.clone(),
+        masquerade_all: args.masquerade_all,
+        localhost_node_ports: args.localhost_nodeports,
+        bind_address: args.bind_address,
+        sync_period: args.sync_period.or(args.reconcile_interval.map(Duration::from_secs)),
+        min_sync_period: args.min_sync_period,
+        kubeconfig: args.kubeconfig.clone(),
+        metrics_bind_address: args.metrics_bind_address.clone(),
+        healthz_bind_address: args.healthz_bind_address.clone(),
+        conntrack_max_per_core: kp.conntrack_max_per_core,
+        conntrack_min: kp.conntrack_min,
+        conntrack_tcp_established: kp.conntrack_tcp_timeout_established,
+        conntrack_tcp_close_wait: kp.conntrack_tcp_timeout_close_wait,
+        conntrack_tcp_be_liberal: kp.conntrack_tcp_be_liberal,
+        conntrack_udp: kp.conntrack_udp_timeout,
+        conntrack_udp_stream: kp.conntrack_udp_timeout_stream,
+        healthz_port: kp.healthz_port,
+        metrics_port: kp.metrics_port,
+        oom_score_adj: kp.oom_score_adj,
+    })?;
+    Ok(config)
+}
+
+/// The agent's whole configuration: the file, the flags, and what follows from them.
+pub fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
+    let config = effective_config(&args)?;
+    let cgroup = match args.cgroup {
+        Some(c) => bpf::cgroup2_dir(&c)?,
+        None => bpf::cgroup2_root()?,
+    };
+    let tc_links = match args.interfaces.as_slice() {
+        [] => TcLinks::All,
+        [none] if none == "none" => TcLinks::Off,
+        names => TcLinks::Only(names.to_vec()),
+    };
+    let detector = config.detector();
+    let mut datapath = DatapathConfig::new(args.pin_root, cgroup);
+    datapath.max_service_ports = args.max_service_ports;
+    datapath.max_backends = args.max_backends;
+    datapath.max_sock_revnat = args.max_sock_revnat;
+    datapath.max_source_ranges = args.max_source_ranges;
+    datapath.max_conntrack = args.max_conntrack;
+    datapath.max_conntrack_new = args.max_conntrack_new;
+    datapath.ct_timeouts = config.conntrack.timeouts.datapath();
+    datapath.tc_netlink = args.tc_netlink;
+    datapath.detect_local = match detector {
+        DetectLocal::None => proxy_common::DETECT_LOCAL_NONE,
+        DetectLocal::ClusterCidr(_) | DetectLocal::NodeCidr => proxy_common::DETECT_LOCAL_CIDR,
+        DetectLocal::BridgeInterface(_) | DetectLocal::InterfaceNamePrefix(_) => proxy_common::DETECT_LOCAL_INTERFACE,
+    };
+    datapath.localhost_node_ports = config.localhost_node_ports_effective();
+    datapath.pod_links_covered = tc_links == TcLinks::All;
+    // Straight out only where kpr is on every link: a reply that comes back by a link kpr is
+    // not on meets the host's conntrack, which must then have seen the flow's first packet.
+    datapath.forward_direct =
+        if args.host_routing || !datapath.pod_links_covered { ForwardDirect::Never } else { args.forward_direct };
+    datapath.agent_cgroup_id = match bpf::agent_cgroup_id() {
+        Ok(Some(id)) => id,
+        Ok(None) => {
+            tracing::info!(
+                "kpr shares its cgroup with other processes: its own connections are translated like theirs \
+                 (externalIPs and LoadBalancer IPs included)"
+            );
+            0
+        }
+        Err(e) => {
+            tracing::warn!("cannot tell kpr's own cgroup ({e:#}): its own connections are translated like others'");
+            0
+        }
+    };
+    // What no service port takes in the service range is refused, as kube-proxy's nftables
+    // mode does; iptables mode passes it to the routing table, which kpr does on request only.
+    let refuse_service_range = config.mode == "nftables" || !args.pass_service_range;
+    if args.pass_service_range && config.mode == "nftables" {
+        tracing::warn!("--pass-service-range has no effect in mode: nftables, which refuses the service range itself");
+    }
+    datapath.refuse_service_range = refuse_service_range;
+    let source = match args.manifests {
+        Some(dir) => SourceConfig::Manifests(dir),
+        None => SourceConfig::Kube { kubeconfig: config.kubeconfig.clone(), master: args.master.clone() },
+    };
+    let name = match config.hostname_override.clone().or_else(|| std::env::var("NODE_NAME").ok()) {
+        Some(n) => n,
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")?.trim().to_lowercase(),
+    };
+    let node = NodeSettings {
+        name,
+        node_port_addresses: config.node_port_addresses(),
+        detect_local: detector.clone(),
+        node_ips: args.node_ips,
+        bind_address: Some(config.bind_address).filter(|a| !a.is_unspecified()),
+        tc_links,
+    };
+    tracing::info!(config = %serde_json::to_string(&config)?, "effective configuration");
+    let cfg = AgentConfig {
+        source,
+        datapath,
+        node,
+        options: ProxyOptions {
+            masquerade_all: config.masquerade_all,
+            detect_local: detector.implemented(),
+            refuse_service_range,
+            host_external_ips_local_only: args.host_external_ips == HostExternalIps::Local,
+        },
+        sync_period: config.sync_period,
+        min_sync_period: config.min_sync_period,
+        metrics_bind_address: config.metrics_bind_address,
+        healthz_bind_address: config.healthz_bind_address,
+        configz: config.configz(),
+        cleanup_kube_proxy: args.cleanup_kube_proxy,
+        oom_score_adj: config.oom_score_adj,
+        netfilter_sysctls: (
+            args.netfilter_sysctl_dir,
+            crate::datapath::netfilter_sysctls::plan(
+                &config.conntrack,
+                std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+            ),
+        ),
+    };
+    Ok(cfg)
+}
