@@ -30,6 +30,17 @@ enum LogFormat {
 enum Command {
     /// Watch Services and EndpointSlices and program the datapath.
     Agent(AgentArgs),
+    /// One screen on kpr on this node: agent up and synced, attachments, fallbacks in force,
+    /// map occupancy, counters that signal trouble.
+    Status {
+        #[arg(long, default_value = "/sys/fs/bpf/kpr")]
+        pin_root: PathBuf,
+        /// The agent's health server (`healthzBindAddress`), for `/readyz` and `/healthz`.
+        #[arg(long, default_value = "127.0.0.1:10256")]
+        healthz_address: std::net::SocketAddr,
+        #[arg(long, short, value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
     /// Show the programmed service ports, their backends and the datapath counters.
     Services {
         #[arg(long, default_value = "/sys/fs/bpf/kpr")]
@@ -126,6 +137,10 @@ async fn main() -> Result<()> {
     init_logging(cli.log_format, filter);
     match cli.command {
         Command::Agent(args) => run_agent(args).await,
+        Command::Status { pin_root, healthz_address, output } => {
+            let report = kpr::inspect::status::report(&pin_root, healthz_address)?;
+            print_out(output, &report, kpr::inspect::status::text)
+        }
         Command::Services { pin_root, output } => {
             let report = kpr::inspect::services::report(&pin_root)?;
             print_out(output, &report, kpr::inspect::services::text)

@@ -821,6 +821,75 @@ fn a_program_attached_after_kpr_still_sees_what_kpr_does_not_translate() {
     drop(second);
 }
 
+/// `kpr status` in `node`'s namespace (where the agent's lock and health server are):
+/// (succeeded, stdout or stderr).
+fn kpr_status(node: &Node, pins: &std::path::Path) -> (bool, String) {
+    kpr_status_as(node, pins, "json")
+}
+
+fn kpr_status_as(node: &Node, pins: &std::path::Path, output: &str) -> (bool, String) {
+    let mut cmd = Command::new(kpr_tests::kpr_bin());
+    cmd.args(["status", "-o", output, "--pin-root"]).arg(pins).env("NO_COLOR", "1");
+    node.netns.exec_in(&mut cmd).unwrap();
+    let out = cmd.output().unwrap();
+    let text = if out.status.success() { out.stdout } else { out.stderr };
+    (out.status.success(), String::from_utf8_lossy(&text).into_owned())
+}
+
+#[test]
+fn kpr_status_tells_the_agent_its_links_maps_and_a_node_without_kpr() {
+    let mut c = Cluster::new("km-status").unwrap();
+    c.write("svc.yaml", &service("Cluster", 30080, &[(c.nodes[1].pod_ip, "node-b")]));
+    c.wait("*:30080/TCP ext", 1);
+    let node_a = c.nodes[0].ip;
+    let (name, _) = c.ext(move || tcp_ask_peer(SocketAddrV4::new(node_a, 30080), TIMEOUT).unwrap());
+    assert_eq!(name, "pod-b");
+    let pins = c.nodes[0].pins.clone();
+
+    let (ok, out) = kpr_status(&c.nodes[0], &pins);
+    assert!(ok, "{out}");
+    let status: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(status["agentRunning"], true, "{status:#}");
+    assert_eq!(status["health"]["ready"], true, "{status:#}");
+    assert_eq!(status["health"]["healthzStatus"], 200, "{status:#}");
+    assert_eq!(status["forwarding"], "direct", "{status:#}");
+    let links: Vec<(&str, &str)> = status["links"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| (l["name"].as_str().unwrap(), l["attach"].as_str().unwrap()))
+        .collect();
+    assert_eq!(links, [("eth0", "tcx"), ("veth-pod", "tcx")], "{status:#}");
+    let map = |name: &str| status["maps"].as_array().unwrap().iter().find(|m| m["name"] == name).unwrap().clone();
+    assert_eq!(map("services")["capacity"], 256, "the agent's --max-service-ports");
+    assert!(map("services")["entries"].as_u64().unwrap() > 0, "{status:#}");
+    // The NodePort connection above: its two entries, established.
+    assert_eq!(map("conntrack_established_v4")["entries"], 2, "{status:#}");
+    assert_eq!(status["trouble"], serde_json::json!({}), "{status:#}");
+    let (ok, text) = kpr_status_as(&c.nodes[0], &pins, "text");
+    assert!(ok && text.contains("agent:      running") && text.contains("ready (synced)"), "{text}");
+    assert!(text.contains("links:      eth0 (tcx, accept_local), veth-pod (tcx"), "{text}");
+    println!("{text}");
+
+    // The agent gone: the pinned datapath is still there, and status says who is missing.
+    let mut agent = c.nodes[0].agent.take().unwrap();
+    agent.kill().unwrap();
+    agent.wait().unwrap();
+    let (ok, out) = kpr_status(&c.nodes[0], &pins);
+    assert!(ok, "{out}");
+    let status: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!((status["agentRunning"].clone(), status["health"].clone()), (false.into(), serde_json::Value::Null));
+
+    // A node without kpr's pins, or with another version's, is told so plainly.
+    let (ok, out) = kpr_status(&c.nodes[0], &pins.join("nowhere"));
+    assert!(!ok && out.contains("no kpr datapath on this node") && out.contains("does not exist"), "{out}");
+    let other = pins.join("v1");
+    std::fs::rename(bpf::pin_dir(&pins), &other).unwrap();
+    let (ok, out) = kpr_status(&c.nodes[0], &pins);
+    std::fs::rename(&other, bpf::pin_dir(&pins)).unwrap();
+    assert!(!ok && out.contains("it holds v1"), "{out}");
+}
+
 /// What clients of one address see while the traffic of [`keep_asking`] runs.
 #[derive(Debug, Default)]
 struct Asked {

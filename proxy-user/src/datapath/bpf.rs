@@ -206,10 +206,46 @@ pub fn pin_dir(pin_root: &Path) -> PathBuf {
     pin_root.join(format!("v{PIN_LAYOUT_VERSION}"))
 }
 
-/// The pinned map `name` under `pin_root` (the versioned pin directory).
+/// The pinned map `name` under `pin_root` (the versioned pin directory). Without kpr's pins
+/// there, the error says what is there instead.
 pub fn open_pinned_map(pin_root: &Path, name: &str) -> Result<MapData> {
+    if let Some(problem) = pins_missing(pin_root) {
+        bail!("{problem}");
+    }
     let path = pin_dir(pin_root).join(name);
     MapData::from_pin(&path).with_context(|| format!("no pinned map {}", path.display()))
+}
+
+/// Why `pin_root` holds no datapath of this kpr's layout, if it does not: for read commands
+/// on a node where kpr does not run (or another version of it does).
+pub fn pins_missing(pin_root: &Path) -> Option<String> {
+    if !pin_root.exists() {
+        return Some(format!(
+            "no kpr datapath on this node: {} does not exist (kpr has not run here, or with another --pin-root)",
+            pin_root.display()
+        ));
+    }
+    if pin_dir(pin_root).exists() {
+        return None;
+    }
+    let others = other_layout_names(pin_root);
+    Some(if others.is_empty() {
+        format!("no kpr datapath under {} (no layout directory)", pin_root.display())
+    } else {
+        format!(
+            "no pins of this kpr's layout (v{PIN_LAYOUT_VERSION}) under {}: it holds {} (another kpr version's)",
+            pin_root.display(),
+            others.join(", ")
+        )
+    })
+}
+
+/// The pin layout directories under `pin_root` other than this kpr's, as `v<N>`.
+pub fn other_layout_names(pin_root: &Path) -> Vec<String> {
+    let mut names: Vec<(u32, String)> =
+        other_layouts(pin_root).into_iter().map(|(v, _)| (v, format!("v{v}"))).collect();
+    names.sort();
+    names.into_iter().map(|(_, n)| n).collect()
 }
 
 /// The cgroup2 mount point, from /proc/self/mounts (hybrid hierarchies put it elsewhere than

@@ -77,6 +77,18 @@ impl Conntrack {
         std::array::from_fn(|i| TableUse { name: TABLES[i], live: self.live[i], capacity: self.capacities[i] })
     }
 
+    /// Each table's entries now (a walk of every table; `table_use` gives the last sweep's).
+    pub fn table_use_now(&self) -> [TableUse; 4] {
+        fn len<A: FlowAddr>(t: &Table<A>) -> usize
+        where
+            CtKey<A>: aya::Pod,
+        {
+            read_all_of(t).len()
+        }
+        let live = [len(&self.v4[0]), len(&self.v4[1]), len(&self.v6[0]), len(&self.v6[1])];
+        std::array::from_fn(|i| TableUse { name: TABLES[i], live: live[i], capacity: self.capacities[i] })
+    }
+
     /// Entries now (two per flow), both families: established, new.
     pub fn lens(&self) -> (usize, usize) {
         fn len<A: FlowAddr>(t: &Table<A>) -> usize

@@ -1,0 +1,232 @@
+//! `kpr status`: one screen on kpr on this node — is the agent up and synced, how is the
+//! datapath attached, what is it falling back to, how full are its maps, and which counters
+//! say something went wrong. Read from the pins and the agent's health server, so it also
+//! works while the agent is down.
+use std::{
+    collections::BTreeMap,
+    fmt::Write as _,
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpStream},
+    path::Path,
+    time::Duration,
+};
+
+use anyhow::Result;
+use aya::maps::{Array, HashMap, Map, MapData};
+use proxy_common::{LinkInfo, counter, map_names};
+use serde::Serialize;
+
+use crate::datapath::{
+    Maps as _,
+    bpf::{self, BpfMaps},
+    conntrack::Conntrack,
+};
+
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StatusReport {
+    /// This `kpr`'s version and commit (the agent's is in its first log line).
+    pub version: &'static str,
+    pub pin_dir: String,
+    pub layout: u32,
+    /// Other layouts' directories under the pin root (an upgrade in progress, or leftovers).
+    pub other_layouts: Vec<String>,
+    /// An agent holds the pin root's lock (in this network namespace).
+    pub agent_running: bool,
+    /// The agent's `/readyz` and `/healthz`; None: nothing answered at the address.
+    pub health: Option<HealthView>,
+    pub kernel: String,
+    /// Where translated packets go: `direct` (straight out of their link) or `host` (the
+    /// host's forwarding path, because something filters forwarded packets, or by setting).
+    pub forwarding: &'static str,
+    pub links: Vec<LinkView>,
+    pub maps: Vec<MapUse>,
+    /// The counters that only move when something went wrong, where they are not zero.
+    pub trouble: BTreeMap<&'static str, u64>,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HealthView {
+    pub address: SocketAddr,
+    /// `/readyz`: synced once, and healthy.
+    pub ready: bool,
+    /// `/healthz` (kube-proxy's): 200 or 503, and when the datapath last took a change.
+    pub healthz_status: u16,
+    pub last_updated: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LinkView {
+    pub name: String,
+    pub ifindex: u32,
+    /// `tcx` or `netlink` (tc filters, kernels before 6.6 or `--tc-netlink`).
+    pub attach: &'static str,
+    /// kpr turned `accept_local` on (masquerade to the node's own address needs it).
+    pub accept_local_set: bool,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MapUse {
+    pub name: &'static str,
+    pub entries: usize,
+    pub capacity: u32,
+}
+
+/// The counters that move only when something went wrong.
+const TROUBLE: [u32; 6] = [
+    counter::BAD_BACKEND_SLOT,
+    counter::REVNAT_UPDATE_FAILED,
+    counter::TC_SNAT_EXHAUSTED,
+    counter::TC_CT_FULL,
+    counter::TC_CT_RECREATED,
+    counter::TC_SLOW_PATH_MISSING,
+];
+
+pub fn report(pin_root: &Path, healthz: SocketAddr) -> Result<StatusReport> {
+    if let Some(problem) = bpf::pins_missing(pin_root) {
+        anyhow::bail!("{problem}");
+    }
+    let maps = BpfMaps::open_pinned(pin_root)?;
+    let capacity = maps.capacity();
+    let programmed = crate::datapath::read_programmed(&maps)?;
+    let slots = programmed.values().map(|p| p.value.backends_count as usize).sum();
+    let mut map_use = vec![
+        MapUse { name: "services", entries: programmed.len(), capacity: capacity.service_ports },
+        MapUse { name: "backends", entries: slots, capacity: capacity.backends },
+        MapUse { name: "source_ranges", entries: maps.source_ranges()?.len(), capacity: maps.source_range_capacity() },
+    ];
+    let conntrack = Conntrack::open(pin_root)?;
+    map_use.extend(conntrack.table_use_now().into_iter().map(|t| MapUse {
+        name: t.name,
+        entries: t.live,
+        capacity: t.capacity,
+    }));
+    let counters = bpf::read_counters(pin_root)?;
+    let trouble = TROUBLE.into_iter().map(|i| counters[i as usize]).filter(|(_, value)| *value != 0).collect();
+    let host_state: Array<MapData, u32> =
+        Array::try_from(Map::Array(bpf::open_pinned_map(pin_root, map_names::HOST_STATE)?))?;
+    let direct = host_state.get(&0, 0).unwrap_or(0) & proxy_common::HOST_FORWARD_DIRECT_OK != 0;
+    Ok(StatusReport {
+        version: crate::VERSION,
+        pin_dir: bpf::pin_dir(pin_root).display().to_string(),
+        layout: proxy_common::PIN_LAYOUT_VERSION,
+        other_layouts: bpf::other_layout_names(pin_root),
+        agent_running: bpf::AgentLock::held(pin_root),
+        health: health(healthz),
+        kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_owned(),
+        forwarding: if direct { "direct" } else { "host" },
+        links: links(pin_root)?,
+        maps: map_use,
+        trouble,
+    })
+}
+
+/// The links holding kpr's per-packet programs, from `KPR_LINKS`.
+fn links(pin_root: &Path) -> Result<Vec<LinkView>> {
+    let map: HashMap<MapData, u32, LinkInfo> =
+        HashMap::try_from(Map::HashMap(bpf::open_pinned_map(pin_root, map_names::LINKS)?))?;
+    let mut links: Vec<LinkView> = map
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(ifindex, info)| {
+            *ifindex < proxy_common::LINK_FIRST_SPECIAL && info.flags & proxy_common::LINK_FLAG_TC_INGRESS != 0
+        })
+        .map(|(ifindex, info)| LinkView {
+            name: link_name(ifindex).unwrap_or_else(|| "?".to_owned()),
+            ifindex,
+            attach: if info.flags & proxy_common::LINK_FLAG_NETLINK_TC != 0 { "netlink" } else { "tcx" },
+            accept_local_set: info.flags & proxy_common::LINK_FLAG_ACCEPT_LOCAL_SET != 0,
+        })
+        .collect();
+    links.sort_by_key(|l| l.ifindex);
+    Ok(links)
+}
+
+fn link_name(ifindex: u32) -> Option<String> {
+    let mut name = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: if_indextoname writes at most IF_NAMESIZE bytes.
+    if unsafe { libc::if_indextoname(ifindex, name.as_mut_ptr()) }.is_null() {
+        return None;
+    }
+    // SAFETY: a NUL-terminated name in `name`.
+    Some(unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned())
+}
+
+/// `/readyz` and `/healthz` of the agent's health server at `address`.
+fn health(address: SocketAddr) -> Option<HealthView> {
+    let (ready, _) = get(address, "/readyz")?;
+    let (healthz_status, body) = get(address, "/healthz")?;
+    let last_updated = serde_json::from_str::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| v.get("lastUpdated")?.as_str().map(str::to_owned));
+    Some(HealthView { address, ready: ready == 200, healthz_status, last_updated })
+}
+
+/// A plain HTTP/1.0 GET (the health server's answers are one small body): status and body.
+fn get(address: SocketAddr, path: &str) -> Option<(u16, String)> {
+    let timeout = Duration::from_secs(1);
+    let mut conn = TcpStream::connect_timeout(&address, timeout).ok()?;
+    conn.set_read_timeout(Some(timeout)).ok()?;
+    conn.write_all(format!("GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n").as_bytes()).ok()?;
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).ok()?;
+    let status = answer.split_whitespace().nth(1)?.parse().ok()?;
+    let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
+    Some((status, body))
+}
+
+pub fn text(r: &StatusReport) -> String {
+    let mut out = String::new();
+    let agent = if r.agent_running { "running" } else { "not running (the pinned datapath still serves)" };
+    let _ = writeln!(out, "agent:      {agent}");
+    match &r.health {
+        Some(h) => {
+            let ready = if h.ready { "ready (synced)" } else { "not ready" };
+            let updated = h.last_updated.as_deref().unwrap_or("?");
+            let _ = writeln!(
+                out,
+                "health:     {ready}; /healthz {} at {}, last update {updated}",
+                h.healthz_status, h.address
+            );
+        }
+        None => {
+            let _ = writeln!(out, "health:     nothing answers at the health address");
+        }
+    }
+    let _ = writeln!(out, "kpr:        {} (pin layout v{}), kernel {}", r.version, r.layout, r.kernel);
+    let _ = writeln!(out, "pins:       {}", r.pin_dir);
+    if !r.other_layouts.is_empty() {
+        let _ = writeln!(out, "            also {} (another kpr version's pins)", r.other_layouts.join(", "));
+    }
+    let _ = writeln!(
+        out,
+        "forwarding: {}",
+        match r.forwarding {
+            "direct" => "translated packets go straight out of their link",
+            _ => "translated packets take the host's forwarding path (netfilter FORWARD, routing)",
+        }
+    );
+    let links: Vec<String> = r
+        .links
+        .iter()
+        .map(|l| format!("{} ({}{})", l.name, l.attach, if l.accept_local_set { ", accept_local" } else { "" }))
+        .collect();
+    let _ = writeln!(out, "links:      {}", if links.is_empty() { "none".to_owned() } else { links.join(", ") });
+    let _ = writeln!(out, "maps:");
+    for m in &r.maps {
+        let percent = if m.capacity == 0 { 0.0 } else { 100.0 * m.entries as f64 / f64::from(m.capacity) };
+        let _ = writeln!(out, "  {:<26} {:>9} of {:>9} ({percent:.1}%)", m.name, m.entries, m.capacity);
+    }
+    if r.trouble.is_empty() {
+        let _ = writeln!(out, "trouble:    none counted");
+    } else {
+        let _ = writeln!(out, "trouble:");
+        for (name, value) in &r.trouble {
+            let _ = writeln!(out, "  {name:<26} {value:>9}");
+        }
+    }
+    out
+}
