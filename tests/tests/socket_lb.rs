@@ -401,6 +401,31 @@ fn restarts_reconcile_pinned_hooks_with_the_layout_and_the_cgroup() {
     assert!(log.contains("an older layout's map differs from this one's: made anew map=KPR_AFFINITY"), "{log}");
     assert_eq!(tcp_spread(&h, 10).len(), 1, "served on the carried maps");
 
+    // A pinned map of this very layout that a build changed without a new layout version (a
+    // counter more): the agent still starts, on the map made anew.
+    h.kill_agent().unwrap();
+    let counters = current.join(proxy_common::map_names::COUNTERS);
+    std::fs::remove_file(&counters).unwrap();
+    let created = std::process::Command::new("bpftool")
+        .args(["map", "create"])
+        .arg(&counters)
+        .args(["type", "percpu_array", "key", "4", "value", "8", "entries", "3", "name", "KPR_COUNTERS"])
+        .status()
+        .unwrap();
+    assert!(created.success());
+    h.start_agent().unwrap();
+    let made_anew = "a pinned map differs from this build's: made anew map=KPR_COUNTERS";
+    let deadline = std::time::Instant::now() + kpr::testbed::slow(TIMEOUT);
+    let mut log = String::new();
+    while !log.contains(made_anew) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+        log = std::fs::read_to_string(h.log_path()).unwrap();
+    }
+    assert!(log.contains(made_anew), "{log}");
+    h.wait("10.96.0.10:80/TCP", Some(1)).unwrap();
+    assert_eq!(tcp_spread(&h, 10).len(), 1);
+    assert!(h.counter("translated") >= 10, "counted in the new map");
+
     // A restart with another --cgroup moves the hooks there.
     h.kill_agent().unwrap();
     let other = kpr::testbed::Cgroup::new(&format!("{}-b", h.name)).unwrap();

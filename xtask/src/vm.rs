@@ -56,6 +56,10 @@ pub const SUITES: [(&str, &[&str]); 4] = [
             "cleanup_waits_for_the_agent_and_undoes_what_kpr_changed_on_the_node",
             "local_traffic_policy_keeps_the_client_address_and_drops_without_local_endpoints",
             "udp_flows_move_off_a_removed_endpoint",
+            // The operator's view and the upgrade's map carrying are the agent's; the host runs
+            // the upgrade over both attach modes (TCX, and netlink filters as before 6.6).
+            "kpr_status_tells_the_agent_its_links_maps_and_a_node_without_kpr",
+            "an_upgrade_to_a_new_pin_layout_keeps_flows_affinity_and_new_connections",
         ],
     ),
 ];

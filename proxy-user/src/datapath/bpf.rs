@@ -538,13 +538,17 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .override_global("KPR_IP_SUMMED_AT", &ip_summed_at, true);
     let loaded = loop {
         match loader.load(object) {
-            // A carried map that this layout reads otherwise after all: made anew.
-            Err(aya::EbpfError::MapError(aya::maps::MapError::IncompatiblePinnedMap { name, property, .. }))
-                if carried.contains(&name.as_str()) =>
-            {
-                tracing::warn!(map = %name, property, "an older layout's map differs from this one's: made anew");
+            // A carried map that this layout reads otherwise after all, or a pinned map of this
+            // layout that a build changed without a new layout version: made anew, so that the
+            // agent starts (the old map goes with its last user).
+            Err(aya::EbpfError::MapError(aya::maps::MapError::IncompatiblePinnedMap { name, property, .. })) => {
+                if carried.contains(&name.as_str()) {
+                    tracing::warn!(map = %name, property, "an older layout's map differs from this one's: made anew");
+                } else {
+                    tracing::warn!(map = %name, property, "a pinned map differs from this build's: made anew");
+                }
                 carried.retain(|c| *c != name);
-                fs::remove_file(dir.join(&name)).with_context(|| format!("failed to unpin the carried map {name}"))?;
+                fs::remove_file(dir.join(&name)).with_context(|| format!("failed to unpin the map {name}"))?;
             }
             loaded => break loaded,
         }
