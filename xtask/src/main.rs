@@ -42,12 +42,19 @@ enum Cmd {
         #[arg(last = true)]
         args: Vec<String>,
     },
-    /// Run every test: unit tests, then the privileged datapath and end-to-end tests (root).
+    /// Run every test: formatting, unit tests, then the privileged datapath and end-to-end tests
+    /// (root) on this machine's kernel, then the privileged suites in VMs of other kernels.
     Test {
         /// Only run tests whose name contains this filter.
         filter: Option<String>,
+        /// Only the formatting check and the unit tests: no root, no kernel (the quick loop).
+        #[arg(long, conflicts_with_all = ["host", "kernels"])]
+        unit: bool,
+        /// The unit tests and the privileged suites on this machine's kernel: no e2e specs, no VMs.
+        #[arg(long, conflicts_with = "kernels")]
+        host: bool,
         /// Run only the privileged suites, in a VM booting this Debian kernel (`6.1`, `6.12`;
-        /// repeatable). Without it: everything on this machine's kernel, then every VM kernel.
+        /// repeatable).
         #[arg(long = "kernel")]
         kernels: Vec<String>,
     },
@@ -136,9 +143,15 @@ fn run_command() -> Result<()> {
             }
             run(cmd.args(args))
         }
-        Cmd::Test { filter, kernels } => {
+        Cmd::Test { filter, unit, host, kernels } => {
             let env = setup::ensure_all(&root)?;
-            test(&root, &env, filter.as_deref(), &kernels)
+            let scope = match (unit, host, kernels.is_empty()) {
+                (true, _, _) => TestScope::Unit,
+                (_, true, _) => TestScope::Host,
+                (_, _, false) => TestScope::Vms(kernels),
+                _ => TestScope::All,
+            };
+            test(&root, &env, filter.as_deref(), &scope)
         }
         Cmd::Cluster { args } => {
             let env = setup::ensure_all(&root)?;
@@ -185,11 +198,24 @@ fn build(root: &Path, env: &setup::Env, release: bool) -> Result<()> {
     run(&mut cmd)
 }
 
-/// Unit tests for every crate, then the privileged tests one at a time (they share the kernel),
-/// then the privileged suites on each VM kernel. With `kernels`, only those VM runs.
-fn test(root: &Path, env: &setup::Env, filter: Option<&str>, kernels: &[String]) -> Result<()> {
+/// How much of the test suite `cargo xtask test` runs.
+enum TestScope {
+    /// Formatting and unit tests.
+    Unit,
+    /// And the privileged suites on this machine's kernel.
+    Host,
+    /// Only the privileged suites in VMs of these kernels.
+    Vms(Vec<String>),
+    /// Everything: the host's suites, the e2e conformance specs, then every VM kernel.
+    All,
+}
+
+/// The formatting check and the unit tests of every crate, then the privileged tests one at a
+/// time (they share the kernel), the e2e conformance specs, then the privileged suites on each
+/// VM kernel; `scope` stops earlier or runs only VMs.
+fn test(root: &Path, env: &setup::Env, filter: Option<&str>, scope: &TestScope) -> Result<()> {
     build(root, env, false)?;
-    if !kernels.is_empty() {
+    if let TestScope::Vms(kernels) = scope {
         let shorts: Vec<&str> = kernels.iter().map(String::as_str).collect();
         let (_, failed) = test_in_vms(root, env, &shorts, filter)?;
         if failed > 0 {
@@ -197,12 +223,23 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>, kernels: &[String])
         }
         return Ok(());
     }
+    let fmt = env.cargo(root).args(["fmt", "--all", "--check"]).status().context("failed to run cargo fmt")?;
+    if !fmt.success() {
+        bail!("the code is not formatted as rustfmt.toml says: run `cargo fmt --all`");
+    }
     let mut unit = env.cargo(root);
     unit.args(["test", "--no-fail-fast", "--package", "proxy-common", "--package", "proxy-user", "--package", "xtask"]);
     if let Some(filter) = filter {
         unit.args(["--", filter]);
     }
     let mut tally = run_tests(&mut unit)?;
+    if matches!(scope, TestScope::Unit) {
+        println!("xtask: {} passed, {} failed (unit tests)", tally.0, tally.1);
+        if tally.1 > 0 {
+            bail!("{} tests failed", tally.1);
+        }
+        return Ok(());
+    }
 
     if !setup::is_root() {
         bail!("the privileged tests need root (network namespaces, cgroups, BPF)");
@@ -230,7 +267,7 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>, kernels: &[String])
     tally.1 += failed;
     // Kubernetes' own sig-network conformance specs against kpr (`cargo xtask e2e` runs the
     // whole sig-network suite against kpr and kube-proxy side by side).
-    if filter.is_none() {
+    if filter.is_none() && matches!(scope, TestScope::All) {
         match e2e::run(root, env, &e2e::Options::conformance()) {
             Ok(()) => tally.0 += 1,
             Err(e) => {
@@ -240,6 +277,12 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>, kernels: &[String])
         }
     }
     println!("xtask: {} passed, {} failed (this machine's kernel)", tally.0, tally.1);
+    if matches!(scope, TestScope::Host) {
+        if tally.1 > 0 {
+            bail!("{} tests failed", tally.1);
+        }
+        return Ok(());
+    }
 
     let (passed, failed) = test_in_vms(root, env, &vm::KERNELS.map(|(short, _)| short), filter)?;
     tally.0 += passed;

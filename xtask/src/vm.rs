@@ -45,6 +45,8 @@ pub const SUITES: [(&str, &[&str]); 4] = [
             "session_affinity_keeps_a_client_on_its_endpoint_until_it_leaves_or_times_out",
             // Which entries the model writes; the hooks it relies on run in the tests above.
             "host_external_ips_local_keeps_the_nodes_connections_to_other_machines",
+            // Which maps an upgrade carries: the agent's; the hooks' relinking runs above.
+            "an_older_layouts_maps_are_carried_and_a_changed_map_made_anew",
         ],
     ),
     ("demo", &[]),
