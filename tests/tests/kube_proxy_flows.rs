@@ -14,7 +14,7 @@
 //!   really exercise fails instead of passing vacuously);
 //! - kpr must observe exactly what kube-proxy observes: which endpoints answered, the source
 //!   address they saw, the error — except for the deviations listed in [`DEVIATIONS`], each
-//!   with its reason (also in the README).
+//!   with its reason (also in docs/behaviour.md).
 //!
 //! Differences to upstream's fixtures: NodePorts and ClusterIPs are the same (the test API
 //! server gets upstream's service ranges), clients of "the node" do not bind a source address
@@ -780,7 +780,7 @@ fn cases(mode: &str) -> Vec<Case> {
 }
 
 /// Where kpr differs from kube-proxy on purpose, each with kpr's own outcome and the reason (also
-/// in the README): (mode or "*", case source prefix, row name, kpr's outcome, why). kube-proxy
+/// in docs/behaviour.md): (mode or "*", case source prefix, row name, kpr's outcome, why). kube-proxy
 /// must still show upstream's outcome there, and kpr its own.
 const DEVIATIONS: &[(&str, &str, &str, Expect, &str)] = &[
     ("iptables", "TestClusterIPGeneral", "TCP-only port does not match UDP traffic", Reject, SERVICE_RANGE),
@@ -1065,7 +1065,7 @@ fn differential(mode: &str) {
                         if let Err(e) = check(&via_kpr, &row.expect, row.udp, row.dst, client) {
                             problems.push(format!("{what}: kpr: {e}"));
                         }
-                        // An open gap (README, "Behaviour"): the node's own masqueraded
+                        // An open gap (docs/behaviour.md): the node's own masqueraded
                         // connections to an endpoint behind a pod link whose only IPv4 address
                         // is link-scoped show that address, where MASQUERADE takes the node's
                         // global one. Endpoints and errors must still agree.

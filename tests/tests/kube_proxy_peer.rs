@@ -224,7 +224,7 @@ const INTENDED: &[(&str, &str, Kind, u16, Expect, &str)] = &[
         "kube-proxy REJECTs in the OUTPUT hook: for the node's own datagram the verdict is a drop, \
          so sendto() fails with EPERM (a pod behind a bridge would get the ICMP port unreachable \
          instead); kpr answers in the sendmsg hook with ECONNREFUSED, the errno the REJECT's ICMP \
-         error means, as its README documents",
+         error means, as its docs/behaviour.md documents",
     ),
     (
         "*",

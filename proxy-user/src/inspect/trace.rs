@@ -146,7 +146,7 @@ pub fn trace(pin_root: &Path, source: IpAddr, dst: Destination, from: Option<Fro
     if from == From::Node && dst.proto == IPPROTO_SCTP {
         report.path = "none";
         report.verdict = "not translated: the kernel runs no socket hook for SCTP, and the node's own packets \
-                          meet kpr's per-packet path only on their way out (a README deviation)"
+                          meet kpr's per-packet path only on their way out (a deviation: docs/behaviour.md)"
             .into();
         return Ok(report);
     }
