@@ -390,6 +390,20 @@ fn restarts_reconcile_pinned_hooks_with_the_layout_and_the_cgroup() {
     h.kill_agent().unwrap();
 }
 
+/// Replace the map pinned as `name` in `dir` with a new one of the given bpftool shape.
+fn replace_pin(dir: &std::path::Path, name: &str, shape: &[&str]) {
+    let path = dir.join(name);
+    std::fs::remove_file(&path).unwrap();
+    let created = std::process::Command::new("bpftool")
+        .args(["map", "create"])
+        .arg(&path)
+        .args(shape)
+        .args(["name", name])
+        .status()
+        .unwrap();
+    assert!(created.success());
+}
+
 /// An upgrade from the previous pin layout carries its maps over, but one that reads otherwise
 /// than this layout's (an affinity map of other sizes) is made anew; and a pinned map of this
 /// very layout that a build changed without a new layout version (a counter more) is made anew
@@ -401,15 +415,7 @@ fn an_older_layouts_maps_are_carried_and_a_changed_map_made_anew() {
     h.kill_agent().unwrap();
     let old = h.pin_root.join(format!("v{}", proxy_common::PIN_LAYOUT_VERSION - 1));
     std::fs::rename(&current, &old).unwrap();
-    let affinity = old.join(proxy_common::map_names::AFFINITY);
-    std::fs::remove_file(&affinity).unwrap();
-    let created = std::process::Command::new("bpftool")
-        .args(["map", "create"])
-        .arg(&affinity)
-        .args(["type", "hash", "key", "4", "value", "4", "entries", "16", "name", "KPR_AFFINITY"])
-        .status()
-        .unwrap();
-    assert!(created.success());
+    replace_pin(&old, proxy_common::map_names::AFFINITY, &["type", "hash", "key", "4", "value", "4", "entries", "16"]);
     h.start_agent().unwrap();
     let deadline = std::time::Instant::now() + kpr::testbed::slow(TIMEOUT);
     while old.exists() && std::time::Instant::now() < deadline {
@@ -424,15 +430,8 @@ fn an_older_layouts_maps_are_carried_and_a_changed_map_made_anew() {
     // A pinned map of this very layout that a build changed without a new layout version (a
     // counter more): the agent still starts, on the map made anew.
     h.kill_agent().unwrap();
-    let counters = current.join(proxy_common::map_names::COUNTERS);
-    std::fs::remove_file(&counters).unwrap();
-    let created = std::process::Command::new("bpftool")
-        .args(["map", "create"])
-        .arg(&counters)
-        .args(["type", "percpu_array", "key", "4", "value", "8", "entries", "3", "name", "KPR_COUNTERS"])
-        .status()
-        .unwrap();
-    assert!(created.success());
+    let counters = ["type", "percpu_array", "key", "4", "value", "8", "entries", "3"];
+    replace_pin(&current, proxy_common::map_names::COUNTERS, &counters);
     h.start_agent().unwrap();
     let made_anew = "a pinned map differs from this build's: made anew map=KPR_COUNTERS";
     let deadline = std::time::Instant::now() + kpr::testbed::slow(TIMEOUT);

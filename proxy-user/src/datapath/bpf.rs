@@ -764,14 +764,22 @@ fn remove_netlink_filters(ifindex: u32) {
     }
 }
 
-/// Turn accept_local off on link `ifindex` (if it still exists).
-fn reset_accept_local(ifindex: u32) {
+/// The name of link `ifindex` in this network namespace, if it exists.
+pub fn link_name(ifindex: u32) -> Option<String> {
     let mut name = [0 as libc::c_char; libc::IF_NAMESIZE];
     // SAFETY: if_indextoname writes at most IF_NAMESIZE bytes.
     if unsafe { libc::if_indextoname(ifindex, name.as_mut_ptr()) }.is_null() {
-        return; // the link is gone, and its setting with it
+        return None;
     }
-    let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+    // SAFETY: a NUL-terminated name in `name`.
+    Some(unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned())
+}
+
+/// Turn accept_local off on link `ifindex` (if it still exists).
+fn reset_accept_local(ifindex: u32) {
+    let Some(name) = link_name(ifindex) else {
+        return; // the link is gone, and its setting with it
+    };
     match super::devconf::set_accept_local(ifindex, false) {
         Ok(()) => tracing::info!(interface = %name, "accept_local turned off again"),
         Err(e) => tracing::warn!(interface = %name, "failed to turn accept_local off again: {e}"),

@@ -135,7 +135,7 @@ fn links(pin_root: &Path) -> Result<Vec<LinkView>> {
             *ifindex < proxy_common::LINK_FIRST_SPECIAL && info.flags & proxy_common::LINK_FLAG_TC_INGRESS != 0
         })
         .map(|(ifindex, info)| LinkView {
-            name: link_name(ifindex).unwrap_or_else(|| "?".to_owned()),
+            name: bpf::link_name(ifindex).unwrap_or_else(|| "?".to_owned()),
             ifindex,
             attach: if info.flags & proxy_common::LINK_FLAG_NETLINK_TC != 0 { "netlink" } else { "tcx" },
             accept_local_set: info.flags & proxy_common::LINK_FLAG_ACCEPT_LOCAL_SET != 0,
@@ -143,16 +143,6 @@ fn links(pin_root: &Path) -> Result<Vec<LinkView>> {
         .collect();
     links.sort_by_key(|l| l.ifindex);
     Ok(links)
-}
-
-fn link_name(ifindex: u32) -> Option<String> {
-    let mut name = [0 as libc::c_char; libc::IF_NAMESIZE];
-    // SAFETY: if_indextoname writes at most IF_NAMESIZE bytes.
-    if unsafe { libc::if_indextoname(ifindex, name.as_mut_ptr()) }.is_null() {
-        return None;
-    }
-    // SAFETY: a NUL-terminated name in `name`.
-    Some(unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned())
 }
 
 /// `/readyz` and `/healthz` of the agent's health server at `address`.
