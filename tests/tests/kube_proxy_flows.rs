@@ -1048,8 +1048,11 @@ fn differential(mode: &str) {
             // can time out, a real difference persists. Retries are reported.
             let mut problems = Vec::new();
             for attempt in 1..=3 {
-                let via_kube_proxy = seen(&probe_row(&kp_world, home, home, row));
-                let via_kpr = seen(&probe_row(&kpr_world, &cgroup.path, home, row));
+                // Both worlds at once: a row's timeouts (drops, retransmissions) are waited once.
+                let (via_kube_proxy, via_kpr) = std::thread::scope(|s| {
+                    let kpr_side = s.spawn(|| seen(&probe_row(&kpr_world, &cgroup.path, home, row)));
+                    (seen(&probe_row(&kp_world, home, home, row)), kpr_side.join().unwrap())
+                });
                 report.push(format!("{what}: kube-proxy {via_kube_proxy:?} | kpr {via_kpr:?}"));
                 problems.clear();
                 if let Err(e) = check(&via_kube_proxy, &row.expect, row.udp, row.dst, client) {

@@ -284,7 +284,7 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>, scope: &TestScope) 
         return Ok(());
     }
 
-    let (passed, failed) = test_in_vms(root, env, &vm::KERNELS.map(|(short, _)| short), filter)?;
+    let (passed, failed) = test_in_vms(root, env, &vm::KERNELS.map(|(short, ..)| short), filter)?;
     tally.0 += passed;
     tally.1 += failed;
     println!("xtask: {} passed, {} failed", tally.0, tally.1);
@@ -299,9 +299,18 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>, scope: &TestScope) 
 /// twice, timed out) is an error once all have run. Each kernel's `kernel <uname -r>: N passed,
 /// M failed` line is printed at the end. The test binaries and the image are built once.
 fn test_in_vms(root: &Path, env: &setup::Env, shorts: &[&str], filter: Option<&str>) -> Result<(u64, u64)> {
-    let suites: Vec<&str> = vm::SUITES.iter().map(|(suite, _)| *suite).collect();
-    let binaries: Vec<(PathBuf, &[&str])> =
-        test_binaries(root, env, &suites)?.into_iter().zip(vm::SUITES.map(|(_, skips)| skips)).collect();
+    let suites: Vec<&str> = vm::SUITES.iter().map(|suite| suite.name).collect();
+    let binaries: Vec<(PathBuf, &vm::Suite)> =
+        test_binaries(root, env, &suites)?.into_iter().zip(&vm::SUITES).collect();
+    for (binary, suite) in &binaries {
+        // A misspelt name would skip nothing, or sample nothing and pass.
+        let listed = Command::new(binary).args(["--list", "--format", "terse"]).output()?;
+        let listed = String::from_utf8_lossy(&listed.stdout);
+        let names: Vec<&str> = listed.lines().filter_map(|l| l.strip_suffix(": test")).collect();
+        for name in suite.host_only.iter().chain(suite.sample.unwrap_or_default()) {
+            anyhow::ensure!(names.contains(name), "vm::SUITES names {name}, which {} does not have", suite.name);
+        }
+    }
     // The suites run in VMs need no control plane (`vm::SUITES`).
     // The VM kernels have SCTP (this machine's may not): its end-to-end test must run there.
     let image = image::build(root, env, "latest")?;

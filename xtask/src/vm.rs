@@ -17,26 +17,49 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-/// The kernels `cargo xtask test` boots: (short name, apt package pattern). The newest
-/// matching package of the Debian release configured here is used.
-pub const KERNELS: [(&str, &str); 2] = [
-    ("6.1", r"^linux-image-6\.1\.0-[0-9]+-amd64$"),
-    ("6.12", r"^linux-image-6\.12\.[0-9]+\+deb[0-9]+-amd64-unsigned$"),
+/// The kernels `cargo xtask test` boots: (short name, apt package pattern, what runs there).
+/// The newest matching package of the Debian release configured here is used.
+///
+/// 6.1 has every path this machine's kernel (6.18) lacks: netlink filters (no TCX before 6.6),
+/// no kept routes (before 6.3), the old checksum helper (before 6.2). 6.12 takes the host's
+/// paths, so beyond its own verifier it runs a sample: the verifier suite and the demo whole,
+/// and one end-to-end test per family, protocol and hook (`Suite::sample`).
+pub const KERNELS: [(&str, &str, Lane); 2] = [
+    ("6.1", r"^linux-image-6\.1\.0-[0-9]+-amd64$", Lane::Full),
+    ("6.12", r"^linux-image-6\.12\.[0-9]+\+deb[0-9]+-amd64-unsigned$", Lane::Sample),
 ];
+
+/// How much of each suite a kernel's VM runs.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Lane {
+    /// Each suite less its host-only tests.
+    Full,
+    /// Each suite's sample (all of it when it has none).
+    Sample,
+}
+
+/// A privileged test suite as the VMs run it.
+pub struct Suite {
+    pub name: &'static str,
+    /// Tests that exercise nothing that differs by kernel and that the host already runs (the
+    /// agent's own logic, the CLI): skipped in the VMs, where under software emulation an agent
+    /// start takes seconds.
+    pub host_only: &'static [&'static str],
+    /// What a [`Lane::Sample`] kernel runs; `None`: the suite less `host_only`.
+    pub sample: Option<&'static [&'static str]>,
+}
 
 /// The privileged test suites run in a VM, for what differs by kernel: the verifier's verdict
 /// on every program, helpers and attach modes (netlink filters before 6.6, kept routes from
 /// 6.3, the checksum helper before 6.2, `EPERM` before 5.18), the VMs' own modules (SCTP).
-/// Each with the tests that exercise nothing of that and that the host already runs (the
-/// agent's own logic, the CLI): skipped in the VMs, where under software emulation an agent
-/// start takes seconds. The operator surface, the image, the API-server suite and the
-/// kube-proxy differential suites run on the host only.
-pub const SUITES: [(&str, &[&str]); 4] = [
-    // Every program through the verifier and every datapath table: all of it.
-    ("tc_testrun", &[]),
-    (
-        "socket_lb",
-        &[
+/// The operator surface, the image, the API-server suite and the kube-proxy differential
+/// suites run on the host only.
+pub const SUITES: [Suite; 4] = [
+    // Every program through the verifier and every datapath table: all of it, everywhere.
+    Suite { name: "tc_testrun", host_only: &[], sample: None },
+    Suite {
+        name: "socket_lb",
+        host_only: &[
             "new_connections_spread_uniformly_over_three_backends",
             "endpoint_changes_steer_new_connections_and_keep_established_ones",
             "a_deleted_service_is_no_longer_translated_and_other_traffic_is_untouched",
@@ -48,11 +71,20 @@ pub const SUITES: [(&str, &[&str]); 4] = [
             // Which maps an upgrade carries: the agent's; the hooks' relinking runs above.
             "an_older_layouts_maps_are_carried_and_a_changed_map_made_anew",
         ],
-    ),
-    ("demo", &[]),
-    (
-        "multinode",
-        &[
+        // Each socket hook (connect, sendmsg/recvmsg, getpeername; both families, mapped
+        // addresses), and the UDP socket abort (udp_diag).
+        sample: Some(&[
+            "tcp_and_udp_reach_a_backend_and_the_app_sees_the_cluster_ip",
+            "a_dual_stack_service_is_reached_over_both_families_and_through_mapped_addresses",
+            "node_ports_are_served_per_family_and_not_on_ipv6_localhost",
+            "a_connected_udp_socket_whose_endpoint_leaves_is_aborted_and_reconnects_elsewhere",
+        ]),
+    },
+    // The agent loading and attaching every program.
+    Suite { name: "demo", host_only: &[], sample: None },
+    Suite {
+        name: "multinode",
+        host_only: &[
             "kpr_conntrack_lists_a_node_port_flow_and_flushing_it_keeps_the_connection",
             "kpr_trace_explains_each_source_class_from_the_live_maps",
             "cleanup_waits_for_the_agent_and_undoes_what_kpr_changed_on_the_node",
@@ -63,7 +95,17 @@ pub const SUITES: [(&str, &[&str]); 4] = [
             "kpr_status_tells_the_agent_its_links_maps_and_a_node_without_kpr",
             "an_upgrade_to_a_new_pin_layout_keeps_flows_affinity_and_new_connections",
         ],
-    ),
+        // The per-packet path of each family through real links (redirects, FIB lookups,
+        // checksums completed by the device or not), the FORWARD chain it must not skip
+        // (nf_tables), and SCTP (a module this machine's kernel lacks).
+        sample: Some(&[
+            "node_port_reaches_a_pod_on_another_node_masqueraded",
+            "ipv6_node_port_reaches_a_pod_on_another_node_masqueraded",
+            "a_network_policy_in_the_forward_chain_holds_for_service_traffic",
+            "node_port_checksums_verify_whoever_completes_them",
+            "sctp_services_are_translated_for_pods_and_outside_clients",
+        ]),
+    },
 ];
 
 /// Modules loaded before the tests (with their dependencies): the 9p root, and what the tests'
@@ -315,7 +357,7 @@ fn initramfs(kernel: &Kernel, path: &Path) -> Result<()> {
 /// multi-threaded emulation a CPU allocating while another patched ran a stale copy (6.12:
 /// "Oops: int3" in `kmem_cache_alloc_noprof` as the first container started). Here nothing
 /// else runs yet; kept, the keys are never switched back and forth again.
-fn test_script(binaries: &[(PathBuf, &[&str])], env: &[(&str, String)], filter: Option<&str>) -> String {
+fn test_script(binaries: &[(PathBuf, &Suite)], lane: Lane, env: &[(&str, String)], filter: Option<&str>) -> String {
     let mut s = String::from(
         "set -u\n\
          mount -t proc proc /proc; mount -t sysfs sysfs /sys; mount -t devtmpfs devtmpfs /dev\n\
@@ -329,12 +371,14 @@ fn test_script(binaries: &[(PathBuf, &[&str])], env: &[(&str, String)], filter: 
     for (key, value) in env {
         s.push_str(&format!("export {key}='{value}'\n"));
     }
-    for (binary, skips) in binaries {
-        // A filter runs what it names; without one, the suite less its host-only tests.
-        let select = match filter {
-            Some(f) => format!(" '{f}'"),
-            None if skips.is_empty() => String::new(),
-            None => format!(" --exact{}", skips.iter().map(|t| format!(" --skip '{t}'")).collect::<String>()),
+    let quoted = |tests: &[&str], flag: &str| tests.iter().map(|t| format!(" {flag}'{t}'")).collect::<String>();
+    for (binary, suite) in binaries {
+        // A filter runs what it names; without one, the lane's part of the suite.
+        let select = match (filter, lane, suite.sample) {
+            (Some(f), ..) => format!(" '{f}'"),
+            (None, Lane::Sample, Some(sample)) => format!(" --exact{}", quoted(sample, "")),
+            (None, ..) if suite.host_only.is_empty() => String::new(),
+            (None, ..) => format!(" --exact{}", quoted(suite.host_only, "--skip ")),
         };
         s.push_str(&format!("'{}' --test-threads=1 --color never{select}\n", binary.display()));
     }
@@ -350,20 +394,20 @@ fn test_script(binaries: &[(PathBuf, &[&str])], env: &[(&str, String)], filter: 
 /// a suite that never reported (a binary the VM cannot see) is an error.
 pub fn run_tests(
     shorts: &[&str],
-    binaries: &[(PathBuf, &[&str])],
+    binaries: &[(PathBuf, &Suite)],
     env: &[(&str, String)],
     filter: Option<&str>,
 ) -> Result<Vec<Result<(String, u64, u64)>>> {
     let mut results = Vec::new();
     for &short in shorts {
-        let Some((_, pattern)) = KERNELS.iter().find(|(k, _)| *k == short) else {
-            bail!("--kernel {short}: one of {}", KERNELS.map(|(k, _)| k).join(", "));
+        let Some(&(_, pattern, lane)) = KERNELS.iter().find(|(k, ..)| *k == short) else {
+            bail!("--kernel {short}: one of {}", KERNELS.map(|(k, ..)| k).join(", "));
         };
         let kernel = kernel(pattern)?;
         let work = std::env::temp_dir().join(format!("kpr-vm-{short}-{}", std::process::id()));
         fs::create_dir_all(&work)?;
         initramfs(&kernel, &work.join("initramfs.cpio"))?;
-        results.push(run_suites(&kernel, &work, short, binaries, env, filter));
+        results.push(run_suites(&kernel, &work, short, lane, binaries, env, filter));
         let _ = fs::remove_dir_all(&work);
     }
     Ok(results)
@@ -375,13 +419,14 @@ fn run_suites(
     kernel: &Kernel,
     work: &Path,
     short: &str,
-    binaries: &[(PathBuf, &[&str])],
+    lane: Lane,
+    binaries: &[(PathBuf, &Suite)],
     env: &[(&str, String)],
     filter: Option<&str>,
 ) -> Result<(String, u64, u64)> {
     let (mut passed, mut failed, mut done, mut booted_again) = (0, 0, 0, false);
     loop {
-        fs::write(work.join("run.sh"), test_script(&binaries[done..], env, filter))?;
+        fs::write(work.join("run.sh"), test_script(&binaries[done..], lane, env, filter))?;
         let run = boot(kernel, work, short)?;
         passed += run.passed;
         failed += run.failed;
@@ -493,6 +538,31 @@ mod tests {
         let mut names = ["linux-image-6.1.0-9-amd64", "linux-image-6.1.0-56-amd64", "linux-image-6.1.0-10-amd64"];
         names.sort_by_key(|n| super::version_key(n));
         assert_eq!(names.last(), Some(&"linux-image-6.1.0-56-amd64"));
+    }
+
+    #[test]
+    fn a_sample_lane_runs_the_sample_and_a_full_lane_skips_the_host_only_tests() {
+        use super::{Lane, SUITES};
+        let binaries: Vec<_> = SUITES.iter().map(|s| (std::path::PathBuf::from(format!("/t/{}", s.name)), s)).collect();
+        let full = super::test_script(&binaries, Lane::Full, &[], None);
+        let sample = super::test_script(&binaries, Lane::Sample, &[], None);
+        let line = |script: &str, suite: &str| {
+            script.lines().find(|l| l.starts_with(&format!("'/t/{suite}'"))).unwrap().to_owned()
+        };
+        assert!(line(&full, "tc_testrun").ends_with("--color never"));
+        assert!(line(&sample, "tc_testrun").ends_with("--color never"));
+        assert!(line(&full, "multinode").contains("--skip 'udp_flows_move_off_a_removed_endpoint'"));
+        let sampled = line(&sample, "multinode");
+        assert!(sampled.contains(" --exact 'node_port_reaches_a_pod_on_another_node_masqueraded'"));
+        assert!(!sampled.contains("--skip"));
+        // A sample never names a test the VMs skip.
+        for suite in &SUITES {
+            for test in suite.sample.unwrap_or_default() {
+                assert!(!suite.host_only.contains(test), "{test}");
+            }
+        }
+        let filtered = super::test_script(&binaries, Lane::Sample, &[], Some("sctp"));
+        assert!(line(&filtered, "multinode").ends_with("--color never 'sctp'"));
     }
 
     #[test]
