@@ -1,5 +1,5 @@
 //! What differs between IPv4 and IPv6 on the per-packet path, behind one trait: the per-packet
-//! code (`tc_nat`, `tc_reject`) is written once, generic over it, and compiled for each family
+//! code (`tc`) is written once, generic over it, and compiled for each family
 //! (constant offsets, no run-time branching on the family past the EtherType).
 use aya_ebpf::bindings::bpf_fib_lookup;
 use network_types::{

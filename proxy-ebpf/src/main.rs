@@ -2,20 +2,21 @@
 //!
 //! `sock_lb`: cgroup socket-address hooks that do socket-level service load balancing (the
 //! connect-time equivalent of kube-proxy's KUBE-SVC/KUBE-SEP DNAT chains).
-//! `tc_nat`: tc programs on node interfaces that translate packets the socket hooks never see
+//! `tc`: tc programs on node interfaces that translate packets the socket hooks never see
 //! (NodePort, externalIPs, LoadBalancer IPs, ClusterIP traffic from other namespaces), with
 //! conntrack, reverse NAT and masquerade (kube-proxy's KUBE-NODEPORTS/KUBE-EXT/KUBE-MARK-MASQ).
-//! `flow_cache`: the per-CPU cache of established flows in front of `tc_nat`'s conntrack.
+//! `flow_cache`: the per-CPU cache of established flows in front of `tc`'s conntrack.
+//! `maps`: every map shared with the agent; `globals`: the settings the agent writes at load.
 #![no_std]
 #![no_main]
 
 mod family;
 mod flow_cache;
+mod globals;
 mod maps;
 mod packet;
 mod sock_lb;
-mod tc_nat;
-mod tc_reject;
+mod tc;
 
 #[cfg(not(test))]
 #[panic_handler]

@@ -3,13 +3,23 @@
 use crate::flow_cache::{CachedFlow, FLOW_CACHE_TAGS4, FLOW_CACHE_TAGS6, FLOW_CACHE4, FLOW_CACHE6, SlotTags};
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray},
     macros::btf_map,
 };
 use proxy_common::{
     Addr, Addr4, AffinityKey, AffinityValue, Backend, CidrKey, CidrMask, CtKey, CtValue, FlowAddr, FragmentKey,
     LinkInfo, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRange, counter, defaults,
 };
+
+/// The slow programs (`program_names::TC_SLOW_PATH`), by slot: where the attached programs
+/// hand a packet whose flow is not in conntrack (a new flow, an ICMP error, not a flow at all).
+/// The attached programs keep to an established flow's path with its stages inlined: a
+/// subprogram call and its return cost about 7.5 ns where the kernel mitigates returns (AMD's
+/// SRSO), and a program with those stages inlined could not also call the new-flow path's chain
+/// of subprograms within the 512-byte BPF stack. A tail call starts the slow program on a
+/// stack of its own. Filled by the agent before it attaches; pinned, so that it outlives it.
+#[btf_map(name = "KPR_TC_SLOW_PATH", pin_by_name)]
+pub static SLOW_PATH: ProgramArray<2> = ProgramArray::new();
 
 /// ClusterIP:port/proto → the service's range in `KPR_BACKENDS`.
 /// Not preallocated: memory follows the number of services actually programmed.

@@ -2,7 +2,7 @@
 //! (TCP, connected UDP) or sends (unconnected UDP), and translate back what the application
 //! reads (getpeername, recvfrom), so it keeps seeing the ClusterIP as its peer.
 use aya_ebpf::{
-    EbpfContext as _, Global,
+    EbpfContext as _,
     bindings::{
         bpf_sock_addr, bpf_sock_tuple, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1,
         bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2, sockaddr,
@@ -21,6 +21,9 @@ use proxy_common::{
     ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, counter,
 };
 
+use crate::globals::{
+    KPR_AGENT_CGROUP_ID, KPR_HAVE_SET_RETVAL, KPR_HOST_NETNS_COOKIE, KPR_LOCALHOST_NODEPORTS, KPR_POD_LINKS_COVERED,
+};
 use crate::maps::{
     SERVICES, SOCK_PICKS, SOCK_REVNAT, ServiceRangeMiss, affinity_backend, backend_at, count, link_addr,
     node_addr_flags, now, refusal, remember_affinity, serves, service_range_miss,
@@ -35,32 +38,6 @@ const AF_INET: u16 = 2;
 const AF_INET6: u16 = 10;
 /// `BPF_F_CURRENT_NETNS`: socket lookups in the network namespace of the calling socket.
 const CURRENT_NETNS: u64 = u64::MAX;
-
-/// 1 when the kernel has `bpf_set_retval` for sock_addr hooks (5.18+). Set by the agent at load
-/// time; on older kernels the helper call is dead code the verifier never sees, and a refused
-/// connect surfaces as EPERM instead of ECONNREFUSED.
-#[unsafe(no_mangle)]
-static KPR_HAVE_SET_RETVAL: Global<u8> = Global::new(1);
-
-/// Network namespace cookie of the node (the agent's namespace); sockets in it are "from the
-/// node", others are pods'. 0: unknown, every socket counts as the node's.
-#[unsafe(no_mangle)]
-static KPR_HOST_NETNS_COOKIE: Global<u64> = Global::new(0);
-
-/// 1 when the per-packet path covers the links pods reach the node by: a pod's connection can
-/// be left to it (`SERVICE_FLAG_SOCKET_SKIP`, a pod reaching itself). 0: the socket path
-/// translates everything it can.
-#[unsafe(no_mangle)]
-static KPR_POD_LINKS_COVERED: Global<u8> = Global::new(0);
-
-/// 1 when NodePorts answer on 127.0.0.0/8 for the node's own sockets (`localhostNodePorts`).
-#[unsafe(no_mangle)]
-static KPR_LOCALHOST_NODEPORTS: Global<u8> = Global::new(0);
-
-/// cgroup id of the agent when it is alone in its cgroup (a DaemonSet's container): its
-/// sockets are not translated to externalIPs and LoadBalancer IPs. 0: no exemption.
-#[unsafe(no_mangle)]
-static KPR_AGENT_CGROUP_ID: Global<u64> = Global::new(0);
 
 #[cgroup_sock_addr(connect4)]
 pub fn kpr_connect4(ctx: SockAddrContext) -> i32 {

@@ -1,5 +1,5 @@
 //! `kpr trace SRC DST:PORT/PROTO`: what the datapath does with a new connection, decided the
-//! way the programs decide it (`proxy-ebpf`: `sock_lb::forward4`, `tc_nat::lookup_frontend`,
+//! way the programs decide it (`proxy-ebpf`: `sock_lb::forward4`, `tc::nat::lookup_frontend`,
 //! `new_flow`) and looked up in the live pinned maps: which path handles it, which frontend
 //! entry matches, which policy applies, the candidate endpoints, masquerade, and the verdict.
 use std::{fmt::Write as _, net::IpAddr, path::Path, str::FromStr};
@@ -84,7 +84,7 @@ fn contains(cidrs: &[Cidr], ip: IpAddr) -> bool {
     cidrs.iter().any(|c| c.contains(ip))
 }
 
-/// Where `source` comes from, as the programs classify it (`tc_nat::source_scope`).
+/// Where `source` comes from, as the programs classify it (`tc::nat::source_scope`).
 fn classify(node: &NodeView, source: IpAddr) -> (From, String) {
     if node.node_addrs.get(&source).is_some_and(|f| f & NODE_ADDR_LOCAL != 0) {
         return (From::Node, format!("{source} is one of this node's addresses"));

@@ -14,15 +14,16 @@ use crate::{
     family::{Family, pseudo_sum},
     maps::count,
     packet::{IP_OFF, TCP_ACK, TCP_FLAGS, TCP_RST, TCP_SYN},
-    tc_nat::Tuple,
 };
+
+use super::parse::Tuple;
 
 /// kube-proxy REJECTs connections to a service without endpoints: answer a SYN with a RST
 /// (the client sees ECONNREFUSED), sent back out of the interface it came in on.
 ///
 /// Subprograms (as the unreachable below): the BPF stack of the path that leads here is spent.
 #[inline(never)]
-pub fn reject_tcp<F: Family>(ctx: &TcContext, t: &Tuple) -> i32 {
+pub(super) fn reject_tcp<F: Family>(ctx: &TcContext, t: &Tuple) -> i32 {
     reset::<F>(ctx, t).unwrap_or(TC_ACT_SHOT)
 }
 
@@ -68,7 +69,7 @@ struct Unreachable<Ip> {
 /// kube-proxy REJECTs UDP and SCTP to a service without endpoints with ICMP port unreachable:
 /// turn the packet into one, in place, and send it back out of the interface it came in on.
 #[inline(never)]
-pub fn reject_port_unreachable<F: Family>(ctx: &TcContext, t: &Tuple) -> i32 {
+pub(super) fn reject_port_unreachable<F: Family>(ctx: &TcContext, t: &Tuple) -> i32 {
     port_unreachable::<F>(ctx, t).unwrap_or(TC_ACT_SHOT)
 }
 

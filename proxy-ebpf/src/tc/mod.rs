@@ -1,0 +1,225 @@
+//! Per-packet service translation on node interfaces (tc/TCX), IPv4 and IPv6: written once,
+//! generic over `family::Family`, compiled for each.
+//!
+//! ```text
+//!  attached: kpr_tc_ingress, kpr_tc_egress       slow (tail-called through SLOW_PATH)
+//!   route::martian_source (ingress)                kpr_tc_ingress_slow, kpr_tc_egress_slow
+//!   parse::inspect ── not ours ──▶ PASS             parse::inspect, conntrack::known_flow
+//!   conntrack::known_flow ── a flow ──▶ rewrite     an ICMP error ──▶ icmp ──▶ rewrite
+//!     └── no flow, an ICMP error ── tail call ──▶  nat::unknown_flow
+//!                                                    ├── no endpoints ──▶ reject (RST, ICMP)
+//!                                                    └── nat::open_flow: backend, SNAT, two
+//!                                                        conntrack entries ──▶ rewrite
+//!   translated on ingress: route::forward_direct (redirect to the peer or the neighbour)
+//! ```
+//!
+//! Ingress: a packet of a known flow is rewritten from its conntrack entry; a new packet to a
+//! frontend (ClusterIP, externalIP, LoadBalancer IP, NodeIP:nodePort) gets a backend,
+//! masquerade (SNAT to the node) when the frontend says so or the client is its own backend
+//! (hairpin), and two conntrack entries: one for its direction, one for the replies.
+//! Egress: only the conntrack rewrite (replies of local backends leaving toward the client).
+//!
+//! Flows live as long as their state allows (`CtTimeouts`: SYN sent, established, closing);
+//! an expired flow's tuple and SNAT port are taken back on the packet path, and the agent
+//! sweeps the rest. The backend and SNAT port of a new flow are a hash of its tuple, so a TCP
+//! connection whose entries were evicted is re-created as it was by its next segment.
+//!
+//! An IPv4 datagram in fragments is translated whole: the first fragment (with the ports) as
+//! any packet, the later ones with the addresses it got (`KPR_FRAGMENTS`).
+//!
+//! Packets the program does not translate go on to the next program of the hook
+//! (`TC_ACT_UNSPEC`: a CNI's or observability program attached after kpr still sees them);
+//! packets with headers it does not walk (IPv4 options, IPv6 extension headers, IPv6
+//! fragments) are also counted.
+//! The program never fails a packet it did not translate.
+mod conntrack;
+mod frag;
+mod icmp;
+mod nat;
+mod parse;
+mod reject;
+mod rewrite;
+mod route;
+mod scratch;
+
+use core::mem::MaybeUninit;
+
+use aya_ebpf::{
+    bindings::{TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC},
+    macros::classifier,
+    programs::TcContext,
+};
+use proxy_common::{IPPROTO_TCP, counter, tc_slow_path};
+
+use self::{
+    conntrack::known_flow,
+    icmp::icmp_error,
+    nat::{open_flow, unknown_flow},
+    parse::{Tuple, came_through_ingress, eth_type, flow_flags, inspect},
+    reject::{reject_port_unreachable, reject_tcp},
+    route::{ROUTE_LOOK_UP, ROUTE_MAY_KEEP, forward_direct, martian_source},
+    scratch::scratch,
+};
+use crate::{
+    family::{Family, V4, V6},
+    globals::KPR_FORWARD_DIRECT,
+    maps::{SLOW_PATH, count},
+};
+
+/// "Not mine": the next program of the hook (TCX) or filter of the chain (cls_bpf) decides.
+const PASS: i32 = TC_ACT_UNSPEC;
+
+#[classifier]
+pub fn kpr_tc_ingress(ctx: TcContext) -> i32 {
+    match eth_type(&ctx) {
+        Some(t) if t == V4::ETH_TYPE => ingress::<V4>(&ctx),
+        Some(t) if t == V6::ETH_TYPE => ingress::<V6>(&ctx),
+        _ => PASS,
+    }
+}
+
+#[classifier]
+pub fn kpr_tc_egress(ctx: TcContext) -> i32 {
+    if came_through_ingress(&ctx) {
+        return PASS;
+    }
+    match eth_type(&ctx) {
+        Some(t) if t == V4::ETH_TYPE => known::<V4>(&ctx, false),
+        Some(t) if t == V6::ETH_TYPE => known::<V6>(&ctx, false),
+        _ => PASS,
+    }
+}
+
+#[classifier]
+pub fn kpr_tc_ingress_slow(ctx: TcContext) -> i32 {
+    match eth_type(&ctx) {
+        Some(t) if t == V4::ETH_TYPE => slow_ingress::<V4>(&ctx),
+        Some(t) if t == V6::ETH_TYPE => slow_ingress::<V6>(&ctx),
+        _ => PASS,
+    }
+}
+
+#[classifier]
+pub fn kpr_tc_egress_slow(ctx: TcContext) -> i32 {
+    let verdict = match eth_type(&ctx) {
+        Some(t) if t == V4::ETH_TYPE => translate::<V4>(&ctx, false),
+        Some(t) if t == V6::ETH_TYPE => translate::<V6>(&ctx, false),
+        _ => Ok(PASS),
+    };
+    verdict.unwrap_or(PASS)
+}
+
+/// The attached programs' path: a packet of a flow in conntrack translated (the verdict),
+/// anything else handed to the slow program.
+#[inline(always)]
+fn known<F: Family>(ctx: &TcContext, ingress: bool) -> i32 {
+    let mut t = MaybeUninit::<Tuple>::uninit();
+    match read_and_translate::<F>(ctx, &mut t, ingress) {
+        NO_FLOW | AN_ICMP_ERROR => slow_path(ctx, ingress),
+        verdict => verdict,
+    }
+}
+
+/// Tail call the slow program; it returns only when its slot is empty.
+#[inline(always)]
+fn slow_path(ctx: &TcContext, ingress: bool) -> i32 {
+    let slot = if ingress { tc_slow_path::INGRESS } else { tc_slow_path::EGRESS };
+    // SAFETY: the slow programs take the same context and return a tc verdict.
+    unsafe { SLOW_PATH.tail_call(ctx, slot) };
+    count(counter::TC_SLOW_PATH_MISSING);
+    PASS
+}
+
+/// A packet on its way in, translated, sent straight out (unless `--host-routing`).
+#[inline(always)]
+fn ingress<F: Family>(ctx: &TcContext) -> i32 {
+    if martian_source::<F>(ctx) {
+        count(counter::TC_DROPPED);
+        return TC_ACT_SHOT;
+    }
+    match known::<F>(ctx, true) {
+        TC_ACT_OK if KPR_FORWARD_DIRECT.load() != 0 => forward_direct::<F>(ctx),
+        verdict => verdict,
+    }
+}
+
+/// The same in the slow program: every stage, as subprograms.
+#[inline(always)]
+fn slow_ingress<F: Family>(ctx: &TcContext) -> i32 {
+    match translate::<F>(ctx, true) {
+        Ok(TC_ACT_OK) if KPR_FORWARD_DIRECT.load() != 0 => forward_direct::<F>(ctx),
+        Ok(verdict) => verdict,
+        Err(()) => PASS,
+    }
+}
+
+/// The slow programs' path. Its stages are subprograms called one after the other, not inlined
+/// into each other: the BPF stack (512 bytes) bounds the frames of a chain of calls, not their
+/// sum. (The attached programs inline the first, `known_packet`'s, and make no call for a
+/// packet of a known flow: see `SLOW_PATH`.)
+#[inline(always)]
+fn translate<F: Family>(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
+    // Filled in by `known_packet` when it says so (not zeroed first: a memset on every packet).
+    let mut t = MaybeUninit::<Tuple>::uninit();
+    match known_packet::<F>(ctx, &mut t, ingress) {
+        NO_FLOW => {}
+        AN_ICMP_ERROR => return Ok(icmp_error::<F>(ctx)),
+        verdict => return Ok(verdict),
+    }
+    // SAFETY: `known_packet` wrote the tuple (NO_FLOW).
+    let t = unsafe { t.assume_init() };
+    let tcp_flags = flow_flags::<F>(ctx, t.proto);
+    Ok(match unknown_flow::<F>(ctx, &t, tcp_flags, ingress) {
+        OPEN => {
+            let s = scratch()?;
+            // SAFETY (both): the per-CPU scratch value. A route kept for a packet not sent on
+            // serves no other.
+            unsafe { (*s).route = if ingress { ROUTE_MAY_KEEP } else { ROUTE_LOOK_UP } };
+            let verdict = open_flow::<F>(ctx, &t, tcp_flags);
+            if verdict != TC_ACT_OK {
+                unsafe { (*s).route = ROUTE_LOOK_UP };
+            }
+            verdict
+        }
+        // kube-proxy's REJECT: a TCP reset, else ICMP port unreachable (UDP and SCTP).
+        REJECT if t.proto == IPPROTO_TCP => reject_tcp::<F>(ctx, &t),
+        REJECT => reject_port_unreachable::<F>(ctx, &t),
+        verdict => verdict,
+    })
+}
+
+/// [`read_and_translate`] as a subprogram, for the slow programs' chains of calls.
+#[inline(never)]
+fn known_packet<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>, ingress: bool) -> i32 {
+    read_and_translate::<F>(ctx, tuple, ingress)
+}
+
+/// The packet read (`inspect`) and, if its flow is in conntrack, translated (`known_flow`):
+/// a verdict, `AN_ICMP_ERROR`, or `NO_FLOW` with the packet's tuple filled in.
+#[inline(always)]
+fn read_and_translate<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>, ingress: bool) -> i32 {
+    match inspect::<F>(ctx, tuple) {
+        A_FLOW => {}
+        verdict => return verdict,
+    }
+    // SAFETY: `inspect` wrote the tuple (A_FLOW).
+    let t = unsafe { tuple.assume_init_ref() };
+    known_flow::<F>(ctx, t, flow_flags::<F>(ctx, t.proto), ingress)
+}
+
+// What the stages tell the next, besides a verdict: plain integers, not enums (an enum's
+// unused payload is an uninitialized register, which the verifier refuses to see written).
+/// `inspect`: a packet of a flow, its tuple filled in.
+const A_FLOW: i32 = i32::MIN;
+
+/// `inspect`: an ICMP error, maybe about a translated flow.
+const AN_ICMP_ERROR: i32 = i32::MIN + 1;
+
+/// `known_flow`: no live flow.
+const NO_FLOW: i32 = i32::MIN + 2;
+
+/// `unknown_flow`: a new flow, of the service to the backend in the scratch area.
+const OPEN: i32 = i32::MIN + 3;
+
+/// `unknown_flow`: a frontend without endpoints (kube-proxy's REJECT).
+const REJECT: i32 = i32::MIN + 4;

@@ -1,0 +1,80 @@
+//! The per-CPU scratch area the stages hand each other keys, entries and routes in: on the
+//! BPF stack they would not fit beside the rest of the path (512 bytes for a chain of calls).
+use aya_ebpf::{
+    bindings::{bpf_fib_lookup, bpf_redir_neigh},
+    btf_maps::PerCpuArray,
+    macros::btf_map,
+};
+use proxy_common::{Addr4, Backend, CtKey, CtValue, ServiceValue};
+
+use super::icmp::IcmpFix;
+use crate::{
+    flow_cache,
+    maps::{FlowTables, TickClock},
+};
+
+/// Per-CPU room for the conntrack keys and values a packet writes: on the BPF stack they would
+/// not fit beside the rest of the path (512 bytes for a chain of calls).
+#[repr(C)]
+pub struct FlowScratch {
+    /// A packet's conntrack key, and a copy of its entry. First: the key is written in 8-byte
+    /// words, 8-byte aligned, and here it lies within one cache line.
+    pub(super) flow_key: KeySlot,
+    pub(super) entry: CtValue,
+    pub(super) key: KeySlot,
+    pub(super) reply_key: KeySlot,
+    pub(super) forward: CtValue,
+    pub(super) reply: CtValue,
+    pub(super) icmp: IcmpFix,
+    /// A new flow's service entry and backend.
+    pub(super) service: ServiceValue,
+    pub(super) backend: Backend,
+    /// Its reply entry's [`CtValue::addrs_csum_diff`] while the client is not masqueraded.
+    pub(super) reply_csum_diff: u32,
+    /// The route lookup of a masquerade address, and then `forward_direct`'s.
+    pub(super) fib: bpf_fib_lookup,
+    /// 1: `fib`'s link is a peer one, and `fib` holds its MAC addresses (`peer_route`).
+    pub(super) fib_peer: u32,
+    /// `known_flow` → `forward_direct`: how to route the packet of an established flow (`ROUTE_*`).
+    pub(super) route: u32,
+    /// `redirect_by`: the kept next hop, as `bpf_redirect_neigh` takes it.
+    pub(super) next_hop: bpf_redir_neigh,
+    /// The time at this CPU's last tick (`now_by_tick`).
+    pub(super) clock: TickClock,
+    /// `known_flow`: the conntrack generation read before its lookup, and the flow cache's slot
+    /// its entry may be put in (`flow_cache::probe`, `flow_cache::fill`).
+    pub(super) generation: flow_cache::Generation,
+    pub(super) cache_slot: flow_cache::FreeSlot,
+}
+
+/// Room for a conntrack key of either family's tables, 8-byte aligned ([`CtKey::write_words`]).
+#[repr(C, align(8))]
+pub(super) union KeySlot {
+    pub(super) v4: CtKey<Addr4>,
+    pub(super) v6: CtKey,
+}
+
+impl FlowScratch {
+    // The key slots as keys of the tables of addresses `A` (the union's fields start at its
+    // start). SAFETY of each: `s` is the per-CPU scratch value.
+    #[inline(always)]
+    pub(super) unsafe fn key<A: FlowTables>(s: *mut Self) -> *mut CtKey<A> {
+        unsafe { (&raw mut (*s).key).cast() }
+    }
+    #[inline(always)]
+    pub(super) unsafe fn reply_key<A: FlowTables>(s: *mut Self) -> *mut CtKey<A> {
+        unsafe { (&raw mut (*s).reply_key).cast() }
+    }
+    #[inline(always)]
+    pub(super) unsafe fn flow_key<A: FlowTables>(s: *mut Self) -> *mut CtKey<A> {
+        unsafe { (&raw mut (*s).flow_key).cast() }
+    }
+}
+
+#[btf_map(name = "KPR_FLOW_SCRATCH")]
+static SCRATCH: PerCpuArray<FlowScratch, 1> = PerCpuArray::new();
+
+#[inline(always)]
+pub(super) fn scratch() -> Result<*mut FlowScratch, ()> {
+    SCRATCH.get_ptr_mut(0).ok_or(())
+}
