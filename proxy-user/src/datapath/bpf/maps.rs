@@ -1,0 +1,391 @@
+//! The service maps behind [`Maps`](crate::datapath::Maps), read and written in batches where
+//! the kernel allows, and the read-only views the CLI takes of them.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+    os::fd::{AsFd as _, AsRawFd as _, BorrowedFd},
+    path::Path,
+};
+
+use anyhow::{Context as _, Result, bail};
+use aya::{
+    Ebpf,
+    maps::{Array, HashMap, IterableMap as _, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Key as LpmKey},
+};
+use proxy_common::{
+    Addr, Backend, CidrKey, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRange, counter, defaults,
+    map_names,
+};
+
+use super::pins::open_pinned_map;
+use crate::datapath::{BatchError, Capacity, Maps, conntrack::Conntrack};
+use crate::model::cidr::Cidr;
+
+/// Set the address filter's bits of `addrs`, a word at a time: read, OR, write what changed. Bits are never cleared
+/// (see `proxy_common::addr_filter_bit`).
+pub(super) fn mark_addresses(filter: &mut Array<MapData, u64>, addrs: impl IntoIterator<Item = Addr>) -> Result<()> {
+    let mut words: BTreeMap<u32, u64> = BTreeMap::new();
+    for addr in addrs.into_iter().filter(|a| !a.is_unspecified()) {
+        let bit = proxy_common::addr_filter_bit(&addr);
+        *words.entry(bit >> 6).or_default() |= 1 << (bit & 63);
+    }
+    for (index, bits) in words {
+        let word = filter.get(&index, 0).with_context(|| format!("failed to read address filter word {index}"))?;
+        if word | bits != word {
+            filter
+                .set(index, &(word | bits), 0)
+                .with_context(|| format!("failed to write address filter word {index}"))?;
+        }
+    }
+    Ok(())
+}
+
+/// The service and backend maps of a loaded datapath, or opened from their pins.
+pub struct BpfMaps {
+    services: HashMap<MapData, ServiceKey, ServiceValue>,
+    /// Frontends and backends get their bits before the entries that use them are written.
+    addr_filter: Array<MapData, u64>,
+    backends: Array<MapData, Backend>,
+    source_ranges: LpmTrie<MapData, SourceRange, u8>,
+    conntrack: Conntrack,
+    /// The socket path's translations (socket cookie + backend → service), to find the
+    /// connected UDP sockets of an endpoint that left.
+    sock_revnat: HashMap<MapData, SockRevNatKey, SockRevNatValue>,
+    /// The endpoint each unconnected UDP socket keeps for a frontend (socket cookie + frontend).
+    sock_picks: HashMap<MapData, SockRevNatKey, Backend>,
+    capacity: Capacity,
+}
+
+impl BpfMaps {
+    /// The service and backend maps of a loaded object (see [`open_object`]).
+    pub fn take_from(ebpf: &mut Ebpf) -> Result<Self> {
+        let services = ebpf.take_map(map_names::SERVICES).context("no services map")?;
+        // The sizes of the maps as they are: pinned ones an earlier agent made keep theirs.
+        let service_ports = match &services {
+            Map::HashMap(data) => data.info()?.max_entries(),
+            _ => bail!("the services map is not a hash map"),
+        };
+        let services = HashMap::try_from(services)?;
+        let backends: Array<MapData, Backend> =
+            Array::try_from(ebpf.take_map(map_names::BACKENDS).context("no backends map")?)?;
+        let capacity = Capacity { service_ports, backends: backends.len() };
+        let source_ranges = LpmTrie::try_from(ebpf.take_map(map_names::SOURCE_RANGES).context("no source range map")?)?;
+        let conntrack = Conntrack::new(|name| ebpf.take_map(name).context("not in the object"))?;
+        let sock_revnat = HashMap::try_from(ebpf.take_map(map_names::SOCK_REVNAT).context("no sock_revnat map")?)?;
+        let sock_picks = HashMap::try_from(ebpf.take_map(map_names::SOCK_PICKS).context("no sock_picks map")?)?;
+        let addr_filter = Array::try_from(ebpf.take_map(map_names::ADDR_FILTER).context("no address filter map")?)?;
+        Ok(Self { services, addr_filter, backends, source_ranges, conntrack, sock_revnat, sock_picks, capacity })
+    }
+
+    /// Give addresses (IPv4, network byte order) their bits in the address filter: what a
+    /// caller writes into the node maps itself (the agent's host side does its own).
+    pub fn mark_addresses(&mut self, addrs: impl IntoIterator<Item = Addr>) -> Result<()> {
+        mark_addresses(&mut self.addr_filter, addrs)
+    }
+
+    /// Open the pinned maps of a running (or stopped) agent, e.g. for `kpr services`.
+    pub fn open_pinned(pin_root: &Path) -> Result<Self> {
+        let open = |name: &str| open_pinned_map(pin_root, name);
+        let services = open(map_names::SERVICES)?;
+        let service_ports = services.info()?.max_entries();
+        let services: HashMap<MapData, ServiceKey, ServiceValue> = HashMap::try_from(Map::HashMap(services))?;
+        let backends: Array<MapData, Backend> = Array::try_from(Map::Array(open(map_names::BACKENDS)?))?;
+        let source_ranges = LpmTrie::try_from(Map::LpmTrie(open(map_names::SOURCE_RANGES)?))?;
+        let conntrack = Conntrack::open(pin_root)?;
+        let capacity = Capacity { service_ports, backends: backends.len() };
+        let sock_revnat = HashMap::try_from(Map::LruHashMap(open(map_names::SOCK_REVNAT)?))?;
+        let sock_picks = HashMap::try_from(Map::LruHashMap(open(map_names::SOCK_PICKS)?))?;
+        let addr_filter = Array::try_from(Map::Array(open(map_names::ADDR_FILTER)?))?;
+        Ok(Self { services, addr_filter, backends, source_ranges, conntrack, sock_revnat, sock_picks, capacity })
+    }
+}
+
+impl Maps for BpfMaps {
+    fn capacity(&self) -> Capacity {
+        self.capacity
+    }
+
+    fn source_range_capacity(&self) -> u32 {
+        self.source_ranges.map().info().map_or(defaults::MAX_SOURCE_RANGES, |i| i.max_entries())
+    }
+
+    fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>> {
+        Ok(self.services.iter().collect::<Result<Vec<_>, _>>()?)
+    }
+
+    fn backends(&self, start: u32, count: u32) -> Result<Vec<Backend>> {
+        (start..start.saturating_add(count))
+            .map(|i| self.backends.get(&i, 0).with_context(|| format!("failed to read backend slot {i}")))
+            .collect()
+    }
+
+    fn set_backends(&mut self, writes: &[(u32, Backend)]) -> Result<()> {
+        mark_addresses(&mut self.addr_filter, writes.iter().map(|(_, b)| b.addr))?;
+        let (slots, values): (Vec<u32>, Vec<Backend>) = writes.iter().copied().unzip();
+        let fd = self.backends.map().fd().as_fd();
+        match update_batch(fd, &slots, &values) {
+            Ok(()) => Ok(()),
+            Err((e, _)) if batch_unsupported(&e) => {
+                for (slot, b) in writes {
+                    self.backends.set(*slot, b, 0).with_context(|| format!("failed to write backend slot {slot}"))?;
+                }
+                Ok(())
+            }
+            Err((e, done)) => {
+                Err(anyhow::Error::new(e).context(format!("batch write stopped after {done} backend slots")))
+            }
+        }
+    }
+
+    fn set_services(&mut self, entries: &[(ServiceKey, ServiceValue)]) -> Result<(), BatchError> {
+        mark_addresses(&mut self.addr_filter, entries.iter().map(|(k, _)| k.addr))
+            .map_err(|error| BatchError { done: 0, error })?;
+        let (keys, values): (Vec<ServiceKey>, Vec<ServiceValue>) = entries.iter().copied().unzip();
+        let fd = self.services.map().fd().as_fd();
+        match update_batch(fd, &keys, &values) {
+            Ok(()) => Ok(()),
+            Err((e, _)) if batch_unsupported(&e) => {
+                for (done, (key, value)) in entries.iter().enumerate() {
+                    self.services.insert(key, value, 0).map_err(|e| BatchError { done, error: e.into() })?;
+                }
+                Ok(())
+            }
+            Err((e, done)) => Err(BatchError { done, error: e.into() }),
+        }
+    }
+
+    fn source_ranges(&self) -> Result<Vec<(u32, Cidr)>> {
+        self.source_ranges
+            .keys()
+            .map(|k| {
+                let k = k?;
+                let data = k.data();
+                let cidr = cidr_of(data.addr, k.prefix_len() - 32).context("a malformed source range entry")?;
+                Ok((u32::from_be(data.service_id), cidr))
+            })
+            .collect()
+    }
+
+    fn add_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()> {
+        for cidr in ranges {
+            self.source_ranges.insert(&range_key(service_id, cidr), &1, 0)?;
+        }
+        Ok(())
+    }
+
+    fn remove_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()> {
+        for cidr in ranges {
+            match self.source_ranges.remove(&range_key(service_id, cidr)) {
+                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    fn flush_flows(&mut self, flushes: &[crate::datapath::UdpFlush]) -> Result<usize> {
+        let by_service: std::collections::HashMap<u32, &crate::datapath::UdpFlush> =
+            flushes.iter().map(|f| (f.service_id, f)).collect();
+        let goes_to = |service_id: u32, addr: Addr, port: u16| {
+            by_service.get(&service_id).is_some_and(|f| f.gone.contains(&(addr, port)))
+        };
+        let gone: Vec<Addr> = flushes.iter().flat_map(|f| f.gone.iter().map(|(addr, _)| *addr)).collect();
+        let families = [gone.iter().any(Addr::is_v4), gone.iter().any(|a| !a.is_v4())];
+        // A flow's forward entry holds the endpoint it was translated to, its reply entry is
+        // keyed by it.
+        let (_, flushed) = self.conntrack.remove_where_in(families, |k, v| {
+            goes_to(v.service_id, v.dst_addr, v.dst_port) || goes_to(v.service_id, k.src_addr, k.src_port)
+        })?;
+        // The socket path's flows: sockets it connected to these backends through these services.
+        let cookies: BTreeSet<u64> = crate::datapath::conntrack::read_all_of(&self.sock_revnat)
+            .into_iter()
+            .filter(|(k, v)| goes_to(v.service_id, k.addr, k.port))
+            .map(|(k, _)| k.cookie)
+            .collect();
+        let aborted = if cookies.is_empty() { 0 } else { crate::datapath::sockets::abort_udp(&cookies, &gone) };
+        // Unconnected sockets keep the endpoint they picked for a frontend (`KPR_SOCK_PICKS`):
+        // forgotten, so that their next datagram picks again (the programs can tell a gone
+        // endpoint themselves only in a service of at most 64).
+        let through = |k: &SockRevNatKey, f: &crate::datapath::UdpFlush| {
+            f.frontends
+                .iter()
+                .any(|(addr, port)| *port == k.port && (*addr == k.addr || *addr == addr.unspecified_like()))
+        };
+        let picks: Vec<SockRevNatKey> = crate::datapath::conntrack::read_all_of(&self.sock_picks)
+            .into_iter()
+            .filter(|(k, b)| flushes.iter().any(|f| f.gone.contains(&(b.addr, b.port)) && through(k, f)))
+            .map(|(k, _)| k)
+            .collect();
+        let forgotten = picks.iter().filter(|k| self.sock_picks.remove(k).is_ok()).count();
+        Ok(flushed + aborted + forgotten)
+    }
+
+    fn remove_service(&mut self, key: &ServiceKey) -> Result<()> {
+        match self.services.remove(key) {
+            Ok(()) => Ok(()),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+            Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+pub(super) fn range_key(service_id: u32, cidr: &Cidr) -> LpmKey<SourceRange> {
+    let (addr, len) = lpm_prefix(cidr);
+    LpmKey::new(32 + len, SourceRange { service_id: service_id.to_be(), addr })
+}
+
+/// A CIDR as the LPM maps hold it (`Cidr` keeps its base masked, so equal ranges make equal
+/// keys): an IPv4 prefix mapped, `Addr::V4_PREFIX_OFFSET` bits longer.
+pub(super) fn lpm_prefix(cidr: &Cidr) -> (Addr, u32) {
+    let offset = if cidr.addr.is_ipv4() { Addr::V4_PREFIX_OFFSET } else { 0 };
+    (cidr.addr.into(), offset + u32::from(cidr.len))
+}
+
+/// The CIDR of an LPM entry (see [`lpm_prefix`]).
+pub(super) fn cidr_of(addr: Addr, len: u32) -> Option<Cidr> {
+    let offset = if addr.is_v4() { Addr::V4_PREFIX_OFFSET } else { 0 };
+    Cidr::new(addr.into(), u8::try_from(len.checked_sub(offset)?).ok()?)
+}
+
+/// The node facts the programs look packets up in, read from the pins (`kpr trace`).
+#[derive(Clone, Debug, Default)]
+pub struct NodeView {
+    /// This node's addresses → `NODE_ADDR_*` bits.
+    pub node_addrs: BTreeMap<IpAddr, u32>,
+    /// The local-traffic detector's CIDRs.
+    pub local_cidrs: Vec<Cidr>,
+    /// The cluster's service ranges.
+    pub service_cidrs: Vec<Cidr>,
+}
+
+pub fn read_node_view(pin_root: &Path) -> Result<NodeView> {
+    let open = |name: &str| open_pinned_map(pin_root, name);
+    let addrs: HashMap<MapData, Addr, u32> = HashMap::try_from(Map::HashMap(open(map_names::NODE_ADDRS)?))?;
+    let cidrs = |name: &str| -> Result<Vec<Cidr>> {
+        let trie: LpmTrie<MapData, CidrKey, u8> = LpmTrie::try_from(Map::LpmTrie(open(name)?))?;
+        trie.keys()
+            .map(|k| {
+                let k = k?;
+                cidr_of(k.data().addr, k.prefix_len()).context("a malformed CIDR entry")
+            })
+            .collect()
+    };
+    Ok(NodeView {
+        node_addrs: addrs.iter().filter_map(Result::ok).map(|(a, f)| (IpAddr::from(a), f)).collect(),
+        local_cidrs: cidrs(map_names::LOCAL_CIDRS)?,
+        service_cidrs: cidrs(map_names::SERVICE_CIDRS)?,
+    })
+}
+
+/// The datapath's per-CPU counters, summed, by name.
+pub fn read_counters(pin_root: &Path) -> Result<Vec<(&'static str, u64)>> {
+    let map = open_pinned_map(pin_root, map_names::COUNTERS)?;
+    let counters: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(map))?;
+    (0..counter::COUNT).map(|i| Ok((counter::NAMES[i as usize], counters.get(&i, 0)?.iter().sum()))).collect()
+}
+
+/// `union bpf_attr`'s member for the `BPF_MAP_*_BATCH` commands.
+#[repr(C)]
+#[derive(Default)]
+pub(super) struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+/// The bpf(2) call of batch command `cmd` (aya has no wrapper for batch ops).
+///
+/// # Safety
+/// `attr`'s buffers hold `count` keys and values of the map's sizes (and a token) for the call.
+pub(super) unsafe fn batch_op(cmd: libc::c_long, attr: &mut BatchAttr) -> libc::c_long {
+    // SAFETY: the caller's.
+    unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut(attr), size_of::<BatchAttr>()) }
+}
+
+/// Every entry of hash map `map`, read thousands at a time (`BPF_MAP_LOOKUP_BATCH`, 5.6+):
+/// a walk one entry at a time takes two system calls per entry, which made a conntrack table
+/// of 40,000 entries cost about 100 ms per walk, and the agent walks it for every UDP endpoint
+/// that stops serving. `None` where the kernel has no batch reads for the map (walk it one
+/// entry at a time then). A concurrent change may be seen or not, as with the other walk.
+pub(crate) fn lookup_batch<K: aya::Pod, V: aya::Pod>(map: &MapData) -> Option<Vec<(K, V)>> {
+    const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+    // Larger than any bucket of the kernel's hash tables (`ENOSPC` otherwise).
+    const CHUNK: usize = 4096;
+    let fd = map.fd().as_fd().as_raw_fd() as u32;
+    let mut keys: Vec<K> = Vec::with_capacity(CHUNK);
+    let mut values: Vec<V> = Vec::with_capacity(CHUNK);
+    let mut out = Vec::new();
+    // The batch token: the kernel's bucket index (4 bytes for hash maps; room for 8).
+    let (mut token_in, mut token_out) = (0u64, 0u64);
+    let mut first = true;
+    loop {
+        let mut attr = BatchAttr {
+            in_batch: if first { 0 } else { (&raw const token_in) as u64 },
+            out_batch: (&raw mut token_out) as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: CHUNK as u32,
+            map_fd: fd,
+            ..BatchAttr::default()
+        };
+        // SAFETY: the kernel writes at most `count` keys and values into buffers of that
+        // capacity, and the token into `token_out`.
+        let rc = unsafe { batch_op(BPF_MAP_LOOKUP_BATCH, &mut attr) };
+        let errno = if rc < 0 { std::io::Error::last_os_error().raw_os_error() } else { None };
+        if rc < 0 && errno != Some(libc::ENOENT) {
+            return None;
+        }
+        // SAFETY: the kernel filled `count` of each (also on ENOENT: the last batch).
+        unsafe {
+            keys.set_len(attr.count as usize);
+            values.set_len(attr.count as usize);
+        }
+        out.extend(keys.drain(..).zip(values.drain(..)));
+        if errno == Some(libc::ENOENT) {
+            return Some(out);
+        }
+        token_in = token_out;
+        first = false;
+    }
+}
+
+/// BPF_MAP_UPDATE_BATCH (kernel 5.6+): one syscall for many elements, in order. aya has no
+/// wrapper for it. On error, also returns how many elements were written.
+pub(super) fn update_batch<K: Copy, V: Copy>(
+    fd: BorrowedFd<'_>,
+    keys: &[K],
+    values: &[V],
+) -> Result<(), (std::io::Error, usize)> {
+    const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let mut attr = BatchAttr {
+        in_batch: 0,
+        out_batch: 0,
+        keys: keys.as_ptr() as u64,
+        values: values.as_ptr() as u64,
+        count: u32::try_from(keys.len()).expect("batch fits u32"),
+        map_fd: fd.as_raw_fd() as u32,
+        elem_flags: 0,
+        flags: 0,
+    };
+    // SAFETY: attr points at keys/values arrays of `count` elements of the map's key and value
+    // size, which outlive the call.
+    let rc = unsafe { batch_op(BPF_MAP_UPDATE_BATCH, &mut attr) };
+    if rc < 0 {
+        return Err((std::io::Error::last_os_error(), attr.count as usize));
+    }
+    Ok(())
+}
+
+pub(super) fn batch_unsupported(e: &std::io::Error) -> bool {
+    // ENOTSUPP (524) from kernels or map types without batch ops; EINVAL from pre-5.6 kernels.
+    matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(524) | Some(libc::EOPNOTSUPP))
+}

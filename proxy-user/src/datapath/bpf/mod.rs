@@ -1,0 +1,102 @@
+//! Loading, pinning and attaching the eBPF programs, and the kernel implementation of [`Maps`].
+//!
+//! Everything lives under a versioned pin directory (`<pin-root>/v<N>`): the maps (by name) and
+//! one link per cgroup hook. A restarted agent (also after `kill -9`) reuses the pinned maps
+//! with their contents and swaps its freshly loaded programs into the pinned links in place
+//! (BPF_LINK_UPDATE), so established connections and the service table are never interrupted.
+//!
+//! `object`: the object, its settings and the kernel's features; `pins`: the pin directory and
+//! its layouts; `cgroup`: the socket hooks' cgroup and links; `host`: the per-packet programs
+//! on the node's links and the node maps; `maps`: the service maps ([`Maps`](super::Maps)).
+mod cgroup;
+mod host;
+mod maps;
+mod object;
+mod pins;
+
+use std::fs::{self, File};
+
+use anyhow::{Context as _, Result};
+use aya::{
+    programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink},
+    util::KernelVersion,
+};
+
+use self::{
+    cgroup::{HOOKS, attach_sock_release, reuse_cgroup_link},
+    object::start_ebpf_logger,
+};
+pub use self::{
+    cgroup::{agent_cgroup_id, cgroup2_dir, cgroup2_root, netns_cookie, own_cgroup},
+    host::{BpfHost, HostDatapath, cleanup, link_name, open_host_state, set_host_forward_direct, write_service_ranges},
+    maps::{BpfMaps, NodeView, read_counters, read_node_view},
+    object::{DatapathConfig, ForwardDirect, flow_hash_seed, load_tc_programs, open_object, snat_port_range},
+    pins::{AgentLock, open_pinned_map, other_layout_names, pin_dir, pins_missing},
+};
+pub(crate) use self::{maps::lookup_batch, object::kernel_since};
+
+/// The service maps, and the host side (programs, links, node maps).
+pub struct BpfDatapath {
+    pub maps: BpfMaps,
+    pub host: BpfHost,
+}
+
+impl BpfDatapath {
+    /// Load everything and attach the socket hooks; the per-packet programs are attached by
+    /// [`HostDatapath::apply_node`] as links are known.
+    pub fn load(cfg: &DatapathConfig) -> Result<Self> {
+        let mut ebpf = open_object(cfg)?;
+        let dir = pin_dir(&cfg.pin_root);
+        let cgroup =
+            File::open(&cfg.cgroup).with_context(|| format!("failed to open cgroup {}", cfg.cgroup.display()))?;
+        start_ebpf_logger(&mut ebpf);
+
+        let cgroup_id = fs::metadata(&cfg.cgroup).map(|m| std::os::unix::fs::MetadataExt::ino(&m)).ok();
+        for name in HOOKS {
+            let prog: &mut CgroupSockAddr = ebpf
+                .program_mut(name)
+                .with_context(|| format!("program `{name}` missing from the eBPF object"))?
+                .try_into()?;
+            prog.load().with_context(|| format!("the verifier rejected `{name}`"))?;
+            let link_path = dir.join(format!("link_{name}"));
+            // A previous agent's link: swap our program in, keeping the attachment, when it is
+            // attached where it should be; else (another --cgroup, a cgroup that is gone, a
+            // link that does not take the program) attach anew and drop it.
+            let reused = link_path.exists()
+                && match reuse_cgroup_link(prog, &link_path, cgroup_id) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::warn!(program = name, "not reusing the pinned link: {e:#}; attaching anew");
+                        false
+                    }
+                };
+            if reused {
+                tracing::debug!(program = name, "replaced the program in the pinned link");
+            } else {
+                // bpf_link_create takes no attach flags: a cgroup link always coexists with
+                // other programs attached to the cgroup (multi-attach semantics).
+                let id = prog
+                    .attach(&cgroup, CgroupAttachMode::Single)
+                    .with_context(|| format!("failed to attach `{name}` to {}", cfg.cgroup.display()))?;
+                let link: FdLink = prog.take_link(id)?.try_into()?;
+                if link_path.exists() {
+                    fs::remove_file(&link_path).with_context(|| format!("failed to remove {}", link_path.display()))?;
+                }
+                link.pin(&link_path).with_context(|| format!("failed to pin {}", link_path.display()))?;
+                tracing::debug!(program = name, cgroup = %cfg.cgroup.display(), "attached and pinned");
+            }
+        }
+        if let Err(e) = attach_sock_release(&mut ebpf, &cgroup, &dir) {
+            // Without it, reverse-translation entries of closed sockets age out of the LRU map.
+            tracing::warn!("socket release hook not attached: {e:#}");
+        }
+        load_tc_programs(&mut ebpf)?;
+
+        let maps = BpfMaps::take_from(&mut ebpf)?;
+        let tc_netlink = cfg.tc_netlink || !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
+        // Another layout's programs keep serving until this agent's first sync is written
+        // ([`HostDatapath::retire_other_layouts`]).
+        let host = BpfHost::take_from(ebpf, dir, tc_netlink, cfg.pin_root.clone())?;
+        Ok(Self { maps, host })
+    }
+}
