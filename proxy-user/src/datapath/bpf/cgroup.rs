@@ -66,23 +66,6 @@ pub fn cgroup2_dir(path: &Path) -> Result<PathBuf> {
     bail!("{} is not a cgroup2 directory (nor a hybrid cgroup mount with one in `unified`)", path.display())
 }
 
-#[cfg(test)]
-mod cgroup_tests {
-    use super::*;
-
-    #[test]
-    fn cgroup_flag_takes_a_cgroup2_directory_or_a_hybrid_hosts_unified_one() {
-        let root = cgroup2_root().expect("a cgroup2 mount");
-        assert_eq!(cgroup2_dir(&root).unwrap(), root);
-        // On a hybrid host (this machine), its parent is the v1 tmpfs a DaemonSet mounts.
-        if root.ends_with("unified") {
-            assert_eq!(cgroup2_dir(root.parent().unwrap()).unwrap(), root);
-        }
-        let err = cgroup2_dir(Path::new("/proc")).unwrap_err().to_string();
-        assert!(err.contains("/proc is not a cgroup2 directory"), "{err}");
-    }
-}
-
 /// This process's cgroup2 directory.
 pub fn own_cgroup() -> Result<PathBuf> {
     let text = fs::read_to_string("/proc/self/cgroup")?;
@@ -201,4 +184,21 @@ pub(super) fn attach_sock_release(ebpf: &mut Ebpf, cgroup: &File, dir: &Path) ->
     }
     link.pin(&link_path).with_context(|| format!("failed to pin {}", link_path.display()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod cgroup_tests {
+    use super::*;
+
+    #[test]
+    fn cgroup_flag_takes_a_cgroup2_directory_or_a_hybrid_hosts_unified_one() {
+        let root = cgroup2_root().expect("a cgroup2 mount");
+        assert_eq!(cgroup2_dir(&root).unwrap(), root);
+        // On a hybrid host (this machine), its parent is the v1 tmpfs a DaemonSet mounts.
+        if root.ends_with("unified") {
+            assert_eq!(cgroup2_dir(root.parent().unwrap()).unwrap(), root);
+        }
+        let err = cgroup2_dir(Path::new("/proc")).unwrap_err().to_string();
+        assert!(err.contains("/proc is not a cgroup2 directory"), "{err}");
+    }
 }

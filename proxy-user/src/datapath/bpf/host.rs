@@ -494,42 +494,6 @@ pub(super) fn range_cover<'a>(ranges: impl Iterator<Item = &'a Cidr>, v4: bool) 
     CidrMask { addr: Ipv6Addr::from(addr & mask).into(), mask: Ipv6Addr::from(mask).into() }
 }
 
-#[cfg(test)]
-mod range_cover_tests {
-    use super::*;
-
-    fn cidr(s: &str) -> Cidr {
-        let (addr, len) = s.split_once('/').unwrap();
-        Cidr::new(addr.parse().unwrap(), len.parse().unwrap()).unwrap()
-    }
-
-    fn covers(ranges: &[&str], v4: bool, addr: &str) -> bool {
-        let ranges: Vec<Cidr> = ranges.iter().map(|r| cidr(r)).collect();
-        range_cover(ranges.iter(), v4).contains(&addr.parse::<IpAddr>().unwrap().into())
-    }
-
-    #[test]
-    fn the_cover_holds_every_range_of_its_family_and_little_else() {
-        // One range: exactly it.
-        let one = ["10.96.0.0/12"];
-        assert!(covers(&one, true, "10.96.0.1") && covers(&one, true, "10.111.255.255"));
-        assert!(!covers(&one, true, "10.112.0.0") && !covers(&one, true, "10.95.255.255"));
-        assert!(!covers(&one, true, "192.168.1.1"));
-        // Two ranges: their common leading bits, 10.96.0.0/13 here.
-        let two = ["10.96.0.0/16", "10.100.0.0/16"];
-        assert!(covers(&two, true, "10.96.7.7") && covers(&two, true, "10.100.7.7") && covers(&two, true, "10.97.0.1"));
-        assert!(!covers(&two, true, "10.104.0.1"));
-        // A family without a range covers nothing packets are for.
-        assert!(!covers(&one, false, "fd00::1") && !covers(&[], true, "10.96.0.1"));
-        let v6 = ["fd00:96::/108", "fd00:97::/108"];
-        assert!(covers(&v6, false, "fd00:96::a") && covers(&v6, false, "fd00:97::a"));
-        assert!(!covers(&v6, false, "fd00:98::a") && !covers(&v6, false, "fe80::1"));
-        // The IPv4 cover never takes IPv6 addresses, nor an IPv4 one the IPv6 cover.
-        assert!(!covers(&["0.0.0.0/0"], true, "fd00::1"));
-        assert!(!covers(&v6, false, "10.96.0.1"));
-    }
-}
-
 /// Make a hash map hold exactly `want`.
 pub(super) fn sync_hash<K: aya::Pod + Ord, V: aya::Pod + PartialEq>(
     map: &mut HashMap<MapData, K, V>,
@@ -567,4 +531,40 @@ pub fn cleanup(pin_root: &Path) -> Result<()> {
     // Remove the root too when it is ours and now empty.
     let _ = fs::remove_dir(pin_root);
     Ok(())
+}
+
+#[cfg(test)]
+mod range_cover_tests {
+    use super::*;
+
+    fn cidr(s: &str) -> Cidr {
+        let (addr, len) = s.split_once('/').unwrap();
+        Cidr::new(addr.parse().unwrap(), len.parse().unwrap()).unwrap()
+    }
+
+    fn covers(ranges: &[&str], v4: bool, addr: &str) -> bool {
+        let ranges: Vec<Cidr> = ranges.iter().map(|r| cidr(r)).collect();
+        range_cover(ranges.iter(), v4).contains(&addr.parse::<IpAddr>().unwrap().into())
+    }
+
+    #[test]
+    fn the_cover_holds_every_range_of_its_family_and_little_else() {
+        // One range: exactly it.
+        let one = ["10.96.0.0/12"];
+        assert!(covers(&one, true, "10.96.0.1") && covers(&one, true, "10.111.255.255"));
+        assert!(!covers(&one, true, "10.112.0.0") && !covers(&one, true, "10.95.255.255"));
+        assert!(!covers(&one, true, "192.168.1.1"));
+        // Two ranges: their common leading bits, 10.96.0.0/13 here.
+        let two = ["10.96.0.0/16", "10.100.0.0/16"];
+        assert!(covers(&two, true, "10.96.7.7") && covers(&two, true, "10.100.7.7") && covers(&two, true, "10.97.0.1"));
+        assert!(!covers(&two, true, "10.104.0.1"));
+        // A family without a range covers nothing packets are for.
+        assert!(!covers(&one, false, "fd00::1") && !covers(&[], true, "10.96.0.1"));
+        let v6 = ["fd00:96::/108", "fd00:97::/108"];
+        assert!(covers(&v6, false, "fd00:96::a") && covers(&v6, false, "fd00:97::a"));
+        assert!(!covers(&v6, false, "fd00:98::a") && !covers(&v6, false, "fe80::1"));
+        // The IPv4 cover never takes IPv6 addresses, nor an IPv4 one the IPv6 cover.
+        assert!(!covers(&["0.0.0.0/0"], true, "fd00::1"));
+        assert!(!covers(&v6, false, "10.96.0.1"));
+    }
 }

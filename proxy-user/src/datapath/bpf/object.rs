@@ -149,20 +149,6 @@ pub(super) fn largest_free_run(taken: &[(u16, u16)]) -> (u16, u16) {
     best
 }
 
-#[cfg(test)]
-mod snat_range_tests {
-    use super::largest_free_run;
-
-    #[test]
-    fn masquerade_takes_the_largest_run_outside_ephemeral_and_node_ports() {
-        assert_eq!(largest_free_run(&[(32_768, 60_999), (30_000, 32_767)]), (1024, 29_999));
-        // A node that moved its ephemeral ports low: masquerade goes above them.
-        assert_eq!(largest_free_run(&[(1024, 29_999), (30_000, 32_767)]), (32_768, 65_535));
-        assert_eq!(largest_free_run(&[(10_000, 65_000), (30_000, 32_767)]), (1024, 9_999));
-        assert_eq!(largest_free_run(&[(40_000, 50_000)]), (1024, 39_999));
-    }
-}
-
 /// The running kernel is `major.minor` or later.
 pub(crate) fn kernel_since(major: u8, minor: u8) -> bool {
     KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(major, minor, 0))
@@ -413,5 +399,19 @@ mod kfunc_call_tests {
                 .collect();
         assert_eq!(patched, want.as_slice());
         assert_eq!(words.as_ptr() as usize % 8, 0);
+    }
+}
+
+#[cfg(test)]
+mod snat_range_tests {
+    use super::largest_free_run;
+
+    #[test]
+    fn masquerade_takes_the_largest_run_outside_ephemeral_and_node_ports() {
+        assert_eq!(largest_free_run(&[(32_768, 60_999), (30_000, 32_767)]), (1024, 29_999));
+        // A node that moved its ephemeral ports low: masquerade goes above them.
+        assert_eq!(largest_free_run(&[(1024, 29_999), (30_000, 32_767)]), (32_768, 65_535));
+        assert_eq!(largest_free_run(&[(10_000, 65_000), (30_000, 32_767)]), (1024, 9_999));
+        assert_eq!(largest_free_run(&[(40_000, 50_000)]), (1024, 39_999));
     }
 }
