@@ -22,8 +22,8 @@ use anyhow::{Context as _, Result, bail};
 ///
 /// 6.1 has every path this machine's kernel (6.18) lacks: netlink filters (no TCX before 6.6),
 /// no kept routes (before 6.3), the old checksum helper (before 6.2). 6.12 takes the host's
-/// paths, so beyond its own verifier it runs a sample: the verifier suite and the demo whole,
-/// and one end-to-end test per family, protocol and hook (`Suite::sample`).
+/// paths, so beyond its own verifier it runs a sample (`Suite::sample`): the demo whole, and
+/// a test per program, stage, family, protocol and hook.
 pub const KERNELS: [(&str, &str, Lane); 2] = [
     ("6.1", r"^linux-image-6\.1\.0-[0-9]+-amd64$", Lane::Full),
     ("6.12", r"^linux-image-6\.12\.[0-9]+\+deb[0-9]+-amd64-unsigned$", Lane::Sample),
@@ -55,8 +55,33 @@ pub struct Suite {
 /// The operator surface, the image, the API-server suite and the kube-proxy differential
 /// suites run on the host only.
 pub const SUITES: [Suite; 4] = [
-    // Every program through the verifier and every datapath table: all of it, everywhere.
-    Suite { name: "tc_testrun", host_only: &[], sample: None },
+    // Every program through the verifier (each test loads them all) and every datapath table:
+    // all of it on 6.1; on 6.12 each program and stage of both families, each protocol, the
+    // flow cache, eviction, ICMP errors, fragments and the redirects with their kept routes.
+    Suite {
+        name: "tc_testrun",
+        host_only: &[],
+        sample: Some(&[
+            "cluster_ip_tcp_is_translated_both_ways_with_exact_checksums",
+            "a_new_flow_takes_the_slow_program_and_without_it_passes_counted",
+            "egress_leaves_packets_that_came_in_through_kprs_ingress_alone",
+            "udp_translation_keeps_a_zero_checksum_zero",
+            "node_port_with_cluster_policy_is_masqueraded_and_reversed",
+            "no_endpoints_rejects_tcp_with_a_reset_and_local_policy_drops",
+            "no_endpoints_rejects_udp_with_icmp_port_unreachable",
+            "sctp_is_translated_both_ways_with_its_crc32c_updated",
+            "icmp_errors_about_a_translated_flow_are_translated_back",
+            "a_large_reply_in_fragments_is_translated_whole",
+            "an_established_flows_packets_are_served_from_the_flow_cache_until_its_entry_changes",
+            "a_connection_whose_entries_were_evicted_is_recreated_as_it_was",
+            "translated_packets_go_straight_out_of_the_link_their_route_takes",
+            "a_new_flow_keeps_the_routes_its_first_packet_and_its_answer_took",
+            "ipv6_udp_is_translated_both_ways_with_exact_checksums",
+            "ipv6_node_port_is_masqueraded_to_the_node_ipv6_address",
+            "ipv6_without_endpoints_tcp_gets_a_reset_and_udp_icmpv6_port_unreachable",
+            "ipv6_icmp_errors_about_a_translated_flow_are_translated_back",
+        ]),
+    },
     Suite {
         name: "socket_lb",
         host_only: &[
@@ -550,7 +575,8 @@ mod tests {
             script.lines().find(|l| l.starts_with(&format!("'/t/{suite}'"))).unwrap().to_owned()
         };
         assert!(line(&full, "tc_testrun").ends_with("--color never"));
-        assert!(line(&sample, "tc_testrun").ends_with("--color never"));
+        assert!(line(&sample, "demo").ends_with("--color never"));
+        assert!(line(&sample, "tc_testrun").contains(" --exact 'cluster_ip_tcp_is_translated_both_ways"));
         assert!(line(&full, "multinode").contains("--skip 'udp_flows_move_off_a_removed_endpoint'"));
         let sampled = line(&sample, "multinode");
         assert!(sampled.contains(" --exact 'node_port_reaches_a_pod_on_another_node_masqueraded'"));
