@@ -28,57 +28,9 @@
 //! copy serves until its refresh is due (at most a second); the next packet then re-creates the
 //! flow as it does today after an eviction. A refresh is also the only lookup that marks a
 //! cached flow as recently used in the LRU's eyes.
-use aya_ebpf::{
-    btf_maps::{Array, PerCpuArray},
-    macros::btf_map,
-};
-use proxy_common::{Addr, Addr4, CtKey, CtValue, ct_generation, defaults};
+use proxy_common::{CtKey, CtValue, ct_generation};
 
-use crate::maps::{FlowCache, FlowTables};
-
-const SLOTS: usize = defaults::FLOW_CACHE_SLOTS as usize;
-const _: () = assert!(SLOTS.is_power_of_two());
-
-/// A cached flow: its key, its conntrack entry, and how long the copy serves.
-#[repr(C, align(8))]
-pub struct CachedFlow<A> {
-    key: CtKey<A>,
-    generation: Generation,
-    /// The programs' clock (ns) from which the copy no longer serves.
-    valid_until: u64,
-    /// 1: the entry's kept route was of the current period (it serves a packet sent straight out).
-    routed: u64,
-    pub entry: CtValue,
-}
-
-/// `KPR_CT_GENERATION`'s words, as they were read.
-#[repr(C)]
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub struct Generation {
-    datapath: u64,
-    agent: u64,
-}
-
-#[btf_map(name = "KPR_FLOW_CACHE4")]
-pub static FLOW_CACHE4: FlowCache<Addr4> = PerCpuArray::new();
-
-#[btf_map(name = "KPR_FLOW_CACHE6")]
-pub static FLOW_CACHE6: FlowCache<Addr> = PerCpuArray::new();
-
-/// A cache's tags, by slot: the low half of the key's hash in the high 32 bits, the copy's
-/// `valid_until` in units of 2^20 ns (about a millisecond, rounded down; 52 days before the
-/// word wraps) in the low 32. 0: never filled.
-pub type SlotTags = [u64; SLOTS];
-
-#[btf_map(name = "KPR_FLOW_CACHE_TAGS4")]
-pub static FLOW_CACHE_TAGS4: PerCpuArray<SlotTags, 1> = PerCpuArray::new();
-
-#[btf_map(name = "KPR_FLOW_CACHE_TAGS6")]
-pub static FLOW_CACHE_TAGS6: PerCpuArray<SlotTags, 1> = PerCpuArray::new();
-
-/// See [`proxy_common::ct_generation`]. Pinned: the agent and the CLI change it.
-#[btf_map(name = "KPR_CT_GENERATION", pin_by_name)]
-static CT_GENERATION: Array<u64, { ct_generation::WORDS as usize }> = Array::new();
+use crate::maps::{CT_GENERATION, FLOW_CACHE_SLOTS as SLOTS, FlowTables, Generation};
 
 /// The generation now. Read before the flow's conntrack lookup: an entry removed after this
 /// read was filled (if at all) with this generation, which its remover then changes (x86's

@@ -1,6 +1,5 @@
 //! The maps shared with the agent. Pinned by name under the agent's versioned pin directory;
 //! sizes here are placeholders that the agent overrides at load time.
-use crate::flow_cache::{CachedFlow, FLOW_CACHE_TAGS4, FLOW_CACHE_TAGS6, FLOW_CACHE4, FLOW_CACHE6, SlotTags};
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray},
@@ -8,7 +7,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Addr, Addr4, AffinityKey, AffinityValue, Backend, CidrKey, CidrMask, CtKey, CtValue, FlowAddr, FragmentKey,
-    LinkInfo, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRange, counter, defaults,
+    LinkInfo, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRange, counter, ct_generation, defaults,
 };
 
 /// The slow programs (`program_names::TC_SLOW_PATH`), by slot: where the attached programs
@@ -83,7 +82,7 @@ pub trait FlowTables: FlowAddr + 'static {
     fn new_flows() -> &'static FlowMap<CtKey<Self>>;
     /// This CPU's cache of established flows (`flow_cache`).
     fn flow_cache() -> &'static FlowCache<Self>;
-    /// What each slot of that cache holds, in a word per slot (`flow_cache::SlotTags`).
+    /// What each slot of that cache holds, in a word per slot ([`SlotTags`]).
     fn flow_cache_tags() -> &'static PerCpuArray<SlotTags, 1>;
 }
 
@@ -389,3 +388,49 @@ pub fn now_by_tick(clock: *mut TickClock) -> u64 {
         (*clock).ns
     }
 }
+
+// The flow cache's maps (`flow_cache`).
+
+pub const FLOW_CACHE_SLOTS: usize = defaults::FLOW_CACHE_SLOTS as usize;
+const _: () = assert!(FLOW_CACHE_SLOTS.is_power_of_two());
+
+/// A cached flow: its key, its conntrack entry, and how long the copy serves.
+#[repr(C, align(8))]
+pub struct CachedFlow<A> {
+    pub(crate) key: CtKey<A>,
+    pub(crate) generation: Generation,
+    /// The programs' clock (ns) from which the copy no longer serves.
+    pub(crate) valid_until: u64,
+    /// 1: the entry's kept route was of the current period (it serves a packet sent straight out).
+    pub(crate) routed: u64,
+    pub entry: CtValue,
+}
+
+/// `KPR_CT_GENERATION`'s words, as they were read.
+#[repr(C)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Generation {
+    pub(crate) datapath: u64,
+    pub(crate) agent: u64,
+}
+
+#[btf_map(name = "KPR_FLOW_CACHE4")]
+pub static FLOW_CACHE4: FlowCache<Addr4> = PerCpuArray::new();
+
+#[btf_map(name = "KPR_FLOW_CACHE6")]
+pub static FLOW_CACHE6: FlowCache<Addr> = PerCpuArray::new();
+
+/// A cache's tags, by slot: the low half of the key's hash in the high 32 bits, the copy's
+/// `valid_until` in units of 2^20 ns (about a millisecond, rounded down; 52 days before the
+/// word wraps) in the low 32. 0: never filled.
+pub type SlotTags = [u64; FLOW_CACHE_SLOTS];
+
+#[btf_map(name = "KPR_FLOW_CACHE_TAGS4")]
+pub static FLOW_CACHE_TAGS4: PerCpuArray<SlotTags, 1> = PerCpuArray::new();
+
+#[btf_map(name = "KPR_FLOW_CACHE_TAGS6")]
+pub static FLOW_CACHE_TAGS6: PerCpuArray<SlotTags, 1> = PerCpuArray::new();
+
+/// See [`proxy_common::ct_generation`]. Pinned: the agent and the CLI change it.
+#[btf_map(name = "KPR_CT_GENERATION", pin_by_name)]
+pub static CT_GENERATION: Array<u64, { ct_generation::WORDS as usize }> = Array::new();

@@ -5,42 +5,25 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    CachedRoute, CtKey, CtTimeouts, CtValue, FlowAddr, IPPROTO_TCP, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES,
-    counter, ct,
+    CachedRoute, CtKey, CtValue, FlowAddr, IPPROTO_TCP, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, counter, ct,
 };
 
 use super::{
-    NO_FLOW, PASS,
+    entry::{expired, forget, lifetime},
     nat::{flow_hash, lookup_frontend, masquerade_source, source_scope},
     parse::{NOT_A_FIRST_FRAGMENT, Tuple},
     rewrite::rewrite,
     route::{ROUTE_CACHED, ROUTE_LOOK_UP, redirect_by, route_hint},
     scratch::{FlowScratch, scratch},
+    verdict::{NO_FLOW, PASS},
 };
 use crate::{
     family::Family,
     flow_cache,
-    globals::{KPR_CT_TIMEOUTS, KPR_FORWARD_DIRECT},
+    globals::KPR_FORWARD_DIRECT,
     maps::{FlowMap, FlowTables, backend_at, count, now_by_tick, serves},
     packet::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
 };
-
-/// Has the flow outlived the lifetime of its state? One word of `KPR_CT_TIMEOUTS` read: its
-/// `load` copies all six, on every packet.
-#[inline(always)]
-pub(super) fn expired(proto: u8, entry: &CtValue, now: u64) -> bool {
-    entry.idle_longer_than(lifetime(proto, entry.flags), now)
-}
-
-/// How long a flow of `proto` in state `flags` lives after its latest packet (one word of
-/// `KPR_CT_TIMEOUTS` read).
-#[inline(always)]
-fn lifetime(proto: u8, flags: u32) -> u64 {
-    const _: () = assert!(size_of::<CtTimeouts>() == size_of::<[u64; 6]>());
-    // SAFETY: `Global` is transparent over the `#[repr(C)]` struct of six u64 in the order of
-    // `as_words`, and the slot is one of them; volatile, as `load` reads it (the loader sets it).
-    unsafe { (&raw const KPR_CT_TIMEOUTS).cast::<u64>().add(CtTimeouts::slot(proto, flags)).read_volatile() }
-}
 
 /// A packet of a flow in conntrack: translated as its entry says (`NO_FLOW`: no live entry),
 /// the entry taken from this CPU's flow cache where it serves, else from the table.
@@ -313,32 +296,6 @@ fn confirm<A: FlowTables>(key: &CtKey<A>, entry: &CtValue, seen: u32, now: u64) 
     let _ = A::established().insert(pair_key, unsafe { &(*s).reply }, 0);
     let _ = A::new_flows().remove(pair_key);
     let _ = A::new_flows().remove(key);
-}
-
-/// Remove both entries of a flow. The other entry's key is built in the scratch area's `key`
-/// (free wherever a flow is forgotten): on the stack it would put the longest chain of calls
-/// (a new flow's SNAT port search) past the BPF stack of older kernels.
-#[inline(never)]
-pub(super) fn forget<A: FlowTables>(key: &CtKey<A>, entry: &CtValue, proto: u8) {
-    let Ok(s) = scratch() else { return };
-    // SAFETY: the per-CPU scratch value, valid for this program run.
-    let pair_key = unsafe {
-        let pair_key = FlowScratch::key::<A>(s);
-        *pair_key = entry.pair_key(proto);
-        &*pair_key
-    };
-    for map in [A::established(), A::new_flows()] {
-        let _ = map.remove(pair_key);
-        let _ = map.remove(key);
-    }
-    flow_cache::forgotten();
-}
-
-/// The flow entry under `key`, established or new, in place (no copy on the BPF stack).
-#[inline(always)]
-pub(super) fn flow_entry<'a, A: FlowTables>(key: &CtKey<A>) -> Option<&'a CtValue> {
-    // SAFETY: map value pointers are valid for this program run.
-    A::established().get_ptr(key).or_else(|| A::new_flows().get_ptr(key)).map(|v| unsafe { &*v })
 }
 
 /// Start a new connection (its SYN; its key and the entry found are in the scratch area) on

@@ -2,7 +2,7 @@
 use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
 use proxy_common::{Addr, FragmentKey, counter};
 
-use super::PASS;
+use super::verdict::PASS;
 use crate::{
     family::Family,
     maps::{FRAGMENTS, count},

@@ -4,34 +4,19 @@ use aya_ebpf::{
     bindings::{BPF_F_PSEUDO_HDR, TC_ACT_OK},
     programs::TcContext,
 };
-use proxy_common::{Addr, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, counter, csum};
+use proxy_common::{CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, counter, csum};
 
 use super::{
-    PASS,
-    conntrack::flow_entry,
+    entry::flow_entry,
     rewrite::ports_word,
-    scratch::{FlowScratch, scratch},
+    scratch::{FlowScratch, IcmpFix, scratch},
+    verdict::PASS,
 };
 use crate::{
     family::Family,
     maps::count,
     packet::{ICMP_CSUM, ICMP_QUOTE, IP_OFF, read_word, write_word},
 };
-
-/// How an ICMP error about a translated flow is translated back.
-#[repr(C)]
-pub(super) struct IcmpFix {
-    pub(super) client: Addr,
-    pub(super) frontend: Addr,
-    /// The outer source: the frontend when the backend complained, else unchanged.
-    pub(super) new_src: Addr,
-    /// Checksum differences of the quoted and the outer addresses.
-    pub(super) inner_diff: u64,
-    pub(super) outer_diff: u64,
-    /// The quoted ports, before and after.
-    pub(super) old_ports: u32,
-    pub(super) new_ports: u32,
-}
 
 /// An ICMP error (unreachable, too big, time exceeded, parameter problem) about a translated
 /// flow, e.g. "fragmentation needed" from a backend: it quotes the packet as the backend saw

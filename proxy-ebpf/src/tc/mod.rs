@@ -33,6 +33,7 @@
 //! fragments) are also counted.
 //! The program never fails a packet it did not translate.
 mod conntrack;
+mod entry;
 mod frag;
 mod icmp;
 mod nat;
@@ -41,11 +42,12 @@ mod reject;
 mod rewrite;
 mod route;
 mod scratch;
+mod verdict;
 
 use core::mem::MaybeUninit;
 
 use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC},
+    bindings::{TC_ACT_OK, TC_ACT_SHOT},
     macros::classifier,
     programs::TcContext,
 };
@@ -59,15 +61,13 @@ use self::{
     reject::{reject_port_unreachable, reject_tcp},
     route::{ROUTE_LOOK_UP, ROUTE_MAY_KEEP, forward_direct, martian_source},
     scratch::scratch,
+    verdict::{A_FLOW, AN_ICMP_ERROR, NO_FLOW, OPEN, PASS, REJECT},
 };
 use crate::{
     family::{Family, V4, V6},
     globals::KPR_FORWARD_DIRECT,
     maps::{SLOW_PATH, count},
 };
-
-/// "Not mine": the next program of the hook (TCX) or filter of the chain (cls_bpf) decides.
-const PASS: i32 = TC_ACT_UNSPEC;
 
 #[classifier]
 pub fn kpr_tc_ingress(ctx: TcContext) -> i32 {
@@ -206,20 +206,3 @@ fn read_and_translate<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>
     let t = unsafe { tuple.assume_init_ref() };
     known_flow::<F>(ctx, t, flow_flags::<F>(ctx, t.proto), ingress)
 }
-
-// What the stages tell the next, besides a verdict: plain integers, not enums (an enum's
-// unused payload is an uninitialized register, which the verifier refuses to see written).
-/// `inspect`: a packet of a flow, its tuple filled in.
-const A_FLOW: i32 = i32::MIN;
-
-/// `inspect`: an ICMP error, maybe about a translated flow.
-const AN_ICMP_ERROR: i32 = i32::MIN + 1;
-
-/// `known_flow`: no live flow.
-const NO_FLOW: i32 = i32::MIN + 2;
-
-/// `unknown_flow`: a new flow, of the service to the backend in the scratch area.
-const OPEN: i32 = i32::MIN + 3;
-
-/// `unknown_flow`: a frontend without endpoints (kube-proxy's REJECT).
-const REJECT: i32 = i32::MIN + 4;

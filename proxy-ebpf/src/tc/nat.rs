@@ -18,12 +18,12 @@ use proxy_common::{
 };
 
 use super::{
-    OPEN, PASS, REJECT,
-    conntrack::{expired, forget},
+    entry::{expired, forget},
     parse::Tuple,
     rewrite::rewrite_first,
     route::{ROUTE_LOOK_UP, ROUTE_LOOKED_UP, ROUTE_MAY_KEEP, ifindex, keep_in, reverse_path_ok, zero_fib},
     scratch::{FlowScratch, scratch},
+    verdict::{OPEN, PASS, REJECT},
 };
 use crate::{
     family::Family,

@@ -5,7 +5,10 @@ use core::mem::MaybeUninit;
 use aya_ebpf::{EbpfContext as _, bindings::__sk_buff, programs::TcContext};
 use proxy_common::{Addr, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, LINK_FLAG_TC_INGRESS, counter};
 
-use super::{A_FLOW, AN_ICMP_ERROR, PASS, frag::later_fragment};
+use super::{
+    frag::later_fragment,
+    verdict::{A_FLOW, AN_ICMP_ERROR, PASS},
+};
 use crate::{
     family::{Family, Fragment},
     maps::{LINKS, ServiceRangeMiss, count, in_addr_filter, service_range_miss},

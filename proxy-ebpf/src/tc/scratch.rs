@@ -5,12 +5,11 @@ use aya_ebpf::{
     btf_maps::PerCpuArray,
     macros::btf_map,
 };
-use proxy_common::{Addr4, Backend, CtKey, CtValue, ServiceValue};
+use proxy_common::{Addr, Addr4, Backend, CtKey, CtValue, ServiceValue};
 
-use super::icmp::IcmpFix;
 use crate::{
     flow_cache,
-    maps::{FlowTables, TickClock},
+    maps::{FlowTables, Generation, TickClock},
 };
 
 /// Per-CPU room for the conntrack keys and values a packet writes: on the BPF stack they would
@@ -43,7 +42,7 @@ pub struct FlowScratch {
     pub(super) clock: TickClock,
     /// `known_flow`: the conntrack generation read before its lookup, and the flow cache's slot
     /// its entry may be put in (`flow_cache::probe`, `flow_cache::fill`).
-    pub(super) generation: flow_cache::Generation,
+    pub(super) generation: Generation,
     pub(super) cache_slot: flow_cache::FreeSlot,
 }
 
@@ -77,4 +76,19 @@ static SCRATCH: PerCpuArray<FlowScratch, 1> = PerCpuArray::new();
 #[inline(always)]
 pub(super) fn scratch() -> Result<*mut FlowScratch, ()> {
     SCRATCH.get_ptr_mut(0).ok_or(())
+}
+
+/// How an ICMP error about a translated flow is translated back.
+#[repr(C)]
+pub(super) struct IcmpFix {
+    pub(super) client: Addr,
+    pub(super) frontend: Addr,
+    /// The outer source: the frontend when the backend complained, else unchanged.
+    pub(super) new_src: Addr,
+    /// Checksum differences of the quoted and the outer addresses.
+    pub(super) inner_diff: u64,
+    pub(super) outer_diff: u64,
+    /// The quoted ports, before and after.
+    pub(super) old_ports: u32,
+    pub(super) new_ports: u32,
 }

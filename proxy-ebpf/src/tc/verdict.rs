@@ -1,0 +1,22 @@
+//! What the stages tell each other: a tc verdict, or one of the values below.
+use aya_ebpf::bindings::TC_ACT_UNSPEC;
+
+/// "Not mine": the next program of the hook (TCX) or filter of the chain (cls_bpf) decides.
+pub(super) const PASS: i32 = TC_ACT_UNSPEC;
+
+// What the stages tell the next, besides a verdict: plain integers, not enums (an enum's
+// unused payload is an uninitialized register, which the verifier refuses to see written).
+/// `inspect`: a packet of a flow, its tuple filled in.
+pub(super) const A_FLOW: i32 = i32::MIN;
+
+/// `inspect`: an ICMP error, maybe about a translated flow.
+pub(super) const AN_ICMP_ERROR: i32 = i32::MIN + 1;
+
+/// `known_flow`: no live flow.
+pub(super) const NO_FLOW: i32 = i32::MIN + 2;
+
+/// `unknown_flow`: a new flow, of the service to the backend in the scratch area.
+pub(super) const OPEN: i32 = i32::MIN + 3;
+
+/// `unknown_flow`: a frontend without endpoints (kube-proxy's REJECT).
+pub(super) const REJECT: i32 = i32::MIN + 4;
