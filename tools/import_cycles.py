@@ -61,11 +61,11 @@ for m,f in mods.items():
         for segs in paths_in_use(u.group(1).replace('\n',' ')):
             if segs==['']: continue
             r=resolve(m,segs)
-            if r is not None and r!=m and not (len(r)<len(m) and m[:len(r)]==r and r==m[:-1] and False): deps.add(r)
+            if r is not None and r!=m: deps.add(r)
     for u in re.finditer(r'(?<![\w:])((?:crate|super|self)(?:::\w+)+)',s):
         r=resolve(m,u.group(1).split('::'))
         if r is not None and r!=m: deps.add(r)
-    # a module's parent declares it (mod x;): not a use; ignore parent->child from mod decls
+    # `mod x;` in a parent is a declaration, not a use: it adds no edge.
     edges[m]=deps
 # find cycles (SCCs)
 idx={};low={};st=[];on=set();res=[];c=[0]
