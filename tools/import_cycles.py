@@ -10,6 +10,8 @@ def modpath(f):
     if rel[-1] in ('mod','lib','main'): rel=rel[:-1]
     return tuple(rel)
 files=[f for f in glob.glob(root+'/**/*.rs',recursive=True)]
+# A binary's main.rs beside lib.rs is another crate: nothing in the library can import it.
+if os.path.exists(root+'/lib.rs'): files=[f for f in files if f!=root+'/main.rs']
 mods={modpath(f):f for f in files}
 def strip_tests(s):
     # drop #[cfg(test)] mod blocks (approx: from the attribute to the end of file if at col 0 'mod x {')
@@ -62,7 +64,9 @@ for m,f in mods.items():
             if segs==['']: continue
             r=resolve(m,segs)
             if r is not None and r!=m: deps.add(r)
-    for u in re.finditer(r'(?<![\w:])((?:crate|super|self)(?:::\w+)+)',s):
+    # Paths written inline (a `use` was read whole above: its `a::{b, c}` is not a use of `a`).
+    inline=re.sub(r'^\s*(?:pub(?:\([a-z]+\))? )?use\s+[^;]+;','',s,flags=re.M)
+    for u in re.finditer(r'(?<![\w:])((?:crate|super|self)(?:::\w+)+)',inline):
         r=resolve(m,u.group(1).split('::'))
         if r is not None and r!=m: deps.add(r)
     # `mod x;` in a parent is a declaration, not a use: it adds no edge.

@@ -25,14 +25,13 @@ use crate::{
         bpf::{BpfDatapath, DatapathConfig, ForwardDirect, HostDatapath},
         conntrack,
     },
-    metrics::Metrics,
     model::{
         NodeInfo, ProxyOptions,
         cidr::Cidr,
         desired::ClusterState,
         node::{self, HostLink, NodeObject, NodeSettings, TcLinks},
     },
-    proxy_health::ProxyHealth,
+    servers::{metrics::Metrics, proxy_health::ProxyHealth},
     source::{self, SourceEvent},
 };
 
@@ -76,7 +75,7 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
         tracing::warn!("{e:#}");
     }
     // Bound first: a port in use is a startup error, before anything is attached.
-    let listeners = crate::proxy_servers::Listeners::bind(cfg.metrics_bind_address, cfg.healthz_bind_address).await?;
+    let listeners = crate::servers::proxy_servers::Listeners::bind(cfg.metrics_bind_address, cfg.healthz_bind_address).await?;
     let metrics = Arc::new(Metrics::new(Some(cfg.datapath.pin_root.clone())));
     // kube-proxy's health timeout: twice syncPeriod.
     let proxy_health = Arc::new(ProxyHealth::new(2 * cfg.sync_period, metrics.clone()));
@@ -126,13 +125,14 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
         }
     };
     let host_task = tokio::spawn(supervise("host links", metrics.clone(), move || source::host::run(tx.clone())));
-    let sweep_task = tokio::spawn(conntrack::sweep_forever(
-        cfg.datapath.pin_root.clone(),
-        cfg.datapath.ct_timeouts,
-        metrics.clone(),
-    ));
+    let swept = {
+        let metrics = metrics.clone();
+        move |expired: usize, tables: &[conntrack::TableUse]| metrics.conntrack_swept(expired, tables)
+    };
+    let sweep_task =
+        tokio::spawn(conntrack::sweep_forever(cfg.datapath.pin_root.clone(), cfg.datapath.ct_timeouts, swept));
     let firewall_task = (cfg.datapath.forward_direct == ForwardDirect::Auto).then(|| {
-        let host_state = crate::datapath::bpf::open_host_state(&cfg.datapath.pin_root);
+        let host_state = crate::datapath::bpf::HostState::open(&cfg.datapath.pin_root);
         tokio::spawn(watch_forward_filters(host_state, metrics.clone()))
     });
     let serve_health = cfg.node.tc_links != TcLinks::Off;
@@ -147,7 +147,7 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
         syncer.takeover = Some(crate::takeover::Takeover::open(&cfg.datapath.pin_root)?);
     }
     if serve_health {
-        syncer.health = Some(crate::health::HealthServers::default().with_proxy_health(proxy_health));
+        syncer.health = Some(crate::servers::service_health::HealthServers::default().with_proxy_health(proxy_health));
     }
     syncer.run(rx, &mut datapath.maps, &mut datapath.host, cfg.sync_period, shutdown).await;
     source_task.abort();
@@ -170,7 +170,7 @@ const FORWARD_FILTERS_INTERVAL: Duration = Duration::from_secs(1);
 /// forward hook, from before the first link is attached (the first check runs at once) for as
 /// long as the agent runs. While anything filters forwarded packets there, translated packets
 /// take the host's forwarding path, and a NetworkPolicy enforced there holds for them.
-async fn watch_forward_filters(host_state: Result<aya::maps::Array<aya::maps::MapData, u32>>, metrics: Arc<Metrics>) {
+async fn watch_forward_filters(host_state: Result<crate::datapath::bpf::HostState>, metrics: Arc<Metrics>) {
     let mut host_state = match host_state {
         Ok(map) => map,
         Err(e) => {
@@ -192,7 +192,7 @@ async fn watch_forward_filters(host_state: Result<aya::maps::Array<aya::maps::Ma
             continue;
         }
         let direct = filters.is_empty();
-        if let Err(e) = crate::datapath::bpf::set_host_forward_direct(&mut host_state, direct) {
+        if let Err(e) = host_state.set_forward_direct(direct) {
             tracing::warn!("{e:#}");
             continue; // tried again at the next tick
         }
@@ -288,9 +288,9 @@ pub struct Syncer {
     pub state: ClusterState,
     pub programmer: Programmer,
     /// healthCheckNodePort servers, with the per-packet (external) datapath.
-    pub health: Option<crate::health::HealthServers>,
+    pub health: Option<crate::servers::service_health::HealthServers>,
     /// Where they listen: the NodePort addresses with `nodePortAddresses`, else everywhere.
-    health_bind: crate::health::BindTo,
+    health_bind: crate::servers::service_health::BindTo,
     pub node_settings: NodeSettings,
     pub host_links: Vec<HostLink>,
     pub node_object: Option<NodeObject>,
@@ -332,7 +332,7 @@ impl Syncer {
             state,
             programmer,
             health: None,
-            health_bind: crate::health::BindTo::Any,
+            health_bind: crate::servers::service_health::BindTo::Any,
             node_settings,
             host_links: Vec::new(),
             node_object: None,
@@ -570,10 +570,10 @@ impl Syncer {
         }
         self.apply_node_plan(host, &now);
         self.health_bind = if self.node_settings.node_port_addresses.is_empty() {
-            crate::health::BindTo::Any
+            crate::servers::service_health::BindTo::Any
         } else {
             let nodeport = plan.node_addrs.iter().filter(|(_, f)| *f & proxy_common::NODE_ADDR_NODEPORT != 0);
-            crate::health::BindTo::Addresses(nodeport.map(|(a, _)| *a).collect())
+            crate::servers::service_health::BindTo::Addresses(nodeport.map(|(a, _)| *a).collect())
         };
         self.state.set_node(plan.info);
         self.last_sync = Some(Instant::now());
@@ -785,12 +785,12 @@ mod tests {
         };
         syncer.host_links = vec![eth0];
         syncer.sync(&mut maps, &mut host, Instant::now());
-        assert_eq!(syncer.health_bind, crate::health::BindTo::Any);
+        assert_eq!(syncer.health_bind, crate::servers::service_health::BindTo::Any);
         syncer.node_settings.node_port_addresses =
             vec![crate::model::node::NodePortAddress::Cidr("192.0.2.0/24".parse().unwrap())];
         syncer.node_dirty = true;
         syncer.sync(&mut maps, &mut host, Instant::now());
-        assert_eq!(syncer.health_bind, crate::health::BindTo::Addresses(vec!["192.0.2.5".parse().unwrap()]));
+        assert_eq!(syncer.health_bind, crate::servers::service_health::BindTo::Addresses(vec!["192.0.2.5".parse().unwrap()]));
     }
 
     #[test]

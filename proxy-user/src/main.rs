@@ -234,7 +234,7 @@ async fn run_agent(args: AgentArgs) -> Result<()> {
         tracing::warn!("oomScoreAdj {adj} not applied: {e}");
     }
     raise_fd_limit();
-    raise_memlock_limit();
+    kpr::datapath::bpf::raise_memlock_limit();
     agent::run(cfg, kpr::shutdown_signal()).await
 }
 
@@ -250,23 +250,6 @@ fn raise_fd_limit() {
                 tracing::debug!(from = limit.rlim_cur, to = limit.rlim_max, "raised the open files limit");
             }
         }
-    }
-}
-
-/// Kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK (later ones to the memory cgroup):
-/// lift it, which needs CAP_SYS_RESOURCE; without it, say why map creation may fail.
-fn raise_memlock_limit() {
-    let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
-    // SAFETY: setrlimit reads one rlimit.
-    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) } == 0 {
-        return;
-    }
-    let error = std::io::Error::last_os_error();
-    if !aya::util::KernelVersion::current().is_ok_and(|v| v >= aya::util::KernelVersion::new(5, 11, 0)) {
-        tracing::warn!(
-            "cannot lift the locked-memory limit ({error}): this kernel charges BPF maps to it, so large maps \
-             may fail (give the agent CAP_SYS_RESOURCE)"
-        );
     }
 }
 
@@ -303,7 +286,7 @@ fn frontend_ids(pin_root: &std::path::Path, frontend: &str) -> Result<Vec<u32>> 
     let ids: Vec<u32> = kpr::datapath::read_programmed(&maps)?
         .iter()
         .filter(|(key, _)| {
-            let shown = kpr::datapath::display_key(key).to_string();
+            let shown = kpr::model::display_key(key).to_string();
             shown == frontend || shown.split(' ').next() == Some(frontend)
         })
         .map(|(_, p)| p.value.service_id)

@@ -12,15 +12,12 @@
 use std::{collections::HashSet, io, path::Path, process::Command};
 
 use anyhow::{Context as _, Result};
-use aya::maps::{Array, HashMap, Map, MapData};
-use proxy_common::{Addr, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, map_names};
+use proxy_common::{Addr, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
-use crate::netlink;
+use crate::{datapath::bpf::HandoverMaps, netlink};
 
 pub struct Takeover {
-    map: HashMap<MapData, CtKey, u8>,
-    /// `KPR_HANDOVER_COUNT`: while 0, the per-packet path does not look in `map`.
-    count: Array<MapData, u32>,
+    maps: HandoverMaps,
     handed_over: HashSet<CtKey>,
     done: bool,
 }
@@ -28,11 +25,9 @@ pub struct Takeover {
 impl Takeover {
     /// The handover maps; tuples an earlier agent handed over are taken on (pruned as theirs).
     pub fn open(pin_root: &Path) -> Result<Self> {
-        let map = crate::datapath::bpf::open_pinned_map(pin_root, map_names::HANDOVER)?;
-        let map: HashMap<MapData, CtKey, u8> = HashMap::try_from(Map::LruHashMap(map))?;
-        let count = crate::datapath::bpf::open_pinned_map(pin_root, map_names::HANDOVER_COUNT)?;
-        let handed_over = map.keys().collect::<Result<HashSet<_>, _>>().context("reading KPR_HANDOVER")?;
-        let mut takeover = Self { map, count: Array::try_from(Map::Array(count))?, handed_over, done: false };
+        let maps = HandoverMaps::open(pin_root)?;
+        let handed_over = maps.tuples()?;
+        let mut takeover = Self { maps, handed_over, done: false };
         takeover.publish_count(0);
         Ok(takeover)
     }
@@ -67,7 +62,7 @@ impl Takeover {
         // Counted before they are in the map: the per-packet path must not skip a tuple there.
         self.publish_count(tuples.len());
         for tuple in tuples {
-            match self.map.insert(tuple, &1, 0) {
+            match self.maps.insert(tuple) {
                 Ok(()) => {
                     self.handed_over.insert(*tuple);
                 }
@@ -80,7 +75,7 @@ impl Takeover {
     /// `KPR_HANDOVER_COUNT`: the tuples held, and `coming` more.
     fn publish_count(&mut self, coming: usize) {
         let count = u32::try_from(self.handed_over.len() + coming).unwrap_or(u32::MAX);
-        if let Err(e) = self.count.set(0, &count, 0) {
+        if let Err(e) = self.maps.set_count(count) {
             // The one element of an array: only a broken map fails here.
             tracing::error!("failed to count the flows handed over (kpr may take them from netfilter): {e}");
         }
@@ -96,7 +91,7 @@ impl Takeover {
         self.handed_over.retain(|tuple| {
             let keep = live.contains(tuple);
             if !keep {
-                let _ = self.map.remove(tuple);
+                self.maps.remove(tuple);
             }
             keep
         });

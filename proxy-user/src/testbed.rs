@@ -492,7 +492,10 @@ pub fn wait_for_backends(
     timeout: Duration,
     ok: impl Fn(Option<&[(std::net::IpAddr, u16)]>) -> bool,
 ) -> Result<()> {
-    use crate::datapath::{Maps as _, backend_addr, bpf::BpfMaps, display_key};
+    use crate::{
+        datapath::{Maps as _, backend_addr, bpf::BpfMaps},
+        model::display_key,
+    };
     let deadline = std::time::Instant::now() + slow(timeout);
     let mut last = String::from("maps not pinned yet");
     loop {

@@ -349,14 +349,14 @@ fn forward_direct_always_skips_a_forward_chain_that_drops() {
 
 /// The value the agent keeps in `KPR_HOST_STATE` for the programs, once it is `want`
 /// (`--forward-direct auto` follows the host's forward hook, checked every second).
-fn wait_host_state(pins: &std::path::Path, want: u32) {
+fn wait_host_state(pins: &std::path::Path, want: bool) {
     let deadline = std::time::Instant::now() + testbed::slow(Duration::from_secs(10));
     loop {
-        let have = bpf::open_host_state(pins).and_then(|m| Ok(m.get(&0, 0)?)).ok();
+        let have = bpf::HostState::open(pins).and_then(|s| s.forward_direct()).ok();
         if have == Some(want) {
             return;
         }
-        assert!(std::time::Instant::now() < deadline, "KPR_HOST_STATE is {have:?}, not {want}");
+        assert!(std::time::Instant::now() < deadline, "forward direct is {have:?}, not {want}");
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -389,7 +389,7 @@ fn a_network_policy_in_the_forward_chain_holds_for_service_traffic() {
     let node_a = &c.nodes[0];
     let direct = || bpf::read_counters(&node_a.pins).unwrap()[proxy_common::counter::TC_FORWARDED_DIRECT as usize].1;
     // Nothing filters yet: straight out.
-    wait_host_state(&node_a.pins, proxy_common::HOST_FORWARD_DIRECT_OK);
+    wait_host_state(&node_a.pins, true);
     let before = direct();
     let (name, _) = c.ext(move || tcp_ask_peer(SocketAddrV4::new(a, 30080), TIMEOUT).unwrap());
     assert_eq!(name, "pod-b");
@@ -402,7 +402,7 @@ fn a_network_policy_in_the_forward_chain_holds_for_service_traffic() {
              nft add chain inet kprpol forward '{ type filter hook forward priority 0; policy accept; }' && \
              nft add rule inet kprpol forward ip daddr 10.244.2.2 tcp dport 8080 counter drop")
         .unwrap();
-    wait_host_state(&node_a.pins, 0);
+    wait_host_state(&node_a.pins, false);
     let short = Duration::from_millis(500);
     for attempt in 0..3 {
         let err = c.ext(move || tcp_ask_peer(SocketAddrV4::new(a, 30080), short).unwrap_err());
@@ -415,7 +415,7 @@ fn a_network_policy_in_the_forward_chain_holds_for_service_traffic() {
 
     // The policy gone: served again, straight out.
     node_a.netns.sh("nft delete table inet kprpol").unwrap();
-    wait_host_state(&node_a.pins, proxy_common::HOST_FORWARD_DIRECT_OK);
+    wait_host_state(&node_a.pins, true);
     let before = direct();
     let (name, _) = c.ext(move || tcp_ask_peer(SocketAddrV4::new(a, 30080), TIMEOUT).unwrap());
     assert_eq!(name, "pod-b");

@@ -7,6 +7,8 @@ use anyhow::{Context as _, Result};
 use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData};
 use proxy_common::{Addr, Addr4, CtKey, CtTimeouts, CtValue, FlowAddr, ct_generation, map_names};
 
+use super::bpf::{batch::read_all_of, pins::open_pinned_map};
+
 /// How often the agent sweeps.
 pub const SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 
@@ -49,7 +51,7 @@ type Table<A> = HashMap<MapData, CtKey<A>, CtValue>;
 impl Conntrack {
     pub fn open(pin_root: &Path) -> Result<Self> {
         Self::new(|name| {
-            let map = super::bpf::open_pinned_map(pin_root, name)?;
+            let map = open_pinned_map(pin_root, name)?;
             Ok(if name == map_names::CT_GENERATION { Map::Array(map) } else { Map::LruHashMap(map) })
         })
     }
@@ -216,11 +218,6 @@ where
     Ok((left, removed))
 }
 
-/// Every entry of a hash map: read in batches where the kernel can, else one at a time.
-pub(crate) fn read_all_of<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>) -> Vec<(K, V)> {
-    super::bpf::lookup_batch(map.map()).unwrap_or_else(|| map.iter().filter_map(Result::ok).collect())
-}
-
 /// CLOCK_MONOTONIC in nanoseconds: `bpf_ktime_get_ns()`'s clock.
 pub fn monotonic_now() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
@@ -259,10 +256,11 @@ impl PressureAlarm {
 }
 
 /// Sweep every [`SWEEP_INTERVAL`] until the task is dropped; failures are logged, never fatal.
+/// `swept` hears of each sweep: the entries it removed, and each table's use after it.
 pub async fn sweep_forever(
     pin_root: std::path::PathBuf,
     timeouts: CtTimeouts,
-    metrics: std::sync::Arc<crate::metrics::Metrics>,
+    swept: impl Fn(usize, &[TableUse]) + Send + 'static,
 ) {
     let mut tick = tokio::time::interval(SWEEP_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -285,7 +283,7 @@ pub async fn sweep_forever(
         match result {
             Ok(Ok((conntrack, sweep))) => {
                 let table_use = conntrack.table_use();
-                metrics.conntrack_swept(sweep.expired, &table_use);
+                swept(sweep.expired, &table_use);
                 for (table, raised) in alarm.observe(&table_use) {
                     let (name, live, capacity) = (table.name, table.live, table.capacity);
                     if raised {

@@ -16,7 +16,6 @@ mod sockets;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    fmt,
     net::IpAddr,
 };
 
@@ -26,6 +25,7 @@ use proxy_common::{Addr, Backend, IPPROTO_UDP, ServiceKey, ServiceValue};
 use crate::model::{
     cidr::Cidr,
     desired::{Desired, DesiredPort},
+    display_key,
 };
 use slots::SlotAllocator;
 
@@ -170,26 +170,6 @@ pub fn backend(ip: impl Into<IpAddr>, port: u16) -> Backend {
 
 pub fn backend_addr(b: &Backend) -> (IpAddr, u16) {
     (b.addr.into(), u16::from_be(b.port))
-}
-
-/// `10.96.0.10:80/TCP` (`[fd00::10]:80/TCP`) as pods see it; the other scopes are marked
-/// (`ext`: from outside, `node`: from the node); a NodePort shows as `*:30080/TCP ext`
-/// (`[*]:30080/TCP ext` for IPv6).
-pub fn display_key(key: &ServiceKey) -> impl fmt::Display {
-    let proto = proxy_common::proto_name(key.proto);
-    let addr = match (IpAddr::from(key.addr), key.addr.is_unspecified()) {
-        (IpAddr::V4(_), true) => "*".to_owned(),
-        (IpAddr::V6(_), true) => "[*]".to_owned(),
-        (IpAddr::V4(a), false) => a.to_string(),
-        (IpAddr::V6(a), false) => format!("[{a}]"),
-    };
-    let scope = match key.scope {
-        proxy_common::SCOPE_POD => "",
-        proxy_common::SCOPE_EXTERNAL => " ext",
-        proxy_common::SCOPE_NODE => " node",
-        _ => " ?",
-    };
-    format!("{addr}:{}/{proto}{scope}", u16::from_be(key.port))
 }
 
 /// Keeps the maps equal to the desired state, knowing what it wrote.

@@ -8,7 +8,8 @@ use serde::Serialize;
 
 use super::services::PortView;
 use crate::{
-    datapath::{Drift, Programmed, backend, display_key},
+    datapath::{Drift, Programmed, backend},
+    model::display_key,
     model::desired::{Desired, DesiredPort},
 };
 

@@ -5,10 +5,12 @@ use anyhow::Result;
 use proxy_common::ServiceKey;
 use serde::Serialize;
 
-use crate::datapath::{
-    Maps as _, Programmed, backend_addr,
-    bpf::{self, BpfMaps},
-    display_key,
+use crate::{
+    datapath::{
+        Maps as _, Programmed, backend_addr,
+        bpf::{self, BpfMaps},
+    },
+    model::display_key,
 };
 
 /// One service port as the maps hold it.

@@ -12,8 +12,7 @@ use std::{
 };
 
 use anyhow::Result;
-use aya::maps::{Array, HashMap, Map, MapData};
-use proxy_common::{LinkInfo, counter, map_names};
+use proxy_common::counter;
 use serde::Serialize;
 
 use crate::datapath::{
@@ -106,9 +105,7 @@ pub fn report(pin_root: &Path, healthz: SocketAddr) -> Result<StatusReport> {
     }));
     let counters = bpf::read_counters(pin_root)?;
     let trouble = TROUBLE.into_iter().map(|i| counters[i as usize]).filter(|(_, value)| *value != 0).collect();
-    let host_state: Array<MapData, u32> =
-        Array::try_from(Map::Array(bpf::open_pinned_map(pin_root, map_names::HOST_STATE)?))?;
-    let direct = host_state.get(&0, 0).unwrap_or(0) & proxy_common::HOST_FORWARD_DIRECT_OK != 0;
+    let direct = bpf::HostState::open(pin_root)?.forward_direct().unwrap_or(false);
     Ok(StatusReport {
         version: crate::VERSION,
         pin_dir: bpf::pin_dir(pin_root).display().to_string(),
@@ -126,11 +123,8 @@ pub fn report(pin_root: &Path, healthz: SocketAddr) -> Result<StatusReport> {
 
 /// The links holding kpr's per-packet programs, from `KPR_LINKS`.
 fn links(pin_root: &Path) -> Result<Vec<LinkView>> {
-    let map: HashMap<MapData, u32, LinkInfo> =
-        HashMap::try_from(Map::HashMap(bpf::open_pinned_map(pin_root, map_names::LINKS)?))?;
-    let mut links: Vec<LinkView> = map
-        .iter()
-        .filter_map(Result::ok)
+    let mut links: Vec<LinkView> = bpf::read_links(pin_root)?
+        .into_iter()
         .filter(|(ifindex, info)| {
             *ifindex < proxy_common::LINK_FIRST_SPECIAL && info.flags & proxy_common::LINK_FLAG_TC_INGRESS != 0
         })

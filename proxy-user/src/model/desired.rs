@@ -583,7 +583,7 @@ impl ClusterState {
         }
         for (key, loser) in conflicts.difference(&self.reported_conflicts) {
             self.skips.conflicts += 1;
-            let address = crate::datapath::display_key(key).to_string();
+            let address = super::display_key(key).to_string();
             let owner = desired[key].name.service.clone();
             tracing::warn!(service = %loser, %address, %owner, "skipped: the address is already used by another service");
             self.new_conflicts.push(Conflict { service: loser.clone(), address, owner });

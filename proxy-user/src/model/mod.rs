@@ -228,6 +228,27 @@ pub enum Skip {
     NoServiceLabel,
 }
 
+
+/// `10.96.0.10:80/TCP` (`[fd00::10]:80/TCP`) as pods see it; the other scopes are marked
+/// (`ext`: from outside, `node`: from the node); a NodePort shows as `*:30080/TCP ext`
+/// (`[*]:30080/TCP ext` for IPv6).
+pub fn display_key(key: &proxy_common::ServiceKey) -> impl fmt::Display {
+    let proto = proxy_common::proto_name(key.proto);
+    let addr = match (IpAddr::from(key.addr), key.addr.is_unspecified()) {
+        (IpAddr::V4(_), true) => "*".to_owned(),
+        (IpAddr::V6(_), true) => "[*]".to_owned(),
+        (IpAddr::V4(a), false) => a.to_string(),
+        (IpAddr::V6(a), false) => format!("[{a}]"),
+    };
+    let scope = match key.scope {
+        proxy_common::SCOPE_POD => "",
+        proxy_common::SCOPE_EXTERNAL => " ext",
+        proxy_common::SCOPE_NODE => " node",
+        _ => " ?",
+    };
+    format!("{addr}:{}/{proto}{scope}", u16::from_be(key.port))
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};

@@ -15,6 +15,9 @@ use proxy_common::{
 
 use super::{IpFamily, NodeInfo, cidr::Cidr};
 
+/// The taint the cluster autoscaler puts on a node it is about to delete.
+pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
+
 /// A network interface of the node, as the kernel reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostLink {
@@ -72,7 +75,7 @@ impl NodeObject {
         let pod_cidrs = raw_cidrs.iter().filter_map(|c| c.parse().ok()).collect();
         let tainted = spec
             .and_then(|s| s.taints.as_ref())
-            .is_some_and(|t| t.iter().any(|t| t.key == crate::proxy_health::TO_BE_DELETED_TAINT));
+            .is_some_and(|t| t.iter().any(|t| t.key == TO_BE_DELETED_TAINT));
         let draining = node.metadata.deletion_timestamp.is_some() || tainted;
         Self { zone, addresses, pod_cidrs, draining }
     }

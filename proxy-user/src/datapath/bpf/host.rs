@@ -27,14 +27,32 @@ use crate::model::{cidr::Cidr, node::NodePlan};
 
 /// Tell the programs whether translated packets may skip the host's forwarding path now
 /// (`KPR_HOST_STATE`, read per packet; [`ForwardDirect::Auto`]'s runtime switch).
-pub fn set_host_forward_direct<T: BorrowMut<MapData>>(map: &mut Array<T, u32>, ok: bool) -> Result<()> {
+pub(super) fn set_host_forward_direct<T: BorrowMut<MapData>>(map: &mut Array<T, u32>, ok: bool) -> Result<()> {
     let state = if ok { proxy_common::HOST_FORWARD_DIRECT_OK } else { 0 };
     map.set(0, &state, 0).context("failed to write KPR_HOST_STATE")
 }
 
-/// The pinned `KPR_HOST_STATE` map.
-pub fn open_host_state(pin_root: &Path) -> Result<Array<MapData, u32>> {
-    Ok(Array::try_from(Map::Array(open_pinned_map(pin_root, map_names::HOST_STATE)?))?)
+/// The pinned `KPR_HOST_STATE` map: may translated packets skip the host's forwarding path?
+pub struct HostState(Array<MapData, u32>);
+
+impl HostState {
+    pub fn open(pin_root: &Path) -> Result<Self> {
+        Ok(Self(Array::try_from(Map::Array(open_pinned_map(pin_root, map_names::HOST_STATE)?))?))
+    }
+
+    pub fn forward_direct(&self) -> Result<bool> {
+        Ok(self.0.get(&0, 0)? & proxy_common::HOST_FORWARD_DIRECT_OK != 0)
+    }
+
+    pub fn set_forward_direct(&mut self, ok: bool) -> Result<()> {
+        set_host_forward_direct(&mut self.0, ok)
+    }
+}
+
+/// `KPR_LINKS`: the node's links as the programs know them, by ifindex (and the special entries).
+pub fn read_links(pin_root: &Path) -> Result<Vec<(u32, LinkInfo)>> {
+    let map: HashMap<MapData, u32, LinkInfo> = HashMap::try_from(Map::HashMap(open_pinned_map(pin_root, map_names::LINKS)?))?;
+    Ok(map.iter().filter_map(Result::ok).collect())
 }
 
 pub(super) const TC_PROGRAMS: [&str; 2] = [program_names::TC_INGRESS, program_names::TC_EGRESS];

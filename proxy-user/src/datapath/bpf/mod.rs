@@ -6,13 +6,15 @@
 //! (BPF_LINK_UPDATE), so established connections and the service table are never interrupted.
 //!
 //! `object`: the object, its settings and the kernel's features; `pins`: the pin directory and
-//! its layouts; `cgroup`: the socket hooks' cgroup and links; `host`: the per-packet programs
+//! its layouts; `batch`: the batch reads and writes aya lacks; `cgroup`: the socket hooks' cgroup and links; `handover`: the flows left to netfilter; `host`: the per-packet programs
 //! on the node's links and the node maps; `maps`: the service maps ([`Maps`](super::Maps)).
+pub(super) mod batch;
 mod cgroup;
+mod handover;
 mod host;
 mod maps;
 mod object;
-mod pins;
+pub(super) mod pins;
 
 use std::fs::{self, File};
 
@@ -28,12 +30,15 @@ use self::{
 };
 pub use self::{
     cgroup::{agent_cgroup_id, cgroup2_dir, cgroup2_root, netns_cookie, own_cgroup},
-    host::{BpfHost, HostDatapath, cleanup, link_name, open_host_state, set_host_forward_direct, write_service_ranges},
+    handover::HandoverMaps,
+    host::{BpfHost, HostDatapath, HostState, cleanup, link_name, read_links, write_service_ranges},
     maps::{BpfMaps, NodeView, read_counters, read_node_view},
-    object::{DatapathConfig, ForwardDirect, flow_hash_seed, load_tc_programs, open_object, snat_port_range},
+    object::{
+        DatapathConfig, ForwardDirect, flow_hash_seed, load_tc_programs, open_object, raise_memlock_limit, snat_port_range,
+    },
     pins::{AgentLock, open_pinned_map, other_layout_names, pin_dir, pins_missing},
 };
-pub(crate) use self::{maps::lookup_batch, object::kernel_since};
+pub(crate) use self::object::kernel_since;
 
 /// The service maps, and the host side (programs, links, node maps).
 pub struct BpfDatapath {

@@ -154,6 +154,23 @@ pub(crate) fn kernel_since(major: u8, minor: u8) -> bool {
     KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(major, minor, 0))
 }
 
+/// Kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK (later ones to the memory cgroup):
+/// lift it, which needs CAP_SYS_RESOURCE; without it, say why map creation may fail.
+pub fn raise_memlock_limit() {
+    let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: setrlimit reads one rlimit.
+    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) } == 0 {
+        return;
+    }
+    let error = std::io::Error::last_os_error();
+    if !kernel_since(5, 11) {
+        tracing::warn!(
+            "cannot lift the locked-memory limit ({error}): this kernel charges BPF maps to it, so large maps \
+             may fail (give the agent CAP_SYS_RESOURCE)"
+        );
+    }
+}
+
 /// Where the programs may read an skb's checksum state themselves (6.2+): the id of the kfunc
 /// `bpf_cast_to_kern_ctx`, and `sk_buff.ip_summed` as `byte << 8 | bit`. Then a translated
 /// packet whose checksum is complete is fixed in place, without the checksum helper's call.

@@ -14,7 +14,7 @@ use anyhow::Result;
 use http::StatusCode;
 use tokio::task::JoinHandle;
 
-use crate::{
+use super::{
     http_server::{self, Handler, Limits},
     metrics::Metrics,
     proxy_health::ProxyHealth,

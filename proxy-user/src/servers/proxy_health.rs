@@ -14,10 +14,8 @@ use std::{
 
 use serde::Serialize;
 
-use crate::metrics::Metrics;
+use super::metrics::Metrics;
 
-/// The taint the cluster autoscaler puts on a node it is about to delete.
-pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
 
 /// The address families kpr programs (one datapath for both; reported per family like
 /// kube-proxy's per-family proxiers).

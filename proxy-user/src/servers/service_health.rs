@@ -17,12 +17,12 @@ use std::{
 use http::StatusCode;
 use tokio::task::JoinHandle;
 
-pub use crate::http_server::Limits;
-use crate::{
+pub use super::http_server::Limits;
+use super::{
     http_server::{self, Reply},
-    model::ObjectKey,
     proxy_health::ProxyHealth,
 };
+use crate::model::ObjectKey;
 
 type Shared = Arc<Mutex<BTreeMap<u16, (ObjectKey, usize)>>>;
 
