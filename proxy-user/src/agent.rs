@@ -75,7 +75,8 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
         tracing::warn!("{e:#}");
     }
     // Bound first: a port in use is a startup error, before anything is attached.
-    let listeners = crate::servers::proxy_servers::Listeners::bind(cfg.metrics_bind_address, cfg.healthz_bind_address).await?;
+    let listeners =
+        crate::servers::proxy_servers::Listeners::bind(cfg.metrics_bind_address, cfg.healthz_bind_address).await?;
     let metrics = Arc::new(Metrics::new(Some(cfg.datapath.pin_root.clone())));
     // kube-proxy's health timeout: twice syncPeriod.
     let proxy_health = Arc::new(ProxyHealth::new(2 * cfg.sync_period, metrics.clone()));
@@ -790,7 +791,10 @@ mod tests {
             vec![crate::model::node::NodePortAddress::Cidr("192.0.2.0/24".parse().unwrap())];
         syncer.node_dirty = true;
         syncer.sync(&mut maps, &mut host, Instant::now());
-        assert_eq!(syncer.health_bind, crate::servers::service_health::BindTo::Addresses(vec!["192.0.2.5".parse().unwrap()]));
+        assert_eq!(
+            syncer.health_bind,
+            crate::servers::service_health::BindTo::Addresses(vec!["192.0.2.5".parse().unwrap()])
+        );
     }
 
     #[test]

@@ -4,7 +4,6 @@
 pub mod agent;
 pub mod config;
 pub mod datapath;
-pub mod demo;
 pub mod events;
 pub mod inspect;
 pub mod model;
@@ -13,13 +12,12 @@ pub mod servers;
 pub mod settings;
 pub mod source;
 pub mod takeover;
-pub mod testbed;
 
 /// kpr's version and the commit it was built from (`kpr --version`, the agent's first log line).
 pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("KPR_GIT_COMMIT"), ")");
 
 /// SIGTERM (the kubelet stopping the pod, `kill`, `timeout`) or SIGINT (Ctrl-C): the agent's
-/// and the demo's orderly shutdown.
+/// (and the demo's) orderly shutdown.
 pub async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");

@@ -87,12 +87,6 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
-    /// The built-in demo: pods in network namespaces behind a ClusterIP, on this machine only.
-    Demo {
-        /// Keep the demo up (for `bpftool` and `kpr services`) until Ctrl-C.
-        #[arg(long)]
-        keep_running: bool,
-    },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -152,7 +146,6 @@ async fn main() -> Result<()> {
             print_out(output, &report, kpr::inspect::trace::text)
         }
         Command::Cleanup { pin_root, force } => cleanup(&pin_root, force),
-        Command::Demo { keep_running } => kpr::demo::run(keep_running).await,
     }
 }
 

@@ -24,7 +24,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use kpr::testbed::{self, Netns};
+use testbed::Netns;
 
 /// The service range of the test API server.
 pub const SERVICE_CIDR: &str = "10.96.0.0/16";
@@ -598,17 +598,8 @@ impl KubeProxy {
     pub fn http_get(&self, port: u16, path: &str) -> Result<String> {
         let ns = Netns { name: self.netns.clone() };
         let path = path.to_owned();
-        let result = ns.run(move || -> Result<String> {
-            let mut conn = TcpStream::connect_timeout(
-                &SocketAddrV4::new(Ipv4Addr::LOCALHOST, port).into(),
-                Duration::from_secs(2),
-            )?;
-            conn.set_read_timeout(Some(Duration::from_secs(5)))?;
-            conn.write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())?;
-            let mut text = String::new();
-            conn.read_to_string(&mut text)?;
-            Ok(text)
-        });
+        let addr = SocketAddrV4::new(Ipv4Addr::LOCALHOST, port).into();
+        let result = ns.run(move || testbed::http_get(addr, &path, Duration::from_secs(5)).map(|(_, body)| body));
         std::mem::forget(ns); // not ours to delete
         result?
     }

@@ -4,15 +4,13 @@
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpListener},
     path::PathBuf,
-    process::{Child, Command, Stdio},
+    process::Child,
     time::Duration,
 };
 
 use anyhow::{Context as _, Result};
-use kpr::{
-    datapath::bpf,
-    testbed::{self, Cgroup, Topology},
-};
+use kpr::datapath::bpf;
+use testbed::{AgentCommand, Cgroup, Topology};
 
 pub mod cluster;
 pub mod nodes;
@@ -24,11 +22,7 @@ pub const POD_PORT: u16 = 8080;
 pub const TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The `kpr` binary under test: `KPR_BIN` (set by `cargo xtask test`) or the debug build.
-pub fn kpr_bin() -> PathBuf {
-    std::env::var_os("KPR_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/debug/kpr")))
-}
+pub use testbed::kpr_bin;
 
 pub struct Harness {
     pub name: String,
@@ -99,9 +93,10 @@ impl Harness {
 
     /// Start `kpr agent` on this harness's manifests (or kubeconfig), cgroup and pins.
     pub fn start_agent(&mut self) -> Result<()> {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log_path())?;
-        let mut cmd = Command::new(kpr_bin());
-        testbed::die_with_parent(&mut cmd);
+        let cgroup = self.agent_cgroup.as_ref().unwrap_or(&self.cgroup.path);
+        let agent = AgentCommand::new(cgroup, &self.pin_root).args(self.agent_args()).log_to(&self.log_path())?;
+        let mut cmd = agent.command();
+        cmd.env("RUST_LOG", "info");
         if self.agent_own_cgroup {
             if self.agent_home.is_none() {
                 self.agent_home = Some(Cgroup::new(&format!("{}/agent", self.name))?);
@@ -112,28 +107,19 @@ impl Harness {
         if self.agent_in_node_netns {
             self.topology.client.exec_in(&mut cmd)?;
         }
-        let child = cmd
-            .args(self.agent_args_for(self.agent_cgroup.as_ref().unwrap_or(&self.cgroup.path), &self.manifests))
-            .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("failed to start {}", kpr_bin().display()))?;
+        let child = cmd.spawn().with_context(|| format!("failed to start {}", kpr_bin().display()))?;
         self.agent = Some(child);
         Ok(())
     }
 
-    /// `kpr agent`'s arguments for this harness, with the cgroup and manifest directory as the
-    /// agent sees them (a container sees them elsewhere).
-    pub fn agent_args_for(&self, cgroup: &std::path::Path, manifests: &std::path::Path) -> Vec<std::ffi::OsString> {
-        let mut args: Vec<std::ffi::OsString> = vec!["agent".into()];
+    /// `kpr agent`'s arguments for this harness after its cgroup and pins: its source, ports
+    /// and options.
+    fn agent_args(&self) -> Vec<std::ffi::OsString> {
+        let mut args: Vec<std::ffi::OsString> = Vec::new();
         match &self.kubeconfig {
             Some(kubeconfig) => args.extend(["--kubeconfig".into(), kubeconfig.into()]),
-            None => args.extend(["--manifests".into(), manifests.into()]),
+            None => args.extend(["--manifests".into(), self.manifests.clone().into()]),
         }
-        args.extend(["--cgroup".into(), cgroup.into(), "--pin-root".into(), self.pin_root.clone().into()]);
         args.extend(["--node-name", "test-node", "--max-backends", "4096"].map(Into::into));
         args.push(format!("--max-service-ports={}", self.max_service_ports).into());
         args.push(format!("--metrics-bind-address={}", self.metrics_addr).into());

@@ -29,10 +29,8 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use kpr::{
-    datapath::bpf,
-    testbed::{self, Netns},
-};
+use kpr::datapath::bpf;
+use testbed::Netns;
 
 use crate::cluster::{Cluster, Relay, k8s_bin, kubeconfig_yaml, spawn_child};
 

@@ -20,7 +20,7 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use anyhow::Result;
-use kpr::testbed::{NameServer, Netns};
+use testbed::{NameServer, Netns};
 
 pub const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 2);
 pub const NODE_IP_ALT: Ipv4Addr = Ipv4Addr::new(192, 168, 1, 2);
@@ -185,38 +185,21 @@ pub struct KprAgent {
 
 impl KprAgent {
     /// Start it with `config`, sockets of `cgroup` balanced, and `extra` arguments.
-    pub fn start(
-        node: &Netns,
-        config: &std::path::Path,
-        cgroup: &kpr::testbed::Cgroup,
-        tag: &str,
-        extra: &[&str],
-    ) -> Self {
-        use std::process::{Command, Stdio};
+    pub fn start(node: &Netns, config: &std::path::Path, cgroup: &testbed::Cgroup, tag: &str, extra: &[&str]) -> Self {
         let pins = std::path::PathBuf::from(format!("/sys/fs/bpf/{tag}"));
         let manifests = std::env::temp_dir().join(format!("{tag}.manifests"));
         std::fs::create_dir_all(&manifests).unwrap();
         let log = std::env::temp_dir().join(format!("{tag}.log"));
-        let out = std::fs::File::create(&log).unwrap();
-        let mut cmd = Command::new(crate::kpr_bin());
-        kpr::testbed::die_with_parent(&mut cmd);
-        cmd.arg("agent")
-            .arg("--config")
-            .arg(config)
-            .arg("--manifests")
-            .arg(&manifests)
-            .arg("--cgroup")
-            .arg(&cgroup.path)
-            .arg("--pin-root")
-            .arg(&pins)
+        std::fs::File::create(&log).unwrap();
+        let child = testbed::AgentCommand::new(&cgroup.path, &pins)
+            .config(config)
+            .manifests(&manifests)
             .args(["--max-service-ports", "512", "--max-backends", "2048", "--max-conntrack", "8192"])
             .args(extra)
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().unwrap())
-            .stderr(out);
-        node.exec_in(&mut cmd).unwrap();
-        let child = cmd.spawn().expect("kpr starts");
+            .log_to(&log)
+            .and_then(|agent| agent.in_netns(node))
+            .and_then(testbed::AgentCommand::spawn)
+            .expect("kpr starts");
         Self { child: Some(child), pins, manifests, log }
     }
 

@@ -9,8 +9,8 @@ use std::{
     time::Duration,
 };
 
-use kpr::testbed::{tcp_ask, udp_ask};
 use kpr_tests::{Harness, POD_PORT, TIMEOUT, cluster::Cluster, sa};
+use testbed::{tcp_ask, udp_ask};
 
 const HTTP: (&str, u16, &str) = ("http", 80, "TCP");
 const DNS: (&str, u16, &str) = ("dns", 53, "UDP");
@@ -55,7 +55,7 @@ impl Env {
         let ips: Vec<std::net::IpAddr> = pods.iter().map(|&i| self.h.topology.pods[i].ip.into()).collect();
         let slice_ports: Vec<(&str, u16, &str)> = ports.iter().map(|(n, _, p)| (*n, POD_PORT, *p)).collect();
         self.c
-            .apply(&kpr::testbed::slice_manifest("test", service, &format!("{service}-abc12"), &ips, &slice_ports))
+            .apply(&testbed::slice_manifest("test", service, &format!("{service}-abc12"), &ips, &slice_ports))
             .unwrap();
     }
 
@@ -446,8 +446,8 @@ fn a_dual_stack_service_from_the_api_is_served_over_both_families() {
     let slice_ports = [("http", POD_PORT, "TCP")];
     let v4_pods: Vec<IpAddr> = env.h.topology.pods.iter().map(|p| p.ip.into()).collect();
     let v6_pods: Vec<IpAddr> = env.h.topology.pods.iter().map(|p| p.ip6.into()).collect();
-    env.c.apply(&kpr::testbed::slice_manifest("test", "web", "web-ipv4", &v4_pods, &slice_ports)).unwrap();
-    env.c.apply(&kpr::testbed::slice_manifest("test", "web", "web-ipv6", &v6_pods, &slice_ports)).unwrap();
+    env.c.apply(&testbed::slice_manifest("test", "web", "web-ipv4", &v4_pods, &slice_ports)).unwrap();
+    env.c.apply(&testbed::slice_manifest("test", "web", "web-ipv6", &v6_pods, &slice_ports)).unwrap();
     env.h.start_agent().unwrap();
     env.wait(&format!("{v4}:80/TCP"), Some(3));
     env.wait(&format!("[{v6}]:80/TCP"), Some(3));
@@ -460,7 +460,7 @@ fn a_dual_stack_service_from_the_api_is_served_over_both_families() {
         // The service range comes from the ServiceCIDR watch, apart from the Services: it may
         // reach the datapath a sync after them. Asked until the expected error, for a while.
         let refused = |addr: SocketAddr, expected: ErrorKind| {
-            let deadline = std::time::Instant::now() + kpr::testbed::slow(Duration::from_secs(10));
+            let deadline = std::time::Instant::now() + testbed::slow(Duration::from_secs(10));
             loop {
                 let kind = TcpStream::connect_timeout(&addr, TIMEOUT).map(|_| ()).unwrap_err().kind();
                 if kind == expected || std::time::Instant::now() > deadline {

@@ -1,4 +1,4 @@
-//! `kpr demo` (what `cargo xtask run` starts on a machine without a cluster) runs to the end
+//! `kpr-demo` (what `cargo xtask run` starts on a machine without a cluster) runs to the end
 //! and shows what it claims: every pod answering through the ClusterIP, the NodePort reached
 //! from the external client (masqueraded), `kpr trace` of it, and kube-proxy's endpoints.
 //! Needs root.
@@ -6,7 +6,7 @@ use std::process::Command;
 
 #[test]
 fn the_demo_shows_cluster_ip_node_port_trace_and_endpoints() {
-    let out = Command::new(kpr_tests::kpr_bin()).arg("demo").env("NO_COLOR", "1").output().unwrap();
+    let out = Command::new(testbed::demo_bin()).env("NO_COLOR", "1").output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");
@@ -37,14 +37,14 @@ fn the_demo_shows_cluster_ip_node_port_trace_and_endpoints() {
     assert!(!stderr.contains("WARN") && !stderr.contains("ERROR"), "a clean run logs no warnings:\n{stderr}");
 }
 
-/// `kpr demo --keep-running` ended by SIGTERM (`kill`, `timeout`), not Ctrl-C, still removes
+/// `kpr-demo --keep-running` ended by SIGTERM (`kill`, `timeout`), not Ctrl-C, still removes
 /// the network namespaces and bpffs pins it made (SIGTERM's default action would leave them,
 /// and the programs they hold, behind).
 #[test]
 fn a_demo_kept_running_removes_what_it_made_on_sigterm() {
     use std::io::{BufRead as _, BufReader};
-    let mut child = Command::new(kpr_tests::kpr_bin())
-        .args(["demo", "--keep-running"])
+    let mut child = Command::new(testbed::demo_bin())
+        .arg("--keep-running")
         .env("NO_COLOR", "1")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())

@@ -7,11 +7,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use kpr::{
-    source::firewall::forward_filters,
-    testbed::{self, Netns},
-};
+use kpr::source::firewall::forward_filters;
 use kpr_tests::world::{KprAgent, NODE_IP, NODE_IP_ALT, World};
+use testbed::Netns;
 
 #[test]
 fn every_filter_on_the_forward_hook_is_found_and_nothing_else() {

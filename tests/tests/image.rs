@@ -18,9 +18,9 @@ use k8s_openapi::api::{
     apps::v1::DaemonSet,
     core::v1::{ConfigMap, Container as PodContainer},
 };
-use kpr::testbed::tcp_ask;
 use kpr_tests::{Harness, TIMEOUT, sa};
 use sha2::{Digest as _, Sha256};
+use testbed::tcp_ask;
 
 const IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const HTTP: (&str, u16, &str) = ("http", 80, "TCP");
@@ -130,7 +130,7 @@ impl Container {
         let mut c = Self { id: id.to_owned(), state: state.to_owned(), child: None };
         let mut run = c.runc();
         // A test killed outright takes its runc (and so the container's agent) with it.
-        kpr::testbed::die_with_parent(&mut run);
+        testbed::die_with_parent(&mut run);
         let child = run
             .args(["run", "--bundle"])
             .arg(bundle)

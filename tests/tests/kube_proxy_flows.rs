@@ -29,7 +29,6 @@ use std::{
     time::Duration,
 };
 
-use kpr::testbed::{self, Cgroup};
 use kpr_tests::{
     cluster::{Cluster, KubeProxy},
     probe::{Kind, Outcome, probe_from},
@@ -38,6 +37,7 @@ use kpr_tests::{
         is_node_address,
     },
 };
+use testbed::Cgroup;
 
 const NODE: &str = "test-node";
 const PROBE_TIMEOUT: Duration = Duration::from_millis(1000);

@@ -14,12 +14,12 @@ use std::{
     time::Duration,
 };
 
-use kpr::testbed::{NameServer, Topology};
 use kpr_tests::{
     Harness, POD_PORT,
     cluster::{Cluster, KubeProxy, unix_now},
     probe::{Kind, Outcome, probe_in},
 };
+use testbed::{NameServer, Topology};
 
 const PODS: [&str; 3] = ["pod-a", "pod-b", "pod-c"];
 /// Second port the pods serve (TCP and UDP), answering `<pod>:8081`.

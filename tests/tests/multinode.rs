@@ -13,15 +13,13 @@
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, TcpStream},
     path::PathBuf,
-    process::{Child, Command, Stdio},
+    process::{Child, Command},
     time::Duration,
 };
 
 use anyhow::{Context as _, Result};
-use kpr::{
-    datapath::bpf,
-    testbed::{self, Cgroup, NameServer, Netns, tcp_ask, tcp_ask_peer},
-};
+use kpr::datapath::bpf;
+use testbed::{AgentCommand, Cgroup, NameServer, Netns, tcp_ask, tcp_ask_peer};
 
 const POD_PORT: u16 = 8080;
 const EXT_CLIENT: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 100);
@@ -153,26 +151,14 @@ impl Cluster {
     /// agent sees the node's interfaces while bpffs stays the machine's).
     fn start_agent(&mut self, i: usize) -> Result<()> {
         let node = &mut self.nodes[i];
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
-        let mut cmd = Command::new(kpr_tests::kpr_bin());
-        kpr::testbed::die_with_parent(&mut cmd);
-        cmd.arg("agent")
-            .arg("--manifests")
-            .arg(&self.manifests)
-            .arg("--cgroup")
-            .arg(&node.cgroup.path)
-            .arg("--pin-root")
-            .arg(&node.pins)
-            .arg("--config")
-            .arg(&node.config)
+        let agent = AgentCommand::new(&node.cgroup.path, &node.pins)
+            .manifests(&self.manifests)
+            .config(&node.config)
             .args(["--max-service-ports", "256", "--max-backends", "1024", "--max-conntrack", "4096"])
             .args(&self.agent_args)
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log);
-        node.netns.exec_in(&mut cmd)?;
-        node.agent = Some(cmd.spawn().context("failed to start kpr")?);
+            .log_to(&self.log)?
+            .in_netns(&node.netns)?;
+        node.agent = Some(agent.spawn()?);
         Ok(())
     }
 
@@ -575,10 +561,10 @@ fn local_traffic_policy_keeps_the_client_address_and_drops_without_local_endpoin
     assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "node-b has no local endpoint: dropped, not refused ({err})");
 
     // The healthCheckNodePort tells a cloud load balancer which node can serve.
-    let (status_a, body_a) = c.ext(move || http_get(SocketAddrV4::new(a, 31081)));
-    let (status_b, body_b) = c.ext(move || http_get(SocketAddrV4::new(b, 31081)));
-    assert!(status_a.starts_with("HTTP/1.1 200"), "{status_a}");
-    assert!(status_b.starts_with("HTTP/1.1 503"), "{status_b}");
+    let (status_a, body_a) = c.ext(move || health_check(SocketAddrV4::new(a, 31081)));
+    let (status_b, body_b) = c.ext(move || health_check(SocketAddrV4::new(b, 31081)));
+    assert_eq!(status_a, 200, "{body_a}");
+    assert_eq!(status_b, 503, "{body_b}");
     let json = |body: &str| serde_json::from_str::<serde_json::Value>(body).unwrap();
     assert_eq!(
         json(&body_a),
@@ -587,15 +573,11 @@ fn local_traffic_policy_keeps_the_client_address_and_drops_without_local_endpoin
     assert_eq!(json(&body_b)["localEndpoints"], 0);
 }
 
-/// (status line, body) of `GET /` (retried briefly: the server starts with the sync).
-fn http_get(addr: SocketAddrV4) -> (String, String) {
+/// (status, body) of `GET /` (retried briefly: the server starts with the sync).
+fn health_check(addr: SocketAddrV4) -> (u16, String) {
     for _ in 0..50 {
-        if let Ok(mut conn) = TcpStream::connect_timeout(&addr.into(), TIMEOUT) {
-            std::io::Write::write_all(&mut conn, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-            let mut text = String::new();
-            std::io::Read::read_to_string(&mut conn, &mut text).unwrap();
-            let (head, body) = text.split_once("\r\n\r\n").unwrap();
-            return (head.lines().next().unwrap().to_owned(), body.to_owned());
+        if let Ok(answer) = testbed::http_get(addr.into(), "/", TIMEOUT) {
+            return answer;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -1063,7 +1045,7 @@ mod sctp {
     };
 
     use anyhow::{Result, bail};
-    use kpr::testbed::Netns;
+    use testbed::Netns;
 
     fn socket(timeout: Duration) -> std::io::Result<OwnedFd> {
         // SAFETY: plain syscalls on a descriptor this function owns.

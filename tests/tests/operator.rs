@@ -4,12 +4,12 @@
 //! Needs root; run one at a time (`cargo xtask test` does).
 use std::{
     net::{Ipv4Addr, TcpListener},
-    process::{Command, Stdio},
+    process::Command,
     time::{Duration, Instant},
 };
 
-use kpr::testbed::tcp_ask;
 use kpr_tests::{Harness, TIMEOUT, http_get, sa};
+use testbed::tcp_ask;
 
 const IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const OTHER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 11);
@@ -152,18 +152,12 @@ fn a_taken_server_port_is_a_startup_error_naming_it() {
     let taken = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap();
     let h = Harness::new("kop-bind", &[]).unwrap();
-    let out = Command::new(kpr_tests::kpr_bin())
-        .args(["agent", "--manifests"])
-        .arg(&h.manifests)
-        .arg("--pin-root")
-        .arg(&h.pin_root)
-        .arg("--cgroup")
-        .arg(&h.cgroup.path)
+    let out = testbed::AgentCommand::new(&h.cgroup.path, &h.pin_root)
+        .manifests(&h.manifests)
         .args(["--interfaces", "none"])
         .arg(format!("--metrics-bind-address={addr}"))
         .arg(format!("--healthz-bind-address={}", h.healthz_addr))
-        .env("NO_COLOR", "1")
-        .stdin(Stdio::null())
+        .command()
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -8,8 +8,8 @@ use std::{
     time::Duration,
 };
 
-use kpr::testbed::{tcp_ask, udp_ask, udp_connected_ask};
 use kpr_tests::{Harness, POD_PORT, TIMEOUT, sa, sa6};
+use testbed::{tcp_ask, udp_ask, udp_connected_ask};
 
 const IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const HTTP: (&str, u16, &str) = ("http", 80, "TCP");
@@ -247,13 +247,13 @@ fn malformed_manifests_are_skipped_and_good_services_keep_working() {
     h.write("0-garbage.yaml", "kind: Service\n  this: is: not yaml\n").unwrap();
     h.write(
         "1-bad-ip.yaml",
-        &kpr::testbed::service_manifest("test", "bad-ip", &[Ipv4Addr::new(10, 96, 0, 20).into()], &[HTTP])
+        &testbed::service_manifest("test", "bad-ip", &[Ipv4Addr::new(10, 96, 0, 20).into()], &[HTTP])
             .replace("10.96.0.20", "10.96.0.300"),
     )
     .unwrap();
     h.write(
         "2-bad-port.yaml",
-        &kpr::testbed::service_manifest(
+        &testbed::service_manifest(
             "test",
             "bad-port",
             &[Ipv4Addr::new(10, 96, 0, 21).into()],
@@ -368,7 +368,7 @@ fn restarts_reconcile_pinned_hooks_with_the_layout_and_the_cgroup() {
     h.start_agent().unwrap();
     h.wait("10.96.0.10:80/TCP", Some(1)).unwrap();
     // Once the new agent's first sync is written.
-    let deadline = std::time::Instant::now() + kpr::testbed::slow(TIMEOUT);
+    let deadline = std::time::Instant::now() + testbed::slow(TIMEOUT);
     while old.exists() && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -378,10 +378,10 @@ fn restarts_reconcile_pinned_hooks_with_the_layout_and_the_cgroup() {
 
     // A restart with another --cgroup moves the hooks there.
     h.kill_agent().unwrap();
-    let other = kpr::testbed::Cgroup::new(&format!("{}-b", h.name)).unwrap();
+    let other = testbed::Cgroup::new(&format!("{}-b", h.name)).unwrap();
     h.agent_cgroup = Some(other.path.clone());
     h.start_agent().unwrap();
-    let deadline = std::time::Instant::now() + kpr::testbed::slow(TIMEOUT);
+    let deadline = std::time::Instant::now() + testbed::slow(TIMEOUT);
     while kpr_hooks_on(&other.path) < hooks && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -417,7 +417,7 @@ fn an_older_layouts_maps_are_carried_and_a_changed_map_made_anew() {
     std::fs::rename(&current, &old).unwrap();
     replace_pin(&old, proxy_common::map_names::AFFINITY, &["type", "hash", "key", "4", "value", "4", "entries", "16"]);
     h.start_agent().unwrap();
-    let deadline = std::time::Instant::now() + kpr::testbed::slow(TIMEOUT);
+    let deadline = std::time::Instant::now() + testbed::slow(TIMEOUT);
     while old.exists() && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -434,7 +434,7 @@ fn an_older_layouts_maps_are_carried_and_a_changed_map_made_anew() {
     replace_pin(&current, proxy_common::map_names::COUNTERS, &counters);
     h.start_agent().unwrap();
     let made_anew = "a pinned map differs from this build's: made anew map=KPR_COUNTERS";
-    let deadline = std::time::Instant::now() + kpr::testbed::slow(TIMEOUT);
+    let deadline = std::time::Instant::now() + testbed::slow(TIMEOUT);
     let mut log = String::new();
     while !log.contains(made_anew) && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
@@ -444,7 +444,7 @@ fn an_older_layouts_maps_are_carried_and_a_changed_map_made_anew() {
     // The agent is up on the new map once it says so after the warning (under emulation the
     // load takes seconds).
     let attached = |log: &str| log.split(made_anew).nth(1).is_some_and(|after| after.contains("datapath attached"));
-    while !attached(&log) && std::time::Instant::now() < deadline + kpr::testbed::slow(TIMEOUT) {
+    while !attached(&log) && std::time::Instant::now() < deadline + testbed::slow(TIMEOUT) {
         std::thread::sleep(Duration::from_millis(50));
         log = std::fs::read_to_string(h.log_path()).unwrap();
     }
@@ -459,10 +459,10 @@ fn an_older_layouts_maps_are_carried_and_a_changed_map_made_anew() {
 /// A node address with its real owner listening (the API server, say), a Service `web` that
 /// claims it as an externalIP (CVE-2020-8554) with pod-a behind it, and the agent started as
 /// `own_cgroup` says, in the node's namespace. Returns the address.
-fn external_ip_takeover(h: &mut Harness, own_cgroup: bool) -> (Ipv4Addr, kpr::testbed::NameServer) {
+fn external_ip_takeover(h: &mut Harness, own_cgroup: bool) -> (Ipv4Addr, testbed::NameServer) {
     const OWNED: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
     h.topology.client.ip(&["addr", "add", &format!("{OWNED}/32"), "dev", "lo"]).unwrap();
-    let owner = kpr::testbed::NameServer::tcp(&h.topology.client, sa(OWNED, 80), "owner").unwrap();
+    let owner = testbed::NameServer::tcp(&h.topology.client, sa(OWNED, 80), "owner").unwrap();
     start_with_external_ip(h, OWNED, own_cgroup);
     h.wait(&format!("{OWNED}:80/TCP node"), Some(1)).unwrap();
     (OWNED, owner)
@@ -471,7 +471,7 @@ fn external_ip_takeover(h: &mut Harness, own_cgroup: bool) -> (Ipv4Addr, kpr::te
 /// The Service `web` with pod-a behind it, claiming `addr` as an externalIP, and the agent
 /// started in the node's namespace (alone in its cgroup with `own_cgroup`, as a DaemonSet).
 fn start_with_external_ip(h: &mut Harness, addr: Ipv4Addr, own_cgroup: bool) {
-    let manifest = kpr::testbed::service_manifest("test", "web", &[IP.into()], &[HTTP])
+    let manifest = testbed::service_manifest("test", "web", &[IP.into()], &[HTTP])
         .replace("  ports:\n", &format!("  externalIPs: [{addr}]\n  ports:\n"));
     h.write("web-svc.yaml", &manifest).unwrap();
     h.write_endpoints("web", &[HTTP], &[0]).unwrap();
@@ -517,7 +517,7 @@ fn host_external_ips_local_keeps_the_nodes_connections_to_other_machines() {
         // The API server: another machine (here the second pod's namespace), routed to.
         let api = &h.topology.pods[1];
         api.netns.ip(&["addr", "add", &format!("{REMOTE}/32"), "dev", "eth0"]).unwrap();
-        let _apiserver = kpr::testbed::NameServer::tcp(&api.netns, sa(REMOTE, 80), "apiserver").unwrap();
+        let _apiserver = testbed::NameServer::tcp(&api.netns, sa(REMOTE, 80), "apiserver").unwrap();
         h.topology.client.ip(&["route", "add", &format!("{REMOTE}/32"), "via", &api.ip.to_string()]).unwrap();
         h.agent_args = args.iter().map(|a| (*a).to_owned()).collect();
         start_with_external_ip(&mut h, REMOTE, true);
@@ -546,7 +546,7 @@ fn an_agent_sharing_its_cgroup_exempts_nobody() {
 #[test]
 fn session_affinity_keeps_a_client_on_its_endpoint_until_it_leaves_or_times_out() {
     let mut h = Harness::new("kt-affinity", &["pod-a", "pod-b", "pod-c"]).unwrap();
-    let manifest = kpr::testbed::service_manifest("test", "web", &[IP.into()], &[HTTP, DNS]).replace(
+    let manifest = testbed::service_manifest("test", "web", &[IP.into()], &[HTTP, DNS]).replace(
         "  ports:\n",
         "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 1}}\n  ports:\n",
     );
@@ -623,7 +623,7 @@ fn a_connected_udp_socket_whose_endpoint_leaves_is_aborted_and_reconnects_elsewh
             Ok(name) => assert_eq!(name, gone, "before the abort it still talks to its endpoint"),
             Err(e) => break e,
         }
-        assert!(removed.elapsed() < kpr::testbed::slow(Duration::from_secs(1)), "never aborted");
+        assert!(removed.elapsed() < testbed::slow(Duration::from_secs(1)), "never aborted");
         std::thread::sleep(Duration::from_millis(10));
     };
     let kinds = [Some(libc::ECONNABORTED), Some(libc::EDESTADDRREQ)];
@@ -659,7 +659,7 @@ fn an_ipv6_cluster_ip_is_balanced_and_the_app_sees_the_cluster_ip() {
             tcp_ask(sa6(IP6, 80), TIMEOUT).unwrap(),
             udp_ask(sa6(IP6, 53), TIMEOUT).unwrap(),
             udp_connected_ask(sa6(IP6, 53), TIMEOUT).unwrap(),
-            kpr::testbed::tcp_ask_peer(sa6(IP6, 80), TIMEOUT).unwrap(),
+            testbed::tcp_ask_peer(sa6(IP6, 80), TIMEOUT).unwrap(),
         )
     });
     assert_answered_as_the_cluster_ip(&pods, IP6.into(), [&tcp, &udp, &udp_conn]);
@@ -703,7 +703,7 @@ fn a_dual_stack_service_is_reached_over_both_families_and_through_mapped_address
             |addr: SocketAddr| -> BTreeSet<String> { (0..60).map(|_| tcp_ask(addr, TIMEOUT).unwrap().0).collect() };
         let (_, mapped_peer) = tcp_ask(sa6(mapped, 80), TIMEOUT).unwrap();
         let mapped_udp = udp_ask(sa6(mapped, 53), TIMEOUT).unwrap();
-        let (_, source) = kpr::testbed::tcp_ask_peer(sa6(mapped, 80), TIMEOUT).unwrap();
+        let (_, source) = testbed::tcp_ask_peer(sa6(mapped, 80), TIMEOUT).unwrap();
         (
             names(sa(IP, 80).into()),
             names(sa6(IP6, 80).into()),

@@ -15,11 +15,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use kpr::testbed::{self, Cgroup, Netns};
 use kpr_tests::{
     cluster::{Cluster, KubeProxy},
     world::{EXT_CLIENT, KprAgent, NODE_IP, World},
 };
+use testbed::{Cgroup, Netns};
 
 const NODE: &str = "test-node";
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 50);

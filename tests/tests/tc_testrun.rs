@@ -18,7 +18,6 @@ use kpr::{
         cidr::Cidr,
         desired::{Desired, DesiredPort, frontend_key},
     },
-    testbed,
 };
 use proxy_common::{
     Addr, CidrKey, CtKey, CtKey4, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, LINK_FLAG_TC_INGRESS, LinkInfo,

@@ -42,12 +42,12 @@ enum Cmd {
         #[arg(last = true)]
         args: Vec<String>,
     },
-    /// Run every test: formatting, unit tests, then the privileged datapath and end-to-end tests
+    /// Run every test: formatting, lints, unit tests, then the privileged datapath and end-to-end tests
     /// (root) on this machine's kernel, then the privileged suites in VMs of other kernels.
     Test {
         /// Only run tests whose name contains this filter.
         filter: Option<String>,
-        /// Only the formatting check and the unit tests: no root, no kernel (the quick loop).
+        /// Only the formatting and lint checks and the unit tests: no root, no kernel (the quick loop).
         #[arg(long, conflicts_with_all = ["host", "kernels"])]
         unit: bool,
         /// The unit tests and the privileged suites on this machine's kernel: no e2e specs, no VMs.
@@ -129,18 +129,18 @@ fn run_command() -> Result<()> {
         Cmd::Run { kubeconfig, release, args } => {
             let env = setup::ensure_all(&root)?;
             build(&root, &env, release)?;
-            let kpr = target_bin(&root, release, "kpr");
-            let mut cmd = Command::new(&kpr);
-            match kubeconfig {
+            let mut cmd = match kubeconfig {
                 Some(kubeconfig) => {
                     println!("xtask: running the agent against the cluster in {}", kubeconfig.display());
+                    let mut cmd = Command::new(target_bin(&root, release, "kpr"));
                     cmd.arg("agent").arg("--kubeconfig").arg(kubeconfig);
+                    cmd
                 }
                 None => {
                     println!("xtask: no kubeconfig given: running the built-in demo");
-                    cmd.arg("demo");
+                    Command::new(target_bin(&root, release, "kpr-demo"))
                 }
-            }
+            };
             run(cmd.args(args))
         }
         Cmd::Test { filter, unit, host, kernels } => {
@@ -191,7 +191,8 @@ fn run_command() -> Result<()> {
 
 fn build(root: &Path, env: &setup::Env, release: bool) -> Result<()> {
     let mut cmd = env.cargo(root);
-    cmd.args(["build", "--package", "proxy-user"]);
+    // The agent and the demo.
+    cmd.args(["build", "--package", "proxy-user", "--package", "kpr-testbed"]);
     if release {
         cmd.arg("--release");
     }
@@ -200,7 +201,7 @@ fn build(root: &Path, env: &setup::Env, release: bool) -> Result<()> {
 
 /// How much of the test suite `cargo xtask test` runs.
 enum TestScope {
-    /// Formatting and unit tests.
+    /// Formatting, lints and unit tests.
     Unit,
     /// And the privileged suites on this machine's kernel.
     Host,
@@ -210,7 +211,7 @@ enum TestScope {
     All,
 }
 
-/// The formatting check and the unit tests of every crate, then the privileged tests one at a
+/// The formatting and lint checks and the unit tests of every crate, then the privileged tests one at a
 /// time (they share the kernel), the e2e conformance specs, then the privileged suites on each
 /// VM kernel; `scope` stops earlier or runs only VMs.
 fn test(root: &Path, env: &setup::Env, filter: Option<&str>, scope: &TestScope) -> Result<()> {
@@ -226,6 +227,15 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>, scope: &TestScope) 
     let fmt = env.cargo(root).args(["fmt", "--all", "--check"]).status().context("failed to run cargo fmt")?;
     if !fmt.success() {
         bail!("the code is not formatted as rustfmt.toml says: run `cargo fmt --all`");
+    }
+    // Every host crate and its tests (the eBPF crate builds only for the BPF target).
+    let clippy = env
+        .cargo(root)
+        .args(["clippy", "--workspace", "--exclude", "proxy-ebpf", "--all-targets", "--", "-D", "warnings"])
+        .status()
+        .context("failed to run cargo clippy")?;
+    if !clippy.success() {
+        bail!("cargo clippy found warnings (see above)");
     }
     let mut unit = env.cargo(root);
     unit.args(["test", "--no-fail-fast", "--package", "proxy-common", "--package", "proxy-user", "--package", "xtask"]);

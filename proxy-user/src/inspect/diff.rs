@@ -9,8 +9,8 @@ use serde::Serialize;
 use super::services::PortView;
 use crate::{
     datapath::{Drift, Programmed, backend},
-    model::display_key,
     model::desired::{Desired, DesiredPort},
+    model::display_key,
 };
 
 #[derive(Debug, Serialize)]

@@ -6,3 +6,23 @@ pub mod diff;
 pub mod services;
 pub mod status;
 pub mod trace;
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpStream},
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result};
+
+/// `GET path` over HTTP/1.1 (one request, then close): (status code, body).
+pub fn http_get(addr: SocketAddr, path: &str, timeout: Duration) -> Result<(u16, String)> {
+    let mut conn = TcpStream::connect_timeout(&addr, timeout)?;
+    conn.set_read_timeout(Some(timeout))?;
+    write!(conn, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer)?;
+    let (head, body) = answer.split_once("\r\n\r\n").context("no end of headers")?;
+    let status = head.split(' ').nth(1).and_then(|c| c.parse().ok()).context("no status code")?;
+    Ok((status, body.to_owned()))
+}

@@ -2,14 +2,7 @@
 //! datapath attached, what is it falling back to, how full are its maps, and which counters
 //! say something went wrong. Read from the pins and the agent's health server, so it also
 //! works while the agent is down.
-use std::{
-    collections::BTreeMap,
-    fmt::Write as _,
-    io::{Read as _, Write as _},
-    net::{SocketAddr, TcpStream},
-    path::Path,
-    time::Duration,
-};
+use std::{collections::BTreeMap, fmt::Write as _, net::SocketAddr, path::Path, time::Duration};
 
 use anyhow::Result;
 use proxy_common::counter;
@@ -141,25 +134,14 @@ fn links(pin_root: &Path) -> Result<Vec<LinkView>> {
 
 /// `/readyz` and `/healthz` of the agent's health server at `address`.
 fn health(address: SocketAddr) -> Option<HealthView> {
-    let (ready, _) = get(address, "/readyz")?;
-    let (healthz_status, body) = get(address, "/healthz")?;
+    // The health server's answers are one small body each.
+    let get = |path| super::http_get(address, path, Duration::from_secs(1)).ok();
+    let (ready, _) = get("/readyz")?;
+    let (healthz_status, body) = get("/healthz")?;
     let last_updated = serde_json::from_str::<serde_json::Value>(&body)
         .ok()
         .and_then(|v| v.get("lastUpdated")?.as_str().map(str::to_owned));
     Some(HealthView { address, ready: ready == 200, healthz_status, last_updated })
-}
-
-/// A plain HTTP/1.0 GET (the health server's answers are one small body): status and body.
-fn get(address: SocketAddr, path: &str) -> Option<(u16, String)> {
-    let timeout = Duration::from_secs(1);
-    let mut conn = TcpStream::connect_timeout(&address, timeout).ok()?;
-    conn.set_read_timeout(Some(timeout)).ok()?;
-    conn.write_all(format!("GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n").as_bytes()).ok()?;
-    let mut answer = String::new();
-    conn.read_to_string(&mut answer).ok()?;
-    let status = answer.split_whitespace().nth(1)?.parse().ok()?;
-    let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
-    Some((status, body))
 }
 
 pub fn text(r: &StatusReport) -> String {

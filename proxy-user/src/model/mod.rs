@@ -228,7 +228,6 @@ pub enum Skip {
     NoServiceLabel,
 }
 
-
 /// `10.96.0.10:80/TCP` (`[fd00::10]:80/TCP`) as pods see it; the other scopes are marked
 /// (`ext`: from outside, `node`: from the node); a NodePort shows as `*:30080/TCP ext`
 /// (`[*]:30080/TCP ext` for IPv6).

@@ -73,9 +73,8 @@ impl NodeObject {
             .or_else(|| spec.and_then(|s| s.pod_cidr.clone()).map(|c| vec![c]))
             .unwrap_or_default();
         let pod_cidrs = raw_cidrs.iter().filter_map(|c| c.parse().ok()).collect();
-        let tainted = spec
-            .and_then(|s| s.taints.as_ref())
-            .is_some_and(|t| t.iter().any(|t| t.key == TO_BE_DELETED_TAINT));
+        let tainted =
+            spec.and_then(|s| s.taints.as_ref()).is_some_and(|t| t.iter().any(|t| t.key == TO_BE_DELETED_TAINT));
         let draining = node.metadata.deletion_timestamp.is_some() || tainted;
         Self { zone, addresses, pod_cidrs, draining }
     }

@@ -16,7 +16,6 @@ use serde::Serialize;
 
 use super::metrics::Metrics;
 
-
 /// The address families kpr programs (one datapath for both; reported per family like
 /// kube-proxy's per-family proxiers).
 const FAMILIES: [&str; 1] = ["IPv4"];

@@ -18,8 +18,8 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use kpr::testbed::NameServer;
 use kpr_tests::probe::{Kind, probe};
+use testbed::NameServer;
 
 const USAGE: &str = "usage: kpr-probe <tcp|udp|udp-connected|tcp-src|udp-src> <ip:port> <count> <timeout-ms> [source-ip]\n\
                      \x20      kpr-probe serve <name> <port>... | hold <ip:port> | pause [label]";

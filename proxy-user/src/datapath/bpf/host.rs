@@ -51,7 +51,8 @@ impl HostState {
 
 /// `KPR_LINKS`: the node's links as the programs know them, by ifindex (and the special entries).
 pub fn read_links(pin_root: &Path) -> Result<Vec<(u32, LinkInfo)>> {
-    let map: HashMap<MapData, u32, LinkInfo> = HashMap::try_from(Map::HashMap(open_pinned_map(pin_root, map_names::LINKS)?))?;
+    let map: HashMap<MapData, u32, LinkInfo> =
+        HashMap::try_from(Map::HashMap(open_pinned_map(pin_root, map_names::LINKS)?))?;
     Ok(map.iter().filter_map(Result::ok).collect())
 }
 

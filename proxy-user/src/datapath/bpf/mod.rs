@@ -24,6 +24,7 @@ use aya::{
     util::KernelVersion,
 };
 
+pub(crate) use self::object::kernel_since;
 use self::{
     cgroup::{HOOKS, attach_sock_release, reuse_cgroup_link},
     object::start_ebpf_logger,
@@ -34,11 +35,11 @@ pub use self::{
     host::{BpfHost, HostDatapath, HostState, cleanup, link_name, read_links, write_service_ranges},
     maps::{BpfMaps, NodeView, read_counters, read_node_view},
     object::{
-        DatapathConfig, ForwardDirect, flow_hash_seed, load_tc_programs, open_object, raise_memlock_limit, snat_port_range,
+        DatapathConfig, ForwardDirect, flow_hash_seed, load_tc_programs, open_object, raise_memlock_limit,
+        snat_port_range,
     },
     pins::{AgentLock, open_pinned_map, other_layout_names, pin_dir, pins_missing},
 };
-pub(crate) use self::object::kernel_since;
 
 /// The service maps, and the host side (programs, links, node maps).
 pub struct BpfDatapath {

@@ -25,10 +25,10 @@ use kpr::{
         desired::{Desired, DesiredPort, service_key},
         node::{NodeSettings, TcLinks},
     },
-    testbed::{self, Cgroup, Topology},
 };
 use kpr_tests::Harness;
 use serde_json::json;
+use testbed::{Cgroup, Topology};
 
 const TARGET_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const TARGET_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x10);

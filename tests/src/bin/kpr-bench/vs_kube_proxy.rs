@@ -21,12 +21,12 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use kpr::testbed::{self, Cgroup, Netns};
 use kpr_tests::{
     cluster::{Cluster, KubeProxy, Relay, kubeconfig_yaml},
     world::{NODE_IP, World},
 };
 use serde_json::json;
+use testbed::{Cgroup, Netns};
 
 use super::{BENCH_PORT, one_connection, percentile};
 
@@ -87,22 +87,11 @@ impl Kpr {
             format!("{}clientConnection:\n  kubeconfig: {}\n", config("iptables"), kubeconfig.display()),
         )?;
         let pins = PathBuf::from(format!("/sys/fs/bpf/{tag}"));
-        let log = std::fs::File::create(std::env::temp_dir().join(format!("{tag}.log")))?;
-        let mut cmd = Command::new(kpr_tests::kpr_bin());
-        testbed::die_with_parent(&mut cmd);
-        cmd.arg("agent")
-            .arg("--config")
-            .arg(&file)
-            .arg("--cgroup")
-            .arg(&cgroup.path)
-            .arg("--pin-root")
-            .arg(&pins)
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log);
-        world.node.exec_in(&mut cmd)?;
-        Ok(Self { child: cmd.spawn().context("kpr starts")?, pins })
+        let log = std::env::temp_dir().join(format!("{tag}.log"));
+        std::fs::File::create(&log)?;
+        let agent =
+            testbed::AgentCommand::new(&cgroup.path, &pins).config(&file).log_to(&log)?.in_netns(&world.node)?;
+        Ok(Self { child: agent.spawn()?, pins })
     }
 }
 

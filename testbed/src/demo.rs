@@ -1,6 +1,6 @@
-//! `kpr demo` (what `cargo xtask run` starts without a kubeconfig): a "node" network namespace
+//! The demo (`kpr-demo`, what `cargo xtask run` starts without a kubeconfig): a "node" network namespace
 //! with three "pods" behind a NodePort Service and an "external" client beside it; the agent
-//! (this binary, `kpr agent`) runs inside the node namespace on a dedicated cgroup, reading
+//! (`kpr agent`) runs inside the node namespace on a dedicated cgroup, reading
 //! manifests. It shows connections spread over the pods through the ClusterIP (socket path)
 //! and through the NodePort from outside (per-packet path), a scale-down, `kpr trace`, and
 //! the kube-proxy endpoints. Everything stays in namespaces this demo made and is removed on
@@ -19,10 +19,9 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::{
-    datapath::bpf,
-    testbed::{self, Cgroup, Netns, PinRoot, Topology},
-};
+use kpr::datapath::bpf;
+
+use crate::{self as testbed, AgentCommand, Cgroup, Netns, PinRoot, Topology};
 
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x10);
@@ -45,7 +44,7 @@ fn service_manifest() -> String {
 }
 
 pub async fn run(keep_running: bool) -> Result<()> {
-    if !crate::testbed::is_root() {
+    if !testbed::is_root() {
         bail!("the demo needs root (network namespaces, cgroups, BPF)");
     }
     let tag = format!("kpr-demo-{}", std::process::id());
@@ -55,7 +54,7 @@ pub async fn run(keep_running: bool) -> Result<()> {
         // SIGTERM too (`kill`, `timeout`): its default action would end the demo before it
         // removes the namespaces, cgroup and pins it made.
         tokio::spawn(async move {
-            crate::shutdown_signal().await;
+            kpr::shutdown_signal().await;
             interrupted.store(true, Ordering::Relaxed);
         });
     }
@@ -135,9 +134,9 @@ pub async fn run(keep_running: bool) -> Result<()> {
 
         println!("\ndemo: why an external connection goes where it goes (`kpr trace {EXTERNAL_IP} {NODE_IP}:{NODE_PORT}/TCP`):");
         let destination = format!("{NODE_IP}:{NODE_PORT}/TCP").parse()?;
-        print!("{}", crate::inspect::trace::text(&crate::inspect::trace::trace(&pin_root.0, EXTERNAL_IP.into(), destination, None)?));
+        print!("{}", kpr::inspect::trace::text(&kpr::inspect::trace::trace(&pin_root.0, EXTERNAL_IP.into(), destination, None)?));
         println!("\ndemo: what the datapath holds (`kpr services --pin-root {}`):", pin_root.0.display());
-        print!("{}", crate::inspect::services::render(&pin_root.0)?);
+        print!("{}", kpr::inspect::services::render(&pin_root.0)?);
         println!("\ndemo: kube-proxy's endpoints, inside the node namespace:");
         for (port, path) in [(10256, "/healthz"), (10249, "/proxyMode")] {
             let (code, body) =
@@ -179,28 +178,18 @@ impl Agent {
         pins: &std::path::Path,
         log: &std::path::Path,
     ) -> Result<Self> {
-        let out = std::fs::File::create(log)?;
-        let mut cmd = Command::new(std::env::current_exe()?);
-        cmd.arg("agent")
-            .arg("--manifests")
-            .arg(manifests)
-            .arg("--cgroup")
-            .arg(cgroup)
-            .arg("--pin-root")
-            .arg(pins)
+        std::fs::File::create(log)?;
+        // In the node namespace: the per-packet programs go on the node's links (the pods'
+        // and the external client's veths), never the host's.
+        let agent = AgentCommand::new(cgroup, pins)
+            .manifests(manifests)
             .args(["--node-name", "demo-node", "--iptables-min-sync-period", "0s"])
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(out.try_clone()?)
-            .stderr(out);
-        // Joins the node namespace before exec: the per-packet programs go on the node's links
-        // (the pods' and the external client's veths), never the host's.
-        node.exec_in(&mut cmd)?;
-        crate::testbed::die_with_parent(&mut cmd);
-        let mut cleanup = Command::new(std::env::current_exe()?);
+            .log_to(log)?
+            .in_netns(node)?;
+        let mut cleanup = Command::new(testbed::kpr_bin());
         cleanup.args(["cleanup", "--pin-root"]).arg(pins).stdout(Stdio::null());
         node.exec_in(&mut cleanup)?;
-        Ok(Self(cmd.spawn().context("failed to start the agent")?, cleanup))
+        Ok(Self(agent.spawn()?, cleanup))
     }
 }
 

@@ -1,6 +1,10 @@
 //! Network namespaces, cgroups and small name servers: the "pods" and "node" of the demo, the
 //! privileged tests and the benchmarks. Everything created here is uniquely named and removed
-//! on drop, and no namespace made here has a route off the machine.
+//! on drop, and no namespace made here has a route off the machine. Not part of the shipped
+//! `kpr`: the demo (`kpr-demo`), the privileged tests and the benchmarks link it.
+mod agent;
+pub mod demo;
+
 use std::{
     fs::{self, File},
     io::{BufRead as _, BufReader, Read as _, Write as _},
@@ -15,6 +19,9 @@ use std::{
     thread::JoinHandle,
     time::Duration,
 };
+
+pub use agent::{AgentCommand, demo_bin, kpr_bin};
+pub use kpr::inspect::http_get;
 
 use anyhow::{Context as _, Result, bail};
 
@@ -148,7 +155,7 @@ impl PinRoot {
 
 impl Drop for PinRoot {
     fn drop(&mut self) {
-        if let Err(e) = crate::datapath::bpf::cleanup(&self.0) {
+        if let Err(e) = kpr::datapath::bpf::cleanup(&self.0) {
             eprintln!("testbed: failed to remove the pins under {}: {e:#}", self.0.display());
         }
     }
@@ -156,14 +163,14 @@ impl Drop for PinRoot {
 
 impl Cgroup {
     pub fn new(name: &str) -> Result<Self> {
-        let path = crate::datapath::bpf::cgroup2_root()?.join(name);
+        let path = kpr::datapath::bpf::cgroup2_root()?.join(name);
         fs::create_dir(&path).with_context(|| format!("failed to create cgroup {}", path.display()))?;
         Ok(Self { path, entered_from: None })
     }
 
     pub fn enter(&mut self) -> Result<()> {
         if self.entered_from.is_none() {
-            self.entered_from = Some(crate::datapath::bpf::own_cgroup()?);
+            self.entered_from = Some(kpr::datapath::bpf::own_cgroup()?);
         }
         fs::write(self.path.join("cgroup.procs"), std::process::id().to_string())
             .with_context(|| format!("failed to join cgroup {}", self.path.display()))
@@ -398,18 +405,6 @@ pub fn any_port_of(addr: &SocketAddr) -> SocketAddr {
     SocketAddr::new(ip, 0)
 }
 
-/// `GET path` over HTTP/1.1 (one request, then close): (status code, body).
-pub fn http_get(addr: SocketAddr, path: &str, timeout: Duration) -> Result<(u16, String)> {
-    let mut conn = TcpStream::connect_timeout(&addr, timeout)?;
-    conn.set_read_timeout(Some(timeout))?;
-    write!(conn, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
-    let mut answer = String::new();
-    conn.read_to_string(&mut answer)?;
-    let (head, body) = answer.split_once("\r\n\r\n").context("no end of headers")?;
-    let status = head.split(' ').nth(1).and_then(|c| c.parse().ok()).context("no status code")?;
-    Ok((status, body.to_owned()))
-}
-
 /// `timeout` stretched by `KPR_TEST_TIME_SCALE` (the VM runs under software emulation, where
 /// loading the programs takes seconds): waits for the agent, never the traffic's own timeouts.
 pub fn slow(timeout: Duration) -> Duration {
@@ -492,7 +487,7 @@ pub fn wait_for_backends(
     timeout: Duration,
     ok: impl Fn(Option<&[(std::net::IpAddr, u16)]>) -> bool,
 ) -> Result<()> {
-    use crate::{
+    use kpr::{
         datapath::{Maps as _, backend_addr, bpf::BpfMaps},
         model::display_key,
     };
