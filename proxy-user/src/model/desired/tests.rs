@@ -1,0 +1,308 @@
+
+use super::*;
+use crate::model::tests::{service_yaml, slice_yaml};
+
+fn web(ip: &str) -> Service {
+    service_yaml(&format!(
+        "metadata: {{name: web, namespace: shop}}\nspec: {{clusterIP: {ip}, ports: [{{name: http, port: 80}}, {{name: dns, port: 53, protocol: UDP}}]}}"
+    ))
+}
+fn slice(name: &str, ips: &[&str]) -> EndpointSlice {
+    let eps: Vec<String> = ips.iter().map(|ip| format!("{{addresses: [{ip}]}}")).collect();
+    slice_yaml(&format!(
+        "metadata: {{name: {name}, namespace: shop, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080}}, {{name: dns, port: 5353, protocol: UDP}}]\nendpoints: [{}]",
+        eps.join(", ")
+    ))
+}
+fn backends(d: &Desired, ip: &str, port: u16, protocol: Protocol) -> Vec<String> {
+    let key = service_key(ip.parse::<IpAddr>().unwrap(), port, protocol);
+    d[&key].backends.iter().map(|(ip, p)| format!("{ip}:{p}")).collect()
+}
+
+#[test]
+fn nothing_until_both_lists_synced() {
+    let mut st = ClusterState::new(NodeInfo::default());
+    st.replace_services(vec![web("10.96.0.10")]);
+    assert!(!st.synced());
+    st.replace_slices(vec![]);
+    assert!(st.synced());
+}
+
+/// kube-proxy's proxier per family: a dual-stack Service has entries in both, each with
+/// the endpoints of its family's slices, its family's externalIPs, LoadBalancer IPs and
+/// source ranges, and a NodePort of its family; a single-stack Service is absent from
+/// the other family's rules (its NodePort too).
+#[test]
+fn each_family_sees_its_own_addresses_and_endpoints() {
+    let node = NodeInfo { addresses: vec!["fd00::1".parse().unwrap()], ..NodeInfo::default() };
+    let mut st = ClusterState::new(node);
+    let dual = service_yaml(
+        "metadata: {name: web, namespace: shop}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10, 'fd00:96::10'], ipFamilies: [IPv4, IPv6], externalIPs: [192.0.2.7, '2001:db8::7'], loadBalancerSourceRanges: ['198.51.100.0/24', 'fd00::/64'], ports: [{name: http, port: 80, nodePort: 30080}]}\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.9}, {ip: '2001:db8::9'}]}}",
+    );
+    let single = service_yaml(
+        "metadata: {name: old, namespace: shop}\nspec: {type: NodePort, clusterIP: 10.96.0.11, ports: [{name: http, port: 80, nodePort: 30081}]}",
+    );
+    let v6_slice = slice_yaml(
+        "metadata: {name: web-v6, namespace: shop, labels: {kubernetes.io/service-name: web}}\naddressType: IPv6\nports: [{name: http, port: 8080}]\nendpoints: [{addresses: ['fd00:10::2']}, {addresses: ['fd00:10::1']}]",
+    );
+    st.replace_services(vec![dual, single]);
+    st.replace_slices(vec![slice("web-v4", &["10.0.0.1"]), v6_slice]);
+    let d = st.desired();
+    let port = |ip: &str, port: u16, scope: u8| {
+        d.get(&frontend_key(ip.parse::<IpAddr>().unwrap(), port, Protocol::Tcp, scope))
+    };
+    let backends_of = |p: &DesiredPort| p.backends.iter().map(|(ip, p)| format!("{ip}:{p}")).collect::<Vec<_>>();
+    assert_eq!(backends(&d, "10.96.0.10", 80, Protocol::Tcp), ["10.0.0.1:8080"]);
+    assert_eq!(backends(&d, "fd00:96::10", 80, Protocol::Tcp), ["fd00:10::1:8080", "fd00:10::2:8080"]);
+    for ip in ["192.0.2.7", "2001:db8::7", "203.0.113.9", "2001:db8::9"] {
+        assert!(port(ip, 80, SCOPE_EXTERNAL).is_some(), "{ip}");
+    }
+    let v4_nodeport = port("0.0.0.0", 30080, SCOPE_EXTERNAL).unwrap();
+    let v6_nodeport = port("::", 30080, SCOPE_EXTERNAL).unwrap();
+    assert_eq!(backends_of(v4_nodeport), ["10.0.0.1:8080"]);
+    assert_eq!(backends_of(v6_nodeport), ["fd00:10::1:8080", "fd00:10::2:8080"]);
+    // Source ranges by family; the IPv6 range holds a node address, so the node (and the
+    // LoadBalancer IP itself) is admitted over IPv6 only.
+    let lb4 = port("203.0.113.9", 80, SCOPE_EXTERNAL).unwrap();
+    let lb6 = port("2001:db8::9", 80, SCOPE_EXTERNAL).unwrap();
+    assert_eq!(lb4.source_ranges.iter().map(ToString::to_string).collect::<Vec<_>>(), ["198.51.100.0/24"]);
+    assert_eq!(lb6.source_ranges.iter().map(ToString::to_string).collect::<Vec<_>>(), ["2001:db8::9/128", "fd00::/64"]);
+    assert_eq!(
+        port("203.0.113.9", 80, SCOPE_NODE).unwrap().flags & SERVICE_FLAG_DROP_NO_ENDPOINTS,
+        SERVICE_FLAG_DROP_NO_ENDPOINTS
+    );
+    assert!(port("2001:db8::9", 80, SCOPE_NODE).unwrap().backends.len() == 2);
+    // The single-stack Service: an IPv4 NodePort, none on IPv6.
+    assert!(port("0.0.0.0", 30081, SCOPE_EXTERNAL).is_some());
+    assert!(port("::", 30081, SCOPE_EXTERNAL).is_none());
+
+    // No IPv6 endpoints: the IPv6 proxier rejects, whatever the IPv4 side has.
+    st.replace_slices(vec![slice("web-v4", &["10.0.0.1"])]);
+    let d = st.desired();
+    assert_eq!(backends(&d, "10.96.0.10", 80, Protocol::Tcp), ["10.0.0.1:8080"]);
+    assert_eq!(backends(&d, "fd00:96::10", 80, Protocol::Tcp), Vec::<String>::new());
+    assert_eq!(d[&service_key("fd00:96::10".parse::<IpAddr>().unwrap(), 80, Protocol::Tcp)].flags, 0, "REJECT");
+}
+
+/// The model keeps what it reads of each object, not the object: a change elsewhere in an
+/// object (its resourceVersion and managedFields, a selector, an endpoint's targetRef and
+/// hostname) recomputes nothing, a change it reads does.
+#[test]
+fn only_what_the_model_reads_is_kept() {
+    let mut st = ClusterState::new(NodeInfo::default());
+    st.replace_services(vec![web("10.96.0.10")]);
+    st.replace_slices(vec![slice("web-1", &["10.0.0.1"])]);
+    st.desired();
+    let mut selected = web("10.96.0.10");
+    selected.spec.as_mut().unwrap().selector = Some([("app".to_string(), "web".to_string())].into());
+    selected.metadata.resource_version = Some("2".into());
+    selected.metadata.managed_fields = Some(vec![Default::default()]);
+    st.apply_service(selected);
+    let mut referenced = slice("web-1", &["10.0.0.1"]);
+    let endpoint = &mut referenced.endpoints.as_mut().unwrap()[0];
+    endpoint.hostname = Some("web-0".into());
+    endpoint.target_ref = Some(k8s_openapi::api::core::v1::ObjectReference {
+        kind: Some("Pod".into()),
+        name: Some("web-0".into()),
+        ..Default::default()
+    });
+    st.apply_slice(referenced.clone());
+    assert!(!st.has_changes(), "nothing the model reads changed");
+    referenced.endpoints.as_mut().unwrap()[0].conditions =
+        Some(k8s_openapi::api::discovery::v1::EndpointConditions { ready: Some(false), ..Default::default() });
+    st.apply_slice(referenced);
+    assert!(st.has_changes());
+    assert_eq!(st.sample_cluster_ip(), Some("10.96.0.10".parse().unwrap()));
+}
+
+#[test]
+fn desired_follows_objects() {
+    let mut st = ClusterState::new(NodeInfo::default());
+    st.replace_services(vec![web("10.96.0.10")]);
+    st.replace_slices(vec![slice("web-1", &["10.0.0.2", "10.0.0.1"])]);
+    let d = st.desired();
+    assert_eq!(d.len(), 6, "two ports, three scopes each");
+    assert_eq!(backends(&d, "10.96.0.10", 80, Protocol::Tcp), ["10.0.0.1:8080", "10.0.0.2:8080"]);
+    assert_eq!(backends(&d, "10.96.0.10", 53, Protocol::Udp), ["10.0.0.1:5353", "10.0.0.2:5353"]);
+
+    // A second slice adds an endpoint; deleting the first removes two.
+    st.apply_slice(slice("web-2", &["10.0.0.3"]));
+    assert!(st.has_changes());
+    assert_eq!(backends(&st.desired(), "10.96.0.10", 80, Protocol::Tcp).len(), 3);
+    st.delete_slice(&ObjectKey::new("shop", "web-1"));
+    assert_eq!(backends(&st.desired(), "10.96.0.10", 80, Protocol::Tcp), ["10.0.0.3:8080"]);
+
+    // No endpoints: the entry stays, empty (reject), until the Service goes.
+    st.replace_slices(vec![]);
+    assert_eq!(backends(&st.desired(), "10.96.0.10", 80, Protocol::Tcp), Vec::<String>::new());
+    st.delete_service(&ObjectKey::new("shop", "web"));
+    assert!(st.desired().is_empty());
+}
+
+#[test]
+fn unchanged_objects_do_not_mark_dirty() {
+    let mut st = ClusterState::new(NodeInfo::default());
+    st.replace_services(vec![web("10.96.0.10")]);
+    st.replace_slices(vec![slice("web-1", &["10.0.0.1"])]);
+    st.desired();
+    st.replace_services(vec![web("10.96.0.10")]);
+    st.replace_slices(vec![slice("web-1", &["10.0.0.1"])]);
+    assert!(!st.has_changes());
+}
+
+#[test]
+fn conflicting_services_first_wins_and_bad_ones_are_skipped() {
+    let mut st = ClusterState::new(NodeInfo::default());
+    let mut other = web("10.96.0.10");
+    other.metadata.namespace = Some("another".into());
+    let mut bad = web("10.96.0.300");
+    bad.metadata.name = Some("bad".into());
+    st.replace_services(vec![web("10.96.0.10"), other, bad]);
+    st.replace_slices(vec![slice("web-1", &["10.0.0.1"])]);
+    let d = st.desired();
+    let key = service_key("10.96.0.10".parse::<std::net::IpAddr>().unwrap(), 80, Protocol::Tcp);
+    assert_eq!(d[&key].name.service, ObjectKey::new("another", "web"));
+    assert_eq!(d.len(), 6, "two ports, three scopes each");
+    assert_eq!(st.skips.conflicts, 2);
+    assert_eq!(st.skips.objects, 1);
+}
+
+#[test]
+fn the_older_service_keeps_a_contested_address() {
+    let mut st = ClusterState::new(NodeInfo::default());
+    let created = |svc: &mut Service, at: &str| {
+        svc.metadata.creation_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at.parse().unwrap()));
+    };
+    let mut owner = web("10.96.0.10");
+    owner.metadata.namespace = Some("zz-owner".into());
+    created(&mut owner, "2026-01-01T00:00:00Z");
+    // A newer service in a namespace that sorts first claims the same address.
+    let mut newcomer = web("10.96.0.10");
+    newcomer.metadata.namespace = Some("aa-newcomer".into());
+    created(&mut newcomer, "2026-06-01T00:00:00Z");
+    st.replace_services(vec![newcomer, owner]);
+    st.replace_slices(vec![]);
+    let d = st.desired();
+    let key = service_key("10.96.0.10".parse::<std::net::IpAddr>().unwrap(), 80, Protocol::Tcp);
+    assert_eq!(d[&key].name.service, ObjectKey::new("zz-owner", "web"), "the earlier owner keeps it");
+    let conflicts = st.take_new_conflicts();
+    assert_eq!(conflicts.len(), 2, "one per port: {conflicts:?}");
+    assert!(
+        conflicts
+            .iter()
+            .all(|c| c.service == ObjectKey::new("aa-newcomer", "web") && c.owner == ObjectKey::new("zz-owner", "web"))
+    );
+    st.desired();
+    assert!(st.take_new_conflicts().is_empty(), "reported once");
+}
+
+#[test]
+fn a_refused_service_range_rejects_the_other_ports_of_its_cluster_ips() {
+    let options = ProxyOptions { refuse_service_range: true, ..Default::default() };
+    let mut st = ClusterState::with_options(NodeInfo::default(), options);
+    st.replace_services(vec![web("10.96.0.10")]);
+    st.replace_slices(vec![slice("web-1", &["10.0.0.1"])]);
+    assert_eq!(st.desired().len(), 6, "no known service range: two ports, three scopes each");
+    let range = crate::model::cidr::Cidr::new("10.96.0.0".parse().unwrap(), 16).unwrap();
+    st.set_node(NodeInfo { service_cidrs: vec![range], ..NodeInfo::default() });
+    let d = st.desired();
+    assert_eq!(d.len(), 7, "and one any-port entry for every source");
+    let any = ServiceKey {
+        addr: "10.96.0.10".parse::<IpAddr>().unwrap().into(),
+        port: 0,
+        proto: PROTO_ANY,
+        scope: SCOPE_POD,
+    };
+    assert_eq!((d[&any].backends.len(), d[&any].flags), (0, 0), "reject");
+    let other = crate::model::cidr::Cidr::new("10.100.0.0".parse().unwrap(), 16).unwrap();
+    st.set_node(NodeInfo { service_cidrs: vec![other], ..NodeInfo::default() });
+    assert_eq!(st.desired().len(), 6, "a ClusterIP outside the range gets none");
+}
+
+#[test]
+fn session_affinity_goes_to_every_frontend_of_the_port() {
+    let with = |affinity: &str| {
+        let node =
+            NodeInfo { name: "node-a".into(), addresses: vec!["10.0.0.1".parse().unwrap()], ..NodeInfo::default() };
+        let mut st = ClusterState::with_options(node, ProxyOptions::default());
+        st.replace_services(vec![service_yaml(&format!(
+                "metadata: {{name: web, namespace: shop}}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.10\n{affinity}  ports: [{{name: http, port: 80, nodePort: 30080}}]"
+            ))]);
+        st.replace_slices(vec![slice("web-1", &["10.0.0.1"])]);
+        let d = st.desired();
+        assert_eq!(d.len(), 6, "ClusterIP and NodePort, three scopes each");
+        d.values().map(|p| p.affinity_timeout).collect::<BTreeSet<u32>>()
+    };
+    let custom = "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n";
+    assert_eq!(with(custom), BTreeSet::from([60]));
+    assert_eq!(with("  sessionAffinity: ClientIP\n"), BTreeSet::from([10_800]), "the default timeout");
+    assert_eq!(with(""), BTreeSet::from([0]), "no affinity");
+}
+
+#[test]
+fn external_frontends_follow_the_external_traffic_policy() {
+    let node = NodeInfo { name: "node-a".into(), addresses: vec!["10.0.0.1".parse().unwrap()], ..NodeInfo::default() };
+    let options = ProxyOptions { detect_local: true, ..Default::default() };
+    let mut st = ClusterState::with_options(node, options);
+    let svc = service_yaml(
+        "metadata: {name: web, namespace: shop}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalIPs: [192.0.2.7]\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n  ports: [{name: http, port: 80, nodePort: 30080}]\nstatus: {loadBalancer: {ingress: [{ip: 198.51.100.1}]}}",
+    );
+    let slice = slice_yaml(
+        "metadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: http, port: 8080}]\nendpoints: [{addresses: [10.0.0.1], nodeName: node-a}, {addresses: [10.0.0.2], nodeName: node-b}]",
+    );
+    st.replace_services(vec![svc]);
+    st.replace_slices(vec![slice]);
+    let d = st.desired();
+    let show = |ip: &str, port: u16, scope: u8| {
+        let p = &d[&frontend_key(ip.parse::<IpAddr>().unwrap(), port, Protocol::Tcp, scope)];
+        (p.backends.iter().map(|(ip, _)| ip.to_string()).collect::<Vec<_>>(), p.flags)
+    };
+    let all = vec!["10.0.0.1".to_owned(), "10.0.0.2".to_owned()];
+    let local = vec!["10.0.0.1".to_owned()];
+    assert_eq!(show("10.96.0.10", 80, SCOPE_POD), (all.clone(), 0), "ClusterIP from a pod: every endpoint");
+    assert_eq!(show("10.96.0.10", 80, SCOPE_EXTERNAL), (all.clone(), SERVICE_FLAG_SNAT), "from outside: masqueraded");
+    for (ip, port) in [("192.0.2.7", 80), ("198.51.100.1", 80), ("0.0.0.0", 30080)] {
+        assert_eq!(show(ip, port, SCOPE_EXTERNAL), (local.clone(), 0), "{ip}:{port} from outside");
+        // Pods are short-circuited to every endpoint, source kept; the node is masqueraded.
+        assert_eq!(show(ip, port, SCOPE_POD), (all.clone(), 0), "{ip}:{port} from a pod");
+        // externalIPs and LoadBalancer IPs are not for the agent's own sockets.
+        let chosen = if port == 80 { SERVICE_FLAG_EXTERNAL_ADDR } else { 0 };
+        assert_eq!(show(ip, port, SCOPE_NODE), (all.clone(), SERVICE_FLAG_SNAT | chosen), "{ip}:{port} from the node");
+    }
+    assert_eq!(show("10.96.0.10", 80, SCOPE_NODE).1 & SERVICE_FLAG_EXTERNAL_ADDR, 0, "a ClusterIP is for everyone");
+    assert_eq!(st.health_checks()[&32000], (ObjectKey::new("shop", "web"), 1));
+}
+
+/// `--host-external-ips local`: the node's own connections to an externalIP or
+/// LoadBalancer IP that is not the node's pass untranslated (no entry for them); one that
+/// is the node's, the ClusterIP and the NodePort are translated as before; pods and outside
+/// clients are served either way.
+#[test]
+fn host_external_ips_local_leaves_the_nodes_connections_to_other_machines_alone() {
+    let node = NodeInfo {
+        name: "node-a".into(),
+        addresses: vec!["10.0.0.1".parse().unwrap(), "192.0.2.8".parse().unwrap()],
+        ..NodeInfo::default()
+    };
+    let options = ProxyOptions { detect_local: true, host_external_ips_local_only: true, ..Default::default() };
+    let mut st = ClusterState::with_options(node, options);
+    let svc = service_yaml(
+        "metadata: {name: api, namespace: shop}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalIPs: [192.0.2.7, 192.0.2.8]\n  ports: [{name: https, port: 6443, nodePort: 30443}]\nstatus: {loadBalancer: {ingress: [{ip: 198.51.100.1}]}}",
+    );
+    let slice = slice_yaml(
+        "metadata: {name: api-1, namespace: shop, labels: {kubernetes.io/service-name: api}}\naddressType: IPv4\nports: [{name: https, port: 8443}]\nendpoints: [{addresses: [10.0.0.2], nodeName: node-b}]",
+    );
+    st.replace_services(vec![svc]);
+    st.replace_slices(vec![slice]);
+    let d = st.desired();
+    let has = |ip: &str, port: u16, scope: u8| {
+        d.contains_key(&frontend_key(ip.parse::<IpAddr>().unwrap(), port, Protocol::Tcp, scope))
+    };
+    for ip in ["192.0.2.7", "198.51.100.1"] {
+        assert!(!has(ip, 6443, SCOPE_NODE), "{ip}: another machine's address, left to the node");
+        assert!(has(ip, 6443, SCOPE_POD) && has(ip, 6443, SCOPE_EXTERNAL), "{ip}: pods and outside served");
+    }
+    assert!(has("192.0.2.8", 6443, SCOPE_NODE), "the node's own address: translated");
+    assert!(has("10.96.0.10", 6443, SCOPE_NODE) && has("0.0.0.0", 30443, SCOPE_NODE));
+}
