@@ -28,13 +28,13 @@ use crate::{
 /// A packet of a flow in conntrack: translated as its entry says (`NO_FLOW`: no live entry),
 /// the entry taken from this CPU's flow cache where it serves, else from the table.
 #[inline(always)]
-pub(super) fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: bool) -> i32 {
-    let Ok(s) = scratch() else { return NO_FLOW };
+pub(super) fn translate_tracked<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: bool) -> i32 {
+    let Ok(mut s) = scratch() else { return NO_FLOW };
     // The key and the entry's copy live in the scratch area: this stage's frame is on the
     // longest chains of calls (confirm, stale).
     // SAFETY: the per-CPU scratch value, valid for this program run.
     let key = unsafe {
-        let key = FlowScratch::flow_key::<F::FlowAddr>(s);
+        let key = s.flow_key::<F::FlowAddr>();
         CtKey::write_words(key, &t.saddr, &t.daddr, t.sport, t.dport, t.proto);
         &*key
     };
@@ -42,25 +42,20 @@ pub(super) fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, i
     // the scratch area for the fill: on the stack it would lengthen the chains of calls through
     // this stage.
     let generation = flow_cache::generation();
-    // SAFETY: the per-CPU scratch value.
-    let now = unsafe {
-        (*s).generation = generation;
-        now_by_tick(&raw mut (*s).clock)
-    };
+    s.generation = generation;
+    let now = now_by_tick(&raw mut s.clock);
     let straight_out = ingress && KPR_FORWARD_DIRECT.load() != 0;
-    // SAFETY: the per-CPU scratch value (the slot a fill may take kept there, as the generation).
-    let cached = unsafe {
-        (*s).cache_slot.index = flow_cache::NO_SLOT;
-        if cacheable(t, tcp_flags) {
-            flow_cache::probe(key, generation, now, straight_out, &mut (*s).cache_slot)
-        } else {
-            None
-        }
+    // The slot a fill may take is kept in the scratch area, as the generation.
+    s.cache_slot.index = flow_cache::NO_SLOT;
+    let cached = if cacheable(t, tcp_flags) {
+        flow_cache::probe(key, generation, now, straight_out, &mut s.cache_slot)
+    } else {
+        None
     };
     // The entry, and how the packet is sent on (`redirect_by`, `forward_direct`).
     let (entry, route) = match cached {
         Some(entry) => (entry, if straight_out { ROUTE_CACHED } else { ROUTE_LOOK_UP }),
-        None => match table_flow::<F>(ctx, t, key, tcp_flags, ingress, straight_out, now, s) {
+        None => match table_flow::<F>(ctx, t, key, tcp_flags, ingress, straight_out, now, s.as_ptr()) {
             Ok(found) => found,
             Err(verdict) => return verdict,
         },
@@ -74,12 +69,12 @@ pub(super) fn known_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, i
     {
         return verdict;
     }
-    // SAFETY: the per-CPU scratch value; `forward_direct`, next, takes it back.
-    unsafe { (*s).route = route };
+    // `forward_direct`, next, takes it back.
+    s.route = route;
     TC_ACT_OK
 }
 
-/// `known_flow` in the conntrack table: the flow's entry (copied to `s.entry`, put in the flow
+/// `translate_tracked` in the conntrack table: the flow's entry (copied to `s.entry`, put in the flow
 /// cache when it may serve there) and how to route the packet, or the verdict on a packet that
 /// found no live flow (`NO_FLOW`) or started a flow anew.
 #[inline(always)]
@@ -240,13 +235,13 @@ fn touch<A: FlowTables>(
 /// Put back the evicted other entry of a flow.
 #[inline(never)]
 fn heal<A: FlowTables>(map: &FlowMap<CtKey<A>>, key: &CtKey<A>, entry: &CtValue, flags: u32, now: u64) {
-    let Ok(s) = scratch() else { return };
+    let Ok(mut s) = scratch() else { return };
     // SAFETY: the per-CPU scratch value, valid for this program run.
     let (pair_key, value) = unsafe {
-        let pair_key = FlowScratch::reply_key::<A>(s);
+        let pair_key = s.reply_key::<A>();
         *pair_key = entry.pair_key(key.proto);
-        (*s).reply = mirror(key, entry, flags, now);
-        (&*pair_key, &(*s).reply)
+        s.reply = mirror(key, entry, flags, now);
+        (&*pair_key, &s.reply)
     };
     if map.insert(pair_key, value, u64::from(BPF_NOEXIST)).is_ok() {
         count(counter::TC_CT_HEALED);
@@ -274,26 +269,26 @@ fn mirror<A: FlowAddr>(key: &CtKey<A>, entry: &CtValue, flags: u32, now: u64) ->
 /// backend answered): both its entries move to the established table.
 #[inline(never)]
 fn confirm<A: FlowTables>(key: &CtKey<A>, entry: &CtValue, seen: u32, now: u64) {
-    let Ok(s) = scratch() else { return };
+    let Ok(mut s) = scratch() else { return };
     let flags = (entry.flags | seen) & !(ct::AWAITING_ACK | ESTABLISHES);
     // SAFETY: the per-CPU scratch value, valid for this program run.
     let (pair_key, value) = unsafe {
-        let pair_key = FlowScratch::reply_key::<A>(s);
+        let pair_key = s.reply_key::<A>();
         *pair_key = entry.pair_key(key.proto);
-        (*s).forward = CtValue { flags, last_seen: now, ..*entry };
-        (*s).reply = mirror(key, entry, flags, now);
-        // The other entry's kept route (its first packet's: `program_flow`, `keep_route`)
+        s.forward = CtValue { flags, last_seen: now, ..*entry };
+        s.reply = mirror(key, entry, flags, now);
+        // The other entry's kept route (its first packet's: `create_flow`, `keep_route`)
         // goes with it.
         if let Some(pair) = A::new_flows().get_ptr(&*pair_key)
-            && (*pair).same_translation(&(*s).reply)
+            && (*pair).same_translation(&s.reply)
         {
             // Not an assignment, which would be a call of memmove.
-            core::ptr::copy_nonoverlapping(&raw const (*pair).route, &raw mut (*s).reply.route, 1);
+            core::ptr::copy_nonoverlapping(&raw const (*pair).route, &raw mut s.reply.route, 1);
         }
-        (&*pair_key, &(*s).forward)
+        (&*pair_key, &s.forward)
     };
     let _ = A::established().insert(key, value, 0);
-    let _ = A::established().insert(pair_key, unsafe { &(*s).reply }, 0);
+    let _ = A::established().insert(pair_key, &s.reply, 0);
     let _ = A::new_flows().remove(pair_key);
     let _ = A::new_flows().remove(key);
 }
@@ -307,8 +302,8 @@ fn confirm<A: FlowTables>(key: &CtKey<A>, entry: &CtValue, seen: u32, now: u64) 
 #[inline(never)]
 pub(super) fn reopen<F: Family>(ctx: &TcContext, t: &Tuple, entry_ptr: *mut CtValue, now: u64) -> bool {
     let Ok(s) = scratch() else { return false };
-    // SAFETY: the per-CPU scratch value, valid for this program run.
-    let (key, entry) = unsafe { (&*FlowScratch::flow_key::<F::FlowAddr>(s), &(*s).entry) };
+    // SAFETY: the scratch area's key slot, valid for this program run.
+    let (key, entry) = (unsafe { &*s.flow_key::<F::FlowAddr>() }, &s.entry);
     if entry.flags & ct::REPLY != 0 {
         return false;
     }
@@ -334,7 +329,7 @@ pub(super) fn reopen<F: Family>(ctx: &TcContext, t: &Tuple, entry_ptr: *mut CtVa
     }
     // SAFETY: the scratch area and map value pointers, valid for this program run.
     unsafe {
-        let pair_key = FlowScratch::reply_key::<F::FlowAddr>(s);
+        let pair_key = s.reply_key::<F::FlowAddr>();
         *pair_key = entry.pair_key(key.proto);
         match F::FlowAddr::established().get_ptr_mut(&*pair_key) {
             // The replies' entry must still be this flow's (it holds the SNAT port).

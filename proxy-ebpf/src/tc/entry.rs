@@ -2,7 +2,7 @@
 //! its flow (both entries, and every CPU's cached copies).
 use proxy_common::{CtKey, CtTimeouts, CtValue};
 
-use super::scratch::{FlowScratch, scratch};
+use super::scratch::scratch;
 use crate::{flow_cache, globals::KPR_CT_TIMEOUTS, maps::FlowTables};
 
 /// Has the flow outlived the lifetime of its state? One word of `KPR_CT_TIMEOUTS` read: its
@@ -28,9 +28,9 @@ pub(super) fn lifetime(proto: u8, flags: u32) -> u64 {
 #[inline(never)]
 pub(super) fn forget<A: FlowTables>(key: &CtKey<A>, entry: &CtValue, proto: u8) {
     let Ok(s) = scratch() else { return };
-    // SAFETY: the per-CPU scratch value, valid for this program run.
+    // SAFETY: the scratch area's key slot, valid for this program run.
     let pair_key = unsafe {
-        let pair_key = FlowScratch::key::<A>(s);
+        let pair_key = s.key::<A>();
         *pair_key = entry.pair_key(proto);
         &*pair_key
     };

@@ -9,7 +9,7 @@ use proxy_common::{CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, counter, csum}
 use super::{
     entry::flow_entry,
     rewrite::ports_word,
-    scratch::{FlowScratch, IcmpFix, scratch},
+    scratch::{IcmpFix, Scratch, scratch},
     verdict::PASS,
 };
 use crate::{
@@ -34,7 +34,7 @@ pub(super) fn icmp_error<F: Family>(ctx: &TcContext) -> i32 {
 /// The translation back of an ICMP error (in `s.icmp`), if it is about a translated flow. A
 /// subprogram of its own, as is the rewrite: together they would not fit on the BPF stack.
 #[inline(never)]
-fn icmp_error_flow<F: Family>(ctx: &TcContext, s: *mut FlowScratch) -> Result<bool, ()> {
+fn icmp_error_flow<F: Family>(ctx: &TcContext, mut s: Scratch) -> Result<bool, ()> {
     let inner_off = F::L4_OFF + ICMP_QUOTE;
     let inner_l4_off = inner_off + size_of::<F::Ip>();
     // Headers are read in place, pulled into the linear area first.
@@ -64,9 +64,9 @@ fn icmp_error_flow<F: Family>(ctx: &TcContext, s: *mut FlowScratch) -> Result<bo
         _ => return Ok(false),
     };
     let (isrc, idst) = (F::src(inner), F::dst(inner));
-    // SAFETY: the per-CPU scratch value, valid for this program run.
+    // SAFETY: the scratch area's key slot, valid for this program run.
     let key = unsafe {
-        let key = FlowScratch::key::<F::FlowAddr>(s);
+        let key = s.key::<F::FlowAddr>();
         *key = CtKey::new(idst, isrc, ports[1], ports[0], proto);
         &*key
     };
@@ -80,25 +80,22 @@ fn icmp_error_flow<F: Family>(ctx: &TcContext, s: *mut FlowScratch) -> Result<bo
     let new_src = if osrc.same(&idst) { entry.src_addr } else { osrc };
     let inner_diff = F::addr_diff(&isrc, &entry.dst_addr) + F::addr_diff(&idst, &entry.src_addr);
     let outer_diff = F::addr_diff(&osrc, &new_src) + F::addr_diff(&F::dst(outer), &entry.dst_addr);
-    unsafe {
-        (*s).icmp = IcmpFix {
-            client: entry.dst_addr,
-            frontend: entry.src_addr,
-            new_src,
-            inner_diff,
-            outer_diff,
-            old_ports: ports_word(ports[0], ports[1]),
-            new_ports: ports_word(entry.dst_port, entry.src_port),
-        };
-    }
+    s.icmp = IcmpFix {
+        client: entry.dst_addr,
+        frontend: entry.src_addr,
+        new_src,
+        inner_diff,
+        outer_diff,
+        old_ports: ports_word(ports[0], ports[1]),
+        new_ports: ports_word(entry.dst_port, entry.src_port),
+    };
     Ok(true)
 }
 
 /// Apply `s.icmp` to the ICMP error.
 #[inline(never)]
-fn icmp_error_rewrite<F: Family>(ctx: &TcContext, s: *const FlowScratch) -> Result<i32, ()> {
-    // SAFETY: the per-CPU scratch value, valid for this program run.
-    let fix = unsafe { &(*s).icmp };
+fn icmp_error_rewrite<F: Family>(ctx: &TcContext, s: Scratch) -> Result<i32, ()> {
+    let fix = &s.icmp;
     let inner_off = F::L4_OFF + ICMP_QUOTE;
     let inner_l4_off = inner_off + size_of::<F::Ip>();
     // The ICMP checksum covers the quoted packet: its ports, and in IPv6 its addresses (an

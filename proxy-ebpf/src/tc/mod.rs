@@ -2,15 +2,17 @@
 //! generic over `family::Family`, compiled for each.
 //!
 //! ```text
-//!  attached: kpr_tc_ingress, kpr_tc_egress       slow (tail-called through SLOW_PATH)
-//!   route::martian_source (ingress)                kpr_tc_ingress_slow, kpr_tc_egress_slow
-//!   parse::inspect ── not ours ──▶ PASS             parse::inspect, conntrack::known_flow
-//!   conntrack::known_flow ── a flow ──▶ rewrite     an ICMP error ──▶ icmp ──▶ rewrite
-//!     └── no flow, an ICMP error ── tail call ──▶  nat::unknown_flow
-//!                                                    ├── no endpoints ──▶ reject (RST, ICMP)
-//!                                                    └── nat::open_flow: backend, SNAT, two
-//!                                                        conntrack entries ──▶ rewrite
-//!   translated on ingress: route::forward_direct (redirect to the peer or the neighbour)
+//!  attached: kpr_tc_ingress, kpr_tc_egress → fast_path (stages inlined, no call for a packet of
+//!  a flow in conntrack)                     slow (tail-called: tail_call_slow_path) → slow_path,
+//!                                           each stage a subprogram (`*_subprogram`)
+//!   route::martian_source (ingress)
+//!   1 parse::inspect ──── not ours ─────────▶ PASS
+//!   2 conntrack::translate_tracked ── a flow ──▶ rewrite ──▶ 6
+//!       └── no flow, an ICMP error ── tail call ──▶ slow: 1, 2 again, then
+//!   3 icmp::icmp_error (an ICMP error about a flow) ──▶ rewrite
+//!   4 nat::pick_backend: frontend, source ranges, affinity, the backend (none: reject::*)
+//!   5 nat::create_flow: SNAT port, both conntrack entries, the first packet rewritten
+//!   6 route::forward_direct (translated on ingress: to the peer or the neighbour)
 //! ```
 //!
 //! Ingress: a packet of a known flow is rewritten from its conntrack entry; a new packet to a
@@ -54,9 +56,9 @@ use aya_ebpf::{
 use proxy_common::{IPPROTO_TCP, counter, tc_slow_path};
 
 use self::{
-    conntrack::known_flow,
+    conntrack::translate_tracked,
     icmp::icmp_error,
-    nat::{open_flow, unknown_flow},
+    nat::{create_flow_subprogram, pick_backend_subprogram},
     parse::{Tuple, came_through_ingress, eth_type, flow_flags, inspect},
     reject::{reject_port_unreachable, reject_tcp},
     route::{ROUTE_LOOK_UP, ROUTE_MAY_KEEP, forward_direct, martian_source},
@@ -84,8 +86,8 @@ pub fn kpr_tc_egress(ctx: TcContext) -> i32 {
         return PASS;
     }
     match eth_type(&ctx) {
-        Some(t) if t == V4::ETH_TYPE => known::<V4>(&ctx, false),
-        Some(t) if t == V6::ETH_TYPE => known::<V6>(&ctx, false),
+        Some(t) if t == V4::ETH_TYPE => fast_path::<V4>(&ctx, false),
+        Some(t) if t == V6::ETH_TYPE => fast_path::<V6>(&ctx, false),
         _ => PASS,
     }
 }
@@ -102,8 +104,8 @@ pub fn kpr_tc_ingress_slow(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn kpr_tc_egress_slow(ctx: TcContext) -> i32 {
     let verdict = match eth_type(&ctx) {
-        Some(t) if t == V4::ETH_TYPE => translate::<V4>(&ctx, false),
-        Some(t) if t == V6::ETH_TYPE => translate::<V6>(&ctx, false),
+        Some(t) if t == V4::ETH_TYPE => slow_path::<V4>(&ctx, false),
+        Some(t) if t == V6::ETH_TYPE => slow_path::<V6>(&ctx, false),
         _ => Ok(PASS),
     };
     verdict.unwrap_or(PASS)
@@ -112,17 +114,17 @@ pub fn kpr_tc_egress_slow(ctx: TcContext) -> i32 {
 /// The attached programs' path: a packet of a flow in conntrack translated (the verdict),
 /// anything else handed to the slow program.
 #[inline(always)]
-fn known<F: Family>(ctx: &TcContext, ingress: bool) -> i32 {
+fn fast_path<F: Family>(ctx: &TcContext, ingress: bool) -> i32 {
     let mut t = MaybeUninit::<Tuple>::uninit();
-    match read_and_translate::<F>(ctx, &mut t, ingress) {
-        NO_FLOW | AN_ICMP_ERROR => slow_path(ctx, ingress),
+    match parse_and_track::<F>(ctx, &mut t, ingress) {
+        NO_FLOW | AN_ICMP_ERROR => tail_call_slow_path(ctx, ingress),
         verdict => verdict,
     }
 }
 
 /// Tail call the slow program; it returns only when its slot is empty.
 #[inline(always)]
-fn slow_path(ctx: &TcContext, ingress: bool) -> i32 {
+fn tail_call_slow_path(ctx: &TcContext, ingress: bool) -> i32 {
     let slot = if ingress { tc_slow_path::INGRESS } else { tc_slow_path::EGRESS };
     // SAFETY: the slow programs take the same context and return a tc verdict.
     unsafe { SLOW_PATH.tail_call(ctx, slot) };
@@ -137,7 +139,7 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
         count(counter::TC_DROPPED);
         return TC_ACT_SHOT;
     }
-    match known::<F>(ctx, true) {
+    match fast_path::<F>(ctx, true) {
         TC_ACT_OK if KPR_FORWARD_DIRECT.load() != 0 => forward_direct::<F>(ctx),
         verdict => verdict,
     }
@@ -146,7 +148,7 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
 /// The same in the slow program: every stage, as subprograms.
 #[inline(always)]
 fn slow_ingress<F: Family>(ctx: &TcContext) -> i32 {
-    match translate::<F>(ctx, true) {
+    match slow_path::<F>(ctx, true) {
         Ok(TC_ACT_OK) if KPR_FORWARD_DIRECT.load() != 0 => forward_direct::<F>(ctx),
         Ok(verdict) => verdict,
         Err(()) => PASS,
@@ -155,29 +157,29 @@ fn slow_ingress<F: Family>(ctx: &TcContext) -> i32 {
 
 /// The slow programs' path. Its stages are subprograms called one after the other, not inlined
 /// into each other: the BPF stack (512 bytes) bounds the frames of a chain of calls, not their
-/// sum. (The attached programs inline the first, `known_packet`'s, and make no call for a
+/// sum. (The attached programs inline the first, `parse_and_track`, and make no call for a
 /// packet of a known flow: see `SLOW_PATH`.)
 #[inline(always)]
-fn translate<F: Family>(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
-    // Filled in by `known_packet` when it says so (not zeroed first: a memset on every packet).
+fn slow_path<F: Family>(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
+    // Filled in by `parse_and_track` when it says so (not zeroed first: a memset on every
+    // packet).
     let mut t = MaybeUninit::<Tuple>::uninit();
-    match known_packet::<F>(ctx, &mut t, ingress) {
+    match parse_and_track_subprogram::<F>(ctx, &mut t, ingress) {
         NO_FLOW => {}
         AN_ICMP_ERROR => return Ok(icmp_error::<F>(ctx)),
         verdict => return Ok(verdict),
     }
-    // SAFETY: `known_packet` wrote the tuple (NO_FLOW).
+    // SAFETY: `parse_and_track` wrote the tuple (NO_FLOW).
     let t = unsafe { t.assume_init() };
     let tcp_flags = flow_flags::<F>(ctx, t.proto);
-    Ok(match unknown_flow::<F>(ctx, &t, tcp_flags, ingress) {
+    Ok(match pick_backend_subprogram::<F>(ctx, &t, tcp_flags, ingress) {
         OPEN => {
-            let s = scratch()?;
-            // SAFETY (both): the per-CPU scratch value. A route kept for a packet not sent on
-            // serves no other.
-            unsafe { (*s).route = if ingress { ROUTE_MAY_KEEP } else { ROUTE_LOOK_UP } };
-            let verdict = open_flow::<F>(ctx, &t, tcp_flags);
+            let mut s = scratch()?;
+            s.route = if ingress { ROUTE_MAY_KEEP } else { ROUTE_LOOK_UP };
+            let verdict = create_flow_subprogram::<F>(ctx, &t, tcp_flags);
+            // A route kept for a packet not sent on serves no other.
             if verdict != TC_ACT_OK {
-                unsafe { (*s).route = ROUTE_LOOK_UP };
+                s.route = ROUTE_LOOK_UP;
             }
             verdict
         }
@@ -188,21 +190,21 @@ fn translate<F: Family>(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     })
 }
 
-/// [`read_and_translate`] as a subprogram, for the slow programs' chains of calls.
+/// [`parse_and_track`] as a subprogram, for the slow programs' chains of calls.
 #[inline(never)]
-fn known_packet<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>, ingress: bool) -> i32 {
-    read_and_translate::<F>(ctx, tuple, ingress)
+fn parse_and_track_subprogram<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>, ingress: bool) -> i32 {
+    parse_and_track::<F>(ctx, tuple, ingress)
 }
 
-/// The packet read (`inspect`) and, if its flow is in conntrack, translated (`known_flow`):
+/// The packet read (`inspect`) and, if its flow is in conntrack, translated (`translate_tracked`):
 /// a verdict, `AN_ICMP_ERROR`, or `NO_FLOW` with the packet's tuple filled in.
 #[inline(always)]
-fn read_and_translate<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>, ingress: bool) -> i32 {
+fn parse_and_track<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>, ingress: bool) -> i32 {
     match inspect::<F>(ctx, tuple) {
         A_FLOW => {}
         verdict => return verdict,
     }
     // SAFETY: `inspect` wrote the tuple (A_FLOW).
     let t = unsafe { tuple.assume_init_ref() };
-    known_flow::<F>(ctx, t, flow_flags::<F>(ctx, t.proto), ingress)
+    translate_tracked::<F>(ctx, t, flow_flags::<F>(ctx, t.proto), ingress)
 }

@@ -22,7 +22,7 @@ use super::{
     parse::Tuple,
     rewrite::rewrite_first,
     route::{ROUTE_LOOK_UP, ROUTE_LOOKED_UP, ROUTE_MAY_KEEP, ifindex, keep_in, reverse_path_ok, zero_fib},
-    scratch::{FlowScratch, scratch},
+    scratch::{Scratch, scratch},
     verdict::{OPEN, PASS, REJECT},
 };
 use crate::{
@@ -44,12 +44,12 @@ const SNAT_TRIES: u32 = 16;
 
 /// A packet of no flow kpr knows: a new flow to a frontend, or not ours.
 #[inline(never)]
-pub(super) fn unknown_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: bool) -> i32 {
-    pick::<F>(ctx, t, tcp_flags, ingress).unwrap_or(PASS)
+pub(super) fn pick_backend_subprogram<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: bool) -> i32 {
+    pick_backend::<F>(ctx, t, tcp_flags, ingress).unwrap_or(PASS)
 }
 
 #[inline(always)]
-pub(super) fn pick<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: bool) -> Result<i32, ()> {
+pub(super) fn pick_backend<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: bool) -> Result<i32, ()> {
     let key = CtKey::new(t.saddr, t.daddr, t.sport, t.dport, t.proto);
     // A flow kube-proxy translated before kpr took the node over: netfilter's conntrack goes
     // on translating it. A new connection on its tuple is kpr's.
@@ -80,7 +80,7 @@ pub(super) fn pick<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress
             }
         },
     };
-    start_flow(t, &service, now())
+    pick_from_service(t, &service, now())
 }
 
 /// A TCP connection of the node itself that kube-proxy would DROP (traffic policy Local
@@ -148,7 +148,7 @@ pub(super) fn lookup_frontend(t: &Tuple, scope: u8) -> Option<ServiceValue> {
 /// (`ROUTE_LOOKED_UP`): one route lookup for that packet, not two.
 #[inline(never)]
 pub(super) fn masquerade_source<F: Family>(ctx: &TcContext, t: &Tuple, backend: &Addr) -> Option<Addr> {
-    let s = scratch().ok()?;
+    let s = scratch().ok()?.as_ptr();
     // SAFETY: the per-CPU scratch value, valid for this program run.
     let params = unsafe {
         zero_fib(&raw mut (*s).fib);
@@ -157,7 +157,7 @@ pub(super) fn masquerade_source<F: Family>(ctx: &TcContext, t: &Tuple, backend: 
     };
     params.family = F::AF;
     params.ifindex = ifindex(ctx);
-    // Whether the answer may be kept is told by `s.route` alone, here and after the lookup:
+    // Whether the answer may be kept is told by `(*s).route` alone, here and after the lookup:
     // a flag held across the helper's call would be spilled, and this frame is on the longest
     // chain of calls (`reopen`'s).
     let data = ctx.data();
@@ -199,7 +199,7 @@ pub(super) fn masquerade_source<F: Family>(ctx: &TcContext, t: &Tuple, backend: 
 }
 
 #[inline(always)]
-fn start_flow(t: &Tuple, service: &ServiceValue, now: u64) -> Result<i32, ()> {
+fn pick_from_service(t: &Tuple, service: &ServiceValue, now: u64) -> Result<i32, ()> {
     if service.flags & SERVICE_FLAG_SOURCE_RANGES != 0 {
         let key = Key::new(32 + 128, SourceRange { service_id: service.service_id.to_be(), addr: t.saddr });
         if SOURCE_RANGES.get(&key).is_none() {
@@ -224,65 +224,57 @@ fn start_flow(t: &Tuple, service: &ServiceValue, now: u64) -> Result<i32, ()> {
         return Ok(PASS);
     };
     remember_affinity(service, AFFINITY_BY_ADDR, t.saddr, &backend, now);
-    let s = scratch()?;
-    // SAFETY: the per-CPU scratch value, valid for this program run.
-    unsafe {
-        (*s).service = *service;
-        (*s).backend = backend;
-        // Here, off the frames of the SNAT port search: the reply entry's key goes from the
-        // backend to the client, its value from the frontend to the client. All four words of
-        // either family's addresses (IPv4 mapped): the same difference.
-        (*s).reply_csum_diff = addrs_csum_diff::<Addr>(&backend.addr, &t.saddr, &t.daddr, &t.saddr);
-    }
+    let mut s = scratch()?;
+    s.service = *service;
+    s.backend = backend;
+    // Here, off the frames of the SNAT port search: the reply entry's key goes from the
+    // backend to the client, its value from the frontend to the client. All four words of
+    // either family's addresses (IPv4 mapped): the same difference.
+    s.reply_csum_diff = addrs_csum_diff::<Addr>(&backend.addr, &t.saddr, &t.daddr, &t.saddr);
     Ok(OPEN)
 }
 
 /// Give a new flow to `backend` its conntrack entries (and SNAT port) and translate its first
 /// packet: a subprogram of its own, for the BPF stack.
 #[inline(never)]
-pub(super) fn open_flow<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8) -> i32 {
-    let Ok(s) = scratch() else { return PASS };
-    // SAFETY: the per-CPU scratch value, valid for this program run.
+pub(super) fn create_flow_subprogram<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8) -> i32 {
+    let Ok(s) = scratch().map(Scratch::as_ptr) else { return PASS };
+    // SAFETY: the per-CPU scratch value, valid for this program run; read while `create_flow`
+    // writes its other fields.
     let (service, backend) = unsafe { (&(*s).service, &(*s).backend) };
-    program_flow::<F>(ctx, t, service, backend, tcp_flags).unwrap_or(PASS)
+    create_flow::<F>(ctx, t, service, backend, tcp_flags).unwrap_or(PASS)
 }
 
 #[inline(always)]
-pub(super) fn program_flow<F: Family>(
+pub(super) fn create_flow<F: Family>(
     ctx: &TcContext,
     t: &Tuple,
     service: &ServiceValue,
     backend: &Backend,
     tcp_flags: u8,
 ) -> Result<i32, ()> {
-    let s = scratch()?;
+    let mut s = scratch()?;
     let now = now();
     // Replies must come back through this node: masquerade what the entry says and a client
     // that is its own backend (hairpin), as kube-proxy does.
     let masquerade = service.flags & SERVICE_FLAG_SNAT != 0 || backend.addr.same(&t.saddr);
     let snat_addr = if masquerade { masquerade_source::<F>(ctx, t, &backend.addr) } else { None };
-    // SAFETY (here and below): the per-CPU scratch value, valid for this program run.
-    unsafe {
-        (*s).reply = CtValue {
-            src_addr: t.daddr,
-            dst_addr: t.saddr,
-            src_port: t.dport,
-            dst_port: t.sport,
-            service_id: service.service_id,
-            last_seen: now,
-            flags: ct::REPLY,
-            // The client's address may change below (masquerade).
-            addrs_csum_diff: (*s).reply_csum_diff,
-            route: CachedRoute::NONE,
-        };
-    }
+    s.reply = CtValue {
+        src_addr: t.daddr,
+        dst_addr: t.saddr,
+        src_port: t.dport,
+        dst_port: t.sport,
+        service_id: service.service_id,
+        last_seen: now,
+        flags: ct::REPLY,
+        // The client's address may change below (masquerade).
+        addrs_csum_diff: s.reply_csum_diff,
+        route: CachedRoute::NONE,
+    };
     let (src_addr, src_port) = if let Some(snat_addr) = snat_addr {
-        // SAFETY: the per-CPU scratch value, valid for this program run. The reply entry's key
-        // has the masquerade address where the client's was.
-        unsafe {
-            let diff = u64::from((*s).reply_csum_diff) + F::addr_diff(&snat_addr, &t.saddr);
-            (*s).reply.addrs_csum_diff = csum::fold32(diff);
-        }
+        // The reply entry's key has the masquerade address where the client's was.
+        let diff = u64::from(s.reply_csum_diff) + F::addr_diff(&snat_addr, &t.saddr);
+        s.reply.addrs_csum_diff = csum::fold32(diff);
         // 0: none free.
         let port = snat_port::<F::FlowAddr>(t, backend, &snat_addr, s);
         if port == 0 {
@@ -296,10 +288,7 @@ pub(super) fn program_flow<F: Family>(
         // not closed a second ago): then the client's port is remapped, as Linux's NAT does
         // when a reply tuple clashes.
         // SAFETY: the per-CPU scratch value, valid for this program run.
-        unsafe {
-            *FlowScratch::reply_key::<F::FlowAddr>(s) =
-                CtKey::new(backend.addr, t.saddr, backend.port, t.sport, t.proto)
-        };
+        unsafe { *s.reply_key::<F::FlowAddr>() = CtKey::new(backend.addr, t.saddr, backend.port, t.sport, t.proto) };
         let port = if snat_try::<F::FlowAddr>(u32::from(t.sport)) != 0 {
             t.sport
         } else {
@@ -312,7 +301,7 @@ pub(super) fn program_flow<F: Family>(
         (t.saddr, port)
     };
     let (forward, key, reply_key) = unsafe {
-        (*s).forward = CtValue {
+        s.forward = CtValue {
             src_addr,
             dst_addr: backend.addr,
             src_port,
@@ -321,19 +310,19 @@ pub(super) fn program_flow<F: Family>(
             last_seen: now,
             flags: 0,
             // The reply's translation undone.
-            addrs_csum_diff: !(*s).reply.addrs_csum_diff,
+            addrs_csum_diff: !s.reply.addrs_csum_diff,
             route: CachedRoute::NONE,
         };
         // The masquerade lookup's answer is this packet's route (`forward_direct`) and the
         // flow's next packets': it moves with the entry to the established table.
-        if (*s).route == ROUTE_LOOKED_UP {
-            keep_in(&raw mut (*s).forward.route, &(*s).fib, (*s).fib_peer != 0, now);
+        if s.route == ROUTE_LOOKED_UP {
+            keep_in(&raw mut s.forward.route, &s.fib, s.fib_peer != 0, now);
         }
-        let key = FlowScratch::key::<F::FlowAddr>(s);
+        let key = s.key::<F::FlowAddr>();
         *key = CtKey::new(t.saddr, t.daddr, t.sport, t.dport, t.proto);
-        let reply_key = FlowScratch::reply_key::<F::FlowAddr>(s);
-        *reply_key = (*s).forward.pair_key(t.proto);
-        (&(*s).forward, &*key, &*reply_key)
+        let reply_key = s.reply_key::<F::FlowAddr>();
+        *reply_key = s.forward.pair_key(t.proto);
+        (&s.forward, &*key, &*reply_key)
     };
     let new_flows = F::FlowAddr::new_flows();
     let forward = if new_flows.insert(key, forward, u64::from(BPF_NOEXIST)).is_ok() {
@@ -365,7 +354,7 @@ pub(super) fn program_flow<F: Family>(
 /// flow gets its old port back. Free: unused, expired, or a closed TCP flow's (as Linux's NAT
 /// reuses the tuples of closed connections). The flow's own leftover reply entry is reused.
 #[inline(never)]
-fn snat_port<A: FlowTables>(t: &Tuple, backend: &Backend, snat_addr: &Addr, s: *mut FlowScratch) -> u16 {
+fn snat_port<A: FlowTables>(t: &Tuple, backend: &Backend, snat_addr: &Addr, s: Scratch) -> u16 {
     let hash = flow_hash(t);
     let (min, max) = (KPR_SNAT_PORT_MIN.load(), KPR_SNAT_PORT_MAX.load());
     let span = u32::from(max.saturating_sub(min)) + 1;
@@ -373,7 +362,7 @@ fn snat_port<A: FlowTables>(t: &Tuple, backend: &Backend, snat_addr: &Addr, s: *
     // SAFETY: the per-CPU scratch value, valid for this program run. The key of the reply
     // entry: all but its port, which each try sets.
     unsafe {
-        *FlowScratch::reply_key::<A>(s) = CtKey::new(backend.addr, *snat_addr, backend.port, 0, t.proto);
+        *s.reply_key::<A>() = CtKey::new(backend.addr, *snat_addr, backend.port, 0, t.proto);
     }
     for i in 0..SNAT_TRIES {
         let offset = start.wrapping_add(i.wrapping_mul(0x9e37_79b9)).checked_rem(span).unwrap_or(0);
@@ -408,8 +397,8 @@ pub extern "C" fn kpr_snat_try6(port: u32) -> u32 {
 #[inline(always)]
 fn snat_try_in<A: FlowTables>(port: u32) -> u32 {
     let Ok(s) = scratch() else { return 0 };
-    // SAFETY: the per-CPU scratch value, valid for this program run.
-    let (reply_key, reply) = unsafe { (&mut *FlowScratch::reply_key::<A>(s), &(*s).reply) };
+    // SAFETY: the scratch area's reply key slot, valid for this program run.
+    let (reply_key, reply) = (unsafe { &mut *s.reply_key::<A>() }, &s.reply);
     reply_key.dst_port = port as u16;
     let proto = reply_key.proto;
     let (established, new_flows) = (A::established(), A::new_flows());

@@ -17,7 +17,7 @@ use proxy_common::{
 
 use super::{
     parse::Tuple,
-    scratch::{FlowScratch, scratch},
+    scratch::{FlowScratch, Scratch, scratch},
 };
 use crate::{
     family::Family,
@@ -59,7 +59,7 @@ pub(super) fn martian_source<F: Family>(ctx: &TcContext) -> bool {
 /// the stage's call, scratch lookup and bounds checks are saved on each. None: the packet is
 /// `forward_direct`'s (its TTL runs out, or it is too big for the link: the stack decides).
 #[inline(always)]
-pub(super) fn redirect_by<F: Family>(ctx: &TcContext, cached: &CachedRoute, s: *mut FlowScratch) -> Option<i32> {
+pub(super) fn redirect_by<F: Family>(ctx: &TcContext, cached: &CachedRoute, mut s: Scratch) -> Option<i32> {
     let data = ctx.data();
     if data + IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
         return None;
@@ -82,7 +82,7 @@ pub(super) fn redirect_by<F: Family>(ctx: &TcContext, cached: &CachedRoute, s: *
         count(counter::TC_FORWARDED_DIRECT);
         // The next hop in the scratch area: on the stack it would lengthen the chains of calls
         // through this stage.
-        let nh = &raw mut (*s).next_hop;
+        let nh = &raw mut s.next_hop;
         *nh = bpf_redir_neigh {
             nh_family: u32::from(cached.family),
             __bindgen_anon_1: bpf_redir_neigh__bindgen_ty_1 { ipv6_nh: cached.next_hop },
@@ -128,13 +128,10 @@ pub(super) fn reverse_path_ok<F: Family>(ctx: &TcContext, t: &Tuple) -> bool {
     if mode == 0 {
         return true;
     }
-    let Ok(s) = scratch() else { return true };
-    // SAFETY: the per-CPU scratch value, valid for this program run (a new flow's masquerade
-    // lookup, later, zeroes it again).
-    let params = unsafe {
-        zero_fib(&raw mut (*s).fib);
-        &mut (*s).fib
-    };
+    let Ok(mut s) = scratch() else { return true };
+    // A new flow's masquerade lookup, later, zeroes it again.
+    zero_fib(&raw mut s.fib);
+    let params = &mut s.fib;
     params.family = F::AF;
     params.ifindex = ifindex;
     F::fib_dst(params, &t.saddr);
@@ -152,7 +149,7 @@ pub(super) fn reverse_path_ok<F: Family>(ctx: &TcContext, t: &Tuple) -> bool {
 /// Look the route up (a packet of a new flow or of one not yet answered).
 pub(super) const ROUTE_LOOK_UP: u32 = 0;
 
-/// The route kept in the flow's entry (`CtValue::route`) serves: `known_flow` sends the packet
+/// The route kept in the flow's entry (`CtValue::route`) serves: `translate_tracked` sends the packet
 /// out by it (`redirect_by`); a packet it could not send is looked up.
 pub(super) const ROUTE_CACHED: u32 = 1;
 
@@ -198,10 +195,10 @@ pub(super) fn zero_fib(params: *mut bpf_fib_lookup) {
 /// which handles it as it would have without kpr.
 ///
 /// An established flow's entry keeps the lookup's answer (6.3+, with the next hop): for about
-/// a second, its packets that fit the link are sent out by `known_flow` without it.
+/// a second, its packets that fit the link are sent out by `translate_tracked` without it.
 #[inline(never)]
 pub(super) fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
-    let Ok(s) = scratch() else { return TC_ACT_OK };
+    let Ok(s) = scratch().map(Scratch::as_ptr) else { return TC_ACT_OK };
     // SAFETY: the per-CPU scratch value, valid for this program run; the hint is taken back
     // so that no later packet sees it.
     let route = unsafe { core::mem::replace(&mut (*s).route, ROUTE_LOOK_UP) };
@@ -246,7 +243,7 @@ pub(super) fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
             keep_route::<F::FlowAddr>(s, route, next_hop, params);
         }
     } else if peer_route::<F>(ctx, params) {
-        // The masquerade lookup's answer, which `program_flow` kept in the new flow's entry as
+        // The masquerade lookup's answer, which `create_flow` kept in the new flow's entry as
         // a next hop (here, off the chains of calls through the masquerade lookup): a peer
         // link's MAC addresses take its place.
         // SAFETY: the per-CPU scratch value.
@@ -303,7 +300,7 @@ fn fits_link(ctx: &TcContext, mtu: u16) -> bool {
 /// in the entry of the flow this packet was translated by, if it still is (another CPU may
 /// have replaced it since): an established flow's, or an answered one's awaiting the client's
 /// ACK (`ROUTE_LOOK_UP_AND_CACHE`, under `s.flow_key`), or the new flow's this packet opened (`ROUTE_MAY_KEEP`, under `s.key`, with
-/// 6.3+'s next hop; the route moves with the entry at the answer, as `program_flow`'s
+/// 6.3+'s next hop; the route moves with the entry at the answer, as `create_flow`'s
 /// masquerade lookup does).
 #[inline(always)]
 pub(super) fn keep_route<A: FlowTables>(s: *mut FlowScratch, route: u32, next_hop: bool, params: &bpf_fib_lookup) {

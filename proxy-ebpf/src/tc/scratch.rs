@@ -34,13 +34,13 @@ pub struct FlowScratch {
     pub(super) fib: bpf_fib_lookup,
     /// 1: `fib`'s link is a peer one, and `fib` holds its MAC addresses (`peer_route`).
     pub(super) fib_peer: u32,
-    /// `known_flow` → `forward_direct`: how to route the packet of an established flow (`ROUTE_*`).
+    /// `translate_tracked` → `forward_direct`: how to route the packet of an established flow (`ROUTE_*`).
     pub(super) route: u32,
     /// `redirect_by`: the kept next hop, as `bpf_redirect_neigh` takes it.
     pub(super) next_hop: bpf_redir_neigh,
     /// The time at this CPU's last tick (`now_by_tick`).
     pub(super) clock: TickClock,
-    /// `known_flow`: the conntrack generation read before its lookup, and the flow cache's slot
+    /// `translate_tracked`: the conntrack generation read before its lookup, and the flow cache's slot
     /// its entry may be put in (`flow_cache::probe`, `flow_cache::fill`).
     pub(super) generation: Generation,
     pub(super) cache_slot: flow_cache::FreeSlot,
@@ -51,6 +51,64 @@ pub struct FlowScratch {
 pub(super) union KeySlot {
     pub(super) v4: CtKey<Addr4>,
     pub(super) v6: CtKey,
+}
+
+#[btf_map(name = "KPR_FLOW_SCRATCH")]
+static SCRATCH: PerCpuArray<FlowScratch, 1> = PerCpuArray::new();
+
+/// This CPU's scratch value. A handle, copied down a chain of stages (or taken again with
+/// [`scratch`]): each use is an access of its own, no reference to the value outlives it.
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+pub(super) struct Scratch(*mut FlowScratch);
+
+#[inline(always)]
+pub(super) fn scratch() -> Result<Scratch, ()> {
+    SCRATCH.get_ptr_mut(0).map(Scratch).ok_or(())
+}
+
+// SAFETY (of every access through a `Scratch`): the pointer is the per-CPU map value, valid
+// for the whole program run, and a tc program runs to its end on its CPU with nothing else
+// using that value meanwhile (no other program of this CPU runs before it returns).
+impl core::ops::Deref for Scratch {
+    type Target = FlowScratch;
+    #[inline(always)]
+    fn deref(&self) -> &FlowScratch {
+        // SAFETY: see above.
+        unsafe { &*self.0 }
+    }
+}
+
+impl core::ops::DerefMut for Scratch {
+    #[inline(always)]
+    fn deref_mut(&mut self) -> &mut FlowScratch {
+        // SAFETY: see above.
+        unsafe { &mut *self.0 }
+    }
+}
+
+impl Scratch {
+    /// The value itself, for a stage that holds a reference into it across other accesses
+    /// (which the borrow checker cannot tell apart through a `Deref`).
+    #[inline(always)]
+    pub(super) fn as_ptr(self) -> *mut FlowScratch {
+        self.0
+    }
+    #[inline(always)]
+    pub(super) fn key<A: FlowTables>(self) -> *mut CtKey<A> {
+        // SAFETY: see above.
+        unsafe { FlowScratch::key(self.0) }
+    }
+    #[inline(always)]
+    pub(super) fn reply_key<A: FlowTables>(self) -> *mut CtKey<A> {
+        // SAFETY: see above.
+        unsafe { FlowScratch::reply_key(self.0) }
+    }
+    #[inline(always)]
+    pub(super) fn flow_key<A: FlowTables>(self) -> *mut CtKey<A> {
+        // SAFETY: see above.
+        unsafe { FlowScratch::flow_key(self.0) }
+    }
 }
 
 impl FlowScratch {
@@ -68,14 +126,6 @@ impl FlowScratch {
     pub(super) unsafe fn flow_key<A: FlowTables>(s: *mut Self) -> *mut CtKey<A> {
         unsafe { (&raw mut (*s).flow_key).cast() }
     }
-}
-
-#[btf_map(name = "KPR_FLOW_SCRATCH")]
-static SCRATCH: PerCpuArray<FlowScratch, 1> = PerCpuArray::new();
-
-#[inline(always)]
-pub(super) fn scratch() -> Result<*mut FlowScratch, ()> {
-    SCRATCH.get_ptr_mut(0).ok_or(())
 }
 
 /// How an ICMP error about a translated flow is translated back.

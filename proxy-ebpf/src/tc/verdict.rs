@@ -12,11 +12,11 @@ pub(super) const A_FLOW: i32 = i32::MIN;
 /// `inspect`: an ICMP error, maybe about a translated flow.
 pub(super) const AN_ICMP_ERROR: i32 = i32::MIN + 1;
 
-/// `known_flow`: no live flow.
+/// `translate_tracked`: no live flow.
 pub(super) const NO_FLOW: i32 = i32::MIN + 2;
 
-/// `unknown_flow`: a new flow, of the service to the backend in the scratch area.
+/// `pick_backend_subprogram`: a new flow, of the service to the backend in the scratch area.
 pub(super) const OPEN: i32 = i32::MIN + 3;
 
-/// `unknown_flow`: a frontend without endpoints (kube-proxy's REJECT).
+/// `pick_backend_subprogram`: a frontend without endpoints (kube-proxy's REJECT).
 pub(super) const REJECT: i32 = i32::MIN + 4;

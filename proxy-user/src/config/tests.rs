@@ -1,4 +1,3 @@
-
 use super::*;
 
 /// What `kubeadm init` writes into the kube-proxy ConfigMap (v1.3x), with nulls.

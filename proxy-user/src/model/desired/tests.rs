@@ -1,4 +1,3 @@
-
 use super::*;
 use crate::model::tests::{service_yaml, slice_yaml};
 
