@@ -451,6 +451,13 @@ pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
 pub const IPPROTO_SCTP: u8 = 132;
 
+/// TCP header flags (the byte at offset 13), as the programs read them and the tests write them.
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
+pub const TCP_PSH: u8 = 0x08;
+pub const TCP_ACK: u8 = 0x10;
+
 /// A protocol's name as Services spell it (`any`: the any-port entries of a refused service range).
 #[inline(always)]
 pub const fn proto_name(proto: u8) -> &'static str {

@@ -9,10 +9,7 @@ pub const TCP_FLAGS: usize = 13;
 /// SCTP's CRC32c (little-endian) and the type of the packet's first chunk.
 pub const SCTP_CSUM: usize = 8;
 pub const SCTP_CHUNK_TYPE: usize = 12;
-pub const TCP_SYN: u8 = 0x02;
-pub const TCP_ACK: u8 = 0x10;
-pub const TCP_RST: u8 = 0x04;
-pub const TCP_FIN: u8 = 0x01;
+pub use proxy_common::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 /// ICMP (either family): the checksum, and the quoted packet of an error.
 pub const ICMP_CSUM: usize = 2;

@@ -26,7 +26,8 @@ const EXT_CLIENT: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 100);
 const LB_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
 const TIMEOUT: Duration = Duration::from_secs(2);
 
-struct Node {
+/// A node of the [`Bridged`] cluster: its own namespace, agent, pins, cgroup and pod.
+struct BridgedNode {
     name: String,
     ip: Ipv4Addr,
     ip6: Ipv6Addr,
@@ -42,8 +43,9 @@ struct Node {
     netns: Netns,
 }
 
-struct Cluster {
-    nodes: Vec<Node>,
+/// The nodes on the bridge, each running kpr from the same manifests (no control plane).
+struct Bridged {
+    nodes: Vec<BridgedNode>,
     /// More `kpr agent` arguments, for every node.
     agent_args: Vec<String>,
     manifests: PathBuf,
@@ -52,7 +54,7 @@ struct Cluster {
     _switch: Netns,
 }
 
-impl Cluster {
+impl Bridged {
     fn new(tag: &str) -> Result<Self> {
         Self::new_with(tag, &[])
     }
@@ -123,7 +125,7 @@ impl Cluster {
                     "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: 10.244.0.0/16\nhostnameOverride: {name}\n"
                 ),
             )?;
-            nodes.push(Node {
+            nodes.push(BridgedNode {
                 name: (*name).to_owned(),
                 ip,
                 ip6,
@@ -182,7 +184,7 @@ impl Cluster {
     }
 }
 
-impl Drop for Cluster {
+impl Drop for Bridged {
     fn drop(&mut self) {
         for node in &mut self.nodes {
             if let Some(mut agent) = node.agent.take() {
@@ -244,7 +246,7 @@ fn dual_stack_service(
 
 #[test]
 fn node_port_reaches_a_pod_on_another_node_masqueraded() {
-    let c = Cluster::new("km-np").unwrap();
+    let c = Bridged::new("km-np").unwrap();
     let pod_b = c.nodes[1].pod_ip;
     c.write("svc.yaml", &service("Cluster", 30080, &[(pod_b, "node-b")]));
     c.wait("*:30080/TCP ext", 1);
@@ -268,7 +270,7 @@ fn node_port_reaches_a_pod_on_another_node_masqueraded() {
 /// by; without an IPv6 endpoint it is refused while IPv4 serves.
 #[test]
 fn ipv6_node_port_reaches_a_pod_on_another_node_masqueraded() {
-    let c = Cluster::new("km-np6").unwrap();
+    let c = Bridged::new("km-np6").unwrap();
     let (pod_b, pod_b6) = (c.nodes[1].pod_ip, c.nodes[1].pod_ip6);
     c.write("svc.yaml", &dual_stack_service("Cluster", 30080, &[(pod_b, "node-b")], Some(&[(pod_b6, "node-b")])));
     c.wait("[*]:30080/TCP ext", 1);
@@ -308,7 +310,7 @@ fn ipv6_node_port_reaches_a_pod_on_another_node_masqueraded() {
 /// filters (the operator's choice; a NetworkPolicy there does not hold for them).
 #[test]
 fn forward_direct_always_skips_a_forward_chain_that_drops() {
-    let c = Cluster::new_with("km-fwd", &["--forward-direct", "always"]).unwrap();
+    let c = Bridged::new_with("km-fwd", &["--forward-direct", "always"]).unwrap();
     // Docker's FORWARD policy on node-a: the host's forwarding path drops whatever it sees.
     c.nodes[0]
         .netns
@@ -367,7 +369,7 @@ fn policy_drops(node: &Netns) -> u64 {
 /// policy gone, the same connections are served again, straight out of their link.
 #[test]
 fn a_network_policy_in_the_forward_chain_holds_for_service_traffic() {
-    let c = Cluster::new("km-pol").unwrap();
+    let c = Bridged::new("km-pol").unwrap();
     let pod_b = c.nodes[1].pod_ip;
     c.write("svc.yaml", &service("Cluster", 30080, &[(pod_b, "node-b")]));
     c.wait("*:30080/TCP ext", 1);
@@ -418,14 +420,14 @@ fn a_network_policy_in_the_forward_chain_holds_for_service_traffic() {
 /// answers.
 #[test]
 fn node_port_checksums_verify_whoever_completes_them() {
-    let c = Cluster::new("km-csum").unwrap();
+    let c = Bridged::new("km-csum").unwrap();
     let (pod_b, pod_b6) = (c.nodes[1].pod_ip, c.nodes[1].pod_ip6);
     c.write("svc.yaml", &dual_stack_service("Cluster", 30080, &[(pod_b, "node-b")], Some(&[(pod_b6, "node-b")])));
     c.wait("*:30080/TCP ext", 1);
     c.wait("[*]:30080/TCP ext", 1);
     let (a, a6) = (c.nodes[0].ip, c.nodes[0].ip6);
     // Through node-a in each family: the pod answers, and sees node-a's address (masquerade).
-    let ask_both = |c: &Cluster, case: &str| {
+    let ask_both = |c: &Bridged, case: &str| {
         for (node, addr) in
             [(IpAddr::from(a), SocketAddr::new(a.into(), 30080)), (a6.into(), SocketAddr::new(a6.into(), 30080))]
         {
@@ -462,7 +464,7 @@ fn kpr_conntrack(pins: &std::path::Path, args: &[&str]) -> String {
 #[test]
 fn kpr_conntrack_lists_a_node_port_flow_and_flushing_it_keeps_the_connection() {
     use std::io::{BufRead as _, BufReader, Write as _};
-    let c = Cluster::new("km-ct").unwrap();
+    let c = Bridged::new("km-ct").unwrap();
     let pod_b = c.nodes[1].pod_ip;
     c.write("svc.yaml", &service("Cluster", 30080, &[(pod_b, "node-b")]));
     c.wait("*:30080/TCP ext", 1);
@@ -509,7 +511,7 @@ fn kpr_trace(pins: &std::path::Path, args: &[&str]) -> serde_json::Value {
 
 #[test]
 fn kpr_trace_explains_each_source_class_from_the_live_maps() {
-    let c = Cluster::new("km-trace").unwrap();
+    let c = Bridged::new("km-trace").unwrap();
     let (pod_a, pod_b) = (c.nodes[0].pod_ip, c.nodes[1].pod_ip);
     c.write("svc.yaml", &service("Local", 30082, &[(pod_a, "node-a")]));
     testbed::wait_programmed(&c.nodes[0].pins, "*:30082/TCP ext", Some(1), Duration::from_secs(10)).unwrap();
@@ -544,7 +546,7 @@ fn kpr_trace_explains_each_source_class_from_the_live_maps() {
 
 #[test]
 fn local_traffic_policy_keeps_the_client_address_and_drops_without_local_endpoints() {
-    let c = Cluster::new("km-local").unwrap();
+    let c = Bridged::new("km-local").unwrap();
     let pod_a = c.nodes[0].pod_ip;
     c.write("svc.yaml", &service("Local", 30081, &[(pod_a, "node-a")]));
     testbed::wait_programmed(&c.nodes[0].pins, "*:30081/TCP ext", Some(1), Duration::from_secs(10)).unwrap();
@@ -586,7 +588,7 @@ fn health_check(addr: SocketAddrV4) -> (u16, String) {
 
 #[test]
 fn no_endpoints_is_refused_and_an_endpoint_can_move_while_traffic_runs() {
-    let c = Cluster::new("km-move").unwrap();
+    let c = Bridged::new("km-move").unwrap();
     let (pod_a, pod_b) = (c.nodes[0].pod_ip, c.nodes[1].pod_ip);
     c.write("svc.yaml", &service("Cluster", 30082, &[]));
     c.wait("*:30082/TCP ext", 0);
@@ -627,7 +629,7 @@ fn no_endpoints_is_refused_and_an_endpoint_can_move_while_traffic_runs() {
 
 #[test]
 fn a_pod_reaching_itself_through_its_service_is_masqueraded() {
-    let c = Cluster::new("km-hairpin").unwrap();
+    let c = Bridged::new("km-hairpin").unwrap();
     let pod_a = c.nodes[0].pod_ip;
     c.write("svc.yaml", &service("Cluster", 30083, &[(pod_a, "node-a")]));
     c.wait("10.96.0.83:80/TCP", 1);
@@ -642,7 +644,7 @@ fn a_pod_reaching_itself_through_its_service_is_masqueraded() {
 
 #[test]
 fn links_created_after_the_agent_started_are_covered() {
-    let c = Cluster::new("km-links").unwrap();
+    let c = Bridged::new("km-links").unwrap();
     let pod_b = c.nodes[1].pod_ip;
     c.write("svc.yaml", &service("Cluster", 30084, &[(pod_b, "node-b")]));
     c.wait("10.96.0.84:80/TCP", 1);
@@ -677,7 +679,7 @@ fn links_created_after_the_agent_started_are_covered() {
 
 #[test]
 fn udp_flows_move_off_a_removed_endpoint() {
-    let c = Cluster::new("km-udp").unwrap();
+    let c = Bridged::new("km-udp").unwrap();
     let (pod_a, pod_b) = (c.nodes[0].pod_ip, c.nodes[1].pod_ip);
     let manifest = |ip: Ipv4Addr, node: &str| {
         format!(
@@ -725,7 +727,7 @@ fn udp_flows_move_off_a_removed_endpoint() {
 
 #[test]
 fn cleanup_waits_for_the_agent_and_undoes_what_kpr_changed_on_the_node() {
-    let mut c = Cluster::new("km-clean").unwrap();
+    let mut c = Bridged::new("km-clean").unwrap();
     c.write("svc.yaml", &service("Cluster", 30080, &[(c.nodes[1].pod_ip, "node-b")]));
     c.wait("*:30080/TCP ext", 1);
     let node = &c.nodes[0];
@@ -734,7 +736,7 @@ fn cleanup_waits_for_the_agent_and_undoes_what_kpr_changed_on_the_node() {
             .unwrap()
     };
     assert_eq!(accept_local(&node.netns), "1", "kpr turns accept_local on where it masquerades");
-    let cleanup = |node: &Node| {
+    let cleanup = |node: &BridgedNode| {
         let mut cmd = Command::new(kpr_tests::kpr_bin());
         cmd.arg("cleanup").arg("--pin-root").arg(&node.pins);
         node.netns.exec_in(&mut cmd).unwrap();
@@ -761,7 +763,7 @@ fn cleanup_waits_for_the_agent_and_undoes_what_kpr_changed_on_the_node() {
 
 #[test]
 fn a_program_attached_after_kpr_still_sees_what_kpr_does_not_translate() {
-    let c = Cluster::new("km-chain").unwrap();
+    let c = Bridged::new("km-chain").unwrap();
     c.write("svc.yaml", &service("Cluster", 30080, &[(c.nodes[1].pod_ip, "node-b")]));
     c.wait("*:30080/TCP ext", 1);
     // Another program after kpr's on node-a's link (a CNI's, a monitor's): a second instance
@@ -805,11 +807,11 @@ fn a_program_attached_after_kpr_still_sees_what_kpr_does_not_translate() {
 
 /// `kpr status` in `node`'s namespace (where the agent's lock and health server are):
 /// (succeeded, stdout or stderr).
-fn kpr_status(node: &Node, pins: &std::path::Path) -> (bool, String) {
+fn kpr_status(node: &BridgedNode, pins: &std::path::Path) -> (bool, String) {
     kpr_status_as(node, pins, "json")
 }
 
-fn kpr_status_as(node: &Node, pins: &std::path::Path, output: &str) -> (bool, String) {
+fn kpr_status_as(node: &BridgedNode, pins: &std::path::Path, output: &str) -> (bool, String) {
     let mut cmd = Command::new(kpr_tests::kpr_bin());
     cmd.args(["status", "-o", output, "--pin-root"]).arg(pins).env("NO_COLOR", "1");
     node.netns.exec_in(&mut cmd).unwrap();
@@ -820,7 +822,7 @@ fn kpr_status_as(node: &Node, pins: &std::path::Path, output: &str) -> (bool, St
 
 #[test]
 fn kpr_status_tells_the_agent_its_links_maps_and_a_node_without_kpr() {
-    let mut c = Cluster::new("km-status").unwrap();
+    let mut c = Bridged::new("km-status").unwrap();
     c.write("svc.yaml", &service("Cluster", 30080, &[(c.nodes[1].pod_ip, "node-b")]));
     c.wait("*:30080/TCP ext", 1);
     let node_a = c.nodes[0].ip;
@@ -947,7 +949,7 @@ fn an_upgrade_to_a_new_pin_layout_keeps_flows_affinity_and_new_connections() {
 }
 
 fn upgrade_keeps_flows(agent_args: &[&str]) {
-    let mut c = Cluster::new_with("km-upgrade", agent_args).unwrap();
+    let mut c = Bridged::new_with("km-upgrade", agent_args).unwrap();
     let endpoints = [(c.nodes[0].pod_ip, "node-a"), (c.nodes[1].pod_ip, "node-b")];
     let manifest = service("Cluster", 30080, &endpoints)
         .replace("  externalTrafficPolicy:", "  sessionAffinity: ClientIP\n  externalTrafficPolicy:");
@@ -992,10 +994,10 @@ fn upgrade_keeps_flows(agent_args: &[&str]) {
 #[test]
 fn without_tcx_the_netlink_filters_outlive_and_survive_restarts() {
     // Kernels before 6.6 have no TCX: netlink tc filters, here asked for on a newer kernel.
-    let mut c = Cluster::new_with("km-nl", &["--tc-netlink"]).unwrap();
+    let mut c = Bridged::new_with("km-nl", &["--tc-netlink"]).unwrap();
     c.write("svc.yaml", &service("Cluster", 30080, &[(c.nodes[1].pod_ip, "node-b")]));
     c.wait("*:30080/TCP ext", 1);
-    let kpr_filters = |c: &Cluster| -> usize {
+    let kpr_filters = |c: &Bridged| -> usize {
         let mut cmd = Command::new("tc");
         cmd.args(["filter", "show", "dev", "eth0", "ingress"]);
         c.nodes[0].netns.exec_in(&mut cmd).unwrap();
@@ -1003,14 +1005,14 @@ fn without_tcx_the_netlink_filters_outlive_and_survive_restarts() {
         out.lines().filter(|l| l.contains("kpr_tc_ingress")).count()
     };
     let ip = c.nodes[0].ip;
-    let ask = |c: &Cluster| {
+    let ask = |c: &Bridged| {
         c.ext(move || tcp_ask_peer(SocketAddrV4::new(ip, 30080), TIMEOUT).map(|(name, _)| name).unwrap_or_default())
     };
     assert_eq!(kpr_filters(&c), 1, "one netlink filter");
     assert_eq!(ask(&c), "pod-b");
 
     // The agent goes away: the filter stays (it used to remove itself), NodePorts keep working.
-    let stop = |c: &mut Cluster| {
+    let stop = |c: &mut Bridged| {
         let mut agent = c.nodes[0].agent.take().unwrap();
         agent.kill().unwrap();
         agent.wait().unwrap();
@@ -1151,7 +1153,7 @@ fn sctp_services_are_translated_for_pods_and_outside_clients() {
         println!("skipped: this kernel has no SCTP sockets (the VM kernels of `cargo xtask test` run it)");
         return;
     }
-    let c = Cluster::new("km-sctp").unwrap();
+    let c = Bridged::new("km-sctp").unwrap();
     let (pod_a, pod_b) = (c.nodes[0].pod_ip, c.nodes[1].pod_ip);
     let _server = sctp::Server::start(&c.nodes[1]._pod, SocketAddrV4::new(pod_b, POD_PORT), "pod-b").unwrap();
     c.write(

@@ -22,7 +22,8 @@ use kpr::{
 use proxy_common::{
     Addr, CidrKey, CtKey, CtKey4, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, LINK_FLAG_TC_INGRESS, LinkInfo,
     NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
-    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MIN, counter, ct, map_names, program_names, tc_slow_path,
+    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MIN, TCP_ACK, TCP_FIN, TCP_PSH, TCP_RST, TCP_SYN, counter,
+    ct, map_names, program_names, tc_slow_path,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -103,7 +104,7 @@ fn tcp(src: impl Into<IpAddr>, sport: u16, dst: impl Into<IpAddr>, dport: u16) -
         sport,
         dport,
         proto: 6,
-        tcp_flags: 0x02,
+        tcp_flags: TCP_SYN,
         seq: 1000,
         ack: 0,
         zero_csum: false,
@@ -144,7 +145,7 @@ fn udp(src: impl Into<IpAddr>, sport: u16, dst: impl Into<IpAddr>, dport: u16) -
 
 impl Pkt {
     fn payload(&self) -> &'static [u8] {
-        if self.tcp_flags & 0x04 != 0 { b"" } else { b"hello" }
+        if self.tcp_flags & TCP_RST != 0 { b"" } else { b"hello" }
     }
 
     fn bytes(&self) -> Vec<u8> {
@@ -173,7 +174,7 @@ impl Pkt {
             l4.extend_from_slice(&self.seq.to_be_bytes());
             l4.extend_from_slice(&self.ack.to_be_bytes());
             l4.extend_from_slice(&[5 << 4, self.tcp_flags]);
-            l4.extend_from_slice(&(if self.tcp_flags & 0x04 != 0 { 0u16 } else { 64240u16 }).to_be_bytes());
+            l4.extend_from_slice(&(if self.tcp_flags & TCP_RST != 0 { 0u16 } else { 64240u16 }).to_be_bytes());
             l4.extend_from_slice(&[0, 0, 0, 0]); // checksum, urgent pointer
         } else {
             l4.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
@@ -187,7 +188,7 @@ impl Pkt {
             l4[csum_off..csum_off + 2].copy_from_slice(&c.to_be_bytes());
         }
         // A reset is sent as the kernel sends one: id 0, don't fragment.
-        let (id, frags) = if self.tcp_flags & 0x04 != 0 { (0, 0x4000) } else { (0x1234, self.frag) };
+        let (id, frags) = if self.tcp_flags & TCP_RST != 0 { (0, 0x4000) } else { (0x1234, self.frag) };
         self.frame((dst_mac, src_mac), id, frags, &l4)
     }
 
@@ -534,11 +535,11 @@ fn cluster_ip_tcp_is_translated_both_ways_with_exact_checksums() {
         assert_eq!(out, Pkt { dst: pod, dport: 8080, ..syn }.bytes(), "DNAT to the backend");
 
         // A second packet of the flow takes the same path (conntrack), not a new random pick.
-        let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 5000, ..syn };
+        let ack = Pkt { tcp_flags: TCP_ACK, seq: 1001, ack: 5000, ..syn };
         assert_eq!(rig.ingress(&ack.bytes()).1, Pkt { dst: pod, dport: 8080, ..ack }.bytes());
 
         // The reply, leaving toward the client, gets the ClusterIP back as its source.
-        let reply = Pkt { tcp_flags: 0x12, seq: 5000, ack: 1001, ..tcp(pod, 8080, client, 40000) };
+        let reply = Pkt { tcp_flags: TCP_SYN | TCP_ACK, seq: 5000, ack: 1001, ..tcp(pod, 8080, client, 40000) };
         let (verdict, out) = rig.egress(&reply.bytes());
         assert_eq!(verdict, TC_ACT_OK);
         assert_eq!(out, Pkt { src: cluster_ip, sport: 80, ..reply }.bytes(), "reverse NAT");
@@ -595,7 +596,7 @@ fn a_new_flow_takes_the_slow_program_and_without_it_passes_counted() {
     assert_eq!(rig.ingress(&syn.bytes()), (TC_ACT_OK, to_pod(syn)), "a new flow, by the slow program");
     let mut slots = aya::maps::ProgramArray::try_from(rig.ebpf.map_mut(map_names::TC_SLOW_PATH).unwrap()).unwrap();
     slots.clear_index(&tc_slow_path::INGRESS).unwrap();
-    let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 5000, ..syn };
+    let ack = Pkt { tcp_flags: TCP_ACK, seq: 1001, ack: 5000, ..syn };
     assert_eq!(rig.ingress(&ack.bytes()), (TC_ACT_OK, to_pod(ack)), "the known flow, without the slow program");
     let other = tcp(CLIENT, 40201, CLUSTER_IP, 80);
     assert_eq!(rig.ingress(&other.bytes()), (TC_ACT_UNSPEC, other.bytes()), "a new flow, without it");
@@ -615,7 +616,7 @@ fn egress_leaves_packets_that_came_in_through_kprs_ingress_alone() {
         links.insert(&7, &LinkInfo { flags: LINK_FLAG_TC_INGRESS, ..LinkInfo::default() }, 0).unwrap();
         links.insert(&8, &LinkInfo::default(), 0).unwrap();
     }
-    let reply = Pkt { tcp_flags: 0x12, seq: 5000, ack: 1001, ..tcp(POD, 8080, CLIENT, 40100) };
+    let reply = Pkt { tcp_flags: TCP_SYN | TCP_ACK, seq: 5000, ack: 1001, ..tcp(POD, 8080, CLIENT, 40100) };
     let translated = Pkt { src: CLUSTER_IP.into(), sport: 80, ..reply }.bytes();
     let egress = program_names::TC_EGRESS;
     assert_eq!(rig.run_from(egress, &reply.bytes(), 7), (TC_ACT_UNSPEC, reply.bytes()), "came in through kpr");
@@ -654,7 +655,7 @@ fn node_port_with_cluster_policy_is_masqueraded_and_reversed() {
     assert_eq!(out, Pkt { src: NODE_IP.into(), sport: nat_port, dst: POD.into(), dport: 8080, ..syn }.bytes());
 
     // The backend's reply comes back to the node's address and is sent on to the client.
-    let reply = Pkt { tcp_flags: 0x12, ..tcp(POD, 8080, NODE_IP, nat_port) };
+    let reply = Pkt { tcp_flags: TCP_SYN | TCP_ACK, ..tcp(POD, 8080, NODE_IP, nat_port) };
     let (verdict, out) = rig.ingress(&reply.bytes());
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(out, Pkt { src: NODE_IP.into(), sport: 30080, dst: CLIENT.into(), dport: 40003, ..reply }.bytes());
@@ -674,7 +675,16 @@ fn assert_reset(rig: &Rig, client: impl Into<IpAddr>, sport: u16, frontend: impl
     let syn = tcp(client, sport, frontend, port);
     let (verdict, out) = rig.ingress(&syn.bytes_with_macs([1; 6], [2; 6]));
     assert_eq!(verdict, TC_ACT_REDIRECT, "the reset goes back out of the interface");
-    let rst = Pkt { src: frontend, sport: port, dst: client, dport: sport, tcp_flags: 0x14, seq: 0, ack: 1001, ..syn };
+    let rst = Pkt {
+        src: frontend,
+        sport: port,
+        dst: client,
+        dport: sport,
+        tcp_flags: TCP_RST | TCP_ACK,
+        seq: 0,
+        ack: 1001,
+        ..syn
+    };
     assert_eq!(out, rst.bytes_with_macs([2; 6], [1; 6]), "RST|ACK acknowledging the SYN, MACs swapped");
 }
 
@@ -685,7 +695,7 @@ fn no_endpoints_rejects_tcp_with_a_reset_and_local_policy_drops() {
 
     let (verdict, _) = rig.ingress(&tcp(CLIENT, 40006, NODE_IP, 30081).bytes());
     assert_eq!(verdict, TC_ACT_SHOT, "eTP=Local without local endpoints drops");
-    let (verdict, _) = rig.ingress(&Pkt { tcp_flags: 0x10, ..tcp(CLIENT, 40007, CLUSTER_IP, 81) }.bytes());
+    let (verdict, _) = rig.ingress(&Pkt { tcp_flags: TCP_ACK, ..tcp(CLIENT, 40007, CLUSTER_IP, 81) }.bytes());
     assert_eq!(verdict, TC_ACT_SHOT, "a non-SYN to a service without endpoints is dropped");
 }
 
@@ -732,7 +742,7 @@ fn packets_between_addresses_kpr_never_programmed_pass_at_the_address_filter() {
         route: proxy_common::CachedRoute::NONE,
     };
     rig.table4(proxy_common::map_names::CONNTRACK4).insert(&key, &value, 0).unwrap();
-    let packet = Pkt { tcp_flags: 0x10, ..tcp(a, 1000, b, 2000) };
+    let packet = Pkt { tcp_flags: TCP_ACK, ..tcp(a, 1000, b, 2000) };
     assert_eq!(rig.ingress(&packet.bytes()), (TC_ACT_UNSPEC, packet.bytes()), "filtered out: untouched");
     rig.maps.mark_addresses([IpAddr::from(b).into()]).unwrap();
     let (verdict, out) = rig.ingress(&packet.bytes());
@@ -868,7 +878,7 @@ fn icmp_errors_about_a_translated_flow_are_translated_back() {
     // backend gets it, quoting its reply as it sent it (to the masquerade address and port),
     // so that its path MTU drops.
     let router = Ipv4Addr::new(10, 0, 0, 254);
-    let reply_as_sent = Pkt { tcp_flags: 0x10, ..tcp(POD, 8080, NODE_IP, nat_port) };
+    let reply_as_sent = Pkt { tcp_flags: TCP_ACK, ..tcp(POD, 8080, NODE_IP, nat_port) };
     let reply_as_forwarded =
         Pkt { src: NODE_IP.into(), sport: 30080, dst: CLIENT.into(), dport: 40020, ..reply_as_sent };
     let error = icmp_error(router, NODE_IP, 3, 4, [0, 0, 0x05, 0x00], &reply_as_forwarded.bytes()[14..]);
@@ -931,7 +941,7 @@ fn a_new_connection_reusing_the_tuple_of_a_flow_to_a_removed_endpoint_is_balance
     cluster_ip(&mut d, 80, Protocol::Tcp, &[(other, 8080)]);
     rig.reprogram(&d);
     // Established traffic of the old flow keeps its endpoint...
-    let ack = Pkt { tcp_flags: 0x10, seq: 1001, ..syn };
+    let ack = Pkt { tcp_flags: TCP_ACK, seq: 1001, ..syn };
     assert_eq!(rig.ingress(&ack.bytes()).1, Pkt { dst: POD.into(), dport: 8080, ..ack }.bytes());
     // ...but a new SYN on the same 5-tuple goes to a live endpoint.
     assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: other.into(), dport: 8080, ..syn }.bytes());
@@ -952,9 +962,9 @@ fn an_established_flows_packets_are_served_from_the_flow_cache_until_its_entry_c
     for (client, cluster_ip, pod) in families {
         let syn = tcp(client, 40050, cluster_ip, 80);
         assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: pod, dport: 8080, ..syn }.bytes());
-        let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(pod, 8080, client, 40050) };
+        let synack = Pkt { tcp_flags: TCP_SYN | TCP_ACK, seq: 7000, ack: 1001, ..tcp(pod, 8080, client, 40050) };
         assert_eq!(rig.egress(&synack.bytes()).1, Pkt { src: cluster_ip, sport: 80, ..synack }.bytes());
-        let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
+        let ack = Pkt { tcp_flags: TCP_ACK, seq: 1001, ack: 7001, ..syn };
         let (filled, hits) = (rig.counter(counter::TC_FLOW_CACHE_FILLED), rig.counter(counter::TC_CT_HIT));
         for _ in 0..3 {
             assert_eq!(rig.ingress(&ack.bytes()).1, Pkt { dst: pod, dport: 8080, ..ack }.bytes(), "{client}");
@@ -962,7 +972,7 @@ fn an_established_flows_packets_are_served_from_the_flow_cache_until_its_entry_c
         assert_eq!(rig.counter(counter::TC_CT_HIT) - hits, 3, "{client}");
         assert_eq!(rig.counter(counter::TC_FLOW_CACHE_FILLED) - filled, 1, "{client}: the first ACK filled the cache");
         // A FIN changes the entry: the table's path, not the cache's.
-        let fin = Pkt { tcp_flags: 0x11, ..ack };
+        let fin = Pkt { tcp_flags: TCP_FIN | TCP_ACK, ..ack };
         assert_eq!(rig.ingress(&fin.bytes()).1, Pkt { dst: pod, dport: 8080, ..fin }.bytes(), "{client}");
         let fin_bits = proxy_common::ct::FIN_ORIG;
         let finned = |(k, v): &(CtKey, CtValue)| k.dst_addr == Addr::from(cluster_ip) && v.flags & fin_bits != 0;
@@ -972,8 +982,8 @@ fn an_established_flows_packets_are_served_from_the_flow_cache_until_its_entry_c
     // IPv4, a new flow: its entry rewritten from userspace.
     let syn = tcp(CLIENT, 40051, CLUSTER_IP, 80);
     rig.ingress(&syn.bytes());
-    rig.egress(&Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(POD, 8080, CLIENT, 40051) }.bytes());
-    let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
+    rig.egress(&Pkt { tcp_flags: TCP_SYN | TCP_ACK, seq: 7000, ack: 1001, ..tcp(POD, 8080, CLIENT, 40051) }.bytes());
+    let ack = Pkt { tcp_flags: TCP_ACK, seq: 1001, ack: 7001, ..syn };
     let to = |dst: Ipv4Addr, dport: u16| Pkt { dst: dst.into(), dport, ..ack }.bytes();
     // The handshake's ACK establishes the flow (its entries move); the next packet fills the cache.
     assert_eq!(rig.ingress(&ack.bytes()).1, to(POD, 8080));
@@ -1002,7 +1012,7 @@ fn an_established_flows_packets_are_served_from_the_flow_cache_until_its_entry_c
     rig.reprogram(&d);
     assert_eq!(rig.ingress(&ack.bytes()).1, to(POD, 8080), "established traffic keeps its endpoint");
     assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: other.into(), dport: 8080, ..syn }.bytes());
-    let synack = Pkt { tcp_flags: 0x12, seq: 9000, ack: 1001, ..tcp(other, 8080, CLIENT, 40051) };
+    let synack = Pkt { tcp_flags: TCP_SYN | TCP_ACK, seq: 9000, ack: 1001, ..tcp(other, 8080, CLIENT, 40051) };
     assert_eq!(rig.egress(&synack.bytes()).1, Pkt { src: CLUSTER_IP.into(), sport: 80, ..synack }.bytes());
     for _ in 0..2 {
         assert_eq!(rig.ingress(&ack.bytes()).1, to(other, 8080), "the new connection's endpoint");
@@ -1056,9 +1066,10 @@ fn the_time_an_established_flows_packets_read_moves_with_the_clock() {
     });
     let syn = tcp(CLIENT, 41100, NODE_IP, 30090);
     let (_, out) = rig.ingress(&syn.bytes());
-    let reply = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out)) };
+    let reply =
+        Pkt { tcp_flags: TCP_SYN | TCP_ACK, seq: 7000, ack: 1001, ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out)) };
     assert_eq!(rig.ingress(&reply.bytes()).0, TC_ACT_OK, "reply reversed");
-    let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
+    let ack = Pkt { tcp_flags: TCP_ACK, seq: 1001, ack: 7001, ..syn };
     let hits = rig.counter(counter::TC_CT_HIT);
     for _ in 0..3 {
         assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK);
@@ -1083,10 +1094,15 @@ fn flows_live_by_state_and_the_sweep_removes_ended_ones() {
     let open = |sport: u16| -> (Pkt, Pkt) {
         let syn = tcp(CLIENT, sport, NODE_IP, 30090);
         let (_, out) = rig.ingress(&syn.bytes());
-        let reply = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out)) };
+        let reply = Pkt {
+            tcp_flags: TCP_SYN | TCP_ACK,
+            seq: 7000,
+            ack: 1001,
+            ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out))
+        };
         let (verdict, back) = rig.ingress(&reply.bytes());
         assert_eq!((verdict, sport_of(&back[..])), (TC_ACT_OK, 30090), "reply reversed");
-        let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
+        let ack = Pkt { tcp_flags: TCP_ACK, seq: 1001, ack: 7001, ..syn };
         rig.ingress(&ack.bytes());
         (ack, reply)
     };
@@ -1095,9 +1111,9 @@ fn flows_live_by_state_and_the_sweep_removes_ended_ones() {
     let (kept, _) = open(41002);
     assert_eq!(rig.conntrack().len(), 6);
     // One is reset by the client; one closed with FINs both ways; one stays established.
-    rig.ingress(&Pkt { tcp_flags: 0x04, ..reset }.bytes());
-    rig.ingress(&Pkt { tcp_flags: 0x11, ..fin }.bytes());
-    rig.ingress(&Pkt { tcp_flags: 0x11, ..fin_reply }.bytes());
+    rig.ingress(&Pkt { tcp_flags: TCP_RST, ..reset }.bytes());
+    rig.ingress(&Pkt { tcp_flags: TCP_FIN | TCP_ACK, ..fin }.bytes());
+    rig.ingress(&Pkt { tcp_flags: TCP_FIN | TCP_ACK, ..fin_reply }.bytes());
     let closed = |v: &CtValue| proxy_common::ct::closed(v.flags);
     assert_eq!(rig.flows().iter().filter(|(_, v)| closed(v)).count(), 4, "both entries of both ended flows are closed");
     std::thread::sleep(std::time::Duration::from_millis(120));
@@ -1119,7 +1135,7 @@ fn a_connection_whose_entries_were_evicted_is_recreated_as_it_was() {
     for sport in 42000..42016 {
         let syn = tcp(CLIENT, sport, NODE_IP, 30090);
         let (_, out) = rig.ingress(&syn.bytes());
-        established.push((Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn }, out));
+        established.push((Pkt { tcp_flags: TCP_ACK, seq: 1001, ack: 7001, ..syn }, out));
     }
     let backends: std::collections::BTreeSet<Ipv4Addr> = established.iter().map(|(_, out)| dst_of(out)).collect();
     assert!(backends.len() > 1, "sixteen connections spread over the endpoints: {backends:?}");
@@ -1142,9 +1158,9 @@ fn a_connection_whose_entries_were_evicted_is_recreated_as_it_was() {
     let (ack, syn_out) = &established[0];
     let snat_port = sport_of(syn_out);
     assert_eq!(rig.evict(|k, _| k.dst_port == snat_port.to_be()), 1);
-    rig.ingress(&Pkt { tcp_flags: 0x11, ..*ack }.bytes());
+    rig.ingress(&Pkt { tcp_flags: TCP_FIN | TCP_ACK, ..*ack }.bytes());
     assert_eq!(rig.counter(counter::TC_CT_HEALED), 1);
-    let reply = Pkt { tcp_flags: 0x10, seq: 7001, ack: 1002, ..tcp(dst_of(syn_out), 8080, NODE_IP, snat_port) };
+    let reply = Pkt { tcp_flags: TCP_ACK, seq: 7001, ack: 1002, ..tcp(dst_of(syn_out), 8080, NODE_IP, snat_port) };
     let (verdict, back) = rig.ingress(&reply.bytes());
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(
@@ -1161,11 +1177,12 @@ fn a_closed_connections_snat_port_goes_to_a_new_one_after_a_second() {
     let rig = Rig::with(&churn_services(), |cfg| cfg.snat_ports = (SNAT_PORT_MIN, SNAT_PORT_MIN));
     let syn = tcp(CLIENT, 43000, NODE_IP, 30080);
     let (_, out) = rig.ingress(&syn.bytes());
-    let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out)) };
+    let synack =
+        Pkt { tcp_flags: TCP_SYN | TCP_ACK, seq: 7000, ack: 1001, ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out)) };
     assert_eq!(rig.ingress(&synack.bytes()).0, TC_ACT_OK);
     let next = tcp(CLIENT, 43001, NODE_IP, 30080);
     assert_eq!(rig.ingress(&next.bytes()).0, TC_ACT_SHOT, "the only port is held by a live connection");
-    rig.ingress(&Pkt { tcp_flags: 0x04, seq: 1001, ..syn }.bytes());
+    rig.ingress(&Pkt { tcp_flags: TCP_RST, seq: 1001, ..syn }.bytes());
     assert_eq!(rig.ingress(&next.bytes()).0, TC_ACT_SHOT, "just closed: its last packets may still come");
     std::thread::sleep(std::time::Duration::from_millis(1100));
     let (verdict, out) = rig.ingress(&next.bytes());
@@ -1181,11 +1198,11 @@ fn a_new_connection_on_a_closed_flows_tuple_starts_over_on_its_entries_unless_th
     let syn = tcp(CLIENT, 44000, NODE_IP, 30090);
     let (_, first) = rig.ingress(&syn.bytes());
     let (backend, snat_port) = (dst_of(&first), sport_of(&first));
-    let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(backend, 8080, NODE_IP, snat_port) };
+    let synack = Pkt { tcp_flags: TCP_SYN | TCP_ACK, seq: 7000, ack: 1001, ..tcp(backend, 8080, NODE_IP, snat_port) };
     let reversed = Pkt { src: NODE_IP.into(), sport: 30090, dst: CLIENT.into(), dport: 44000, ..synack }.bytes();
     assert_eq!(rig.ingress(&synack.bytes()), (TC_ACT_OK, reversed.clone()));
-    rig.ingress(&Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn }.bytes());
-    let reset = Pkt { tcp_flags: 0x04, seq: 1001, ..syn };
+    rig.ingress(&Pkt { tcp_flags: TCP_ACK, seq: 1001, ack: 7001, ..syn }.bytes());
+    let reset = Pkt { tcp_flags: TCP_RST, seq: 1001, ..syn };
     rig.ingress(&reset.bytes());
 
     // The client's next connection from the same port: translated as the closed flow was
@@ -1209,7 +1226,8 @@ fn a_new_connection_on_a_closed_flows_tuple_starts_over_on_its_entries_unless_th
     // The endpoint leaves; a closed flow's tuple is balanced anew over the others.
     let (_, first) = rig.ingress(&syn.bytes());
     let backend = dst_of(&first);
-    let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(backend, 8080, NODE_IP, sport_of(&first)) };
+    let synack =
+        Pkt { tcp_flags: TCP_SYN | TCP_ACK, seq: 7000, ack: 1001, ..tcp(backend, 8080, NODE_IP, sport_of(&first)) };
     assert_eq!(rig.ingress(&synack.bytes()).0, TC_ACT_OK);
     rig.ingress(&reset.bytes());
     let mut d = churn_services();
@@ -1228,9 +1246,10 @@ fn the_sweep_keeps_a_flow_that_a_new_connection_revives_while_it_walks_the_table
     let rig = Rig::with(&churn_services(), |cfg| cfg.ct_timeouts = timeouts);
     let syn = tcp(CLIENT, 45000, NODE_IP, 30090);
     let (_, out) = rig.ingress(&syn.bytes());
-    let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out)) };
+    let synack =
+        Pkt { tcp_flags: TCP_SYN | TCP_ACK, seq: 7000, ack: 1001, ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out)) };
     assert_eq!(rig.ingress(&synack.bytes()).0, TC_ACT_OK);
-    rig.ingress(&Pkt { tcp_flags: 0x04, seq: 1001, ..syn }.bytes());
+    rig.ingress(&Pkt { tcp_flags: TCP_RST, seq: 1001, ..syn }.bytes());
     std::thread::sleep(std::time::Duration::from_millis(120));
     // The closed flow has expired; while the sweep walks the table, the client connects again
     // from the same port and the backend answers: the new flow's entries take the old keys.
@@ -1267,7 +1286,7 @@ fn one_client_port_to_two_frontends_of_one_backend_keeps_their_replies_apart() {
         assert_eq!(verdict, TC_ACT_OK);
         let port = sport_of(&out);
         assert_eq!(out, Pkt { dst: POD.into(), dport: 8080, sport: port, ..syn }.bytes(), "DNAT");
-        let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(POD, 8080, CLIENT, port) };
+        let synack = Pkt { tcp_flags: TCP_SYN | TCP_ACK, seq: 7000, ack: 1001, ..tcp(POD, 8080, CLIENT, port) };
         let back = Pkt { src: frontend.into(), sport: 80, dport: sport, ..synack }.bytes();
         assert_eq!(rig.egress(&synack.bytes()), (TC_ACT_OK, back), "answered through {frontend}");
         port
@@ -1277,11 +1296,11 @@ fn one_client_port_to_two_frontends_of_one_backend_keeps_their_replies_apart() {
     assert_eq!(connect(46000, CLUSTER_IP), 46000);
     let remapped = connect(46000, other);
     assert_ne!(remapped, 46000);
-    let data = Pkt { tcp_flags: 0x18, seq: 7001, ack: 1001, ..tcp(POD, 8080, CLIENT, 46000) };
+    let data = Pkt { tcp_flags: TCP_PSH | TCP_ACK, seq: 7001, ack: 1001, ..tcp(POD, 8080, CLIENT, 46000) };
     assert_eq!(rig.egress(&data.bytes()).1, Pkt { src: CLUSTER_IP.into(), sport: 80, ..data }.bytes());
     // A flow closed a second ago gives its reply tuple up to a new connection from its port.
     assert_eq!(connect(46001, CLUSTER_IP), 46001);
-    rig.ingress(&Pkt { tcp_flags: 0x04, seq: 1001, ..tcp(CLIENT, 46001, CLUSTER_IP, 80) }.bytes());
+    rig.ingress(&Pkt { tcp_flags: TCP_RST, seq: 1001, ..tcp(CLIENT, 46001, CLUSTER_IP, 80) }.bytes());
     std::thread::sleep(std::time::Duration::from_millis(1100));
     assert_eq!(connect(46001, other), 46001, "the client's own port, answered through the other frontend");
 }
@@ -1293,11 +1312,11 @@ fn a_new_connection_whose_tuple_kept_only_an_expired_reply_entry_is_answered() {
     let timeouts = CtTimeouts { tcp_closed: 50 * MS, ..CtTimeouts::DEFAULT };
     let rig = Rig::with(&services(), |cfg| cfg.ct_timeouts = timeouts);
     let syn = tcp(CLIENT, 47000, CLUSTER_IP, 80);
-    let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(POD, 8080, CLIENT, 47000) };
+    let synack = Pkt { tcp_flags: TCP_SYN | TCP_ACK, seq: 7000, ack: 1001, ..tcp(POD, 8080, CLIENT, 47000) };
     let reversed = Pkt { src: CLUSTER_IP.into(), sport: 80, ..synack }.bytes();
     rig.ingress(&syn.bytes());
     assert_eq!(rig.egress(&synack.bytes()), (TC_ACT_OK, reversed.clone()));
-    rig.ingress(&Pkt { tcp_flags: 0x04, seq: 1001, ..syn }.bytes());
+    rig.ingress(&Pkt { tcp_flags: TCP_RST, seq: 1001, ..syn }.bytes());
     std::thread::sleep(std::time::Duration::from_millis(120));
     assert_eq!(rig.evict(|k, _| k.src_port == 47000u16.to_be()), 1, "the client's entry goes first");
     assert_eq!(rig.ingress(&syn.bytes()).1, Pkt { dst: POD.into(), dport: 8080, ..syn }.bytes());
@@ -1358,9 +1377,14 @@ fn a_flood_of_new_flows_cannot_evict_established_ones() {
     for sport in 44000..44008 {
         let syn = tcp(CLIENT, sport, NODE_IP, 30090);
         let (_, out) = rig.ingress(&syn.bytes());
-        let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out)) };
+        let synack = Pkt {
+            tcp_flags: TCP_SYN | TCP_ACK,
+            seq: 7000,
+            ack: 1001,
+            ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out))
+        };
         assert_eq!(rig.ingress(&synack.bytes()).0, TC_ACT_OK);
-        let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
+        let ack = Pkt { tcp_flags: TCP_ACK, seq: 1001, ack: 7001, ..syn };
         assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK, "the handshake's last ACK");
         acks.push(ack);
     }
@@ -1389,7 +1413,12 @@ fn an_answer_the_client_never_acknowledges_holds_its_flow_for_the_syn_timeout_on
     let rig = Rig::with(&churn_services(), |cfg| cfg.ct_timeouts = timeouts);
     let answer_of = |sport: u16| {
         let (_, out) = rig.ingress(&tcp(CLIENT, sport, NODE_IP, 30090).bytes());
-        let synack = Pkt { tcp_flags: 0x12, seq: 7000, ack: 1001, ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out)) };
+        let synack = Pkt {
+            tcp_flags: TCP_SYN | TCP_ACK,
+            seq: 7000,
+            ack: 1001,
+            ..tcp(dst_of(&out), 8080, NODE_IP, sport_of(&out))
+        };
         assert_eq!(rig.ingress(&synack.bytes()).0, TC_ACT_OK, "the answer is reversed");
     };
     // Ten answered, never acknowledged; one answered and acknowledged.
@@ -1397,7 +1426,7 @@ fn an_answer_the_client_never_acknowledges_holds_its_flow_for_the_syn_timeout_on
         answer_of(sport);
     }
     answer_of(45100);
-    let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..tcp(CLIENT, 45100, NODE_IP, 30090) };
+    let ack = Pkt { tcp_flags: TCP_ACK, seq: 1001, ack: 7001, ..tcp(CLIENT, 45100, NODE_IP, 30090) };
     assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK);
     assert_eq!(rig.conntrack().lens(), (2, 20), "the acknowledged flow established, the others not");
     let awaiting = rig.flows().iter().filter(|(_, v)| v.flags & ct::AWAITING_ACK != 0).count();
@@ -1551,7 +1580,7 @@ fn translated_packets_go_straight_out_of_the_link_their_route_takes() {
         let (verdict, out) = rig.ingress(&with_ttl(tcp(CLIENT, 40004, NODE_IP, 30080).bytes(), 1));
         assert_eq!((verdict, out[22]), (TC_ACT_OK, 1));
         // The reply, to a client this node has no route to: the host stack decides.
-        let reply = Pkt { tcp_flags: 0x12, ..tcp(POD, 8080, NODE_IP, nat_port) };
+        let reply = Pkt { tcp_flags: TCP_SYN | TCP_ACK, ..tcp(POD, 8080, NODE_IP, nat_port) };
         let (verdict, out) = rig.ingress(&reply.bytes());
         assert_eq!(verdict, TC_ACT_OK);
         assert_eq!(out, Pkt { src: NODE_IP.into(), sport: 30080, dst: CLIENT.into(), dport: 40003, ..reply }.bytes());
@@ -1609,11 +1638,11 @@ fn an_established_flow_keeps_its_route_for_about_a_second() {
             let (verdict, out) = rig.ingress(&syn.bytes());
             assert_eq!(verdict, TC_ACT_REDIRECT);
             // The backend answers (the client has no route here: the host stack decides).
-            let reply = Pkt { tcp_flags: 0x12, ..tcp(POD, 8080, NODE_IP, sport_of(&out)) };
+            let reply = Pkt { tcp_flags: TCP_SYN | TCP_ACK, ..tcp(POD, 8080, NODE_IP, sport_of(&out)) };
             assert_eq!(rig.ingress(&reply.bytes()).0, TC_ACT_OK);
             let key = CtKey4::new(CLIENT.into(), NODE_IP.into(), syn.sport.to_be(), 30080u16.to_be(), 6);
             // The client's next segment: looked up, and the answer kept in its entry.
-            let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
+            let ack = Pkt { tcp_flags: TCP_ACK, seq: 1001, ack: 7001, ..syn };
             assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_REDIRECT);
             // The route is gone: for the rest of the period, the flow keeps the one it had...
             route(false);
@@ -1751,15 +1780,15 @@ fn a_new_flow_keeps_the_routes_its_first_packet_and_its_answer_took() {
                     assert_eq!(verdict, TC_ACT_REDIRECT, "{frontend}");
                     // The backend answers the address and port it saw.
                     let (seen, seen_port) = (if masqueraded { node } else { client }, sport_of(&out));
-                    let answer = Pkt { tcp_flags: 0x12, ..tcp(pod, 8080, seen, seen_port) };
+                    let answer = Pkt { tcp_flags: TCP_SYN | TCP_ACK, ..tcp(pod, 8080, seen, seen_port) };
                     assert_eq!(rig.ingress(&answer.bytes()).0, TC_ACT_REDIRECT, "the answer, straight out");
                     // Established now; each entry keeps the route its direction's first packet
                     // took. Both routes gone: the client's ACK and the backend's first data go
                     // by the kept routes, with no lookup of their own (which would find none:
                     // the host stack's).
                     routes(false, prefixes);
-                    let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 7001, ..syn };
-                    let data = Pkt { tcp_flags: 0x18, seq: 7001, ack: 1001, ..answer };
+                    let ack = Pkt { tcp_flags: TCP_ACK, seq: 1001, ack: 7001, ..syn };
+                    let data = Pkt { tcp_flags: TCP_PSH | TCP_ACK, seq: 7001, ack: 1001, ..answer };
                     let verdicts = (rig.ingress(&ack.bytes()).0, rig.ingress(&data.bytes()).0);
                     let in_period = period_now() == period;
                     routes(true, prefixes);
@@ -1887,9 +1916,9 @@ fn flows_handed_over_from_kube_proxy_pass_untouched_until_a_new_connection_reuse
     let handover: aya::maps::HashMap<_, CtKey, u8> =
         aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(map)).unwrap();
 
-    let ack = Pkt { tcp_flags: 0x10, seq: 1001, ack: 5000, ..tcp(CLIENT, 40100, CLUSTER_IP, 80) };
+    let ack = Pkt { tcp_flags: TCP_ACK, seq: 1001, ack: 5000, ..tcp(CLIENT, 40100, CLUSTER_IP, 80) };
     assert_eq!(rig.ingress(&ack.bytes()), (TC_ACT_UNSPEC, ack.bytes()), "netfilter's to translate");
-    let reply = Pkt { tcp_flags: 0x10, seq: 5000, ack: 1001, ..tcp(POD, 8080, CLIENT, 40100) };
+    let reply = Pkt { tcp_flags: TCP_ACK, seq: 5000, ack: 1001, ..tcp(POD, 8080, CLIENT, 40100) };
     assert_eq!(rig.ingress(&reply.bytes()), (TC_ACT_UNSPEC, reply.bytes()), "the reply too");
     assert_eq!(rig.egress(&reply.bytes()), (TC_ACT_UNSPEC, reply.bytes()));
     assert!(rig.flows().is_empty(), "no flow of kpr's");
@@ -1927,7 +1956,7 @@ fn ipv6_node_port_is_masqueraded_to_the_node_ipv6_address() {
     assert_ne!(nat_port, 40210, "the client's port is translated too");
     assert_eq!(out, Pkt { src: NODE_IP6.into(), sport: nat_port, dst: POD6.into(), dport: 8080, ..syn }.bytes());
     // The reply comes back to the node's address and leaves as the NodePort's.
-    let reply = Pkt { tcp_flags: 0x12, seq: 5000, ack: 1001, ..tcp(POD6, 8080, NODE_IP6, nat_port) };
+    let reply = Pkt { tcp_flags: TCP_SYN | TCP_ACK, seq: 5000, ack: 1001, ..tcp(POD6, 8080, NODE_IP6, nat_port) };
     let (verdict, out) = rig.ingress(&reply.bytes());
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(out, Pkt { src: NODE_IP6.into(), sport: 30080, dst: CLIENT6.into(), dport: 40210, ..reply }.bytes());

@@ -182,14 +182,15 @@ fn uses_local_endpoints(sp: &ServicePort) -> bool {
         || (sp.externally_accessible() && sp.external_policy == TrafficPolicy::Local)
 }
 
+/// Which endpoints topology hints leave this node: all, its own node's, its zone's.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Topology {
+enum HintScope {
     Any,
     SameNode,
     SameZone,
 }
 
-fn topology_mode(endpoints: &[Endpoint], node: &NodeInfo) -> Topology {
+fn topology_mode(endpoints: &[Endpoint], node: &NodeInfo) -> HintScope {
     let zone = node.zone.as_deref().unwrap_or("");
     let (mut all_node, mut for_node, mut all_zone, mut for_zone) = (true, false, true, false);
     for ep in endpoints.iter().filter(|e| e.ready) {
@@ -203,20 +204,20 @@ fn topology_mode(endpoints: &[Endpoint], node: &NodeInfo) -> Topology {
         }
     }
     if all_node && for_node {
-        Topology::SameNode
+        HintScope::SameNode
     } else if all_zone && for_zone {
-        Topology::SameZone
+        HintScope::SameZone
     } else {
-        Topology::Any
+        HintScope::Any
     }
 }
 
-fn allowed_by(topology: Topology, ep: &Endpoint, node: &NodeInfo) -> bool {
+fn allowed_by(topology: HintScope, ep: &Endpoint, node: &NodeInfo) -> bool {
     let has = |hints: &Option<Vec<String>>, v: &str| hints.as_ref().is_some_and(|h| h.iter().any(|x| x == v));
     match topology {
-        Topology::Any => true,
-        Topology::SameNode => has(&ep.node_hints, &node.name),
-        Topology::SameZone => has(&ep.zone_hints, node.zone.as_deref().unwrap_or("")),
+        HintScope::Any => true,
+        HintScope::SameNode => has(&ep.node_hints, &node.name),
+        HintScope::SameZone => has(&ep.zone_hints, node.zone.as_deref().unwrap_or("")),
     }
 }
 

@@ -20,28 +20,28 @@ use prometheus_client::{
 const IP_FAMILY: &str = "IPv4";
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct IpFamily {
+struct IpFamilyLabel {
     ip_family: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct TrafficPolicy {
+struct TrafficPolicyLabel {
     traffic_policy: String,
     ip_family: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct Code {
+struct CodeLabel {
     code: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct Named {
+struct NameLabel {
     name: String,
 }
 
 type Timestamp = Gauge<f64, std::sync::atomic::AtomicU64>;
-type Histograms = Family<IpFamily, Histogram, fn() -> Histogram>;
+type Histograms = Family<IpFamilyLabel, Histogram, fn() -> Histogram>;
 
 fn sync_buckets() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 15))
@@ -65,21 +65,21 @@ pub struct Metrics {
     sync_full_duration: Histograms,
     sync_partial_duration: Histograms,
     network_programming: Histograms,
-    last_synced: Family<IpFamily, Timestamp>,
-    last_queued: Family<IpFamily, Timestamp>,
+    last_synced: Family<IpFamilyLabel, Timestamp>,
+    last_queued: Family<IpFamilyLabel, Timestamp>,
     endpoint_changes: Counter,
     endpoint_changes_pending: Gauge,
     service_changes: Counter,
     service_changes_pending: Gauge,
-    no_local_endpoints: Family<TrafficPolicy, Gauge>,
-    healthz: Family<Code, Counter>,
-    livez: Family<Code, Counter>,
-    map_entries: Family<Named, Gauge>,
-    map_capacity: Family<Named, Gauge>,
+    no_local_endpoints: Family<TrafficPolicyLabel, Gauge>,
+    healthz: Family<CodeLabel, Counter>,
+    livez: Family<CodeLabel, Counter>,
+    map_entries: Family<NameLabel, Gauge>,
+    map_capacity: Family<NameLabel, Gauge>,
     service_ports_failed: Gauge,
     forward_direct: Gauge,
     sync_errors: Counter,
-    source_restarts: Family<Named, Counter>,
+    source_restarts: Family<NameLabel, Counter>,
     conntrack_expired: Counter,
 }
 
@@ -214,8 +214,8 @@ impl Metrics {
         out
     }
 
-    fn family() -> IpFamily {
-        IpFamily { ip_family: IP_FAMILY.into() }
+    fn family() -> IpFamilyLabel {
+        IpFamilyLabel { ip_family: IP_FAMILY.into() }
     }
 
     /// `count` Service (`service`) or EndpointSlice changes arrived.
@@ -253,14 +253,14 @@ impl Metrics {
     /// Services with a Local traffic policy and no local endpoints, by policy.
     pub fn no_local_endpoints(&self, internal: usize, external: usize) {
         for (policy, count) in [("internal", internal), ("external", external)] {
-            let labels = TrafficPolicy { traffic_policy: policy.into(), ip_family: IP_FAMILY.into() };
+            let labels = TrafficPolicyLabel { traffic_policy: policy.into(), ip_family: IP_FAMILY.into() };
             self.no_local_endpoints.get_or_create(&labels).set(count as i64);
         }
     }
 
     /// A map's use and size.
     pub fn map_use(&self, map: &str, entries: usize, capacity: u32) {
-        let labels = Named { name: map.into() };
+        let labels = NameLabel { name: map.into() };
         self.map_entries.get_or_create(&labels).set(entries as i64);
         self.map_capacity.get_or_create(&labels).set(i64::from(capacity));
     }
@@ -279,7 +279,7 @@ impl Metrics {
     }
 
     pub fn source_restarted(&self, source: &str) {
-        self.source_restarts.get_or_create(&Named { name: source.into() }).inc();
+        self.source_restarts.get_or_create(&NameLabel { name: source.into() }).inc();
     }
 
     /// A sweep removed `expired` entries and left `tables` as they are: each table's use, and
@@ -306,8 +306,8 @@ impl Metrics {
     }
 }
 
-fn code(ok: bool) -> Code {
-    Code { code: if ok { "200" } else { "503" }.into() }
+fn code(ok: bool) -> CodeLabel {
+    CodeLabel { code: if ok { "200" } else { "503" }.into() }
 }
 
 fn unix_now() -> f64 {

@@ -701,7 +701,7 @@ where
 /// either way).
 fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static str, Vec<f64>, String)>> {
     use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions};
-    const ACK: u8 = 0x10;
+    use proxy_common::{TCP_ACK as ACK, TCP_SYN};
     let name = testbed::unique_name("kb-tc");
     let pins = testbed::PinRoot(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
     let mut cfg = DatapathConfig::new(pins.0.clone(), "/nonexistent".into());
@@ -827,7 +827,7 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
         let (mut total, mut floor) = (Duration::ZERO, Duration::ZERO);
         for i in 0..runs {
             let syn =
-                tcp_frame(Ipv4Addr::new(10, (i >> 16) as u8, (i >> 8) as u8, i as u8), 40000, TARGET_IP, 80, 0x02);
+                tcp_frame(Ipv4Addr::new(10, (i >> 16) as u8, (i >> 8) as u8, i as u8), 40000, TARGET_IP, 80, TCP_SYN);
             total += run(&syn, 1)?;
             floor += run(&arp, 1)?;
         }
