@@ -5,6 +5,7 @@
 mod cluster;
 mod e2e;
 mod image;
+mod imports;
 mod setup;
 mod vm;
 
