@@ -5,6 +5,7 @@
 mod cluster;
 mod e2e;
 mod image;
+#[cfg(test)] // a unit test checks the crates (see its docs)
 mod imports;
 mod setup;
 mod vm;
