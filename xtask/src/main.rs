@@ -256,21 +256,33 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>, scope: &TestScope) 
     if !setup::is_root() {
         bail!("the privileged tests need root (network namespaces, cgroups, BPF)");
     }
-    // The control plane and kube-proxy of the API-server tests, built once per pin.
-    let k8s_bin = cluster::ensure_k8s_binaries(root)?;
-    // The image its test runs under runc; the DaemonSet test's images: kpr under a second tag
-    // (its rolling update) and the test pods'.
-    let image = image::build(root, env, "latest")?;
-    let next_image = image::build(root, env, "next")?;
-    let testpod_image = image::build_testpod(root, env)?;
+    // With a filter, only the suites with a matching test run, and only what they need is built.
+    let suites = match filter {
+        Some(filter) => suites_matching(root, env, filter)?,
+        None => SUITES_NEEDING.iter().map(|(suite, _)| (*suite).to_owned()).collect(),
+    };
+    let needs = |what: Needs| suites.iter().any(|s| needs_of(s).contains(&what));
     let mut privileged = env.cargo(root);
-    privileged
-        .args(["test", "--no-fail-fast", "--package", "kpr-tests", "--", "--test-threads=1"])
-        .env("KPR_BIN", target_bin(root, false, "kpr"))
-        .env("KPR_K8S_BIN", k8s_bin)
-        .env("KPR_IMAGE", image)
-        .env("KPR_IMAGE_NEXT", next_image)
-        .env("KPR_TESTPOD_IMAGE", testpod_image);
+    privileged.args(["test", "--no-fail-fast", "--package", "kpr-tests"]);
+    if filter.is_some() {
+        privileged.args(["--lib", "--bins"]);
+        for suite in &suites {
+            privileged.args(["--test", suite]);
+        }
+    }
+    privileged.args(["--", "--test-threads=1"]).env("KPR_BIN", target_bin(root, false, "kpr"));
+    if needs(Needs::ControlPlane) {
+        // The control plane, kubelet and kube-proxy, built once per pin.
+        privileged.env("KPR_K8S_BIN", cluster::ensure_k8s_binaries(root)?);
+    }
+    if needs(Needs::Images) {
+        // The image its test runs under runc; the DaemonSet test's images: kpr under a second
+        // tag (its rolling update) and the test pods'.
+        privileged
+            .env("KPR_IMAGE", image::build(root, env, "latest")?)
+            .env("KPR_IMAGE_NEXT", image::build(root, env, "next")?)
+            .env("KPR_TESTPOD_IMAGE", image::build_testpod(root, env)?);
+    }
     if let Some(filter) = filter {
         privileged.arg(filter);
     }
@@ -314,6 +326,7 @@ fn test_in_vms(root: &Path, env: &setup::Env, shorts: &[&str], filter: Option<&s
     let suites: Vec<&str> = vm::SUITES.iter().map(|suite| suite.name).collect();
     let binaries: Vec<(PathBuf, &vm::Suite)> =
         test_binaries(root, env, &suites)?.into_iter().zip(&vm::SUITES).collect();
+    let mut any_matching = false;
     for (binary, suite) in &binaries {
         // A misspelt name would skip nothing, or sample nothing and pass.
         let listed = Command::new(binary).args(["--list", "--format", "terse"]).output()?;
@@ -322,6 +335,11 @@ fn test_in_vms(root: &Path, env: &setup::Env, shorts: &[&str], filter: Option<&s
         for name in suite.host_only.iter().chain(suite.sample.unwrap_or_default()) {
             anyhow::ensure!(names.contains(name), "vm::SUITES names {name}, which {} does not have", suite.name);
         }
+        any_matching |= names.iter().any(|name| filter.is_none_or(|f| name.contains(f)));
+    }
+    if !any_matching {
+        println!("xtask: no test of the VM suites matches the filter: no VM booted");
+        return Ok((0, 0));
     }
     // The suites run in VMs need no control plane (`vm::SUITES`).
     // The VM kernels have SCTP (this machine's may not): its end-to-end test must run there.
@@ -351,6 +369,53 @@ fn test_in_vms(root: &Path, env: &setup::Env, shorts: &[&str], filter: Option<&s
         bail!("{}", errors.join("; "));
     }
     Ok((passed, failed))
+}
+
+/// What a privileged suite needs besides the agent.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Needs {
+    /// etcd, kube-apiserver, kubelet, kube-proxy (`tools/k8s`, `KPR_K8S_BIN`).
+    ControlPlane,
+    /// kpr's image and the test pods' (`KPR_IMAGE`, `KPR_IMAGE_NEXT`, `KPR_TESTPOD_IMAGE`).
+    Images,
+}
+
+/// Every privileged suite (`tests/tests/*.rs`) and what it needs; a unit test checks the list
+/// against the sources.
+const SUITES_NEEDING: [(&str, &[Needs]); 12] = [
+    ("apiserver", &[Needs::ControlPlane]),
+    ("daemonset", &[Needs::ControlPlane, Needs::Images]),
+    ("demo", &[]),
+    ("firewall", &[]),
+    ("image", &[Needs::Images]),
+    ("kube_proxy_flows", &[Needs::ControlPlane]),
+    ("kube_proxy_peer", &[Needs::ControlPlane]),
+    ("multinode", &[]),
+    ("operator", &[]),
+    ("socket_lb", &[]),
+    ("takeover", &[Needs::ControlPlane]),
+    ("tc_testrun", &[]),
+];
+
+fn needs_of(suite: &str) -> &'static [Needs] {
+    SUITES_NEEDING.iter().find(|(s, _)| *s == suite).map_or(&[], |(_, needs)| needs)
+}
+
+/// The privileged suites with a test whose name contains `filter` (built first).
+fn suites_matching(root: &Path, env: &setup::Env, filter: &str) -> Result<Vec<String>> {
+    let names: Vec<&str> = SUITES_NEEDING.iter().map(|(suite, _)| *suite).collect();
+    let mut matching = Vec::new();
+    for (binary, suite) in test_binaries(root, env, &names)?.iter().zip(names) {
+        let listed = Command::new(binary).args(["--list", "--format", "terse", filter]).output()?;
+        if String::from_utf8_lossy(&listed.stdout).lines().any(|l| l.ends_with(": test")) {
+            matching.push(suite.to_owned());
+        }
+    }
+    println!(
+        "xtask: suites with tests matching `{filter}`: {}",
+        if matching.is_empty() { "none".to_owned() } else { matching.join(", ") }
+    );
+    Ok(matching)
 }
 
 /// The executables of the privileged test suites named `suites` (built if needed).
@@ -443,4 +508,30 @@ fn target_bin(root: &Path, release: bool, name: &str) -> PathBuf {
 
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A suite left out of the list would never run with a filter; one that starts the control
+    /// plane or an image without saying so would fail for want of it.
+    #[test]
+    fn every_privileged_suite_is_listed_with_what_it_needs() {
+        let dir = workspace_root().join("tests/tests");
+        let mut found: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| e.unwrap().file_name().to_str()?.strip_suffix(".rs").map(str::to_owned))
+            .collect();
+        found.sort();
+        let listed: Vec<&str> = SUITES_NEEDING.iter().map(|(suite, _)| *suite).collect();
+        assert_eq!(found, listed, "tests/tests/*.rs and SUITES_NEEDING");
+        for (suite, needs) in SUITES_NEEDING {
+            let text = std::fs::read_to_string(dir.join(format!("{suite}.rs"))).unwrap();
+            let control_plane = ["cluster::", "nodes::", "k8s_bin"].iter().any(|s| text.contains(s));
+            let images = text.contains("KPR_IMAGE") || text.contains("KPR_TESTPOD_IMAGE");
+            assert_eq!(needs.contains(&Needs::ControlPlane), control_plane, "{suite}: the control plane");
+            assert_eq!(needs.contains(&Needs::Images), images, "{suite}: the images");
+        }
+    }
 }
