@@ -189,7 +189,7 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
     };
     // A pod reaching itself through its service is masqueraded by kube-proxy (hairpin), which
     // connect() cannot do: leave it to the per-packet path on the pod's link.
-    if !from_node && pod_links_covered && served_in_this_netns(ctx, proto, &backend) {
+    if !from_node && pod_links_covered && served_in_this_netns(ctx, family, proto, &backend, connect) {
         count(counter::SOCK_STEPPED_ASIDE);
         return ALLOW;
     }
@@ -280,16 +280,7 @@ fn keep_service_source(ctx: &SockAddrContext, sa: &mut bpf_sock_addr, family: So
     let mapped = Addr::from_v4(source);
     if connect {
         // A socket bound already keeps its address (the helper fails with EINVAL).
-        let _ = match family {
-            SocketFamily::V4 => {
-                let mut addr = SockaddrIn { family: AF_INET, port: 0, addr: source, zero: [0; 8] };
-                unsafe { bpf_bind(ctx.sock_addr, (&raw mut addr).cast::<sockaddr>(), size_of::<SockaddrIn>() as i32) }
-            }
-            SocketFamily::V6 => {
-                let mut addr = SockaddrIn6 { family: AF_INET6, port: 0, flowinfo: 0, addr: mapped.0, scope_id: 0 };
-                unsafe { bpf_bind(ctx.sock_addr, (&raw mut addr).cast::<sockaddr>(), size_of::<SockaddrIn6>() as i32) }
-            }
-        };
+        let _ = bind_address(ctx, family, &mapped);
     } else {
         match family {
             SocketFamily::V4 if sa.msg_src_ip4 == 0 => sa.msg_src_ip4 = source,
@@ -300,6 +291,23 @@ fn keep_service_source(ctx: &SockAddrContext, sa: &mut bpf_sock_addr, family: So
                 sa.msg_src_ip6[3] = mapped.0[3];
             }
             _ => {}
+        }
+    }
+}
+
+/// Bind the connecting socket to `addr` (IPv4 mapped for an IPv4 socket), its port left to
+/// connect() (`bpf_bind` with port 0): 0, or `-EADDRNOTAVAIL` when `addr` is not one of its
+/// network namespace's, `-EINVAL` when the socket is bound already. connect4/6 only.
+#[inline(always)]
+fn bind_address(ctx: &SockAddrContext, family: SocketFamily, addr: &Addr) -> i64 {
+    match family {
+        SocketFamily::V4 => {
+            let mut sa = SockaddrIn { family: AF_INET, port: 0, addr: addr.v4(), zero: [0; 8] };
+            unsafe { bpf_bind(ctx.sock_addr, (&raw mut sa).cast::<sockaddr>(), size_of::<SockaddrIn>() as i32) }
+        }
+        SocketFamily::V6 => {
+            let mut sa = SockaddrIn6 { family: AF_INET6, port: 0, flowinfo: 0, addr: addr.0, scope_id: 0 };
+            unsafe { bpf_bind(ctx.sock_addr, (&raw mut sa).cast::<sockaddr>(), size_of::<SockaddrIn6>() as i32) }
         }
     }
 }
@@ -315,9 +323,20 @@ fn is_node_port_address(addr: &Addr, from_node: bool) -> bool {
     node_addr_flags(addr) & NODE_ADDR_NODEPORT != 0
 }
 
-/// A socket in the caller's own network namespace serves `backend` (the backend is this pod).
+/// A socket in the caller's own network namespace serves `backend`, at an address of that
+/// namespace: the backend is this pod. A listener on the wildcard address answers the lookup
+/// for any address, also another pod's; then the address must be this namespace's own, which
+/// binding the connecting socket to it tells (it fails for an address that is not; where it
+/// succeeds it binds the source routing picks for a connection to the pod itself). A datagram
+/// (sendmsg cannot bind) and a socket bound already are told by the lookup alone.
 #[inline(always)]
-fn served_in_this_netns(ctx: &SockAddrContext, proto: u8, backend: &Backend) -> bool {
+fn served_in_this_netns(
+    ctx: &SockAddrContext,
+    family: SocketFamily,
+    proto: u8,
+    backend: &Backend,
+    connect: bool,
+) -> bool {
     let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
     let size = if backend.addr.is_v4() {
         tuple.__bindgen_anon_1.ipv4 = bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1 {
@@ -346,8 +365,14 @@ fn served_in_this_netns(ctx: &SockAddrContext, proto: u8, backend: &Backend) -> 
     if sk.is_null() {
         return false;
     }
+    // SAFETY: a socket the lookup returned, released below.
+    let wildcard = unsafe { if backend.addr.is_v4() { (*sk).src_ip4 == 0 } else { (*sk).src_ip6 == [0; 4] } };
     unsafe { bpf_sk_release(sk as *mut _) };
-    true
+    if !wildcard || !connect {
+        return true;
+    }
+    const EADDRNOTAVAIL: i64 = 99;
+    bind_address(ctx, family, &backend.addr) != -EADDRNOTAVAIL
 }
 
 /// Backend address seen by the socket → the service address the application connected to.

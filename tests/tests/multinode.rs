@@ -642,6 +642,45 @@ fn a_pod_reaching_itself_through_its_service_is_masqueraded() {
     assert_eq!(seen, "10.244.1.1", "hairpin traffic comes from the node, so the reply returns through it");
 }
 
+/// A pod listening on the wildcard address at its service's backend port is not that
+/// backend: its connection is translated at its socket, to the other pod, which sees it. A pod
+/// that is its own backend, listening on the wildcard address only, is still a hairpin.
+#[test]
+fn a_wildcard_listener_on_the_backend_port_is_no_hairpin() {
+    use proxy_common::counter::{SOCK_STEPPED_ASIDE, TC_NEW_FLOW, TRANSLATED};
+    const PORT: u16 = 9090;
+    let mut c = Bridged::new("km-wild").unwrap();
+    // This process's sockets are node-a's pods' (the socket path's cgroup).
+    c.nodes[0].cgroup.enter().unwrap();
+    let (pod_a, pod_b) = (c.nodes[0].pod_ip, c.nodes[1].pod_ip);
+    let on_port = |text: String| text.replace(&format!("port: {POD_PORT}}}]"), &format!("port: {PORT}}}]"));
+    let _b = NameServer::tcp(&c.nodes[1]._pod, SocketAddrV4::new(pod_b, PORT), "pod-b").unwrap();
+    let pod = &c.nodes[0]._pod;
+    let _wildcard = NameServer::tcp(pod, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, PORT), "wildcard").unwrap();
+    let counters = || bpf::read_counters(&c.nodes[0].pins).unwrap();
+    let at = |i: u32, counters: &[(&str, u64)]| counters[i as usize].1;
+    let ask =
+        || pod.run(|| tcp_ask_peer(SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 86), 80), TIMEOUT).unwrap()).unwrap();
+
+    c.write("svc.yaml", &on_port(service("Cluster", 30086, &[(pod_b, "node-b")])));
+    c.wait("10.96.0.86:80/TCP", 1);
+    let before = counters();
+    let (name, seen) = ask();
+    let after = counters();
+    assert_eq!(name, "pod-b");
+    assert_eq!(seen, pod_a.to_string(), "not masqueraded: pod-a is not the backend");
+    assert_eq!(at(SOCK_STEPPED_ASIDE, &after), at(SOCK_STEPPED_ASIDE, &before), "not left to the per-packet path");
+    assert_eq!(at(TRANSLATED, &after), at(TRANSLATED, &before) + 1, "translated at the socket");
+    assert_eq!(at(TC_NEW_FLOW, &after), at(TC_NEW_FLOW, &before), "no per-packet flow on node-a");
+
+    c.write("svc.yaml", &on_port(service("Cluster", 30086, &[(pod_a, "node-a")])));
+    let on_pod_a = |have: Option<&[(IpAddr, u16)]>| have == Some(&[(IpAddr::from(pod_a), PORT)][..]);
+    testbed::wait_for_backends(&c.nodes[0].pins, "10.96.0.86:80/TCP", Duration::from_secs(10), on_pod_a).unwrap();
+    let (name, seen) = ask();
+    assert_eq!(name, "wildcard");
+    assert_eq!(seen, "10.244.1.1", "masqueraded as a hairpin");
+}
+
 #[test]
 fn links_created_after_the_agent_started_are_covered() {
     let c = Bridged::new("km-links").unwrap();
