@@ -302,6 +302,8 @@ pub struct Syncer {
     pub min_sync_period: Duration,
     /// The node facts changed since the last plan.
     node_dirty: bool,
+    /// Among them a link that was not there: its plan does not wait for minSyncPeriod.
+    links_added: bool,
     last_sync: Option<Instant>,
     synced_once: bool,
     /// Another layout's pins were removed (after the first sync).
@@ -341,6 +343,7 @@ impl Syncer {
             sample_cluster_ip: None,
             min_sync_period: Duration::ZERO,
             node_dirty: true,
+            links_added: false,
             last_sync: None,
             synced_once: false,
             other_layouts_retired: false,
@@ -419,6 +422,7 @@ impl Syncer {
             SourceEvent::Node(node) => self.set_node_object(node),
             SourceEvent::Host(links) => {
                 if links != self.host_links {
+                    self.links_added |= links.iter().any(|l| self.host_links.iter().all(|old| old.index != l.index));
                     self.host_links = links;
                     self.node_dirty = true;
                 }
@@ -467,6 +471,9 @@ impl Syncer {
 
     /// When a held-back change is due; `None` when nothing waits.
     fn pending_until(&self) -> Option<Instant> {
+        if self.links_added {
+            return Some(Instant::now());
+        }
         let waiting = self.node_dirty || (self.state.synced() && self.state.has_changes());
         let last = self.last_sync?;
         let held = waiting.then(|| last + self.min_sync_period);
@@ -477,7 +484,15 @@ impl Syncer {
     /// Write what changed, once both initial lists are in and minSyncPeriod allows.
     pub fn sync(&mut self, maps: &mut dyn Maps, host: &mut dyn HostDatapath, started: Instant) {
         if self.last_sync.is_some_and(|last| last.elapsed() < self.min_sync_period) {
-            return; // `run` comes back when the period is over
+            // A new link gets its programs at once: until then the pods behind it have no
+            // per-packet path, which the socket path counts on. The rest waits for the period
+            // (`run` comes back when it is over), which this plan does not restart.
+            if self.links_added {
+                let last = self.last_sync;
+                self.program_node(host);
+                self.last_sync = last;
+            }
+            return;
         }
         self.program_node(host);
         self.sync_services(maps, started);
@@ -549,6 +564,7 @@ impl Syncer {
             return;
         }
         self.node_dirty = false;
+        self.links_added = false;
         let mut plan = node::plan(&self.host_links, self.node_object.as_ref(), &self.node_settings);
         plan.service_cidrs = self.service_cidrs.iter().copied().collect();
         plan.info.service_cidrs = self.service_cidrs.clone();

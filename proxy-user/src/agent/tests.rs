@@ -129,3 +129,42 @@ fn network_programming_latency_runs_from_the_slice_trigger_time_to_the_sync() {
     assert!(text.contains(&format!("{} 1\n", bucket("3.0"))), "{text}");
     assert!(text.contains("kubeproxy_sync_proxy_rules_endpoint_changes_total 1\n"));
 }
+
+fn link(index: u32, name: &str) -> HostLink {
+    HostLink {
+        index,
+        name: name.into(),
+        loopback: false,
+        addrs: vec![format!("192.0.2.{index}").parse().unwrap()],
+        v4_unselectable: vec![],
+        peer_elsewhere: false,
+        rp_filter: 0,
+    }
+}
+
+/// A new link (a new pod's) gets its programs at the next event, not minSyncPeriod later:
+/// until then the pods behind it have no per-packet path. Services, and links that go or
+/// change, wait for the period as before.
+#[test]
+fn a_new_link_is_programmed_without_waiting_for_min_sync_period() {
+    let (mut syncer, mut maps, mut host) = syncer_with_web_service();
+    syncer.min_sync_period = Duration::from_secs(3600);
+    syncer.host_links = vec![link(2, "eth0")];
+    syncer.apply(SourceEvent::SlicesListed(vec![web_slice(&["10.0.0.1"])]));
+    syncer.sync(&mut maps, &mut host, Instant::now());
+    assert_eq!((host.plans.len(), visible(&maps)), (1, Some(vec!["10.0.0.1".into()])));
+    let writes = maps.writes;
+
+    syncer.apply(SourceEvent::SliceApplied(web_slice(&["10.0.0.1", "10.0.0.2"])));
+    syncer.apply(SourceEvent::Host(vec![link(2, "eth0"), link(7, "veth-new")]));
+    assert!(syncer.pending_until().is_some_and(|at| at <= Instant::now()), "due now");
+    syncer.sync(&mut maps, &mut host, Instant::now());
+    assert_eq!(host.plans.len(), 2, "the new link is programmed");
+    assert!(host.plans[1].node_addrs.contains_key(&"192.0.2.7".parse().unwrap()), "with its address");
+    assert_eq!(maps.writes, writes, "the service change waits for the period");
+    assert!(syncer.pending_until().is_some_and(|at| at > Instant::now() + Duration::from_secs(3000)), "as before");
+
+    syncer.apply(SourceEvent::Host(vec![link(2, "eth0")]));
+    syncer.sync(&mut maps, &mut host, Instant::now());
+    assert_eq!(host.plans.len(), 2, "a link gone waits for the period");
+}
