@@ -245,3 +245,49 @@ fn a_node_that_does_not_forward_is_told_so_at_start() {
     let log = start(1);
     assert!(!log.contains(warning), "{log}");
 }
+
+/// A DaemonSet copied from kube-proxy's (kubeadm's command line: no `agent`, `--config`,
+/// `--hostname-override`, and kube-proxy flags kpr has no use for) starts kpr, which serves its
+/// Services and names the ignored flags in one warning.
+#[test]
+fn kube_proxys_daemonset_command_line_starts_the_agent() {
+    let h = Harness::new("kop-kp-cmd", &["pod-a"]).unwrap();
+    h.write_service("web", IP, &[HTTP], &[0]).unwrap();
+    let config = h.manifests.with_extension("kube-proxy.conf");
+    std::fs::write(
+        &config,
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: iptables\n",
+    )
+    .unwrap();
+    let log = std::fs::File::create(h.log_path()).unwrap();
+    let mut cmd = Command::new(kpr_tests::kpr_bin());
+    testbed::die_with_parent(&mut cmd);
+    cmd.arg(format!("--config={}", config.display()))
+        .args(["--hostname-override=test-node", "--v=2", "--feature-gates=AllAlpha=false", "--kube-api-qps=20"])
+        // The test's stand-ins for the cluster and the node, as the image test's.
+        .arg("--manifests")
+        .arg(&h.manifests)
+        .arg("--pin-root")
+        .arg(&h.pin_root)
+        .arg("--cgroup")
+        .arg(&h.cgroup.path)
+        .args(["--interfaces", "none"])
+        .arg(format!("--metrics-bind-address={}", h.metrics_addr))
+        .arg(format!("--healthz-bind-address={}", h.healthz_addr))
+        .env("NO_COLOR", "1")
+        .stdin(std::process::Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log);
+    let mut agent = cmd.spawn().unwrap();
+    let served = h.wait("10.96.0.10:80/TCP", Some(1));
+    let running = agent.try_wait().unwrap().is_none();
+    let _ = agent.kill();
+    let _ = agent.wait();
+    let _ = std::fs::remove_file(&config);
+    let text = std::fs::read_to_string(h.log_path()).unwrap_or_default();
+    served.unwrap();
+    assert!(running, "the agent keeps running:\n{text}");
+    let warnings: Vec<&str> = text.lines().filter(|l| l.contains("--feature-gates")).collect();
+    assert_eq!(warnings.len(), 1, "one warning names the ignored flags:\n{text}");
+    assert!(warnings[0].contains("--kube-api-qps"), "{}", warnings[0]);
+}
