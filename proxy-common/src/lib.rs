@@ -20,7 +20,7 @@ pub const PIN_LAYOUT_VERSION: u32 = 13;
 /// as a new counter. Not listed, so made anew: the slow-path program array (it holds the old
 /// programs); the flow caches are not pinned at all. The loader also checks each carried map's type, sizes and flags against the new
 /// object, and makes any that differ anew.
-pub const CARRIED_MAPS: [(&str, u32); 22] = {
+pub const CARRIED_MAPS: [(&str, u32); 23] = {
     use map_names::*;
     [
         (SERVICES, 12),
@@ -46,6 +46,8 @@ pub const CARRIED_MAPS: [(&str, u32); 22] = {
         // v13 added a counter and the flow caches' generation.
         (COUNTERS, 13),
         (CT_GENERATION, 13),
+        // Added within v13: an older v13 directory has none, and the first sync fills it.
+        (NODE_SOURCES, 13),
     ]
 };
 
@@ -70,6 +72,9 @@ pub mod map_names {
     pub const CONNTRACK6: &str = "KPR_CONNTRACK6";
     pub const CT_NEW6: &str = "KPR_CT_NEW6";
     pub const NODE_ADDRS: &str = "KPR_NODE_ADDRS";
+    /// Endpoint → the source address the node's own masqueraded connections to it are bound
+    /// to, where routing would pick another than MASQUERADE.
+    pub const NODE_SOURCES: &str = "KPR_NODE_SOURCES";
     pub const SOURCE_RANGES: &str = "KPR_SOURCE_RANGES";
     pub const LOCAL_CIDRS: &str = "KPR_LOCAL_CIDRS";
     pub const LINKS: &str = "KPR_LINKS";
@@ -150,6 +155,9 @@ pub mod defaults {
     pub const MAX_CONNTRACK_NEW: u32 = 65_536;
     /// Local addresses of the node (NodePort frontends, "from the node" sources).
     pub const MAX_NODE_ADDRS: u32 = 4_096;
+    /// Endpoints of this node whose route's source is not the masquerade source (pods behind
+    /// links whose only IPv4 address is link-scoped): one per local pod at most.
+    pub const MAX_NODE_SOURCES: u32 = 4_096;
     /// Links of the node (per-packet datapath: masquerade source, interface-based detection).
     pub const MAX_LINKS: u32 = 16_384;
     /// CIDRs of the local-traffic detector (clusterCIDR, the Node's podCIDRs).

@@ -170,6 +170,20 @@ pub fn node_addr_flags(addr: &Addr) -> u32 {
     NODE_ADDRS.get_ptr(&key).map_or(0, |flags| unsafe { *flags })
 }
 
+/// Endpoint → the source the node's own masqueraded connections to it are bound to, as
+/// MASQUERADE would rewrite it (`inet_select_addr(out, .., RT_SCOPE_UNIVERSE)`): only where
+/// routing's own pick differs (a pod behind a link whose only IPv4 address is link-scoped).
+#[btf_map(name = "KPR_NODE_SOURCES", pin_by_name)]
+pub static NODE_SOURCES: HashMap<Addr, Addr, { defaults::MAX_NODE_SOURCES as usize }> = HashMap::new();
+
+/// The node's masquerade source toward `endpoint`, where routing would pick another.
+#[inline(always)]
+pub fn node_source(endpoint: &Addr) -> Option<Addr> {
+    let key = *endpoint;
+    // SAFETY: a map value pointer, read at once.
+    NODE_SOURCES.get_ptr(&key).map(|source| unsafe { *source })
+}
+
 /// ifindex → what the per-packet path needs of that link (masquerade source, detector flag);
 /// ifindex 0: the fallback masquerade source (the node's primary address).
 #[btf_map(name = "KPR_LINKS", pin_by_name)]

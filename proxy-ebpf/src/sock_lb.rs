@@ -26,7 +26,7 @@ use crate::globals::{
 };
 use crate::maps::{
     SERVICES, SOCK_PICKS, SOCK_REVNAT, ServiceRangeMiss, affinity_backend, backend_at, count, link_addr,
-    node_addr_flags, now, refusal, remember_affinity, serves, service_range_miss,
+    node_addr_flags, node_source, now, refusal, remember_affinity, serves, service_range_miss,
 };
 
 /// Return value that lets the syscall proceed.
@@ -194,10 +194,19 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
         return ALLOW;
     }
 
-    // The node's own connection that kube-proxy does not masquerade keeps the source routing
-    // chose for the service address (its DNAT comes after that choice).
-    if from_node && service.flags & SERVICE_FLAG_SNAT == 0 && dest.is_v4() {
-        keep_service_source(ctx, sa, family, connect);
+    // The node's own connection gets the source kube-proxy's rules give it: unmasqueraded,
+    // the one routing chose for the service address (its DNAT comes after that choice);
+    // masqueraded, MASQUERADE's on the endpoint's link where routing toward the endpoint would
+    // pick another (a pod link's link-scoped address, which MASQUERADE passes over).
+    if from_node && dest.is_v4() {
+        let source = if service.flags & SERVICE_FLAG_SNAT == 0 {
+            Addr::from_v4(link_addr(LINK_SERVICE_SOURCE))
+        } else {
+            node_source(&backend.addr).unwrap_or(Addr::from_v4(0))
+        };
+        if source.v4() != 0 {
+            keep_source(ctx, sa, family, connect, &source);
+        }
     }
 
     // Remember what the application asked for, so getpeername/recvmsg can show it; a socket
@@ -268,22 +277,17 @@ struct SockaddrIn6 {
     scope_id: u32,
 }
 
-/// Give the socket the IPv4 source address routing picks for ClusterIPs (`LINK_SERVICE_SOURCE`),
-/// unless it has one: bind it at connect(); set the datagram's source at sendmsg(). An IPv6
-/// socket (reaching an IPv4 service through a mapped address) gets it mapped.
+/// Give the socket the IPv4 source address `mapped` (an IPv4-mapped address), unless it has
+/// one: bind it at connect(); set the datagram's source at sendmsg(). An IPv6 socket (reaching
+/// an IPv4 service through a mapped address) gets it mapped.
 #[inline(always)]
-fn keep_service_source(ctx: &SockAddrContext, sa: &mut bpf_sock_addr, family: SocketFamily, connect: bool) {
-    let source = link_addr(LINK_SERVICE_SOURCE);
-    if source == 0 {
-        return;
-    }
-    let mapped = Addr::from_v4(source);
+fn keep_source(ctx: &SockAddrContext, sa: &mut bpf_sock_addr, family: SocketFamily, connect: bool, mapped: &Addr) {
     if connect {
         // A socket bound already keeps its address (the helper fails with EINVAL).
-        let _ = bind_address(ctx, family, &mapped);
+        let _ = bind_address(ctx, family, mapped);
     } else {
         match family {
-            SocketFamily::V4 if sa.msg_src_ip4 == 0 => sa.msg_src_ip4 = source,
+            SocketFamily::V4 if sa.msg_src_ip4 == 0 => sa.msg_src_ip4 = mapped.v4(),
             SocketFamily::V6 if sa.msg_src_ip6 == [0; 4] => {
                 sa.msg_src_ip6[0] = mapped.0[0];
                 sa.msg_src_ip6[1] = mapped.0[1];

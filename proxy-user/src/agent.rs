@@ -299,6 +299,13 @@ pub struct Syncer {
     pub service_cidrs: Vec<Cidr>,
     /// A ClusterIP whose route tells the source the node's own connections to ClusterIPs get.
     sample_cluster_ip: Option<std::net::Ipv4Addr>,
+    /// The endpoints whose routes tell the sources of the node's own masqueraded connections
+    /// to them (`NodePlan::node_sources`): every IPv4 one on a node where routing and
+    /// MASQUERADE can disagree, none elsewhere.
+    routed_endpoints: std::collections::BTreeSet<std::net::IpAddr>,
+    /// The kernel's routes to them, asked once per endpoint until the links change or the
+    /// reconcile period ends.
+    endpoint_routes: std::collections::BTreeMap<std::net::IpAddr, Option<node::KernelRoute>>,
     pub min_sync_period: Duration,
     /// The node facts changed since the last plan.
     node_dirty: bool,
@@ -341,6 +348,8 @@ impl Syncer {
             node_object: None,
             service_cidrs: Vec::new(),
             sample_cluster_ip: None,
+            routed_endpoints: Default::default(),
+            endpoint_routes: Default::default(),
             min_sync_period: Duration::ZERO,
             node_dirty: true,
             links_added: false,
@@ -422,6 +431,7 @@ impl Syncer {
             SourceEvent::Node(node) => self.set_node_object(node),
             SourceEvent::Host(links) => {
                 if links != self.host_links {
+                    self.endpoint_routes.clear();
                     self.links_added |= links.iter().any(|l| self.host_links.iter().all(|old| old.index != l.index));
                     self.host_links = links;
                     self.node_dirty = true;
@@ -540,6 +550,11 @@ impl Syncer {
         if let Some(takeover) = &mut self.takeover {
             takeover.prune();
         }
+        // Routes may change without a link changing: asked again.
+        if !self.endpoint_routes.is_empty() {
+            self.endpoint_routes.clear();
+            self.node_dirty = true;
+        }
         self.program_node(host);
         if !self.state.synced() {
             return;
@@ -553,11 +568,20 @@ impl Syncer {
     }
 
     /// The node plan, when the node's facts (or the ClusterIP whose route gives the node's
-    /// source for ClusterIPs) changed.
+    /// source for ClusterIPs, or the endpoints whose routes it asks) changed.
     fn program_node(&mut self, host: &mut dyn HostDatapath) {
         let sample = self.state.sample_cluster_ip();
         if sample != self.sample_cluster_ip {
             self.sample_cluster_ip = sample;
+            self.node_dirty = true;
+        }
+        // Routing toward an endpoint and MASQUERADE pick different sources only where a link
+        // holds an IPv4 address MASQUERADE passes over (link-scoped, secondary); elsewhere no
+        // route is asked.
+        let disagree = self.host_links.iter().any(|l| !l.loopback && !l.v4_unselectable.is_empty());
+        let routed = if disagree { self.state.ipv4_endpoints() } else { Default::default() };
+        if routed != self.routed_endpoints {
+            self.routed_endpoints = routed;
             self.node_dirty = true;
         }
         if !self.node_dirty {
@@ -574,6 +598,15 @@ impl Syncer {
             let link = LinkInfo { addr: u32::from(source).to_be(), ..LinkInfo::default() };
             plan.links.insert(proxy_common::LINK_SERVICE_SOURCE, link);
         }
+        // Where routing toward an endpoint picks another source than MASQUERADE would, the
+        // node's own masqueraded connections to it are bound to MASQUERADE's.
+        let routed = &self.routed_endpoints;
+        self.endpoint_routes.retain(|ip, _| routed.contains(ip));
+        for ip in routed {
+            self.endpoint_routes.entry(*ip).or_insert_with(|| source::host::route(*ip));
+        }
+        let routes = self.endpoint_routes.iter().filter_map(|(ip, route)| Some((*ip, (*route)?)));
+        plan.node_sources = node::node_sources(routes, &plan.links);
         // A service range refused anew takes effect once the service entries inside it are
         // written (after this sync's services): until then a ClusterIP's unknown port would be
         // dropped as an unallocated address instead of rejected.

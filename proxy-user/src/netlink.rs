@@ -1,4 +1,4 @@
-//! Just enough netlink for kpr's few requests (a link setting, a conntrack dump): messages
+//! Just enough netlink for kpr's few requests (a link setting, a route, a conntrack dump): messages
 //! built and attributes read by hand, on a socket per request.
 use std::{
     io,
@@ -109,6 +109,23 @@ pub fn request_ack(protocol: i32, msg: &[u8]) -> io::Result<()> {
     match messages(&buf[..n]).next() {
         Some((kind, payload)) if kind == libc::NLMSG_ERROR as u16 => verdict(payload),
         _ => Err(io::Error::other("unexpected netlink reply")),
+    }
+}
+
+/// Send a request `msg` that the kernel answers with one message, and return its payload
+/// (an NLMSG_ERROR answer as its errno).
+pub fn request(protocol: i32, msg: &[u8]) -> io::Result<Vec<u8>> {
+    let fd = socket(protocol)?;
+    send(&fd, msg)?;
+    let mut buf = vec![0u8; 8192];
+    let n = recv(&fd, &mut buf)?;
+    match messages(&buf[..n]).next() {
+        Some((kind, payload)) if kind == libc::NLMSG_ERROR as u16 => {
+            verdict(payload)?;
+            Err(io::Error::other("netlink acknowledged without an answer"))
+        }
+        Some((_, payload)) => Ok(payload.to_vec()),
+        None => Err(io::Error::other("empty netlink reply")),
     }
 }
 

@@ -1068,23 +1068,11 @@ fn differential(mode: &str) {
                         if let Err(e) = check(&via_kpr, &row.expect, row.udp, row.dst, client) {
                             problems.push(format!("{what}: kpr: {e}"));
                         }
-                        // An open gap (docs/behaviour.md): the node's own masqueraded
-                        // connections to an endpoint behind a pod link whose only IPv4 address
-                        // is link-scoped show that address, where MASQUERADE takes the node's
-                        // global one. Endpoints and errors must still agree.
-                        let node_source_gap = scope == "link" && matches!(row.from, Client::Node | Client::Localhost);
-                        let differ = if node_source_gap {
-                            (&via_kpr.endpoints, &via_kpr.errors) != (&via_kube_proxy.endpoints, &via_kube_proxy.errors)
-                        } else {
-                            via_kpr != via_kube_proxy
-                        };
-                        if differ {
+                        // Sources included: in the worlds whose pod links carry only a
+                        // link-scoped IPv4 address, the node's own masqueraded connections
+                        // show MASQUERADE's source through kpr too (`KPR_NODE_SOURCES`).
+                        if via_kpr != via_kube_proxy {
                             problems.push(format!("{what}: kpr {via_kpr:?} but kube-proxy {via_kube_proxy:?}"));
-                        } else if node_source_gap && via_kpr.sources != via_kube_proxy.sources {
-                            report.push(format!(
-                                "{what}: open gap, sources kpr {:?}, kube-proxy {:?}",
-                                via_kpr.sources, via_kube_proxy.sources
-                            ));
                         }
                     }
                 }

@@ -606,6 +606,11 @@ impl ClusterState {
             .min()
     }
 
+    /// The IPv4 addresses of every service's endpoints.
+    pub fn ipv4_endpoints(&self) -> BTreeSet<IpAddr> {
+        self.slices.values().flat_map(|s| s.addresses()).filter(IpAddr::is_ipv4).collect()
+    }
+
     /// healthCheckNodePort → (service, local endpoints), as of the last [`Self::desired`].
     pub fn health_checks(&self) -> BTreeMap<u16, (ObjectKey, usize)> {
         let checks = self.locality.iter().filter_map(|(k, l)| l.health_check.map(|(port, n)| (port, (k.clone(), n))));

@@ -95,6 +95,12 @@ impl SliceInfo {
             endpoints,
         })
     }
+
+    /// The addresses of the slice's endpoints (none if the slice is ignored).
+    pub fn addresses(&self) -> impl Iterator<Item = IpAddr> + '_ {
+        let endpoints = if self.ignored { &[][..] } else { &self.endpoints[..] };
+        endpoints.iter().filter_map(|e| e.address.as_deref()?.parse().ok())
+    }
 }
 
 /// Endpoints of one service, per service port name, joined from all its slices.

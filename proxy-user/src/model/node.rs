@@ -155,6 +155,52 @@ pub struct NodePlan {
     pub service_cidrs: BTreeSet<Cidr>,
     /// What the service model needs of the node.
     pub info: NodeInfo,
+    /// Endpoint → the source the node's own masqueraded connections to it are bound to
+    /// ([`node_sources`]); filled by the agent from the routes to this node's endpoints.
+    pub node_sources: BTreeMap<IpAddr, IpAddr>,
+}
+
+/// The kernel's route toward an address (RTM_GETROUTE), as a socket connecting there gets it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelRoute {
+    /// The link it leaves by.
+    pub link: u32,
+    /// The source address routing picks for it (a connect() from the node gets this one).
+    pub source: Option<IpAddr>,
+    /// The address is the node's own (delivered locally, never masqueraded).
+    pub local: bool,
+}
+
+/// The sources the node's own masqueraded connections must be bound to, per endpoint: where
+/// routing toward the endpoint picks another source than MASQUERADE would
+/// (`inet_select_addr(out, next hop, RT_SCOPE_UNIVERSE)`: the link's masquerade address in
+/// `links`, else the fallback at 0). That is a pod behind a link whose only IPv4 address is
+/// link-scoped: a route of scope link takes that address, MASQUERADE passes over it. kube-proxy
+/// DNATs the node's connection and masquerades it on its way out; the socket path translates
+/// it before routing, so it binds the source MASQUERADE would have written. IPv4 only: for
+/// IPv6, MASQUERADE and the socket both take `ipv6_dev_get_saddr` on the same link.
+pub fn node_sources(
+    routes: impl IntoIterator<Item = (IpAddr, KernelRoute)>,
+    links: &BTreeMap<u32, LinkInfo>,
+) -> BTreeMap<IpAddr, IpAddr> {
+    let masquerade = |link: u32| [link, 0].into_iter().find_map(|i| links.get(&i).map(|l| l.addr).filter(|a| *a != 0));
+    let mut out = BTreeMap::new();
+    for (endpoint, route) in routes {
+        if !endpoint.is_ipv4() || route.local {
+            continue;
+        }
+        let Some(masquerade) = masquerade(route.link).map(|a| IpAddr::from(Ipv4Addr::from(u32::from_be(a)))) else {
+            continue;
+        };
+        if route.source != Some(masquerade) {
+            if out.len() == proxy_common::defaults::MAX_NODE_SOURCES as usize {
+                tracing::warn!(%endpoint, "more endpoints need a masquerade source than the map holds; skipped");
+                continue;
+            }
+            out.insert(endpoint, masquerade);
+        }
+    }
+    out
 }
 
 /// The plan for the node. The primary address is `--node-ip`, else `bindAddress`, else the
@@ -291,7 +337,16 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
         service_cidrs: Vec::new(),
         undetected_families,
     };
-    NodePlan { node_addrs, links: link_info, local_cidrs, tc_links, primary, info, service_cidrs: BTreeSet::new() }
+    NodePlan {
+        node_addrs,
+        links: link_info,
+        local_cidrs,
+        tc_links,
+        primary,
+        info,
+        service_cidrs: BTreeSet::new(),
+        node_sources: BTreeMap::new(),
+    }
 }
 
 #[cfg(test)]
@@ -427,6 +482,41 @@ mod tests {
         with_lo[0] = link(1, "lo", &["127.0.0.1", "198.51.100.7"]);
         let p = plan(&with_lo, None, &NodeSettings::default());
         assert_eq!(p.links[&0].addr, u32::from(Ipv4Addr::new(198, 51, 100, 7)).to_be());
+    }
+
+    /// The node's own masqueraded connections: bound to MASQUERADE's source only where
+    /// routing toward the endpoint would pick another.
+    #[test]
+    fn node_sources_where_routing_and_masquerade_disagree() {
+        let links = vec![
+            link(1, "lo", &["127.0.0.1"]),
+            link(2, "eth0", &["192.168.0.2"]),
+            link(3, "cali1", &["169.254.1.1"]),
+            link(4, "cali2", &["169.254.1.5", "10.244.0.1"]),
+            link(5, "cali3", &[]),
+        ];
+        let p = plan(&links, None, &NodeSettings::default());
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let route = |link, source: &str| KernelRoute { link, source: Some(ip(source)), local: false };
+        let routes = [
+            // Behind a link-scoped-only link: routing takes 169.254.1.1, MASQUERADE eth0's.
+            (ip("10.244.0.10"), route(3, "169.254.1.1")),
+            // Behind a link with a global address that routing picks as well.
+            (ip("10.244.0.11"), route(4, "10.244.0.1")),
+            // Behind a link without addresses: both take the kernel's fallback.
+            (ip("10.244.0.12"), route(5, "192.168.0.2")),
+            // A route with another preferred source than MASQUERADE's.
+            (ip("10.244.0.13"), route(4, "192.168.0.2")),
+            // A host-network endpoint: delivered locally, never masqueraded.
+            (ip("192.168.0.2"), KernelRoute { link: 1, source: Some(ip("192.168.0.2")), local: true }),
+            // IPv6: MASQUERADE and routing choose alike.
+            (ip("fd00::10"), KernelRoute { link: 3, source: Some(ip("fd00::1")), local: false }),
+        ];
+        let sources = node_sources(routes, &p.links);
+        assert_eq!(
+            sources,
+            BTreeMap::from([(ip("10.244.0.10"), ip("192.168.0.2")), (ip("10.244.0.13"), ip("10.244.0.1"))])
+        );
     }
 
     #[test]

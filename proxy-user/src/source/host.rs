@@ -14,7 +14,10 @@ use anyhow::{Context as _, Result};
 use tokio::{io::unix::AsyncFd, sync::mpsc};
 
 use super::SourceEvent;
-use crate::{model::node::HostLink, netlink};
+use crate::{
+    model::node::{HostLink, KernelRoute},
+    netlink,
+};
 
 /// Every link of this network namespace with its addresses, by index.
 pub fn snapshot() -> Result<Vec<HostLink>> {
@@ -146,45 +149,33 @@ fn v4_unselectable() -> BTreeMap<u32, Vec<std::net::Ipv4Addr>> {
 /// The source address routing picks for `dst` (RTM_GETROUTE's preferred source), as a
 /// connect() from this network namespace would get it.
 pub fn route_source(dst: std::net::Ipv4Addr) -> Option<std::net::Ipv4Addr> {
-    // SAFETY: plain socket calls; the fd is owned right after creation.
-    let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE) };
-    if fd < 0 {
-        return None;
+    match route(dst.into())?.source? {
+        IpAddr::V4(source) => Some(source),
+        IpAddr::V6(_) => None,
     }
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    // nlmsghdr (16) + rtmsg (12) + RTA_DST (4 + 4).
-    let mut req = [0u8; 36];
-    req[0..4].copy_from_slice(&36u32.to_ne_bytes());
-    req[4..6].copy_from_slice(&libc::RTM_GETROUTE.to_ne_bytes());
-    req[6..8].copy_from_slice(&(libc::NLM_F_REQUEST as u16).to_ne_bytes());
-    req[16] = libc::AF_INET as u8; // rtm_family
-    req[17] = 32; // rtm_dst_len
-    req[28..30].copy_from_slice(&8u16.to_ne_bytes());
-    req[30..32].copy_from_slice(&libc::RTA_DST.to_ne_bytes());
-    req[32..36].copy_from_slice(&dst.octets());
-    let sent = unsafe { libc::send(fd.as_raw_fd(), req.as_ptr().cast(), req.len(), 0) };
-    if sent != req.len() as isize {
-        return None;
-    }
-    let mut buf = [0u8; 4096];
-    let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-    let reply = buf.get(..usize::try_from(n).ok()?)?;
-    if reply.len() < 28 || u16::from_ne_bytes([reply[4], reply[5]]) != libc::RTM_NEWROUTE {
-        return None; // NLMSG_ERROR: no route
-    }
-    let mut attrs = &reply[28..];
-    while attrs.len() >= 4 {
-        let len = usize::from(u16::from_ne_bytes([attrs[0], attrs[1]]));
-        let kind = u16::from_ne_bytes([attrs[2], attrs[3]]);
-        if len < 4 || len > attrs.len() {
-            break;
-        }
-        if kind == libc::RTA_PREFSRC && len == 8 {
-            return Some(std::net::Ipv4Addr::new(attrs[4], attrs[5], attrs[6], attrs[7]));
-        }
-        attrs = &attrs[(len + 3) & !3..];
-    }
-    None
+}
+
+/// The kernel's route to `dst` from this network namespace (RTM_GETROUTE): the link, the
+/// preferred source, whether it is delivered locally. `None`: no route.
+pub fn route(dst: IpAddr) -> Option<KernelRoute> {
+    const RTN_LOCAL: u8 = 2;
+    let (family, octets): (u8, Vec<u8>) = match dst {
+        IpAddr::V4(a) => (libc::AF_INET as u8, a.octets().to_vec()),
+        IpAddr::V6(a) => (libc::AF_INET6 as u8, a.octets().to_vec()),
+    };
+    // struct rtmsg: family, dst_len, src_len, tos, table, protocol, scope, type, flags (u32).
+    let mut body = vec![family, octets.len() as u8 * 8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+    body.extend(netlink::attr(libc::RTA_DST, &octets));
+    let reply = netlink::request(libc::NETLINK_ROUTE, &netlink::message(libc::RTM_GETROUTE, 0, &body)).ok()?;
+    let head = reply.get(..12)?;
+    let attrs = &reply[12..];
+    let link = netlink::find(attrs, libc::RTA_OIF).and_then(|v| Some(u32::from_ne_bytes(v.try_into().ok()?)))?;
+    let source = netlink::find(attrs, libc::RTA_PREFSRC).and_then(|v| match v.len() {
+        4 => Some(IpAddr::from(<[u8; 4]>::try_from(v).ok()?)),
+        16 => Some(IpAddr::from(<[u8; 16]>::try_from(v).ok()?)),
+        _ => None,
+    });
+    Some(KernelRoute { link, source, local: head[7] == RTN_LOCAL })
 }
 
 /// Send a snapshot now and after every change, until the receiver goes away. A failure to
@@ -284,6 +275,9 @@ mod tests {
     #[test]
     fn route_source_of_a_local_address_is_itself() {
         assert_eq!(route_source("127.0.0.1".parse().unwrap()), Some("127.0.0.1".parse().unwrap()));
+        let lo = route("127.0.0.1".parse().unwrap()).expect("a route to 127.0.0.1");
+        assert!(lo.local, "{lo:?}");
+        assert_eq!(lo.link, 1, "by lo");
     }
 
     #[test]

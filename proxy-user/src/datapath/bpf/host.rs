@@ -162,6 +162,7 @@ pub struct BpfHost {
     ebpf: Ebpf,
     dir: PathBuf,
     node_addrs: HashMap<MapData, Addr, u32>,
+    node_sources: HashMap<MapData, Addr, Addr>,
     links: HashMap<MapData, u32, LinkInfo>,
     local_cidrs: LpmTrie<MapData, CidrKey, u8>,
     service_cidrs: LpmTrie<MapData, CidrKey, u8>,
@@ -186,6 +187,7 @@ impl BpfHost {
     pub(super) fn take_from(mut ebpf: Ebpf, dir: PathBuf, tc_netlink: bool, pin_root: PathBuf) -> Result<Self> {
         let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("no map {name}"));
         let node_addrs = HashMap::try_from(take(map_names::NODE_ADDRS)?)?;
+        let node_sources = HashMap::try_from(take(map_names::NODE_SOURCES)?)?;
         let links = HashMap::try_from(take(map_names::LINKS)?)?;
         let local_cidrs = LpmTrie::try_from(take(map_names::LOCAL_CIDRS)?)?;
         let service_cidrs = LpmTrie::try_from(take(map_names::SERVICE_CIDRS)?)?;
@@ -199,6 +201,7 @@ impl BpfHost {
             ebpf,
             dir,
             node_addrs,
+            node_sources,
             links,
             local_cidrs,
             service_cidrs,
@@ -394,6 +397,8 @@ impl HostDatapath for BpfHost {
         let link_addrs = plan.links.values().flat_map(|l| [Addr::from_v4(l.addr), l.addr6]);
         mark_addresses(&mut self.addr_filter, want.keys().copied().chain(link_addrs))?;
         sync_hash(&mut self.node_addrs, &want)?;
+        let sources = plan.node_sources.iter().map(|(e, s)| (Addr::from(*e), Addr::from(*s))).collect();
+        sync_hash(&mut self.node_sources, &sources)?;
         let links = self.links_marked(&plan.links, &plan.tc_links);
         sync_hash(&mut self.links, &links)?;
         sync_lpm(&mut self.local_cidrs, &plan.local_cidrs)?;
