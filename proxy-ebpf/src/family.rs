@@ -91,6 +91,12 @@ pub trait Family {
     fn fib_dst(params: &mut bpf_fib_lookup, dst: &Addr);
     /// The TTL / hop limit.
     fn hops(ip: &Self::Ip) -> u8;
+    /// A router may cut the packet into fragments (IPv4 without "don't fragment"; an IPv6
+    /// router never does).
+    fn may_fragment(ip: &Self::Ip) -> bool;
+    /// The ICMP header of "fragmentation needed" (IPv6: "packet too big") for a link of `mtu`,
+    /// its checksum left 0.
+    fn too_big_header(mtu: u16) -> [u8; 8];
     /// Take one off the TTL / hop limit, as forwarding does.
     ///
     /// # Safety
@@ -228,6 +234,16 @@ impl Family for V4 {
         ip.ttl
     }
     #[inline(always)]
+    fn may_fragment(ip: &Ipv4Hdr) -> bool {
+        u16::from_be(unsafe { read_word(ip.frags.as_ptr()) }) & 0x4000 == 0
+    }
+    #[inline(always)]
+    fn too_big_header(mtu: u16) -> [u8; 8] {
+        // Destination unreachable, fragmentation needed; the next hop's MTU in the last two bytes.
+        let [hi, lo] = mtu.to_be_bytes();
+        [3, 4, 0, 0, 0, 0, hi, lo]
+    }
+    #[inline(always)]
     unsafe fn decrement_hops(ip: *mut u8) {
         unsafe {
             write_word(ip.add(10), csum::ttl_decremented(read_word(ip.add(10))));
@@ -335,6 +351,16 @@ impl Family for V6 {
     #[inline(always)]
     fn hops(ip: &Ipv6Hdr) -> u8 {
         ip.hop_limit
+    }
+    #[inline(always)]
+    fn may_fragment(_: &Ipv6Hdr) -> bool {
+        false
+    }
+    #[inline(always)]
+    fn too_big_header(mtu: u16) -> [u8; 8] {
+        // Packet too big; the MTU in the last four bytes.
+        let [hi, lo] = mtu.to_be_bytes();
+        [2, 0, 0, 0, 0, 0, hi, lo]
     }
     #[inline(always)]
     unsafe fn decrement_hops(ip: *mut u8) {

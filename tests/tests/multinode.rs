@@ -114,6 +114,7 @@ impl Bridged {
                 NameServer::tcp(&pod, SocketAddrV4::new(pod_ip, POD_PORT), &pod_name)?,
                 NameServer::udp(&pod, SocketAddrV4::new(pod_ip, POD_PORT), &pod_name)?,
                 NameServer::tcp(&pod, SocketAddr::new(pod_ip6.into(), POD_PORT), &pod_name)?,
+                NameServer::udp(&pod, SocketAddr::new(pod_ip6.into(), POD_PORT), &pod_name)?,
             ];
             let cgroup = Cgroup::new(&format!("{prefix}-{name}"))?;
             let pins = PathBuf::from(format!("/sys/fs/bpf/{prefix}-{name}"));
@@ -762,6 +763,88 @@ fn udp_flows_move_off_a_removed_endpoint() {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert_eq!(ask(&socket), "pod-a");
+}
+
+/// A masqueraded packet too big for the link its route leaves by, that may not be cut into
+/// fragments: kube-proxy's node answers "fragmentation needed" (IPv6: "packet too big")
+/// before MASQUERADE rewrites it, so the client's socket learns the path's MTU. kpr masquerades
+/// on the way in, so the node's own answer went to its own address and was lost: the client
+/// heard nothing, and a datagram of that size never arrived.
+#[test]
+fn a_masqueraded_packet_too_big_for_its_link_gets_fragmentation_needed() {
+    let c = Bridged::new("km-mtu").unwrap();
+    let a = &c.nodes[0];
+    // node-a's pod link is narrower than the path to it.
+    a.netns.ip(&["link", "set", "veth-pod", "mtu", "1280"]).unwrap();
+    a._pod.ip(&["link", "set", "eth0", "mtu", "1280"]).unwrap();
+    let slice = |family: &str, ip: IpAddr| {
+        format!(
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: big-{family}, namespace: t, labels: \
+             {{kubernetes.io/service-name: big}}}}\naddressType: {family}\nports: [{{name: u, port: {POD_PORT}, protocol: UDP}}]\n\
+             endpoints: [{{addresses: [\"{ip}\"], nodeName: node-a}}]\n"
+        )
+    };
+    c.write(
+        "big.yaml",
+        &format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: big, namespace: t}}\nspec:\n  type: NodePort\n  \
+             clusterIP: 10.96.0.70\n  clusterIPs: [\"10.96.0.70\", \"fd00:96::70\"]\n  ipFamilies: [IPv4, IPv6]\n  \
+             ports: [{{name: u, port: 53, protocol: UDP, nodePort: 30070}}]\n{}{}",
+            slice("IPv4", a.pod_ip.into()),
+            slice("IPv6", a.pod_ip6.into()),
+        ),
+    );
+    c.wait("*:30070/UDP ext", 1);
+    c.wait("[*]:30070/UDP ext", 1);
+    for node_ip in [IpAddr::from(a.ip), IpAddr::from(a.ip6)] {
+        let (small, big, mtu) = c.ext(move || {
+            let socket = std::net::UdpSocket::bind(any_port_of(node_ip)).unwrap();
+            socket.connect(SocketAddr::new(node_ip, 30070)).unwrap();
+            socket.set_read_timeout(Some(TIMEOUT)).unwrap();
+            // Path MTU discovery on: the datagram may not be fragmented on its way.
+            let (level, option, on, mtu_option) = match node_ip {
+                IpAddr::V4(_) => (libc::IPPROTO_IP, libc::IP_MTU_DISCOVER, libc::IP_PMTUDISC_DO, libc::IP_MTU),
+                IpAddr::V6(_) => (libc::IPPROTO_IPV6, libc::IPV6_MTU_DISCOVER, libc::IPV6_PMTUDISC_DO, libc::IPV6_MTU),
+            };
+            setsockopt_int(&socket, level, option, on);
+            let mut buf = [0u8; 64];
+            socket.send(b"who").unwrap();
+            let small = socket.recv(&mut buf).map(|n| String::from_utf8_lossy(&buf[..n]).into_owned());
+            // Larger than node-a's pod link, not than the client's own.
+            socket.send(&[7u8; 1400]).unwrap();
+            let big = socket.recv(&mut buf).map_err(|e| e.raw_os_error());
+            (small, big, getsockopt_int(&socket, level, mtu_option))
+        });
+        assert_eq!(small.expect("a small datagram through the NodePort"), "pod-a", "via {node_ip}");
+        assert_eq!(big, Err(Some(libc::EMSGSIZE)), "the big datagram via {node_ip}: fragmentation needed");
+        assert_eq!(mtu, 1280, "the path MTU the client learned via {node_ip}");
+    }
+}
+
+/// The wildcard address of `ip`'s family, any port.
+fn any_port_of(ip: IpAddr) -> SocketAddr {
+    match ip {
+        IpAddr::V4(_) => SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), 0),
+        IpAddr::V6(_) => SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), 0),
+    }
+}
+
+fn setsockopt_int(socket: &std::net::UdpSocket, level: i32, option: i32, value: i32) {
+    use std::os::fd::AsRawFd as _;
+    // SAFETY: an int option of a socket this function borrows.
+    let rc = unsafe {
+        libc::setsockopt(socket.as_raw_fd(), level, option, (&raw const value).cast(), size_of::<i32>() as u32)
+    };
+    assert_eq!(rc, 0, "setsockopt({level}, {option}): {}", std::io::Error::last_os_error());
+}
+
+fn getsockopt_int(socket: &std::net::UdpSocket, level: i32, option: i32) -> i32 {
+    use std::os::fd::AsRawFd as _;
+    let (mut value, mut len) = (0i32, size_of::<i32>() as u32);
+    // SAFETY: an int option of a socket this function borrows.
+    let rc = unsafe { libc::getsockopt(socket.as_raw_fd(), level, option, (&raw mut value).cast(), &mut len) };
+    assert_eq!(rc, 0, "getsockopt({level}, {option}): {}", std::io::Error::last_os_error());
+    value
 }
 
 #[test]

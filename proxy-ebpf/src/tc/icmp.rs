@@ -1,20 +1,26 @@
 //! ICMP errors about translated flows, translated back toward the client (the quoted packet
 //! and the outer header).
 use aya_ebpf::{
-    bindings::{BPF_F_PSEUDO_HDR, TC_ACT_OK},
+    EbpfContext as _,
+    bindings::{
+        __sk_buff, BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM, TC_ACT_OK, TC_ACT_SHOT, bpf_adj_room_mode::BPF_ADJ_ROOM_NET,
+    },
+    helpers::{bpf_csum_diff, bpf_skb_load_bytes},
     programs::TcContext,
 };
-use proxy_common::{CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, counter, csum};
+use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
+use proxy_common::{CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, NODE_ADDR_LOCAL, counter, csum};
 
 use super::{
     entry::flow_entry,
+    reject::bounce,
     rewrite::ports_word,
     scratch::{IcmpFix, Scratch, scratch},
     verdict::PASS,
 };
 use crate::{
-    family::Family,
-    maps::count,
+    family::{Family, pseudo_sum},
+    maps::{count, node_addr_flags},
     packet::{ICMP_CSUM, ICMP_QUOTE, IP_OFF, read_word, write_word},
 };
 
@@ -30,6 +36,99 @@ pub(super) fn icmp_error<F: Family>(ctx: &TcContext) -> i32 {
         _ => PASS,
     }
 }
+
+/// A packet of a masqueraded flow, too big for the link its route leaves by (`TOO_BIG`), that may
+/// not be cut into fragments. kube-proxy's node answers it with "fragmentation needed"
+/// (IPv6: "packet too big") before MASQUERADE rewrites it, so the client learns the path's
+/// MTU; kpr has masqueraded it already, so the host stack's answer would go to the node's own
+/// address and be lost. Answered here instead: from the frontend the client addressed, to the
+/// client, quoting the client's packet as it sent it (the flow's reply entry tells how), out
+/// of the link the packet came in by. What is not such a packet goes on to the host stack.
+///
+/// The answer is assembled in the scratch area: on the BPF stack it would not fit beside the
+/// chain of calls that leads here.
+#[inline(never)]
+pub(super) fn too_big<F: Family>(ctx: &TcContext) -> i32 {
+    // SAFETY: a tc program's context is the packet's __sk_buff.
+    if unsafe { (*(ctx.as_ptr() as *const __sk_buff)).gso_size } != 0 {
+        return TC_ACT_OK; // segmented later, to the link's size
+    }
+    let Ok(s) = scratch() else { return TC_ACT_OK };
+    // SAFETY: `forward_direct`'s lookup answer: the link's MTU.
+    let mtu = unsafe { s.fib.__bindgen_anon_1.mtu_result };
+    // SAFETY: the scratch value's room, valid for this program run, large enough for either
+    // family's answer (checked at compile time below).
+    let answer = unsafe { &mut *(&raw mut (*s.as_ptr()).answer).cast::<TooBig<F::Ip>>() };
+    let quote_len = size_of::<F::Ip>() + 8;
+    // The packet's IP header and the 8 bytes after it, as translated.
+    // SAFETY: the helper writes `quote_len` bytes within the quote's room.
+    let loaded = unsafe {
+        bpf_skb_load_bytes(ctx.as_ptr(), IP_OFF as u32, (&raw mut answer.quoted_ip).cast(), quote_len as u32)
+    };
+    let ip = &answer.quoted_ip;
+    if loaded != 0 || F::may_fragment(ip) {
+        return TC_ACT_OK;
+    }
+    let (masquerade_source, backend) = (F::src(ip), F::dst(ip));
+    let proto = match F::l4_proto(ip) {
+        Some(p @ (IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP)) => p,
+        _ => return TC_ACT_OK,
+    };
+    if node_addr_flags(&masquerade_source) & NODE_ADDR_LOCAL == 0 {
+        return TC_ACT_OK; // not masqueraded: the stack's answer reaches the client
+    }
+    // SAFETY: the quote's first word, 4-aligned in the scratch value.
+    let ports = unsafe { read_word::<[u16; 2]>(answer.quoted_l4.as_ptr()) };
+    // The flow's reply entry holds the client and the frontend.
+    // SAFETY: the scratch area's key slot, valid for this program run.
+    let key = unsafe {
+        let key = s.key::<F::FlowAddr>();
+        *key = CtKey::new(backend, masquerade_source, ports[1], ports[0], proto);
+        &*key
+    };
+    let Some(entry) = flow_entry(key) else { return TC_ACT_OK };
+    let (client, frontend) = (entry.dst_addr, entry.src_addr);
+    // The quote as the client sent it.
+    let diff = F::addr_diff(&masquerade_source, &client) + F::addr_diff(&backend, &frontend);
+    // SAFETY: the quote's header and first word, in the scratch value.
+    unsafe {
+        F::write_addrs((&raw mut answer.quoted_ip).cast(), &client, &frontend, diff);
+        write_word(answer.quoted_l4.as_mut_ptr(), ports_word(entry.dst_port, entry.src_port));
+    }
+    answer.icmp = F::too_big_header(mtu);
+    let len = (8 + quote_len) as u16;
+    // ICMPv6's checksum covers a pseudo header, ICMP's does not.
+    let seed =
+        if F::ICMP_PSEUDO_HEADER { csum::fold32(pseudo_sum::<F>(&frontend, &client, F::ICMP_PROTO, len)) } else { 0 };
+    // SAFETY: the ICMP header and the quote, `len` bytes of the scratch value.
+    let sum = unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, answer.icmp.as_mut_ptr().cast(), u32::from(len), seed) };
+    answer.icmp[2..4].copy_from_slice(&(!csum::fold16(sum as u64 & 0xffff_ffff)).to_ne_bytes());
+    answer.ip = F::reply_header(&frontend, &client, F::ICMP_PROTO, len);
+    let Ok(macs) = ctx.load::<[u8; 12]>(0) else { return TC_ACT_OK };
+    // The packet cut to its headers, then room made after its IP header for the answer's.
+    let rewritten = ctx.change_tail((F::L4_OFF + 8) as u32, 0).is_ok()
+        && ctx.adjust_room((size_of::<F::Ip>() + 8) as i32, BPF_ADJ_ROOM_NET, 0).is_ok()
+        && ctx.store(IP_OFF, answer, u64::from(BPF_F_RECOMPUTE_CSUM)).is_ok();
+    if !rewritten {
+        return TC_ACT_SHOT;
+    }
+    count(counter::TC_CT_HIT);
+    bounce(ctx, macs).unwrap_or(TC_ACT_SHOT)
+}
+
+/// The answer [`too_big`] assembles: IP header, ICMP header, the quoted IP header and the
+/// first 8 bytes after it.
+#[repr(C)]
+struct TooBig<Ip> {
+    ip: Ip,
+    icmp: [u8; 8],
+    quoted_ip: Ip,
+    quoted_l4: [u8; 8],
+}
+
+// The scratch value's room holds either family's.
+const _: () = assert!(size_of::<TooBig<Ipv6Hdr>>() <= size_of::<[u32; 24]>());
+const _: () = assert!(size_of::<TooBig<Ipv4Hdr>>() <= size_of::<[u32; 24]>());
 
 /// The translation back of an ICMP error (in `s.icmp`), if it is about a translated flow. A
 /// subprogram of its own, as is the rewrite: together they would not fit on the BPF stack.

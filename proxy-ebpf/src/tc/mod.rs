@@ -12,7 +12,8 @@
 //!   3 icmp::icmp_error (an ICMP error about a flow) ──▶ rewrite
 //!   4 nat::pick_backend: frontend, source ranges, affinity, the backend (none: reject::*)
 //!   5 nat::create_flow: SNAT port, both conntrack entries, the first packet rewritten
-//!   6 route::forward_direct (translated on ingress: to the peer or the neighbour)
+//!   6 route::forward_direct (translated on ingress: to the peer or the neighbour; too big
+//!     for the link: icmp::too_big)
 //! ```
 //!
 //! Ingress: a packet of a known flow is rewritten from its conntrack entry; a new packet to a
@@ -57,13 +58,13 @@ use proxy_common::{IPPROTO_TCP, counter, tc_slow_path};
 
 use self::{
     conntrack::translate_tracked,
-    icmp::icmp_error,
+    icmp::{icmp_error, too_big},
     nat::{create_flow_subprogram, pick_backend_subprogram},
     parse::{Tuple, came_through_ingress, eth_type, flow_flags, inspect},
     reject::{reject_port_unreachable, reject_tcp},
     route::{ROUTE_LOOK_UP, ROUTE_MAY_KEEP, forward_direct, martian_source},
     scratch::scratch,
-    verdict::{A_FLOW, AN_ICMP_ERROR, NO_FLOW, OPEN, PASS, REJECT},
+    verdict::{A_FLOW, AN_ICMP_ERROR, NO_FLOW, OPEN, PASS, REJECT, TOO_BIG},
 };
 use crate::{
     family::{Family, V4, V6},
@@ -140,7 +141,7 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
         return TC_ACT_SHOT;
     }
     match fast_path::<F>(ctx, true) {
-        TC_ACT_OK if KPR_FORWARD_DIRECT.load() != 0 => forward_direct::<F>(ctx),
+        TC_ACT_OK if KPR_FORWARD_DIRECT.load() != 0 => send_on::<F>(ctx),
         verdict => verdict,
     }
 }
@@ -149,9 +150,21 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
 #[inline(always)]
 fn slow_ingress<F: Family>(ctx: &TcContext) -> i32 {
     match slow_path::<F>(ctx, true) {
-        Ok(TC_ACT_OK) if KPR_FORWARD_DIRECT.load() != 0 => forward_direct::<F>(ctx),
+        Ok(TC_ACT_OK) if KPR_FORWARD_DIRECT.load() != 0 => send_on::<F>(ctx),
         Ok(verdict) => verdict,
         Err(()) => PASS,
+    }
+}
+
+/// A packet translated on its way in: straight out (`forward_direct`), or, too big for its
+/// link, answered (`too_big`). Called here, from the attached program, not from
+/// `forward_direct`: the BPF stack of that chain of calls would not hold `too_big`'s frame on
+/// 6.1.
+#[inline(always)]
+fn send_on<F: Family>(ctx: &TcContext) -> i32 {
+    match forward_direct::<F>(ctx) {
+        TOO_BIG => too_big::<F>(ctx),
+        verdict => verdict,
     }
 }
 

@@ -3,8 +3,8 @@
 use aya_ebpf::{
     EbpfContext as _,
     bindings::{
-        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SKIP_NEIGH,
-        BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT, bpf_fib_lookup,
+        BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS,
+        BPF_FIB_LOOKUP_SKIP_NEIGH, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT, bpf_fib_lookup,
     },
     btf_maps::lpm_trie::Key,
     helpers::bpf_fib_lookup as fib_lookup,
@@ -186,7 +186,11 @@ pub(super) fn masquerade_source<F: Family>(ctx: &TcContext, t: &Tuple, backend: 
         // POSTROUTING. The endpoint answers the client itself, through the egress program.
         return None;
     }
-    if (rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) || rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH))
+    // Too big for the link (checked against the packet, as no length was given): the lookup
+    // found the link all the same.
+    if (rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS)
+        || rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH)
+        || rc == i64::from(BPF_FIB_LKUP_RET_FRAG_NEEDED))
         && let Some(addr) = link(params.ifindex).and_then(|l| F::masquerade_addr(&l))
     {
         if rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) && unsafe { (*s).route } == ROUTE_MAY_KEEP {

@@ -8,7 +8,7 @@ use aya_ebpf::{
     helpers::{bpf_csum_diff, bpf_redirect},
     programs::TcContext,
 };
-use proxy_common::{IPPROTO_TCP, counter, csum};
+use proxy_common::{Addr, IPPROTO_TCP, counter, csum};
 
 use crate::{
     family::{Family, pseudo_sum},
@@ -58,7 +58,7 @@ fn reset<F: Family>(ctx: &TcContext, t: &Tuple) -> Result<i32, ()> {
     bounce(ctx, macs)
 }
 
-/// ICMP header + quoted IP header + 8 bytes of the datagram: the body of a port unreachable.
+/// ICMP header + quoted IP header + 8 bytes of the datagram: the body of an ICMP error.
 #[repr(C)]
 struct Unreachable<Ip> {
     icmp: [u8; 8],
@@ -76,37 +76,44 @@ pub(super) fn reject_port_unreachable<F: Family>(ctx: &TcContext, t: &Tuple) -> 
 #[inline(always)]
 fn port_unreachable<F: Family>(ctx: &TcContext, t: &Tuple) -> Result<i32, ()> {
     count(counter::TC_REJECTED);
+    let [icmp_type, code] = F::PORT_UNREACHABLE;
+    let macs = icmp_about_packet::<F>(ctx, [icmp_type, code, 0, 0, 0, 0, 0, 0], &t.daddr, &t.saddr)?;
+    bounce(ctx, macs)
+}
+
+/// Turn the packet, in place, into an ICMP error about it from `src` to `dst`: the ICMP
+/// header `icmp` (its checksum computed here), then the packet's IP header and the first 8
+/// bytes after it. Returns the packet's MAC addresses, for [`bounce`].
+#[inline(always)]
+fn icmp_about_packet<F: Family>(ctx: &TcContext, icmp: [u8; 8], src: &Addr, dst: &Addr) -> Result<[u8; 12], ()> {
     let quoted_ip: F::Ip = ctx.load(IP_OFF).map_err(drop)?;
     let quoted_l4: [u8; 8] = ctx.load(F::L4_OFF).map_err(drop)?;
     let macs: [u8; 12] = ctx.load(0).map_err(drop)?;
-    let [icmp_type, code] = F::PORT_UNREACHABLE;
-    let mut body = Unreachable { icmp: [icmp_type, code, 0, 0, 0, 0, 0, 0], quoted_ip, quoted_l4 };
+    let mut body = Unreachable { icmp, quoted_ip, quoted_l4 };
     let len = size_of::<Unreachable<F::Ip>>();
     // ICMPv6's checksum covers a pseudo header, ICMP's does not.
-    let seed = if F::ICMP_PSEUDO_HEADER {
-        csum::fold32(pseudo_sum::<F>(&t.daddr, &t.saddr, F::ICMP_PROTO, len as u16))
-    } else {
-        0
-    };
+    let seed =
+        if F::ICMP_PSEUDO_HEADER { csum::fold32(pseudo_sum::<F>(src, dst, F::ICMP_PROTO, len as u16)) } else { 0 };
     let sum = unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, (&raw mut body).cast(), len as u32, seed) };
     body.icmp[2..4].copy_from_slice(&fold(sum).to_ne_bytes());
-    let ip = F::reply_header(&t.daddr, &t.saddr, F::ICMP_PROTO, len as u16);
+    let ip = F::reply_header(src, dst, F::ICMP_PROTO, len as u16);
 
-    // Room for the new IP and ICMP headers goes after the IP header; the L4 header that
-    // follows is the quoted packet's first 8 bytes, already in place.
+    // Cut the packet to its headers, then make room for the new IP and ICMP headers after the
+    // IP header (the 8 bytes after it are the quote's last, already in place). In that order:
+    // a full-size packet grown first would pass its link's MTU, which the helper refuses.
+    ctx.change_tail((F::L4_OFF + 8) as u32, 0).map_err(drop)?;
     let room = size_of::<F::Ip>() + 8;
     ctx.adjust_room(room as i32, BPF_ADJ_ROOM_NET, 0).map_err(drop)?;
-    ctx.change_tail((F::L4_OFF + len) as u32, 0).map_err(drop)?;
     let recompute = u64::from(BPF_F_RECOMPUTE_CSUM);
     ctx.store(IP_OFF, &ip, recompute).map_err(drop)?;
     ctx.store(F::L4_OFF, &body, recompute).map_err(drop)?;
-    bounce(ctx, macs)
+    Ok(macs)
 }
 
 /// Swap the Ethernet addresses (`macs` as read from the packet) and send the packet back out of
 /// the interface it arrived on.
 #[inline(always)]
-fn bounce(ctx: &TcContext, macs: [u8; 12]) -> Result<i32, ()> {
+pub(super) fn bounce(ctx: &TcContext, macs: [u8; 12]) -> Result<i32, ()> {
     let mut swapped = [0u8; 12];
     swapped[..6].copy_from_slice(&macs[6..]);
     swapped[6..].copy_from_slice(&macs[..6]);

@@ -3,9 +3,9 @@
 use aya_ebpf::{
     EbpfContext as _,
     bindings::{
-        __sk_buff, BPF_FIB_LKUP_RET_BLACKHOLE, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_PROHIBIT,
-        BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LKUP_RET_UNREACHABLE, BPF_FIB_LOOKUP_SKIP_NEIGH, TC_ACT_OK, bpf_fib_lookup,
-        bpf_redir_neigh, bpf_redir_neigh__bindgen_ty_1,
+        __sk_buff, BPF_FIB_LKUP_RET_BLACKHOLE, BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH,
+        BPF_FIB_LKUP_RET_PROHIBIT, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LKUP_RET_UNREACHABLE, BPF_FIB_LOOKUP_SKIP_NEIGH,
+        TC_ACT_OK, bpf_fib_lookup, bpf_redir_neigh, bpf_redir_neigh__bindgen_ty_1,
     },
     helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect_neigh, bpf_redirect_peer},
     programs::TcContext,
@@ -18,6 +18,7 @@ use proxy_common::{
 use super::{
     parse::Tuple,
     scratch::{FlowScratch, Scratch, scratch},
+    verdict::TOO_BIG,
 };
 use crate::{
     family::Family,
@@ -192,7 +193,8 @@ pub(super) fn zero_fib(params: *mut bpf_fib_lookup) {
 /// does: the host's forwarding path (netfilter's FORWARD policy, INVALID-state drops) never
 /// sees it. What the route does not settle that way (a local destination, no route, forwarding
 /// off, too big for the link, a TTL or hop limit running out) goes on into the host stack,
-/// which handles it as it would have without kpr.
+/// which handles it as it would have without kpr; but a packet too big for its link is
+/// `TOO_BIG`, for `icmp::too_big` (which answers it if it was masqueraded).
 ///
 /// An established flow's entry keeps the lookup's answer (6.3+, with the next hop): for about
 /// a second, its packets that fit the link are sent out by `translate_tracked` without it.
@@ -234,6 +236,10 @@ pub(super) fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
         let flags = if next_hop { BPF_FIB_LOOKUP_SKIP_NEIGH } else { 0 };
         // tot_len 0: the kernel checks the packet against the MTU of the link found (GSO aware).
         let rc = unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, flags) };
+        if rc == i64::from(BPF_FIB_LKUP_RET_FRAG_NEEDED) {
+            // The link's MTU stays in the lookup's answer, for `too_big`.
+            return TOO_BIG;
+        }
         if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) && rc != i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
             return TC_ACT_OK;
         }

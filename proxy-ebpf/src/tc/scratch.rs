@@ -25,6 +25,8 @@ pub struct FlowScratch {
     pub(super) forward: CtValue,
     pub(super) reply: CtValue,
     pub(super) icmp: IcmpFix,
+    /// `icmp::too_big`'s answer, assembled (IPv6: 96 bytes), 4-aligned.
+    pub(super) answer: [u32; 24],
     /// A new flow's service entry and backend.
     pub(super) service: ServiceValue,
     pub(super) backend: Backend,

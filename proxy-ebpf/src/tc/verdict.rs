@@ -20,3 +20,7 @@ pub(super) const OPEN: i32 = i32::MIN + 3;
 
 /// `pick_backend_subprogram`: a frontend without endpoints (kube-proxy's REJECT).
 pub(super) const REJECT: i32 = i32::MIN + 4;
+
+/// `forward_direct`: too big for the link its route leaves by; the lookup's answer (in the
+/// scratch area) holds the link's MTU.
+pub(super) const TOO_BIG: i32 = i32::MIN + 5;
