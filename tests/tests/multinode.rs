@@ -717,6 +717,48 @@ fn links_created_after_the_agent_started_are_covered() {
     assert_eq!(seen, "10.244.11.2");
 }
 
+/// A node address on a VLAN sub-interface (`eth0.100`): the frames arrive tagged on `eth0`,
+/// whose program sees them first. kube-proxy's rules see them once untagged, on `eth0.100`;
+/// translated on `eth0` they kept their tag and were lost on their way on (the pod, or the
+/// other node, has no VLAN 100). A tagged frame is left to its VLAN's link.
+#[test]
+fn a_node_port_on_a_vlan_address_is_served() {
+    let c = Bridged::new("km-vlan").unwrap();
+    let vlan = |ns: &Netns, addr: &str| -> Result<()> {
+        ns.ip(&["link", "add", "link", "eth0", "name", "eth0.100", "type", "vlan", "id", "100"])?;
+        ns.ip(&["addr", "add", addr, "dev", "eth0.100"])?;
+        ns.ip(&["link", "set", "eth0.100", "up"])
+    };
+    if let Err(e) = vlan(&c.ext, "10.1.100.100/24") {
+        assert!(std::env::var_os("KPR_REQUIRE_VLAN").is_none(), "this kernel must have VLAN links: {e:#}");
+        println!("skipped: this kernel has no VLAN links ({e:#}; the VM kernels of `cargo xtask test` run it)");
+        return;
+    }
+    vlan(&c.nodes[0].netns, "10.1.100.1/24").unwrap();
+    let pod_b = c.nodes[1].pod_ip;
+    c.write("svc.yaml", &service("Cluster", 30085, &[(pod_b, "node-b")]));
+    c.wait("*:30085/TCP ext", 1);
+    let vlan_node_port = SocketAddrV4::new(Ipv4Addr::new(10, 1, 100, 1), 30085);
+    // The agent takes the new address as a NodePort address once it sees it.
+    let deadline = std::time::Instant::now() + testbed::slow(Duration::from_secs(10));
+    let (name, seen) = loop {
+        match c.ext(move || tcp_ask_peer(vlan_node_port, Duration::from_millis(500))) {
+            Ok(answer) => break answer,
+            Err(e) if std::time::Instant::now() > deadline => panic!(
+                "the NodePort on the VLAN address never answered: {e}; agents' log:\n{}",
+                std::fs::read_to_string(&c.log).unwrap_or_default()
+            ),
+            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+        }
+    };
+    // Masqueraded to node-a's address on the link toward node-b (untagged eth0).
+    assert_eq!((name.as_str(), seen.as_str()), ("pod-b", "10.0.0.1"));
+    // The other address family and the untagged address still serve.
+    let a = c.nodes[0].ip;
+    let (name, _) = c.ext(move || tcp_ask_peer(SocketAddrV4::new(a, 30085), TIMEOUT).unwrap());
+    assert_eq!(name, "pod-b");
+}
+
 #[test]
 fn udp_flows_move_off_a_removed_endpoint() {
     let c = Bridged::new("km-udp").unwrap();

@@ -342,13 +342,15 @@ fn test_in_vms(root: &Path, env: &setup::Env, shorts: &[&str], filter: Option<&s
         return Ok((0, 0));
     }
     // The suites run in VMs need no control plane (`vm::SUITES`).
-    // The VM kernels have SCTP (this machine's may not): its end-to-end test must run there.
+    // The VM kernels have SCTP and VLAN links (this machine's may not): their end-to-end tests
+    // must run there.
     let image = image::build(root, env, "latest")?;
     let vars = [
         // The agent the image carries (static, release): under emulation a debug build's own
         // work (the object's parsing, the maps' programming) made most of an agent's start.
         ("KPR_BIN", image::static_binary_path(root, "kpr").display().to_string()),
         ("KPR_REQUIRE_SCTP", "1".to_owned()),
+        ("KPR_REQUIRE_VLAN", "1".to_owned()),
         ("KPR_IMAGE", image.display().to_string()),
     ];
     let (mut passed, mut failed, mut errors) = (0, 0, Vec::new());

@@ -130,13 +130,14 @@ pub const SUITES: [Suite; 4] = [
         sample_on_full: false,
         // The per-packet path of each family through real links (redirects, FIB lookups,
         // checksums completed by the device or not), the FORWARD chain it must not skip
-        // (nf_tables), and SCTP (a module this machine's kernel lacks).
+        // (nf_tables), SCTP and VLAN links (modules this machine's kernel lacks).
         sample: Some(&[
             "node_port_reaches_a_pod_on_another_node_masqueraded",
             "ipv6_node_port_reaches_a_pod_on_another_node_masqueraded",
             "a_network_policy_in_the_forward_chain_holds_for_service_traffic",
             "node_port_checksums_verify_whoever_completes_them",
             "sctp_services_are_translated_for_pods_and_outside_clients",
+            "a_node_port_on_a_vlan_address_is_served",
         ]),
     },
 ];
@@ -144,13 +145,15 @@ pub const SUITES: [Suite; 4] = [
 /// Modules loaded before the tests (with their dependencies): the 9p root, and what the tests'
 /// topologies use (veth, bridge; clsact and cls_bpf for netlink tc attachments; nf_tables for
 /// a node whose FORWARD chain drops, after crc32c_generic, which libcrc32c needs at init but
-/// names only as a soft dependency; udp_diag for aborting UDP sockets; sctp for SCTP Services).
-const MODULES: [&str; 11] = [
+/// names only as a soft dependency; udp_diag for aborting UDP sockets; sctp for SCTP Services;
+/// 8021q for a node address on a VLAN).
+const MODULES: [&str; 12] = [
     "virtio_pci",
     "9pnet_virtio",
     "9p",
     "veth",
     "bridge",
+    "8021q",
     "sch_ingress",
     "cls_bpf",
     "crc32c_generic",

@@ -60,7 +60,7 @@ use self::{
     conntrack::translate_tracked,
     icmp::{icmp_error, too_big},
     nat::{create_flow_subprogram, pick_backend_subprogram},
-    parse::{Tuple, came_through_ingress, eth_type, flow_flags, inspect},
+    parse::{Tuple, came_through_ingress, eth_type, flow_flags, inspect, vlan_tagged},
     reject::{reject_port_unreachable, reject_tcp},
     route::{ROUTE_LOOK_UP, ROUTE_MAY_KEEP, forward_direct, martian_source},
     scratch::scratch,
@@ -74,6 +74,9 @@ use crate::{
 
 #[classifier]
 pub fn kpr_tc_ingress(ctx: TcContext) -> i32 {
+    if vlan_tagged(&ctx) {
+        return PASS;
+    }
     match eth_type(&ctx) {
         Some(t) if t == V4::ETH_TYPE => ingress::<V4>(&ctx),
         Some(t) if t == V6::ETH_TYPE => ingress::<V6>(&ctx),
@@ -83,7 +86,7 @@ pub fn kpr_tc_ingress(ctx: TcContext) -> i32 {
 
 #[classifier]
 pub fn kpr_tc_egress(ctx: TcContext) -> i32 {
-    if came_through_ingress(&ctx) {
+    if came_through_ingress(&ctx) || vlan_tagged(&ctx) {
         return PASS;
     }
     match eth_type(&ctx) {

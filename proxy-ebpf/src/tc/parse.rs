@@ -26,6 +26,16 @@ pub(super) fn came_through_ingress(ctx: &TcContext) -> bool {
     iif != 0 && LINKS.get_ptr(&iif).is_some_and(|link| unsafe { (*link).flags } & LINK_FLAG_TC_INGRESS != 0)
 }
 
+/// The packet carries a VLAN tag outside its data (taken off on the way in, or to be put on by
+/// the device on the way out): it is a VLAN sub-interface's (`eth0.100`), whose own program
+/// sees it untagged; translated here, on the parent, it would keep its tag wherever it went.
+/// A tag inside the data shows as the EtherType, which is not IP.
+#[inline(always)]
+pub(super) fn vlan_tagged(ctx: &TcContext) -> bool {
+    // SAFETY: a tc program's context is the packet's __sk_buff.
+    unsafe { (*(ctx.as_ptr() as *const __sk_buff)).vlan_present != 0 }
+}
+
 /// The Ethernet type, read straight from the packet.
 #[inline(always)]
 pub(super) fn eth_type(ctx: &TcContext) -> Option<u16> {
