@@ -13,7 +13,7 @@ use proxy_common::{CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, NODE_ADDR_LOCA
 
 use super::{
     entry::flow_entry,
-    reject::bounce,
+    reject::{Unreachable, bounce, fold},
     rewrite::ports_word,
     scratch::{IcmpFix, Scratch, scratch},
     verdict::PASS,
@@ -63,9 +63,9 @@ pub(super) fn too_big<F: Family>(ctx: &TcContext) -> i32 {
     // The packet's IP header and the 8 bytes after it, as translated.
     // SAFETY: the helper writes `quote_len` bytes within the quote's room.
     let loaded = unsafe {
-        bpf_skb_load_bytes(ctx.as_ptr(), IP_OFF as u32, (&raw mut answer.quoted_ip).cast(), quote_len as u32)
+        bpf_skb_load_bytes(ctx.as_ptr(), IP_OFF as u32, (&raw mut answer.body.quoted_ip).cast(), quote_len as u32)
     };
-    let ip = &answer.quoted_ip;
+    let ip = &answer.body.quoted_ip;
     if loaded != 0 || F::may_fragment(ip) {
         return TC_ACT_OK;
     }
@@ -78,7 +78,7 @@ pub(super) fn too_big<F: Family>(ctx: &TcContext) -> i32 {
         return TC_ACT_OK; // not masqueraded: the stack's answer reaches the client
     }
     // SAFETY: the quote's first word, 4-aligned in the scratch value.
-    let ports = unsafe { read_word::<[u16; 2]>(answer.quoted_l4.as_ptr()) };
+    let ports = unsafe { read_word::<[u16; 2]>(answer.body.quoted_l4.as_ptr()) };
     // The flow's reply entry holds the client and the frontend.
     // SAFETY: the scratch area's key slot, valid for this program run.
     let key = unsafe {
@@ -92,17 +92,18 @@ pub(super) fn too_big<F: Family>(ctx: &TcContext) -> i32 {
     let diff = F::addr_diff(&masquerade_source, &client) + F::addr_diff(&backend, &frontend);
     // SAFETY: the quote's header and first word, in the scratch value.
     unsafe {
-        F::write_addrs((&raw mut answer.quoted_ip).cast(), &client, &frontend, diff);
-        write_word(answer.quoted_l4.as_mut_ptr(), ports_word(entry.dst_port, entry.src_port));
+        F::write_addrs((&raw mut answer.body.quoted_ip).cast(), &client, &frontend, diff);
+        write_word(answer.body.quoted_l4.as_mut_ptr(), ports_word(entry.dst_port, entry.src_port));
     }
-    answer.icmp = F::too_big_header(mtu);
+    answer.body.icmp = F::too_big_header(mtu);
     let len = (8 + quote_len) as u16;
     // ICMPv6's checksum covers a pseudo header, ICMP's does not.
     let seed =
         if F::ICMP_PSEUDO_HEADER { csum::fold32(pseudo_sum::<F>(&frontend, &client, F::ICMP_PROTO, len)) } else { 0 };
     // SAFETY: the ICMP header and the quote, `len` bytes of the scratch value.
-    let sum = unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, answer.icmp.as_mut_ptr().cast(), u32::from(len), seed) };
-    answer.icmp[2..4].copy_from_slice(&(!csum::fold16(sum as u64 & 0xffff_ffff)).to_ne_bytes());
+    let sum =
+        unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, answer.body.icmp.as_mut_ptr().cast(), u32::from(len), seed) };
+    answer.body.icmp[2..4].copy_from_slice(&fold(sum).to_ne_bytes());
     answer.ip = F::reply_header(&frontend, &client, F::ICMP_PROTO, len);
     let Ok(macs) = ctx.load::<[u8; 12]>(0) else { return TC_ACT_OK };
     // The packet cut to its headers, then room made after its IP header for the answer's.
@@ -116,14 +117,11 @@ pub(super) fn too_big<F: Family>(ctx: &TcContext) -> i32 {
     bounce(ctx, macs).unwrap_or(TC_ACT_SHOT)
 }
 
-/// The answer [`too_big`] assembles: IP header, ICMP header, the quoted IP header and the
-/// first 8 bytes after it.
+/// The answer [`too_big`] assembles: IP header, then an ICMP error's body.
 #[repr(C)]
 struct TooBig<Ip> {
     ip: Ip,
-    icmp: [u8; 8],
-    quoted_ip: Ip,
-    quoted_l4: [u8; 8],
+    body: Unreachable<Ip>,
 }
 
 // The scratch value's room holds either family's.

@@ -58,12 +58,13 @@ fn reset<F: Family>(ctx: &TcContext, t: &Tuple) -> Result<i32, ()> {
     bounce(ctx, macs)
 }
 
-/// ICMP header + quoted IP header + 8 bytes of the datagram: the body of an ICMP error.
+/// ICMP header + quoted IP header + 8 bytes of the datagram: the body of an ICMP error (a port
+/// unreachable here, `icmp::too_big`'s too).
 #[repr(C)]
-struct Unreachable<Ip> {
-    icmp: [u8; 8],
-    quoted_ip: Ip,
-    quoted_l4: [u8; 8],
+pub(super) struct Unreachable<Ip> {
+    pub(super) icmp: [u8; 8],
+    pub(super) quoted_ip: Ip,
+    pub(super) quoted_l4: [u8; 8],
 }
 
 /// kube-proxy REJECTs UDP and SCTP to a service without endpoints with ICMP port unreachable:
@@ -124,6 +125,6 @@ pub(super) fn bounce(ctx: &TcContext, macs: [u8; 12]) -> Result<i32, ()> {
 
 /// The checksum field value for `bpf_csum_diff`'s 32-bit one's complement sum.
 #[inline(always)]
-fn fold(sum: i64) -> u16 {
+pub(super) fn fold(sum: i64) -> u16 {
     !csum::fold16(sum as u64 & 0xffff_ffff)
 }
