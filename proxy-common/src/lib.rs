@@ -110,18 +110,32 @@ pub mod program_names {
     pub const SOCK_RELEASE: &str = "kpr_sock_release";
     pub const TC_INGRESS: &str = "kpr_tc_ingress";
     pub const TC_EGRESS: &str = "kpr_tc_egress";
+    /// The same for links without Ethernet (`LINK_FLAG_NOT_ETHERNET`).
+    pub const TC_INGRESS_L3: &str = "kpr_tc_ingress_l3";
+    pub const TC_EGRESS_L3: &str = "kpr_tc_egress_l3";
     /// Where the tc programs hand a packet whose flow is not in conntrack (`KPR_TC_SLOW_PATH`).
     pub const TC_INGRESS_SLOW: &str = "kpr_tc_ingress_slow";
     pub const TC_EGRESS_SLOW: &str = "kpr_tc_egress_slow";
+    pub const TC_INGRESS_L3_SLOW: &str = "kpr_tc_ingress_l3_slow";
+    pub const TC_EGRESS_L3_SLOW: &str = "kpr_tc_egress_l3_slow";
     /// The slow programs, indexed by their `KPR_TC_SLOW_PATH` slot ([`super::tc_slow_path`]).
-    pub const TC_SLOW_PATH: [&str; 2] = [TC_INGRESS_SLOW, TC_EGRESS_SLOW];
-    const _: () = assert!(super::tc_slow_path::INGRESS == 0 && super::tc_slow_path::EGRESS == 1);
+    pub const TC_SLOW_PATH: [&str; 4] = [TC_INGRESS_SLOW, TC_EGRESS_SLOW, TC_INGRESS_L3_SLOW, TC_EGRESS_L3_SLOW];
+    const _: () = assert!(
+        super::tc_slow_path::INGRESS == 0
+            && super::tc_slow_path::EGRESS == 1
+            && super::tc_slow_path::INGRESS_L3 == 2
+            && super::tc_slow_path::EGRESS_L3 == 3
+    );
 }
 
 /// Slots of `KPR_TC_SLOW_PATH` (see [`program_names::TC_SLOW_PATH`]).
 pub mod tc_slow_path {
     pub const INGRESS: u32 = 0;
     pub const EGRESS: u32 = 1;
+    pub const INGRESS_L3: u32 = 2;
+    pub const EGRESS_L3: u32 = 3;
+    /// Slots in all.
+    pub const SLOTS: u32 = 4;
 }
 
 /// Words of `KPR_CT_GENERATION`: a flow cache's entry serves only while both are what they
@@ -399,6 +413,11 @@ pub const LINK_FLAG_PEER: u32 = 16;
 /// packet before the kernel's routing would check its source, so the programs check it then.
 pub const LINK_FLAG_RP_FILTER_STRICT: u32 = 32;
 pub const LINK_FLAG_RP_FILTER_LOOSE: u32 = 64;
+/// `LinkInfo::flags`: the link's packets have no Ethernet header (IP-in-IP, SIT, GRE,
+/// WireGuard, TUN: the IP header comes first). Its programs are the `_l3` ones, and a packet
+/// for it is left to the host stack: `bpf_redirect_neigh` sets no route on the packet, and an
+/// IP-in-IP tunnel without a remote (Calico's `tunl0`) drops a packet without one.
+pub const LINK_FLAG_NOT_ETHERNET: u32 = 128;
 
 /// Value of `KPR_LINKS` (key: ifindex; ifindex 0 holds the fallback): what the per-packet path
 /// needs to know about a link.

@@ -1,6 +1,8 @@
 //! What differs between IPv4 and IPv6 on the per-packet path, behind one trait: the per-packet
 //! code (`tc`) is written once, generic over it, and compiled for each family
-//! (constant offsets, no run-time branching on the family past the EtherType).
+//! (constant offsets, no run-time branching on the family past the EtherType). Each family is
+//! also compiled for links without an Ethernet header (`V4<0>`, `V6<0>`: IP-in-IP and other
+//! L3 tunnels), where the IP header is the packet's first byte.
 use aya_ebpf::bindings::bpf_fib_lookup;
 use network_types::{
     eth::EtherType,
@@ -10,7 +12,7 @@ use proxy_common::{Addr, Addr4, FlowAddr, LinkInfo, csum};
 
 use crate::{
     maps::FlowTables,
-    packet::{IP_OFF, read_word, write_word},
+    packet::{ETH_LEN, read_word, write_word},
 };
 
 const AF_INET: u8 = 2;
@@ -27,8 +29,13 @@ pub trait Family {
     const ETH_TYPE: u16;
     /// `bpf_fib_lookup`'s family.
     const AF: u8;
+    /// Where the IP header starts: after the Ethernet header, or first on a link without one.
+    const IP_OFF: usize;
+    /// The packet has an Ethernet header (MAC addresses to write or swap), and its link can
+    /// be sent to straight from tc (`bpf_redirect_neigh`, `bpf_redirect_peer`).
+    const ETHERNET: bool = Self::IP_OFF != 0;
     /// Where the L4 header starts (no options, no extension headers).
-    const L4_OFF: usize = IP_OFF + size_of::<Self::Ip>();
+    const L4_OFF: usize = Self::IP_OFF + size_of::<Self::Ip>();
     /// ICMP's protocol number in this family.
     const ICMP_PROTO: u8;
     /// ICMP "port unreachable": type and code.
@@ -118,14 +125,17 @@ pub fn pseudo_sum<F: Family>(src: &Addr, dst: &Addr, proto: u8, len: u16) -> u64
     F::addr_sum(src) + F::addr_sum(dst) + u64::from(u16::from_be(u16::from(proto))) + u64::from(len.to_be())
 }
 
-pub struct V4;
-pub struct V6;
+/// IPv4, its header at `IP_OFF` (behind Ethernet unless said otherwise).
+pub struct V4<const IP_OFF: usize = ETH_LEN>;
+/// IPv6, the same.
+pub struct V6<const IP_OFF: usize = ETH_LEN>;
 
-impl Family for V4 {
+impl<const IP_OFF: usize> Family for V4<IP_OFF> {
     type Ip = Ipv4Hdr;
     type FlowAddr = Addr4;
     const ETH_TYPE: u16 = EtherType::Ipv4 as u16;
     const AF: u8 = AF_INET;
+    const IP_OFF: usize = IP_OFF;
     const ICMP_PROTO: u8 = 1;
     const PORT_UNREACHABLE: [u8; 2] = [3, 3];
     const ICMP_PSEUDO_HEADER: bool = false;
@@ -252,11 +262,12 @@ impl Family for V4 {
     }
 }
 
-impl Family for V6 {
+impl<const IP_OFF: usize> Family for V6<IP_OFF> {
     type Ip = Ipv6Hdr;
     type FlowAddr = Addr;
     const ETH_TYPE: u16 = EtherType::Ipv6 as u16;
     const AF: u8 = AF_INET6;
+    const IP_OFF: usize = IP_OFF;
     const ICMP_PROTO: u8 = 58;
     const PORT_UNREACHABLE: [u8; 2] = [1, 4];
     const ICMP_PSEUDO_HEADER: bool = true;

@@ -18,7 +18,7 @@ use proxy_common::{
 /// of subprograms within the 512-byte BPF stack. A tail call starts the slow program on a
 /// stack of its own. Filled by the agent before it attaches; pinned, so that it outlives it.
 #[btf_map(name = "KPR_TC_SLOW_PATH", pin_by_name)]
-pub static SLOW_PATH: ProgramArray<2> = ProgramArray::new();
+pub static SLOW_PATH: ProgramArray<{ proxy_common::tc_slow_path::SLOTS as usize }> = ProgramArray::new();
 
 /// ClusterIP:port/proto → the service's range in `KPR_BACKENDS`.
 /// Not preallocated: memory follows the number of services actually programmed.

@@ -1,7 +1,7 @@
-//! Offsets into an Ethernet + IP packet, shared by the tc programs. L4 fields are relative to
-//! the L4 header, which starts at `Family::L4_OFF`.
+//! Offsets into a packet, shared by the tc programs. The IP header starts at `Family::IP_OFF`
+//! (after Ethernet, or first); L4 fields are relative to the L4 header, which starts at
+//! `Family::L4_OFF`.
 pub const ETH_LEN: usize = 14;
-pub const IP_OFF: usize = ETH_LEN;
 
 pub const TCP_CSUM: usize = 16;
 pub const UDP_CSUM: usize = 6;

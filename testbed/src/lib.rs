@@ -4,6 +4,7 @@
 //! `kpr`: the demo (`kpr-demo`), the privileged tests and the benchmarks link it.
 mod agent;
 pub mod demo;
+mod tun;
 
 use std::{
     fs::{self, File},
@@ -22,6 +23,7 @@ use std::{
 
 pub use agent::{AgentCommand, demo_bin, kpr_bin};
 pub use kpr::inspect::http_get;
+pub use tun::{Tun, Wire};
 
 use anyhow::{Context as _, Result, bail};
 

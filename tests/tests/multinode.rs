@@ -759,6 +759,105 @@ fn a_node_port_on_a_vlan_address_is_served() {
     assert_eq!(name, "pod-b");
 }
 
+/// The pods of the other node behind an IP-in-IP tunnel without a remote, as Calico's IPIP
+/// mode sets it up: `tunl0` holds an address of the node's pod block, and the other node's
+/// block is routed `via <its address> dev tunl0 onlink`. A NodePort's packet to pod-b leaves
+/// node-a by the tunnel (masqueraded to tunl0's address, as MASQUERADE picks it), and pod-b's
+/// answer comes back by it, with no Ethernet header. Before: sent straight to the tunnel
+/// (`bpf_redirect_neigh` sets no route, which such a tunnel needs: lost on 6.3+), and the
+/// answer read as if it had an Ethernet header (never translated back: reset).
+#[test]
+fn a_node_port_reaches_a_pod_over_ip_in_ip() {
+    let c = Bridged::new("km-ipip").unwrap();
+    let tunnel = |i: usize| -> Result<()> {
+        let (ns, n) = (&c.nodes[i].netns, i + 1);
+        // The fallback tunnel every namespace gets with the ipip module, or one like it.
+        if ns.ip(&["link", "show", "tunl0"]).is_err() {
+            ns.ip(&["link", "add", "tunl0", "type", "ipip"])?;
+        }
+        ns.ip(&["addr", "add", &format!("10.244.{n}.0/32"), "dev", "tunl0"])?;
+        ns.ip(&["link", "set", "tunl0", "up"])?;
+        let other = 3 - n;
+        ns.ip(&[
+            "route",
+            "replace",
+            &format!("10.244.{other}.0/24"),
+            "via",
+            &format!("10.0.0.{other}"),
+            "dev",
+            "tunl0",
+            "onlink",
+        ])
+    };
+    if let Err(e) = tunnel(0) {
+        assert!(std::env::var_os("KPR_REQUIRE_IPIP").is_none(), "this kernel must have IP-in-IP links: {e:#}");
+        println!("skipped: this kernel has no IP-in-IP links ({e:#}; the VM kernels of `cargo xtask test` run it)");
+        return;
+    }
+    tunnel(1).unwrap();
+    node_port_reaches_pod_b_through(&c, "tunl0", "10.244.1.0");
+}
+
+/// The same with an L3 tunnel of another kind, on any kernel: a TUN device on each node (no
+/// Ethernet header, as WireGuard's), joined by this test, which carries the packets written to
+/// one into the other.
+#[test]
+fn a_node_port_reaches_a_pod_over_a_layer_3_tunnel() {
+    let c = Bridged::new("km-tun").unwrap();
+    let mut ends = Vec::new();
+    for (i, node) in c.nodes.iter().enumerate() {
+        let n = i + 1;
+        ends.push(node.netns.run(|| testbed::Tun::open("tun0")).unwrap().unwrap());
+        node.netns.ip(&["addr", "add", &format!("10.244.{n}.0/32"), "dev", "tun0"]).unwrap();
+        node.netns.ip(&["link", "set", "tun0", "up"]).unwrap();
+        node.netns.ip(&["route", "replace", &format!("10.244.{}.0/24", 3 - n), "dev", "tun0"]).unwrap();
+    }
+    let _wire = testbed::Tun::join(ends.pop().unwrap(), ends.pop().unwrap());
+    node_port_reaches_pod_b_through(&c, "tun0", "10.244.1.0");
+}
+
+/// An external client reaches pod-b through node-a's NodePort, masqueraded to `masquerade`,
+/// in new connections one after another (each a new flow, and its answer back through the
+/// tunnel).
+fn node_port_reaches_pod_b_through(c: &Bridged, tunnel: &str, masquerade: &str) {
+    let pod_b = c.nodes[1].pod_ip;
+    c.write("svc.yaml", &service("Cluster", 30086, &[(pod_b, "node-b")]));
+    c.wait("*:30086/TCP ext", 1);
+    // Both agents cover the tunnel (made after they started), with the programs for packets
+    // without Ethernet.
+    for node in &c.nodes {
+        let deadline = std::time::Instant::now() + testbed::slow(Duration::from_secs(10));
+        loop {
+            let (ok, out) = kpr_status(node, &node.pins);
+            let status: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+            let covered = status["links"].as_array().into_iter().flatten().any(|l| l["name"] == tunnel);
+            if ok && covered {
+                let link = status["links"].as_array().unwrap().iter().find(|l| l["name"] == tunnel).unwrap();
+                assert_eq!(link["ethernet"], false, "{status:#}");
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{}: {tunnel} never covered: {out}; agents' log:\n{}",
+                node.name,
+                std::fs::read_to_string(&c.log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    let node_port = SocketAddrV4::new(c.nodes[0].ip, 30086);
+    for attempt in 0..5 {
+        let answer = c.ext(move || tcp_ask_peer(node_port, TIMEOUT));
+        let (name, seen) = answer.unwrap_or_else(|e| {
+            panic!(
+                "connection {attempt} through the NodePort got no answer: {e}; agents' log:\n{}",
+                std::fs::read_to_string(&c.log).unwrap_or_default()
+            )
+        });
+        assert_eq!((name.as_str(), seen.as_str()), ("pod-b", masquerade));
+    }
+}
+
 #[test]
 fn udp_flows_move_off_a_removed_endpoint() {
     let c = Bridged::new("km-udp").unwrap();

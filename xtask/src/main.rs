@@ -342,7 +342,7 @@ fn test_in_vms(root: &Path, env: &setup::Env, shorts: &[&str], filter: Option<&s
         return Ok((0, 0));
     }
     // The suites run in VMs need no control plane (`vm::SUITES`).
-    // The VM kernels have SCTP and VLAN links (this machine's may not): their end-to-end tests
+    // The VM kernels have SCTP, VLAN and IP-in-IP links (this machine's may not): their end-to-end tests
     // must run there.
     let image = image::build(root, env, "latest")?;
     let vars = [
@@ -351,6 +351,7 @@ fn test_in_vms(root: &Path, env: &setup::Env, shorts: &[&str], filter: Option<&s
         ("KPR_BIN", image::static_binary_path(root, "kpr").display().to_string()),
         ("KPR_REQUIRE_SCTP", "1".to_owned()),
         ("KPR_REQUIRE_VLAN", "1".to_owned()),
+        ("KPR_REQUIRE_IPIP", "1".to_owned()),
         ("KPR_IMAGE", image.display().to_string()),
     ];
     let (mut passed, mut failed, mut errors) = (0, 0, Vec::new());

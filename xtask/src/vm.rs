@@ -130,7 +130,8 @@ pub const SUITES: [Suite; 4] = [
         sample_on_full: false,
         // The per-packet path of each family through real links (redirects, FIB lookups,
         // checksums completed by the device or not), the FORWARD chain it must not skip
-        // (nf_tables), SCTP and VLAN links (modules this machine's kernel lacks).
+        // (nf_tables), SCTP, VLAN and IP-in-IP links (modules this machine's kernel lacks; 6.3+
+        // is where a redirect to an IP-in-IP tunnel without a remote was lost).
         sample: Some(&[
             "node_port_reaches_a_pod_on_another_node_masqueraded",
             "ipv6_node_port_reaches_a_pod_on_another_node_masqueraded",
@@ -138,6 +139,7 @@ pub const SUITES: [Suite; 4] = [
             "node_port_checksums_verify_whoever_completes_them",
             "sctp_services_are_translated_for_pods_and_outside_clients",
             "a_node_port_on_a_vlan_address_is_served",
+            "a_node_port_reaches_a_pod_over_ip_in_ip",
         ]),
     },
 ];
@@ -146,8 +148,8 @@ pub const SUITES: [Suite; 4] = [
 /// topologies use (veth, bridge; clsact and cls_bpf for netlink tc attachments; nf_tables for
 /// a node whose FORWARD chain drops, after crc32c_generic, which libcrc32c needs at init but
 /// names only as a soft dependency; udp_diag for aborting UDP sockets; sctp for SCTP Services;
-/// 8021q for a node address on a VLAN).
-const MODULES: [&str; 12] = [
+/// 8021q for a node address on a VLAN; ipip and tun for pods behind layer-3 tunnels).
+const MODULES: [&str; 14] = [
     "virtio_pci",
     "9pnet_virtio",
     "9p",
@@ -160,6 +162,8 @@ const MODULES: [&str; 12] = [
     "nf_tables",
     "udp_diag",
     "sctp",
+    "ipip",
+    "tun",
 ];
 
 /// `KPR_VM_ACCEL` (`kvm`), else software emulation: this machine's `/dev/kvm` (nested) hangs
@@ -348,6 +352,8 @@ const INIT: &str = r#"#!/bin/busybox sh
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
+# No fallback tunl0 in each network namespace the tests make (the IP-in-IP test makes its own).
+echo 1 > /proc/sys/net/core/fb_tunnels_only_for_init_net
 for m in $(cat /modules.list); do insmod "/modules/$m" || echo "kpr-vm: insmod $m failed"; done
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=262144 hostroot /host || echo "kpr-vm: no shared root"
 script=$(sed -n 's/.*kpr\.script=\([^ ]*\).*/\1/p' /proc/cmdline)

@@ -108,7 +108,7 @@ fn table_flow<'a, F: Family>(
     let syn = tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
     // Replies keep their route from the first answer on (TCP's waits for the client's ACK
     // among the new flows, and moves with the entry when it comes).
-    let mut route = route_hint(ingress && (confirmed || entry.flags & ct::REPLY != 0), &entry.route, now);
+    let mut route = route_hint::<F>(ingress && (confirmed || entry.flags & ct::REPLY != 0), &entry.route, now);
     if expired(t.proto, entry, now) {
         count(counter::TC_CT_EXPIRED);
         forget(key, entry, t.proto);
@@ -139,7 +139,7 @@ fn table_flow<'a, F: Family>(
         confirm(key, entry, seen, now);
         // The answer's route, looked up and kept in its entry, now established, for the
         // flow's next replies.
-        route = route_hint(ingress, &entry.route, now);
+        route = route_hint::<F>(ingress, &entry.route, now);
     } else {
         touch(new_flows, key, entry_ptr, entry, seen, now);
     }

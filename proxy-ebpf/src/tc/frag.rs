@@ -6,7 +6,6 @@ use super::verdict::PASS;
 use crate::{
     family::Family,
     maps::{FRAGMENTS, count},
-    packet::IP_OFF,
 };
 
 /// A later fragment (no ports) of a datagram whose first fragment was translated: the same
@@ -26,11 +25,11 @@ pub(super) fn later_fragment<F: Family>(ctx: &TcContext, ip: &F::Ip) -> Result<i
     let to = unsafe { *to };
     let diff = F::addr_diff(&saddr, &to.src_addr) + F::addr_diff(&daddr, &to.dst_addr);
     let data = ctx.data();
-    if data + IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
+    if data + F::IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
         return Err(());
     }
     // SAFETY: within [data, data_end), checked above.
-    unsafe { F::write_addrs((data + IP_OFF) as *mut u8, &to.src_addr, &to.dst_addr, diff) };
+    unsafe { F::write_addrs((data + F::IP_OFF) as *mut u8, &to.src_addr, &to.dst_addr, diff) };
     count(counter::TC_FRAGMENT_TRANSLATED);
     Ok(TC_ACT_OK)
 }

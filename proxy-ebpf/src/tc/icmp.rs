@@ -13,7 +13,7 @@ use proxy_common::{CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, NODE_ADDR_LOCA
 
 use super::{
     entry::flow_entry,
-    reject::{Unreachable, bounce, fold},
+    reject::{Unreachable, bounce, fold, macs},
     rewrite::ports_word,
     scratch::{IcmpFix, Scratch, scratch},
     verdict::PASS,
@@ -21,7 +21,7 @@ use super::{
 use crate::{
     family::{Family, pseudo_sum},
     maps::{count, node_addr_flags},
-    packet::{ICMP_CSUM, ICMP_QUOTE, IP_OFF, read_word, write_word},
+    packet::{ICMP_CSUM, ICMP_QUOTE, read_word, write_word},
 };
 
 /// An ICMP error (unreachable, too big, time exceeded, parameter problem) about a translated
@@ -63,7 +63,7 @@ pub(super) fn too_big<F: Family>(ctx: &TcContext) -> i32 {
     // The packet's IP header and the 8 bytes after it, as translated.
     // SAFETY: the helper writes `quote_len` bytes within the quote's room.
     let loaded = unsafe {
-        bpf_skb_load_bytes(ctx.as_ptr(), IP_OFF as u32, (&raw mut answer.body.quoted_ip).cast(), quote_len as u32)
+        bpf_skb_load_bytes(ctx.as_ptr(), F::IP_OFF as u32, (&raw mut answer.body.quoted_ip).cast(), quote_len as u32)
     };
     let ip = &answer.body.quoted_ip;
     if loaded != 0 || F::may_fragment(ip) {
@@ -105,16 +105,16 @@ pub(super) fn too_big<F: Family>(ctx: &TcContext) -> i32 {
         unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, answer.body.icmp.as_mut_ptr().cast(), u32::from(len), seed) };
     answer.body.icmp[2..4].copy_from_slice(&fold(sum).to_ne_bytes());
     answer.ip = F::reply_header(&frontend, &client, F::ICMP_PROTO, len);
-    let Ok(macs) = ctx.load::<[u8; 12]>(0) else { return TC_ACT_OK };
+    let Ok(macs) = macs::<F>(ctx) else { return TC_ACT_OK };
     // The packet cut to its headers, then room made after its IP header for the answer's.
     let rewritten = ctx.change_tail((F::L4_OFF + 8) as u32, 0).is_ok()
         && ctx.adjust_room((size_of::<F::Ip>() + 8) as i32, BPF_ADJ_ROOM_NET, 0).is_ok()
-        && ctx.store(IP_OFF, answer, u64::from(BPF_F_RECOMPUTE_CSUM)).is_ok();
+        && ctx.store(F::IP_OFF, answer, u64::from(BPF_F_RECOMPUTE_CSUM)).is_ok();
     if !rewritten {
         return TC_ACT_SHOT;
     }
     count(counter::TC_CT_HIT);
-    bounce(ctx, macs).unwrap_or(TC_ACT_SHOT)
+    bounce::<F>(ctx, macs).unwrap_or(TC_ACT_SHOT)
 }
 
 /// The answer [`too_big`] assembles: IP header, then an ICMP error's body.
@@ -145,7 +145,7 @@ fn icmp_error_flow<F: Family>(ctx: &TcContext, mut s: Scratch) -> Result<bool, (
     // SAFETY: within [data, data_end), checked above; the headers are plain bytes.
     let (outer, icmp_type, inner, ports) = unsafe {
         (
-            &*((data + IP_OFF) as *const F::Ip),
+            &*((data + F::IP_OFF) as *const F::Ip),
             *((data + F::L4_OFF) as *const u8),
             &*((data + inner_off) as *const F::Ip),
             read_word::<[u16; 2]>((data + inner_l4_off) as *const u8),
@@ -213,7 +213,7 @@ fn icmp_error_rewrite<F: Family>(ctx: &TcContext, s: Scratch) -> Result<i32, ()>
     unsafe {
         F::write_addrs((data + inner_off) as *mut u8, &fix.client, &fix.frontend, fix.inner_diff);
         write_word((data + inner_l4_off) as *mut u8, fix.new_ports);
-        F::write_addrs((data + IP_OFF) as *mut u8, &fix.new_src, &fix.client, fix.outer_diff);
+        F::write_addrs((data + F::IP_OFF) as *mut u8, &fix.new_src, &fix.client, fix.outer_diff);
     }
     count(counter::TC_CT_HIT);
     Ok(TC_ACT_OK)

@@ -60,7 +60,7 @@ use self::{
     conntrack::translate_tracked,
     icmp::{icmp_error, too_big},
     nat::{create_flow_subprogram, pick_backend_subprogram},
-    parse::{Tuple, came_through_ingress, eth_type, flow_flags, inspect, vlan_tagged},
+    parse::{Tuple, came_through_ingress, eth_type, flow_flags, inspect, l3_protocol, vlan_tagged},
     reject::{reject_port_unreachable, reject_tcp},
     route::{ROUTE_LOOK_UP, ROUTE_MAY_KEEP, forward_direct, martian_source},
     scratch::scratch,
@@ -78,8 +78,8 @@ pub fn kpr_tc_ingress(ctx: TcContext) -> i32 {
         return PASS;
     }
     match eth_type(&ctx) {
-        Some(t) if t == V4::ETH_TYPE => ingress::<V4>(&ctx),
-        Some(t) if t == V6::ETH_TYPE => ingress::<V6>(&ctx),
+        Some(t) if t == <V4>::ETH_TYPE => ingress::<V4>(&ctx),
+        Some(t) if t == <V6>::ETH_TYPE => ingress::<V6>(&ctx),
         _ => PASS,
     }
 }
@@ -90,8 +90,8 @@ pub fn kpr_tc_egress(ctx: TcContext) -> i32 {
         return PASS;
     }
     match eth_type(&ctx) {
-        Some(t) if t == V4::ETH_TYPE => fast_path::<V4>(&ctx, false),
-        Some(t) if t == V6::ETH_TYPE => fast_path::<V6>(&ctx, false),
+        Some(t) if t == <V4>::ETH_TYPE => fast_path::<V4>(&ctx, false),
+        Some(t) if t == <V6>::ETH_TYPE => fast_path::<V6>(&ctx, false),
         _ => PASS,
     }
 }
@@ -99,8 +99,8 @@ pub fn kpr_tc_egress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn kpr_tc_ingress_slow(ctx: TcContext) -> i32 {
     match eth_type(&ctx) {
-        Some(t) if t == V4::ETH_TYPE => slow_ingress::<V4>(&ctx),
-        Some(t) if t == V6::ETH_TYPE => slow_ingress::<V6>(&ctx),
+        Some(t) if t == <V4>::ETH_TYPE => slow_ingress::<V4>(&ctx),
+        Some(t) if t == <V6>::ETH_TYPE => slow_ingress::<V6>(&ctx),
         _ => PASS,
     }
 }
@@ -108,8 +108,51 @@ pub fn kpr_tc_ingress_slow(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn kpr_tc_egress_slow(ctx: TcContext) -> i32 {
     let verdict = match eth_type(&ctx) {
-        Some(t) if t == V4::ETH_TYPE => slow_path::<V4>(&ctx, false),
-        Some(t) if t == V6::ETH_TYPE => slow_path::<V6>(&ctx, false),
+        Some(t) if t == <V4>::ETH_TYPE => slow_path::<V4>(&ctx, false),
+        Some(t) if t == <V6>::ETH_TYPE => slow_path::<V6>(&ctx, false),
+        _ => Ok(PASS),
+    };
+    verdict.unwrap_or(PASS)
+}
+
+// The same four for links without Ethernet (`LINK_FLAG_NOT_ETHERNET`: IP-in-IP, WireGuard): the
+// IP header first, the family from the packet's protocol. Nothing is sent straight out of them.
+
+#[classifier]
+pub fn kpr_tc_ingress_l3(ctx: TcContext) -> i32 {
+    match l3_protocol(&ctx) {
+        t if t == <V4>::ETH_TYPE => ingress::<V4<0>>(&ctx),
+        t if t == <V6>::ETH_TYPE => ingress::<V6<0>>(&ctx),
+        _ => PASS,
+    }
+}
+
+#[classifier]
+pub fn kpr_tc_egress_l3(ctx: TcContext) -> i32 {
+    if came_through_ingress(&ctx) {
+        return PASS;
+    }
+    match l3_protocol(&ctx) {
+        t if t == <V4>::ETH_TYPE => fast_path::<V4<0>>(&ctx, false),
+        t if t == <V6>::ETH_TYPE => fast_path::<V6<0>>(&ctx, false),
+        _ => PASS,
+    }
+}
+
+#[classifier]
+pub fn kpr_tc_ingress_l3_slow(ctx: TcContext) -> i32 {
+    match l3_protocol(&ctx) {
+        t if t == <V4>::ETH_TYPE => slow_ingress::<V4<0>>(&ctx),
+        t if t == <V6>::ETH_TYPE => slow_ingress::<V6<0>>(&ctx),
+        _ => PASS,
+    }
+}
+
+#[classifier]
+pub fn kpr_tc_egress_l3_slow(ctx: TcContext) -> i32 {
+    let verdict = match l3_protocol(&ctx) {
+        t if t == <V4>::ETH_TYPE => slow_path::<V4<0>>(&ctx, false),
+        t if t == <V6>::ETH_TYPE => slow_path::<V6<0>>(&ctx, false),
         _ => Ok(PASS),
     };
     verdict.unwrap_or(PASS)
@@ -121,15 +164,21 @@ pub fn kpr_tc_egress_slow(ctx: TcContext) -> i32 {
 fn fast_path<F: Family>(ctx: &TcContext, ingress: bool) -> i32 {
     let mut t = MaybeUninit::<Tuple>::uninit();
     match parse_and_track::<F>(ctx, &mut t, ingress) {
-        NO_FLOW | AN_ICMP_ERROR => tail_call_slow_path(ctx, ingress),
+        NO_FLOW | AN_ICMP_ERROR => tail_call_slow_path::<F>(ctx, ingress),
         verdict => verdict,
     }
 }
 
-/// Tail call the slow program; it returns only when its slot is empty.
+/// Tail call the slow program of the framing and direction; it returns only when its slot is
+/// empty.
 #[inline(always)]
-fn tail_call_slow_path(ctx: &TcContext, ingress: bool) -> i32 {
-    let slot = if ingress { tc_slow_path::INGRESS } else { tc_slow_path::EGRESS };
+fn tail_call_slow_path<F: Family>(ctx: &TcContext, ingress: bool) -> i32 {
+    let slot = match (F::ETHERNET, ingress) {
+        (true, true) => tc_slow_path::INGRESS,
+        (true, false) => tc_slow_path::EGRESS,
+        (false, true) => tc_slow_path::INGRESS_L3,
+        (false, false) => tc_slow_path::EGRESS_L3,
+    };
     // SAFETY: the slow programs take the same context and return a tc verdict.
     unsafe { SLOW_PATH.tail_call(ctx, slot) };
     count(counter::TC_SLOW_PATH_MISSING);
@@ -144,7 +193,7 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
         return TC_ACT_SHOT;
     }
     match fast_path::<F>(ctx, true) {
-        TC_ACT_OK if KPR_FORWARD_DIRECT.load() != 0 => send_on::<F>(ctx),
+        TC_ACT_OK if F::ETHERNET && KPR_FORWARD_DIRECT.load() != 0 => send_on::<F>(ctx),
         verdict => verdict,
     }
 }
@@ -153,7 +202,7 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
 #[inline(always)]
 fn slow_ingress<F: Family>(ctx: &TcContext) -> i32 {
     match slow_path::<F>(ctx, true) {
-        Ok(TC_ACT_OK) if KPR_FORWARD_DIRECT.load() != 0 => send_on::<F>(ctx),
+        Ok(TC_ACT_OK) if F::ETHERNET && KPR_FORWARD_DIRECT.load() != 0 => send_on::<F>(ctx),
         Ok(verdict) => verdict,
         Err(()) => PASS,
     }
@@ -191,7 +240,7 @@ fn slow_path<F: Family>(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     Ok(match pick_backend_subprogram::<F>(ctx, &t, tcp_flags, ingress) {
         OPEN => {
             let mut s = scratch()?;
-            s.route = if ingress { ROUTE_MAY_KEEP } else { ROUTE_LOOK_UP };
+            s.route = if ingress && F::ETHERNET { ROUTE_MAY_KEEP } else { ROUTE_LOOK_UP };
             let verdict = create_flow_subprogram::<F>(ctx, &t, tcp_flags);
             // A route kept for a packet not sent on serves no other.
             if verdict != TC_ACT_OK {

@@ -12,9 +12,9 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AFFINITY_BY_ADDR, Addr, Addr4, Backend, CachedRoute, CidrKey, CtKey, CtValue, DETECT_LOCAL_CIDR,
-    DETECT_LOCAL_INTERFACE, IPPROTO_TCP, LINK_FLAG_LOCAL_TRAFFIC, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL,
-    SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
-    ServiceValue, SourceRange, addrs_csum_diff, counter, csum, ct, has_states,
+    DETECT_LOCAL_INTERFACE, IPPROTO_TCP, LINK_FLAG_LOCAL_TRAFFIC, LINK_FLAG_NOT_ETHERNET, NODE_ADDR_LOCAL,
+    NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
+    SERVICE_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SourceRange, addrs_csum_diff, counter, csum, ct, has_states,
 };
 
 use super::{
@@ -36,7 +36,7 @@ use crate::{
         FlowTables, HANDOVER, LINKS, LOCAL_CIDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss, affinity_backend,
         backend_at, count, handed_over, link, node_addr_flags, now, refusal, remember_affinity, service_range_miss,
     },
-    packet::{IP_OFF, TCP_ACK, TCP_SYN},
+    packet::{TCP_ACK, TCP_SYN},
 };
 
 /// Tries at finding a free SNAT port before giving up on a new flow.
@@ -165,13 +165,13 @@ pub(super) fn masquerade_source<F: Family>(ctx: &TcContext, t: &Tuple, backend: 
     if unsafe { (*s).route } == ROUTE_MAY_KEEP {
         if KPR_FORWARD_DIRECT.load() != 0
             && KPR_REDIRECT_NEXT_HOP.load() != 0
-            && data + IP_OFF + size_of::<F::Ip>() <= ctx.data_end()
+            && data + F::IP_OFF + size_of::<F::Ip>() <= ctx.data_end()
         {
             // The tuple's source, not the header's: the header's is a copy (a call on the
             // BPF stack, for an IPv6 address read unaligned from the packet).
             params.l4_protocol = t.proto;
             // SAFETY: within [data, data_end), checked above.
-            F::fib_tos(params, unsafe { &*((data + IP_OFF) as *const F::Ip) });
+            F::fib_tos(params, unsafe { &*((data + F::IP_OFF) as *const F::Ip) });
             F::fib_src(params, &t.saddr);
         } else {
             unsafe { (*s).route = ROUTE_LOOK_UP };
@@ -191,9 +191,14 @@ pub(super) fn masquerade_source<F: Family>(ctx: &TcContext, t: &Tuple, backend: 
     if (rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS)
         || rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH)
         || rc == i64::from(BPF_FIB_LKUP_RET_FRAG_NEEDED))
-        && let Some(addr) = link(params.ifindex).and_then(|l| F::masquerade_addr(&l))
+        && let Some(out) = link(params.ifindex)
+        && let Some(addr) = F::masquerade_addr(&out)
     {
-        if rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) && unsafe { (*s).route } == ROUTE_MAY_KEEP {
+        // A link without Ethernet is the host stack's to send to (`forward_direct`).
+        if rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS)
+            && unsafe { (*s).route } == ROUTE_MAY_KEEP
+            && out.flags & LINK_FLAG_NOT_ETHERNET == 0
+        {
             // `translate` takes it back if the packet does not go on to `forward_direct`.
             unsafe { (*s).route = ROUTE_LOOKED_UP };
         }

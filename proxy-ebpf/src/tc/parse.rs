@@ -12,7 +12,7 @@ use super::{
 use crate::{
     family::{Family, Fragment},
     maps::{LINKS, ServiceRangeMiss, count, in_addr_filter, service_range_miss},
-    packet::{IP_OFF, SCTP_CHUNK_TYPE, TCP_ACK, TCP_FIN, TCP_FLAGS, TCP_RST, TCP_SYN, WordAligned, read_word},
+    packet::{SCTP_CHUNK_TYPE, TCP_ACK, TCP_FIN, TCP_FLAGS, TCP_RST, TCP_SYN, WordAligned, read_word},
 };
 
 /// Did this packet come in by a link where kpr's ingress program ran (`LINK_FLAG_TC_INGRESS`)?
@@ -47,6 +47,14 @@ pub(super) fn eth_type(ctx: &TcContext) -> Option<u16> {
     Some(unsafe { read_word(at as *const u8) })
 }
 
+/// On a link without Ethernet: the packet's protocol (`skb->protocol`, an EtherType in network
+/// byte order, as [`eth_type`] reads it).
+#[inline(always)]
+pub(super) fn l3_protocol(ctx: &TcContext) -> u16 {
+    // SAFETY: a tc program's context is the packet's __sk_buff.
+    unsafe { (*(ctx.as_ptr() as *const __sk_buff)).protocol as u16 }
+}
+
 /// A packet's addresses and ports, as they sit in the packet (network byte order); an IPv4
 /// address mapped.
 #[derive(Clone, Copy)]
@@ -68,21 +76,19 @@ pub struct Tuple {
 /// [`Tuple::first_fragment`] of a packet that is not a datagram's first fragment.
 pub(super) const NOT_A_FIRST_FRAGMENT: u32 = u32::MAX;
 
-/// The Ethernet type, IP header and L4 ports, read in place from the packet (no helper calls,
-/// no copy: a copy would be a load and a store per byte); headers outside the linear area are
-/// pulled in first. Plain bytes (alignment 1): the packet gives no alignment.
+/// The IP header and L4 ports, read in place from the packet (no helper calls, no copy: a
+/// copy would be a load and a store per byte); headers outside the linear area are pulled in
+/// first. Plain bytes (alignment 1): the packet gives no alignment.
 #[repr(C)]
 pub(super) struct Headers<Ip> {
-    pub(super) _macs: [u8; 12],
-    pub(super) _eth_type: [u8; 2],
     pub(super) ip: Ip,
     pub(super) ports: [[u8; 2]; 2],
 }
 
-/// The packet's headers, valid until a helper changes the packet.
+/// The packet's headers (at `F::IP_OFF`), valid until a helper changes the packet.
 #[inline(always)]
 pub(super) fn headers<'a, F: Family>(ctx: &TcContext) -> Option<&'a Headers<F::Ip>> {
-    let len = size_of::<Headers<F::Ip>>();
+    let len = F::IP_OFF + size_of::<Headers<F::Ip>>();
     if ctx.data() + len > ctx.data_end() {
         // Short or non-linear: pull what we need into the linear area (fails if too short).
         ctx.pull_data(len as u32).ok()?;
@@ -91,7 +97,7 @@ pub(super) fn headers<'a, F: Family>(ctx: &TcContext) -> Option<&'a Headers<F::I
         }
     }
     // SAFETY: bounds checked against data_end above; Headers is plain bytes of alignment 1.
-    Some(unsafe { &*(ctx.data() as *const Headers<F::Ip>) })
+    Some(unsafe { &*((ctx.data() + F::IP_OFF) as *const Headers<F::Ip>) })
 }
 
 /// What a packet tells of its flow's state, as TCP flags (SCTP's chunks in their terms).
@@ -111,11 +117,11 @@ pub(super) fn flow_flags<F: Family>(ctx: &TcContext, proto: u8) -> u8 {
 #[inline(always)]
 fn not_ours<F: Family>(ctx: &TcContext) -> bool {
     let data = ctx.data();
-    if data + IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
+    if data + F::IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
         return false;
     }
     // SAFETY: within [data, data_end), checked above; the header is plain bytes.
-    let ip = unsafe { &*((data + IP_OFF) as *const F::Ip) };
+    let ip = unsafe { &*((data + F::IP_OFF) as *const F::Ip) };
     let daddr = F::dst(ip);
     !in_addr_filter(&daddr) && !in_addr_filter(&F::src(ip)) && service_range_miss(daddr) == ServiceRangeMiss::NotInRange
 }
@@ -129,7 +135,7 @@ pub(super) fn inspect<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>
     }
     let Some(h) = headers::<F>(ctx) else {
         // Shorter than Ethernet + IP + ports: only a datagram's last fragment may be.
-        return match ctx.load::<F::Ip>(IP_OFF).map(WordAligned) {
+        return match ctx.load::<F::Ip>(F::IP_OFF).map(WordAligned) {
             Ok(ip) if F::l4_proto(&ip.0).is_some() && F::fragment(&ip.0) == Fragment::Later => {
                 later_fragment::<F>(ctx, &ip.0).unwrap_or(PASS)
             }

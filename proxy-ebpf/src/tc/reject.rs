@@ -1,10 +1,12 @@
 //! kube-proxy REJECTs traffic to a service without endpoints: a TCP SYN is answered with a
 //! reset, a UDP datagram or SCTP packet with ICMP port unreachable (ICMPv6 type 1 code 4 in
 //! IPv6). The packet is rewritten in place into the answer and sent back out of the interface
-//! it came in on; the client sees ECONNREFUSED.
+//! it came in on (on a link without Ethernet, handed to the host stack, which routes it: an
+//! IP-in-IP tunnel without a remote cannot be sent to without a route); the client sees
+//! ECONNREFUSED.
 use aya_ebpf::{
     EbpfContext as _,
-    bindings::{__sk_buff, BPF_F_RECOMPUTE_CSUM, TC_ACT_SHOT, bpf_adj_room_mode::BPF_ADJ_ROOM_NET},
+    bindings::{__sk_buff, BPF_F_RECOMPUTE_CSUM, TC_ACT_OK, TC_ACT_SHOT, bpf_adj_room_mode::BPF_ADJ_ROOM_NET},
     helpers::{bpf_csum_diff, bpf_redirect},
     programs::TcContext,
 };
@@ -13,7 +15,7 @@ use proxy_common::{Addr, IPPROTO_TCP, counter, csum};
 use crate::{
     family::{Family, pseudo_sum},
     maps::count,
-    packet::{IP_OFF, TCP_ACK, TCP_FLAGS, TCP_RST, TCP_SYN},
+    packet::{TCP_ACK, TCP_FLAGS, TCP_RST, TCP_SYN},
 };
 
 use super::parse::Tuple;
@@ -36,7 +38,7 @@ fn reset<F: Family>(ctx: &TcContext, t: &Tuple) -> Result<i32, ()> {
     }
     let seq: [u8; 4] = ctx.load(F::L4_OFF + 4).map_err(drop)?;
     let ack = u32::from_be_bytes(seq).wrapping_add(1).to_be_bytes();
-    let macs: [u8; 12] = ctx.load(0).map_err(drop)?;
+    let macs = macs::<F>(ctx)?;
 
     let mut tcp = [0u8; 20];
     let (sport, dport) = (t.dport.to_ne_bytes(), t.sport.to_ne_bytes());
@@ -53,9 +55,9 @@ fn reset<F: Family>(ctx: &TcContext, t: &Tuple) -> Result<i32, ()> {
     let ip = F::reply_header(&t.daddr, &t.saddr, IPPROTO_TCP, 20);
 
     ctx.change_tail((F::L4_OFF + 20) as u32, 0).map_err(drop)?;
-    ctx.store(IP_OFF, &ip, u64::from(BPF_F_RECOMPUTE_CSUM)).map_err(drop)?;
+    ctx.store(F::IP_OFF, &ip, u64::from(BPF_F_RECOMPUTE_CSUM)).map_err(drop)?;
     ctx.store(F::L4_OFF, &tcp, u64::from(BPF_F_RECOMPUTE_CSUM)).map_err(drop)?;
-    bounce(ctx, macs)
+    bounce::<F>(ctx, macs)
 }
 
 /// ICMP header + quoted IP header + 8 bytes of the datagram: the body of an ICMP error (a port
@@ -79,7 +81,7 @@ fn port_unreachable<F: Family>(ctx: &TcContext, t: &Tuple) -> Result<i32, ()> {
     count(counter::TC_REJECTED);
     let [icmp_type, code] = F::PORT_UNREACHABLE;
     let macs = icmp_about_packet::<F>(ctx, [icmp_type, code, 0, 0, 0, 0, 0, 0], &t.daddr, &t.saddr)?;
-    bounce(ctx, macs)
+    bounce::<F>(ctx, macs)
 }
 
 /// Turn the packet, in place, into an ICMP error about it from `src` to `dst`: the ICMP
@@ -87,9 +89,9 @@ fn port_unreachable<F: Family>(ctx: &TcContext, t: &Tuple) -> Result<i32, ()> {
 /// bytes after it. Returns the packet's MAC addresses, for [`bounce`].
 #[inline(always)]
 fn icmp_about_packet<F: Family>(ctx: &TcContext, icmp: [u8; 8], src: &Addr, dst: &Addr) -> Result<[u8; 12], ()> {
-    let quoted_ip: F::Ip = ctx.load(IP_OFF).map_err(drop)?;
+    let quoted_ip: F::Ip = ctx.load(F::IP_OFF).map_err(drop)?;
     let quoted_l4: [u8; 8] = ctx.load(F::L4_OFF).map_err(drop)?;
-    let macs: [u8; 12] = ctx.load(0).map_err(drop)?;
+    let macs = macs::<F>(ctx)?;
     let mut body = Unreachable { icmp, quoted_ip, quoted_l4 };
     let len = size_of::<Unreachable<F::Ip>>();
     // ICMPv6's checksum covers a pseudo header, ICMP's does not.
@@ -106,15 +108,31 @@ fn icmp_about_packet<F: Family>(ctx: &TcContext, icmp: [u8; 8], src: &Addr, dst:
     let room = size_of::<F::Ip>() + 8;
     ctx.adjust_room(room as i32, BPF_ADJ_ROOM_NET, 0).map_err(drop)?;
     let recompute = u64::from(BPF_F_RECOMPUTE_CSUM);
-    ctx.store(IP_OFF, &ip, recompute).map_err(drop)?;
+    ctx.store(F::IP_OFF, &ip, recompute).map_err(drop)?;
     ctx.store(F::L4_OFF, &body, recompute).map_err(drop)?;
     Ok(macs)
 }
 
-/// Swap the Ethernet addresses (`macs` as read from the packet) and send the packet back out of
-/// the interface it arrived on.
+/// The packet's MAC addresses, for [`bounce`] (none without Ethernet).
 #[inline(always)]
-pub(super) fn bounce(ctx: &TcContext, macs: [u8; 12]) -> Result<i32, ()> {
+pub(super) fn macs<F: Family>(ctx: &TcContext) -> Result<[u8; 12], ()> {
+    if !F::ETHERNET {
+        return Ok([0; 12]);
+    }
+    ctx.load(0).map_err(drop)
+}
+
+/// Swap the Ethernet addresses (`macs` as read from the packet) and send the packet back out of
+/// the interface it arrived on. Without Ethernet, an answer on the way in goes on into the
+/// host stack, which routes it; one on the way out is dropped (the link would carry it on
+/// toward where the packet was going).
+#[inline(always)]
+pub(super) fn bounce<F: Family>(ctx: &TcContext, macs: [u8; 12]) -> Result<i32, ()> {
+    if !F::ETHERNET {
+        // SAFETY: a tc program's context is the packet's __sk_buff.
+        let skb = unsafe { &*ctx.as_ptr().cast::<__sk_buff>() };
+        return Ok(if skb.ingress_ifindex == skb.ifindex { TC_ACT_OK } else { TC_ACT_SHOT });
+    }
     let mut swapped = [0u8; 12];
     swapped[..6].copy_from_slice(&macs[6..]);
     swapped[6..].copy_from_slice(&macs[..6]);

@@ -15,7 +15,7 @@ use crate::{
     family::Family,
     globals::KPR_IP_SUMMED_AT,
     maps::FRAGMENTS,
-    packet::{IP_OFF, SCTP_CSUM, TCP_CSUM, UDP_CSUM, read_word, write_word},
+    packet::{SCTP_CSUM, TCP_CSUM, UDP_CSUM, read_word, write_word},
 };
 
 /// Rewrite addresses and ports to `to`, fixing the IP and L4 checksums incrementally; the
@@ -95,7 +95,7 @@ pub(super) fn rewrite<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Re
     // SAFETY: within [data, data_end), checked above.
     unsafe {
         if addrs_changed {
-            F::write_addrs((data + IP_OFF) as *mut u8, &to.src_addr, &to.dst_addr, u64::from(addr_diff));
+            F::write_addrs((data + F::IP_OFF) as *mut u8, &to.src_addr, &to.dst_addr, u64::from(addr_diff));
         }
         if old_ports != new_ports {
             write_word((data + F::L4_OFF) as *mut u8, new_ports);

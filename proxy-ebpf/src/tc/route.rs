@@ -11,8 +11,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    CachedRoute, LINK_FLAG_ACCEPT_LOCAL_SET, LINK_FLAG_PEER, LINK_FLAG_RP_FILTER_LOOSE, LINK_FLAG_RP_FILTER_STRICT,
-    NODE_ADDR_LOCAL, counter, ct,
+    CachedRoute, LINK_FLAG_ACCEPT_LOCAL_SET, LINK_FLAG_NOT_ETHERNET, LINK_FLAG_PEER, LINK_FLAG_RP_FILTER_LOOSE,
+    LINK_FLAG_RP_FILTER_STRICT, NODE_ADDR_LOCAL, counter, ct,
 };
 
 use super::{
@@ -24,7 +24,7 @@ use crate::{
     family::Family,
     globals::{KPR_FORWARD_DIRECT, KPR_REDIRECT_NEXT_HOP},
     maps::{FlowTables, LINKS, count, host_lets_direct, in_addr_filter, link_flags, node_addr_flags, now},
-    packet::{ETH_LEN, IP_OFF, WordAligned, write_word},
+    packet::{WordAligned, write_word},
 };
 
 /// A packet that arrives with one of the node's own addresses as source, on a link where kpr
@@ -38,11 +38,11 @@ pub(super) fn martian_source<F: Family>(ctx: &TcContext) -> bool {
         return false;
     }
     let data = ctx.data();
-    let src = if data + IP_OFF + size_of::<F::Ip>() <= ctx.data_end() {
+    let src = if data + F::IP_OFF + size_of::<F::Ip>() <= ctx.data_end() {
         // SAFETY: within [data, data_end), checked above; the header is plain bytes.
-        F::src(unsafe { &*((data + IP_OFF) as *const F::Ip) })
+        F::src(unsafe { &*((data + F::IP_OFF) as *const F::Ip) })
     } else {
-        match ctx.load::<F::Ip>(IP_OFF).map(WordAligned) {
+        match ctx.load::<F::Ip>(F::IP_OFF).map(WordAligned) {
             Ok(ip) => F::src(&ip.0),
             Err(_) => return false,
         }
@@ -62,17 +62,17 @@ pub(super) fn martian_source<F: Family>(ctx: &TcContext) -> bool {
 #[inline(always)]
 pub(super) fn redirect_by<F: Family>(ctx: &TcContext, cached: &CachedRoute, mut s: Scratch) -> Option<i32> {
     let data = ctx.data();
-    if data + IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
+    if data + F::IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
         return None;
     }
     // SAFETY: within [data, data_end), checked above.
-    let ip = unsafe { &*((data + IP_OFF) as *const F::Ip) };
-    if F::hops(ip) <= 1 || !fits_link(ctx, cached.mtu) {
+    let ip = unsafe { &*((data + F::IP_OFF) as *const F::Ip) };
+    if F::hops(ip) <= 1 || !fits_link::<F>(ctx, cached.mtu) {
         return None;
     }
     // SAFETY: within [data, data_end), checked above; the scratch value.
     unsafe {
-        F::decrement_hops((data + IP_OFF) as *mut u8);
+        F::decrement_hops((data + F::IP_OFF) as *mut u8);
         if cached.peer != 0 {
             write_macs(data as *mut u8, &cached.next_hop);
             let verdict = bpf_redirect_peer(cached.ifindex, 0) as i32;
@@ -96,8 +96,8 @@ pub(super) fn redirect_by<F: Family>(ctx: &TcContext, cached: &CachedRoute, mut 
 /// out: by the route its entry keeps if that was looked up in this period, else looked up and
 /// kept (6.3+: the kept next hop needs `BPF_FIB_LOOKUP_SKIP_NEIGH`'s answer).
 #[inline(always)]
-pub(super) fn route_hint(cacheable: bool, kept: &CachedRoute, now: u64) -> u32 {
-    if !cacheable || KPR_FORWARD_DIRECT.load() == 0 || KPR_REDIRECT_NEXT_HOP.load() == 0 {
+pub(super) fn route_hint<F: Family>(cacheable: bool, kept: &CachedRoute, now: u64) -> u32 {
+    if !F::ETHERNET || !cacheable || KPR_FORWARD_DIRECT.load() == 0 || KPR_REDIRECT_NEXT_HOP.load() == 0 {
         ROUTE_LOOK_UP
     } else if kept.ifindex != 0 && kept.period == route_period(now) {
         ROUTE_CACHED
@@ -192,7 +192,8 @@ pub(super) fn zero_fib(params: *mut bpf_fib_lookup) {
 /// (`bpf_fib_lookup`, then `bpf_redirect_neigh`, which fills in the MAC addresses), as Cilium
 /// does: the host's forwarding path (netfilter's FORWARD policy, INVALID-state drops) never
 /// sees it. What the route does not settle that way (a local destination, no route, forwarding
-/// off, too big for the link, a TTL or hop limit running out) goes on into the host stack,
+/// off, a link without Ethernet such as an IP-in-IP tunnel, too big for the link, a TTL or hop
+/// limit running out) goes on into the host stack,
 /// which handles it as it would have without kpr; but a packet too big for its link is
 /// `TOO_BIG`, for `icmp::too_big` (which answers it if it was masqueraded).
 ///
@@ -211,12 +212,12 @@ pub(super) fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
         return TC_ACT_OK;
     }
     let data = ctx.data();
-    if data + IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
+    if data + F::IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
         return TC_ACT_OK;
     }
     // SAFETY: within [data, data_end), checked above; read in place (a copy would be a load
     // and a store per byte).
-    let ip = unsafe { &*((data + IP_OFF) as *const F::Ip) };
+    let ip = unsafe { &*((data + F::IP_OFF) as *const F::Ip) };
     if F::hops(ip) <= 1 {
         return TC_ACT_OK; // the stack answers with "time exceeded"
     }
@@ -243,12 +244,16 @@ pub(super) fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
         if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) && rc != i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
             return TC_ACT_OK;
         }
+        let out = link_flags(params.ifindex);
+        if out & LINK_FLAG_NOT_ETHERNET != 0 {
+            return TC_ACT_OK;
+        }
         if rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
             // SAFETY: the per-CPU scratch value.
-            unsafe { (*s).fib_peer = u32::from(peer_route::<F>(ctx, params)) };
+            unsafe { (*s).fib_peer = u32::from(peer_route::<F>(ctx, params, out)) };
             keep_route::<F::FlowAddr>(s, route, next_hop, params);
         }
-    } else if peer_route::<F>(ctx, params) {
+    } else if peer_route::<F>(ctx, params, link_flags(params.ifindex)) {
         // The masquerade lookup's answer, which `create_flow` kept in the new flow's entry as
         // a next hop (here, off the chains of calls through the masquerade lookup): a peer
         // link's MAC addresses take its place.
@@ -259,11 +264,11 @@ pub(super) fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     // Forwarding takes one off the TTL; the lookup did not move the packet, but the bounds are
     // checked again for the verifier.
     let data = ctx.data();
-    if data + IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
+    if data + F::IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
         return TC_ACT_OK;
     }
     // SAFETY: within [data, data_end), checked above.
-    unsafe { F::decrement_hops((data + IP_OFF) as *mut u8) };
+    unsafe { F::decrement_hops((data + F::IP_OFF) as *mut u8) };
     count(counter::TC_FORWARDED_DIRECT);
     // SAFETY: the per-CPU scratch value.
     if unsafe { (*s).fib_peer } != 0 {
@@ -296,10 +301,10 @@ pub(super) fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
 /// Would the kernel forward this packet to a link of MTU `mtu` (`is_skb_forwardable`)? GSO
 /// packets are cut to size later.
 #[inline(always)]
-fn fits_link(ctx: &TcContext, mtu: u16) -> bool {
+fn fits_link<F: Family>(ctx: &TcContext, mtu: u16) -> bool {
     // SAFETY: a tc program's context is the packet's __sk_buff.
     let skb = unsafe { &*(ctx.as_ptr() as *const __sk_buff) };
-    skb.gso_size != 0 || skb.len <= u32::from(mtu) + ETH_LEN as u32
+    skb.gso_size != 0 || skb.len <= u32::from(mtu) + F::IP_OFF as u32
 }
 
 /// Keep a successful route lookup (with the link's MTU, which the kernel reports from 5.12 on)
@@ -381,16 +386,17 @@ unsafe fn write_macs(eth: *mut u8, macs: &[u32; 4]) {
     }
 }
 
-/// After a successful route lookup (`params`, the scratch area's): does its link hand packets
-/// to a pod's end of a veth pair (`LINK_FLAG_PEER`)? Then the packet goes to that end at once
+/// After a successful route lookup (`params`, the scratch area's): does its link (whose
+/// `KPR_LINKS` flags are `out_flags`) hand packets to a pod's end of a veth pair
+/// (`LINK_FLAG_PEER`)? Then the packet goes to that end at once
 /// (`bpf_redirect_peer`) with the MAC addresses a transmission would give it: the next hop's
 /// and the link's, in `params` when this says yes. A 6.3+ lookup skips the neighbour (for the
 /// next hop of `bpf_redirect_neigh`): looked up again without skipping it. No (the neighbour
 /// is not resolved yet, or the route is not the same): the link's neighbour path, as for any
 /// link.
 #[inline(always)]
-pub(super) fn peer_route<F: Family>(ctx: &TcContext, params: &mut bpf_fib_lookup) -> bool {
-    if params.family != F::AF || link_flags(params.ifindex) & LINK_FLAG_PEER == 0 {
+pub(super) fn peer_route<F: Family>(ctx: &TcContext, params: &mut bpf_fib_lookup, out_flags: u32) -> bool {
+    if params.family != F::AF || out_flags & LINK_FLAG_PEER == 0 {
         return false;
     }
     if KPR_REDIRECT_NEXT_HOP.load() == 0 {

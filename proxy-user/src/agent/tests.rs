@@ -74,6 +74,7 @@ fn health_check_ports_listen_on_the_node_port_addresses() {
         addrs,
         v4_unselectable: vec![],
         peer_elsewhere: false,
+        ethernet: true,
         rp_filter: 0,
     };
     syncer.host_links = vec![eth0];
@@ -138,6 +139,7 @@ fn link(index: u32, name: &str) -> HostLink {
         addrs: vec![format!("192.0.2.{index}").parse().unwrap()],
         v4_unselectable: vec![],
         peer_elsewhere: false,
+        ethernet: true,
         rp_filter: 0,
     }
 }

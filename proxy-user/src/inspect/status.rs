@@ -57,6 +57,9 @@ pub struct LinkView {
     pub attach: &'static str,
     /// kpr turned `accept_local` on (masquerade to the node's own address needs it).
     pub accept_local_set: bool,
+    /// Its packets have an Ethernet header (not an IP-in-IP or other L3 tunnel's): the
+    /// programs for its framing run there.
+    pub ethernet: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -126,6 +129,7 @@ fn links(pin_root: &Path) -> Result<Vec<LinkView>> {
             ifindex,
             attach: if info.flags & proxy_common::LINK_FLAG_NETLINK_TC != 0 { "netlink" } else { "tcx" },
             accept_local_set: info.flags & proxy_common::LINK_FLAG_ACCEPT_LOCAL_SET != 0,
+            ethernet: info.flags & proxy_common::LINK_FLAG_NOT_ETHERNET == 0,
         })
         .collect();
     links.sort_by_key(|l| l.ifindex);
@@ -178,7 +182,10 @@ pub fn text(r: &StatusReport) -> String {
     let links: Vec<String> = r
         .links
         .iter()
-        .map(|l| format!("{} ({}{})", l.name, l.attach, if l.accept_local_set { ", accept_local" } else { "" }))
+        .map(|l| {
+            let framing = if l.ethernet { "" } else { ", no Ethernet" };
+            format!("{} ({}{framing}{})", l.name, l.attach, if l.accept_local_set { ", accept_local" } else { "" })
+        })
         .collect();
     let _ = writeln!(out, "links:      {}", if links.is_empty() { "none".to_owned() } else { links.join(", ") });
     let _ = writeln!(out, "maps:");

@@ -9,8 +9,8 @@ use std::{
 
 use k8s_openapi::api::core::v1::Node;
 use proxy_common::{
-    Addr, LINK_FLAG_LOCAL_TRAFFIC, LINK_FLAG_PEER, LINK_FLAG_RP_FILTER_LOOSE, LINK_FLAG_RP_FILTER_STRICT, LinkInfo,
-    NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT,
+    Addr, LINK_FLAG_LOCAL_TRAFFIC, LINK_FLAG_NOT_ETHERNET, LINK_FLAG_PEER, LINK_FLAG_RP_FILTER_LOOSE,
+    LINK_FLAG_RP_FILTER_STRICT, LinkInfo, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT,
 };
 
 use super::{IpFamily, NodeInfo, cidr::Cidr};
@@ -32,6 +32,8 @@ pub struct HostLink {
     pub v4_unselectable: Vec<std::net::Ipv4Addr>,
     /// One end of a veth pair whose other end is in another network namespace.
     pub peer_elsewhere: bool,
+    /// Its packets carry an Ethernet header (not an IP-in-IP or other L3 tunnel's).
+    pub ethernet: bool,
     /// IPv4 `rp_filter` in effect on the link (the larger of `all`'s and its own): 0 off,
     /// 1 strict, 2 loose.
     pub rp_filter: u8,
@@ -304,6 +306,7 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
         let addr6 = masquerade_v6(&mut link.addrs.iter()).map(Addr::from).unwrap_or_default();
         let flags = if local_traffic_link(&link.name) { LINK_FLAG_LOCAL_TRAFFIC } else { 0 }
             | if link.peer_elsewhere { LINK_FLAG_PEER } else { 0 }
+            | if link.ethernet { 0 } else { LINK_FLAG_NOT_ETHERNET }
             | match link.rp_filter {
                 1 => LINK_FLAG_RP_FILTER_STRICT,
                 2 => LINK_FLAG_RP_FILTER_LOOSE,
@@ -366,6 +369,7 @@ mod tests {
                 .filter(|a| a.is_link_local() || a.is_loopback())
                 .collect(),
             peer_elsewhere: name.starts_with("veth"),
+            ethernet: !name.starts_with("tunl"),
             rp_filter: 0,
         }
     }
@@ -563,6 +567,14 @@ mod tests {
         let p = plan(&links, Some(&node), &settings);
         assert_eq!(p.links[&links[1].index].flags & LINK_FLAG_RP_FILTER_STRICT, LINK_FLAG_RP_FILTER_STRICT);
         assert_eq!(p.links[&links[2].index].flags & LINK_FLAG_RP_FILTER_LOOSE, LINK_FLAG_RP_FILTER_LOOSE);
+        // An IP-in-IP tunnel (Calico's tunl0, with an address of the node's pod block): covered,
+        // by the programs for packets without Ethernet, and its address is its masquerade source.
+        links.push(link(9, "tunl0", &["10.244.0.0"]));
+        let p = plan(&links, Some(&node), &settings);
+        assert!(p.tc_links.contains_key(&9));
+        assert_eq!(p.links[&9].flags, LINK_FLAG_NOT_ETHERNET);
+        assert_eq!(p.links[&9].addr, u32::from(Ipv4Addr::new(10, 244, 0, 0)).to_be());
+        assert!(p.links.values().filter(|l| l.flags & LINK_FLAG_NOT_ETHERNET != 0).count() == 1);
 
         let settings = NodeSettings {
             tc_links: TcLinks::Only(vec!["eth1".into()]),

@@ -3,7 +3,7 @@
 //! change, so links created later (pods come and go) and addresses added at runtime are
 //! followed without a restart.
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeMap,
     ffi::CStr,
     net::IpAddr,
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
@@ -21,15 +21,21 @@ use crate::{
 
 /// Every link of this network namespace with its addresses, by index.
 pub fn snapshot() -> Result<Vec<HostLink>> {
-    let paired = links_with_peer_elsewhere();
     let unselectable = v4_unselectable();
     let rp_filter_all = rp_filter("all");
+    let mut by_name: BTreeMap<String, HostLink> = BTreeMap::new();
+    for mut link in links()? {
+        link.v4_unselectable = unselectable.get(&link.index).cloned().unwrap_or_default();
+        link.rp_filter = rp_filter_all.max(rp_filter(&link.name));
+        by_name.insert(link.name.clone(), link);
+    }
+    // The addresses, from getifaddrs (which lists a link itself only if it has a hardware
+    // address: not a TUN or WireGuard link, hence the dump above).
     let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills a list we free with freeifaddrs; entries are read-only here.
     if unsafe { libc::getifaddrs(&mut list) } != 0 {
         return Err(std::io::Error::last_os_error()).context("getifaddrs");
     }
-    let mut by_name: BTreeMap<String, HostLink> = BTreeMap::new();
     let mut addrs: Vec<(String, IpAddr)> = Vec::new();
     let mut cur = list;
     while !cur.is_null() {
@@ -40,25 +46,7 @@ pub fn snapshot() -> Result<Vec<HostLink>> {
             continue;
         }
         let name = unsafe { CStr::from_ptr(ifa.ifa_name) }.to_string_lossy().into_owned();
-        let family = i32::from(unsafe { (*ifa.ifa_addr).sa_family });
-        match family {
-            libc::AF_PACKET => {
-                let ll = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_ll) };
-                let loopback = ifa.ifa_flags & libc::IFF_LOOPBACK as u32 != 0;
-                let index = ll.sll_ifindex as u32;
-                let peer_elsewhere = paired.contains(&index);
-                let v4_unselectable = unselectable.get(&index).cloned().unwrap_or_default();
-                let link = HostLink {
-                    index,
-                    name: name.clone(),
-                    loopback,
-                    addrs: Vec::new(),
-                    v4_unselectable,
-                    peer_elsewhere,
-                    rp_filter: rp_filter_all.max(rp_filter(&name)),
-                };
-                by_name.insert(name, link);
-            }
+        match i32::from(unsafe { (*ifa.ifa_addr).sa_family }) {
             libc::AF_INET => {
                 let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
                 addrs.push((name, IpAddr::from(u32::from_be(sin.sin_addr.s_addr).to_be_bytes())));
@@ -85,30 +73,41 @@ pub fn snapshot() -> Result<Vec<HostLink>> {
     Ok(links)
 }
 
-/// The links that are one end of a veth pair whose other end is in another
-/// network namespace (`IFLA_LINK_NETNSID`: a pod's). None if the dump fails: every link is
-/// then sent to through its neighbour, as any other.
-fn links_with_peer_elsewhere() -> BTreeSet<u32> {
+/// Every link (RTM_GETLINK), without its addresses: its index, name, and what its kind tells
+/// the per-packet path: loopback; one end of a veth pair whose other end is in another network
+/// namespace (`IFLA_LINK_NETNSID`: a pod's); an Ethernet header on its packets or not (its
+/// hardware type: IP-in-IP, SIT, GRE, WireGuard, TUN and netkit in L3 mode have none).
+fn links() -> Result<Vec<HostLink>> {
+    const ARPHRD_ETHER: u16 = 1;
+    const ARPHRD_LOOPBACK: u16 = 772;
     // An ifinfomsg of zeros: every link of every family.
     let request = netlink::message(libc::RTM_GETLINK, libc::NLM_F_DUMP as u16, &[0; 16]);
-    let links = match netlink::dump(libc::NETLINK_ROUTE, &request) {
-        Ok(links) => links,
-        Err(e) => {
-            tracing::warn!("listing the links' kinds: {e}");
-            return BTreeSet::new();
-        }
-    };
-    links
-        .iter()
-        .filter_map(|link| {
-            let index = u32::from_ne_bytes(link.get(4..8)?.try_into().ok()?);
-            let attrs = link.get(16..)?;
-            let kind = netlink::find(netlink::find(attrs, libc::IFLA_LINKINFO)?, libc::IFLA_INFO_KIND)?;
-            // Not netkit: in its L3 mode a packet has no MAC addresses to write.
-            let paired = kind.strip_suffix(b"\0").unwrap_or(kind) == b"veth";
-            (paired && netlink::find(attrs, libc::IFLA_LINK_NETNSID).is_some()).then_some(index)
-        })
-        .collect()
+    let dump = netlink::dump(libc::NETLINK_ROUTE, &request).context("listing the links (RTM_GETLINK)")?;
+    let mut links = Vec::new();
+    for link in &dump {
+        // struct ifinfomsg: family, pad, type (u16), index (i32), flags (u32), change; then
+        // the attributes.
+        let (Some(head), Some(attrs)) = (link.get(..16), link.get(16..)) else { continue };
+        let hardware = u16::from_ne_bytes([head[2], head[3]]);
+        let index = u32::from_ne_bytes([head[4], head[5], head[6], head[7]]);
+        let flags = u32::from_ne_bytes([head[8], head[9], head[10], head[11]]);
+        let Some(name) = netlink::find(attrs, libc::IFLA_IFNAME) else { continue };
+        let name = String::from_utf8_lossy(name.strip_suffix(b"\0").unwrap_or(name)).into_owned();
+        let kind = netlink::find(attrs, libc::IFLA_LINKINFO).and_then(|info| netlink::find(info, libc::IFLA_INFO_KIND));
+        // Not netkit: in its L3 mode a packet has no MAC addresses to write.
+        let veth = kind.is_some_and(|k| k.strip_suffix(b"\0").unwrap_or(k) == b"veth");
+        links.push(HostLink {
+            index,
+            name,
+            loopback: flags & libc::IFF_LOOPBACK as u32 != 0,
+            addrs: Vec::new(),
+            v4_unselectable: Vec::new(),
+            peer_elsewhere: veth && netlink::find(attrs, libc::IFLA_LINK_NETNSID).is_some(),
+            ethernet: hardware == ARPHRD_ETHER || hardware == ARPHRD_LOOPBACK,
+            rp_filter: 0,
+        });
+    }
+    Ok(links)
 }
 
 /// Per link, the IPv4 addresses the kernel's source selection passes over for a global

@@ -56,7 +56,18 @@ pub fn read_links(pin_root: &Path) -> Result<Vec<(u32, LinkInfo)>> {
     Ok(map.iter().filter_map(Result::ok).collect())
 }
 
+/// The attached tc programs, ingress then egress; also the names of their pinned TCX links.
 pub(super) const TC_PROGRAMS: [&str; 2] = [program_names::TC_INGRESS, program_names::TC_EGRESS];
+
+/// The same on links without Ethernet (`LINK_FLAG_NOT_ETHERNET`); their links are pinned
+/// under `TC_PROGRAMS`' names, so that a restart swaps whichever program is attached.
+pub(super) const TC_PROGRAMS_L3: [&str; 2] = [program_names::TC_INGRESS_L3, program_names::TC_EGRESS_L3];
+
+/// The programs for a link with these `KPR_LINKS` flags, paired with their hooks.
+fn programs_for(flags: u32) -> [(&'static str, &'static str, TcAttachType); 2] {
+    let programs = if flags & proxy_common::LINK_FLAG_NOT_ETHERNET != 0 { TC_PROGRAMS_L3 } else { TC_PROGRAMS };
+    [(programs[0], TC_PROGRAMS[0], TcAttachType::Ingress), (programs[1], TC_PROGRAMS[1], TcAttachType::Egress)]
+}
 
 /// Links whose `KPR_LINKS` entry carries `flag`.
 pub(super) fn links_flagged<T: std::borrow::Borrow<MapData>>(
@@ -238,11 +249,11 @@ impl BpfHost {
 
     /// Attach (or, after a restart, swap into the pinned links) both tc programs on a link,
     /// then let it accept local sources.
-    fn attach_link(&mut self, ifindex: u32, name: &str) -> Result<()> {
+    fn attach_link(&mut self, ifindex: u32, name: &str, flags: u32) -> Result<()> {
         if self.tc_netlink {
-            self.attach_netlink(ifindex, name)?;
+            self.attach_netlink(ifindex, name, flags)?;
         } else {
-            self.attach_tcx(ifindex, name)?;
+            self.attach_tcx(ifindex, name, flags)?;
         }
         self.accept_local(ifindex, name);
         Ok(())
@@ -275,10 +286,9 @@ impl BpfHost {
     }
 
     /// Both tc programs as TCX links, pinned; after a restart, swapped into the pinned links.
-    fn attach_tcx(&mut self, ifindex: u32, name: &str) -> Result<()> {
-        for (program, attach_type) in [(TC_PROGRAMS[0], TcAttachType::Ingress), (TC_PROGRAMS[1], TcAttachType::Egress)]
-        {
-            let link_path = self.tc_pin(program, ifindex);
+    fn attach_tcx(&mut self, ifindex: u32, name: &str, flags: u32) -> Result<()> {
+        for (program, pin, attach_type) in programs_for(flags) {
+            let link_path = self.tc_pin(pin, ifindex);
             let prog: &mut SchedClassifier = self.ebpf.program_mut(program).context("tc program")?.try_into()?;
             if link_path.exists() {
                 let link: FdLink = PinnedLink::from_pin(&link_path)
@@ -303,10 +313,9 @@ impl BpfHost {
     /// Kernels without TCX: netlink tc filters at kpr's own priority and handle, replaced in
     /// place when they exist (a restart), and left attached when the agent exits (like a
     /// pinned link): `kpr cleanup` or leaving the link removes them.
-    fn attach_netlink(&mut self, ifindex: u32, name: &str) -> Result<()> {
+    fn attach_netlink(&mut self, ifindex: u32, name: &str, flags: u32) -> Result<()> {
         let _ = aya::programs::tc::qdisc_add_clsact(NetworkInterface::Index(ifindex));
-        for (program, attach_type) in [(TC_PROGRAMS[0], TcAttachType::Ingress), (TC_PROGRAMS[1], TcAttachType::Egress)]
-        {
+        for (program, _, attach_type) in programs_for(flags) {
             let prog: &mut SchedClassifier = self.ebpf.program_mut(program).context("tc program")?.try_into()?;
             let existing = netlink_filter(ifindex, attach_type)?;
             let id = match prog.attach_to_link(existing) {
@@ -426,7 +435,8 @@ impl HostDatapath for BpfHost {
             if self.attached.contains_key(ifindex) {
                 continue;
             }
-            match self.attach_link(*ifindex, name) {
+            let flags = plan.links.get(ifindex).map_or(0, |l| l.flags);
+            match self.attach_link(*ifindex, name, flags) {
                 Ok(()) => {
                     tracing::info!(interface = %name, ifindex, "per-packet programs attached");
                     self.attached.insert(*ifindex, name.clone());

@@ -12,7 +12,7 @@ use aya::{
 use proxy_common::{CtTimeouts, defaults, map_names, program_names};
 
 use super::cgroup::netns_cookie;
-use super::host::{TC_PROGRAMS, set_host_forward_direct};
+use super::host::{TC_PROGRAMS, TC_PROGRAMS_L3, set_host_forward_direct};
 use super::pins::{carry_over_maps, check_owner, pin_dir};
 
 /// The eBPF object built from `proxy-ebpf` by build.rs.
@@ -345,7 +345,7 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
 /// their `KPR_TC_SLOW_PATH` slots (pinned: they stay there when the agent is gone). Before
 /// any map is taken out of the object (that would break the programs' relocation).
 pub fn load_tc_programs(ebpf: &mut Ebpf) -> Result<()> {
-    for name in TC_PROGRAMS.into_iter().chain(program_names::TC_SLOW_PATH) {
+    for name in TC_PROGRAMS.into_iter().chain(TC_PROGRAMS_L3).chain(program_names::TC_SLOW_PATH) {
         let prog: &mut SchedClassifier = ebpf
             .program_mut(name)
             .with_context(|| format!("program `{name}` missing from the eBPF object"))?
