@@ -11,7 +11,7 @@
 #![no_std]
 
 /// Version of the pinned map layout; part of the bpffs pin directory (`<pin-root>/v<N>`).
-pub const PIN_LAYOUT_VERSION: u32 = 13;
+pub const PIN_LAYOUT_VERSION: u32 = 14;
 
 /// The pinned maps an agent takes over from an older layout's directory (an upgrade), each
 /// with the oldest layout version whose map of that name reads as this one's: raise it when a
@@ -28,9 +28,11 @@ pub const CARRIED_MAPS: [(&str, u32); 23] = {
         (SOCK_REVNAT, 12),
         (SOCK_PICKS, 12),
         (FRAGMENTS, 12),
-        (CONNTRACK4, 12),
+        // v14 made the established tables plain hashes (no eviction): an older layout's
+        // entries are copied into them (`copy_older_conntrack`).
+        (CONNTRACK4, 14),
         (CT_NEW4, 12),
-        (CONNTRACK6, 12),
+        (CONNTRACK6, 14),
         (CT_NEW6, 12),
         (NODE_ADDRS, 12),
         (SOURCE_RANGES, 12),
@@ -41,10 +43,11 @@ pub const CARRIED_MAPS: [(&str, u32); 23] = {
         (AFFINITY, 12),
         (HANDOVER, 12),
         (HANDOVER_COUNT, 12),
-        (HOST_STATE, 12),
+        // v14 gave it a second word.
+        (HOST_STATE, 14),
         (ADDR_FILTER, 12),
-        // v13 added a counter and the flow caches' generation.
-        (COUNTERS, 13),
+        // v13 added a counter and the flow caches' generation, v14 a counter.
+        (COUNTERS, 14),
         (CT_GENERATION, 13),
         // Added within v13: an older v13 directory has none, and the first sync fills it.
         (NODE_SOURCES, 13),
@@ -371,6 +374,21 @@ pub const DETECT_LOCAL_INTERFACE: u8 = 2;
 /// through the host's forwarding path, where a NetworkPolicy in the FORWARD chain holds for
 /// it as for kube-proxy's traffic.
 pub const HOST_FORWARD_DIRECT_OK: u32 = 1;
+
+/// `KPR_HOST_STATE` words: the forward hook's (`HOST_FORWARD_DIRECT_OK`), and the upgrade's
+/// (`HOST_RETIRING_OLDER_LAYOUT`).
+pub mod host_state {
+    pub const FORWARD: u32 = 0;
+    pub const UPGRADE: u32 = 1;
+    pub const WORDS: u32 = 2;
+}
+
+/// `KPR_HOST_STATE` word `UPGRADE`: an older layout's programs are being detached, and the
+/// flows they established last are being copied into this layout's tables (milliseconds).
+/// Meanwhile a TCP segment (not a SYN or RST) that finds no flow, from an address that may be
+/// a backend's, may be one of theirs still to be copied: dropped (it is sent again), where
+/// passed on untranslated it would be reset.
+pub const HOST_RETIRING_OLDER_LAYOUT: u32 = 1;
 
 /// `KPR_LINKS` key holding, as `addr`, the source address routing picks for the ClusterIPs:
 /// the node's own unmasqueraded connections to a ClusterIP keep it (kube-proxy DNATs in OUTPUT,
@@ -1034,8 +1052,11 @@ pub mod counter {
     /// tc: a packet sent straight out went to a pod's end of a veth pair at once
     /// (`LINK_FLAG_PEER`, `bpf_redirect_peer`); also counted in `tc_forwarded_direct`.
     pub const TC_REDIRECTED_PEER: u32 = 23;
+    /// tc: a flow got its answer while the established table was full: it stays among the
+    /// new flows (where other new flows may evict it), established there.
+    pub const TC_CT_ESTABLISHED_FULL: u32 = 24;
     /// Number of counters.
-    pub const COUNT: u32 = 24;
+    pub const COUNT: u32 = 25;
     /// Names for display, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -1062,6 +1083,7 @@ pub mod counter {
         "tc_slow_path_missing",
         "tc_flow_cache_filled",
         "tc_redirected_peer",
+        "tc_ct_established_full",
     ];
 }
 

@@ -24,10 +24,8 @@
 //! busy node has pushed out of the CPU's caches long since: on the NodePort bench that miss
 //! was the attached program's costliest instruction.
 //!
-//! What the cache cannot see: the kernel evicting an entry from a full table (LRU). Its cached
-//! copy serves until its refresh is due (at most a second); the next packet then re-creates the
-//! flow as it does today after an eviction. A refresh is also the only lookup that marks a
-//! cached flow as recently used in the LRU's eyes.
+//! Only established flows are cached, and their table evicts nothing: every removal is a
+//! program's or the agent's, which move the generation on.
 use proxy_common::{CtKey, CtValue, ct_generation};
 
 use crate::maps::{CT_GENERATION, FLOW_CACHE_SLOTS as SLOTS, FlowTables, Generation};

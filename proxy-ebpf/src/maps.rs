@@ -53,33 +53,63 @@ pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray
 /// A family's per-CPU flow cache.
 pub type FlowCache<A> = PerCpuArray<CachedFlow<A>, { defaults::FLOW_CACHE_SLOTS as usize }>;
 
-/// A conntrack table: a packet's 5-tuple → its rewrite (two entries per flow). LRU: when
-/// full, the least recently used flow goes.
-pub type FlowMap<K> = LruHashMap<K, CtValue, { defaults::MAX_CONNTRACK as usize }>;
+/// The table of established flows: a packet's 5-tuple → its rewrite (two entries per flow).
+/// Not an LRU: as in netfilter's conntrack, an established flow is never evicted to make room
+/// (the kernel would do it silently, and a flow whose replies' entry went could not be found
+/// from its next reply). When full, a flow that gets its answer stays in the new-flow table.
+pub type EstablishedMap<K> = HashMap<K, CtValue, { defaults::MAX_CONNTRACK as usize }>;
+
+/// The table of flows not answered yet (and of answered ones the full established table could
+/// not take). LRU: when full, the least recently used goes, as netfilter drops an unassured
+/// flow to make room (`early_drop`).
+pub type NewFlowMap<K> = LruHashMap<K, CtValue, { defaults::MAX_CONNTRACK as usize }>;
 
 /// Per-packet conntrack of established IPv4 flows (the backend has answered).
 #[btf_map(name = "KPR_CONNTRACK4", pin_by_name)]
-pub static CONNTRACK4: FlowMap<CtKey<Addr4>> = LruHashMap::new();
+pub static CONNTRACK4: EstablishedMap<CtKey<Addr4>> = HashMap::new();
 
 /// Per-packet conntrack of IPv4 flows not answered yet, kept apart so that a flood of them can
 /// only evict each other.
 #[btf_map(name = "KPR_CT_NEW4", pin_by_name)]
-pub static CT_NEW4: FlowMap<CtKey<Addr4>> = LruHashMap::new();
+pub static CT_NEW4: NewFlowMap<CtKey<Addr4>> = LruHashMap::new();
 
 /// The same as `KPR_CONNTRACK4`, for IPv6 flows.
 #[btf_map(name = "KPR_CONNTRACK6", pin_by_name)]
-pub static CONNTRACK6: FlowMap<CtKey> = LruHashMap::new();
+pub static CONNTRACK6: EstablishedMap<CtKey> = HashMap::new();
 
 /// The same as `KPR_CT_NEW4`, for IPv6 flows.
 #[btf_map(name = "KPR_CT_NEW6", pin_by_name)]
-pub static CT_NEW6: FlowMap<CtKey> = LruHashMap::new();
+pub static CT_NEW6: NewFlowMap<CtKey> = LruHashMap::new();
+
+/// A conntrack table of either kind, as a live flow's packets use it (`touch`, `heal`).
+pub trait FlowMap<K> {
+    fn get_ptr_mut(&self, key: &K) -> Option<*mut CtValue>;
+    fn insert(&self, key: &K, value: &CtValue, flags: u64) -> Result<(), i32>;
+}
+
+macro_rules! flow_map {
+    ($map:ident) => {
+        impl<K> FlowMap<K> for $map<K, CtValue, { defaults::MAX_CONNTRACK as usize }> {
+            #[inline(always)]
+            fn get_ptr_mut(&self, key: &K) -> Option<*mut CtValue> {
+                $map::get_ptr_mut(self, key)
+            }
+            #[inline(always)]
+            fn insert(&self, key: &K, value: &CtValue, flags: u64) -> Result<(), i32> {
+                $map::insert(self, key, value, flags)
+            }
+        }
+    };
+}
+flow_map!(HashMap);
+flow_map!(LruHashMap);
 
 /// A family's conntrack tables, by how their keys hold an address.
 pub trait FlowTables: FlowAddr + 'static {
     /// Established flows.
-    fn established() -> &'static FlowMap<CtKey<Self>>;
+    fn established() -> &'static EstablishedMap<CtKey<Self>>;
     /// Flows not answered yet.
-    fn new_flows() -> &'static FlowMap<CtKey<Self>>;
+    fn new_flows() -> &'static NewFlowMap<CtKey<Self>>;
     /// This CPU's cache of established flows (`flow_cache`).
     fn flow_cache() -> &'static FlowCache<Self>;
     /// What each slot of that cache holds, in a word per slot ([`SlotTags`]).
@@ -88,11 +118,11 @@ pub trait FlowTables: FlowAddr + 'static {
 
 impl FlowTables for Addr4 {
     #[inline(always)]
-    fn established() -> &'static FlowMap<CtKey<Self>> {
+    fn established() -> &'static EstablishedMap<CtKey<Self>> {
         &CONNTRACK4
     }
     #[inline(always)]
-    fn new_flows() -> &'static FlowMap<CtKey<Self>> {
+    fn new_flows() -> &'static NewFlowMap<CtKey<Self>> {
         &CT_NEW4
     }
     #[inline(always)]
@@ -107,11 +137,11 @@ impl FlowTables for Addr4 {
 
 impl FlowTables for Addr {
     #[inline(always)]
-    fn established() -> &'static FlowMap<CtKey<Self>> {
+    fn established() -> &'static EstablishedMap<CtKey<Self>> {
         &CONNTRACK6
     }
     #[inline(always)]
-    fn new_flows() -> &'static FlowMap<CtKey<Self>> {
+    fn new_flows() -> &'static NewFlowMap<CtKey<Self>> {
         &CT_NEW6
     }
     #[inline(always)]
@@ -138,12 +168,22 @@ pub static HANDOVER_COUNT: Array<u32, 1> = Array::new();
 /// The host as the agent last saw it (`HOST_FORWARD_DIRECT_OK`), written at runtime: a
 /// firewall that starts filtering forwarded packets takes effect without a reload.
 #[btf_map(name = "KPR_HOST_STATE", pin_by_name)]
-pub static HOST_STATE: Array<u32, 1> = Array::new();
+pub static HOST_STATE: Array<u32, { proxy_common::host_state::WORDS as usize }> = Array::new();
 
 /// May a translated packet skip the host's forwarding path (its netfilter forward hook)?
 #[inline(always)]
 pub fn host_lets_direct() -> bool {
-    HOST_STATE.get(0).is_some_and(|state| *state & proxy_common::HOST_FORWARD_DIRECT_OK != 0)
+    HOST_STATE
+        .get(proxy_common::host_state::FORWARD)
+        .is_some_and(|state| *state & proxy_common::HOST_FORWARD_DIRECT_OK != 0)
+}
+
+/// Is an older layout being retired (`HOST_RETIRING_OLDER_LAYOUT`)?
+#[inline(always)]
+pub fn retiring_older_layout() -> bool {
+    HOST_STATE
+        .get(proxy_common::host_state::UPGRADE)
+        .is_some_and(|state| *state & proxy_common::HOST_RETIRING_OLDER_LAYOUT != 0)
 }
 
 /// Is `key` the tuple of a flow kube-proxy translated before the takeover?

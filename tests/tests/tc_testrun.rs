@@ -360,7 +360,9 @@ impl Rig {
     /// An IPv4 conntrack table: established (`KPR_CONNTRACK4`) or new (`KPR_CT_NEW4`) flows.
     fn table4(&self, name: &str) -> aya::maps::HashMap<aya::maps::MapData, CtKey4, CtValue> {
         let map = aya::maps::MapData::from_pin(bpf::pin_dir(&self.pins.0).join(name)).unwrap();
-        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(map)).unwrap()
+        let map =
+            if name == map_names::CT_NEW4 { aya::maps::Map::LruHashMap(map) } else { aya::maps::Map::HashMap(map) };
+        aya::maps::HashMap::try_from(map).unwrap()
     }
 
     /// Conntrack entries of all tables, as (key, value) pairs (keys of either family).
@@ -1400,6 +1402,50 @@ fn a_flood_of_new_flows_cannot_evict_established_ones() {
         assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK);
     }
     assert_eq!(rig.counter(counter::TC_CT_RECREATED), 0, "every established connection still had its flow");
+}
+
+/// netfilter's conntrack never evicts an established flow to make room (only unassured ones,
+/// `early_drop`), and kpr's established table is no LRU either: with room for 8 flows, 24
+/// connections answered one after the other. The first 8 are established; the other 16, answered
+/// while it is full, live on among the new flows. Every one keeps talking both ways, the
+/// backend's segment first: none finds its flow gone (under an LRU, a flow whose replies' entry
+/// went could not be found from its next reply, and the node reset it).
+#[test]
+fn a_full_established_table_evicts_nothing_and_answered_flows_live_on_among_the_new() {
+    let rig = Rig::with(&churn_services(), |cfg| {
+        cfg.max_conntrack = 16;
+        cfg.max_conntrack_new = 256;
+    });
+    let mut flows = Vec::new();
+    for sport in 45000..45024 {
+        let syn = tcp(CLIENT, sport, NODE_IP, 30090);
+        let (_, out) = rig.ingress(&syn.bytes());
+        let (backend, snat_port) = (dst_of(&out), sport_of(&out));
+        let synack =
+            Pkt { tcp_flags: TCP_SYN | TCP_ACK, seq: 7000, ack: 1001, ..tcp(backend, 8080, NODE_IP, snat_port) };
+        assert_eq!(rig.ingress(&synack.bytes()).0, TC_ACT_OK);
+        let ack = Pkt { tcp_flags: TCP_ACK, seq: 1001, ack: 7001, ..syn };
+        assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK, "the handshake's last ACK");
+        flows.push((ack, backend, snat_port));
+    }
+    for (ack, backend, snat_port) in &flows {
+        let reply = Pkt { tcp_flags: TCP_ACK, seq: 7001, ack: 1001, ..tcp(*backend, 8080, NODE_IP, *snat_port) };
+        assert_eq!(
+            rig.ingress(&reply.bytes()),
+            (
+                TC_ACT_OK,
+                Pkt { src: NODE_IP.into(), sport: 30090, dst: CLIENT.into(), dport: ack.sport, ..reply }.bytes()
+            ),
+            "the backend's segment reversed to the client ({}:{})",
+            backend,
+            snat_port
+        );
+        let (verdict, out) = rig.ingress(&ack.bytes());
+        assert_eq!((verdict, dst_of(&out), sport_of(&out)), (TC_ACT_OK, *backend, *snat_port));
+    }
+    assert_eq!(rig.counter(counter::TC_CT_RECREATED), 0, "no flow had to be made again");
+    assert_eq!(rig.conntrack().lens(), (16, 32), "8 flows established, 16 kept among the new");
+    assert_eq!(rig.counter(counter::TC_CT_ESTABLISHED_FULL), 16);
 }
 
 /// nf_conntrack's SYN_RECV: a flow the backend answered is established only by the client's

@@ -203,8 +203,8 @@ fn seen_bits(proto: u8, entry: &CtValue, tcp_flags: u8) -> u32 {
 /// packet that `ESTABLISHES` it), the time at most every `REFRESH_NS`; both entries of the
 /// flow, putting back the other one if it was evicted.
 #[inline(always)]
-fn touch<A: FlowTables>(
-    map: &FlowMap<CtKey<A>>,
+fn touch<A: FlowTables, M: FlowMap<CtKey<A>>>(
+    map: &M,
     key: &CtKey<A>,
     entry_ptr: *mut CtValue,
     entry: &CtValue,
@@ -234,7 +234,7 @@ fn touch<A: FlowTables>(
 
 /// Put back the evicted other entry of a flow.
 #[inline(never)]
-fn heal<A: FlowTables>(map: &FlowMap<CtKey<A>>, key: &CtKey<A>, entry: &CtValue, flags: u32, now: u64) {
+fn heal<A: FlowTables, M: FlowMap<CtKey<A>>>(map: &M, key: &CtKey<A>, entry: &CtValue, flags: u32, now: u64) {
     let Ok(mut s) = scratch() else { return };
     // SAFETY: the per-CPU scratch value, valid for this program run.
     let (pair_key, value) = unsafe {
@@ -266,7 +266,8 @@ fn mirror<A: FlowAddr>(key: &CtKey<A>, entry: &CtValue, flags: u32, now: u64) ->
 }
 
 /// A new flow is established (TCP: the client acknowledged the backend's answer; else the
-/// backend answered): both its entries move to the established table.
+/// backend answered): both its entries move to the established table; if it is full, they
+/// stay among the new flows, established there (their lifetime is an established flow's).
 #[inline(never)]
 fn confirm<A: FlowTables>(key: &CtKey<A>, entry: &CtValue, seen: u32, now: u64) {
     let Ok(mut s) = scratch() else { return };
@@ -287,10 +288,19 @@ fn confirm<A: FlowTables>(key: &CtKey<A>, entry: &CtValue, seen: u32, now: u64) 
         }
         (&*pair_key, &s.forward)
     };
-    let _ = A::established().insert(key, value, 0);
-    let _ = A::established().insert(pair_key, &s.reply, 0);
-    let _ = A::new_flows().remove(pair_key);
-    let _ = A::new_flows().remove(key);
+    let established = A::established();
+    if established.insert(key, value, 0).is_ok() {
+        if established.insert(pair_key, &s.reply, 0).is_ok() {
+            let _ = A::new_flows().remove(pair_key);
+            let _ = A::new_flows().remove(key);
+            return;
+        }
+        let _ = established.remove(key);
+    }
+    count(counter::TC_CT_ESTABLISHED_FULL);
+    let new_flows = A::new_flows();
+    let _ = new_flows.insert(key, value, 0);
+    let _ = new_flows.insert(pair_key, &s.reply, 0);
 }
 
 /// Start a new connection (its SYN; its key and the entry found are in the scratch area) on

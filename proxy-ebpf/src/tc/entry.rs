@@ -34,10 +34,10 @@ pub(super) fn forget<A: FlowTables>(key: &CtKey<A>, entry: &CtValue, proto: u8) 
         *pair_key = entry.pair_key(proto);
         &*pair_key
     };
-    for map in [A::established(), A::new_flows()] {
-        let _ = map.remove(pair_key);
-        let _ = map.remove(key);
-    }
+    let _ = A::established().remove(pair_key);
+    let _ = A::established().remove(key);
+    let _ = A::new_flows().remove(pair_key);
+    let _ = A::new_flows().remove(key);
     flow_cache::forgotten();
 }
 

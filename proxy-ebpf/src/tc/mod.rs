@@ -25,7 +25,8 @@
 //! Flows live as long as their state allows (`CtTimeouts`: SYN sent, established, closing);
 //! an expired flow's tuple and SNAT port are taken back on the packet path, and the agent
 //! sweeps the rest. The backend and SNAT port of a new flow are a hash of its tuple, so a TCP
-//! connection whose entries were evicted is re-created as it was by its next segment.
+//! connection whose entries were lost (expired, or evicted from the new-flow table) is
+//! re-created as it was by its next segment.
 //!
 //! An IPv4 datagram in fragments is translated whole: the first fragment (with the ports) as
 //! any packet, the later ones with the addresses it got (`KPR_FRAGMENTS`).
@@ -69,7 +70,8 @@ use self::{
 use crate::{
     family::{Family, V4, V6},
     globals::KPR_FORWARD_DIRECT,
-    maps::{SLOW_PATH, count},
+    maps::{SLOW_PATH, count, in_addr_filter, retiring_older_layout},
+    packet::{TCP_RST, TCP_SYN},
 };
 
 #[classifier]
@@ -251,8 +253,25 @@ fn slow_path<F: Family>(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
         // kube-proxy's REJECT: a TCP reset, else ICMP port unreachable (UDP and SCTP).
         REJECT if t.proto == IPPROTO_TCP => reject_tcp::<F>(ctx, &t),
         REJECT => reject_port_unreachable::<F>(ctx, &t),
+        PASS if awaits_copied_flow(&t, tcp_flags) => {
+            count(counter::TC_DROPPED);
+            TC_ACT_SHOT
+        }
         verdict => verdict,
     })
+}
+
+/// While an older layout is retired (`HOST_RETIRING_OLDER_LAYOUT`, milliseconds): a TCP segment
+/// other than a SYN or RST that found no flow, from an address that may be a backend's (the
+/// address filter). Its flow may be one the older programs established and the agent has not
+/// copied yet: dropped, it is sent again, where passed on untranslated it would be reset. A
+/// subprogram: inlined, its frame would lengthen every chain of calls through the slow path.
+#[inline(never)]
+fn awaits_copied_flow(t: &Tuple, tcp_flags: u8) -> bool {
+    t.proto == IPPROTO_TCP
+        && tcp_flags & (TCP_SYN | TCP_RST) == 0
+        && retiring_older_layout()
+        && in_addr_filter(&t.saddr)
 }
 
 /// [`parse_and_track`] as a subprogram, for the slow programs' chains of calls.

@@ -52,7 +52,11 @@ impl Conntrack {
     pub fn open(pin_root: &Path) -> Result<Self> {
         Self::new(|name| {
             let map = open_pinned_map(pin_root, name)?;
-            Ok(if name == map_names::CT_GENERATION { Map::Array(map) } else { Map::LruHashMap(map) })
+            Ok(match name {
+                map_names::CT_GENERATION => Map::Array(map),
+                map_names::CONNTRACK4 | map_names::CONNTRACK6 => Map::HashMap(map),
+                _ => Map::LruHashMap(map),
+            })
         })
     }
 
@@ -226,9 +230,9 @@ pub fn monotonic_now() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// Warns when a table nears full, before its LRU starts evicting flows (an evicted established
-/// flow is reset at its next packet), and says when it is back: once per crossing, not per
-/// sweep.
+/// Warns when a table nears full (a full established table leaves newly answered flows among
+/// the new ones, which a flood may evict; a full new-flow table evicts its least recently used
+/// flows), and says when it is back: once per crossing, not per sweep.
 #[derive(Default)]
 pub struct PressureAlarm {
     raised: [bool; 4],
@@ -291,9 +295,10 @@ pub async fn sweep_forever(
                             table = name,
                             live,
                             capacity,
-                            "per-packet conntrack table nearly full: when full, its least recently used \
-                             flows are evicted and reset at their next packet; raise --max-conntrack \
-                             (established) or --max-conntrack-new"
+                            "per-packet conntrack table nearly full: when the established table is full, \
+                             newly answered flows stay in the new-flow table, whose least recently used \
+                             flows are evicted when it is full (and reset at their next packet if that \
+                             is the backend's); raise --max-conntrack (established) or --max-conntrack-new"
                         );
                     } else {
                         tracing::info!(

@@ -71,11 +71,12 @@ pub struct MapUse {
 }
 
 /// The counters that move only when something went wrong.
-const TROUBLE: [u32; 6] = [
+const TROUBLE: [u32; 7] = [
     counter::BAD_BACKEND_SLOT,
     counter::REVNAT_UPDATE_FAILED,
     counter::TC_SNAT_EXHAUSTED,
     counter::TC_CT_FULL,
+    counter::TC_CT_ESTABLISHED_FULL,
     counter::TC_CT_RECREATED,
     counter::TC_SLOW_PATH_MISSING,
 ];

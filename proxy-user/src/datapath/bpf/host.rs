@@ -22,14 +22,17 @@ use proxy_common::{Addr, CidrKey, CidrMask, LinkInfo, PIN_LAYOUT_VERSION, map_na
 
 use super::cgroup::netns_cookie;
 use super::maps::{cidr_of, lpm_prefix, mark_addresses};
-use super::pins::{open_pinned_map, other_layouts, pin_dir, reads_as_ours, remove_other_layouts};
-use crate::model::{cidr::Cidr, node::NodePlan};
+use super::pins::{OlderConntrack, open_pinned_map, other_layouts, pin_dir, reads_as_ours, remove_other_layouts};
+use crate::{
+    datapath::conntrack::Conntrack,
+    model::{cidr::Cidr, node::NodePlan},
+};
 
 /// Tell the programs whether translated packets may skip the host's forwarding path now
 /// (`KPR_HOST_STATE`, read per packet; [`ForwardDirect::Auto`]'s runtime switch).
 pub(super) fn set_host_forward_direct<T: BorrowMut<MapData>>(map: &mut Array<T, u32>, ok: bool) -> Result<()> {
     let state = if ok { proxy_common::HOST_FORWARD_DIRECT_OK } else { 0 };
-    map.set(0, &state, 0).context("failed to write KPR_HOST_STATE")
+    map.set(proxy_common::host_state::FORWARD, &state, 0).context("failed to write KPR_HOST_STATE")
 }
 
 /// The pinned `KPR_HOST_STATE` map: may translated packets skip the host's forwarding path?
@@ -41,7 +44,13 @@ impl HostState {
     }
 
     pub fn forward_direct(&self) -> Result<bool> {
-        Ok(self.0.get(&0, 0)? & proxy_common::HOST_FORWARD_DIRECT_OK != 0)
+        Ok(self.0.get(&proxy_common::host_state::FORWARD, 0)? & proxy_common::HOST_FORWARD_DIRECT_OK != 0)
+    }
+
+    /// Tell the programs an older layout is being retired (`HOST_RETIRING_OLDER_LAYOUT`).
+    pub fn set_retiring_older_layout(&mut self, on: bool) -> Result<()> {
+        let state = if on { proxy_common::HOST_RETIRING_OLDER_LAYOUT } else { 0 };
+        self.0.set(proxy_common::host_state::UPGRADE, &state, 0).context("failed to write KPR_HOST_STATE")
     }
 
     pub fn set_forward_direct(&mut self, ok: bool) -> Result<()> {
@@ -192,10 +201,18 @@ pub struct BpfHost {
     forwarding_checked: bool,
     /// Where other layouts' pins are (`retire_other_layouts`).
     pin_root: PathBuf,
+    /// An upgrade's older established conntrack, copied at the start (`retire_other_layouts`).
+    older_conntrack: Option<OlderConntrack>,
 }
 
 impl BpfHost {
-    pub(super) fn take_from(mut ebpf: Ebpf, dir: PathBuf, tc_netlink: bool, pin_root: PathBuf) -> Result<Self> {
+    pub(super) fn take_from(
+        mut ebpf: Ebpf,
+        dir: PathBuf,
+        tc_netlink: bool,
+        pin_root: PathBuf,
+        older_conntrack: Option<OlderConntrack>,
+    ) -> Result<Self> {
         let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("no map {name}"));
         let node_addrs = HashMap::try_from(take(map_names::NODE_ADDRS)?)?;
         let node_sources = HashMap::try_from(take(map_names::NODE_SOURCES)?)?;
@@ -224,6 +241,7 @@ impl BpfHost {
             netlink_links,
             forwarding_checked: false,
             pin_root,
+            older_conntrack,
         })
     }
 
@@ -387,6 +405,57 @@ impl BpfHost {
         links
     }
 
+    /// Tell the programs whether an older layout is being retired (`HOST_RETIRING_OLDER_LAYOUT`).
+    fn set_retiring(&self, on: bool) {
+        if let Err(e) = HostState::open(&self.pin_root).and_then(|mut state| state.set_retiring_older_layout(on)) {
+            tracing::warn!("{e:#}");
+        }
+    }
+
+    /// Bring the older layout's established flows over (`OlderConntrack::sync`); the flow
+    /// caches stop serving copies of what was here.
+    fn sync_older_conntrack(&self, older: &mut OlderConntrack) {
+        older.sync();
+        if let Err(e) = Conntrack::open(&self.pin_root).and_then(|mut ct| ct.changed()) {
+            tracing::warn!("{e:#}");
+        }
+    }
+
+    /// After an older layout's pins went: wait (a second at most) until its tc programs are
+    /// off kpr's links. The kernel detaches a link whose last reference went from a worker, a
+    /// moment later, and until then the older programs still establish flows in their tables
+    /// (waiting 100 ms took the upgrade test from 6 failed runs in 10 to none). Netlink filters
+    /// were replaced in place at the attach.
+    fn wait_for_older_programs(&self) {
+        if self.tc_netlink {
+            return;
+        }
+        let ours: BTreeSet<u32> = TC_PROGRAMS
+            .into_iter()
+            .chain(TC_PROGRAMS_L3)
+            .filter_map(|name| self.ebpf.program(name)?.info().ok().map(|info| info.id()))
+            .collect();
+        let older_attached = |ifindex: u32, hook: TcAttachType| {
+            SchedClassifier::query_tcx(NetworkInterface::Index(ifindex), hook).is_ok_and(|(_, programs)| {
+                programs
+                    .iter()
+                    .any(|p| p.name_as_str().is_some_and(|n| n.starts_with("kpr_tc_")) && !ours.contains(&p.id()))
+            })
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+        while self
+            .attached
+            .keys()
+            .any(|i| [TcAttachType::Ingress, TcAttachType::Egress].into_iter().any(|h| older_attached(*i, h)))
+        {
+            if std::time::Instant::now() > deadline {
+                tracing::warn!("an older layout's programs are still attached after a second");
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
     /// Pinned tc links of earlier runs, by ifindex.
     fn pinned_links(&self) -> BTreeSet<u32> {
         let prefix = format!("link_{}_if", TC_PROGRAMS[0]);
@@ -431,6 +500,15 @@ impl HostDatapath for BpfHost {
         }
         let attached = |h: &Self| h.attached.keys().copied().collect::<BTreeSet<u32>>();
         let marks = (self.accept_local_set.clone(), self.netlink_links.clone(), attached(self));
+        // Netlink filters are replaced in place: an upgrade's older programs stop as each link
+        // is attached, and the flows they established since this agent's start must follow at
+        // once (with TCX links they serve beside the new ones until their retirement).
+        let handing_over = self.tc_netlink
+            && self.older_conntrack.is_some()
+            && plan.tc_links.keys().any(|i| !self.attached.contains_key(i));
+        if handing_over {
+            self.set_retiring(true);
+        }
         for (ifindex, name) in &plan.tc_links {
             if self.attached.contains_key(ifindex) {
                 continue;
@@ -445,6 +523,11 @@ impl HostDatapath for BpfHost {
                 Err(e) => tracing::warn!(interface = %name, "{e:#}"),
             }
         }
+        if handing_over && let Some(mut older) = self.older_conntrack.take() {
+            self.sync_older_conntrack(&mut older);
+            self.older_conntrack = Some(older);
+            self.set_retiring(false);
+        }
         self.check_forwarding();
         // Remember what is ours to undo (accept_local, netlink filters) and where ingress runs,
         // when it changed.
@@ -455,8 +538,21 @@ impl HostDatapath for BpfHost {
         Ok(())
     }
 
+    /// The older layout's programs write its conntrack tables until they detach (when its pins
+    /// go): then what they changed since the copy at this agent's start is brought over, and
+    /// meanwhile a segment that finds no flow on a masquerade port waits for it (dropped, sent
+    /// again) rather than being reset by the host stack.
     fn retire_other_layouts(&mut self) {
+        let mut older = self.older_conntrack.take().or_else(|| OlderConntrack::open(&self.pin_root));
+        if older.is_some() {
+            self.set_retiring(true);
+        }
         remove_other_layouts(&self.pin_root);
+        if let Some(older) = &mut older {
+            self.wait_for_older_programs();
+            self.sync_older_conntrack(older);
+            self.set_retiring(false);
+        }
     }
 }
 

@@ -28,6 +28,7 @@ pub(crate) use self::object::kernel_since;
 use self::{
     cgroup::{HOOKS, attach_sock_release, reuse_cgroup_link},
     object::start_ebpf_logger,
+    pins::OlderConntrack,
 };
 pub use self::{
     cgroup::{agent_cgroup_id, cgroup2_dir, cgroup2_root, netns_cookie, own_cgroup},
@@ -51,8 +52,17 @@ impl BpfDatapath {
     /// Load everything and attach the socket hooks; the per-packet programs are attached by
     /// [`HostDatapath::apply_node`] as links are known.
     pub fn load(cfg: &DatapathConfig) -> Result<Self> {
-        let mut ebpf = open_object(cfg)?;
         let dir = pin_dir(&cfg.pin_root);
+        // This layout's directory is made by this start: a first start, or an upgrade.
+        let fresh = fs::read_dir(&dir).map_or(true, |mut files| files.next().is_none());
+        let mut ebpf = open_object(cfg)?;
+        // An upgrade: the older layout's established flows, copied before the new programs
+        // attach; what its programs change until they detach follows at their retirement.
+        let older_conntrack = if fresh { OlderConntrack::open(&cfg.pin_root) } else { None };
+        let older_conntrack = older_conntrack.map(|mut older| {
+            older.sync();
+            older
+        });
         let cgroup =
             File::open(&cfg.cgroup).with_context(|| format!("failed to open cgroup {}", cfg.cgroup.display()))?;
         start_ebpf_logger(&mut ebpf);
@@ -102,7 +112,7 @@ impl BpfDatapath {
         let tc_netlink = cfg.tc_netlink || !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
         // Another layout's programs keep serving until this agent's first sync is written
         // ([`HostDatapath::retire_other_layouts`]).
-        let host = BpfHost::take_from(ebpf, dir, tc_netlink, cfg.pin_root.clone())?;
+        let host = BpfHost::take_from(ebpf, dir, tc_netlink, cfg.pin_root.clone(), older_conntrack)?;
         Ok(Self { maps, host })
     }
 }

@@ -151,6 +151,127 @@ pub(super) fn carry_over_maps(pin_root: &Path) -> Vec<&'static str> {
     carried
 }
 
+/// An older layout's established conntrack tables that this layout did not carry (before v14
+/// they were LRUs, which this layout does not read as its tables), held open: their entries are
+/// copied into this layout's tables, so the flows they hold carry on. The older programs go on
+/// writing them until they detach; [`OlderConntrack::sync`] then copies what they added and
+/// removes what they removed (a closed flow whose SNAT port a new flow took, an expired one),
+/// so no copy outlives its flow to shadow a newer one.
+pub(super) struct OlderConntrack {
+    version: u32,
+    v4: Option<OlderTable<proxy_common::Addr4>>,
+    v6: Option<OlderTable<proxy_common::Addr>>,
+}
+
+/// One family's older table, this layout's, this layout's new-flow table (carried, shared
+/// with the older programs), and what was copied.
+struct OlderTable<A> {
+    theirs: aya::maps::Map,
+    ours: aya::maps::Map,
+    new_flows: aya::maps::Map,
+    copied: std::collections::HashMap<proxy_common::CtKey<A>, proxy_common::CtValue>,
+}
+
+impl OlderConntrack {
+    /// The newest older layout's established tables that are other maps than this layout's.
+    pub(super) fn open(pin_root: &Path) -> Option<Self> {
+        use proxy_common::map_names::{CONNTRACK4, CONNTRACK6, CT_NEW4, CT_NEW6};
+        let older = other_layouts(pin_root).into_iter().filter(|(v, _)| *v < PIN_LAYOUT_VERSION).max();
+        let (version, old) = older?;
+        let (v4, v6) = (
+            OlderTable::open(&old, pin_root, CONNTRACK4, CT_NEW4),
+            OlderTable::open(&old, pin_root, CONNTRACK6, CT_NEW6),
+        );
+        (v4.is_some() || v6.is_some()).then_some(Self { version, v4, v6 })
+    }
+
+    /// Bring this layout's tables up to the older ones: what they hold that is not here (nor
+    /// a newer flow on its tuple among the new flows) copied, a copy whose flow they replaced
+    /// or removed replaced or removed. After the first, the caller makes the flow caches stop
+    /// serving copies of what was here (`Conntrack::changed`).
+    pub(super) fn sync(&mut self) {
+        let (v4, v6) = (self.v4.as_mut().map(OlderTable::sync), self.v6.as_mut().map(OlderTable::sync));
+        for (name, synced) in [("KPR_CONNTRACK4", v4), ("KPR_CONNTRACK6", v6)] {
+            match synced {
+                Some(Ok((copied, removed))) => {
+                    tracing::info!(map = name, from = self.version, copied, removed, "conntrack copied over")
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(map = name, "failed to copy conntrack over from layout {}: {e:#}", self.version)
+                }
+                None => {}
+            }
+        }
+    }
+}
+
+impl<A> OlderTable<A>
+where
+    proxy_common::CtKey<A>: aya::Pod + std::hash::Hash + Eq,
+{
+    fn open(old: &Path, pin_root: &Path, name: &str, new_flows: &str) -> Option<Self> {
+        use aya::maps::Map;
+        let dir = pin_dir(pin_root);
+        let (theirs, ours) = (MapData::from_pin(old.join(name)).ok()?, MapData::from_pin(dir.join(name)).ok()?);
+        let id = |map: &MapData| map.info().map(|info| info.id()).ok();
+        if id(&theirs) == id(&ours) {
+            return None;
+        }
+        let new_flows = MapData::from_pin(dir.join(new_flows)).ok()?;
+        // The map's kind does not matter to reading or writing it: both are hashes to the
+        // syscalls.
+        Some(Self {
+            theirs: Map::LruHashMap(theirs),
+            ours: Map::HashMap(ours),
+            new_flows: Map::LruHashMap(new_flows),
+            copied: std::collections::HashMap::new(),
+        })
+    }
+
+    /// [`OlderConntrack::sync`] in one family's tables: (copied or replaced, removed).
+    fn sync(&mut self) -> Result<(usize, usize)> {
+        use aya::maps::HashMap;
+        use proxy_common::{CtKey, CtValue};
+        let theirs: HashMap<_, CtKey<A>, CtValue> = HashMap::try_from(&self.theirs)?;
+        let mut ours: HashMap<_, CtKey<A>, CtValue> = HashMap::try_from(&mut self.ours)?;
+        let new_flows: HashMap<_, CtKey<A>, CtValue> = HashMap::try_from(&self.new_flows)?;
+        let now: std::collections::HashMap<CtKey<A>, CtValue> = theirs.iter().flatten().collect();
+        let mut removed = 0;
+        self.copied.retain(|key, copy| {
+            if now.contains_key(key) {
+                return true;
+            }
+            // Gone from the older table: gone here too, if this is still the copy.
+            if ours.get(key, 0).is_ok_and(|here| here.same_translation(copy)) && ours.remove(key).is_ok() {
+                removed += 1;
+            }
+            false
+        });
+        let mut copied = 0;
+        for (key, value) in now {
+            let flags = match self.copied.get(&key) {
+                // Copied, and the same flow still: what is here is the newer.
+                Some(copy) if copy.same_translation(&value) => continue,
+                // Another flow on the tuple (a client's port, a SNAT port taken again): it
+                // replaces the copy of the old one, if that is still here.
+                Some(copy) => match ours.get(&key, 0) {
+                    Ok(here) if here.same_translation(copy) => 0,
+                    _ => continue,
+                },
+                // A newer flow on the tuple among the new flows is not shadowed; BPF_NOEXIST: an
+                // entry already here is the newer.
+                None if new_flows.get(&key, 0).is_ok() => continue,
+                None => 1,
+            };
+            if ours.insert(&key, &value, flags).is_ok() {
+                self.copied.insert(key, value);
+                copied += 1;
+            }
+        }
+        Ok((copied, removed))
+    }
+}
+
 /// Unpin the directories of other layout versions (an upgrade or a downgrade): their links
 /// detach (once no agent of that version holds them), and their maps go with their last user
 /// (a carried map stays, pinned here).

@@ -429,7 +429,7 @@ fn sync_scale(changes: usize) -> Result<serde_json::Value> {
     // The big Service's flows: client i → the ClusterIP, to endpoint i % BIG, and back.
     let service_id = programmer.programmed()[&big_key].value.service_id;
     let mut table: aya::maps::HashMap<_, proxy_common::CtKey4, proxy_common::CtValue> =
-        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(aya::maps::MapData::from_pin(
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(aya::maps::MapData::from_pin(
             bpf::pin_dir(&pins.0).join(proxy_common::map_names::CONNTRACK4),
         )?))?;
     let (cluster_ip, dns) = (proxy_common::Addr::from(IpAddr::from(big_ip)), 53u16.to_be());
@@ -658,7 +658,7 @@ where
     use proxy_common::{CtKey, CtValue, IPPROTO_TCP};
     let pinned = aya::maps::MapData::from_pin(bpf::pin_dir(pins).join(table))?;
     let mut conntrack: aya::maps::HashMap<_, CtKey<A>, CtValue> =
-        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(pinned))?;
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(pinned))?;
     let forward_key = CtKey::<A>::new(client.into(), target.into(), 40000u16.to_be(), 80u16.to_be(), IPPROTO_TCP);
     let forward = conntrack.get(&forward_key, 0).context("the flow to the service was not confirmed")?;
     let back_key = CtKey::<A>::new(forward.src_addr, forward.dst_addr, forward.src_port, forward.dst_port, IPPROTO_TCP);
