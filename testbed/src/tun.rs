@@ -21,7 +21,8 @@ impl Tun {
     /// Create TUN device `name` in the calling thread's network namespace (IP packets, no
     /// packet information header).
     pub fn open(name: &str) -> Result<Self> {
-        const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+        // `Ioctl`: the request's type differs between libcs (glibc and musl).
+        const TUNSETIFF: libc::Ioctl = 0x4004_54ca as libc::Ioctl;
         let file = File::options().read(true).write(true).open("/dev/net/tun").context("/dev/net/tun")?;
         // struct ifreq: the name, then the flags.
         let mut ifreq = [0u8; 40];

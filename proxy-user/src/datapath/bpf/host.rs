@@ -540,8 +540,8 @@ impl HostDatapath for BpfHost {
 
     /// The older layout's programs write its conntrack tables until they detach (when its pins
     /// go): then what they changed since the copy at this agent's start is brought over, and
-    /// meanwhile a segment that finds no flow on a masquerade port waits for it (dropped, sent
-    /// again) rather than being reset by the host stack.
+    /// meanwhile a TCP segment that finds no flow, from an address that may be a backend's,
+    /// waits for it (dropped, sent again) rather than being passed on to be reset.
     fn retire_other_layouts(&mut self) {
         let mut older = self.older_conntrack.take().or_else(|| OlderConntrack::open(&self.pin_root));
         if older.is_some() {

@@ -187,8 +187,8 @@ impl OlderConntrack {
 
     /// Bring this layout's tables up to the older ones: what they hold that is not here (nor
     /// a newer flow on its tuple among the new flows) copied, a copy whose flow they replaced
-    /// or removed replaced or removed. After the first, the caller makes the flow caches stop
-    /// serving copies of what was here (`Conntrack::changed`).
+    /// or removed replaced or removed. After each but the first, the caller makes the flow
+    /// caches stop serving copies of what was here (`Conntrack::changed`).
     pub(super) fn sync(&mut self) {
         let (v4, v6) = (self.v4.as_mut().map(OlderTable::sync), self.v6.as_mut().map(OlderTable::sync));
         for (name, synced) in [("KPR_CONNTRACK4", v4), ("KPR_CONNTRACK6", v6)] {
