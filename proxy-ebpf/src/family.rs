@@ -47,6 +47,9 @@ pub trait Family {
     /// `accept_local`, and with `rp_filter` the route back to it must exist (loose) or leave
     /// by the link the packet came in by (strict).
     const KERNEL_CHECKS_SOURCE: bool;
+    /// The smallest MTU a link of this family may have (IPv4: 68, IPv6: 1280): a packet no
+    /// longer fits every link.
+    const MIN_MTU: u32;
 
     /// The ICMP errors that quote the packet they are about.
     fn quotes_packet(icmp_type: u8) -> bool;
@@ -140,6 +143,7 @@ impl<const IP_OFF: usize> Family for V4<IP_OFF> {
     const PORT_UNREACHABLE: [u8; 2] = [3, 3];
     const ICMP_PSEUDO_HEADER: bool = false;
     const KERNEL_CHECKS_SOURCE: bool = true;
+    const MIN_MTU: u32 = 68;
 
     #[inline(always)]
     fn quotes_packet(icmp_type: u8) -> bool {
@@ -272,6 +276,7 @@ impl<const IP_OFF: usize> Family for V6<IP_OFF> {
     const PORT_UNREACHABLE: [u8; 2] = [1, 4];
     const ICMP_PSEUDO_HEADER: bool = true;
     const KERNEL_CHECKS_SOURCE: bool = false;
+    const MIN_MTU: u32 = 1280;
 
     #[inline(always)]
     fn quotes_packet(icmp_type: u8) -> bool {

@@ -352,8 +352,8 @@ fn wait_host_state(pins: &std::path::Path, want: bool) {
     }
 }
 
-/// The packets a counter rule of node-a's `inet kprpol forward` chain has seen.
-fn policy_drops(node: &Netns) -> u64 {
+/// The packets the first counter rule of a node's `inet kprpol forward` chain has seen.
+fn forward_rule_packets(node: &Netns) -> u64 {
     let mut nft = Command::new("nft");
     nft.args(["list", "chain", "inet", "kprpol", "forward"]);
     node.exec_in(&mut nft).unwrap();
@@ -401,7 +401,7 @@ fn a_network_policy_in_the_forward_chain_holds_for_service_traffic() {
         let err = node_a._pod.run(move || tcp_ask_peer(cluster_ip, short).unwrap_err()).unwrap();
         assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "ClusterIP from pod-a, attempt {attempt}: {err}");
     }
-    let dropped = policy_drops(&node_a.netns);
+    let dropped = forward_rule_packets(&node_a.netns);
     assert!(dropped >= 6, "the policy saw every SYN (3 NodePort, 3 ClusterIP): {dropped}");
 
     // The policy gone: served again, straight out.
@@ -958,8 +958,28 @@ fn udp_flows_move_off_a_removed_endpoint() {
 /// heard nothing, and a datagram of that size never arrived.
 #[test]
 fn a_masqueraded_packet_too_big_for_its_link_gets_fragmentation_needed() {
-    let c = Bridged::new("km-mtu").unwrap();
+    too_big_gets_fragmentation_needed("km-mtu", false);
+}
+
+/// The same where the host's forwarding path takes translated packets (a chain on node-a's
+/// forward hook, as a NetworkPolicy engine's): the kernel checks a forwarded packet against
+/// the link's MTU before that hook and answers its source, which is node-a once masqueraded.
+#[test]
+fn a_masqueraded_packet_too_big_for_the_host_forwarding_path_gets_fragmentation_needed() {
+    too_big_gets_fragmentation_needed("km-mtufw", true);
+}
+
+fn too_big_gets_fragmentation_needed(name: &str, host_path: bool) {
+    let c = Bridged::new(name).unwrap();
     let a = &c.nodes[0];
+    if host_path {
+        a.netns
+            .sh("nft add table inet kprpol && \
+                 nft add chain inet kprpol forward '{ type filter hook forward priority 0; policy accept; }' && \
+                 nft add rule inet kprpol forward counter accept")
+            .unwrap();
+        wait_host_state(&a.pins, false);
+    }
     // node-a's pod link is narrower than the path to it.
     a.netns.ip(&["link", "set", "veth-pod", "mtu", "1280"]).unwrap();
     a._pod.ip(&["link", "set", "eth0", "mtu", "1280"]).unwrap();
@@ -982,6 +1002,8 @@ fn a_masqueraded_packet_too_big_for_its_link_gets_fragmentation_needed() {
     );
     c.wait("*:30070/UDP ext", 1);
     c.wait("[*]:30070/UDP ext", 1);
+    let direct = || bpf::read_counters(&a.pins).unwrap()[proxy_common::counter::TC_FORWARDED_DIRECT as usize].1;
+    let direct_before = direct();
     for node_ip in [IpAddr::from(a.ip), IpAddr::from(a.ip6)] {
         let (small, big, mtu) = c.ext(move || {
             let socket = std::net::UdpSocket::bind(any_port_of(node_ip)).unwrap();
@@ -1004,6 +1026,10 @@ fn a_masqueraded_packet_too_big_for_its_link_gets_fragmentation_needed() {
         assert_eq!(small.expect("a small datagram through the NodePort"), "pod-a", "via {node_ip}");
         assert_eq!(big, Err(Some(libc::EMSGSIZE)), "the big datagram via {node_ip}: fragmentation needed");
         assert_eq!(mtu, 1280, "the path MTU the client learned via {node_ip}");
+    }
+    if host_path {
+        assert_eq!(direct(), direct_before, "nothing sent straight out while the forward hook filters");
+        assert!(forward_rule_packets(&a.netns) >= 2, "the small datagrams took the forward hook");
     }
 }
 

@@ -69,7 +69,6 @@ use self::{
 };
 use crate::{
     family::{Family, V4, V6},
-    globals::KPR_FORWARD_DIRECT,
     maps::{SLOW_PATH, count, in_addr_filter, retiring_older_layout},
     packet::{TCP_RST, TCP_SYN},
 };
@@ -187,7 +186,8 @@ fn tail_call_slow_path<F: Family>(ctx: &TcContext, ingress: bool) -> i32 {
     PASS
 }
 
-/// A packet on its way in, translated, sent straight out (unless `--host-routing`).
+/// A packet on its way in, translated, sent straight out (unless the host's forwarding path
+/// takes it: `send_on`).
 #[inline(always)]
 fn ingress<F: Family>(ctx: &TcContext) -> i32 {
     if martian_source::<F>(ctx) {
@@ -195,7 +195,7 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
         return TC_ACT_SHOT;
     }
     match fast_path::<F>(ctx, true) {
-        TC_ACT_OK if F::ETHERNET && KPR_FORWARD_DIRECT.load() != 0 => send_on::<F>(ctx),
+        TC_ACT_OK if F::ETHERNET => send_on::<F>(ctx),
         verdict => verdict,
     }
 }
@@ -204,7 +204,7 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
 #[inline(always)]
 fn slow_ingress<F: Family>(ctx: &TcContext) -> i32 {
     match slow_path::<F>(ctx, true) {
-        Ok(TC_ACT_OK) if F::ETHERNET && KPR_FORWARD_DIRECT.load() != 0 => send_on::<F>(ctx),
+        Ok(TC_ACT_OK) if F::ETHERNET => send_on::<F>(ctx),
         Ok(verdict) => verdict,
         Err(()) => PASS,
     }

@@ -205,12 +205,6 @@ pub(super) fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     // SAFETY: the per-CPU scratch value, valid for this program run; the hint is taken back
     // so that no later packet sees it.
     let route = unsafe { core::mem::replace(&mut (*s).route, ROUTE_LOOK_UP) };
-    // Something filters forwarded packets (a NetworkPolicy in the FORWARD chain): the host's
-    // forwarding path, as for kube-proxy's traffic. An established flow's kept route stops
-    // serving at the end of its period, when its next packet comes here.
-    if !host_lets_direct() {
-        return TC_ACT_OK;
-    }
     let data = ctx.data();
     if data + F::IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
         return TC_ACT_OK;
@@ -220,6 +214,13 @@ pub(super) fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     let ip = unsafe { &*((data + F::IP_OFF) as *const F::Ip) };
     if F::hops(ip) <= 1 {
         return TC_ACT_OK; // the stack answers with "time exceeded"
+    }
+    // Something filters forwarded packets (a NetworkPolicy in the FORWARD chain), or
+    // `--forward-direct never`: the host's forwarding path, as for kube-proxy's traffic. An
+    // established flow's kept route stops serving at the end of its period, when its next
+    // packet comes here.
+    if KPR_FORWARD_DIRECT.load() == 0 || !host_lets_direct() {
+        return too_big_for_the_host_path::<F>(ctx, s, ip);
     }
     // In the scratch area (free here: a new flow's masquerade lookup is done), not on the
     // stack: this stage is inlined into the attached programs, whose frame bounds the chains
@@ -296,6 +297,35 @@ pub(super) fn forward_direct<F: Family>(ctx: &TcContext) -> i32 {
     }
     // No neighbour parameters: the kernel routes the packet again and resolves the next hop.
     unsafe { bpf_redirect_neigh(params.ifindex, core::ptr::null_mut(), 0, 0) as i32 }
+}
+
+/// A translated packet the host's forwarding path takes: `TOO_BIG` if it is masqueraded, may
+/// not be cut into fragments and is too big for the link its route leaves by. The kernel checks
+/// a forwarded packet against the link's MTU before the FORWARD hook and answers "fragmentation
+/// needed" to its source, which, masqueraded, is the node itself: the answer would be lost.
+/// `too_big` answers the client instead, as on the direct path. For a packet larger than the
+/// smallest link may be, that may not be fragmented: a hash lookup (the masquerade source),
+/// and a route lookup if it is masqueraded.
+#[inline(always)]
+fn too_big_for_the_host_path<F: Family>(ctx: &TcContext, s: *mut FlowScratch, ip: &F::Ip) -> i32 {
+    // SAFETY: a tc program's context is the packet's __sk_buff.
+    let skb = unsafe { &*(ctx.as_ptr() as *const __sk_buff) };
+    // Segmented to the link's size, small enough for any link, or fragmented by the stack.
+    if skb.gso_size != 0 || skb.len <= F::MIN_MTU + F::IP_OFF as u32 || F::may_fragment(ip) {
+        return TC_ACT_OK;
+    }
+    if node_addr_flags(&F::src(ip)) & NODE_ADDR_LOCAL == 0 {
+        return TC_ACT_OK; // not masqueraded: the stack's answer reaches the client
+    }
+    // SAFETY: the per-CPU scratch value, every byte written.
+    let params = unsafe { &mut (*s).fib };
+    zero_fib(params);
+    params.family = F::AF;
+    params.ifindex = ifindex(ctx);
+    F::fib_params(params, ip);
+    // tot_len 0: checked against the packet (GSO aware); the link's MTU stays in the answer.
+    let rc = unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, 0) };
+    if rc == i64::from(BPF_FIB_LKUP_RET_FRAG_NEEDED) { TOO_BIG } else { TC_ACT_OK }
 }
 
 /// Would the kernel forward this packet to a link of MTU `mtu` (`is_skb_forwardable`)? GSO

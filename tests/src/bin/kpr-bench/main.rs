@@ -642,6 +642,14 @@ fn tcp_frame(src: impl Into<IpAddr>, sport: u16, dst: impl Into<IpAddr>, dport: 
     p
 }
 
+/// `frame` (an IPv4 TCP frame) grown to an IP packet of 1500 bytes.
+fn full_size(frame: &[u8]) -> Vec<u8> {
+    let mut full = frame.to_vec();
+    full.resize(14 + 1500, 0);
+    full[16..18].copy_from_slice(&1500u16.to_be_bytes());
+    full
+}
+
 /// Make `to_service` (client:40000 → target:80, whose flow `run` opened and the backend
 /// answered) hit conntrack on every run of the kernel's `repeat`, which runs the program again
 /// on the packet it rewrote: a second flow, in the family's established table `table`, whose
@@ -734,7 +742,7 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     // (ns per run, the packet as the last run left it)
     // (ns per run, the packet as the last run left it, the last run's verdict)
     let run_with_output = |input: &[u8], repeat: u32| -> Result<(Duration, Vec<u8>, u32)> {
-        let mut buf = vec![0u8; 256];
+        let mut buf = vec![0u8; input.len().max(256)];
         let opts =
             TestRunOptions { data_in: Some(input), data_out: Some(&mut buf), repeat, ..TestRunOptions::default() };
         let result = prog.test_run(opts)?;
@@ -787,6 +795,9 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     // The floor in every object: each round's figures are also taken against its round's floor.
     let mut inputs = vec![
         ("established_flow", to_service.clone()),
+        // A full-size segment of that flow (IP 1500 bytes), as a bulk transfer's without GRO:
+        // the host's forwarding path checks its size against the route's MTU (`too_big`).
+        ("established_flow_full_size", full_size(&to_service)),
         ("established_flow_ipv6", to_service6),
         ("floor_non_ip", arp.clone()),
     ];
