@@ -22,6 +22,12 @@ pub static KPR_HOST_NETNS_COOKIE: Global<u64> = Global::new(0);
 #[unsafe(no_mangle)]
 pub static KPR_POD_LINKS_COVERED: Global<u8> = Global::new(0);
 
+/// 0 with `--socket-lb host-only`: the hooks leave pods' sockets alone, and the per-packet
+/// path on their links serves them (a mesh sidecar that redirects a pod's traffic then sees
+/// the Service's address, as behind kube-proxy). 1: pods' sockets are translated too.
+#[unsafe(no_mangle)]
+pub static KPR_SOCKET_LB_PODS: Global<u8> = Global::new(1);
+
 /// 1 when NodePorts answer on 127.0.0.0/8 for the node's own sockets (`localhostNodePorts`).
 #[unsafe(no_mangle)]
 pub static KPR_LOCALHOST_NODEPORTS: Global<u8> = Global::new(0);

@@ -23,6 +23,7 @@ use proxy_common::{
 
 use crate::globals::{
     KPR_AGENT_CGROUP_ID, KPR_HAVE_SET_RETVAL, KPR_HOST_NETNS_COOKIE, KPR_LOCALHOST_NODEPORTS, KPR_POD_LINKS_COVERED,
+    KPR_SOCKET_LB_PODS,
 };
 use crate::maps::{
     SERVICES, SOCK_PICKS, SOCK_REVNAT, ServiceRangeMiss, affinity_backend, backend_at, count, link_addr,
@@ -126,6 +127,11 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
     let host = KPR_HOST_NETNS_COOKIE.load();
     let netns = if host == 0 { 0 } else { unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } };
     let from_node = host == 0 || netns == host;
+    // `--socket-lb host-only`: a pod's packets are translated on its link, as kube-proxy's
+    // are in PREROUTING (the agent requires a known host namespace and every link covered).
+    if !from_node && KPR_SOCKET_LB_PODS.load() == 0 {
+        return ALLOW;
+    }
     let scope = if from_node { SCOPE_NODE } else { SCOPE_POD };
     let dest = family.user_addr(sa);
     let mut key = ServiceKey { addr: dest, port: sa.user_port as u16, proto, scope };

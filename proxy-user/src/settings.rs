@@ -3,7 +3,7 @@
 //! [`AgentConfig`] that follows from both.
 use std::{net::IpAddr, path::PathBuf, time::Duration};
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use proxy_common::defaults;
 
 use crate::{
@@ -41,6 +41,16 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 pub enum HostExternalIps {
     All,
     Local,
+}
+
+/// Whose sockets the socket path translates at `connect()`/`sendmsg()`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SocketLb {
+    /// The node's and every pod's.
+    All,
+    /// The node's only: pods' connections keep the Service's address until their packets
+    /// reach the node, where the per-packet path translates them, as kube-proxy does.
+    HostOnly,
 }
 
 #[derive(clap::Args)]
@@ -81,6 +91,14 @@ pub struct AgentArgs {
     /// Cilium's socket load balancer does. Pods and outside clients are served either way.
     #[arg(long, value_enum, default_value_t = HostExternalIps::All)]
     pub host_external_ips: HostExternalIps,
+    /// Whose sockets are translated at `connect()`: `all` (the node's and pods'), or
+    /// `host-only` (the node's): pods' traffic is then translated per packet on their links,
+    /// with the same semantics, so that what runs inside a pod before its packets leave it (a
+    /// service mesh's sidecar redirect reading `SO_ORIGINAL_DST`, a VM's or sandbox's own
+    /// kernel) sees the Service's address, as behind kube-proxy. `host-only` needs every link
+    /// covered (no `--interfaces`) and a kernel that tells network namespaces apart (5.14+).
+    #[arg(long, value_enum, default_value_t = SocketLb::All)]
+    pub socket_lb: SocketLb,
     /// The same as `--forward-direct never` (kept for earlier command lines).
     #[arg(long)]
     pub host_routing: bool,
@@ -369,6 +387,12 @@ pub fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
     };
     datapath.localhost_node_ports = config.localhost_node_ports_effective();
     datapath.pod_links_covered = tc_links == TcLinks::All;
+    datapath.socket_lb_pods = args.socket_lb == SocketLb::All;
+    if !datapath.socket_lb_pods && !datapath.pod_links_covered {
+        bail!(
+            "--socket-lb host-only leaves pods' traffic to the per-packet path: it needs every link (no --interfaces)"
+        );
+    }
     // Straight out only where kpr is on every link: a reply that comes back by a link kpr is
     // not on meets the host's conntrack, which must then have seen the flow's first packet.
     datapath.forward_direct =

@@ -684,6 +684,95 @@ fn a_wildcard_listener_on_the_backend_port_is_no_hairpin() {
     assert_eq!(seen, "10.244.1.1", "masqueraded as a hairpin");
 }
 
+/// A service mesh's sidecar (Istio's, Linkerd's) redirects its pod's outbound TCP to itself
+/// with a NAT rule in the pod, reads the original destination (`SO_ORIGINAL_DST`) and routes
+/// by it. Behind kube-proxy that is the Service's address, as the pod's packets are translated
+/// only once they reach the node. With the socket path on for pods (kpr's default) the
+/// sidecar sees the endpoint instead; with `--socket-lb host-only` it sees the Service, and
+/// its own connection to the Service is served per packet on pod-a's link.
+#[test]
+fn socket_lb_host_only_lets_a_mesh_sidecar_see_the_service_address() {
+    use proxy_common::counter::TRANSLATED;
+    const SIDECAR_PORT: u16 = 15001;
+    const SIDECAR_MARK: u32 = 0x539;
+    let cluster_ip = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 87), 80);
+    for (args, original) in [
+        (&[][..], SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, 2), POD_PORT)),
+        (&["--socket-lb", "host-only"][..], cluster_ip),
+    ] {
+        let mut c = Bridged::new_with("km-mesh", args).unwrap();
+        // This process's sockets are node-a's pods' (the socket path's cgroup).
+        c.nodes[0].cgroup.enter().unwrap();
+        let pod = &c.nodes[0]._pod;
+        // The sidecar's redirect: every outbound TCP connection but the sidecar's own (marked).
+        pod.sh(&format!(
+            "nft add table ip mesh && \
+             nft add chain ip mesh out '{{ type nat hook output priority -100; }}' && \
+             nft add rule ip mesh out meta mark != {SIDECAR_MARK} tcp dport != {SIDECAR_PORT} redirect to :{SIDECAR_PORT}"
+        ))
+        .unwrap();
+        let listener = pod.run(|| std::net::TcpListener::bind(("0.0.0.0", SIDECAR_PORT)).unwrap()).unwrap();
+        let sidecar = pod
+            .spawn(move || -> Result<()> {
+                use std::io::{BufRead as _, Write as _};
+                let (mut client, _) = listener.accept()?;
+                let original = original_dst(&client)?;
+                let upstream = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+                setsockopt_mark(&upstream, SIDECAR_MARK);
+                upstream.connect_timeout(&SocketAddr::V4(original).into(), TIMEOUT)?;
+                let upstream: TcpStream = upstream.into();
+                upstream.set_read_timeout(Some(TIMEOUT))?;
+                let mut name = String::new();
+                std::io::BufReader::new(upstream).read_line(&mut name)?;
+                writeln!(client, "{original} {}", name.trim_end())?;
+                Ok(())
+            })
+            .unwrap();
+        c.write("svc.yaml", &service("Cluster", 30087, &[(c.nodes[1].pod_ip, "node-b")]));
+        c.wait("10.96.0.87:80/TCP", 1);
+        let translated = || bpf::read_counters(&c.nodes[0].pins).unwrap()[TRANSLATED as usize].1;
+        let before = translated();
+        let answer = pod
+            .run(move || {
+                use std::io::BufRead as _;
+                let conn = TcpStream::connect_timeout(&cluster_ip.into(), TIMEOUT).unwrap();
+                conn.set_read_timeout(Some(TIMEOUT)).unwrap();
+                let mut line = String::new();
+                std::io::BufReader::new(conn).read_line(&mut line).unwrap();
+                line.trim_end().to_owned()
+            })
+            .unwrap();
+        sidecar.join().unwrap().unwrap();
+        assert_eq!(answer, format!("{original} pod-b"), "{args:?}: what the sidecar saw, and who answered it");
+        let at_socket = translated() - before;
+        let expected = if args.is_empty() { 1 } else { 0 };
+        assert_eq!(at_socket, expected, "{args:?}: connections translated at pod-a's sockets");
+    }
+}
+
+/// The destination a connection had before a NAT rule redirected it (`SO_ORIGINAL_DST`).
+fn original_dst(conn: &TcpStream) -> std::io::Result<SocketAddrV4> {
+    use std::os::fd::AsRawFd as _;
+    const SO_ORIGINAL_DST: i32 = 80;
+    // SAFETY: a sockaddr_in is plain bytes; getsockopt writes at most `len` of them.
+    let mut addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    let mut len = size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    let rc =
+        unsafe { libc::getsockopt(conn.as_raw_fd(), libc::SOL_IP, SO_ORIGINAL_DST, (&raw mut addr).cast(), &mut len) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(SocketAddrV4::new(u32::from_be(addr.sin_addr.s_addr).into(), u16::from_be(addr.sin_port)))
+}
+
+fn setsockopt_mark(socket: &socket2::Socket, mark: u32) {
+    use std::os::fd::AsRawFd as _;
+    // SAFETY: an int option of a socket this function borrows.
+    let rc =
+        unsafe { libc::setsockopt(socket.as_raw_fd(), libc::SOL_SOCKET, libc::SO_MARK, (&raw const mark).cast(), 4) };
+    assert_eq!(rc, 0, "SO_MARK: {}", std::io::Error::last_os_error());
+}
+
 #[test]
 fn links_created_after_the_agent_started_are_covered() {
     let c = Bridged::new("km-links").unwrap();

@@ -41,6 +41,9 @@ pub struct DatapathConfig {
     /// The per-packet path covers every link (pods' links included): the socket path may leave
     /// a pod's connection to it.
     pub pod_links_covered: bool,
+    /// The socket path translates pods' sockets too (`--socket-lb all`); false: the node's
+    /// only, pods are served per packet on their links (needs `pod_links_covered`).
+    pub socket_lb_pods: bool,
     /// What no service port takes in the service range is refused (kube-proxy's nftables mode).
     pub refuse_service_range: bool,
     /// Per-packet flow lifetimes, by state.
@@ -71,6 +74,7 @@ impl DatapathConfig {
             detect_local: proxy_common::DETECT_LOCAL_NONE,
             localhost_node_ports: false,
             pod_links_covered: false,
+            socket_lb_pods: true,
             // The agent's own default is `Auto` (its flag), which needs its watch of the host
             // to write `KPR_HOST_STATE`; a datapath loaded without one forwards directly.
             forward_direct: ForwardDirect::Always,
@@ -244,6 +248,12 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         }
         None => (EBPF_OBJECT, 0),
     };
+    if host_netns == 0 && !cfg.socket_lb_pods {
+        bail!(
+            "--socket-lb host-only needs the kernel to tell network namespaces apart (SO_NETNS_COOKIE, 5.14+): \
+             without it a pod's socket cannot be told from the node's"
+        );
+    }
     if host_netns == 0 {
         tracing::warn!(
             "the kernel does not tell network namespaces apart (SO_NETNS_COOKIE): every socket counts as the node's"
@@ -269,6 +279,7 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         have
     };
     let pod_links_covered = u8::from(cfg.pod_links_covered);
+    let socket_lb_pods = u8::from(cfg.socket_lb_pods);
     let localhost_node_ports = u8::from(cfg.localhost_node_ports);
     let forward_direct = u8::from(cfg.forward_direct != ForwardDirect::Never);
     let refuse_service_range = u8::from(cfg.refuse_service_range);
@@ -290,6 +301,7 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .override_global("KPR_COARSE_CLOCK", &have_coarse_clock, true)
         .override_global("KPR_HOST_NETNS_COOKIE", &host_netns, true)
         .override_global("KPR_POD_LINKS_COVERED", &pod_links_covered, true)
+        .override_global("KPR_SOCKET_LB_PODS", &socket_lb_pods, true)
         .override_global("KPR_LOCALHOST_NODEPORTS", &localhost_node_ports, true)
         .override_global("KPR_AGENT_CGROUP_ID", &cfg.agent_cgroup_id, true)
         .override_global("KPR_FORWARD_DIRECT", &forward_direct, true)
