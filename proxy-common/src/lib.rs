@@ -20,7 +20,7 @@ pub const PIN_LAYOUT_VERSION: u32 = 14;
 /// as a new counter. Not listed, so made anew: the slow-path program array (it holds the old
 /// programs); the flow caches are not pinned at all. The loader also checks each carried map's type, sizes and flags against the new
 /// object, and makes any that differ anew.
-pub const CARRIED_MAPS: [(&str, u32); 23] = {
+pub const CARRIED_MAPS: [(&str, u32); 24] = {
     use map_names::*;
     [
         (SERVICES, 12),
@@ -51,6 +51,8 @@ pub const CARRIED_MAPS: [(&str, u32); 23] = {
         (CT_GENERATION, 13),
         // Added within v13: an older v13 directory has none, and the first sync fills it.
         (NODE_SOURCES, 13),
+        // Added within v14: an older v14 directory has none, and the first sync fills it.
+        (SOCKET_SKIP, 14),
     ]
 };
 
@@ -78,6 +80,9 @@ pub mod map_names {
     /// Endpoint → the source address the node's own masqueraded connections to it are bound
     /// to, where routing would pick another than MASQUERADE.
     pub const NODE_SOURCES: &str = "KPR_NODE_SOURCES";
+    /// Pods whose sockets the socket path leaves alone: their cgroup ids (key 0: the cgroup
+    /// levels they sit at, a bit each).
+    pub const SOCKET_SKIP: &str = "KPR_SOCKET_SKIP";
     pub const SOURCE_RANGES: &str = "KPR_SOURCE_RANGES";
     pub const LOCAL_CIDRS: &str = "KPR_LOCAL_CIDRS";
     pub const LINKS: &str = "KPR_LINKS";
@@ -153,6 +158,10 @@ pub mod ct_generation {
     pub const WORDS: u32 = 2;
 }
 
+/// The cgroup levels a pod's cgroup may sit at for `KPR_SOCKET_SKIP` (1 to 15: kubelet's
+/// are at 2 to 4, under a container runtime in a pod deeper).
+pub const SOCKET_SKIP_LEVELS: u32 = 16;
+
 /// Default map sizes; the agent can override them at start.
 pub mod defaults {
     /// Service entries: a ClusterIP's port takes one per source scope (pod, outside, node) and
@@ -175,6 +184,9 @@ pub mod defaults {
     /// Endpoints of this node whose route's source is not the masquerade source (pods behind
     /// links whose only IPv4 address is link-scoped): one per local pod at most.
     pub const MAX_NODE_SOURCES: u32 = 4_096;
+    /// Pods of the node whose sockets the socket path leaves alone (one entry each, and one
+    /// for the levels).
+    pub const MAX_SOCKET_SKIP: u32 = 4_096;
     /// Links of the node (per-packet datapath: masquerade source, interface-based detection).
     pub const MAX_LINKS: u32 = 16_384;
     /// CIDRs of the local-traffic detector (clusterCIDR, the Node's podCIDRs).

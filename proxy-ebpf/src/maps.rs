@@ -46,6 +46,37 @@ pub static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNatValue, { defaults::M
 #[btf_map(name = "KPR_SOCK_PICKS", pin_by_name)]
 pub static SOCK_PICKS: LruHashMap<SockRevNatKey, Backend, { defaults::MAX_SOCK_REVNAT as usize }> = LruHashMap::new();
 
+/// Pods whose sockets the socket path leaves to the per-packet path (an annotation, or a
+/// mesh's sidecar): the cgroup id of each such pod → 1, and under key 0 the cgroup levels such
+/// pods sit at (bit n: level n), so that a connect() asks only those levels of its ancestry.
+#[btf_map(name = "KPR_SOCKET_SKIP", pin_by_name)]
+pub static SOCKET_SKIP: HashMap<u64, u32, { defaults::MAX_SOCKET_SKIP as usize }> = HashMap::new();
+
+/// Is the calling task in a pod whose sockets are left alone (`SOCKET_SKIP`)? One lookup while
+/// no pod is, one more per level that holds such pods.
+#[inline(always)]
+pub fn socket_skipped() -> bool {
+    // The key on the stack, written there: a reference to a constant 0 is folded into one to
+    // a global whose initial value is 0 (`KPR_HOST_NETNS_COOKIE`), which the loader then
+    // overwrites, and the lookup would ask for that value.
+    let mut levels_key = 1u64;
+    // SAFETY: a local variable.
+    unsafe { core::ptr::write_volatile(&mut levels_key, 0) };
+    // SAFETY: a map value, read at once.
+    let Some(levels) = (unsafe { SOCKET_SKIP.get(&levels_key) }).copied() else { return false };
+    for level in 1..proxy_common::SOCKET_SKIP_LEVELS {
+        if levels & (1 << level) != 0 {
+            // SAFETY: a helper that reads the calling task's cgroup.
+            let id = unsafe { aya_ebpf::helpers::bpf_get_current_ancestor_cgroup_id(level as i32) };
+            // SAFETY: as above.
+            if id != 0 && unsafe { SOCKET_SKIP.get(&id) }.is_some() {
+                return true;
+            }
+        }
+    }
+    false
+}
+
 /// Per-CPU event counters, indexed by `proxy_common::counter`.
 #[btf_map(name = "KPR_COUNTERS", pin_by_name)]
 pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();

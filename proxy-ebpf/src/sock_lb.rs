@@ -27,7 +27,7 @@ use crate::globals::{
 };
 use crate::maps::{
     SERVICES, SOCK_PICKS, SOCK_REVNAT, ServiceRangeMiss, affinity_backend, backend_at, count, link_addr,
-    node_addr_flags, node_source, now, refusal, remember_affinity, serves, service_range_miss,
+    node_addr_flags, node_source, now, refusal, remember_affinity, serves, service_range_miss, socket_skipped,
 };
 
 /// Return value that lets the syscall proceed.
@@ -159,7 +159,9 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
         return ALLOW;
     }
     let pod_links_covered = KPR_POD_LINKS_COVERED.load() != 0;
-    if pod_links_covered && service.flags & SERVICE_FLAG_SOCKET_SKIP != 0 {
+    // A service the per-packet path must serve, or a pod that opted out of the socket path
+    // (`kpr.io/socket-lb: "off"`, a mesh's sidecar).
+    if pod_links_covered && (service.flags & SERVICE_FLAG_SOCKET_SKIP != 0 || !from_node && socket_skipped()) {
         count(counter::SOCK_STEPPED_ASIDE);
         return ALLOW;
     }

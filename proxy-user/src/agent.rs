@@ -30,6 +30,7 @@ use crate::{
         cidr::Cidr,
         desired::ClusterState,
         node::{self, HostLink, NodeObject, NodeSettings, TcLinks},
+        socket_lb::{self, PodFacts},
     },
     servers::{metrics::Metrics, proxy_health::ProxyHealth},
     source::{self, SourceEvent},
@@ -119,9 +120,9 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
             let client = kube::Client::try_from(config)?;
             let (events, _) = crate::events::publisher(client.clone(), cfg.node.name.clone());
             conflict_events = Some(events);
-            let cidrs = cfg.options.refuse_service_range;
+            let options = cfg.options;
             let tx = tx.clone();
-            let run = move || source::kube::run(client.clone(), node_name.clone(), cidrs, tx.clone());
+            let run = move || source::kube::run(client.clone(), node_name.clone(), options, tx.clone());
             tokio::spawn(supervise("kubernetes", metrics.clone(), run))
         }
     };
@@ -227,7 +228,7 @@ pub async fn desired_state(
         SourceConfig::Manifests(dir) => tokio::spawn(source::manifests::run(dir, name, tx)),
         SourceConfig::Kube { kubeconfig, master } => {
             let client = kube::Client::try_from(source::kube::config(kubeconfig.as_deref(), master.as_deref()).await?)?;
-            tokio::spawn(source::kube::run(client, name, options.refuse_service_range, tx))
+            tokio::spawn(source::kube::run(client, name, options, tx))
         }
     };
     let programmer = Programmer::recover(&mut crate::datapath::fake::FakeMaps::new(crate::datapath::Capacity {
@@ -334,6 +335,12 @@ pub struct Syncer {
     /// until the service entries inside them are written.
     refused_ranges: std::collections::BTreeSet<Cidr>,
     deferred_node: Option<node::NodePlan>,
+    /// This node's pods and the namespaces' `kpr.io/socket-lb`: who opts out of the socket path.
+    pods: Vec<PodFacts>,
+    namespace_settings: std::collections::BTreeMap<String, String>,
+    /// A pod that opted out has no cgroup yet (kubelet makes it after the Pod is bound): look
+    /// again then.
+    cgroup_retry: Option<Instant>,
 }
 
 impl Syncer {
@@ -366,6 +373,9 @@ impl Syncer {
             takeover: None,
             refused_ranges: Default::default(),
             deferred_node: None,
+            pods: Vec::new(),
+            namespace_settings: Default::default(),
+            cgroup_retry: None,
         }
     }
 
@@ -421,12 +431,16 @@ impl Syncer {
             SourceEvent::ServiceDeleted(k) => self.state.delete_service(&k),
             SourceEvent::SliceApplied(s) => self.state.apply_slice(s),
             SourceEvent::SliceDeleted(k) => self.state.delete_slice(&k),
-            SourceEvent::ManifestsLoaded { services, slices, node, service_cidrs } => {
+            SourceEvent::ManifestsLoaded { services, slices, node, service_cidrs, pods, namespaces } => {
                 self.state.replace_services(services);
                 self.state.replace_slices(slices);
                 self.set_node_object(node);
                 self.set_service_cidrs(service_cidrs);
+                self.set_pods(pods);
+                self.set_namespace_settings(namespaces);
             }
+            SourceEvent::Pods(pods) => self.set_pods(pods),
+            SourceEvent::Namespaces(settings) => self.set_namespace_settings(settings),
             SourceEvent::ServiceCidrs(cidrs) => self.set_service_cidrs(cidrs),
             SourceEvent::Node(node) => self.set_node_object(node),
             SourceEvent::Host(links) => {
@@ -463,6 +477,44 @@ impl Syncer {
         self.proxy_health.queued_update();
     }
 
+    fn set_pods(&mut self, pods: Vec<PodFacts>) {
+        if pods != self.pods {
+            self.pods = pods;
+            self.node_dirty = true;
+        }
+    }
+
+    fn set_namespace_settings(&mut self, settings: std::collections::BTreeMap<String, String>) {
+        if settings != self.namespace_settings {
+            self.namespace_settings = settings;
+            self.node_dirty = true;
+        }
+    }
+
+    /// The cgroups of the pods that opt out of the socket path (`model::socket_lb`), as found
+    /// in the hierarchy now; a pod without one yet is looked for again in a second.
+    fn socket_skip(&mut self) -> std::collections::BTreeMap<u64, u32> {
+        self.cgroup_retry = None;
+        let Some(under) = &self.node_settings.pod_cgroups else { return Default::default() };
+        let uids = socket_lb::opted_out(&self.pods, &self.namespace_settings);
+        if !uids.is_empty() && self.node_settings.tc_links != TcLinks::All {
+            tracing::warn!(
+                pods = uids.len(),
+                "pods opt out of the socket path, but the per-packet path does not cover every link \
+                 (--interfaces): they are still translated at their sockets"
+            );
+        }
+        let found = source::cgroups::pod_cgroups(under, &uids);
+        if found.len() < uids.len() {
+            tracing::debug!(
+                missing = uids.len() - found.len(),
+                "pods that opt out of the socket path have no cgroup yet"
+            );
+            self.cgroup_retry = Some(Instant::now() + Duration::from_secs(1));
+        }
+        found.values().filter_map(|dir| source::cgroups::PodCgroup::of(dir)).map(|c| (c.id, c.level)).collect()
+    }
+
     fn set_service_cidrs(&mut self, cidrs: Vec<Cidr>) {
         if cidrs != self.service_cidrs {
             self.service_cidrs = cidrs;
@@ -488,7 +540,8 @@ impl Syncer {
         let last = self.last_sync?;
         let held = waiting.then(|| last + self.min_sync_period);
         let retry = self.retry_due().map(|at| at.max(last + self.min_sync_period));
-        held.into_iter().chain(retry).min()
+        let cgroups = self.cgroup_retry.map(|at| at.max(last + self.min_sync_period));
+        held.into_iter().chain(retry).chain(cgroups).min()
     }
 
     /// Write what changed, once both initial lists are in and minSyncPeriod allows.
@@ -584,6 +637,9 @@ impl Syncer {
             self.routed_endpoints = routed;
             self.node_dirty = true;
         }
+        if self.cgroup_retry.is_some_and(|at| at <= Instant::now()) {
+            self.node_dirty = true;
+        }
         if !self.node_dirty {
             return;
         }
@@ -607,6 +663,7 @@ impl Syncer {
         }
         let routes = self.endpoint_routes.iter().filter_map(|(ip, route)| Some((*ip, (*route)?)));
         plan.node_sources = node::node_sources(routes, &plan.links);
+        plan.socket_skip = self.socket_skip();
         // A service range refused anew takes effect once the service entries inside it are
         // written (after this sync's services): until then a ClusterIP's unknown port would be
         // dropped as an unallocated address instead of rejected.

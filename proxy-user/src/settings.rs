@@ -99,6 +99,14 @@ pub struct AgentArgs {
     /// covered (no `--interfaces`) and a kernel that tells network namespaces apart (5.14+).
     #[arg(long, value_enum, default_value_t = SocketLb::All)]
     pub socket_lb: SocketLb,
+    /// Serve only the Services labelled `service.kubernetes.io/service-proxy-name=NAME` (and
+    /// their EndpointSlices, which carry the Service's labels), and leave every other Service
+    /// to the kube-proxy running beside kpr, which skips labelled ones: Services move to kpr one
+    /// at a time, and back by removing the label. The service range is then not refused (its
+    /// other addresses are kube-proxy's). Give kpr other health and metrics ports than
+    /// kube-proxy's.
+    #[arg(long, value_name = "NAME", conflicts_with = "cleanup_kube_proxy")]
+    pub service_proxy_name: Option<String>,
     /// The same as `--forward-direct never` (kept for earlier command lines).
     #[arg(long)]
     pub host_routing: bool,
@@ -358,6 +366,16 @@ pub fn effective_config(args: &AgentArgs) -> Result<ProxyConfig> {
     Ok(config)
 }
 
+/// A Kubernetes label value: at most 63 characters, alphanumerics, '-', '_' and '.', beginning
+/// and ending with an alphanumeric (empty is a value, but names no proxy).
+fn label_value_ok(value: &str) -> bool {
+    let ends = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric());
+    value.len() <= 63
+        && ends(value.chars().next())
+        && ends(value.chars().last())
+        && value.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
 /// The agent's whole configuration: the file, the flags, and what follows from them.
 pub fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
     let config = effective_config(&args)?;
@@ -413,10 +431,27 @@ pub fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
     };
     // What no service port takes in the service range is refused, as kube-proxy's nftables
     // mode does; iptables mode passes it to the routing table, which kpr does on request only.
-    let refuse_service_range = config.mode == "nftables" || !args.pass_service_range;
+    let refuse_service_range =
+        (config.mode == "nftables" || !args.pass_service_range) && args.service_proxy_name.is_none();
     if args.pass_service_range && config.mode == "nftables" {
         tracing::warn!("--pass-service-range has no effect in mode: nftables, which refuses the service range itself");
     }
+    let service_proxy_name = match args.service_proxy_name {
+        Some(name) if !label_value_ok(&name) => bail!(
+            "--service-proxy-name {name:?} is not a label value (at most 63 letters, digits, '-', '_', '.', \
+             beginning and ending with a letter or digit)"
+        ),
+        Some(name) => {
+            tracing::info!(
+                name,
+                "serving only the Services labelled service.kubernetes.io/service-proxy-name={name}; the service \
+                 range is not refused (the rest is kube-proxy's)"
+            );
+            // The command line lives as long as the process.
+            Some(&*Box::leak(name.into_boxed_str()))
+        }
+        None => None,
+    };
     datapath.refuse_service_range = refuse_service_range;
     let source = match args.manifests {
         Some(dir) => SourceConfig::Manifests(dir),
@@ -432,6 +467,7 @@ pub fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
         detect_local: detector.clone(),
         node_ips: args.node_ips,
         bind_address: Some(config.bind_address).filter(|a| !a.is_unspecified()),
+        pod_cgroups: Some(datapath.cgroup.clone()),
         tc_links,
     };
     tracing::info!(config = %serde_json::to_string(&config)?, "effective configuration");
@@ -444,6 +480,7 @@ pub fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
             detect_local: detector.implemented(),
             refuse_service_range,
             host_external_ips_local_only: args.host_external_ips == HostExternalIps::Local,
+            service_proxy_name,
         },
         sync_period: config.sync_period,
         min_sync_period: config.min_sync_period,

@@ -442,3 +442,87 @@ fn kube_proxy_iptables_and_kpr_agree() {
 fn kube_proxy_nftables_and_kpr_agree() {
     differential("nftables");
 }
+
+/// `--service-proxy-name kpr` beside the running kube-proxy (iptables mode) on one node: kpr
+/// serves the Services labelled `service.kubernetes.io/service-proxy-name: kpr`, kube-proxy
+/// (which skips labelled Services) the rest, and neither touches the other's. Labelling a
+/// Service moves its new connections to kpr while a connection kube-proxy translated keeps
+/// working; removing the label moves it back. Who translated a connection: kpr counts each at
+/// its socket (`translated`).
+#[test]
+fn a_service_moves_to_kpr_by_its_label_and_back_with_kube_proxy_beside() {
+    use std::io::{BufRead as _, BufReader, Write as _};
+    let cluster = Cluster::start("kp-canary").expect("control plane");
+    let mut h = Harness::new("kpcan", &PODS[..2]).expect("harness");
+    h.kubeconfig = Some(cluster.admin_kubeconfig.clone());
+    h.agent_args = vec!["--service-proxy-name".into(), "kpr".into()];
+    let pod_ips: Vec<IpAddr> = h.topology.pods.iter().map(|p| p.ip.into()).collect();
+    let http = [("http", POD_PORT, "TCP")];
+    // A Service and its slice, labelled for kpr or not (the EndpointSlice controller copies
+    // the Service's labels to its slices).
+    let service = |name: &str, kpr: bool| {
+        let label = if kpr { "\n    service.kubernetes.io/service-proxy-name: kpr" } else { "" };
+        let slice = testbed::slice_manifest("test", name, &format!("{name}-abc12"), &pod_ips, &http);
+        let slice = if kpr {
+            slice.replace(
+                "    kubernetes.io/service-name:",
+                "    service.kubernetes.io/service-proxy-name: kpr\n    kubernetes.io/service-name:",
+            )
+        } else {
+            slice
+        };
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: test\n  labels:\n    app: {name}{label}\n\
+             spec:\n  ports: [{{name: http, port: 80, targetPort: {POD_PORT}}}]\n---\n{slice}"
+        )
+    };
+    cluster.apply("apiVersion: v1\nkind: Namespace\nmetadata: {name: test}\n").unwrap();
+    cluster.apply(&format!("{}---\n{}", service("web", false), service("canary", true))).unwrap();
+    let applied = unix_now();
+    let (web, canary) = (cluster.cluster_ip("test", "web").unwrap(), cluster.cluster_ip("test", "canary").unwrap());
+    let mut kube_proxy =
+        KubeProxy::start(&cluster, &h.topology.client, "iptables", "kp-node", "veth0").expect("kube-proxy");
+    h.start_agent().unwrap();
+    h.wait(&format!("{canary}:80/TCP"), Some(2)).unwrap();
+    kube_proxy.wait_synced_after(applied, Duration::from_secs(60)).unwrap();
+    h.wait(&format!("{web}:80/TCP"), None).expect("web is kube-proxy's");
+
+    // One connection through whoever serves `ip` (this process is in kpr's cgroup): the pod
+    // that answered, and whether kpr translated it.
+    let ask = |ip: std::net::Ipv4Addr| {
+        let before = h.counter("translated");
+        let (name, _) = h.client(move || testbed::tcp_ask_peer(SocketAddrV4::new(ip, 80), PROBE_TIMEOUT)).unwrap();
+        (name.starts_with("pod-"), h.counter("translated") > before)
+    };
+    assert_eq!(ask(web), (true, false), "web: answered, through kube-proxy");
+    assert_eq!(ask(canary), (true, true), "canary: answered, through kpr");
+
+    // A connection kube-proxy translated, held open across the move.
+    let held = h
+        .client(move || std::net::TcpStream::connect_timeout(&SocketAddrV4::new(web, 80).into(), PROBE_TIMEOUT))
+        .unwrap();
+    held.set_read_timeout(Some(PROBE_TIMEOUT)).unwrap();
+    let mut held_reader = BufReader::new(held.try_clone().unwrap());
+    let mut line = String::new();
+    held_reader.read_line(&mut line).unwrap();
+
+    // web labelled for kpr: kpr programs it, kube-proxy drops its rules.
+    cluster.apply(&service("web", true)).unwrap();
+    let moved = unix_now();
+    h.wait(&format!("{web}:80/TCP"), Some(2)).unwrap();
+    kube_proxy.wait_synced_after(moved, Duration::from_secs(60)).unwrap();
+    assert_eq!(ask(web), (true, true), "web, labelled: through kpr");
+    (&held).write_all(b"peer?\n").unwrap();
+    line.clear();
+    held_reader.read_line(&mut line).unwrap();
+    assert!(!line.trim().is_empty(), "the connection kube-proxy translated still carries data");
+
+    // The label removed: back to kube-proxy.
+    cluster.apply(&service("web", false)).unwrap();
+    let back = unix_now();
+    h.wait(&format!("{web}:80/TCP"), None).expect("kpr lets web go with its label");
+    kube_proxy.wait_synced_after(back, Duration::from_secs(60)).unwrap();
+    assert_eq!(ask(web), (true, false), "web, unlabelled again: through kube-proxy");
+    assert_eq!(ask(canary), (true, true), "canary stays kpr's");
+    assert!(kube_proxy.running(), "kube-proxy exited:\n{}", kube_proxy.log_tail());
+}

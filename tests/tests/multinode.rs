@@ -693,8 +693,6 @@ fn a_wildcard_listener_on_the_backend_port_is_no_hairpin() {
 #[test]
 fn socket_lb_host_only_lets_a_mesh_sidecar_see_the_service_address() {
     use proxy_common::counter::TRANSLATED;
-    const SIDECAR_PORT: u16 = 15001;
-    const SIDECAR_MARK: u32 = 0x539;
     let cluster_ip = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 87), 80);
     for (args, original) in [
         (&[][..], SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, 2), POD_PORT)),
@@ -704,50 +702,116 @@ fn socket_lb_host_only_lets_a_mesh_sidecar_see_the_service_address() {
         // This process's sockets are node-a's pods' (the socket path's cgroup).
         c.nodes[0].cgroup.enter().unwrap();
         let pod = &c.nodes[0]._pod;
-        // The sidecar's redirect: every outbound TCP connection but the sidecar's own (marked).
-        pod.sh(&format!(
-            "nft add table ip mesh && \
-             nft add chain ip mesh out '{{ type nat hook output priority -100; }}' && \
-             nft add rule ip mesh out meta mark != {SIDECAR_MARK} tcp dport != {SIDECAR_PORT} redirect to :{SIDECAR_PORT}"
-        ))
-        .unwrap();
-        let listener = pod.run(|| std::net::TcpListener::bind(("0.0.0.0", SIDECAR_PORT)).unwrap()).unwrap();
-        let sidecar = pod
-            .spawn(move || -> Result<()> {
-                use std::io::{BufRead as _, Write as _};
-                let (mut client, _) = listener.accept()?;
-                let original = original_dst(&client)?;
-                let upstream = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-                setsockopt_mark(&upstream, SIDECAR_MARK);
-                upstream.connect_timeout(&SocketAddr::V4(original).into(), TIMEOUT)?;
-                let upstream: TcpStream = upstream.into();
-                upstream.set_read_timeout(Some(TIMEOUT))?;
-                let mut name = String::new();
-                std::io::BufReader::new(upstream).read_line(&mut name)?;
-                writeln!(client, "{original} {}", name.trim_end())?;
-                Ok(())
-            })
-            .unwrap();
+        redirect_to_a_sidecar(pod);
         c.write("svc.yaml", &service("Cluster", 30087, &[(c.nodes[1].pod_ip, "node-b")]));
         c.wait("10.96.0.87:80/TCP", 1);
         let translated = || bpf::read_counters(&c.nodes[0].pins).unwrap()[TRANSLATED as usize].1;
         let before = translated();
-        let answer = pod
-            .run(move || {
-                use std::io::BufRead as _;
-                let conn = TcpStream::connect_timeout(&cluster_ip.into(), TIMEOUT).unwrap();
-                conn.set_read_timeout(Some(TIMEOUT)).unwrap();
-                let mut line = String::new();
-                std::io::BufReader::new(conn).read_line(&mut line).unwrap();
-                line.trim_end().to_owned()
-            })
-            .unwrap();
-        sidecar.join().unwrap().unwrap();
+        let answer = through_the_sidecar(pod, cluster_ip);
         assert_eq!(answer, format!("{original} pod-b"), "{args:?}: what the sidecar saw, and who answered it");
         let at_socket = translated() - before;
         let expected = if args.is_empty() { 1 } else { 0 };
         assert_eq!(at_socket, expected, "{args:?}: connections translated at pod-a's sockets");
     }
+}
+
+/// Per pod, with the socket path on for the rest: a pod annotated `kpr.io/socket-lb: "off"`,
+/// in a Namespace so annotated, or injected by a mesh (`sidecar.istio.io/status`) is left to
+/// the per-packet path, and its sidecar sees the Service's address; `"on"` on the Pod wins over
+/// its Namespace. The pod is this process, in a cgroup named as kubelet's systemd driver names
+/// it, below node-a's (where the socket hooks are).
+#[test]
+fn a_pod_opts_out_of_the_socket_path_by_annotation() {
+    use std::os::unix::fs::MetadataExt as _;
+    const UID: &str = "5f0c1d2e-0000-4000-8000-00000000a001";
+    let c = Bridged::new("km-optout").unwrap();
+    let node_cgroup = c.nodes[0].cgroup.path.file_name().unwrap().to_string_lossy().into_owned();
+    let mut pod_cgroup =
+        Cgroup::new(&format!("{node_cgroup}/kubepods-besteffort-pod{}.slice", UID.replace('-', "_"))).unwrap();
+    pod_cgroup.enter().unwrap();
+    let pod_cgroup_id = std::fs::metadata(&pod_cgroup.path).unwrap().ino();
+    let pod = &c.nodes[0]._pod;
+    redirect_to_a_sidecar(pod);
+    c.write("svc.yaml", &service("Cluster", 30088, &[(c.nodes[1].pod_ip, "node-b")]));
+    c.wait("10.96.0.88:80/TCP", 1);
+    let cluster_ip = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 88), 80);
+    let endpoint = SocketAddrV4::new(c.nodes[1].pod_ip, POD_PORT);
+    let off = "kpr.io/socket-lb: 'off'";
+    for (pod_annotations, namespace_annotations, original) in [
+        ("", "", endpoint),
+        (off, "", cluster_ip),
+        ("", off, cluster_ip),
+        ("kpr.io/socket-lb: 'on'", off, endpoint),
+        ("sidecar.istio.io/status: '{}'", "", cluster_ip),
+    ] {
+        c.write(
+            "pod.yaml",
+            &format!(
+                "apiVersion: v1\nkind: Pod\nmetadata: {{name: app, namespace: t, uid: {UID}, annotations: {{{pod_annotations}}}}}\n\
+                 spec: {{nodeName: node-a, containers: [{{name: app, image: app}}]}}\n---\napiVersion: v1\nkind: Namespace\n\
+                 metadata: {{name: t, annotations: {{{namespace_annotations}}}}}\n"
+            ),
+        );
+        let skipped = original == cluster_ip;
+        let deadline = std::time::Instant::now() + testbed::slow(Duration::from_secs(10));
+        while bpf::read_socket_skip(&c.nodes[0].pins).unwrap().contains_key(&pod_cgroup_id) != skipped {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "pod {pod_annotations:?}, namespace {namespace_annotations:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let answer = through_the_sidecar(pod, cluster_ip);
+        assert_eq!(answer, format!("{original} pod-b"), "pod {pod_annotations:?}, namespace {namespace_annotations:?}");
+    }
+}
+
+const SIDECAR_PORT: u16 = 15001;
+const SIDECAR_MARK: u32 = 0x539;
+
+/// A sidecar's redirect in `pod`: every outbound TCP connection but the sidecar's own (marked)
+/// goes to the sidecar's port.
+fn redirect_to_a_sidecar(pod: &Netns) {
+    pod.sh(&format!(
+        "nft add table ip mesh && \
+         nft add chain ip mesh out '{{ type nat hook output priority -100; }}' && \
+         nft add rule ip mesh out meta mark != {SIDECAR_MARK} tcp dport != {SIDECAR_PORT} redirect to :{SIDECAR_PORT}"
+    ))
+    .unwrap();
+}
+
+/// Connect from `pod` to `service` through its sidecar, which reads the original destination,
+/// connects there itself and answers "<original destination> <the name its upstream gave>".
+fn through_the_sidecar(pod: &Netns, service: SocketAddrV4) -> String {
+    let listener = pod.run(|| std::net::TcpListener::bind(("0.0.0.0", SIDECAR_PORT)).unwrap()).unwrap();
+    let sidecar = pod
+        .spawn(move || -> Result<()> {
+            use std::io::{BufRead as _, Write as _};
+            let (mut client, _) = listener.accept()?;
+            let original = original_dst(&client)?;
+            let upstream = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+            setsockopt_mark(&upstream, SIDECAR_MARK);
+            upstream.connect_timeout(&SocketAddr::V4(original).into(), TIMEOUT)?;
+            let upstream: TcpStream = upstream.into();
+            upstream.set_read_timeout(Some(TIMEOUT))?;
+            let mut name = String::new();
+            std::io::BufReader::new(upstream).read_line(&mut name)?;
+            writeln!(client, "{original} {}", name.trim_end())?;
+            Ok(())
+        })
+        .unwrap();
+    let answer = pod
+        .run(move || {
+            use std::io::BufRead as _;
+            let conn = TcpStream::connect_timeout(&service.into(), TIMEOUT).unwrap();
+            conn.set_read_timeout(Some(TIMEOUT)).unwrap();
+            let mut line = String::new();
+            std::io::BufReader::new(conn).read_line(&mut line).unwrap();
+            line.trim_end().to_owned()
+        })
+        .unwrap();
+    sidecar.join().unwrap().unwrap();
+    answer
 }
 
 /// The destination a connection had before a NAT rule redirected it (`SO_ORIGINAL_DST`).

@@ -32,6 +32,9 @@ pub struct StatusReport {
     /// host's forwarding path, because something filters forwarded packets, or by setting).
     pub forwarding: &'static str,
     pub links: Vec<LinkView>,
+    /// Pods whose sockets the socket path leaves to the per-packet path (`kpr.io/socket-lb`,
+    /// a mesh's sidecar), by the cgroup the agent found for each.
+    pub pods_off_the_socket_path: usize,
     pub maps: Vec<MapUse>,
     /// The counters that only move when something went wrong, where they are not zero.
     pub trouble: BTreeMap<&'static str, u64>,
@@ -113,6 +116,8 @@ pub fn report(pin_root: &Path, healthz: SocketAddr) -> Result<StatusReport> {
         kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_owned(),
         forwarding: if direct { "direct" } else { "host" },
         links: links(pin_root)?,
+        // An older layout's directory may not have the map yet.
+        pods_off_the_socket_path: bpf::read_socket_skip(pin_root).map_or(0, |m| m.len()),
         maps: map_use,
         trouble,
     })
@@ -189,6 +194,13 @@ pub fn text(r: &StatusReport) -> String {
         })
         .collect();
     let _ = writeln!(out, "links:      {}", if links.is_empty() { "none".to_owned() } else { links.join(", ") });
+    if r.pods_off_the_socket_path > 0 {
+        let _ = writeln!(
+            out,
+            "pods:       {} left to the per-packet path (kpr.io/socket-lb, mesh sidecars)",
+            r.pods_off_the_socket_path
+        );
+    }
     let _ = writeln!(out, "maps:");
     for m in &r.maps {
         let percent = if m.capacity == 0 { 0.0 } else { 100.0 * m.entries as f64 / f64::from(m.capacity) };

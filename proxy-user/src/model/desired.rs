@@ -454,7 +454,7 @@ impl ClusterState {
             self.skip("Service", "<unnamed>", &Skip::Unnamed);
             return;
         };
-        let info = ServiceInfo::new(&svc);
+        let info = ServiceInfo::new(&svc, self.options.service_proxy_name);
         if self.services.get(&key) != Some(&info) {
             self.dirty.insert(key.clone());
             self.services.insert(key, info);
@@ -472,7 +472,7 @@ impl ClusterState {
             self.skip("EndpointSlice", "<unnamed>", &Skip::Unnamed);
             return;
         };
-        let slice = match SliceInfo::new(slice) {
+        let slice = match SliceInfo::new(slice, self.options.service_proxy_name) {
             Ok(slice) => slice,
             Err(e) => {
                 self.skip("EndpointSlice", &key.to_string(), &e);

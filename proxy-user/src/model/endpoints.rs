@@ -55,7 +55,7 @@ struct SliceEndpoint {
 impl SliceInfo {
     /// Keep what the model reads of `slice`; a slice without a name or a service label is
     /// refused. Conditions left unset mean ready and serving, not terminating.
-    pub fn new(slice: EndpointSlice) -> Result<Self, Skip> {
+    pub fn new(slice: EndpointSlice, proxy_name: Option<&str>) -> Result<Self, Skip> {
         let service = owning_service(&slice)?;
         let endpoints = slice
             .endpoints
@@ -84,7 +84,7 @@ impl SliceInfo {
         Ok(Self {
             name: slice.metadata.name.clone().unwrap_or_default(),
             service,
-            ignored: ignored_by_labels(&slice.metadata),
+            ignored: ignored_by_labels(&slice.metadata, proxy_name),
             address_type: slice.address_type,
             ports: slice
                 .ports
@@ -313,7 +313,7 @@ endpoints:
             "metadata: {name: web-c, namespace: shop, labels: {kubernetes.io/service-name: web}}\naddressType: IPv6\nports: [{name: http, port: 8080}]\nendpoints: [{addresses: ['fd00::1']}]",
         );
         let mut skipped = vec![];
-        let infos = [&a, &b, &v6].map(|s| SliceInfo::new(s.clone()).unwrap());
+        let infos = [&a, &b, &v6].map(|s| SliceInfo::new(s.clone(), None).unwrap());
         let by_port = endpoints_by_port(&infos, IpFamily::V4, &node(), &mut skipped);
         let http = &by_port[&("http".into(), Protocol::Tcp)];
         assert_eq!(ips(http), ["10.0.0.1", "10.0.0.2", "10.0.0.3"]);
@@ -335,7 +335,7 @@ endpoints:
             "metadata: {name: s, labels: {kubernetes.io/service-name: x}}\naddressType: IPv4\nports: [{name: a, port: 99999}, {name: b, port: 80}]\nendpoints: [{addresses: [not-an-ip]}, {addresses: [10.0.0.9]}]",
         );
         let mut skipped = vec![];
-        let by_port = endpoints_by_port([&SliceInfo::new(s).unwrap()], IpFamily::V4, &node(), &mut skipped);
+        let by_port = endpoints_by_port([&SliceInfo::new(s, None).unwrap()], IpFamily::V4, &node(), &mut skipped);
         assert_eq!(ips(&by_port[&("b".into(), Protocol::Tcp)]), ["10.0.0.9"]);
         assert!(!by_port.contains_key(&("a".into(), Protocol::Tcp)));
         assert_eq!(

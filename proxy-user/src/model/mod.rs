@@ -7,12 +7,14 @@
 //! - [`desired`]: both together → the datapath's desired contents, one entry per
 //!   frontend and source scope, with the backends kube-proxy would DNAT to;
 //! - [`node`]: the node's links, addresses and `v1/Node` → where NodePorts are served, who is
-//!   local, which links the per-packet path covers.
+//!   local, which links the per-packet path covers;
+//! - [`socket_lb`]: which pods of the node the socket path leaves to the per-packet path.
 pub mod cidr;
 pub mod desired;
 pub mod endpoints;
 pub mod node;
 pub mod service;
+pub mod socket_lb;
 
 use std::{fmt, net::IpAddr};
 
@@ -166,6 +168,11 @@ pub struct ProxyOptions {
     /// node's addresses as it is (`--host-external-ips local`): no Service can take over the
     /// node's connections to other machines (CVE-2020-8554). Off: translated, as kube-proxy does.
     pub host_external_ips_local_only: bool,
+    /// `--service-proxy-name`: serve only the Services (and slices) labelled
+    /// `service.kubernetes.io/service-proxy-name` with this name, and leave the others to the
+    /// kube-proxy beside it. None: kube-proxy's rule (no such label). Lives as long as the
+    /// process (it comes from the command line).
+    pub service_proxy_name: Option<&'static str>,
 }
 
 /// An IP family. kube-proxy runs one proxier per family, and each sees a Service only through

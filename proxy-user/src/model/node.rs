@@ -137,6 +137,10 @@ pub struct NodeSettings {
     /// `bindAddress` when it names an address (the primary address, as in kube-proxy).
     pub bind_address: Option<IpAddr>,
     pub tc_links: TcLinks,
+    /// The cgroup the socket hooks are attached to, where pods that opt out of the socket
+    /// path are looked for (the hooks heed them only where the per-packet path covers every
+    /// link); None: not looked for.
+    pub pod_cgroups: Option<std::path::PathBuf>,
 }
 
 /// The host side of the datapath, derived from the links, the Node and the settings.
@@ -160,6 +164,9 @@ pub struct NodePlan {
     /// Endpoint → the source the node's own masqueraded connections to it are bound to
     /// ([`node_sources`]); filled by the agent from the routes to this node's endpoints.
     pub node_sources: BTreeMap<IpAddr, IpAddr>,
+    /// Pods whose sockets the socket path leaves alone: cgroup id → its level; filled by the
+    /// agent from the pods' annotations and the cgroup hierarchy.
+    pub socket_skip: BTreeMap<u64, u32>,
 }
 
 /// The kernel's route toward an address (RTM_GETROUTE), as a socket connecting there gets it.
@@ -349,6 +356,7 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
         info,
         service_cidrs: BTreeSet::new(),
         node_sources: BTreeMap::new(),
+        socket_skip: BTreeMap::new(),
     }
 }
 

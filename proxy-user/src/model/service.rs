@@ -33,8 +33,11 @@ pub struct ServiceInfo {
 }
 
 impl ServiceInfo {
-    pub fn new(service: &Service) -> Self {
-        Self { translated: translate(service), created: service.metadata.creation_timestamp.as_ref().map(|t| t.0) }
+    pub fn new(service: &Service, proxy_name: Option<&str>) -> Self {
+        Self {
+            translated: translate_for(service, proxy_name),
+            created: service.metadata.creation_timestamp.as_ref().map(|t| t.0),
+        }
     }
 }
 
@@ -42,19 +45,42 @@ pub fn object_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectM
     Some(ObjectKey::new(meta.namespace.clone().unwrap_or_else(|| "default".into()), meta.name.clone()?))
 }
 
-/// True when kube-proxy ignores the object because of its labels (the informers' selector).
-pub fn ignored_by_labels(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> bool {
-    meta.labels.as_ref().is_some_and(|l| l.contains_key(LABEL_SERVICE_PROXY_NAME) || l.contains_key(LABEL_HEADLESS))
+/// The label selector of the informers for Services and EndpointSlices (the EndpointSlice
+/// controller copies a Service's labels to its slices): kube-proxy's, or with
+/// `--service-proxy-name NAME` the objects labelled with that name only.
+pub fn label_selector(proxy_name: Option<&str>) -> String {
+    match proxy_name {
+        None => PROXY_LABEL_SELECTOR.to_owned(),
+        Some(name) => format!("{LABEL_SERVICE_PROXY_NAME}={name},!{LABEL_HEADLESS}"),
+    }
+}
+
+/// True when the object is not this proxy's because of its labels (the informers' selector):
+/// headless, or labelled for another proxy (`proxy_name`: kpr's `--service-proxy-name`; None:
+/// kube-proxy's rule, any such label is another proxy's).
+pub fn ignored_by_labels(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    proxy_name: Option<&str>,
+) -> bool {
+    let labels = meta.labels.as_ref();
+    let headless = labels.is_some_and(|l| l.contains_key(LABEL_HEADLESS));
+    let proxy = labels.and_then(|l| l.get(LABEL_SERVICE_PROXY_NAME)).map(String::as_str);
+    headless || proxy != proxy_name
 }
 
 /// The service ports kube-proxy would program for `service`. Headless, ExternalName and
 /// other-proxy services have none. A malformed ClusterIP skips the whole service (nothing
 /// half-programmed); a malformed port skips that port.
 pub fn translate(service: &Service) -> Result<Translated, Skip> {
+    translate_for(service, None)
+}
+
+/// [`translate`] for the proxy named `proxy_name` (`--service-proxy-name`).
+pub fn translate_for(service: &Service, proxy_name: Option<&str>) -> Result<Translated, Skip> {
     let key = object_key(&service.metadata).ok_or(Skip::Unnamed)?;
     let mut out = Translated { ports: Vec::new(), skipped: Vec::new() };
     let Some(spec) = &service.spec else { return Ok(out) };
-    if ignored_by_labels(&service.metadata) || spec.type_.as_deref() == Some("ExternalName") {
+    if ignored_by_labels(&service.metadata, proxy_name) || spec.type_.as_deref() == Some("ExternalName") {
         return Ok(out);
     }
 
@@ -141,6 +167,24 @@ fn parse_ips<'a>(raw: impl Iterator<Item = &'a str>) -> Result<Vec<IpAddr>, Skip
 mod tests {
     use super::*;
     use crate::model::tests::service_yaml;
+
+    #[test]
+    fn a_named_proxy_serves_its_own_label_only() {
+        let labelled = |value: Option<&str>| {
+            let labels = value.map_or(String::new(), |v| format!(", labels: {{{LABEL_SERVICE_PROXY_NAME}: {v}}}"));
+            service_yaml(&format!(
+                "metadata: {{name: p{labels}}}\nspec: {{clusterIP: 10.96.0.1, ports: [{{port: 80}}]}}"
+            ))
+        };
+        let ports = |svc: &Service, name| translate_for(svc, name).unwrap().ports.len();
+        assert_eq!(ports(&labelled(None), None), 1, "kube-proxy's: unlabelled");
+        assert_eq!(ports(&labelled(Some("kpr")), None), 0, "kube-proxy skips any proxy's label");
+        assert_eq!(ports(&labelled(Some("kpr")), Some("kpr")), 1, "kpr's own");
+        assert_eq!(ports(&labelled(None), Some("kpr")), 0, "left to kube-proxy");
+        assert_eq!(ports(&labelled(Some("other")), Some("kpr")), 0, "another proxy's");
+        assert_eq!(label_selector(Some("kpr")), format!("{LABEL_SERVICE_PROXY_NAME}=kpr,!{LABEL_HEADLESS}"));
+        assert_eq!(label_selector(None), PROXY_LABEL_SELECTOR);
+    }
 
     #[test]
     fn multi_port_service() {

@@ -6,7 +6,7 @@ use std::{fmt::Debug, path::Path};
 use anyhow::{Context as _, Result};
 use futures::{StreamExt as _, TryStreamExt as _};
 use k8s_openapi::api::{
-    core::v1::{Node, Service},
+    core::v1::{Namespace, Node, Pod, Service},
     discovery::v1::EndpointSlice,
     networking::v1::ServiceCIDR,
 };
@@ -18,7 +18,12 @@ use kube::{
 use tokio::sync::mpsc;
 
 use super::SourceEvent;
-use crate::model::{ObjectKey, node::NodeObject, service::PROXY_LABEL_SELECTOR};
+use crate::model::{
+    ObjectKey, ProxyOptions,
+    node::NodeObject,
+    service,
+    socket_lb::{self, PodFacts},
+};
 
 /// The client configuration: a kubeconfig file, or in-cluster / `KUBECONFIG` inference when
 /// none is given; `master` overrides the API server's address (kube-proxy's `--master`).
@@ -62,12 +67,19 @@ pub fn bootstrap_problem(
     ))
 }
 
-/// Watch Services, EndpointSlices and this node's Node (and, when `service_cidrs`, the
-/// ServiceCIDRs) until the receiver goes away.
-pub async fn run(client: Client, node_name: String, service_cidrs: bool, tx: mpsc::Sender<SourceEvent>) -> Result<()> {
+/// Watch Services and EndpointSlices (this proxy's: `options.service_proxy_name`), this node's
+/// Node and Pods, the Namespaces (and, when the service range is refused, the ServiceCIDRs)
+/// until the receiver goes away.
+pub async fn run(
+    client: Client,
+    node_name: String,
+    options: ProxyOptions,
+    tx: mpsc::Sender<SourceEvent>,
+) -> Result<()> {
     // Lists (and relists) are served from the API server's watch cache (resourceVersion 0),
     // as client-go informers do: a quorum read from etcd per node does not scale to thousands.
-    let config = watcher::Config::default().any_semantic().labels(PROXY_LABEL_SELECTOR);
+    let config = watcher::Config::default().any_semantic().labels(&service::label_selector(options.service_proxy_name));
+    let service_cidrs = options.refuse_service_range;
     let services = watch::<Service>(
         Api::all(client.clone()),
         config.clone(),
@@ -84,10 +96,85 @@ pub async fn run(client: Client, node_name: String, service_cidrs: bool, tx: mps
         SourceEvent::SliceApplied,
         SourceEvent::SliceDeleted,
     );
+    let pods = watch_snapshot::<Pod, PodFacts>(
+        Api::all(client.clone()),
+        watcher::Config::default().any_semantic().fields(&format!("spec.nodeName={node_name}")),
+        tx.clone(),
+        |pod| PodFacts::from_pod(pod).map(|f| (f.uid.clone(), f)),
+        |pods| SourceEvent::Pods(pods.into_values().collect()),
+    );
+    let namespaces = watch_snapshot::<Namespace, String>(
+        Api::all(client.clone()),
+        watcher::Config::default().any_semantic(),
+        tx.clone(),
+        socket_lb::namespace_setting,
+        SourceEvent::Namespaces,
+    );
     let node = watch_node(Api::all(client.clone()), node_name, tx.clone());
     let cidrs = async { if service_cidrs { watch_service_cidrs(Api::all(client), tx).await } else { Ok(()) } };
-    tokio::try_join!(services, slices, node, cidrs)?;
+    tokio::try_join!(services, slices, node, cidrs, pods, namespaces)?;
     Ok(())
+}
+
+/// Objects of kind `K` reduced to what kpr needs of them (`facts`: key and value, None to
+/// leave one out), sent whole after every change. Without the permission to watch them (an
+/// older ClusterRole), logged once and left: only the socket path's opt-outs need them.
+async fn watch_snapshot<K, T>(
+    api: Api<K>,
+    config: watcher::Config,
+    tx: mpsc::Sender<SourceEvent>,
+    facts: fn(&K) -> Option<(String, T)>,
+    send: fn(std::collections::BTreeMap<String, T>) -> SourceEvent,
+) -> Result<()>
+where
+    K: Resource<DynamicType = ()> + Clone + Debug + serde::de::DeserializeOwned + Send + 'static,
+    T: Clone,
+{
+    let kind = K::kind(&());
+    let mut stream = watcher(api, config).default_backoff().boxed();
+    // By object name (namespace/name): a Delete names the object, not its facts.
+    let mut known: std::collections::BTreeMap<String, (String, T)> = Default::default();
+    let mut listing: Option<std::collections::BTreeMap<String, (String, T)>> = None;
+    let id = |o: &K| format!("{}/{}", o.namespace().unwrap_or_default(), o.name_any());
+    loop {
+        match stream.try_next().await {
+            Ok(Some(watcher::Event::Init)) => listing = Some(Default::default()),
+            Ok(Some(watcher::Event::InitApply(o))) => {
+                if let Some(f) = facts(&o) {
+                    listing.get_or_insert_with(Default::default).insert(id(&o), f);
+                }
+            }
+            Ok(Some(watcher::Event::InitDone)) => known = listing.take().unwrap_or_default(),
+            Ok(Some(watcher::Event::Apply(o))) => match facts(&o) {
+                Some(f) => {
+                    known.insert(id(&o), f);
+                }
+                None => {
+                    known.remove(&id(&o));
+                }
+            },
+            Ok(Some(watcher::Event::Delete(o))) => {
+                known.remove(&id(&o));
+            }
+            Ok(None) => return Ok(()),
+            Err(e) if forbidden(&e) => {
+                tracing::warn!(%kind, "no permission to watch them: the socket path's opt-outs by annotation are off");
+                return Ok(());
+            }
+            Err(e) => {
+                tracing::warn!(%kind, "watch failed, retrying: {e}");
+                continue;
+            }
+        }
+        if listing.is_none() && tx.send(send(known.values().cloned().collect())).await.is_err() {
+            return Ok(());
+        }
+    }
+}
+
+/// The API server refused the list for want of permission (403).
+fn forbidden(e: &watcher::Error) -> bool {
+    matches!(e, watcher::Error::InitialListFailed(kube::Error::Api(status)) if status.code == 403)
 }
 
 /// The cluster's ServiceCIDRs, sent whole after every change.

@@ -11,7 +11,7 @@ use std::{
 
 use anyhow::{Context as _, Result};
 use k8s_openapi::api::{
-    core::v1::{Node, Service},
+    core::v1::{Namespace, Node, Pod, Service},
     discovery::v1::EndpointSlice,
     networking::v1::ServiceCIDR,
 };
@@ -20,7 +20,12 @@ use serde::Deserialize as _;
 use tokio::sync::mpsc;
 
 use super::SourceEvent;
-use crate::model::{ObjectKey, node::NodeObject, service::object_key};
+use crate::model::{
+    ObjectKey,
+    node::NodeObject,
+    service::object_key,
+    socket_lb::{self, PodFacts},
+};
 
 /// Everything found in the directory.
 #[derive(Debug, Default)]
@@ -29,6 +34,8 @@ pub struct Loaded {
     pub slices: Vec<EndpointSlice>,
     pub nodes: Vec<Node>,
     pub service_cidrs: Vec<ServiceCIDR>,
+    pub pods: Vec<Pod>,
+    pub namespaces: Vec<Namespace>,
     /// Documents that could not be used, with the reason (already logged).
     pub errors: Vec<String>,
 }
@@ -100,6 +107,15 @@ fn load_value(
             Ok(_) => {}
             Err(e) => out.error(format!("{origin}: invalid Node: {e}")),
         },
+        "Pod" => match serde_yaml::from_value::<Pod>(value) {
+            Ok(pod) if keep_first(seen, "Pod", &pod.metadata, origin, out) => out.pods.push(pod),
+            Ok(_) => {}
+            Err(e) => out.error(format!("{origin}: invalid Pod: {e}")),
+        },
+        "Namespace" => match serde_yaml::from_value::<Namespace>(value) {
+            Ok(ns) => out.namespaces.push(ns),
+            Err(e) => out.error(format!("{origin}: invalid Namespace: {e}")),
+        },
         "ServiceCIDR" => match serde_yaml::from_value::<ServiceCIDR>(value) {
             Ok(cidr) => out.service_cidrs.push(cidr),
             Err(e) => out.error(format!("{origin}: invalid ServiceCIDR: {e}")),
@@ -110,7 +126,7 @@ fn load_value(
                 load_value(item, &format!("{origin} item {}", i + 1), out, seen);
             }
         }
-        other => tracing::debug!(origin, kind = other, "ignored: not a Service, EndpointSlice or Node"),
+        other => tracing::debug!(origin, kind = other, "ignored: not a kind kpr reads"),
     }
 }
 
@@ -154,9 +170,13 @@ pub async fn run(dir: PathBuf, node_name: String, tx: mpsc::Sender<SourceEvent>)
                     "loaded manifests"
                 );
                 let node = loaded.nodes.iter().find(|n| n.metadata.name.as_deref() == Some(&node_name));
+                // This node's pods, as the API source's field selector picks them.
+                let on_node = |p: &&Pod| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(&node_name);
                 let event = SourceEvent::ManifestsLoaded {
                     node: node.map(NodeObject::from_node),
                     service_cidrs: super::service_cidrs(&loaded.service_cidrs),
+                    pods: loaded.pods.iter().filter(on_node).filter_map(PodFacts::from_pod).collect(),
+                    namespaces: loaded.namespaces.iter().filter_map(socket_lb::namespace_setting).collect(),
                     services: loaded.services,
                     slices: loaded.slices,
                 };

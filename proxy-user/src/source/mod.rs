@@ -1,11 +1,15 @@
 //! Where the agent's inputs come from. Every source produces the same [`SourceEvent`]s:
 //! - [`kube`]: the Kubernetes API (kube-rs watchers), as kube-proxy's informers see it;
 //! - [`manifests`]: a directory of YAML manifests, for nodes without a cluster and for tests;
-//! - [`host`]: the node's links and addresses, from the kernel.
+//! - [`host`]: the node's links and addresses, from the kernel;
+//! - [`cgroups`]: where the node's pods are in the cgroup2 hierarchy.
+pub mod cgroups;
 pub mod firewall;
 pub mod host;
 pub mod kube;
 pub mod manifests;
+
+use std::collections::BTreeMap;
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
@@ -13,6 +17,7 @@ use crate::model::{
     ObjectKey,
     cidr::Cidr,
     node::{HostLink, NodeObject},
+    socket_lb::PodFacts,
 };
 
 /// The CIDRs of `networking.k8s.io/v1` ServiceCIDR objects (malformed ones are skipped).
@@ -48,7 +53,13 @@ pub enum SourceEvent {
         slices: Vec<EndpointSlice>,
         node: Option<NodeObject>,
         service_cidrs: Vec<Cidr>,
+        pods: Vec<PodFacts>,
+        namespaces: BTreeMap<String, String>,
     },
+    /// This node's Pods, all of them (what the socket path's opt-out needs of them).
+    Pods(Vec<PodFacts>),
+    /// The Namespaces that set `kpr.io/socket-lb`, all of them: name → value.
+    Namespaces(BTreeMap<String, String>),
     /// The cluster's service ranges (`networking.k8s.io/v1` ServiceCIDRs), all of them.
     ServiceCidrs(Vec<Cidr>),
     /// This node's `v1/Node` (None: absent or deleted).

@@ -65,6 +65,13 @@ pub fn read_links(pin_root: &Path) -> Result<Vec<(u32, LinkInfo)>> {
     Ok(map.iter().filter_map(Result::ok).collect())
 }
 
+/// The pods' cgroups the socket path leaves alone (`KPR_SOCKET_SKIP`): cgroup id → its level.
+pub fn read_socket_skip(pin_root: &Path) -> Result<BTreeMap<u64, u32>> {
+    let map: HashMap<MapData, u64, u32> =
+        HashMap::try_from(Map::HashMap(open_pinned_map(pin_root, map_names::SOCKET_SKIP)?))?;
+    Ok(map.iter().filter_map(Result::ok).filter(|(id, _)| *id != 0).collect())
+}
+
 /// The attached tc programs, ingress then egress; also the names of their pinned TCX links.
 pub(super) const TC_PROGRAMS: [&str; 2] = [program_names::TC_INGRESS, program_names::TC_EGRESS];
 
@@ -183,6 +190,8 @@ pub struct BpfHost {
     dir: PathBuf,
     node_addrs: HashMap<MapData, Addr, u32>,
     node_sources: HashMap<MapData, Addr, Addr>,
+    /// Pods left alone by the socket path: cgroup id → level; 0 → the levels' bits.
+    socket_skip: HashMap<MapData, u64, u32>,
     links: HashMap<MapData, u32, LinkInfo>,
     local_cidrs: LpmTrie<MapData, CidrKey, u8>,
     service_cidrs: LpmTrie<MapData, CidrKey, u8>,
@@ -216,6 +225,7 @@ impl BpfHost {
         let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("no map {name}"));
         let node_addrs = HashMap::try_from(take(map_names::NODE_ADDRS)?)?;
         let node_sources = HashMap::try_from(take(map_names::NODE_SOURCES)?)?;
+        let socket_skip = HashMap::try_from(take(map_names::SOCKET_SKIP)?)?;
         let links = HashMap::try_from(take(map_names::LINKS)?)?;
         let local_cidrs = LpmTrie::try_from(take(map_names::LOCAL_CIDRS)?)?;
         let service_cidrs = LpmTrie::try_from(take(map_names::SERVICE_CIDRS)?)?;
@@ -230,6 +240,7 @@ impl BpfHost {
             dir,
             node_addrs,
             node_sources,
+            socket_skip,
             links,
             local_cidrs,
             service_cidrs,
@@ -477,6 +488,7 @@ impl HostDatapath for BpfHost {
         sync_hash(&mut self.node_addrs, &want)?;
         let sources = plan.node_sources.iter().map(|(e, s)| (Addr::from(*e), Addr::from(*s))).collect();
         sync_hash(&mut self.node_sources, &sources)?;
+        sync_hash(&mut self.socket_skip, &socket_skip_entries(&plan.socket_skip))?;
         let links = self.links_marked(&plan.links, &plan.tc_links);
         sync_hash(&mut self.links, &links)?;
         sync_lpm(&mut self.local_cidrs, &plan.local_cidrs)?;
@@ -625,6 +637,29 @@ pub(super) fn range_cover<'a>(ranges: impl Iterator<Item = &'a Cidr>, v4: bool) 
 }
 
 /// Make a hash map hold exactly `want`.
+/// `KPR_SOCKET_SKIP`'s entries for these pod cgroups (id → level): each one, and under key 0
+/// the levels they sit at. A level the hooks do not look at is logged and left out.
+fn socket_skip_entries(cgroups: &BTreeMap<u64, u32>) -> BTreeMap<u64, u32> {
+    let mut out = BTreeMap::new();
+    let mut levels = 0u32;
+    for (&id, &level) in cgroups {
+        if id == 0 || level == 0 || level >= proxy_common::SOCKET_SKIP_LEVELS {
+            tracing::warn!(
+                cgroup = id,
+                level,
+                "a pod's cgroup at a level the socket hooks do not look at: not left alone"
+            );
+            continue;
+        }
+        levels |= 1 << level;
+        out.insert(id, level);
+    }
+    if levels != 0 {
+        out.insert(0, levels);
+    }
+    out
+}
+
 pub(super) fn sync_hash<K: aya::Pod + Ord, V: aya::Pod + PartialEq>(
     map: &mut HashMap<MapData, K, V>,
     want: &BTreeMap<K, V>,
