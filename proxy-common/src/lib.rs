@@ -20,7 +20,7 @@ pub const PIN_LAYOUT_VERSION: u32 = 14;
 /// as a new counter. Not listed, so made anew: the slow-path program array (it holds the old
 /// programs); the flow caches are not pinned at all. The loader also checks each carried map's type, sizes and flags against the new
 /// object, and makes any that differ anew.
-pub const CARRIED_MAPS: [(&str, u32); 24] = {
+pub const CARRIED_MAPS: [(&str, u32); 25] = {
     use map_names::*;
     [
         (SERVICES, 12),
@@ -53,6 +53,7 @@ pub const CARRIED_MAPS: [(&str, u32); 24] = {
         (NODE_SOURCES, 13),
         // Added within v14: an older v14 directory has none, and the first sync fills it.
         (SOCKET_SKIP, 14),
+        (COVERED_NETNS, 14),
     ]
 };
 
@@ -83,6 +84,9 @@ pub mod map_names {
     /// Pods whose sockets the socket path leaves alone: their cgroup ids (key 0: the cgroup
     /// levels they sit at, a bit each).
     pub const SOCKET_SKIP: &str = "KPR_SOCKET_SKIP";
+    /// The pods' network namespaces whose link holds the per-packet programs: their cookies
+    /// (key 0: the agent could tell, so a namespace not listed is not covered).
+    pub const COVERED_NETNS: &str = "KPR_COVERED_NETNS";
     pub const SOURCE_RANGES: &str = "KPR_SOURCE_RANGES";
     pub const LOCAL_CIDRS: &str = "KPR_LOCAL_CIDRS";
     pub const LINKS: &str = "KPR_LINKS";

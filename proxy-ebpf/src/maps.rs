@@ -77,6 +77,26 @@ pub fn socket_skipped() -> bool {
     false
 }
 
+/// The pods' network namespaces (cookies) behind a link that holds the per-packet programs; key
+/// 0 is there when the agent could tell them (it enters each to learn its cookie). The socket
+/// path leaves a pod's connection to the per-packet path only where its namespace is listed: a
+/// pod whose link appeared while no agent ran is translated at its socket instead of sending
+/// a packet no program translates.
+#[btf_map(name = "KPR_COVERED_NETNS", pin_by_name)]
+pub static COVERED_NETNS: HashMap<u64, u8, { defaults::MAX_SOCKET_SKIP as usize }> = HashMap::new();
+
+/// Does the per-packet path cover the link of the pod whose namespace is `netns`? Yes where
+/// the agent cannot tell (no key 0).
+#[inline(always)]
+pub fn netns_covered(netns: u64) -> bool {
+    // On the stack, written there (see `socket_skipped`).
+    let mut known_key = 1u64;
+    // SAFETY: a local variable.
+    unsafe { core::ptr::write_volatile(&mut known_key, 0) };
+    // SAFETY: map lookups whose values are not read.
+    unsafe { COVERED_NETNS.get(&known_key).is_none() || COVERED_NETNS.get(&netns).is_some() }
+}
+
 /// Per-CPU event counters, indexed by `proxy_common::counter`.
 #[btf_map(name = "KPR_COUNTERS", pin_by_name)]
 pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();

@@ -26,7 +26,7 @@ use crate::globals::{
     KPR_SOCKET_LB_PODS,
 };
 use crate::maps::{
-    SERVICES, SOCK_PICKS, SOCK_REVNAT, ServiceRangeMiss, affinity_backend, backend_at, count, link_addr,
+    SERVICES, SOCK_PICKS, SOCK_REVNAT, ServiceRangeMiss, affinity_backend, backend_at, count, link_addr, netns_covered,
     node_addr_flags, node_source, now, refusal, remember_affinity, serves, service_range_miss, socket_skipped,
 };
 
@@ -129,7 +129,7 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
     let from_node = host == 0 || netns == host;
     // `--socket-lb host-only`: a pod's packets are translated on its link, as kube-proxy's
     // are in PREROUTING (the agent requires a known host namespace and every link covered).
-    if !from_node && KPR_SOCKET_LB_PODS.load() == 0 {
+    if !from_node && KPR_SOCKET_LB_PODS.load() == 0 && netns_covered(netns) {
         return ALLOW;
     }
     let scope = if from_node { SCOPE_NODE } else { SCOPE_POD };
@@ -158,7 +158,9 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
         count(counter::SOCK_AGENT_EXEMPT);
         return ALLOW;
     }
-    let pod_links_covered = KPR_POD_LINKS_COVERED.load() != 0;
+    // The per-packet path covers this socket's link: every link, and this pod's namespace is
+    // known to be behind one (`netns_covered`: not a pod whose link appeared while no agent ran).
+    let pod_links_covered = KPR_POD_LINKS_COVERED.load() != 0 && (from_node || netns_covered(netns));
     // A service the per-packet path must serve, or a pod that opted out of the socket path
     // (`kpr.io/socket-lb: "off"`, a mesh's sidecar).
     if pod_links_covered && (service.flags & SERVICE_FLAG_SOCKET_SKIP != 0 || !from_node && socket_skipped()) {

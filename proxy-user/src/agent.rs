@@ -341,6 +341,8 @@ pub struct Syncer {
     /// A pod that opted out has no cgroup yet (kubelet makes it after the Pod is bound): look
     /// again then.
     cgroup_retry: Option<Instant>,
+    /// The pods' namespaces could not be entered, and it was said.
+    netns_warned: bool,
 }
 
 impl Syncer {
@@ -376,6 +378,7 @@ impl Syncer {
             pods: Vec::new(),
             namespace_settings: Default::default(),
             cgroup_retry: None,
+            netns_warned: false,
         }
     }
 
@@ -513,6 +516,33 @@ impl Syncer {
             self.cgroup_retry = Some(Instant::now() + Duration::from_secs(1));
         }
         found.values().filter_map(|dir| source::cgroups::PodCgroup::of(dir)).map(|c| (c.id, c.level)).collect()
+    }
+
+    /// The network namespaces of the pods behind `tc_links` (ifindex → cookie), learnt by entering
+    /// each (`netns::cookies_of`); None where no namespace can be entered.
+    fn pod_netns(
+        &mut self,
+        tc_links: &std::collections::BTreeMap<u32, String>,
+    ) -> Option<std::collections::BTreeMap<u32, u64>> {
+        let peers: Vec<(u32, i32)> = self
+            .host_links
+            .iter()
+            .filter(|l| tc_links.contains_key(&l.index))
+            .filter_map(|l| Some((l.index, l.peer_nsid?)))
+            .collect();
+        match crate::netns::cookies_of(&peers.iter().map(|(_, nsid)| *nsid).collect()) {
+            Ok(cookies) => Some(peers.iter().filter_map(|(i, nsid)| Some((*i, *cookies.get(nsid)?))).collect()),
+            Err(e) => {
+                if !self.netns_warned {
+                    self.netns_warned = true;
+                    tracing::warn!(
+                        "cannot enter the pods' network namespaces ({e:#}): the socket path takes every pod's link as \
+                         covered, also one that appears while no agent runs"
+                    );
+                }
+                None
+            }
+        }
     }
 
     fn set_service_cidrs(&mut self, cidrs: Vec<Cidr>) {
@@ -664,6 +694,7 @@ impl Syncer {
         let routes = self.endpoint_routes.iter().filter_map(|(ip, route)| Some((*ip, (*route)?)));
         plan.node_sources = node::node_sources(routes, &plan.links);
         plan.socket_skip = self.socket_skip();
+        plan.pod_netns = self.pod_netns(&plan.tc_links);
         // A service range refused anew takes effect once the service entries inside it are
         // written (after this sync's services): until then a ClusterIP's unknown port would be
         // dropped as an unallocated address instead of rejected.

@@ -8,6 +8,7 @@ pub mod events;
 pub mod inspect;
 pub mod model;
 pub mod netlink;
+pub mod netns;
 pub mod servers;
 pub mod settings;
 pub mod source;

@@ -837,6 +837,49 @@ fn setsockopt_mark(socket: &socket2::Socket, mark: u32) {
     assert_eq!(rc, 0, "SO_MARK: {}", std::io::Error::last_os_error());
 }
 
+/// A pod whose link appears while node-a's agent is down has no per-packet programs until
+/// the agent is back: the socket path must not leave it a connection that nothing would
+/// translate. Reaching itself through its Service (a hairpin, which the socket path otherwise
+/// leaves to the per-packet path to be masqueraded), it is translated at its socket instead and
+/// served, unmasqueraded; with the agent back and the link attached, masqueraded as kube-proxy
+/// does. Before, its packet left for the ClusterIP untranslated (here: no route, refused).
+#[test]
+fn a_pod_whose_link_appeared_while_the_agent_was_down_is_served_at_its_socket() {
+    let mut c = Bridged::new("km-down").unwrap();
+    // This process's sockets are node-a's pods' (the socket path's cgroup).
+    c.nodes[0].cgroup.enter().unwrap();
+    let late_ip = Ipv4Addr::new(10, 244, 11, 2);
+    c.write("svc.yaml", &service("Cluster", 30089, &[(late_ip, "node-a")]));
+    c.wait("10.96.0.89:80/TCP", 1);
+    let mut agent = c.nodes[0].agent.take().unwrap();
+    agent.kill().unwrap();
+    agent.wait().unwrap();
+    let node_a = &c.nodes[0].netns;
+    let pod = Netns::new(&format!("{}-late", node_a.name)).unwrap();
+    node_a.ip(&["link", "add", "veth-late", "type", "veth", "peer", "name", "eth0", "netns", &pod.name]).unwrap();
+    node_a.ip(&["addr", "add", "10.244.11.1/24", "dev", "veth-late"]).unwrap();
+    node_a.ip(&["link", "set", "veth-late", "up"]).unwrap();
+    pod.ip(&["addr", "add", &format!("{late_ip}/24"), "dev", "eth0"]).unwrap();
+    pod.ip(&["link", "set", "eth0", "up"]).unwrap();
+    pod.ip(&["route", "add", "default", "via", "10.244.11.1"]).unwrap();
+    let _server = NameServer::tcp(&pod, SocketAddrV4::new(late_ip, POD_PORT), "late").unwrap();
+    let cluster_ip = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 89), 80);
+    let answer = pod.run(move || tcp_ask_peer(cluster_ip, TIMEOUT)).unwrap();
+    let (name, seen) = answer.expect("the hairpin while the agent is down");
+    assert_eq!((name.as_str(), seen), ("late", late_ip.to_string()), "translated at the socket: not masqueraded");
+
+    c.start_agent(0).unwrap();
+    let deadline = std::time::Instant::now() + testbed::slow(Duration::from_secs(10));
+    loop {
+        let answer = pod.run(move || tcp_ask_peer(cluster_ip, TIMEOUT)).unwrap();
+        if answer.as_ref().is_ok_and(|(_, seen)| seen == "10.244.11.1") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never masqueraded once the agent was back: {answer:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 #[test]
 fn links_created_after_the_agent_started_are_covered() {
     let c = Bridged::new("km-links").unwrap();

@@ -73,7 +73,7 @@ fn health_check_ports_listen_on_the_node_port_addresses() {
         loopback: false,
         addrs,
         v4_unselectable: vec![],
-        peer_elsewhere: false,
+        peer_nsid: None,
         ethernet: true,
         rp_filter: 0,
     };
@@ -138,7 +138,7 @@ fn link(index: u32, name: &str) -> HostLink {
         loopback: false,
         addrs: vec![format!("192.0.2.{index}").parse().unwrap()],
         v4_unselectable: vec![],
-        peer_elsewhere: false,
+        peer_nsid: None,
         ethernet: true,
         rp_filter: 0,
     }

@@ -3,18 +3,15 @@
 //! entries of UDP flows whose endpoint went away. The application's next `recv()` fails with
 //! `ECONNABORTED` and the socket is unconnected; connecting again picks a live endpoint.
 use std::{
-    collections::{BTreeMap, BTreeSet},
-    fs::File,
+    collections::BTreeSet,
     io,
-    os::{
-        fd::{AsRawFd, FromRawFd, OwnedFd},
-        unix::fs::MetadataExt,
-    },
-    path::PathBuf,
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
 };
 
 use anyhow::{Context as _, Result};
 use proxy_common::Addr;
+
+use crate::netns::{in_namespace, namespaces};
 
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
 const SOCK_DESTROY: u16 = 21;
@@ -94,34 +91,6 @@ pub fn abort_udp(cookies: &BTreeSet<u64>, to: &[Addr]) -> usize {
             .collect();
         workers.into_iter().map(|w| w.join().unwrap_or(0)).sum()
     })
-}
-
-/// One path per network namespace in use: a process's (`/proc/<pid>/ns/net`) or a named one
-/// (`/run/netns/<name>`, as `ip netns` and CNI plugins pin them).
-fn namespaces() -> Vec<PathBuf> {
-    let mut found: BTreeMap<(u64, u64), PathBuf> = BTreeMap::new();
-    let processes = std::fs::read_dir("/proc").into_iter().flatten().flatten().filter_map(|entry| {
-        let pid = entry.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit());
-        pid.then(|| entry.path().join("ns/net"))
-    });
-    let named = std::fs::read_dir("/run/netns").into_iter().flatten().flatten().map(|entry| entry.path());
-    for path in processes.chain(named) {
-        if let Ok(meta) = std::fs::metadata(&path) {
-            found.entry((meta.dev(), meta.ino())).or_insert(path);
-        }
-    }
-    found.into_values().collect()
-}
-
-/// Run `f` on this thread inside the network namespace `path` (the thread stays there: call
-/// it on a thread of its own).
-fn in_namespace<T>(path: &PathBuf, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    let file = File::open(path).with_context(|| format!("open {}", path.display()))?;
-    // SAFETY: setns on a namespace file we hold open; it affects this thread only.
-    if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        return Err(io::Error::last_os_error()).context("setns");
-    }
-    f()
 }
 
 fn abort_in_this_namespace(cookies: &BTreeSet<u64>, peers: &BTreeSet<Addr>) -> Result<usize> {

@@ -30,8 +30,9 @@ pub struct HostLink {
     /// `169.254.x.y` of an unnumbered or gateway-style pod link, host-scoped `127.0.0.1`), or
     /// secondary.
     pub v4_unselectable: Vec<std::net::Ipv4Addr>,
-    /// One end of a veth pair whose other end is in another network namespace.
-    pub peer_elsewhere: bool,
+    /// One end of a veth pair whose other end is in another network namespace (a pod's): that
+    /// namespace's id as this one knows it (`IFLA_LINK_NETNSID`).
+    pub peer_nsid: Option<i32>,
     /// Its packets carry an Ethernet header (not an IP-in-IP or other L3 tunnel's).
     pub ethernet: bool,
     /// IPv4 `rp_filter` in effect on the link (the larger of `all`'s and its own): 0 off,
@@ -167,6 +168,10 @@ pub struct NodePlan {
     /// Pods whose sockets the socket path leaves alone: cgroup id → its level; filled by the
     /// agent from the pods' annotations and the cgroup hierarchy.
     pub socket_skip: BTreeMap<u64, u32>,
+    /// The pods' network namespaces behind the links (ifindex → the namespace's cookie), filled
+    /// by the agent; None: it could not tell (no namespace could be entered), and the socket
+    /// path takes every pod's link as covered.
+    pub pod_netns: Option<BTreeMap<u32, u64>>,
 }
 
 /// The kernel's route toward an address (RTM_GETROUTE), as a socket connecting there gets it.
@@ -312,7 +317,7 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
         let addr = masquerade_v4(link).map(|a| u32::from(a).to_be());
         let addr6 = masquerade_v6(&mut link.addrs.iter()).map(Addr::from).unwrap_or_default();
         let flags = if local_traffic_link(&link.name) { LINK_FLAG_LOCAL_TRAFFIC } else { 0 }
-            | if link.peer_elsewhere { LINK_FLAG_PEER } else { 0 }
+            | if link.peer_nsid.is_some() { LINK_FLAG_PEER } else { 0 }
             | if link.ethernet { 0 } else { LINK_FLAG_NOT_ETHERNET }
             | match link.rp_filter {
                 1 => LINK_FLAG_RP_FILTER_STRICT,
@@ -357,6 +362,7 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
         service_cidrs: BTreeSet::new(),
         node_sources: BTreeMap::new(),
         socket_skip: BTreeMap::new(),
+        pod_netns: None,
     }
 }
 
@@ -376,7 +382,7 @@ mod tests {
                 .filter_map(|a| a.parse::<Ipv4Addr>().ok())
                 .filter(|a| a.is_link_local() || a.is_loopback())
                 .collect(),
-            peer_elsewhere: name.starts_with("veth"),
+            peer_nsid: name.starts_with("veth").then_some(0),
             ethernet: !name.starts_with("tunl"),
             rp_filter: 0,
         }

@@ -102,7 +102,9 @@ fn links() -> Result<Vec<HostLink>> {
             loopback: flags & libc::IFF_LOOPBACK as u32 != 0,
             addrs: Vec::new(),
             v4_unselectable: Vec::new(),
-            peer_elsewhere: veth && netlink::find(attrs, libc::IFLA_LINK_NETNSID).is_some(),
+            peer_nsid: netlink::find(attrs, libc::IFLA_LINK_NETNSID)
+                .filter(|_| veth)
+                .and_then(|v| Some(i32::from_ne_bytes(v.try_into().ok()?))),
             ethernet: hardware == ARPHRD_ETHER || hardware == ARPHRD_LOOPBACK,
             rp_filter: 0,
         });

@@ -192,6 +192,8 @@ pub struct BpfHost {
     node_sources: HashMap<MapData, Addr, Addr>,
     /// Pods left alone by the socket path: cgroup id → level; 0 → the levels' bits.
     socket_skip: HashMap<MapData, u64, u32>,
+    /// The pods' namespaces behind attached links (cookie → 1; 0 → 1: they are known).
+    covered_netns: HashMap<MapData, u64, u8>,
     links: HashMap<MapData, u32, LinkInfo>,
     local_cidrs: LpmTrie<MapData, CidrKey, u8>,
     service_cidrs: LpmTrie<MapData, CidrKey, u8>,
@@ -226,6 +228,7 @@ impl BpfHost {
         let node_addrs = HashMap::try_from(take(map_names::NODE_ADDRS)?)?;
         let node_sources = HashMap::try_from(take(map_names::NODE_SOURCES)?)?;
         let socket_skip = HashMap::try_from(take(map_names::SOCKET_SKIP)?)?;
+        let covered_netns = HashMap::try_from(take(map_names::COVERED_NETNS)?)?;
         let links = HashMap::try_from(take(map_names::LINKS)?)?;
         let local_cidrs = LpmTrie::try_from(take(map_names::LOCAL_CIDRS)?)?;
         let service_cidrs = LpmTrie::try_from(take(map_names::SERVICE_CIDRS)?)?;
@@ -241,6 +244,7 @@ impl BpfHost {
             node_addrs,
             node_sources,
             socket_skip,
+            covered_netns,
             links,
             local_cidrs,
             service_cidrs,
@@ -541,6 +545,13 @@ impl HostDatapath for BpfHost {
             self.set_retiring(false);
         }
         self.check_forwarding();
+        // After the attachments: a pod's namespace is listed once its link holds the programs,
+        // so the socket path never leaves it a connection that nothing would translate.
+        let covered: BTreeMap<u64, u8> = plan.pod_netns.as_ref().map_or_else(BTreeMap::new, |by_link| {
+            let attached = by_link.iter().filter(|(ifindex, _)| self.attached.contains_key(ifindex));
+            attached.map(|(_, cookie)| (*cookie, 1)).chain([(0, 1)]).collect()
+        });
+        sync_hash(&mut self.covered_netns, &covered)?;
         // Remember what is ours to undo (accept_local, netlink filters) and where ingress runs,
         // when it changed.
         if marks != (self.accept_local_set.clone(), self.netlink_links.clone(), attached(self)) {
