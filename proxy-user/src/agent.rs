@@ -688,9 +688,9 @@ impl Syncer {
         // node's own masqueraded connections to it are bound to MASQUERADE's.
         let routed = &self.routed_endpoints;
         self.endpoint_routes.retain(|ip, _| routed.contains(ip));
-        for ip in routed {
-            self.endpoint_routes.entry(*ip).or_insert_with(|| source::host::route(*ip));
-        }
+        let asked: Vec<std::net::IpAddr> =
+            routed.iter().filter(|ip| !self.endpoint_routes.contains_key(ip)).copied().collect();
+        self.endpoint_routes.extend(source::host::routes(asked));
         let routes = self.endpoint_routes.iter().filter_map(|(ip, route)| Some((*ip, (*route)?)));
         plan.node_sources = node::node_sources(routes, &plan.links);
         plan.socket_skip = self.socket_skip();

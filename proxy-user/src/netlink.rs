@@ -115,17 +115,31 @@ pub fn request_ack(protocol: i32, msg: &[u8]) -> io::Result<()> {
 /// Send a request `msg` that the kernel answers with one message, and return its payload
 /// (an NLMSG_ERROR answer as its errno).
 pub fn request(protocol: i32, msg: &[u8]) -> io::Result<Vec<u8>> {
-    let fd = socket(protocol)?;
-    send(&fd, msg)?;
-    let mut buf = vec![0u8; 8192];
-    let n = recv(&fd, &mut buf)?;
-    match messages(&buf[..n]).next() {
-        Some((kind, payload)) if kind == libc::NLMSG_ERROR as u16 => {
-            verdict(payload)?;
-            Err(io::Error::other("netlink acknowledged without an answer"))
+    Session::open(protocol)?.request(msg)
+}
+
+/// One netlink socket for a series of requests (a route lookup per endpoint), instead of a
+/// socket each.
+pub struct Session(OwnedFd);
+
+impl Session {
+    pub fn open(protocol: i32) -> io::Result<Self> {
+        socket(protocol).map(Self)
+    }
+
+    /// [`request`] on this socket.
+    pub fn request(&self, msg: &[u8]) -> io::Result<Vec<u8>> {
+        send(&self.0, msg)?;
+        let mut buf = vec![0u8; 8192];
+        let n = recv(&self.0, &mut buf)?;
+        match messages(&buf[..n]).next() {
+            Some((kind, payload)) if kind == libc::NLMSG_ERROR as u16 => {
+                verdict(payload)?;
+                Err(io::Error::other("netlink acknowledged without an answer"))
+            }
+            Some((_, payload)) => Ok(payload.to_vec()),
+            None => Err(io::Error::other("empty netlink reply")),
         }
-        Some((_, payload)) => Ok(payload.to_vec()),
-        None => Err(io::Error::other("empty netlink reply")),
     }
 }
 

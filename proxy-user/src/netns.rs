@@ -41,17 +41,17 @@ pub fn in_namespace<T>(path: &Path, f: impl FnOnce() -> Result<T>) -> Result<T> 
     f()
 }
 
-/// The id this network namespace gives the namespace `path` (RTM_GETNSID), as links whose
-/// other end is there report it (`IFLA_LINK_NETNSID`). None: no id assigned (nothing links
-/// the two), or not a namespace.
-pub fn nsid(path: &Path) -> Option<i32> {
+/// The id this network namespace gives the namespace `path` (RTM_GETNSID, on `session`), as
+/// links whose other end is there report it (`IFLA_LINK_NETNSID`). None: no id assigned
+/// (nothing links the two), or not a namespace.
+pub fn nsid(session: &netlink::Session, path: &Path) -> Option<i32> {
     const NETNSA_NSID: u16 = 1;
     const NETNSA_FD: u16 = 3;
     let file = File::open(path).ok()?;
     // struct rtgenmsg (the family, aligned to 4), then the namespace's fd.
     let mut body = vec![libc::AF_UNSPEC as u8, 0, 0, 0];
     body.extend(netlink::attr(NETNSA_FD, &(file.as_raw_fd() as u32).to_ne_bytes()));
-    let reply = netlink::request(libc::NETLINK_ROUTE, &netlink::message(libc::RTM_GETNSID, 0, &body)).ok()?;
+    let reply = session.request(&netlink::message(libc::RTM_GETNSID, 0, &body)).ok()?;
     let id = i32::from_ne_bytes(netlink::find(reply.get(4..)?, NETNSA_NSID)?.try_into().ok()?);
     (id >= 0).then_some(id)
 }
@@ -82,8 +82,12 @@ pub fn cookies_of(nsids: &std::collections::BTreeSet<i32>) -> Result<BTreeMap<i3
     if nsids.is_empty() {
         return Ok(out);
     }
-    let wanted: Vec<(i32, PathBuf)> =
-        namespaces().into_iter().filter_map(|p| Some((nsid(&p)?, p))).filter(|(id, _)| nsids.contains(id)).collect();
+    let session = netlink::Session::open(libc::NETLINK_ROUTE).context("netlink socket")?;
+    let wanted: Vec<(i32, PathBuf)> = namespaces()
+        .into_iter()
+        .filter_map(|p| Some((nsid(&session, &p)?, p)))
+        .filter(|(id, _)| nsids.contains(id))
+        .collect();
     let mut entered = false;
     let mut last_error = None;
     for (id, path) in wanted {

@@ -149,7 +149,7 @@ pub const SUITES: [Suite; 4] = [
 /// a node whose FORWARD chain drops, after crc32c_generic, which libcrc32c needs at init but
 /// names only as a soft dependency; udp_diag for aborting UDP sockets; sctp for SCTP Services;
 /// 8021q for a node address on a VLAN; ipip and tun for pods behind layer-3 tunnels).
-const MODULES: [&str; 14] = [
+const MODULES: [&str; 16] = [
     "virtio_pci",
     "9pnet_virtio",
     "9p",
@@ -160,6 +160,9 @@ const MODULES: [&str; 14] = [
     "cls_bpf",
     "crc32c_generic",
     "nf_tables",
+    // A mesh sidecar's redirect in a pod (`redirect to :port` in a nat output chain).
+    "nft_chain_nat",
+    "nft_redir",
     "udp_diag",
     "sctp",
     "ipip",

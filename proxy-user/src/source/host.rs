@@ -159,6 +159,16 @@ pub fn route_source(dst: std::net::Ipv4Addr) -> Option<std::net::Ipv4Addr> {
 /// The kernel's route to `dst` from this network namespace (RTM_GETROUTE): the link, the
 /// preferred source, whether it is delivered locally. `None`: no route.
 pub fn route(dst: IpAddr) -> Option<KernelRoute> {
+    route_on(&netlink::Session::open(libc::NETLINK_ROUTE).ok()?, dst)
+}
+
+/// [`route`] of each of `dsts`, asked over one netlink socket.
+pub fn routes(dsts: impl IntoIterator<Item = IpAddr>) -> Vec<(IpAddr, Option<KernelRoute>)> {
+    let session = netlink::Session::open(libc::NETLINK_ROUTE).ok();
+    dsts.into_iter().map(|dst| (dst, session.as_ref().and_then(|s| route_on(s, dst)))).collect()
+}
+
+fn route_on(session: &netlink::Session, dst: IpAddr) -> Option<KernelRoute> {
     const RTN_LOCAL: u8 = 2;
     let (family, octets): (u8, Vec<u8>) = match dst {
         IpAddr::V4(a) => (libc::AF_INET as u8, a.octets().to_vec()),
@@ -167,7 +177,7 @@ pub fn route(dst: IpAddr) -> Option<KernelRoute> {
     // struct rtmsg: family, dst_len, src_len, tos, table, protocol, scope, type, flags (u32).
     let mut body = vec![family, octets.len() as u8 * 8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
     body.extend(netlink::attr(libc::RTA_DST, &octets));
-    let reply = netlink::request(libc::NETLINK_ROUTE, &netlink::message(libc::RTM_GETROUTE, 0, &body)).ok()?;
+    let reply = session.request(&netlink::message(libc::RTM_GETROUTE, 0, &body)).ok()?;
     let head = reply.get(..12)?;
     let attrs = &reply[12..];
     let link = netlink::find(attrs, libc::RTA_OIF).and_then(|v| Some(u32::from_ne_bytes(v.try_into().ok()?)))?;
@@ -279,6 +289,11 @@ mod tests {
         let lo = route("127.0.0.1".parse().unwrap()).expect("a route to 127.0.0.1");
         assert!(lo.local, "{lo:?}");
         assert_eq!(lo.link, 1, "by lo");
+        // Several over one socket: each answered, in order.
+        let asked: Vec<IpAddr> = ["127.0.0.1", "127.0.0.2", "::1"].map(|a| a.parse().unwrap()).to_vec();
+        let answers = routes(asked.clone());
+        assert_eq!(answers.iter().map(|(ip, _)| *ip).collect::<Vec<_>>(), asked);
+        assert!(answers.iter().all(|(_, r)| r.is_some_and(|r| r.local && r.link == 1)), "{answers:?}");
     }
 
     #[test]
