@@ -47,7 +47,7 @@ pub static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNatValue, { defaults::M
 pub static SOCK_PICKS: LruHashMap<SockRevNatKey, Backend, { defaults::MAX_SOCK_REVNAT as usize }> = LruHashMap::new();
 
 /// Pods whose sockets the socket path leaves to the per-packet path (an annotation, or a
-/// mesh's sidecar): the cgroup id of each such pod → 1, and under key 0 the cgroup levels such
+/// mesh's sidecar): the cgroup id of each such pod → its level, and under key 0 the levels such
 /// pods sit at (bit n: level n), so that a connect() asks only those levels of its ancestry.
 #[btf_map(name = "KPR_SOCKET_SKIP", pin_by_name)]
 pub static SOCKET_SKIP: HashMap<u64, u32, { defaults::MAX_SOCKET_SKIP as usize }> = HashMap::new();
