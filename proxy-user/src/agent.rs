@@ -343,6 +343,8 @@ pub struct Syncer {
     cgroup_retry: Option<Instant>,
     /// The pods' namespaces could not be entered, and it was said.
     netns_warned: bool,
+    /// The cookies of the pods' namespaces, by (link, the namespace's id there).
+    netns_cookies: std::collections::BTreeMap<(u32, i32), u64>,
 }
 
 impl Syncer {
@@ -379,6 +381,7 @@ impl Syncer {
             namespace_settings: Default::default(),
             cgroup_retry: None,
             netns_warned: false,
+            netns_cookies: Default::default(),
         }
     }
 
@@ -519,19 +522,31 @@ impl Syncer {
     }
 
     /// The network namespaces of the pods behind `tc_links` (ifindex → cookie), learnt by entering
-    /// each (`netns::cookies_of`); None where no namespace can be entered.
+    /// each (`netns::cookies_of`) the first time its link is seen, and kept while the link is
+    /// there; None where no namespace can be entered.
     fn pod_netns(
         &mut self,
         tc_links: &std::collections::BTreeMap<u32, String>,
     ) -> Option<std::collections::BTreeMap<u32, u64>> {
-        let peers: Vec<(u32, i32)> = self
+        let peers: std::collections::BTreeSet<(u32, i32)> = self
             .host_links
             .iter()
             .filter(|l| tc_links.contains_key(&l.index))
             .filter_map(|l| Some((l.index, l.peer_nsid?)))
             .collect();
-        match crate::netns::cookies_of(&peers.iter().map(|(_, nsid)| *nsid).collect()) {
-            Ok(cookies) => Some(peers.iter().filter_map(|(i, nsid)| Some((*i, *cookies.get(nsid)?))).collect()),
+        self.netns_cookies.retain(|peer, _| peers.contains(peer));
+        let unknown: std::collections::BTreeSet<i32> =
+            peers.iter().filter(|p| !self.netns_cookies.contains_key(p)).map(|(_, nsid)| *nsid).collect();
+        match crate::netns::cookies_of(&unknown) {
+            Ok(cookies) => {
+                for peer @ (_, nsid) in &peers {
+                    if let Some(cookie) = cookies.get(nsid) {
+                        self.netns_cookies.insert(*peer, *cookie);
+                    }
+                }
+            }
+            // Others were entered before: this one is gone already, or not yet to be found.
+            Err(_) if !self.netns_cookies.is_empty() => {}
             Err(e) => {
                 if !self.netns_warned {
                     self.netns_warned = true;
@@ -540,9 +555,10 @@ impl Syncer {
                          covered, also one that appears while no agent runs"
                     );
                 }
-                None
+                return None;
             }
         }
+        Some(self.netns_cookies.iter().map(|((ifindex, _), cookie)| (*ifindex, *cookie)).collect())
     }
 
     fn set_service_cidrs(&mut self, cidrs: Vec<Cidr>) {

@@ -96,12 +96,16 @@ pub async fn run(
         SourceEvent::SliceApplied,
         SourceEvent::SliceDeleted,
     );
+    // Only the socket path's opt-outs need them: without the permission, none.
+    let no_permission =
+        || Unavailable { when: forbidden, why: "no permission to watch them: no pod opts out of the socket path" };
     let pods = watch_snapshot::<Pod, PodFacts>(
         Api::all(client.clone()),
         watcher::Config::default().any_semantic().fields(&format!("spec.nodeName={node_name}")),
         tx.clone(),
         |pod| PodFacts::from_pod(pod).map(|f| (f.uid.clone(), f)),
         |pods| SourceEvent::Pods(pods.into_values().collect()),
+        no_permission(),
     );
     let namespaces = watch_snapshot::<Namespace, String>(
         Api::all(client.clone()),
@@ -109,6 +113,7 @@ pub async fn run(
         tx.clone(),
         socket_lb::namespace_setting,
         SourceEvent::Namespaces,
+        no_permission(),
     );
     let node = watch_node(Api::all(client.clone()), node_name, tx.clone());
     let cidrs = async { if service_cidrs { watch_service_cidrs(Api::all(client), tx).await } else { Ok(()) } };
@@ -116,15 +121,22 @@ pub async fn run(
     Ok(())
 }
 
+/// When a watched kind cannot be listed at all, and what that means (logged once; the kind
+/// then counts as empty and is not watched again).
+struct Unavailable {
+    when: fn(&watcher::Error) -> bool,
+    why: &'static str,
+}
+
 /// Objects of kind `K` reduced to what kpr needs of them (`facts`: key and value, None to
-/// leave one out), sent whole after every change. Without the permission to watch them (an
-/// older ClusterRole), logged once and left: only the socket path's opt-outs need them.
+/// leave one out), sent whole after every change.
 async fn watch_snapshot<K, T>(
     api: Api<K>,
     config: watcher::Config,
     tx: mpsc::Sender<SourceEvent>,
     facts: fn(&K) -> Option<(String, T)>,
     send: fn(std::collections::BTreeMap<String, T>) -> SourceEvent,
+    unavailable: Unavailable,
 ) -> Result<()>
 where
     K: Resource<DynamicType = ()> + Clone + Debug + serde::de::DeserializeOwned + Send + 'static,
@@ -157,8 +169,15 @@ where
                 known.remove(&id(&o));
             }
             Ok(None) => return Ok(()),
-            Err(e) if forbidden(&e) => {
-                tracing::warn!(%kind, "no permission to watch them: the socket path's opt-outs by annotation are off");
+            Err(e) if (unavailable.when)(&e) => {
+                // A missing permission is the operator's to fix; a kind the API server does not
+                // serve (an older Kubernetes) is expected.
+                if forbidden(&e) {
+                    tracing::warn!(%kind, "{}", unavailable.why);
+                } else {
+                    tracing::info!(%kind, "{}", unavailable.why);
+                }
+                let _ = tx.send(send(Default::default())).await;
                 return Ok(());
             }
             Err(e) => {
@@ -177,43 +196,20 @@ fn forbidden(e: &watcher::Error) -> bool {
     matches!(e, watcher::Error::InitialListFailed(kube::Error::Api(status)) if status.code == 403)
 }
 
-/// The cluster's ServiceCIDRs, sent whole after every change.
+/// The cluster's ServiceCIDRs, sent whole after every change; before Kubernetes 1.33 (or with
+/// the API off) none, so nothing is refused.
 async fn watch_service_cidrs(api: Api<ServiceCIDR>, tx: mpsc::Sender<SourceEvent>) -> Result<()> {
-    let mut stream = watcher(api, watcher::Config::default().any_semantic()).default_backoff().boxed();
-    let mut known: std::collections::BTreeMap<String, ServiceCIDR> = Default::default();
-    let mut listing: Option<std::collections::BTreeMap<String, ServiceCIDR>> = None;
-    loop {
-        match stream.try_next().await {
-            Ok(Some(watcher::Event::Init)) => listing = Some(Default::default()),
-            Ok(Some(watcher::Event::InitApply(o))) => {
-                listing.get_or_insert_with(Default::default).insert(o.name_any(), o);
-            }
-            Ok(Some(watcher::Event::InitDone)) => known = listing.take().unwrap_or_default(),
-            Ok(Some(watcher::Event::Apply(o))) => {
-                known.insert(o.name_any(), o);
-            }
-            Ok(Some(watcher::Event::Delete(o))) => {
-                known.remove(&o.name_any());
-            }
-            Ok(None) => return Ok(()),
-            Err(e) if not_served(&e) => {
-                // Before Kubernetes 1.33 (or with the API off): no known range, nothing refused.
-                tracing::info!(
-                    "the API server has no ServiceCIDRs (networking.k8s.io/v1): no service range is refused"
-                );
-                let _ = tx.send(SourceEvent::ServiceCidrs(Vec::new())).await;
-                return Ok(());
-            }
-            Err(e) => {
-                tracing::warn!("ServiceCIDR watch failed, retrying: {e}");
-                continue;
-            }
-        }
-        if listing.is_none() && tx.send(SourceEvent::ServiceCidrs(super::service_cidrs(known.values()))).await.is_err()
-        {
-            return Ok(());
-        }
-    }
+    let unavailable =
+        Unavailable { when: not_served, why: "not served by the API server: no service range is refused" };
+    watch_snapshot::<ServiceCIDR, ServiceCIDR>(
+        api,
+        watcher::Config::default().any_semantic(),
+        tx,
+        |cidr| Some((cidr.name_any(), cidr.clone())),
+        |cidrs| SourceEvent::ServiceCidrs(super::service_cidrs(cidrs.values())),
+        unavailable,
+    )
+    .await
 }
 
 /// The API server does not serve the resource at all (404 on the list).

@@ -647,7 +647,6 @@ pub(super) fn range_cover<'a>(ranges: impl Iterator<Item = &'a Cidr>, v4: bool) 
     CidrMask { addr: Ipv6Addr::from(addr & mask).into(), mask: Ipv6Addr::from(mask).into() }
 }
 
-/// Make a hash map hold exactly `want`.
 /// `KPR_SOCKET_SKIP`'s entries for these pod cgroups (id → level): each one, and under key 0
 /// the levels they sit at. A level the hooks do not look at is logged and left out.
 fn socket_skip_entries(cgroups: &BTreeMap<u64, u32>) -> BTreeMap<u64, u32> {
@@ -671,6 +670,7 @@ fn socket_skip_entries(cgroups: &BTreeMap<u64, u32>) -> BTreeMap<u64, u32> {
     out
 }
 
+/// Make a hash map hold exactly `want`.
 pub(super) fn sync_hash<K: aya::Pod + Ord, V: aya::Pod + PartialEq>(
     map: &mut HashMap<MapData, K, V>,
     want: &BTreeMap<K, V>,
