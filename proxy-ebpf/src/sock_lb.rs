@@ -18,7 +18,7 @@ use aya_log_ebpf::error;
 use proxy_common::{
     AFFINITY_BY_NETNS, Addr, Backend, IPPROTO_TCP, IPPROTO_UDP, LINK_SERVICE_SOURCE, NODE_ADDR_NODEPORT, SCOPE_NODE,
     SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP,
-    ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, counter,
+    SERVICE_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, counter,
 };
 
 use crate::globals::{
@@ -164,6 +164,14 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
     // A service the per-packet path must serve, or a pod that opted out of the socket path
     // (`kpr.io/socket-lb: "off"`, a mesh's sidecar).
     if pod_links_covered && (service.flags & SERVICE_FLAG_SOCKET_SKIP != 0 || !from_node && socket_skipped()) {
+        count(counter::SOCK_STEPPED_ASIDE);
+        return ALLOW;
+    }
+    // A pod whose link no program covers (`--interfaces`, or a link that appeared while no
+    // agent ran), to a frontend that admits only some sources: connect() cannot check the
+    // source (the pod's address is picked later), so it does not translate what kube-proxy
+    // might drop (loadBalancerSourceRanges hold for pods too).
+    if !from_node && !pod_links_covered && service.flags & SERVICE_FLAG_SOURCE_RANGES != 0 {
         count(counter::SOCK_STEPPED_ASIDE);
         return ALLOW;
     }

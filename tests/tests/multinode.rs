@@ -843,13 +843,17 @@ fn setsockopt_mark(socket: &socket2::Socket, mark: u32) {
 /// leaves to the per-packet path to be masqueraded), it is translated at its socket instead and
 /// served, unmasqueraded; with the agent back and the link attached, masqueraded as kube-proxy
 /// does. Before, its packet left for the ClusterIP untranslated (here: no route, refused).
+/// Its LoadBalancer IP, whose source ranges leave the pod out, is not served at its socket
+/// (which cannot check the source) nor, with the agent back, per packet: kube-proxy drops it.
 #[test]
 fn a_pod_whose_link_appeared_while_the_agent_was_down_is_served_at_its_socket() {
     let mut c = Bridged::new("km-down").unwrap();
     // This process's sockets are node-a's pods' (the socket path's cgroup).
     c.nodes[0].cgroup.enter().unwrap();
     let late_ip = Ipv4Addr::new(10, 244, 11, 2);
-    c.write("svc.yaml", &service("Cluster", 30089, &[(late_ip, "node-a")]));
+    let ranged = service("Cluster", 30089, &[(late_ip, "node-a")])
+        .replace("  ports: [{name: http", "  loadBalancerSourceRanges: [\"203.0.113.0/24\"]\n  ports: [{name: http");
+    c.write("svc.yaml", &ranged);
     c.wait("10.96.0.89:80/TCP", 1);
     let mut agent = c.nodes[0].agent.take().unwrap();
     agent.kill().unwrap();
@@ -867,6 +871,10 @@ fn a_pod_whose_link_appeared_while_the_agent_was_down_is_served_at_its_socket() 
     let answer = pod.run(move || tcp_ask_peer(cluster_ip, TIMEOUT)).unwrap();
     let (name, seen) = answer.expect("the hairpin while the agent is down");
     assert_eq!((name.as_str(), seen), ("late", late_ip.to_string()), "translated at the socket: not masqueraded");
+    let lb = SocketAddrV4::new(LB_IP, 80);
+    let short = Duration::from_millis(500);
+    let answer = pod.run(move || tcp_ask_peer(lb, short)).unwrap();
+    assert!(answer.is_err(), "the LoadBalancer IP, outside its source ranges, while the agent is down: {answer:?}");
 
     c.start_agent(0).unwrap();
     let deadline = std::time::Instant::now() + testbed::slow(Duration::from_secs(10));
@@ -878,6 +886,9 @@ fn a_pod_whose_link_appeared_while_the_agent_was_down_is_served_at_its_socket() 
         assert!(std::time::Instant::now() < deadline, "never masqueraded once the agent was back: {answer:?}");
         std::thread::sleep(Duration::from_millis(100));
     }
+    let answer = pod.run(move || tcp_ask_peer(lb, short)).unwrap();
+    let err = answer.expect_err("the LoadBalancer IP, outside its source ranges, with the agent back");
+    assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "dropped per packet: {err}");
 }
 
 #[test]
