@@ -60,6 +60,8 @@ pub struct AgentConfig {
     pub configz: serde_json::Value,
     /// Take the node over from kube-proxy after the first sync ([`crate::takeover`]).
     pub cleanup_kube_proxy: bool,
+    /// Attach nothing; compare the plan with the running kube-proxy's rules ([`crate::shadow`]).
+    pub shadow: bool,
     /// The agent's OOM score adjustment (`oomScoreAdj`), applied at start when set.
     pub oom_score_adj: Option<i32>,
     /// The kernel's conntrack sysctls kube-proxy would set, and where they are.
@@ -81,7 +83,7 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
     let metrics = Arc::new(Metrics::new(Some(cfg.datapath.pin_root.clone())));
     // kube-proxy's health timeout: twice syncPeriod.
     let proxy_health = Arc::new(ProxyHealth::new(2 * cfg.sync_period, metrics.clone()));
-    let server_tasks = listeners.serve(metrics.clone(), proxy_health.clone(), cfg.configz.clone());
+    let server_tasks = listeners.serve(metrics.clone(), proxy_health.clone(), cfg.configz.clone(), None);
     let mut datapath = BpfDatapath::load(&cfg.datapath)?;
     let programmer = Programmer::recover(&mut datapath.maps)?;
     tracing::info!(
@@ -664,6 +666,12 @@ impl Syncer {
         }
         self.apply_deferred_node(host);
         self.retire_other_layouts(host);
+    }
+
+    /// The node plan now, whatever changed (shadow mode reads it from `host`).
+    pub fn force_node_plan(&mut self, host: &mut dyn HostDatapath) {
+        self.node_dirty = true;
+        self.program_node(host);
     }
 
     /// The node plan, when the node's facts (or the ClusterIP whose route gives the node's

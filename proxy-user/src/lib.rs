@@ -11,6 +11,7 @@ pub mod netlink;
 pub mod netns;
 pub mod servers;
 pub mod settings;
+pub mod shadow;
 pub mod source;
 pub mod takeover;
 

@@ -41,6 +41,11 @@ enum Command {
         #[arg(long, short, value_enum, default_value_t = Output::Text)]
         output: Output,
     },
+    /// Shadow mode (`kpr agent --shadow`): kpr's plan against the running kube-proxy.
+    Shadow {
+        #[command(subcommand)]
+        action: ShadowAction,
+    },
     /// Show the programmed service ports, their backends and the datapath counters.
     Services {
         #[arg(long, default_value = "/sys/fs/bpf/kpr")]
@@ -96,6 +101,23 @@ enum Output {
 }
 
 #[derive(Subcommand)]
+enum ShadowAction {
+    /// The shadow agent's last comparison with kube-proxy: every frontend and source where
+    /// kpr would decide otherwise (exits 1 when there is one).
+    Report {
+        /// The shadow agent's metrics server (`metricsBindAddress`).
+        #[arg(long, default_value = "127.0.0.1:10249")]
+        metrics_address: std::net::SocketAddr,
+        /// Compare twice now (a difference counts once seen twice) instead of showing the last
+        /// periodic comparison.
+        #[arg(long)]
+        now: bool,
+        #[arg(long, short, value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
+}
+
+#[derive(Subcommand)]
 enum ConntrackAction {
     /// One line per flow: client, frontend, backend, the source the backend sees, state.
     List {
@@ -140,6 +162,14 @@ async fn main() -> Result<()> {
             print_out(output, &report, kpr::inspect::services::text)
         }
         Command::Diff { agent, wait, output } => diff(agent, wait, output).await,
+        Command::Shadow { action: ShadowAction::Report { metrics_address, now, output } } => {
+            let report = kpr::shadow::fetch_report(metrics_address, now)?;
+            print_out(output, &report, kpr::shadow::ShadowReport::render)?;
+            if !report.mismatches.is_empty() {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
         Command::Conntrack { action } => conntrack(action),
         Command::Trace { source, destination, from, pin_root, output } => {
             let report = kpr::inspect::trace::trace(&pin_root, source, destination, from)?;
@@ -227,6 +257,9 @@ async fn run_agent(args: AgentArgs) -> Result<()> {
         tracing::warn!("oomScoreAdj {adj} not applied: {e}");
     }
     raise_fd_limit();
+    if cfg.shadow {
+        return kpr::shadow::run(cfg, kpr::shutdown_signal()).await;
+    }
     kpr::datapath::bpf::raise_memlock_limit();
     agent::run(cfg, kpr::shutdown_signal()).await
 }

@@ -122,6 +122,14 @@ pub struct AgentArgs {
     /// nft on PATH for the backends in use.
     #[arg(long)]
     pub cleanup_kube_proxy: bool,
+    /// Shadow mode: load and attach nothing, change nothing on the node, and compare what kpr
+    /// would do with each Service's connections (per frontend and source: endpoints,
+    /// masquerade, reject or drop, affinity, source ranges) with what the kube-proxy running
+    /// on the node does, read from its iptables or nftables rules. Mismatches are logged,
+    /// counted in `kpr_shadow_mismatches{namespace,service}` and listed by `kpr shadow report`.
+    /// Give kpr other health and metrics ports than kube-proxy's.
+    #[arg(long, conflicts_with = "cleanup_kube_proxy")]
+    pub shadow: bool,
     /// cgroup2 directory whose sockets are load-balanced [default: the cgroup2 root].
     #[arg(long)]
     pub cgroup: Option<PathBuf>,
@@ -488,6 +496,7 @@ pub fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
         healthz_bind_address: config.healthz_bind_address,
         configz: config.configz(),
         cleanup_kube_proxy: args.cleanup_kube_proxy,
+        shadow: args.shadow,
         oom_score_adj: config.oom_score_adj,
         netfilter_sysctls: (
             args.netfilter_sysctl_dir,

@@ -20,6 +20,11 @@
 //! server gets upstream's service ranges), clients of "the node" do not bind a source address
 //! (upstream writes the node's IP as source; a connect() from the node picks it by routing),
 //! and the "SNATted to the LB IP" rows are left out (they need the LB IP to be a local address).
+//!
+//! A third agent, `kpr agent --shadow`, runs beside kube-proxy in its world with kpr's
+//! configuration and objects: after every case its comparison with kube-proxy's rules must
+//! show no mismatch, and in one case, given one endpoint fewer than kube-proxy, it must name
+//! that Service.
 //! Needs root; `cargo xtask test` runs it.
 use std::{
     collections::BTreeSet,
@@ -950,19 +955,20 @@ fn differential(mode: &str) {
 
     let mut failures = Vec::new();
     let mut report = Vec::new();
-    let mut running: Option<(Knobs, KubeProxy, KprAgent)> = None;
+    let mut running: Option<(Knobs, KubeProxy, KprAgent, KprAgent)> = None;
     let mut rows_checked = 0;
     for (index, case) in cases.iter().enumerate() {
         let case_started = std::time::Instant::now();
-        if running.as_ref().is_none_or(|(k, _, _)| *k != case.knobs) {
+        if running.as_ref().is_none_or(|(k, ..)| *k != case.knobs) {
             drop(running.take()); // stop the previous pair first
             let (kube_proxy, file) =
                 KubeProxy::start_with_config(&cluster, &kp_world.node, &config_yaml(mode, &case.knobs))
                     .expect("kube-proxy");
             let kpr = KprAgent::start(&kpr_world.node, &file, &cgroup, &format!("{tag}-{index}"), &[]);
-            running = Some((case.knobs.clone(), kube_proxy, kpr));
+            let shadow = KprAgent::start(&kp_world.node, &file, &cgroup, &format!("{tag}-s{index}"), &SHADOW_ARGS);
+            running = Some((case.knobs.clone(), kube_proxy, kpr, shadow));
         }
-        let (_, kube_proxy, kpr) = running.as_mut().unwrap();
+        let (_, kube_proxy, kpr, shadow) = running.as_mut().unwrap();
 
         // The case's objects replace the previous case's, in the API and in kpr's manifests.
         cluster.kubectl(&["delete", "services,endpointslices", "-A", "-l", "kpr-flows", "--wait=true"]).unwrap();
@@ -996,6 +1002,7 @@ fn differential(mode: &str) {
         }
         let dump = cluster.kubectl(&["get", "services,endpointslices,nodes,servicecidrs", "-A", "-o", "yaml"]).unwrap();
         testbed::write_atomic(&kpr.manifests, "cluster.yaml", &dump).unwrap();
+        testbed::write_atomic(&shadow.manifests, "cluster.yaml", &dump).unwrap();
         let marker_addrs = markers.map(|m| SocketAddr::new(m.parse().unwrap(), 9));
         for addr in marker_addrs {
             testbed::wait_programmed(&kpr.pins, &format!("{addr}/TCP"), Some(0), Duration::from_secs(30))
@@ -1032,6 +1039,10 @@ fn differential(mode: &str) {
             }
         }
 
+        // kube-proxy has the case: the shadow agent's comparisons from now on must find no
+        // difference, confirmed or not (asked for while the rows are probed).
+        let shadow_node = kp_world.node.name.clone();
+        let shadow_check = std::thread::spawn(move || shadow_report(&shadow_node));
         if let Ok(ms) = std::env::var("KPR_FLOWS_SETTLE_MS") {
             std::thread::sleep(Duration::from_millis(ms.parse().unwrap_or(0)));
         }
@@ -1087,6 +1098,18 @@ fn differential(mode: &str) {
             failures.append(&mut problems);
         }
         assert!(kube_proxy.running(), "kube-proxy exited:\n{}", kube_proxy.log_tail());
+        let after = shadow_check.join().unwrap().unwrap_or_else(|e| panic!("{e}\n{}", shadow.log_tail()));
+        let (mismatches, pending) = (&after["mismatches"], after["pending"].as_u64().unwrap_or(0));
+        if mismatches.as_array().is_none_or(|m| !m.is_empty()) || pending != 0 {
+            failures.push(format!(
+                "{mode} {}: shadow mode differs from kube-proxy ({pending} pending): {mismatches:#}",
+                case.source
+            ));
+        }
+        assert!(after["verdicts"].as_u64().unwrap_or(0) > 0, "{}: shadow mode compared nothing: {after}", case.source);
+        if case.source == "TestClusterIPGeneral" {
+            shadow_finds_a_missing_endpoint(&kp_world, shadow, &dump);
+        }
         report.push(format!(
             "{mode} {}: {} rows in {:.1} s",
             case.source,
@@ -1106,11 +1129,70 @@ fn differential(mode: &str) {
     }
     println!("{}", report.join("\n"));
     println!("{mode}: {} cases, {rows_checked} rows", cases.len());
-    if let Some((_, kp, kpr)) = running.as_ref().filter(|_| !failures.is_empty()) {
+    if let Some((_, kp, kpr, _)) = running.as_ref().filter(|_| !failures.is_empty()) {
         println!("kube-proxy's log:\n{}\nkpr's log:\n{}", kp.log_tail(), kpr.log_tail());
     }
     drop(running);
     assert!(failures.is_empty(), "{} of {rows_checked} rows differ:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// The shadow agent: no datapath, and ports of its own beside kube-proxy's.
+const SHADOW_ARGS: [&str; 5] =
+    ["--shadow", "--metrics-bind-address", "127.0.0.1:10349", "--healthz-bind-address", "127.0.0.1:10356"];
+
+/// `kpr shadow report --now -o json` in kube-proxy's world (two comparisons made for it),
+/// once the agent answers (within 30 s).
+fn shadow_report(netns: &str) -> Result<serde_json::Value, String> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{netns}"))
+            .arg(testbed::kpr_bin())
+            .args(["shadow", "report", "--now", "--metrics-address", "127.0.0.1:10349", "-o", "json"])
+            .output()
+            .map_err(|e| e.to_string())?;
+        match serde_json::from_slice::<serde_json::Value>(&out.stdout) {
+            Ok(report) if report["problems"].as_array().is_some_and(Vec::is_empty) => return Ok(report),
+            Ok(report) if std::time::Instant::now() > deadline => return Err(format!("shadow mode: {report}")),
+            Err(_) if std::time::Instant::now() > deadline => {
+                return Err(format!("no shadow report: {}", String::from_utf8_lossy(&out.stderr)));
+            }
+            _ => std::thread::sleep(Duration::from_millis(200)),
+        }
+    }
+}
+
+/// Give the shadow agent ns1/svc1 without its endpoint (kube-proxy keeps it): its report must
+/// name that Service, and only it; then give the objects back.
+fn shadow_finds_a_missing_endpoint(world: &World, shadow: &KprAgent, dump: &str) {
+    let mut objects: serde_yaml::Value = serde_yaml::from_str(dump).unwrap();
+    let svc1_slice = |o: &serde_yaml::Value| {
+        o["kind"] == "EndpointSlice"
+            && o["metadata"]["namespace"] == "ns1"
+            && o["metadata"]["labels"]["kubernetes.io/service-name"] == "svc1"
+    };
+    let slice = objects["items"].as_sequence_mut().unwrap().iter_mut().find(|o| svc1_slice(o)).expect("svc1's slice");
+    slice["endpoints"] = serde_yaml::Value::Sequence(Vec::new());
+    testbed::write_atomic(&shadow.manifests, "cluster.yaml", &serde_yaml::to_string(&objects).unwrap()).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mismatches = loop {
+        let report = shadow_report(&world.node.name).unwrap();
+        let mismatches = report["mismatches"].as_array().cloned().unwrap_or_default();
+        if !mismatches.is_empty() {
+            break mismatches;
+        }
+        assert!(std::time::Instant::now() < deadline, "shadow mode did not find the missing endpoint: {report}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    for m in &mismatches {
+        assert!(m["service"].as_str().is_some_and(|s| s.starts_with("ns1/svc1:")), "{m}");
+        // kpr without endpoints rejects; kube-proxy reaches the endpoint.
+        assert_eq!(m["kpr"]["verdict"], "reject", "{m}");
+        assert_eq!(m["kubeProxy"]["endpoints"][0], "10.180.0.1:80", "{m}");
+    }
+    let sources: BTreeSet<&str> = mismatches.iter().filter_map(|m| m["source"].as_str()).collect();
+    assert_eq!(sources, BTreeSet::from(["pod", "external", "node"]), "{mismatches:?}");
+    testbed::write_atomic(&shadow.manifests, "cluster.yaml", dump).unwrap();
 }
 
 #[test]

@@ -81,6 +81,14 @@ pub struct Metrics {
     sync_errors: Counter,
     source_restarts: Family<NameLabel, Counter>,
     conntrack_expired: Counter,
+    shadow_mismatches: Family<ServiceLabel, Gauge>,
+    shadow_comparisons: Counter,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ServiceLabel {
+    namespace: String,
+    service: String,
 }
 
 impl Default for Metrics {
@@ -114,6 +122,8 @@ impl Metrics {
             sync_errors: Counter::default(),
             source_restarts: Family::default(),
             conntrack_expired: Counter::default(),
+            shadow_mismatches: Family::default(),
+            shadow_comparisons: Counter::default(),
         };
         let r = &mut m.registry;
         // Counters get their `_total` suffix from the encoder.
@@ -200,6 +210,16 @@ impl Metrics {
             "kpr_conntrack_expired",
             "Per-packet conntrack entries removed by the agent's sweep",
             m.conntrack_expired.clone(),
+        );
+        r.register(
+            "kpr_shadow_mismatches",
+            "Shadow mode: frontends and sources where kpr would decide otherwise than the running kube-proxy",
+            m.shadow_mismatches.clone(),
+        );
+        r.register(
+            "kpr_shadow_comparisons",
+            "Shadow mode: comparisons with kube-proxy's rules",
+            m.shadow_comparisons.clone(),
         );
         if let Some(pin_root) = pin_root {
             r.register_collector(Box::new(DatapathCounters { pin_root }));
@@ -291,6 +311,16 @@ impl Metrics {
         }
         let live = tables.iter().map(|t| t.live).sum();
         self.map_use("conntrack", live, tables.iter().map(|t| t.capacity).sum());
+    }
+
+    /// Shadow mode compared once: the mismatches per (namespace, Service).
+    pub fn shadow_compared(&self, per_service: &std::collections::BTreeMap<(String, String), i64>) {
+        self.shadow_comparisons.inc();
+        self.shadow_mismatches.clear();
+        for ((namespace, service), count) in per_service {
+            let label = ServiceLabel { namespace: namespace.clone(), service: service.clone() };
+            self.shadow_mismatches.get_or_create(&label).set(*count);
+        }
     }
 
     pub fn forward_direct(&self, direct: bool) {

@@ -1,6 +1,7 @@
 //! kube-proxy's two servers, at kube-proxy's addresses:
 //! - `metricsBindAddress` (default `127.0.0.1:10249`): `/metrics`, `/proxyMode` (`kpr`),
-//!   `/configz` (the effective configuration) and `/healthz` (`ok`: the process answers), and
+//!   `/configz` (the effective configuration), `/healthz` (`ok`: the process answers), `/shadow`
+//!   (shadow mode's last comparison, [`crate::shadow`]), and
 //!   `/livez` and `/readyz` as on the healthz server: on loopback by default, where no pod can
 //!   hold connections to them, so the DaemonSet's probes use these;
 //! - `healthzBindAddress` (default `0.0.0.0:10256`): `/healthz` and `/livez` ([`ProxyHealth`]),
@@ -47,12 +48,14 @@ impl Listeners {
         Ok(Self { metrics, healthz })
     }
 
-    /// Serve until the returned tasks are aborted. `configz`: the effective configuration.
+    /// Serve until the returned tasks are aborted. `configz`: the effective configuration;
+    /// `extra`: one more path of the metrics server (shadow mode's `/shadow`).
     pub fn serve(
         self,
         metrics: Arc<Metrics>,
         health: Arc<ProxyHealth>,
         configz: serde_json::Value,
+        extra: Option<(&'static str, Handler)>,
     ) -> Vec<JoinHandle<()>> {
         let limits = Limits { connections: 64, ..Limits::default() };
         let mut tasks = Vec::new();
@@ -60,6 +63,9 @@ impl Listeners {
             let configz = serde_json::to_vec(&configz).expect("serializable");
             let health = health.clone();
             let handler: Handler = Arc::new(move |request| match request.uri.path() {
+                path if extra.as_ref().is_some_and(|(at, _)| *at == path) => {
+                    extra.as_ref().map(|(_, serve)| serve(request)).unwrap_or_else(http_server::not_found)
+                }
                 "/metrics" => http_server::reply(StatusCode::OK, OPENMETRICS, metrics.encode()),
                 "/proxyMode" => http_server::reply(StatusCode::OK, TEXT, PROXY_MODE),
                 "/configz" => http_server::reply(StatusCode::OK, "application/json", configz.clone()),

@@ -2,11 +2,14 @@
 //! - [`kube`]: the Kubernetes API (kube-rs watchers), as kube-proxy's informers see it;
 //! - [`manifests`]: a directory of YAML manifests, for nodes without a cluster and for tests;
 //! - [`host`]: the node's links and addresses, from the kernel;
-//! - [`cgroups`]: where the node's pods are in the cgroup2 hierarchy.
+//! - [`cgroups`]: where the node's pods are in the cgroup2 hierarchy;
+//! - [`kube_proxy_rules`]: the running kube-proxy's decisions, read back from its rules
+//!   (shadow mode).
 pub mod cgroups;
 pub mod firewall;
 pub mod host;
 pub mod kube;
+pub mod kube_proxy_rules;
 pub mod manifests;
 
 use std::collections::BTreeMap;
