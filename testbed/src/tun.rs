@@ -1,6 +1,7 @@
 //! A layer-3 tunnel between two network namespaces on any kernel: a TUN device in each (no
 //! Ethernet header on its packets, as on WireGuard's or IP-in-IP's links), and a thread that
-//! writes what one sends into the other.
+//! writes what one sends into the other. With TAP devices (Ethernet frames) the same is a VM's
+//! link: the host side's TAP device, whose frames a hypervisor carries to the guest's NIC.
 use std::{
     fs::File,
     io::{Read as _, Write as _},
@@ -21,6 +22,15 @@ impl Tun {
     /// Create TUN device `name` in the calling thread's network namespace (IP packets, no
     /// packet information header).
     pub fn open(name: &str) -> Result<Self> {
+        Self::open_as(name, libc::IFF_TUN)
+    }
+
+    /// Create TAP device `name` (Ethernet frames), as a hypervisor's.
+    pub fn open_tap(name: &str) -> Result<Self> {
+        Self::open_as(name, libc::IFF_TAP)
+    }
+
+    fn open_as(name: &str, kind: libc::c_int) -> Result<Self> {
         // `Ioctl`: the request's type differs between libcs (glibc and musl).
         const TUNSETIFF: libc::Ioctl = 0x4004_54ca as libc::Ioctl;
         let file = File::options().read(true).write(true).open("/dev/net/tun").context("/dev/net/tun")?;
@@ -28,11 +38,11 @@ impl Tun {
         let mut ifreq = [0u8; 40];
         anyhow::ensure!(name.len() < libc::IF_NAMESIZE, "name too long: {name}");
         ifreq[..name.len()].copy_from_slice(name.as_bytes());
-        let flags = (libc::IFF_TUN | libc::IFF_NO_PI) as u16;
+        let flags = (kind | libc::IFF_NO_PI) as u16;
         ifreq[16..18].copy_from_slice(&flags.to_ne_bytes());
         // SAFETY: TUNSETIFF reads and writes a struct ifreq, 40 bytes.
         if unsafe { libc::ioctl(file.as_raw_fd(), TUNSETIFF, ifreq.as_mut_ptr()) } != 0 {
-            return Err(std::io::Error::last_os_error()).with_context(|| format!("creating TUN device {name}"));
+            return Err(std::io::Error::last_os_error()).with_context(|| format!("creating TUN/TAP device {name}"));
         }
         Ok(Self(file))
     }

@@ -766,6 +766,43 @@ fn a_pod_opts_out_of_the_socket_path_by_annotation() {
     }
 }
 
+/// A VM in a pod (KubeVirt's masquerade binding): the guest's NIC is joined to a TAP device in
+/// the pod (the frames a hypervisor carries), and the pod masquerades the guest's traffic out
+/// of its own link. The guest's sockets are its own kernel's, never the node's: here the guest
+/// is a namespace whose processes are outside the cgroup kpr's socket hooks are attached to.
+/// With the socket path on (kpr's default) its connection to a ClusterIP crosses the TAP
+/// device and the pod's NAT untranslated and is served per packet on the pod's link, as by
+/// kube-proxy: a sidecar inside the guest sees the Service's address, the endpoint answers.
+#[test]
+fn a_guest_behind_a_tap_device_in_a_pod_sees_the_service_address() {
+    use proxy_common::counter::{TC_NEW_FLOW, TRANSLATED};
+    let c = Bridged::new("km-tap").unwrap();
+    let pod = &c.nodes[0]._pod;
+    let guest = Netns::new(&testbed::unique_name("km-guest")).unwrap();
+    let host_side = pod.run(|| testbed::Tun::open_tap("tap0")).unwrap().unwrap();
+    let guest_nic = guest.run(|| testbed::Tun::open_tap("eth0")).unwrap().unwrap();
+    let _hypervisor = testbed::Tun::join(host_side, guest_nic);
+    pod.sh("ip addr add 10.0.2.1/24 dev tap0 && ip link set tap0 up && sysctl -qw net.ipv4.ip_forward=1 && \
+         nft add table ip vm && nft add chain ip vm post '{ type nat hook postrouting priority 100; }' && \
+         nft add rule ip vm post ip saddr 10.0.2.0/24 oifname != tap0 masquerade")
+        .unwrap();
+    guest
+        .sh("ip link set lo up && ip addr add 10.0.2.2/24 dev eth0 && ip link set eth0 up && ip route add default via 10.0.2.1")
+        .unwrap();
+    redirect_to_a_sidecar(&guest);
+    c.write("svc.yaml", &service("Cluster", 30089, &[(c.nodes[1].pod_ip, "node-b")]));
+    c.wait("10.96.0.89:80/TCP", 1);
+    let counters = || bpf::read_counters(&c.nodes[0].pins).unwrap();
+    let at = |i: u32, counters: &[(&str, u64)]| counters[i as usize].1;
+    let before = counters();
+    let cluster_ip = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 89), 80);
+    let answer = through_the_sidecar(&guest, cluster_ip);
+    let after = counters();
+    assert_eq!(answer, format!("{cluster_ip} pod-b"), "what the guest's sidecar saw, and who answered");
+    assert_eq!(at(TRANSLATED, &after), at(TRANSLATED, &before), "nothing translated at a socket");
+    assert!(at(TC_NEW_FLOW, &after) > at(TC_NEW_FLOW, &before), "served per packet on the pod's link");
+}
+
 const SIDECAR_PORT: u16 = 15001;
 const SIDECAR_MARK: u32 = 0x539;
 

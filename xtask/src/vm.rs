@@ -148,8 +148,9 @@ pub const SUITES: [Suite; 4] = [
 /// topologies use (veth, bridge; clsact and cls_bpf for netlink tc attachments; nf_tables for
 /// a node whose FORWARD chain drops, after crc32c_generic, which libcrc32c needs at init but
 /// names only as a soft dependency; udp_diag for aborting UDP sockets; sctp for SCTP Services;
-/// 8021q for a node address on a VLAN; ipip and tun for pods behind layer-3 tunnels).
-const MODULES: [&str; 16] = [
+/// 8021q for a node address on a VLAN; ipip and tun for pods behind layer-3 tunnels, tun also
+/// for a VM's TAP device).
+const MODULES: [&str; 17] = [
     "virtio_pci",
     "9pnet_virtio",
     "9p",
@@ -163,6 +164,8 @@ const MODULES: [&str; 16] = [
     // A mesh sidecar's redirect in a pod (`redirect to :port` in a nat output chain).
     "nft_chain_nat",
     "nft_redir",
+    // A VM's pod masquerading its guest (`masquerade` in a nat postrouting chain).
+    "nft_masq",
     "udp_diag",
     "sctp",
     "ipip",
