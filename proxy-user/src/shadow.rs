@@ -376,14 +376,14 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
             },
             () = sleep_until(settled) => {
                 last_change = None;
-                shadow.compare_now(&mut syncer);
+                shadow.compare_now(&mut syncer).await;
                 proxy_health.synced();
             }
             _ = periodic.tick() => if last_change.is_none() {
-                shadow.compare_now(&mut syncer);
+                shadow.compare_now(&mut syncer).await;
                 proxy_health.synced();
             },
-            () = report.compare_now.notified() => shadow.compare_now(&mut syncer),
+            () = report.compare_now.notified() => shadow.compare_now(&mut syncer).await,
             () = &mut shutdown => break,
         }
     }
@@ -436,13 +436,18 @@ struct Shadow {
 }
 
 impl Shadow {
-    fn compare_now(&mut self, syncer: &mut Syncer) {
+    async fn compare_now(&mut self, syncer: &mut Syncer) {
         if !syncer.state.synced() {
             let mut report = self.report.report.lock().expect("shadow report");
             report.comparisons += 1;
             report.problems = vec!["the sources have not listed every Service and EndpointSlice yet".to_owned()];
             return;
         }
+        // iptables-save and nft run off the loop's thread.
+        let read = match tokio::task::spawn_blocking(|| IpFamily::ALL.map(|f| (f, kube_proxy_rules::read(f)))).await {
+            Ok(read) => read,
+            Err(e) => IpFamily::ALL.map(|f| (f, Err(anyhow::anyhow!("reading the rules failed: {e}")))),
+        };
         let mut host = fake::FakeHost::default();
         syncer.force_node_plan(&mut host);
         let desired = syncer.state.desired();
@@ -462,9 +467,9 @@ impl Shadow {
         };
         let mut report = ShadowReport::default();
         let mut seen = Vec::new();
-        for family in IpFamily::ALL {
+        for (family, rules) in read {
             let label = family.address_type().to_owned();
-            match kube_proxy_rules::read(family) {
+            match rules {
                 Ok(Some((mode, rules))) => {
                     let name = match mode {
                         Mode::Iptables => "iptables",

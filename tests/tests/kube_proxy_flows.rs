@@ -1192,6 +1192,12 @@ fn shadow_finds_a_missing_endpoint(world: &World, shadow: &KprAgent, dump: &str)
     }
     let sources: BTreeSet<&str> = mismatches.iter().filter_map(|m| m["source"].as_str()).collect();
     assert_eq!(sources, BTreeSet::from(["pod", "external", "node"]), "{mismatches:?}");
+    // Counted per Service on the metrics server, the same number.
+    let metrics =
+        world.node.run(|| testbed::http_get("127.0.0.1:10349".parse().unwrap(), "/metrics", Duration::from_secs(5)));
+    let (_, metrics) = metrics.unwrap().unwrap();
+    let line = format!("kpr_shadow_mismatches{{namespace=\"ns1\",service=\"svc1\"}} {}", mismatches.len());
+    assert!(metrics.lines().any(|l| l == line), "{line} in:\n{metrics}");
     testbed::write_atomic(&shadow.manifests, "cluster.yaml", dump).unwrap();
 }
 
