@@ -501,17 +501,13 @@ impl Syncer {
 
     /// The cgroups of the pods that opt out of the socket path (`model::socket_lb`), as found
     /// in the hierarchy now; a pod without one yet is looked for again in a second.
-    fn socket_skip(&mut self) -> std::collections::BTreeMap<u64, u32> {
+    /// The opted-out pods' cgroups (id → level, with `SOCKET_SKIP_POD_COVERED` where a
+    /// process of the pod is in a namespace behind a link the programs cover: `covered_nsids`,
+    /// those namespaces' ids as the node's namespace knows them).
+    fn socket_skip(&mut self, covered_nsids: &std::collections::BTreeSet<i32>) -> std::collections::BTreeMap<u64, u32> {
         self.cgroup_retry = None;
         let Some(under) = &self.node_settings.pod_cgroups else { return Default::default() };
         let uids = socket_lb::opted_out(&self.pods, &self.namespace_settings);
-        if !uids.is_empty() && self.node_settings.tc_links != TcLinks::All {
-            tracing::warn!(
-                pods = uids.len(),
-                "pods opt out of the socket path, but the per-packet path does not cover every link \
-                 (--interfaces): they are still translated at their sockets"
-            );
-        }
         let found = source::cgroups::pod_cgroups(under, &uids);
         if found.len() < uids.len() {
             tracing::debug!(
@@ -520,7 +516,33 @@ impl Syncer {
             );
             self.cgroup_retry = Some(Instant::now() + Duration::from_secs(1));
         }
-        found.values().filter_map(|dir| source::cgroups::PodCgroup::of(dir)).map(|c| (c.id, c.level)).collect()
+        let session = crate::netlink::Session::open(libc::NETLINK_ROUTE).ok();
+        let mut out = std::collections::BTreeMap::new();
+        for dir in found.values() {
+            let Some(cgroup) = source::cgroups::PodCgroup::of(dir) else { continue };
+            // The pod's namespace, as its sandbox's processes are in it.
+            let covered = session.as_ref().is_some_and(|session| {
+                let mut seen = std::collections::BTreeSet::new();
+                source::cgroups::threads(dir).into_iter().any(|tid| {
+                    let path = std::path::PathBuf::from(format!("/proc/{tid}/ns/net"));
+                    let inode = std::fs::metadata(&path).map(|m| std::os::unix::fs::MetadataExt::ino(&m));
+                    inode.is_ok_and(|i| seen.insert(i))
+                        && crate::netns::nsid(session, &path).is_some_and(|id| covered_nsids.contains(&id))
+                })
+            });
+            out.insert(cgroup.id, cgroup.level | if covered { proxy_common::SOCKET_SKIP_POD_COVERED } else { 0 });
+        }
+        if self.node_settings.tc_links != TcLinks::All {
+            let uncovered = out.values().filter(|v| *v & proxy_common::SOCKET_SKIP_POD_COVERED == 0).count();
+            if uncovered > 0 {
+                tracing::warn!(
+                    pods = uncovered,
+                    "pods opt out of the socket path, but the per-packet path does not cover their links \
+                     (--interfaces): they are still translated at their sockets"
+                );
+            }
+        }
+        out
     }
 
     /// The network namespaces of the pods behind `tc_links` (ifindex → cookie), learnt by entering
@@ -717,7 +739,13 @@ impl Syncer {
         self.endpoint_routes.extend(source::host::routes(asked));
         let routes = self.endpoint_routes.iter().filter_map(|(ip, route)| Some((*ip, (*route)?)));
         plan.node_sources = node::node_sources(routes, &plan.links);
-        plan.socket_skip = self.socket_skip();
+        let covered_nsids = self
+            .host_links
+            .iter()
+            .filter(|l| plan.tc_links.contains_key(&l.index))
+            .filter_map(|l| l.peer_nsid)
+            .collect();
+        plan.socket_skip = self.socket_skip(&covered_nsids);
         plan.pod_netns = self.pod_netns(&plan.tc_links);
         // A service range refused anew takes effect once the service entries inside it are
         // written (after this sync's services): until then a ClusterIP's unknown port would be

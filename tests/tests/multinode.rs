@@ -778,18 +778,7 @@ fn a_guest_behind_a_tap_device_in_a_pod_sees_the_service_address() {
     use proxy_common::counter::{TC_NEW_FLOW, TRANSLATED};
     let c = Bridged::new("km-tap").unwrap();
     let pod = &c.nodes[0]._pod;
-    let guest = Netns::new(&testbed::unique_name("km-guest")).unwrap();
-    let host_side = pod.run(|| testbed::Tun::open_tap("tap0")).unwrap().unwrap();
-    let guest_nic = guest.run(|| testbed::Tun::open_tap("eth0")).unwrap().unwrap();
-    let _hypervisor = testbed::Tun::join(host_side, guest_nic);
-    pod.sh("ip addr add 10.0.2.1/24 dev tap0 && ip link set tap0 up && sysctl -qw net.ipv4.ip_forward=1 && \
-         nft add table ip vm && nft add chain ip vm post '{ type nat hook postrouting priority 100; }' && \
-         nft add rule ip vm post ip saddr 10.0.2.0/24 oifname != tap0 masquerade")
-        .unwrap();
-    guest
-        .sh("ip link set lo up && ip addr add 10.0.2.2/24 dev eth0 && ip link set eth0 up && ip route add default via 10.0.2.1")
-        .unwrap();
-    redirect_to_a_sidecar(&guest);
+    let (guest, _hypervisor) = guest_behind_a_tap(pod);
     c.write("svc.yaml", &service("Cluster", 30089, &[(c.nodes[1].pod_ip, "node-b")]));
     c.wait("10.96.0.89:80/TCP", 1);
     let counters = || bpf::read_counters(&c.nodes[0].pins).unwrap();
@@ -801,6 +790,86 @@ fn a_guest_behind_a_tap_device_in_a_pod_sees_the_service_address() {
     assert_eq!(answer, format!("{cluster_ip} pod-b"), "what the guest's sidecar saw, and who answered");
     assert_eq!(at(TRANSLATED, &after), at(TRANSLATED, &before), "nothing translated at a socket");
     assert!(at(TC_NEW_FLOW, &after) > at(TC_NEW_FLOW, &before), "served per packet on the pod's link");
+}
+
+/// A sandbox on the node's kernel in a pod (a container runtime in a pod, a sandbox on host
+/// sockets): its processes are the pod's (its cgroup), in a namespace nested in the pod's and
+/// leaving by it (here as the guest above). Opted out (`kpr.io/socket-lb: "off"`), its
+/// connections are left to the per-packet path, though the hooks cannot see that its namespace
+/// is behind pod-a's link: the agent marks the pod covered (a process of the pod, its sandbox's
+/// `pause`, is in a namespace behind a covered link). Without the annotation they are
+/// translated at the socket, and the sidecar sees the endpoint.
+#[test]
+fn a_namespace_nested_in_an_opted_out_pod_is_served_per_packet() {
+    use std::os::unix::fs::MetadataExt as _;
+    const UID: &str = "5f0c1d2e-0000-4000-8000-00000000a003";
+    let c = Bridged::new("km-nest").unwrap();
+    let node_cgroup = c.nodes[0].cgroup.path.file_name().unwrap().to_string_lossy().into_owned();
+    let mut pod_cgroup =
+        Cgroup::new(&format!("{node_cgroup}/kubepods-besteffort-pod{}.slice", UID.replace('-', "_"))).unwrap();
+    pod_cgroup.enter().unwrap();
+    let pod_cgroup_id = std::fs::metadata(&pod_cgroup.path).unwrap().ino();
+    let pod = &c.nodes[0]._pod;
+    // The pod's sandbox process, in the pod's namespace and cgroup (this process's).
+    let mut pause = std::process::Command::new("sleep");
+    pause.arg("600");
+    pod.exec_in(&mut pause).unwrap();
+    let _pause = Reaped(pause.spawn().unwrap());
+    let (guest, _hypervisor) = guest_behind_a_tap(pod);
+    c.write("svc.yaml", &service("Cluster", 30090, &[(c.nodes[1].pod_ip, "node-b")]));
+    c.wait("10.96.0.90:80/TCP", 1);
+    let cluster_ip = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 90), 80);
+    let endpoint = SocketAddrV4::new(c.nodes[1].pod_ip, POD_PORT);
+    for (annotations, original) in [("", endpoint), ("kpr.io/socket-lb: 'off'", cluster_ip)] {
+        c.write(
+            "pod.yaml",
+            &format!(
+                "apiVersion: v1\nkind: Pod\nmetadata: {{name: sandbox, namespace: t, uid: {UID}, annotations: {{{annotations}}}}}\n\
+                 spec: {{nodeName: node-a, containers: [{{name: app, image: app}}]}}\n"
+            ),
+        );
+        let want = (original == cluster_ip).then_some(proxy_common::SOCKET_SKIP_POD_COVERED);
+        let deadline = std::time::Instant::now() + testbed::slow(Duration::from_secs(10));
+        loop {
+            let entry = bpf::read_socket_skip(&c.nodes[0].pins).unwrap().get(&pod_cgroup_id).copied();
+            if entry.map(|v| v & proxy_common::SOCKET_SKIP_POD_COVERED) == want {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "pod {annotations:?}: KPR_SOCKET_SKIP has {entry:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let answer = through_the_sidecar(&guest, cluster_ip);
+        assert_eq!(answer, format!("{original} pod-b"), "pod {annotations:?}: what the sandbox's sidecar saw");
+    }
+}
+
+/// A child process killed and reaped when dropped.
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A guest namespace whose NIC is joined to a TAP device `tap0` in `pod` (the wire is the
+/// hypervisor), the pod masquerading it out of its own link as KubeVirt's masquerade binding
+/// does, and a sidecar redirect in the guest.
+fn guest_behind_a_tap(pod: &Netns) -> (Netns, testbed::Wire) {
+    let guest = Netns::new(&testbed::unique_name("km-guest")).unwrap();
+    let host_side = pod.run(|| testbed::Tun::open_tap("tap0")).unwrap().unwrap();
+    let guest_nic = guest.run(|| testbed::Tun::open_tap("eth0")).unwrap().unwrap();
+    let wire = testbed::Tun::join(host_side, guest_nic);
+    pod.sh("ip addr add 10.0.2.1/24 dev tap0 && ip link set tap0 up && sysctl -qw net.ipv4.ip_forward=1 && \
+         nft add table ip vm && nft add chain ip vm post '{ type nat hook postrouting priority 100; }' && \
+         nft add rule ip vm post ip saddr 10.0.2.0/24 oifname != tap0 masquerade")
+        .unwrap();
+    guest
+        .sh("ip link set lo up && ip addr add 10.0.2.2/24 dev eth0 && ip link set eth0 up && ip route add default via 10.0.2.1")
+        .unwrap();
+    redirect_to_a_sidecar(&guest);
+    (guest, wire)
 }
 
 const SIDECAR_PORT: u16 = 15001;

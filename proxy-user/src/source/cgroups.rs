@@ -31,6 +31,19 @@ impl PodCgroup {
     }
 }
 
+/// The threads of the cgroup at `dir` and of the cgroups below it (`cgroup.threads`).
+pub fn threads(dir: &Path) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let text = std::fs::read_to_string(dir.join("cgroup.threads")).unwrap_or_default();
+        out.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+        let entries = std::fs::read_dir(&dir).into_iter().flatten().flatten();
+        stack.extend(entries.filter(|e| e.file_type().is_ok_and(|t| t.is_dir())).map(|e| e.path()));
+    }
+    out
+}
+
 /// How deep below `under` a pod's cgroup is looked for (kubelet's are 1 to 3 below its root).
 const MAX_DEPTH: usize = 6;
 

@@ -65,7 +65,8 @@ pub fn read_links(pin_root: &Path) -> Result<Vec<(u32, LinkInfo)>> {
     Ok(map.iter().filter_map(Result::ok).collect())
 }
 
-/// The pods' cgroups the socket path leaves alone (`KPR_SOCKET_SKIP`): cgroup id → its level.
+/// The pods' cgroups the socket path leaves alone (`KPR_SOCKET_SKIP`): cgroup id → its level
+/// (with `SOCKET_SKIP_POD_COVERED` where the pod's namespace is behind a covered link).
 pub fn read_socket_skip(pin_root: &Path) -> Result<BTreeMap<u64, u32>> {
     let map: HashMap<MapData, u64, u32> =
         HashMap::try_from(Map::HashMap(open_pinned_map(pin_root, map_names::SOCKET_SKIP)?))?;
@@ -647,12 +648,14 @@ pub(super) fn range_cover<'a>(ranges: impl Iterator<Item = &'a Cidr>, v4: bool) 
     CidrMask { addr: Ipv6Addr::from(addr & mask).into(), mask: Ipv6Addr::from(mask).into() }
 }
 
-/// `KPR_SOCKET_SKIP`'s entries for these pod cgroups (id → level): each one, and under key 0
-/// the levels they sit at. A level the hooks do not look at is logged and left out.
+/// `KPR_SOCKET_SKIP`'s entries for these pod cgroups (id → level, with
+/// `SOCKET_SKIP_POD_COVERED`): each one, and under key 0 the levels they sit at. A level the
+/// hooks do not look at is logged and left out.
 fn socket_skip_entries(cgroups: &BTreeMap<u64, u32>) -> BTreeMap<u64, u32> {
     let mut out = BTreeMap::new();
     let mut levels = 0u32;
-    for (&id, &level) in cgroups {
+    for (&id, &value) in cgroups {
+        let level = value & !proxy_common::SOCKET_SKIP_POD_COVERED;
         if id == 0 || level == 0 || level >= proxy_common::SOCKET_SKIP_LEVELS {
             tracing::warn!(
                 cgroup = id,
@@ -662,7 +665,7 @@ fn socket_skip_entries(cgroups: &BTreeMap<u64, u32>) -> BTreeMap<u64, u32> {
             continue;
         }
         levels |= 1 << level;
-        out.insert(id, level);
+        out.insert(id, value);
     }
     if levels != 0 {
         out.insert(0, levels);
