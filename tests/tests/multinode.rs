@@ -722,14 +722,9 @@ fn socket_lb_host_only_lets_a_mesh_sidecar_see_the_service_address() {
 /// it, below node-a's (where the socket hooks are).
 #[test]
 fn a_pod_opts_out_of_the_socket_path_by_annotation() {
-    use std::os::unix::fs::MetadataExt as _;
     const UID: &str = "5f0c1d2e-0000-4000-8000-00000000a001";
     let c = Bridged::new("km-optout").unwrap();
-    let node_cgroup = c.nodes[0].cgroup.path.file_name().unwrap().to_string_lossy().into_owned();
-    let mut pod_cgroup =
-        Cgroup::new(&format!("{node_cgroup}/kubepods-besteffort-pod{}.slice", UID.replace('-', "_"))).unwrap();
-    pod_cgroup.enter().unwrap();
-    let pod_cgroup_id = std::fs::metadata(&pod_cgroup.path).unwrap().ino();
+    let (_pod_cgroup, pod_cgroup_id) = enter_a_pod_cgroup(&c, UID);
     let pod = &c.nodes[0]._pod;
     redirect_to_a_sidecar(pod);
     c.write("svc.yaml", &service("Cluster", 30088, &[(c.nodes[1].pod_ip, "node-b")]));
@@ -801,14 +796,9 @@ fn a_guest_behind_a_tap_device_in_a_pod_sees_the_service_address() {
 /// translated at the socket, and the sidecar sees the endpoint.
 #[test]
 fn a_namespace_nested_in_an_opted_out_pod_is_served_per_packet() {
-    use std::os::unix::fs::MetadataExt as _;
     const UID: &str = "5f0c1d2e-0000-4000-8000-00000000a003";
     let c = Bridged::new("km-nest").unwrap();
-    let node_cgroup = c.nodes[0].cgroup.path.file_name().unwrap().to_string_lossy().into_owned();
-    let mut pod_cgroup =
-        Cgroup::new(&format!("{node_cgroup}/kubepods-besteffort-pod{}.slice", UID.replace('-', "_"))).unwrap();
-    pod_cgroup.enter().unwrap();
-    let pod_cgroup_id = std::fs::metadata(&pod_cgroup.path).unwrap().ino();
+    let (_pod_cgroup, pod_cgroup_id) = enter_a_pod_cgroup(&c, UID);
     let pod = &c.nodes[0]._pod;
     // The pod's sandbox process, in the pod's namespace and cgroup (this process's).
     let mut pause = std::process::Command::new("sleep");
@@ -841,6 +831,18 @@ fn a_namespace_nested_in_an_opted_out_pod_is_served_per_packet() {
         let answer = through_the_sidecar(&guest, cluster_ip);
         assert_eq!(answer, format!("{original} pod-b"), "pod {annotations:?}: what the sandbox's sidecar saw");
     }
+}
+
+/// Move this process into a cgroup of pod `uid` below node-a's (where the socket hooks are),
+/// named as kubelet's systemd driver names it; the cgroup and its id.
+fn enter_a_pod_cgroup(c: &Bridged, uid: &str) -> (Cgroup, u64) {
+    use std::os::unix::fs::MetadataExt as _;
+    let node_cgroup = c.nodes[0].cgroup.path.file_name().unwrap().to_string_lossy().into_owned();
+    let mut pod_cgroup =
+        Cgroup::new(&format!("{node_cgroup}/kubepods-besteffort-pod{}.slice", uid.replace('-', "_"))).unwrap();
+    pod_cgroup.enter().unwrap();
+    let id = std::fs::metadata(&pod_cgroup.path).unwrap().ino();
+    (pod_cgroup, id)
 }
 
 /// A child process killed and reaped when dropped.

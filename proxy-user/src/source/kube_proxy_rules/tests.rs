@@ -3,22 +3,17 @@
 //! walk's verdicts on them, which must be the same whichever mode wrote the rules.
 use super::*;
 
+fn testdata(file: &str) -> String {
+    std::fs::read_to_string(format!("{}/src/source/kube_proxy_rules/testdata/{file}", env!("CARGO_MANIFEST_DIR")))
+        .unwrap()
+}
+
 fn iptables(name: &str) -> RuleSet {
-    let text = std::fs::read_to_string(format!(
-        "{}/src/source/kube_proxy_rules/testdata/{name}.iptables-save",
-        env!("CARGO_MANIFEST_DIR")
-    ))
-    .unwrap();
-    iptables::parse(&text).unwrap()
+    iptables::parse(&testdata(&format!("{name}.iptables-save"))).unwrap()
 }
 
 fn nftables(name: &str) -> RuleSet {
-    let json = std::fs::read_to_string(format!(
-        "{}/src/source/kube_proxy_rules/testdata/{name}.nft.json",
-        env!("CARGO_MANIFEST_DIR")
-    ))
-    .unwrap();
-    nftables::parse(&json).unwrap()
+    nftables::parse(&testdata(&format!("{name}.nft.json"))).unwrap()
 }
 
 const NODE: &str = "192.168.0.2";
