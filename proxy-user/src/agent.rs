@@ -345,6 +345,8 @@ pub struct Syncer {
     cgroup_retry: Option<Instant>,
     /// The pods' namespaces could not be entered, and it was said.
     netns_warned: bool,
+    /// Opted-out pods whose links are not covered (`--interfaces`), as last said.
+    uncovered_opt_outs: usize,
     /// The cookies of the pods' namespaces, by (link, the namespace's id there).
     netns_cookies: std::collections::BTreeMap<(u32, i32), u64>,
 }
@@ -383,6 +385,7 @@ impl Syncer {
             namespace_settings: Default::default(),
             cgroup_retry: None,
             netns_warned: false,
+            uncovered_opt_outs: 0,
             netns_cookies: Default::default(),
         }
     }
@@ -534,7 +537,9 @@ impl Syncer {
         }
         if self.node_settings.tc_links != TcLinks::All {
             let uncovered = out.values().filter(|v| *v & proxy_common::SOCKET_SKIP_POD_COVERED == 0).count();
-            if uncovered > 0 {
+            // Said when the number changes, not at every node plan.
+            let said = std::mem::replace(&mut self.uncovered_opt_outs, uncovered);
+            if uncovered > 0 && uncovered != said {
                 tracing::warn!(
                     pods = uncovered,
                     "pods opt out of the socket path, but the per-packet path does not cover their links \
