@@ -166,11 +166,6 @@ pub mod ct_generation {
 /// are at 2 to 4, under a container runtime in a pod deeper).
 pub const SOCKET_SKIP_LEVELS: u32 = 16;
 
-/// In a `KPR_SOCKET_SKIP` value, beside the level: the pod's own network namespace is behind a
-/// link that holds the per-packet programs, so the connections of any namespace nested in the
-/// pod (a sandbox on the node's kernel), which leave by that link, are served there too.
-pub const SOCKET_SKIP_POD_COVERED: u32 = 1 << 31;
-
 /// Default map sizes; the agent can override them at start.
 pub mod defaults {
     /// Service entries: a ClusterIP's port takes one per source scope (pod, outside, node) and

@@ -52,11 +52,10 @@ pub static SOCK_PICKS: LruHashMap<SockRevNatKey, Backend, { defaults::MAX_SOCK_R
 #[btf_map(name = "KPR_SOCKET_SKIP", pin_by_name)]
 pub static SOCKET_SKIP: HashMap<u64, u32, { defaults::MAX_SOCKET_SKIP as usize }> = HashMap::new();
 
-/// The `SOCKET_SKIP` entry of the pod the calling task is in, if its sockets are left alone:
-/// its level and `SOCKET_SKIP_POD_COVERED`. One lookup while no pod is, one more per level that
-/// holds such pods.
+/// Is the calling task in a pod whose sockets are left alone (`SOCKET_SKIP`)? One lookup while
+/// no pod is, one more per level that holds such pods.
 #[inline(always)]
-pub fn socket_skipped() -> Option<u32> {
+pub fn socket_skipped() -> bool {
     // The key on the stack, written there: a reference to a constant 0 is folded into one to
     // a global whose initial value is 0 (`KPR_HOST_NETNS_COOKIE`), which the loader then
     // overwrites, and the lookup would ask for that value.
@@ -64,20 +63,18 @@ pub fn socket_skipped() -> Option<u32> {
     // SAFETY: a local variable.
     unsafe { core::ptr::write_volatile(&mut levels_key, 0) };
     // SAFETY: a map value, read at once.
-    let levels = (unsafe { SOCKET_SKIP.get(&levels_key) }).copied()?;
+    let Some(levels) = (unsafe { SOCKET_SKIP.get(&levels_key) }).copied() else { return false };
     for level in 1..proxy_common::SOCKET_SKIP_LEVELS {
         if levels & (1 << level) != 0 {
             // SAFETY: a helper that reads the calling task's cgroup.
             let id = unsafe { aya_ebpf::helpers::bpf_get_current_ancestor_cgroup_id(level as i32) };
             // SAFETY: as above.
-            if id != 0
-                && let Some(value) = unsafe { SOCKET_SKIP.get(&id) }.copied()
-            {
-                return Some(value);
+            if id != 0 && unsafe { SOCKET_SKIP.get(&id) }.is_some() {
+                return true;
             }
         }
     }
-    None
+    false
 }
 
 /// The pods' network namespaces (cookies) behind a link that holds the per-packet programs; key

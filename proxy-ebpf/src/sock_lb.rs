@@ -18,8 +18,7 @@ use aya_log_ebpf::error;
 use proxy_common::{
     AFFINITY_BY_NETNS, Addr, Backend, IPPROTO_TCP, IPPROTO_UDP, LINK_SERVICE_SOURCE, NODE_ADDR_NODEPORT, SCOPE_NODE,
     SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP,
-    SERVICE_FLAG_SOURCE_RANGES, SOCKET_SKIP_POD_COVERED, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
-    counter,
+    SERVICE_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, counter,
 };
 
 use crate::globals::{
@@ -163,10 +162,8 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
     // known to be behind one (`netns_covered`: not a pod whose link appeared while no agent ran).
     let pod_links_covered = KPR_POD_LINKS_COVERED.load() != 0 && (from_node || netns_covered(netns));
     // A service the per-packet path must serve, or a pod that opted out of the socket path
-    // (`kpr.io/socket-lb: "off"`, a mesh's sidecar): its own namespace covered, or the pod's
-    // (a namespace nested in the pod leaves by the pod's link).
-    let opted_out = || socket_skipped().is_some_and(|value| pod_links_covered || value & SOCKET_SKIP_POD_COVERED != 0);
-    if pod_links_covered && service.flags & SERVICE_FLAG_SOCKET_SKIP != 0 || !from_node && opted_out() {
+    // (`kpr.io/socket-lb: "off"`, a mesh's sidecar).
+    if pod_links_covered && (service.flags & SERVICE_FLAG_SOCKET_SKIP != 0 || !from_node && socket_skipped()) {
         count(counter::SOCK_STEPPED_ASIDE);
         return ALLOW;
     }

@@ -8,6 +8,7 @@
 //! arrived, so a restart never black-holes services whose slices are late. A periodic full
 //! reconcile (`syncPeriod`) re-reads the maps and repairs any drift.
 use std::{
+    collections::{BTreeMap, BTreeSet},
     future::Future,
     net::SocketAddr,
     path::PathBuf,
@@ -345,8 +346,10 @@ pub struct Syncer {
     cgroup_retry: Option<Instant>,
     /// The pods' namespaces could not be entered, and it was said.
     netns_warned: bool,
-    /// Opted-out pods whose links are not covered (`--interfaces`), as last said.
+    /// Opted-out pods while not every link is covered (`--interfaces`), as last said.
     uncovered_opt_outs: usize,
+    /// The cookies of namespaces nested in opted-out pods, by the namespace's (dev, inode).
+    nested_cookies: BTreeMap<(u64, u64), u64>,
     /// The cookies of the pods' namespaces, by (link, the namespace's id there).
     netns_cookies: std::collections::BTreeMap<(u32, i32), u64>,
 }
@@ -386,6 +389,7 @@ impl Syncer {
             cgroup_retry: None,
             netns_warned: false,
             uncovered_opt_outs: 0,
+            nested_cookies: BTreeMap::new(),
             netns_cookies: Default::default(),
         }
     }
@@ -503,14 +507,25 @@ impl Syncer {
     }
 
     /// The cgroups of the pods that opt out of the socket path (`model::socket_lb`), as found
-    /// in the hierarchy now; a pod without one yet is looked for again in a second.
-    /// The opted-out pods' cgroups (id → level, with `SOCKET_SKIP_POD_COVERED` where a
-    /// process of the pod is in a namespace behind a link the programs cover: `covered_nsids`,
-    /// those namespaces' ids as the node's namespace knows them).
-    fn socket_skip(&mut self, covered_nsids: &std::collections::BTreeSet<i32>) -> std::collections::BTreeMap<u64, u32> {
+    /// in the hierarchy now (a pod without one yet is looked for again in a second), and the
+    /// namespaces nested in those pods that leave by a covered pod link (a sandbox or container
+    /// runtime on the node's kernel): (that link's ifindex, the nested namespace's cookie).
+    /// `covered`: the covered links' peer namespaces, by id → the link's ifindex.
+    fn socket_skip(&mut self, covered: &BTreeMap<i32, u32>) -> (BTreeMap<u64, u32>, Vec<(u32, u64)>) {
         self.cgroup_retry = None;
         let Some(under) = &self.node_settings.pod_cgroups else { return Default::default() };
         let uids = socket_lb::opted_out(&self.pods, &self.namespace_settings);
+        if !uids.is_empty() && self.node_settings.tc_links != TcLinks::All {
+            // Said when the number changes, not at every node plan.
+            let said = std::mem::replace(&mut self.uncovered_opt_outs, uids.len());
+            if said != uids.len() {
+                tracing::warn!(
+                    pods = uids.len(),
+                    "pods opt out of the socket path, but the per-packet path does not cover every link \
+                     (--interfaces): they are still translated at their sockets"
+                );
+            }
+        }
         let found = source::cgroups::pod_cgroups(under, &uids);
         if found.len() < uids.len() {
             tracing::debug!(
@@ -519,34 +534,57 @@ impl Syncer {
             );
             self.cgroup_retry = Some(Instant::now() + Duration::from_secs(1));
         }
-        let session = crate::netlink::Session::open(libc::NETLINK_ROUTE).ok();
-        let mut out = std::collections::BTreeMap::new();
-        for dir in found.values() {
-            let Some(cgroup) = source::cgroups::PodCgroup::of(dir) else { continue };
-            // The pod's namespace, as its sandbox's processes are in it.
-            let covered = session.as_ref().is_some_and(|session| {
-                let mut seen = std::collections::BTreeSet::new();
-                source::cgroups::threads(dir).into_iter().any(|tid| {
-                    let path = std::path::PathBuf::from(format!("/proc/{tid}/ns/net"));
-                    let inode = std::fs::metadata(&path).map(|m| std::os::unix::fs::MetadataExt::ino(&m));
-                    inode.is_ok_and(|i| seen.insert(i))
-                        && crate::netns::nsid(session, &path).is_some_and(|id| covered_nsids.contains(&id))
-                })
-            });
-            out.insert(cgroup.id, cgroup.level | if covered { proxy_common::SOCKET_SKIP_POD_COVERED } else { 0 });
-        }
-        if self.node_settings.tc_links != TcLinks::All {
-            let uncovered = out.values().filter(|v| *v & proxy_common::SOCKET_SKIP_POD_COVERED == 0).count();
-            // Said when the number changes, not at every node plan.
-            let said = std::mem::replace(&mut self.uncovered_opt_outs, uncovered);
-            if uncovered > 0 && uncovered != said {
-                tracing::warn!(
-                    pods = uncovered,
-                    "pods opt out of the socket path, but the per-packet path does not cover their links \
-                     (--interfaces): they are still translated at their sockets"
-                );
+        let skip =
+            found.values().filter_map(|dir| source::cgroups::PodCgroup::of(dir)).map(|c| (c.id, c.level)).collect();
+        let nested = self.nested_netns(found.values(), covered);
+        (skip, nested)
+    }
+
+    /// The namespaces of these pods' threads other than the pod's own, for the pods whose own
+    /// namespace (the one of their threads behind a covered link) is covered: (the link, the
+    /// nested namespace's cookie, learnt by entering it once).
+    fn nested_netns<'a>(
+        &mut self,
+        pods: impl Iterator<Item = &'a std::path::PathBuf>,
+        covered: &BTreeMap<i32, u32>,
+    ) -> Vec<(u32, u64)> {
+        use std::os::unix::fs::MetadataExt as _;
+        let Ok(session) = crate::netlink::Session::open(libc::NETLINK_ROUTE) else { return Vec::new() };
+        let own = std::fs::metadata("/proc/self/ns/net").map(|m| (m.dev(), m.ino())).ok();
+        let mut out = Vec::new();
+        let mut seen = BTreeSet::new();
+        for dir in pods {
+            let mut namespaces = BTreeMap::new();
+            for tid in source::cgroups::threads(dir) {
+                let path = std::path::PathBuf::from(format!("/proc/{tid}/ns/net"));
+                if let Ok(m) = std::fs::metadata(&path)
+                    && Some((m.dev(), m.ino())) != own
+                {
+                    namespaces.entry((m.dev(), m.ino())).or_insert(path);
+                }
+            }
+            let link = namespaces.values().find_map(|p| covered.get(&crate::netns::nsid(&session, p)?).copied());
+            let Some(link) = link else { continue };
+            for (id, path) in namespaces {
+                if crate::netns::nsid(&session, &path).is_some_and(|nsid| covered.contains_key(&nsid)) {
+                    continue; // the pod's own, listed by its link already
+                }
+                seen.insert(id);
+                let cookie = match self.nested_cookies.get(&id) {
+                    Some(cookie) => Some(*cookie),
+                    None => std::thread::scope(|s| {
+                        s.spawn(|| crate::netns::in_namespace(&path, || Ok(crate::netns::cookie()))).join()
+                    })
+                    .ok()
+                    .and_then(|r| r.ok().flatten()),
+                };
+                if let Some(cookie) = cookie {
+                    self.nested_cookies.insert(id, cookie);
+                    out.push((link, cookie));
+                }
             }
         }
+        self.nested_cookies.retain(|id, _| seen.contains(id));
         out
     }
 
@@ -744,13 +782,13 @@ impl Syncer {
         self.endpoint_routes.extend(source::host::routes(asked));
         let routes = self.endpoint_routes.iter().filter_map(|(ip, route)| Some((*ip, (*route)?)));
         plan.node_sources = node::node_sources(routes, &plan.links);
-        let covered_nsids = self
+        let covered: BTreeMap<i32, u32> = self
             .host_links
             .iter()
             .filter(|l| plan.tc_links.contains_key(&l.index))
-            .filter_map(|l| l.peer_nsid)
+            .filter_map(|l| Some((l.peer_nsid?, l.index)))
             .collect();
-        plan.socket_skip = self.socket_skip(&covered_nsids);
+        (plan.socket_skip, plan.nested_netns) = self.socket_skip(&covered);
         plan.pod_netns = self.pod_netns(&plan.tc_links);
         // A service range refused anew takes effect once the service entries inside it are
         // written (after this sync's services): until then a ClusterIP's unknown port would be

@@ -790,10 +790,10 @@ fn a_guest_behind_a_tap_device_in_a_pod_sees_the_service_address() {
 /// A sandbox on the node's kernel in a pod (a container runtime in a pod, a sandbox on host
 /// sockets): its processes are the pod's (its cgroup), in a namespace nested in the pod's and
 /// leaving by it (here as the guest above). Opted out (`kpr.io/socket-lb: "off"`), its
-/// connections are left to the per-packet path, though the hooks cannot see that its namespace
-/// is behind pod-a's link: the agent marks the pod covered (a process of the pod, its sandbox's
-/// `pause`, is in a namespace behind a covered link). Without the annotation they are
-/// translated at the socket, and the sidecar sees the endpoint.
+/// connections are left to the per-packet path: the agent lists the pod's other namespaces as
+/// covered by the link of its own (the one its sandbox's `pause` is in, behind pod-a's link).
+/// Without the annotation they are translated at the socket, and the sidecar sees the
+/// endpoint.
 #[test]
 fn a_namespace_nested_in_an_opted_out_pod_is_served_per_packet() {
     const UID: &str = "5f0c1d2e-0000-4000-8000-00000000a003";
@@ -806,6 +806,12 @@ fn a_namespace_nested_in_an_opted_out_pod_is_served_per_packet() {
     pod.exec_in(&mut pause).unwrap();
     let _pause = Reaped(pause.spawn().unwrap());
     let (guest, _hypervisor) = guest_behind_a_tap(pod);
+    let guest_cookie = guest.run(kpr::netns::cookie).unwrap().expect("SO_NETNS_COOKIE");
+    // The sandbox's own init, in the nested namespace and the pod's cgroup.
+    let mut init = std::process::Command::new("sleep");
+    init.arg("600");
+    guest.exec_in(&mut init).unwrap();
+    let _init = Reaped(init.spawn().unwrap());
     c.write("svc.yaml", &service("Cluster", 30090, &[(c.nodes[1].pod_ip, "node-b")]));
     c.wait("10.96.0.90:80/TCP", 1);
     let cluster_ip = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 90), 80);
@@ -818,14 +824,16 @@ fn a_namespace_nested_in_an_opted_out_pod_is_served_per_packet() {
                  spec: {{nodeName: node-a, containers: [{{name: app, image: app}}]}}\n"
             ),
         );
-        let want = (original == cluster_ip).then_some(proxy_common::SOCKET_SKIP_POD_COVERED);
+        // Opted out: the pod's cgroup left alone, and the guest's namespace covered as pod-a's.
+        let want = original == cluster_ip;
         let deadline = std::time::Instant::now() + testbed::slow(Duration::from_secs(10));
         loop {
-            let entry = bpf::read_socket_skip(&c.nodes[0].pins).unwrap().get(&pod_cgroup_id).copied();
-            if entry.map(|v| v & proxy_common::SOCKET_SKIP_POD_COVERED) == want {
+            let skipped = bpf::read_socket_skip(&c.nodes[0].pins).unwrap().contains_key(&pod_cgroup_id);
+            let covered = bpf::read_covered_netns(&c.nodes[0].pins).unwrap().contains(&guest_cookie);
+            if skipped == want && covered == want {
                 break;
             }
-            assert!(std::time::Instant::now() < deadline, "pod {annotations:?}: KPR_SOCKET_SKIP has {entry:?}");
+            assert!(std::time::Instant::now() < deadline, "pod {annotations:?}: skipped {skipped}, covered {covered}");
             std::thread::sleep(Duration::from_millis(50));
         }
         let answer = through_the_sidecar(&guest, cluster_ip);

@@ -172,6 +172,9 @@ pub struct NodePlan {
     /// by the agent; None: it could not tell (no namespace could be entered), and the socket
     /// path takes every pod's link as covered.
     pub pod_netns: Option<BTreeMap<u32, u64>>,
+    /// Namespaces nested in pods that opted out of the socket path, leaving by a pod's link
+    /// (ifindex, the nested namespace's cookie): covered as that link is.
+    pub nested_netns: Vec<(u32, u64)>,
 }
 
 /// The kernel's route toward an address (RTM_GETROUTE), as a socket connecting there gets it.
@@ -363,6 +366,7 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
         node_sources: BTreeMap::new(),
         socket_skip: BTreeMap::new(),
         pod_netns: None,
+        nested_netns: Vec::new(),
     }
 }
 

@@ -65,12 +65,19 @@ pub fn read_links(pin_root: &Path) -> Result<Vec<(u32, LinkInfo)>> {
     Ok(map.iter().filter_map(Result::ok).collect())
 }
 
-/// The pods' cgroups the socket path leaves alone (`KPR_SOCKET_SKIP`): cgroup id → its level
-/// (with `SOCKET_SKIP_POD_COVERED` where the pod's namespace is behind a covered link).
+/// The pods' cgroups the socket path leaves alone (`KPR_SOCKET_SKIP`): cgroup id → its level.
 pub fn read_socket_skip(pin_root: &Path) -> Result<BTreeMap<u64, u32>> {
     let map: HashMap<MapData, u64, u32> =
         HashMap::try_from(Map::HashMap(open_pinned_map(pin_root, map_names::SOCKET_SKIP)?))?;
     Ok(map.iter().filter_map(Result::ok).filter(|(id, _)| *id != 0).collect())
+}
+
+/// The network namespaces the socket path takes as covered by the per-packet path
+/// (`KPR_COVERED_NETNS`, by cookie; key 0 aside).
+pub fn read_covered_netns(pin_root: &Path) -> Result<std::collections::BTreeSet<u64>> {
+    let map: HashMap<MapData, u64, u8> =
+        HashMap::try_from(Map::HashMap(open_pinned_map(pin_root, map_names::COVERED_NETNS)?))?;
+    Ok(map.keys().filter_map(Result::ok).filter(|cookie| *cookie != 0).collect())
 }
 
 /// The attached tc programs, ingress then egress; also the names of their pinned TCX links.
@@ -549,7 +556,8 @@ impl HostDatapath for BpfHost {
         // After the attachments: a pod's namespace is listed once its link holds the programs,
         // so the socket path never leaves it a connection that nothing would translate.
         let covered: BTreeMap<u64, u8> = plan.pod_netns.as_ref().map_or_else(BTreeMap::new, |by_link| {
-            let attached = by_link.iter().filter(|(ifindex, _)| self.attached.contains_key(ifindex));
+            let nested = plan.nested_netns.iter().map(|(ifindex, cookie)| (ifindex, cookie));
+            let attached = by_link.iter().chain(nested).filter(|(ifindex, _)| self.attached.contains_key(ifindex));
             attached.map(|(_, cookie)| (*cookie, 1)).chain([(0, 1)]).collect()
         });
         sync_hash(&mut self.covered_netns, &covered)?;
@@ -648,14 +656,12 @@ pub(super) fn range_cover<'a>(ranges: impl Iterator<Item = &'a Cidr>, v4: bool) 
     CidrMask { addr: Ipv6Addr::from(addr & mask).into(), mask: Ipv6Addr::from(mask).into() }
 }
 
-/// `KPR_SOCKET_SKIP`'s entries for these pod cgroups (id → level, with
-/// `SOCKET_SKIP_POD_COVERED`): each one, and under key 0 the levels they sit at. A level the
-/// hooks do not look at is logged and left out.
+/// `KPR_SOCKET_SKIP`'s entries for these pod cgroups (id → level): each one, and under key 0
+/// the levels they sit at. A level the hooks do not look at is logged and left out.
 fn socket_skip_entries(cgroups: &BTreeMap<u64, u32>) -> BTreeMap<u64, u32> {
     let mut out = BTreeMap::new();
     let mut levels = 0u32;
-    for (&id, &value) in cgroups {
-        let level = value & !proxy_common::SOCKET_SKIP_POD_COVERED;
+    for (&id, &level) in cgroups {
         if id == 0 || level == 0 || level >= proxy_common::SOCKET_SKIP_LEVELS {
             tracing::warn!(
                 cgroup = id,
@@ -665,7 +671,7 @@ fn socket_skip_entries(cgroups: &BTreeMap<u64, u32>) -> BTreeMap<u64, u32> {
             continue;
         }
         levels |= 1 << level;
-        out.insert(id, value);
+        out.insert(id, level);
     }
     if levels != 0 {
         out.insert(0, levels);

@@ -33,7 +33,10 @@ use self::{
 pub use self::{
     cgroup::{agent_cgroup_id, cgroup2_dir, cgroup2_root, netns_cookie, own_cgroup},
     handover::HandoverMaps,
-    host::{BpfHost, HostDatapath, HostState, cleanup, link_name, read_links, read_socket_skip, write_service_ranges},
+    host::{
+        BpfHost, HostDatapath, HostState, cleanup, link_name, read_covered_netns, read_links, read_socket_skip,
+        write_service_ranges,
+    },
     maps::{BpfMaps, NodeView, read_counters, read_node_view},
     object::{
         DatapathConfig, ForwardDirect, flow_hash_seed, load_tc_programs, open_object, raise_memlock_limit,
