@@ -15,7 +15,10 @@ use std::{
 };
 
 use anyhow::Result;
-use proxy_common::{SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT};
+use proxy_common::{
+    SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR,
+    SERVICE_FLAG_SNAT,
+};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
@@ -23,7 +26,7 @@ use crate::{
     agent::{AgentConfig, SourceConfig, Syncer},
     datapath::{Capacity, Programmer, fake},
     model::{
-        IpFamily, NodeInfo,
+        IpFamily, NodeInfo, Protocol,
         cidr::Cidr,
         desired::{ClusterState, Desired, DesiredPort},
         node::{DetectLocal, NodePlan},
@@ -63,10 +66,19 @@ const NODE_TO_EXTERNAL_WITHOUT_ENDPOINTS: &str = "kpr rejects the node's own con
      LoadBalancer IP of a Service without endpoints, as kube-proxy's nftables mode does; its iptables mode sends it \
      out of the node";
 
-/// Why kpr decides `ours` where kube-proxy in `mode` decides `theirs`, when kpr does so on
-/// purpose.
-fn deviation(mode: Mode, scope: u8, dst_local: bool, ours: &Verdict, theirs: &Verdict) -> Option<&'static str> {
-    let node_to_external = mode == Mode::Iptables && scope == SCOPE_NODE && !dst_local;
+/// Why kpr decides `ours` (its entry `entry`) where kube-proxy in `mode` decides `theirs`, when
+/// kpr does so on purpose.
+fn deviation(
+    mode: Mode,
+    scope: u8,
+    entry: Option<&DesiredPort>,
+    dst_local: bool,
+    ours: &Verdict,
+    theirs: &Verdict,
+) -> Option<&'static str> {
+    // An external or LoadBalancer IP (not a ClusterIP), not the node's own.
+    let external = entry.is_some_and(|e| e.flags & SERVICE_FLAG_EXTERNAL_ADDR != 0);
+    let node_to_external = mode == Mode::Iptables && scope == SCOPE_NODE && external && !dst_local;
     (node_to_external && *ours == Verdict::Reject && *theirs == Verdict::Pass)
         .then_some(NODE_TO_EXTERNAL_WITHOUT_ENDPOINTS)
 }
@@ -219,14 +231,6 @@ fn last_but_one(cidr: &Cidr) -> IpAddr {
     }
 }
 
-fn protocol_name(proto: u8) -> &'static str {
-    match proto {
-        proxy_common::IPPROTO_TCP => "TCP",
-        proxy_common::IPPROTO_UDP => "UDP",
-        _ => "SCTP",
-    }
-}
-
 /// The node facts the comparison needs: its addresses, detector and plan.
 pub struct NodeView<'a> {
     pub info: &'a NodeInfo,
@@ -273,22 +277,14 @@ pub fn compare(
             // No address serves NodePorts: nothing reaches them.
             (None, None) => continue,
         };
-        let shown = match frontend.addr {
-            Some(ip) => format!("{}/{}", SocketAddr::new(ip, frontend.port), protocol_name(frontend.proto)),
-            None => format!("*:{}/{}", frontend.port, protocol_name(frontend.proto)),
-        };
+        let Some(protocol) = Protocol::from_ipproto(frontend.proto) else { continue };
+        // A NodePort as kpr's entry has it: the family's unspecified address.
+        let addr = frontend.addr.unwrap_or(family.unspecified());
+        let shown = format!("{}/{protocol}", SocketAddr::new(addr, frontend.port));
         for (scope, source) in [(SCOPE_POD, "pod"), (SCOPE_EXTERNAL, "external"), (SCOPE_NODE, "node")] {
-            let key = crate::model::desired::frontend_key(
-                frontend.addr.unwrap_or(family.unspecified()),
-                frontend.port,
-                match frontend.proto {
-                    proxy_common::IPPROTO_TCP => crate::model::Protocol::Tcp,
-                    proxy_common::IPPROTO_UDP => crate::model::Protocol::Udp,
-                    _ => crate::model::Protocol::Sctp,
-                },
-                scope,
-            );
-            let ours = kpr_verdict(desired.get(&key));
+            let key = crate::model::desired::frontend_key(addr, frontend.port, protocol, scope);
+            let entry = desired.get(&key);
+            let ours = kpr_verdict(entry);
             let theirs = rules.verdict(&sources.packet(scope, frontend, dst, dst_local));
             compared += 1;
             if ours != theirs {
@@ -299,7 +295,7 @@ pub fn compare(
                     source: source.to_owned(),
                     kpr: json(&ours),
                     kube_proxy: json(&theirs),
-                    deviation: deviation(mode, scope, dst_local, &ours, &theirs).map(str::to_owned),
+                    deviation: deviation(mode, scope, entry, dst_local, &ours, &theirs).map(str::to_owned),
                 });
             }
         }
@@ -359,15 +355,18 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
     let mut periodic = tokio::time::interval(cfg.sync_period.max(settle));
     periodic.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
-    let mut last_change: Option<Instant> = None;
+    // (first, last) change not compared yet: compared once quiet for `settle`, or at the
+    // latest `syncPeriod` after the first, so that steady churn cannot hold comparisons off.
+    let mut changes: Option<(Instant, Instant)> = None;
     loop {
-        let settled = last_change.map(|at| at + settle);
+        let settled = changes.map(|(first, last)| (last + settle).min(first + cfg.sync_period.max(settle)));
         tokio::select! {
             event = rx.recv() => match event {
                 Some(event) => {
                     proxy_health.queued_update();
                     syncer.apply(event);
-                    last_change = Some(Instant::now());
+                    let now = Instant::now();
+                    changes = Some((changes.map_or(now, |(first, _)| first), now));
                 }
                 None => {
                     tracing::warn!("all sources stopped");
@@ -375,15 +374,17 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
                 }
             },
             () = sleep_until(settled) => {
-                last_change = None;
-                shadow.compare_now(&mut syncer).await;
-                proxy_health.synced();
+                changes = None;
+                if shadow.compare_now(&mut syncer).await {
+                    proxy_health.synced();
+                }
             }
-            _ = periodic.tick() => if last_change.is_none() {
-                shadow.compare_now(&mut syncer).await;
+            _ = periodic.tick() => if changes.is_none() && shadow.compare_now(&mut syncer).await {
                 proxy_health.synced();
             },
-            () = report.compare_now.notified() => shadow.compare_now(&mut syncer).await,
+            () = report.compare_now.notified() => {
+                shadow.compare_now(&mut syncer).await;
+            }
             () = &mut shutdown => break,
         }
     }
@@ -436,12 +437,14 @@ struct Shadow {
 }
 
 impl Shadow {
-    async fn compare_now(&mut self, syncer: &mut Syncer) {
+    /// Compare now; false when there is nothing to compare yet (the sources have not listed
+    /// everything).
+    async fn compare_now(&mut self, syncer: &mut Syncer) -> bool {
         if !syncer.state.synced() {
             let mut report = self.report.report.lock().expect("shadow report");
             report.comparisons += 1;
             report.problems = vec!["the sources have not listed every Service and EndpointSlice yet".to_owned()];
-            return;
+            return false;
         }
         // iptables-save and nft run off the loop's thread.
         let read = match tokio::task::spawn_blocking(|| IpFamily::ALL.map(|f| (f, kube_proxy_rules::read(f)))).await {
@@ -508,11 +511,12 @@ impl Shadow {
         report.comparisons = old.comparisons + 1;
         report.compared_at =
             SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
-        report.pending = now.len() - confirmed.len();
+        report.pending = now.iter().filter(|k| !confirmed.iter().any(|m| key(m) == **k)).count();
         report.mismatches = confirmed;
         report.deviations = deviations;
         *old = report;
         self.previous = now;
+        true
     }
 }
 

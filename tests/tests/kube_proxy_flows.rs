@@ -1042,7 +1042,17 @@ fn differential(mode: &str) {
         // kube-proxy has the case: the shadow agent's comparisons from now on must find no
         // difference, confirmed or not (asked for while the rows are probed).
         let shadow_node = kp_world.node.name.clone();
-        let shadow_check = std::thread::spawn(move || shadow_report(&shadow_node));
+        let shadow_check = std::thread::spawn(move || -> Result<serde_json::Value, String> {
+            // The agent may not have read the case's objects yet: a real difference persists.
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            loop {
+                let report = shadow_report(&shadow_node)?;
+                let clean = report["mismatches"].as_array().is_some_and(Vec::is_empty) && report["pending"] == 0;
+                if clean || std::time::Instant::now() > deadline {
+                    return Ok(report);
+                }
+            }
+        });
         if let Ok(ms) = std::env::var("KPR_FLOWS_SETTLE_MS") {
             std::thread::sleep(Duration::from_millis(ms.parse().unwrap_or(0)));
         }

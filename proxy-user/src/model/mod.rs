@@ -45,6 +45,16 @@ pub enum Protocol {
 }
 
 impl Protocol {
+    /// From an IP protocol number (`IPPROTO_*`); None for one Services do not have.
+    pub fn from_ipproto(proto: u8) -> Option<Self> {
+        match proto {
+            proxy_common::IPPROTO_TCP => Some(Self::Tcp),
+            proxy_common::IPPROTO_UDP => Some(Self::Udp),
+            proxy_common::IPPROTO_SCTP => Some(Self::Sctp),
+            _ => None,
+        }
+    }
+
     /// Kubernetes spelling; absent means TCP.
     pub fn parse(value: Option<&str>) -> Option<Self> {
         match value.unwrap_or("TCP") {

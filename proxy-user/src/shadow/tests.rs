@@ -90,10 +90,26 @@ fn a_plan_missing_an_endpoint_is_named_per_frontend_and_source() {
 #[test]
 fn the_nodes_connection_to_an_external_ip_without_endpoints_is_a_documented_deviation_in_iptables_mode() {
     let (reject, pass) = (Verdict::Reject, Verdict::Pass);
-    assert!(deviation(Mode::Iptables, SCOPE_NODE, false, &reject, &pass).is_some());
-    // Anywhere else the same difference is a mismatch.
-    assert!(deviation(Mode::Nftables, SCOPE_NODE, false, &reject, &pass).is_none());
-    assert!(deviation(Mode::Iptables, SCOPE_POD, false, &reject, &pass).is_none());
-    assert!(deviation(Mode::Iptables, SCOPE_NODE, true, &reject, &pass).is_none());
-    assert!(deviation(Mode::Iptables, SCOPE_NODE, false, &Verdict::Drop, &pass).is_none());
+    let entry = |flags| DesiredPort {
+        name: crate::model::ServicePortName {
+            service: crate::model::ObjectKey::new("ns", "svc"),
+            port: String::new(),
+            protocol: Protocol::Tcp,
+        },
+        backends: Vec::new(),
+        flags,
+        source_ranges: Vec::new(),
+        affinity_timeout: 0,
+        serving: Vec::new(),
+    };
+    let external = entry(SERVICE_FLAG_EXTERNAL_ADDR);
+    let cluster_ip = entry(0);
+    assert!(deviation(Mode::Iptables, SCOPE_NODE, Some(&external), false, &reject, &pass).is_some());
+    // Anywhere else the same difference is a mismatch: nftables mode, a pod, a local address,
+    // a ClusterIP, another verdict.
+    assert!(deviation(Mode::Nftables, SCOPE_NODE, Some(&external), false, &reject, &pass).is_none());
+    assert!(deviation(Mode::Iptables, SCOPE_POD, Some(&external), false, &reject, &pass).is_none());
+    assert!(deviation(Mode::Iptables, SCOPE_NODE, Some(&external), true, &reject, &pass).is_none());
+    assert!(deviation(Mode::Iptables, SCOPE_NODE, Some(&cluster_ip), false, &reject, &pass).is_none());
+    assert!(deviation(Mode::Iptables, SCOPE_NODE, Some(&external), false, &Verdict::Drop, &pass).is_none());
 }

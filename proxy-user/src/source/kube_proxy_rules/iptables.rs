@@ -1,6 +1,8 @@
 //! kube-proxy's iptables mode, read from `iptables-save`: its chains of the `nat` and `filter`
 //! tables (named `nat/KUBE-SERVICES`, `filter/KUBE-SERVICES`, ...), and of the built-in
 //! filter chains only the jumps to its own.
+use std::collections::HashMap;
+
 use anyhow::{Result, bail};
 
 use super::{Action, Chain, Match, Rule, RuleSet, parse_net, protocol_number};
@@ -18,33 +20,56 @@ pub fn parse(text: &str) -> Result<RuleSet> {
         filter_output: "filter/OUTPUT".into(),
         ..RuleSet::default()
     };
+    // Every rule by chain (`table/chain`), as (line number, words after the chain's name).
+    let mut lines: HashMap<String, Vec<(usize, Vec<String>)>> = HashMap::new();
     let mut table = String::new();
     for (number, line) in text.lines().enumerate() {
         let line = line.trim();
         if let Some(name) = line.strip_prefix('*') {
             table = name.to_owned();
-        } else if let Some(rest) = line.strip_prefix("-A ") {
-            if table != "nat" && table != "filter" {
+        } else if let Some(rest) = line.strip_prefix("-A ")
+            && (table == "nat" || table == "filter")
+        {
+            let mut words = split_words(rest);
+            if words.is_empty() {
                 continue;
             }
-            let words = split_words(rest);
-            let Some((chain, args)) = words.split_first() else { continue };
-            if !chain.starts_with("KUBE-") {
-                // Of the built-in chains (and anything else), only the jumps to kube-proxy's
-                // filter chains: other software's rules are not read.
-                let jump = args.windows(2).find(|w| w[0] == "-j").map(|w| w[1].as_str());
-                if table != "filter" || !jump.is_some_and(|t| FILTER_CHAINS.contains(&t)) {
-                    continue;
-                }
-            }
-            let rule = parse_rule(&table, args).map_err(|e| anyhow::anyhow!("line {}: {e}: {line}", number + 1))?;
-            let entry = set.chains.entry(format!("{table}/{chain}")).or_insert_with(|| Chain {
-                rules: Vec::new(),
-                firewall: chain.starts_with("KUBE-FW-"),
-                node_ports: table == "nat" && chain == "KUBE-NODEPORTS",
-            });
-            entry.rules.push(rule);
+            let chain = words.remove(0);
+            lines.entry(format!("{table}/{chain}")).or_default().push((number + 1, words));
         }
+    }
+    let services = lines.get("nat/KUBE-SERVICES").map(Vec::as_slice).unwrap_or_default();
+    if services.iter().any(|(_, words)| words.iter().any(|w| w == "--match-set")) {
+        bail!(
+            "kube-proxy's IPVS mode (ipset matches in KUBE-SERVICES): shadow mode compares its iptables and nftables modes"
+        );
+    }
+    // Only the chains a new connection can reach from kube-proxy's entry points are read:
+    // other software's rules (kube-router's, a CNI's) never stop the comparison.
+    let mut todo: Vec<String> =
+        ["nat/KUBE-SERVICES", "filter/INPUT", "filter/FORWARD", "filter/OUTPUT"].map(String::from).into();
+    while let Some(name) = todo.pop() {
+        if set.chains.contains_key(&name) {
+            continue;
+        }
+        let (table, chain) = name.split_once('/').unwrap_or_default();
+        let builtin = !chain.starts_with("KUBE-");
+        let mut rules = Vec::new();
+        for (number, words) in lines.get(&name).map(Vec::as_slice).unwrap_or_default() {
+            let target = words.windows(2).find(|w| w[0] == "-j" || w[0] == "-g").map(|w| w[1].as_str());
+            // Of a built-in chain, only the jumps to kube-proxy's filter chains.
+            if builtin && !target.is_some_and(|t| FILTER_CHAINS.contains(&t)) {
+                continue;
+            }
+            let rule =
+                parse_rule(table, words).map_err(|e| anyhow::anyhow!("line {number}: {e}: {}", words.join(" ")))?;
+            if let Action::Jump(next) | Action::Goto(next) = &rule.action {
+                todo.push(next.clone());
+            }
+            rules.push(rule);
+        }
+        let chain = Chain::new(rules, chain.starts_with("KUBE-FW-"), name == "nat/KUBE-NODEPORTS");
+        set.chains.insert(name, chain);
     }
     Ok(set)
 }
@@ -108,12 +133,13 @@ fn parse_rule(table: &str, args: &[String]) -> Result<Rule> {
                     Match::Dst { nets, negated }
                 });
             }
+            "-p" | "--protocol" | "--dport" | "--destination-port" if negated => {
+                bail!("a negated {word} (kube-proxy writes none)")
+            }
             "-p" | "--protocol" => {
                 let v = value(&mut words, word)?;
-                match protocol_number(&v) {
-                    Some(p) if !negated => matches.push(Match::Proto(p)),
-                    _ => matches.push(Match::Never),
-                }
+                // Another protocol than a Service's: never one of their connections.
+                matches.push(protocol_number(&v).map_or(Match::Never, Match::Proto));
             }
             "--dport" | "--destination-port" => {
                 let v = value(&mut words, word)?;

@@ -120,6 +120,54 @@ pub struct Chain {
     pub firewall: bool,
     /// Only local destinations get here (iptables' KUBE-NODEPORTS).
     pub node_ports: bool,
+    /// The rules that name one frontend (a host address, a protocol, a port), by it, and the
+    /// others: a walk tries only the rules its packet can match, so a chain of one rule per
+    /// Service costs a lookup, not a scan ([`RuleSet::index`]).
+    by_frontend: HashMap<(IpAddr, u8, u16), Vec<usize>>,
+    others: Vec<usize>,
+}
+
+impl Chain {
+    pub fn new(rules: Vec<Rule>, firewall: bool, node_ports: bool) -> Self {
+        let mut chain = Self { rules, firewall, node_ports, ..Self::default() };
+        chain.index();
+        chain
+    }
+
+    fn index(&mut self) {
+        self.by_frontend.clear();
+        self.others.clear();
+        for (index, rule) in self.rules.iter().enumerate() {
+            let (mut dst, mut proto, mut port) = (None, None, None);
+            for m in &rule.matches {
+                match m {
+                    Match::Dst { nets, negated: false }
+                        if nets.len() == 1 && nets[0].len == host_len(&nets[0].addr) =>
+                    {
+                        dst = Some(nets[0].addr);
+                    }
+                    Match::Proto(p) => proto = Some(*p),
+                    Match::DPort(p) => port = Some(*p),
+                    _ => {}
+                }
+            }
+            match (dst, proto, port) {
+                (Some(dst), Some(proto), Some(port)) => {
+                    self.by_frontend.entry((dst, proto, port)).or_default().push(index)
+                }
+                _ => self.others.push(index),
+            }
+        }
+    }
+
+    /// The rules from `from` on that `packet` may match, in order.
+    fn candidates(&self, from: usize, packet: &Packet) -> Vec<usize> {
+        let named =
+            self.by_frontend.get(&(packet.dst, packet.proto, packet.dport)).map(Vec::as_slice).unwrap_or_default();
+        let mut out: Vec<usize> = named.iter().chain(&self.others).copied().filter(|i| *i >= from).collect();
+        out.sort_unstable();
+        out
+    }
 }
 
 /// A frontend that kube-proxy's rules name: an address (`None`: a NodePort, any local
@@ -279,7 +327,8 @@ impl RuleSet {
             }));
         }
         let mut out = Vec::new();
-        for (index, rule) in rules.rules.iter().enumerate().skip(from) {
+        for index in rules.candidates(from, packet) {
+            let rule = &rules.rules[index];
             let mut branch = state.clone();
             match self.matches(rule, packet, rules.firewall, &mut branch) {
                 Some(false) => continue,
@@ -397,34 +446,46 @@ pub enum Mode {
 }
 
 /// The running kube-proxy's rules of `family` on this node: its nftables table when there is
-/// one, otherwise its iptables chains. `None`: neither is there.
+/// one, otherwise its iptables chains. `None`: neither is there. An error: they could not be
+/// read (no `nft` nor `iptables-save` to run, or output this reader does not understand).
 pub fn read(family: IpFamily) -> Result<Option<(Mode, RuleSet)>> {
     let table = match family {
         IpFamily::V4 => "ip",
         IpFamily::V6 => "ip6",
     };
-    if let Some(json) = run_quiet("nft", &["-j", "list", "table", table, "kube-proxy"]) {
-        return Ok(Some((Mode::Nftables, nftables::parse(&json).context("kube-proxy's nftables table")?)));
+    let mut missing = Vec::new();
+    match run("nft", &["-j", "list", "table", table, "kube-proxy"]) {
+        Ok(Some(json)) => {
+            return Ok(Some((Mode::Nftables, nftables::parse(&json).context("kube-proxy's nftables table")?)));
+        }
+        Ok(None) => {}
+        Err(e) => missing.push(format!("nft: {e}")),
     }
     let saves: &[&str] = match family {
         IpFamily::V4 => &["iptables-save", "iptables-legacy-save"],
         IpFamily::V6 => &["ip6tables-save", "ip6tables-legacy-save"],
     };
     for save in saves {
-        if let Some(text) = run_quiet(save, &[]) {
-            let rules = iptables::parse(&text).with_context(|| format!("{save}'s output"))?;
-            if rules.chains.contains_key("nat/KUBE-SERVICES") {
-                return Ok(Some((Mode::Iptables, rules)));
+        match run(save, &[]) {
+            Ok(Some(text)) => {
+                let rules = iptables::parse(&text).with_context(|| format!("{save}'s output"))?;
+                if rules.chains.get("nat/KUBE-SERVICES").is_some_and(|c| !c.rules.is_empty()) {
+                    return Ok(Some((Mode::Iptables, rules)));
+                }
             }
+            Ok(None) => {}
+            Err(e) => missing.push(format!("{save}: {e}")),
         }
     }
+    anyhow::ensure!(missing.len() < 1 + saves.len(), "kube-proxy's rules cannot be read: {}", missing.join("; "));
     Ok(None)
 }
 
-/// A command's standard output when it ran and succeeded.
-fn run_quiet(program: &str, args: &[&str]) -> Option<String> {
-    let out = Command::new(program).args(args).output().ok()?;
-    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+/// A command's standard output when it ran and succeeded; None when it failed (no such table);
+/// an error when it could not be run (not installed).
+fn run(program: &str, args: &[&str]) -> std::io::Result<Option<String>> {
+    let out = Command::new(program).args(args).output()?;
+    Ok(out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned()))
 }
 
 #[cfg(test)]

@@ -49,14 +49,10 @@ pub fn parse(json: &str) -> Result<RuleSet> {
         filter_pre_nat_out: "filter-output-pre-dnat".into(),
         ..RuleSet::default()
     };
+    let mut rules_of: HashMap<String, Vec<Rule>> = HashMap::new();
     for item in items {
         if let Some(chain) = item.get("chain") {
-            let name = chain["name"].as_str().unwrap_or_default();
-            set.chains.entry(name.to_owned()).or_insert_with(|| Chain {
-                rules: Vec::new(),
-                firewall: name.starts_with("firewall-") && name != "firewall-check",
-                node_ports: false,
-            });
+            rules_of.entry(chain["name"].as_str().unwrap_or_default().to_owned()).or_default();
         }
     }
     for item in items {
@@ -64,7 +60,11 @@ pub fn parse(json: &str) -> Result<RuleSet> {
         let chain = rule["chain"].as_str().unwrap_or_default().to_owned();
         let exprs = rule["expr"].as_array().cloned().unwrap_or_default();
         let rules = read_rule(&exprs, &named).with_context(|| format!("a rule of chain {chain}: {}", rule["expr"]))?;
-        set.chains.entry(chain).or_default().rules.extend(rules);
+        rules_of.entry(chain).or_default().extend(rules);
+    }
+    for (name, rules) in rules_of {
+        let firewall = name.starts_with("firewall-") && name != "firewall-check";
+        set.chains.insert(name, Chain::new(rules, firewall, false));
     }
     Ok(set)
 }
@@ -184,7 +184,7 @@ fn dnat_rules(before: &[Match], dnat: &Value) -> Result<Vec<Rule>> {
             if index + 1 < count {
                 matches.push(Match::Random);
             }
-            let target = to(&parts[0], parts.get(1).unwrap_or(&Value::Null))?;
+            let target = to(parts.first().context("a DNAT map element")?, parts.get(1).unwrap_or(&Value::Null))?;
             rules.push(Rule { matches, action: Action::Dnat(target) });
         }
         return Ok(rules);
@@ -205,7 +205,7 @@ fn field_match(left: &Value, right: &Value, negated: bool, named: &HashMap<Strin
             "saddr" | "daddr" => {
                 let (nets, from_set) = addresses(right, named)?;
                 Ok(match (field, from_set.as_deref()) {
-                    (_, Some(name)) if name.starts_with("affinity-") => {
+                    (_, Some(name)) if name.starts_with("affinity-") && !negated => {
                         Match::Affinity(named.get(name).map_or(0, |n| n.timeout))
                     }
                     ("daddr", Some("nodeport-ips")) => Match::NodePortDst(nets),
@@ -213,12 +213,14 @@ fn field_match(left: &Value, right: &Value, negated: bool, named: &HashMap<Strin
                     _ => Match::Dst { nets, negated },
                 })
             }
-            "dport" => Ok(Match::DPort(right.as_u64().context("a port")? as u16)),
+            "dport" if !negated => Ok(Match::DPort(right.as_u64().context("a port")? as u16)),
+            "dport" => bail!("a negated port match (kube-proxy writes none)"),
             other => bail!("unknown payload field {other}"),
         };
     }
     if let Some(meta) = left.get("meta") {
         return match meta["key"].as_str().unwrap_or_default() {
+            "l4proto" if negated => bail!("a negated protocol match (kube-proxy writes none)"),
             "l4proto" => {
                 let proto = right.as_str().and_then(protocol_number).or_else(|| u8::try_from(right.as_u64()?).ok());
                 Ok(proto.map_or(Match::Never, Match::Proto))

@@ -65,8 +65,7 @@ fn a_load_balancer_with_source_ranges_reads_alike_from_both_modes() {
         assert_eq!(rules.verdict(&packet("node", "1.2.3.4", 80)), endpoints(&ep, true, &[]));
         // The NodePort: not subject to the ranges.
         assert_eq!(rules.verdict(&packet("external", NODE, 3001)), endpoints(&ep, true, &[]));
-        // A Service without endpoints is rejected; an unknown port passes (iptables) or is
-        // rejected as an invalid port of a ClusterIP (nftables).
+        // A Service without endpoints is rejected; an unknown port of an LB IP passes.
         assert_eq!(rules.verdict(&packet("pod", "172.30.255.3", 9)), Verdict::Reject);
         assert_eq!(rules.verdict(&packet("external", "1.2.3.4", 81)), Verdict::Pass);
         let frontends = rules.frontends();
@@ -78,6 +77,13 @@ fn a_load_balancer_with_source_ranges_reads_alike_from_both_modes() {
         // 127.0.0.0/8's NodePort rule is not a frontend of its own.
         assert!(frontends.iter().all(|f| f.addr.is_none_or(|a| !a.is_loopback())), "{frontends:?}");
     }
+}
+
+#[test]
+fn an_unknown_port_of_a_cluster_ip_passes_in_iptables_mode_and_is_rejected_in_nftables_mode() {
+    let unknown_port = packet("pod", "172.30.0.41", 81);
+    assert_eq!(iptables("load_balancer").verdict(&unknown_port), Verdict::Pass);
+    assert_eq!(nftables("load_balancer").verdict(&unknown_port), Verdict::Reject);
 }
 
 #[test]
@@ -117,8 +123,16 @@ fn statistic_and_affinity_branches_are_all_taken() {
 
 #[test]
 fn an_unknown_option_in_kube_proxy_chains_is_an_error_and_other_chains_are_not_read() {
-    let err = iptables::parse("*nat\n-A KUBE-SVC-A --frobnicate 1 -j KUBE-SEP-1\nCOMMIT\n").unwrap_err();
+    let err = iptables::parse(
+        "*nat\n-A KUBE-SERVICES -d 10.96.0.1/32 -j KUBE-SVC-A\n-A KUBE-SVC-A --frobnicate 1 -j KUBE-SEP-1\nCOMMIT\n",
+    )
+    .unwrap_err();
     assert!(format!("{err:#}").contains("unknown option --frobnicate"), "{err:#}");
-    let rules = iptables::parse("*filter\n-A CNI-FORWARD -m physdev --physdev-in x -j DROP\nCOMMIT\n").unwrap();
-    assert!(rules.chains.is_empty());
+    // kube-router's and a CNI's chains, KUBE- named or not, that no kube-proxy chain reaches.
+    let text = "*filter\n-A FORWARD -j KUBE-ROUTER-FORWARD\n-A KUBE-ROUTER-FORWARD -m physdev --physdev-is-bridged -j ACCEPT\n\
+        -A CNI-FORWARD -m set --match-set x src -j DROP\nCOMMIT\n";
+    let rules = iptables::parse(text).unwrap();
+    assert!(rules.chains.values().all(|c| c.rules.is_empty()), "{:?}", rules.chains.keys().collect::<Vec<_>>());
+    let ipvs = "*nat\n-A KUBE-SERVICES -m set --match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ\nCOMMIT\n";
+    assert!(format!("{:#}", iptables::parse(ipvs).unwrap_err()).contains("IPVS mode"));
 }
