@@ -351,7 +351,7 @@ pub struct Syncer {
     /// The cookies of namespaces nested in opted-out pods, by the namespace's (dev, inode).
     nested_cookies: BTreeMap<(u64, u64), u64>,
     /// The cookies of the pods' namespaces, by (link, the namespace's id there).
-    netns_cookies: std::collections::BTreeMap<(u32, i32), u64>,
+    netns_cookies: BTreeMap<(u32, i32), u64>,
 }
 
 impl Syncer {
@@ -554,6 +554,7 @@ impl Syncer {
         let mut out = Vec::new();
         let mut seen = BTreeSet::new();
         for dir in pods {
+            // The pod's threads' namespaces, each once, with its id as this namespace knows it.
             let mut namespaces = BTreeMap::new();
             for tid in source::cgroups::threads(dir) {
                 let path = std::path::PathBuf::from(format!("/proc/{tid}/ns/net"));
@@ -563,20 +564,24 @@ impl Syncer {
                     namespaces.entry((m.dev(), m.ino())).or_insert(path);
                 }
             }
-            let link = namespaces.values().find_map(|p| covered.get(&crate::netns::nsid(&session, p)?).copied());
+            let namespaces: Vec<_> = namespaces
+                .into_iter()
+                .map(|(id, path)| {
+                    let nsid = crate::netns::nsid(&session, &path);
+                    (id, path, nsid)
+                })
+                .collect();
+            // The pod's own: behind a covered link. The others leave by it.
+            let link = namespaces.iter().find_map(|(_, _, nsid)| covered.get(nsid.as_ref()?).copied());
             let Some(link) = link else { continue };
-            for (id, path) in namespaces {
-                if crate::netns::nsid(&session, &path).is_some_and(|nsid| covered.contains_key(&nsid)) {
+            for (id, path, nsid) in namespaces {
+                if nsid.is_some_and(|nsid| covered.contains_key(&nsid)) {
                     continue; // the pod's own, listed by its link already
                 }
                 seen.insert(id);
                 let cookie = match self.nested_cookies.get(&id) {
                     Some(cookie) => Some(*cookie),
-                    None => std::thread::scope(|s| {
-                        s.spawn(|| crate::netns::in_namespace(&path, || Ok(crate::netns::cookie()))).join()
-                    })
-                    .ok()
-                    .and_then(|r| r.ok().flatten()),
+                    None => crate::netns::cookie_of(&path).ok().flatten(),
                 };
                 if let Some(cookie) = cookie {
                     self.nested_cookies.insert(id, cookie);
@@ -591,18 +596,15 @@ impl Syncer {
     /// The network namespaces of the pods behind `tc_links` (ifindex → cookie), learnt by entering
     /// each (`netns::cookies_of`) the first time its link is seen, and kept while the link is
     /// there; None where no namespace can be entered.
-    fn pod_netns(
-        &mut self,
-        tc_links: &std::collections::BTreeMap<u32, String>,
-    ) -> Option<std::collections::BTreeMap<u32, u64>> {
-        let peers: std::collections::BTreeSet<(u32, i32)> = self
+    fn pod_netns(&mut self, tc_links: &BTreeMap<u32, String>) -> Option<BTreeMap<u32, u64>> {
+        let peers: BTreeSet<(u32, i32)> = self
             .host_links
             .iter()
             .filter(|l| tc_links.contains_key(&l.index))
             .filter_map(|l| Some((l.index, l.peer_nsid?)))
             .collect();
         self.netns_cookies.retain(|peer, _| peers.contains(peer));
-        let unknown: std::collections::BTreeSet<i32> =
+        let unknown: BTreeSet<i32> =
             peers.iter().filter(|p| !self.netns_cookies.contains_key(p)).map(|(_, nsid)| *nsid).collect();
         match crate::netns::cookies_of(&unknown) {
             Ok(cookies) => {

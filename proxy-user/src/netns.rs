@@ -75,6 +75,12 @@ pub fn cookie() -> Option<u64> {
     (rc == 0 && cookie != 0).then_some(cookie)
 }
 
+/// The cookie of the network namespace `path`, entered on a thread of its own.
+pub fn cookie_of(path: &Path) -> Result<Option<u64>> {
+    std::thread::scope(|s| s.spawn(|| in_namespace(path, || Ok(cookie()))).join())
+        .unwrap_or_else(|_| Err(anyhow::anyhow!("the thread entering {} panicked", path.display())))
+}
+
 /// The cookies of the namespaces this one knows by the ids `nsids` (the other ends of its
 /// pods' links). Err: no namespace could be entered (no CAP_SYS_ADMIN), so nothing is known.
 pub fn cookies_of(nsids: &std::collections::BTreeSet<i32>) -> Result<BTreeMap<i32, u64>> {
@@ -91,15 +97,13 @@ pub fn cookies_of(nsids: &std::collections::BTreeSet<i32>) -> Result<BTreeMap<i3
     let mut entered = false;
     let mut last_error = None;
     for (id, path) in wanted {
-        let found = std::thread::scope(|s| s.spawn(|| in_namespace(&path, || Ok(cookie()))).join());
-        match found {
-            Ok(Ok(Some(cookie))) => {
+        match cookie_of(&path) {
+            Ok(Some(cookie)) => {
                 entered = true;
                 out.insert(id, cookie);
             }
-            Ok(Ok(None)) => entered = true,
-            Ok(Err(e)) => last_error = Some(e),
-            Err(_) => {}
+            Ok(None) => entered = true,
+            Err(e) => last_error = Some(e),
         }
     }
     match last_error {

@@ -214,7 +214,7 @@ impl Sources {
 fn is_link_local(ip: &IpAddr) -> bool {
     match ip {
         IpAddr::V4(a) => a.is_link_local(),
-        IpAddr::V6(a) => a.segments()[0] & 0xffc0 == 0xfe80,
+        IpAddr::V6(a) => a.is_unicast_link_local(),
     }
 }
 

@@ -113,6 +113,38 @@ pub struct Rule {
     pub action: Action,
 }
 
+/// What a rule's matches say of a packet's destination.
+#[derive(Default)]
+struct Destination {
+    /// One host address.
+    host: Option<IpAddr>,
+    /// Other addresses (127.0.0.0/8 and the like: the NodePorts of some addresses only).
+    other: bool,
+    /// A local address (`--dst-type LOCAL`, nftables' `@nodeport-ips`).
+    local: bool,
+    proto: Option<u8>,
+    port: Option<u16>,
+}
+
+impl Rule {
+    fn destination(&self) -> Destination {
+        let mut d = Destination::default();
+        for m in &self.matches {
+            match m {
+                Match::Dst { nets, negated: false } if nets.len() == 1 && nets[0].len == host_len(&nets[0].addr) => {
+                    d.host = Some(nets[0].addr);
+                }
+                Match::Dst { negated: false, .. } => d.other = true,
+                Match::DstLocal(true) | Match::NodePortDst(_) => d.local = true,
+                Match::Proto(p) => d.proto = Some(*p),
+                Match::DPort(p) => d.port = Some(*p),
+                _ => {}
+            }
+        }
+        d
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct Chain {
     pub rules: Vec<Rule>,
@@ -138,21 +170,8 @@ impl Chain {
         self.by_frontend.clear();
         self.others.clear();
         for (index, rule) in self.rules.iter().enumerate() {
-            let (mut dst, mut proto, mut port) = (None, None, None);
-            for m in &rule.matches {
-                match m {
-                    Match::Dst { nets, negated: false }
-                        if nets.len() == 1 && nets[0].len == host_len(&nets[0].addr) =>
-                    {
-                        dst = Some(nets[0].addr);
-                    }
-                    Match::Proto(p) => proto = Some(*p),
-                    Match::DPort(p) => port = Some(*p),
-                    _ => {}
-                }
-            }
-            match (dst, proto, port) {
-                (Some(dst), Some(proto), Some(port)) => {
+            match rule.destination() {
+                Destination { host: Some(dst), proto: Some(proto), port: Some(port), .. } => {
                     self.by_frontend.entry((dst, proto, port)).or_default().push(index)
                 }
                 _ => self.others.push(index),
@@ -291,24 +310,9 @@ impl RuleSet {
     pub fn frontends(&self) -> BTreeSet<Frontend> {
         let mut out = BTreeSet::new();
         for (chain, rule) in self.chains.values().flat_map(|c| c.rules.iter().map(move |r| (c, r))) {
-            let (mut addr, mut local, mut proto, mut port, mut other) = (None, chain.node_ports, None, None, false);
-            for m in &rule.matches {
-                match m {
-                    Match::Dst { nets, negated: false }
-                        if nets.len() == 1 && nets[0].len == host_len(&nets[0].addr) =>
-                    {
-                        addr = Some(nets[0].addr);
-                    }
-                    // 127.0.0.0/8 and the like: the NodePorts of some addresses only.
-                    Match::Dst { negated: false, .. } => other = true,
-                    Match::DstLocal(true) | Match::NodePortDst(_) => local = true,
-                    Match::Proto(p) => proto = Some(*p),
-                    Match::DPort(p) => port = Some(*p),
-                    _ => {}
-                }
-            }
+            let Destination { host: addr, other, local, proto, port } = rule.destination();
             if let (Some(proto), Some(port), false) = (proto, port, other)
-                && (addr.is_some() || local)
+                && (addr.is_some() || local || chain.node_ports)
             {
                 out.insert(Frontend { addr, proto, port });
             }
