@@ -11,7 +11,7 @@
 #![no_std]
 
 /// Version of the pinned map layout; part of the bpffs pin directory (`<pin-root>/v<N>`).
-pub const PIN_LAYOUT_VERSION: u32 = 14;
+pub const PIN_LAYOUT_VERSION: u32 = 15;
 
 /// The pinned maps an agent takes over from an older layout's directory (an upgrade), each
 /// with the oldest layout version whose map of that name reads as this one's: raise it when a
@@ -20,7 +20,7 @@ pub const PIN_LAYOUT_VERSION: u32 = 14;
 /// as a new counter. Not listed, so made anew: the slow-path program array (it holds the old
 /// programs); the flow caches are not pinned at all. The loader also checks each carried map's type, sizes and flags against the new
 /// object, and makes any that differ anew.
-pub const CARRIED_MAPS: [(&str, u32); 25] = {
+pub const CARRIED_MAPS: [(&str, u32); 27] = {
     use map_names::*;
     [
         (SERVICES, 12),
@@ -46,14 +46,18 @@ pub const CARRIED_MAPS: [(&str, u32); 25] = {
         // v14 gave it a second word.
         (HOST_STATE, 14),
         (ADDR_FILTER, 12),
-        // v13 added a counter and the flow caches' generation, v14 a counter.
-        (COUNTERS, 14),
+        // v13 added a counter and the flow caches' generation, v14 and v15 a counter.
+        (COUNTERS, 15),
         (CT_GENERATION, 13),
         // Added within v13: an older v13 directory has none, and the first sync fills it.
         (NODE_SOURCES, 13),
         // Added within v14: an older v14 directory has none, and the first sync fills it.
         (SOCKET_SKIP, 14),
         (COVERED_NETNS, 14),
+        // Added in v15: a v14 directory has none. Without them, the sockets of before the
+        // upgrade hold their entries uncounted (the LRU ages them out once they are closed).
+        (SOCK_SLOTS, 15),
+        (SOCK_QUOTA, 15),
     ]
 };
 
@@ -69,6 +73,11 @@ pub mod map_names {
     pub const BACKENDS: &str = "KPR_BACKENDS";
     pub const SOCK_REVNAT: &str = "KPR_SOCK_REVNAT";
     pub const SOCK_PICKS: &str = "KPR_SOCK_PICKS";
+    /// Per socket (socket storage): the entries it holds in the two maps above.
+    pub const SOCK_SLOTS: &str = "KPR_SOCK_SLOTS";
+    /// Network namespace cookie → the socket path's entries its sockets hold (key
+    /// [`SOCK_QUOTA_TOTAL`](crate::SOCK_QUOTA_TOTAL): the node's total).
+    pub const SOCK_QUOTA: &str = "KPR_SOCK_QUOTA";
     pub const FRAGMENTS: &str = "KPR_FRAGMENTS";
     pub const COUNTERS: &str = "KPR_COUNTERS";
     /// Conntrack of IPv4 flows: established, not answered yet.
@@ -176,6 +185,11 @@ pub mod defaults {
     pub const MAX_BACKENDS: u32 = 262_144;
     /// Sockets remembered for reverse translation (getpeername / recvmsg), LRU.
     pub const MAX_SOCK_REVNAT: u32 = 65_536;
+    /// A network namespace's share of them (a pod's, or the node's): one sixteenth.
+    pub const SOCK_REVNAT_SHARE: u32 = 16;
+    /// Network namespaces whose sockets' entries are counted (`KPR_SOCK_QUOTA`), LRU: the pods
+    /// of a node and the node, many times over.
+    pub const MAX_SOCK_QUOTA_NETNS: u32 = 16_384;
     /// Per-packet conntrack entries (two per translated flow) of each family's table of
     /// established flows, LRU (131,072 flows: kube-proxy's default `conntrack.min`).
     pub const MAX_CONNTRACK: u32 = 262_144;
@@ -643,6 +657,41 @@ pub struct SockRevNatValue {
     pub service_id: u32,
 }
 
+/// The entries a socket may hold in `KPR_SOCK_REVNAT` and `KPR_SOCK_PICKS`: one per service
+/// address it sends to. A socket that sends to more drops its own oldest, never another's.
+pub const SOCK_SLOTS: usize = 8;
+
+/// Key of `KPR_SOCK_QUOTA` that counts the entries of every namespace.
+pub const SOCK_QUOTA_TOTAL: u64 = u64::MAX;
+
+/// One service address a socket sent to and the endpoint it was given (its keys in
+/// `KPR_SOCK_PICKS` and `KPR_SOCK_REVNAT`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct SockSlot {
+    pub frontend: Addr,
+    pub backend: Addr,
+    /// Network byte order.
+    pub frontend_port: u16,
+    /// Network byte order.
+    pub backend_port: u16,
+    pub _pad: u32,
+}
+
+/// Value of `KPR_SOCK_SLOTS` (socket storage: made with the socket's first entry, freed with
+/// the socket): what `kpr_sock_release` removes, and the namespace whose count it lowers.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SockSlots {
+    /// Network namespace cookie the entries are counted under (`KPR_SOCK_QUOTA`).
+    pub netns: u64,
+    /// Slots in use (the first `used`).
+    pub used: u32,
+    /// The slot a new entry replaces once all are used (the oldest).
+    pub next: u32,
+    pub slots: [SockSlot; SOCK_SLOTS],
+}
+
 /// How a conntrack key holds an address: each family has its own tables, so that an IPv4
 /// flow's key is 16 bytes, not 40 (the kernel hashes and compares the whole key on every
 /// packet).
@@ -1071,8 +1120,12 @@ pub mod counter {
     /// tc: a flow got its answer while the established table was full: it stays among the
     /// new flows (where other new flows may evict it), established there.
     pub const TC_CT_ESTABLISHED_FULL: u32 = 24;
+    /// Socket path: a socket's namespace held its share of the reverse-translation table (or the
+    /// table its limit): the connection was left to the per-packet path where that covers the
+    /// socket, else translated without an entry (getpeername and recvmsg then show the endpoint).
+    pub const SOCK_OVER_QUOTA: u32 = 25;
     /// Number of counters.
-    pub const COUNT: u32 = 25;
+    pub const COUNT: u32 = 26;
     /// Names for display, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -1100,6 +1153,7 @@ pub mod counter {
         "tc_flow_cache_filled",
         "tc_redirected_peer",
         "tc_ct_established_full",
+        "sock_over_quota",
     ];
 }
 
@@ -1111,6 +1165,8 @@ const _: () = assert!(size_of::<AffinityValue>() == 32);
 const _: () = assert!(size_of::<Backend>() == 20);
 const _: () = assert!(size_of::<SockRevNatKey>() == 32);
 const _: () = assert!(size_of::<SockRevNatValue>() == 24);
+const _: () = assert!(size_of::<SockSlot>() == 40);
+const _: () = assert!(size_of::<SockSlots>() == 16 + 40 * SOCK_SLOTS);
 const _: () = assert!(size_of::<CtKey>() == 40);
 const _: () = assert!(size_of::<CtKey4>() == 16);
 const _: () = assert!(size_of::<CtValue>() == 88);

@@ -37,6 +37,15 @@ pub static KPR_LOCALHOST_NODEPORTS: Global<u8> = Global::new(0);
 #[unsafe(no_mangle)]
 pub static KPR_AGENT_CGROUP_ID: Global<u64> = Global::new(0);
 
+/// The reverse-translation entries one network namespace's sockets may hold (a pod's share),
+/// and those all may hold (the table's size less room the LRU's per-CPU lists keep): beyond
+/// them, a connection is left to the per-packet path. Set by the agent at load time.
+#[unsafe(no_mangle)]
+pub static KPR_SOCK_SHARE: Global<u32> = Global::new(u32::MAX);
+
+#[unsafe(no_mangle)]
+pub static KPR_SOCK_LIMIT: Global<u32> = Global::new(u32::MAX);
+
 // The per-packet programs (`tc`).
 
 /// The SNAT port range, disjoint from the node's ephemeral ports; set by the agent at load.

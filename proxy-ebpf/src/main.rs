@@ -9,6 +9,9 @@
 //! `maps`: every map shared with the agent; `globals`: the settings the agent writes at load.
 #![no_std]
 #![no_main]
+// `atomic_xadd` (`sock_lb::add`): the BPF target's atomic types lack read-modify-write.
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 
 mod family;
 mod flow_cache;

@@ -2,12 +2,13 @@
 //! sizes here are placeholders that the agent overrides at load time.
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray, SkStorage},
     macros::btf_map,
 };
 use proxy_common::{
     Addr, Addr4, AffinityKey, AffinityValue, Backend, CidrKey, CidrMask, CtKey, CtValue, FlowAddr, FragmentKey,
-    LinkInfo, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRange, counter, ct_generation, defaults,
+    LinkInfo, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SockSlots, SourceRange, counter, ct_generation,
+    defaults,
 };
 
 /// The slow programs (`program_names::TC_SLOW_PATH`), by slot: where the attached programs
@@ -35,16 +36,31 @@ pub static SERVICES: HashMap<
 pub static BACKENDS: Array<Backend, { defaults::MAX_BACKENDS as usize }> = Array::new();
 
 /// Socket cookie + backend → the service address the application used (for getpeername and
-/// recvmsg). LRU: entries of closed sockets age out.
+/// recvmsg). Each entry belongs to a socket's slot (`SOCK_SLOTS`) and goes when the socket
+/// closes; the namespaces' shares (`SOCK_QUOTA`) keep the table below its size, so the LRU
+/// never has to evict a live socket's entry. LRU still: entries no slot holds (an older
+/// layout's, carried over an upgrade) age out.
 #[btf_map(name = "KPR_SOCK_REVNAT", pin_by_name)]
 pub static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNatValue, { defaults::MAX_SOCK_REVNAT as usize }> =
     LruHashMap::new();
 
 /// Unconnected UDP: socket cookie + service address → the backend its datagrams go to, so that
 /// one socket's exchange with a service stays on one endpoint (as a conntrack entry keeps a UDP
-/// flow on one endpoint behind kube-proxy). LRU: entries of closed sockets age out.
+/// flow on one endpoint behind kube-proxy). Kept like `SOCK_REVNAT`.
 #[btf_map(name = "KPR_SOCK_PICKS", pin_by_name)]
 pub static SOCK_PICKS: LruHashMap<SockRevNatKey, Backend, { defaults::MAX_SOCK_REVNAT as usize }> = LruHashMap::new();
+
+/// Per socket: the entries it holds in `SOCK_REVNAT` and `SOCK_PICKS`, so that it drops its
+/// own oldest when it sends to more service addresses than it has slots, and
+/// `kpr_sock_release` removes them all.
+#[btf_map(name = "KPR_SOCK_SLOTS", pin_by_name)]
+pub static SOCK_SLOTS: SkStorage<SockSlots> = SkStorage::new();
+
+/// Network namespace cookie → entries its sockets hold in `SOCK_REVNAT` (key
+/// `SOCK_QUOTA_TOTAL`: all of them). Counts go below zero (as i64) where an entry evicted
+/// here came back; they only ever err toward admitting.
+#[btf_map(name = "KPR_SOCK_QUOTA", pin_by_name)]
+pub static SOCK_QUOTA: LruHashMap<u64, u64, { defaults::MAX_SOCK_QUOTA_NETNS as usize }> = LruHashMap::new();
 
 /// Pods whose sockets the socket path leaves to the per-packet path (an annotation, or a
 /// mesh's sidecar): the cgroup id of each such pod → its level, and under key 0 the levels such

@@ -9,7 +9,7 @@ use aya_ebpf::{
     },
     helpers::{
         bpf_bind, bpf_get_current_cgroup_id, bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie,
-        bpf_set_retval, bpf_sk_lookup_tcp, bpf_sk_lookup_udp, bpf_sk_release,
+        bpf_set_retval, bpf_sk_lookup_tcp, bpf_sk_lookup_udp, bpf_sk_release, bpf_sk_storage_get,
     },
     macros::{cgroup_sock, cgroup_sock_addr},
     programs::{SockAddrContext, SockContext},
@@ -18,16 +18,18 @@ use aya_log_ebpf::error;
 use proxy_common::{
     AFFINITY_BY_NETNS, Addr, Backend, IPPROTO_TCP, IPPROTO_UDP, LINK_SERVICE_SOURCE, NODE_ADDR_NODEPORT, SCOPE_NODE,
     SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP,
-    SERVICE_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, counter,
+    SERVICE_FLAG_SOURCE_RANGES, SOCK_QUOTA_TOTAL, SOCK_SLOTS as SLOTS_PER_SOCKET, ServiceKey, ServiceValue,
+    SockRevNatKey, SockRevNatValue, SockSlot, SockSlots, counter,
 };
 
 use crate::globals::{
     KPR_AGENT_CGROUP_ID, KPR_HAVE_SET_RETVAL, KPR_HOST_NETNS_COOKIE, KPR_LOCALHOST_NODEPORTS, KPR_POD_LINKS_COVERED,
-    KPR_SOCKET_LB_PODS,
+    KPR_SOCK_LIMIT, KPR_SOCK_SHARE, KPR_SOCKET_LB_PODS,
 };
 use crate::maps::{
-    SERVICES, SOCK_PICKS, SOCK_REVNAT, ServiceRangeMiss, affinity_backend, backend_at, count, link_addr, netns_covered,
-    node_addr_flags, node_source, now, refusal, remember_affinity, serves, service_range_miss, socket_skipped,
+    SERVICES, SOCK_PICKS, SOCK_QUOTA, SOCK_REVNAT, SOCK_SLOTS, ServiceRangeMiss, affinity_backend, backend_at, count,
+    link_addr, netns_covered, node_addr_flags, node_source, now, refusal, remember_affinity, serves,
+    service_range_miss, socket_skipped,
 };
 
 /// Return value that lets the syscall proceed.
@@ -186,23 +188,19 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
     let pick_key = SockRevNatKey { cookie, addr: dest, port: key.port, _pad: [0; 6] };
     let sticky = !connect && proto == IPPROTO_UDP;
     let earlier = if sticky { SOCK_PICKS.get_ptr(&pick_key).map(|b| unsafe { *b }) } else { None };
-    let backend = match earlier {
-        Some(b) if serves(&service, &b.addr, b.port) => b,
+    // sessionAffinity ClientIP: the client (this namespace: a pod, or the node) keeps its
+    // backend; otherwise a random one.
+    let client = Addr::from_cookie(netns);
+    let now = if service.affinity_timeout == 0 { 0 } else { now() };
+    let (backend, picked) = match earlier {
+        Some(b) if serves(&service, &b.addr, b.port) => (b, false),
         _ => {
-            // sessionAffinity ClientIP: the client (this namespace: a pod, or the node) keeps
-            // its backend; otherwise a random one.
-            let now = if service.affinity_timeout == 0 { 0 } else { now() };
             let random = || backend_at(&service, unsafe { bpf_get_prandom_u32() });
-            let client = Addr::from_cookie(netns);
             let Some(backend) = affinity_backend(&service, AFFINITY_BY_NETNS, client, now).or_else(random) else {
                 error!(ctx, "kpr: service {} points at a backend slot outside the array", service.service_id);
                 return ALLOW;
             };
-            remember_affinity(&service, AFFINITY_BY_NETNS, client, &backend, now);
-            if sticky {
-                let _ = SOCK_PICKS.insert(&pick_key, &backend, 0);
-            }
-            backend
+            (backend, true)
         }
     };
     // A pod reaching itself through its service is masqueraded by kube-proxy (hairpin), which
@@ -210,6 +208,29 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
     if !from_node && pod_links_covered && served_in_this_netns(ctx, family, proto, &backend, connect) {
         count(counter::SOCK_STEPPED_ASIDE);
         return ALLOW;
+    }
+
+    // Remember what the application asked for, so getpeername/recvmsg can show it; a socket
+    // sending to the same service again finds it there already (no write per datagram). A new
+    // entry takes one of the socket's slots, within its namespace's share of the table.
+    let rev_key = SockRevNatKey { cookie, addr: backend.addr, port: backend.port, _pad: [0; 6] };
+    let rev_value = SockRevNatValue { addr: dest, port: key.port, _pad: 0, service_id: service.service_id };
+    let known = SOCK_REVNAT.get_ptr(&rev_key).is_some_and(|v| unsafe { *v } == rev_value);
+    let entries = known || take_slot(ctx, cookie, netns, &dest, key.port, &backend);
+    if !entries {
+        count(counter::SOCK_OVER_QUOTA);
+        // Per packet, where that path covers this socket: the same translation, reversed in
+        // conntrack. Else translated without the entries (only this namespace's sockets then
+        // see the endpoint's address in getpeername and recvmsg).
+        if pod_links_covered {
+            return ALLOW;
+        }
+    }
+    if picked {
+        remember_affinity(&service, AFFINITY_BY_NETNS, client, &backend, now);
+        if sticky && entries {
+            let _ = SOCK_PICKS.insert(&pick_key, &backend, 0);
+        }
     }
 
     // The node's own connection gets the source kube-proxy's rules give it: unmasqueraded,
@@ -227,12 +248,7 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
         }
     }
 
-    // Remember what the application asked for, so getpeername/recvmsg can show it; a socket
-    // sending to the same service again finds it there already (no write per datagram).
-    let rev_key = SockRevNatKey { cookie, addr: backend.addr, port: backend.port, _pad: [0; 6] };
-    let rev_value = SockRevNatValue { addr: dest, port: key.port, _pad: 0, service_id: service.service_id };
-    let known = SOCK_REVNAT.get_ptr(&rev_key).is_some_and(|v| unsafe { *v } == rev_value);
-    if !known && SOCK_REVNAT.insert(&rev_key, &rev_value, 0).is_err() {
+    if entries && !known && SOCK_REVNAT.insert(&rev_key, &rev_value, 0).is_err() {
         count(counter::REVNAT_UPDATE_FAILED);
     }
 
@@ -397,6 +413,136 @@ fn served_in_this_netns(
     bind_address(ctx, family, &backend.addr) != -EADDRNOTAVAIL
 }
 
+/// Take a slot of this socket's for a new entry in `SOCK_REVNAT` (and `SOCK_PICKS`): the one it
+/// has for this service address, a free one within its namespace's share, or its oldest, whose
+/// entries go. False: none (the share or the table's limit is reached; the socket's storage
+/// could not be made).
+#[inline(always)]
+fn take_slot(
+    ctx: &SockAddrContext,
+    cookie: u64,
+    netns: u64,
+    frontend: &Addr,
+    frontend_port: u16,
+    backend: &Backend,
+) -> bool {
+    let slots = SOCK_SLOTS.get_or_insert_ptr_mut(ctx, None);
+    if slots.is_null() {
+        return false;
+    }
+    // SAFETY: this socket's storage; a socket's hooks may run on two CPUs at once (two
+    // threads sending), which at worst leaves a count one off (see `SOCK_QUOTA`).
+    let slots = unsafe { &mut *slots };
+    let new =
+        SockSlot { frontend: *frontend, backend: backend.addr, frontend_port, backend_port: backend.port, _pad: 0 };
+    let used = slots.used.min(SLOTS_PER_SOCKET as u32);
+    for (i, slot) in slots.slots.iter_mut().enumerate() {
+        if (i as u32) < used && slot.frontend == *frontend && slot.frontend_port == frontend_port {
+            drop_entries(cookie, slot);
+            *slot = new;
+            return true;
+        }
+    }
+    let index = if (used as usize) < SLOTS_PER_SOCKET {
+        if slots.netns == 0 {
+            // An unknown host namespace (the agent's own lookup failed): ask this socket's.
+            slots.netns = if netns != 0 { netns } else { unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } };
+        }
+        if !charge(slots.netns) {
+            return false;
+        }
+        slots.used = used + 1;
+        used
+    } else {
+        let oldest = slots.next % SLOTS_PER_SOCKET as u32;
+        slots.next = (oldest + 1) % SLOTS_PER_SOCKET as u32;
+        oldest
+    };
+    if let Some(slot) = slots.slots.get_mut(index as usize) {
+        if index < used {
+            drop_entries(cookie, slot);
+        }
+        *slot = new;
+    }
+    true
+}
+
+/// Remove a slot's entries: its pick, and its reverse entry where that still names the slot's
+/// service address (two services' addresses sent to one endpoint share one).
+#[inline(always)]
+fn drop_entries(cookie: u64, slot: &SockSlot) {
+    let rev_key = SockRevNatKey { cookie, addr: slot.backend, port: slot.backend_port, _pad: [0; 6] };
+    if SOCK_REVNAT
+        .get_ptr(&rev_key)
+        .is_some_and(|v| unsafe { (*v).addr == slot.frontend && (*v).port == slot.frontend_port })
+    {
+        let _ = SOCK_REVNAT.remove(&rev_key);
+    }
+    let _ = SOCK_PICKS.remove(&SockRevNatKey { cookie, addr: slot.frontend, port: slot.frontend_port, _pad: [0; 6] });
+}
+
+/// Count one entry more for `netns`, unless it holds its share or the node its limit.
+#[inline(always)]
+fn charge(netns: u64) -> bool {
+    let (Some(total), Some(mine)) = (quota_count(SOCK_QUOTA_TOTAL), quota_count(netns)) else {
+        return false;
+    };
+    // SAFETY: map values of this run, 8-byte aligned.
+    let (held_total, held_mine) = unsafe { (total.read_volatile() as i64, mine.read_volatile() as i64) };
+    if held_total >= i64::from(KPR_SOCK_LIMIT.load()) || held_mine >= i64::from(KPR_SOCK_SHARE.load()) {
+        return false;
+    }
+    add(total, 1);
+    add(mine, 1);
+    true
+}
+
+/// Count `n` entries fewer for `netns`.
+#[inline(always)]
+fn uncharge(netns: u64, n: u32) {
+    if n == 0 {
+        return;
+    }
+    let minus = u64::from(n).wrapping_neg();
+    if let Some(total) = quota_count(SOCK_QUOTA_TOTAL) {
+        add(total, minus);
+    }
+    if let Some(mine) = quota_count(netns) {
+        add(mine, minus);
+    }
+}
+
+/// The count of `key` in `SOCK_QUOTA`, made at 0 if it has none.
+#[inline(always)]
+fn quota_count(key: u64) -> Option<*mut u64> {
+    SOCK_QUOTA.get_ptr_mut(&key).or_else(|| {
+        const NOEXIST: u64 = 1;
+        // The 0 on the stack, written there: a reference to a constant 0 is folded into one to
+        // a global whose initial value is 0, which the loader overwrites (`socket_skipped`).
+        let mut zero = 1u64;
+        // SAFETY: a local variable.
+        unsafe { core::ptr::write_volatile(&mut zero, 0) };
+        let _ = SOCK_QUOTA.insert(&key, &zero, NOEXIST);
+        SOCK_QUOTA.get_ptr_mut(&key)
+    })
+}
+
+/// An atomic add whose result is not used: the instruction every kernel has (`BPF_XADD`).
+/// Through the intrinsic: the BPF target has no compare-and-swap, so `core`'s atomic types
+/// offer no `fetch_add` there (the crate is built with `RUSTC_BOOTSTRAP` already).
+#[inline(always)]
+fn add(word: *mut u64, n: u64) {
+    use core::intrinsics::{AtomicOrdering, atomic_xadd};
+    // SAFETY: a map value, 8-byte aligned, valid for this run.
+    let _ = unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(word, n) };
+}
+
+/// A map's address, as helpers take it.
+#[inline(always)]
+fn map_ptr<T>(map: &T) -> *mut core::ffi::c_void {
+    core::ptr::from_ref(map).cast_mut().cast()
+}
+
 /// Backend address seen by the socket → the service address the application connected to.
 #[inline(always)]
 fn reverse(ctx: &SockAddrContext, family: SocketFamily) -> i32 {
@@ -412,13 +558,26 @@ fn reverse(ctx: &SockAddrContext, family: SocketFamily) -> i32 {
     ALLOW
 }
 
-/// A socket goes away: its reverse-translation entry goes with it (for a connected socket,
-/// the peer is the backend it was given), so the LRU map holds live sockets, not history.
+/// A socket goes away: the entries its slots hold go with it, and its namespace's count with
+/// them. A socket of before the slots (an older layout's) has at most its peer's entry (a
+/// connected socket: the backend it was given), removed as it always was.
 #[cgroup_sock(sock_release)]
 pub fn kpr_sock_release(ctx: SockContext) -> i32 {
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    // SAFETY: a cgroup sock program's context is the socket the helper takes; no value is made.
+    let slots = unsafe { bpf_sk_storage_get(map_ptr(&SOCK_SLOTS), ctx.as_ptr(), core::ptr::null_mut(), 0) };
+    if !slots.is_null() {
+        // SAFETY: this socket's storage, of the map's value type.
+        let slots = unsafe { &*slots.cast::<SockSlots>() };
+        let used = slots.used.min(SLOTS_PER_SOCKET as u32);
+        for slot in slots.slots.iter().take(used as usize) {
+            drop_entries(cookie, slot);
+        }
+        uncharge(slots.netns, used);
+        return ALLOW;
+    }
     // SAFETY: the kernel hands a valid socket.
     let sk = ctx.sock;
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     // dst_port as a 32-bit load: older kernels allow nothing narrower; the port (network byte
     // order) is its low half either way.
     let port = unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*sk).dst_port).cast::<u32>()) } as u16;

@@ -150,6 +150,11 @@ pub struct AgentArgs {
     /// Entries of the socket path's reverse-translation and datagram-pick maps (LRU).
     #[arg(long, default_value_t = defaults::MAX_SOCK_REVNAT)]
     pub max_sock_revnat: u32,
+    /// Reverse-translation entries the sockets of one network namespace (a pod, or the node)
+    /// may hold; beyond them its new connections are served per packet. 0: a sixteenth of
+    /// --max-sock-revnat.
+    #[arg(long, default_value_t = 0)]
+    pub max_sock_revnat_per_pod: u32,
     /// Entries of the loadBalancerSourceRanges map (one per range per LoadBalancer IP
     /// frontend); a Service whose ranges do not fit is left as it was, and the others are
     /// programmed.
@@ -401,6 +406,7 @@ pub fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
     datapath.max_service_ports = args.max_service_ports;
     datapath.max_backends = args.max_backends;
     datapath.max_sock_revnat = args.max_sock_revnat;
+    datapath.max_sock_revnat_per_pod = args.max_sock_revnat_per_pod;
     datapath.max_source_ranges = args.max_source_ranges;
     datapath.max_conntrack = args.max_conntrack;
     datapath.max_conntrack_new = args.max_conntrack_new;

@@ -1226,6 +1226,68 @@ fn connections_past_a_full_established_table_keep_working() {
     assert!(status["trouble"]["tc_ct_established_full"].as_u64().is_some_and(|n| n > 0), "{status:#}");
 }
 
+/// A pod over its share of the socket path's reverse-translation table: its further sockets
+/// are served per packet on its link, their answers still from the ClusterIP (conntrack
+/// reverses them), and counted. Once its sockets close, the socket path takes it back.
+#[test]
+fn a_pod_over_its_share_of_the_socket_path_is_served_per_packet() {
+    use proxy_common::counter::{SOCK_OVER_QUOTA, TC_NEW_FLOW, TRANSLATED};
+    let mut c = Bridged::new_with("km-share", &["--max-sock-revnat-per-pod=2"]).unwrap();
+    // This process's sockets are node-a's pods' (the socket path's cgroup).
+    c.nodes[0].cgroup.enter().unwrap();
+    let pod_b = c.nodes[1].pod_ip;
+    c.write(
+        "dns.yaml",
+        &format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: dns, namespace: t}}\nspec:\n  clusterIP: 10.96.0.54\n  \
+             ports: [{{name: dns, port: 53, protocol: UDP}}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+             metadata: {{name: dns-1, namespace: t, labels: {{kubernetes.io/service-name: dns}}}}\naddressType: IPv4\n\
+             ports: [{{name: dns, port: {POD_PORT}, protocol: UDP}}]\nendpoints: [{{addresses: [\"{pod_b}\"], nodeName: node-b}}]\n"
+        ),
+    );
+    c.wait("10.96.0.54:53/UDP", 1);
+    let cluster_ip = SocketAddr::from(SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 54), 53));
+    let counters = || bpf::read_counters(&c.nodes[0].pins).unwrap();
+    let at = |i: u32, counters: &[(&str, u64)]| counters[i as usize].1;
+    let pod = &c.nodes[0]._pod;
+    let before = counters();
+    let answers: Vec<(String, SocketAddr)> = pod
+        .run(move || {
+            let sockets: Vec<std::net::UdpSocket> =
+                (0..4).map(|_| std::net::UdpSocket::bind("0.0.0.0:0").unwrap()).collect();
+            sockets
+                .iter()
+                .map(|s| {
+                    s.set_read_timeout(Some(TIMEOUT)).unwrap();
+                    s.send_to(b"who", cluster_ip).unwrap();
+                    let mut buf = [0u8; 64];
+                    let (n, from) = s.recv_from(&mut buf).expect("an answer");
+                    (String::from_utf8_lossy(&buf[..n]).into_owned(), from)
+                })
+                .collect()
+        })
+        .unwrap();
+    let after = counters();
+    assert_eq!(answers, vec![("pod-b".to_owned(), cluster_ip); 4], "every socket answered from the ClusterIP");
+    assert_eq!(at(TRANSLATED, &after) - at(TRANSLATED, &before), 2, "two at their sockets");
+    assert_eq!(at(SOCK_OVER_QUOTA, &after) - at(SOCK_OVER_QUOTA, &before), 2);
+    assert_eq!(at(TC_NEW_FLOW, &after) - at(TC_NEW_FLOW, &before), 2, "two per packet on the pod's link");
+    // Those sockets are closed: the pod's share is free again.
+    let before = counters();
+    let answer = pod
+        .run(move || {
+            let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(TIMEOUT)).unwrap();
+            s.send_to(b"who", cluster_ip).unwrap();
+            let mut buf = [0u8; 64];
+            let (n, from) = s.recv_from(&mut buf).expect("an answer");
+            (String::from_utf8_lossy(&buf[..n]).into_owned(), from)
+        })
+        .unwrap();
+    assert_eq!(answer, ("pod-b".to_owned(), cluster_ip));
+    assert_eq!(at(TRANSLATED, &counters()) - at(TRANSLATED, &before), 1, "at its socket again");
+}
+
 #[test]
 fn udp_flows_move_off_a_removed_endpoint() {
     let c = Bridged::new("km-udp").unwrap();

@@ -347,6 +347,107 @@ fn an_unconnected_udp_socket_stays_on_one_endpoint_while_it_lasts() {
     assert!(!after.contains(&first), "the removed endpoint {first} no longer answers");
 }
 
+/// An unconnected UDP socket of the node namespace that has sent to the ClusterIP's DNS port:
+/// `ask` sends again and returns who answered and from where.
+fn udp_client(h: &Harness) -> UdpSocket {
+    h.client(|| {
+        let socket = UdpSocket::bind("0.0.0.0:0").unwrap();
+        socket.set_read_timeout(Some(TIMEOUT)).unwrap();
+        socket
+    })
+}
+
+fn ask(socket: &UdpSocket) -> (String, SocketAddr) {
+    socket.send_to(b"who", sa(IP, 53)).unwrap();
+    let mut buf = [0u8; 256];
+    let (n, from) = socket.recv_from(&mut buf).unwrap();
+    (String::from_utf8_lossy(&buf[..n]).into_owned(), from)
+}
+
+/// `n` unconnected UDP sockets of pod `pod`'s namespace, each sending one datagram to the
+/// ClusterIP (the pods have no route to each other: what matters is the entry each leaves),
+/// closed one after the other, or all kept open.
+fn udp_senders(h: &Harness, pod: usize, n: usize, keep: bool) -> Vec<UdpSocket> {
+    h.topology.pods[pod]
+        .netns
+        .run(move || {
+            let mut kept = Vec::new();
+            for _ in 0..n {
+                let socket = UdpSocket::bind("0.0.0.0:0").unwrap();
+                let _ = socket.send_to(b"who", sa(IP, 53));
+                if keep {
+                    kept.push(socket);
+                }
+            }
+            kept
+        })
+        .unwrap()
+}
+
+/// One pod sending from 20,000 short-lived sockets, more than the table holds (a resolver
+/// opens a socket per query). Its entries go as its sockets close, and another pod's
+/// unconnected client keeps its own. (Before the slots, the closed sockets left 3,873 entries
+/// in a table of 4,096, the LRU evicted the other client's, and its next datagram went to
+/// another endpoint.)
+#[test]
+fn one_pods_sockets_cannot_take_another_pods_reverse_translation() {
+    let mut h = Harness::new("kt-share", &["pod-a", "pod-b", "pod-c"]).expect("harness");
+    h.write_service("web", IP, &[HTTP, DNS], &[0, 1]).unwrap();
+    h.agent_args = vec!["--max-sock-revnat=4096".into()];
+    h.start_agent().unwrap();
+    h.wait("10.96.0.10:53/UDP", Some(2)).unwrap();
+    let victim = udp_client(&h);
+    let (first, from) = ask(&victim);
+    assert_eq!(from, SocketAddr::from(sa(IP, 53)));
+    let baseline = revnat_entries(&h);
+
+    udp_senders(&h, 2, 20_000, false);
+    assert_eq!(revnat_entries(&h), baseline, "the closed sockets' entries went with them");
+    assert_eq!(ask(&victim), (first.clone(), sa(IP, 53).into()), "the other pod's client keeps its entry");
+
+    // Open sockets: the pod holds at most its share (a sixteenth: 256), the rest of its sockets
+    // are translated without entries (no per-packet path covers it here), and counted.
+    let over = h.counter("sock_over_quota");
+    let held = udp_senders(&h, 2, 300, true);
+    assert_eq!(revnat_entries(&h), baseline + 256, "one pod holds its share, no more");
+    assert_eq!(h.counter("sock_over_quota") - over, 300 - 256);
+    assert_eq!(ask(&victim), (first, sa(IP, 53).into()));
+    drop(held);
+    assert_eq!(revnat_entries(&h), baseline, "its share is back once its sockets close");
+    let again = udp_senders(&h, 2, 10, true);
+    assert_eq!(revnat_entries(&h), baseline + 10, "and its new sockets are counted from there");
+    drop(again);
+}
+
+/// Over its namespace's share, a socket's datagrams still reach an endpoint; where no
+/// per-packet path covers the socket they are translated without an entry (its answers then
+/// show the endpoint's address, for that namespace's sockets only). A socket that sends to
+/// the same service again takes no second entry; a TCP connection takes one while it is open.
+#[test]
+fn a_namespace_over_its_share_is_still_served() {
+    let mut h = Harness::new("kt-over", &["pod-a"]).expect("harness");
+    h.write_service("web", IP, &[HTTP, DNS], &[0]).unwrap();
+    h.agent_args = vec!["--max-sock-revnat=4096".into(), "--max-sock-revnat-per-pod=4".into()];
+    h.start_agent().unwrap();
+    h.wait("10.96.0.10:53/UDP", Some(1)).unwrap();
+    let cluster_ip = SocketAddr::from(sa(IP, 53));
+    let backend = SocketAddr::from(sa(h.topology.pods[0].ip, POD_PORT));
+    let (_, mut tcp) = open_connection(&h);
+    let sockets: Vec<UdpSocket> = (0..5).map(|_| udp_client(&h)).collect();
+    let answers: Vec<(String, SocketAddr)> = sockets.iter().chain(&sockets).map(ask).collect();
+    let pod_a = || "pod-a".to_owned();
+    // The connection and the first three sockets hold the namespace's 4 entries; the others
+    // are answered from the endpoint's address, each time.
+    let want: Vec<(String, SocketAddr)> =
+        [cluster_ip, cluster_ip, cluster_ip, backend, backend].repeat(2).into_iter().map(|a| (pod_a(), a)).collect();
+    assert_eq!(answers, want);
+    assert_eq!(h.counter("sock_over_quota"), 4, "the last two sockets, twice each");
+    assert_echoes(&mut tcp, "still-open");
+    drop(tcp);
+    let fresh = udp_client(&h);
+    assert_eq!(ask(&fresh), (pod_a(), cluster_ip), "a closed connection gives its entry back");
+}
+
 /// kpr's socket programs attached to `cgroup` (bpftool's view).
 fn kpr_hooks_on(cgroup: &std::path::Path) -> usize {
     let out = std::process::Command::new("bpftool").args(["cgroup", "show"]).arg(cgroup).output().unwrap();

@@ -28,6 +28,9 @@ pub struct DatapathConfig {
     pub max_service_ports: u32,
     pub max_backends: u32,
     pub max_sock_revnat: u32,
+    /// Reverse-translation entries one network namespace's sockets may hold (a pod's, or the
+    /// node's); 0: a sixteenth of `max_sock_revnat`.
+    pub max_sock_revnat_per_pod: u32,
     /// Entries of the loadBalancerSourceRanges map.
     pub max_source_ranges: u32,
     /// Entries of each family's conntrack table of established flows.
@@ -68,6 +71,7 @@ impl DatapathConfig {
             max_service_ports: defaults::MAX_SERVICE_PORTS,
             max_backends: defaults::MAX_BACKENDS,
             max_sock_revnat: defaults::MAX_SOCK_REVNAT,
+            max_sock_revnat_per_pod: 0,
             max_source_ranges: defaults::MAX_SOURCE_RANGES,
             max_conntrack: defaults::MAX_CONNTRACK,
             max_conntrack_new: defaults::MAX_CONNTRACK_NEW,
@@ -160,6 +164,22 @@ pub(crate) fn kernel_since(major: u8, minor: u8) -> bool {
 
 /// Kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK (later ones to the memory cgroup):
 /// lift it, which needs CAP_SYS_RESOURCE; without it, say why map creation may fail.
+/// The reverse-translation entries one network namespace's sockets may hold, and all of them
+/// (`KPR_SOCK_SHARE`, `KPR_SOCK_LIMIT`), for a table of `capacity`. The limit leaves room that
+/// the kernel's LRU keeps in per-CPU free lists (up to 128 entries a CPU): with the table's
+/// use below it, the LRU never evicts a live socket's entry to make room for another's.
+pub(super) fn sock_revnat_shares(capacity: u32, per_pod: u32, cpus: u32) -> (u32, u32) {
+    let headroom = (capacity / 8).max(128 * cpus).min(capacity / 2);
+    let limit = capacity - headroom;
+    let share = if per_pod == 0 { capacity / defaults::SOCK_REVNAT_SHARE } else { per_pod };
+    (share.min(limit), limit)
+}
+
+/// CPUs the kernel may bring up (the per-CPU lists' count), 1 if it cannot be read.
+fn possible_cpus() -> u32 {
+    aya::util::nr_cpus().map_or(1, |n| n.get())
+}
+
 pub fn raise_memlock_limit() {
     let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
     // SAFETY: setrlimit reads one rlimit.
@@ -285,12 +305,14 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
     let refuse_service_range = u8::from(cfg.refuse_service_range);
     let seed = flow_hash_seed();
     let mut carried = carry_over_maps(&cfg.pin_root);
+    let sock_revnat = size(map_names::SOCK_REVNAT, cfg.max_sock_revnat);
+    let (sock_share, sock_limit) = sock_revnat_shares(sock_revnat, cfg.max_sock_revnat_per_pod, possible_cpus());
     let mut loader = EbpfLoader::new();
     loader
         .default_map_pin_directory(&dir)
         .map_max_entries(map_names::SERVICES, size(map_names::SERVICES, cfg.max_service_ports))
         .map_max_entries(map_names::BACKENDS, size(map_names::BACKENDS, cfg.max_backends))
-        .map_max_entries(map_names::SOCK_REVNAT, size(map_names::SOCK_REVNAT, cfg.max_sock_revnat))
+        .map_max_entries(map_names::SOCK_REVNAT, sock_revnat)
         .map_max_entries(map_names::SOCK_PICKS, size(map_names::SOCK_PICKS, cfg.max_sock_revnat))
         .map_max_entries(map_names::CONNTRACK4, size(map_names::CONNTRACK4, cfg.max_conntrack))
         .map_max_entries(map_names::CT_NEW4, size(map_names::CT_NEW4, cfg.max_conntrack_new))
@@ -304,6 +326,8 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .override_global("KPR_SOCKET_LB_PODS", &socket_lb_pods, true)
         .override_global("KPR_LOCALHOST_NODEPORTS", &localhost_node_ports, true)
         .override_global("KPR_AGENT_CGROUP_ID", &cfg.agent_cgroup_id, true)
+        .override_global("KPR_SOCK_SHARE", &sock_share, true)
+        .override_global("KPR_SOCK_LIMIT", &sock_limit, true)
         .override_global("KPR_FORWARD_DIRECT", &forward_direct, true)
         .override_global("KPR_REDIRECT_NEXT_HOP", &redirect_next_hop, true)
         .override_global("KPR_DETECT_LOCAL", &cfg.detect_local, true)
@@ -442,5 +466,21 @@ mod snat_range_tests {
         assert_eq!(largest_free_run(&[(1024, 29_999), (30_000, 32_767)]), (32_768, 65_535));
         assert_eq!(largest_free_run(&[(10_000, 65_000), (30_000, 32_767)]), (1024, 9_999));
         assert_eq!(largest_free_run(&[(40_000, 50_000)]), (1024, 39_999));
+    }
+}
+
+#[cfg(test)]
+mod sock_revnat_share_tests {
+    use super::sock_revnat_shares;
+
+    #[test]
+    fn a_namespace_gets_a_sixteenth_and_the_lru_keeps_its_per_cpu_room() {
+        // The default table on 2 CPUs: an eighth kept free, a sixteenth per namespace.
+        assert_eq!(sock_revnat_shares(65_536, 0, 2), (4_096, 57_344));
+        // 128 CPUs keep 128 entries each in their free lists.
+        assert_eq!(sock_revnat_shares(65_536, 0, 128), (4_096, 49_152));
+        // A share of its own, never above the limit; a small table keeps at least half.
+        assert_eq!(sock_revnat_shares(4_096, 100, 2), (100, 3_584));
+        assert_eq!(sock_revnat_shares(1_024, 5_000, 64), (512, 512));
     }
 }
