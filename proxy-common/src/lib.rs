@@ -660,6 +660,7 @@ pub struct SockRevNatValue {
 /// The entries a socket may hold in `KPR_SOCK_REVNAT` and `KPR_SOCK_PICKS`: one per service
 /// address it sends to. A socket that sends to more drops its own oldest, never another's.
 pub const SOCK_SLOTS: usize = 8;
+const _: () = assert!(SOCK_SLOTS.is_power_of_two(), "the programs mask a slot's index");
 
 /// Key of `KPR_SOCK_QUOTA` that counts the entries of every namespace.
 pub const SOCK_QUOTA_TOTAL: u64 = u64::MAX;

@@ -458,6 +458,10 @@ fn take_slot(
         slots.next = (oldest + 1) % SLOTS_PER_SOCKET as u32;
         oldest
     };
+    // The index masked where the verifier sees it: the compiler knows it is below 8 and drops
+    // any check, and older verifiers (6.1) lose that bound across the two branches above.
+    // SAFETY: a local variable.
+    let index = unsafe { core::ptr::read_volatile(&index) } & (SLOTS_PER_SOCKET as u32 - 1);
     if let Some(slot) = slots.slots.get_mut(index as usize) {
         if index < used {
             drop_entries(cookie, slot);
