@@ -216,7 +216,15 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
     let rev_key = SockRevNatKey { cookie, addr: backend.addr, port: backend.port, _pad: [0; 6] };
     let rev_value = SockRevNatValue { addr: dest, port: key.port, _pad: 0, service_id: service.service_id };
     let known = SOCK_REVNAT.get_ptr(&rev_key).is_some_and(|v| unsafe { *v } == rev_value);
-    let entries = known || take_slot(ctx, cookie, netns, &dest, key.port, &backend);
+    let entries = known
+        || if proto == IPPROTO_TCP {
+            // A TCP socket has one peer, so one entry, which `kpr_sock_release` finds by that
+            // peer: counted without a slot (making the socket's storage costs more than the
+            // rest of the hook).
+            charge(if netns != 0 { netns } else { unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } })
+        } else {
+            take_slot(ctx, cookie, netns, &dest, key.port, &backend)
+        };
     if !entries {
         count(counter::SOCK_OVER_QUOTA);
         // Per packet, where that path covers this socket: the same translation, reversed in
@@ -599,8 +607,11 @@ pub fn kpr_sock_release(ctx: SockContext) -> i32 {
             Addr::from_v4((*sk).dst_ip4)
         }
     };
-    if !addr.is_unspecified() {
-        let _ = SOCK_REVNAT.remove(&SockRevNatKey { cookie, addr, port, _pad: [0; 6] });
+    let removed =
+        !addr.is_unspecified() && SOCK_REVNAT.remove(&SockRevNatKey { cookie, addr, port, _pad: [0; 6] }).is_ok();
+    // SAFETY: as above.
+    if removed && unsafe { (*sk).protocol } == u32::from(IPPROTO_TCP) {
+        uncharge(unsafe { bpf_get_netns_cookie(ctx.as_ptr()) }, 1);
     }
     ALLOW
 }

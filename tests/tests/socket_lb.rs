@@ -419,6 +419,47 @@ fn one_pods_sockets_cannot_take_another_pods_reverse_translation() {
     drop(again);
 }
 
+/// The node's total in `KPR_SOCK_QUOTA`: the entries the socket path counts as held.
+fn counted_entries(h: &Harness) -> i64 {
+    let path = kpr::datapath::bpf::pin_dir(&h.pin_root).join(proxy_common::map_names::SOCK_QUOTA);
+    let map: aya::maps::HashMap<_, u64, u64> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(aya::maps::MapData::from_pin(path).unwrap())).unwrap();
+    map.get(&proxy_common::SOCK_QUOTA_TOTAL, 0).map_or(0, |n| n as i64)
+}
+
+/// A TCP socket's one entry is found by its peer when it closes (no slot), also when its
+/// connection was refused; a connected UDP socket that connects again keeps one slot. Nothing
+/// stays counted once they are closed.
+#[test]
+fn refused_and_reconnected_sockets_give_their_entries_back() {
+    let h = setup("kt-giveback", &["pod-a"]);
+    // A Service whose endpoint has nothing listening on its port: the pod answers with a reset.
+    const CLOSED: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 11);
+    h.write("closed-svc.yaml", &testbed::service_manifest("test", "closed", &[CLOSED.into()], &[("x", 81, "TCP")]))
+        .unwrap();
+    let pod_a = std::net::IpAddr::from(h.topology.pods[0].ip);
+    h.write("closed-slice.yaml", &testbed::slice_manifest("test", "closed", "closed-1", &[pod_a], &[("x", 9, "TCP")]))
+        .unwrap();
+    h.wait("10.96.0.11:81/TCP", Some(1)).unwrap();
+    let (entries, counted) = (revnat_entries(&h), counted_entries(&h));
+    let refused = h.client(|| {
+        (0..5)
+            .map(|_| TcpStream::connect_timeout(&sa(CLOSED, 81).into(), TIMEOUT).map(drop).map_err(|e| e.kind()))
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(refused, vec![Err(ErrorKind::ConnectionRefused); 5]);
+    h.client(|| {
+        let socket = UdpSocket::bind("0.0.0.0:0").unwrap();
+        socket.connect(sa(IP, 53)).unwrap();
+        socket.connect(sa(IP, 53)).unwrap();
+    });
+    let (_, mut open) = open_connection(&h);
+    assert_eq!((revnat_entries(&h), counted_entries(&h)), (entries + 1, counted + 1), "only the open connection");
+    assert_echoes(&mut open, "open");
+    drop(open);
+    assert_eq!((revnat_entries(&h), counted_entries(&h)), (entries, counted));
+}
+
 /// Over its namespace's share, a socket's datagrams still reach an endpoint; where no
 /// per-packet path covers the socket they are translated without an entry (its answers then
 /// show the endpoint's address, for that namespace's sockets only). A socket that sends to
