@@ -307,6 +307,9 @@ pub struct Syncer {
     /// to them (`NodePlan::node_sources`): every IPv4 one on a node where routing and
     /// MASQUERADE can disagree, none elsewhere.
     routed_endpoints: std::collections::BTreeSet<std::net::IpAddr>,
+    /// `ClusterState::slices_changed` when `routed_endpoints` was taken (None: not taken), so
+    /// that a sync walks every endpoint only after a slice changed.
+    routed_at: Option<u64>,
     /// The kernel's routes to them, asked once per endpoint until the links change or the
     /// reconcile period ends.
     endpoint_routes: std::collections::BTreeMap<std::net::IpAddr, Option<node::KernelRoute>>,
@@ -367,6 +370,7 @@ impl Syncer {
             service_cidrs: Vec::new(),
             sample_cluster_ip: None,
             routed_endpoints: Default::default(),
+            routed_at: None,
             endpoint_routes: Default::default(),
             min_sync_period: Duration::ZERO,
             node_dirty: true,
@@ -753,10 +757,14 @@ impl Syncer {
         // holds an IPv4 address MASQUERADE passes over (link-scoped, secondary); elsewhere no
         // route is asked.
         let disagree = self.host_links.iter().any(|l| !l.loopback && !l.v4_unselectable.is_empty());
-        let routed = if disagree { self.state.ipv4_endpoints() } else { Default::default() };
-        if routed != self.routed_endpoints {
-            self.routed_endpoints = routed;
-            self.node_dirty = true;
+        let at = disagree.then(|| self.state.slices_changed());
+        if at != self.routed_at {
+            self.routed_at = at;
+            let routed = if disagree { self.state.ipv4_endpoints() } else { Default::default() };
+            if routed != self.routed_endpoints {
+                self.routed_endpoints = routed;
+                self.node_dirty = true;
+            }
         }
         if self.cgroup_retry.is_some_and(|at| at <= Instant::now()) {
             self.node_dirty = true;

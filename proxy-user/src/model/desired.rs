@@ -401,6 +401,9 @@ pub struct ClusterState {
     slices: BTreeMap<ObjectKey, SliceInfo>,
     /// Service → its slices (by slice key).
     slices_of: BTreeMap<ObjectKey, BTreeSet<ObjectKey>>,
+    /// Counts changes to `slices`: what is derived from every slice is derived again only
+    /// when it moved.
+    slices_changed: u64,
     /// Cached per-service entries; recomputed for services in `dirty`.
     entries: BTreeMap<ObjectKey, Vec<(ServiceKey, DesiredPort)>>,
     /// Cached locality facts (health check, services without local endpoints).
@@ -488,11 +491,13 @@ impl ClusterState {
         self.delete_slice(&key);
         self.slices_of.entry(owner.clone()).or_default().insert(key.clone());
         self.slices.insert(key, slice);
+        self.slices_changed += 1;
         self.dirty.insert(owner);
     }
 
     pub fn delete_slice(&mut self, key: &ObjectKey) {
         if let Some(old) = self.slices.remove(key) {
+            self.slices_changed += 1;
             let owner = old.service;
             if let Some(set) = self.slices_of.get_mut(&owner) {
                 set.remove(key);
@@ -604,6 +609,11 @@ impl ClusterState {
                 IpAddr::V6(_) => None,
             })
             .min()
+    }
+
+    /// A number that changes whenever a slice is added, changed or removed.
+    pub fn slices_changed(&self) -> u64 {
+        self.slices_changed
     }
 
     /// The IPv4 addresses of every service's endpoints.
