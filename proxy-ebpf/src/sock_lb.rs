@@ -446,7 +446,11 @@ fn take_slot(
     let used = slots.used.min(SLOTS_PER_SOCKET as u32);
     for (i, slot) in slots.slots.iter_mut().enumerate() {
         if (i as u32) < used && slot.frontend == *frontend && slot.frontend_port == frontend_port {
-            drop_entries(cookie, slot);
+            // Its pick stays (the caller writes the new one, if any); its reverse entry goes
+            // where the endpoint changed.
+            if slot.backend != new.backend || slot.backend_port != new.backend_port {
+                drop_reverse(cookie, slot);
+            }
             *slot = new;
             return true;
         }
@@ -479,10 +483,17 @@ fn take_slot(
     true
 }
 
-/// Remove a slot's entries: its pick, and its reverse entry where that still names the slot's
-/// service address (two services' addresses sent to one endpoint share one).
+/// Remove a slot's entries: its pick and its reverse entry.
 #[inline(always)]
 fn drop_entries(cookie: u64, slot: &SockSlot) {
+    drop_reverse(cookie, slot);
+    let _ = SOCK_PICKS.remove(&SockRevNatKey { cookie, addr: slot.frontend, port: slot.frontend_port, _pad: [0; 6] });
+}
+
+/// Remove a slot's reverse entry where that still names the slot's service address (two
+/// services' addresses sent to one endpoint share one).
+#[inline(always)]
+fn drop_reverse(cookie: u64, slot: &SockSlot) {
     let rev_key = SockRevNatKey { cookie, addr: slot.backend, port: slot.backend_port, _pad: [0; 6] };
     if SOCK_REVNAT
         .get_ptr(&rev_key)
@@ -490,7 +501,6 @@ fn drop_entries(cookie: u64, slot: &SockSlot) {
     {
         let _ = SOCK_REVNAT.remove(&rev_key);
     }
-    let _ = SOCK_PICKS.remove(&SockRevNatKey { cookie, addr: slot.frontend, port: slot.frontend_port, _pad: [0; 6] });
 }
 
 /// Count one entry more for `netns`, unless it holds its share or the node its limit.
