@@ -20,7 +20,7 @@ pub const PIN_LAYOUT_VERSION: u32 = 15;
 /// as a new counter. Not listed, so made anew: the slow-path program array (it holds the old
 /// programs); the flow caches are not pinned at all. The loader also checks each carried map's type, sizes and flags against the new
 /// object, and makes any that differ anew.
-pub const CARRIED_MAPS: [(&str, u32); 27] = {
+pub const CARRIED_MAPS: [(&str, u32); 28] = {
     use map_names::*;
     [
         (SERVICES, 12),
@@ -57,6 +57,7 @@ pub const CARRIED_MAPS: [(&str, u32); 27] = {
         // Added in v15: a v14 directory has none. Without them, the sockets of before the
         // upgrade hold their entries uncounted (the LRU ages them out once they are closed).
         (SOCK_SLOTS, 15),
+        (SOCK_TCP, 15),
         (SOCK_QUOTA, 15),
     ]
 };
@@ -75,6 +76,8 @@ pub mod map_names {
     pub const SOCK_PICKS: &str = "KPR_SOCK_PICKS";
     /// Per socket (socket storage): the entries it holds in the two maps above.
     pub const SOCK_SLOTS: &str = "KPR_SOCK_SLOTS";
+    /// TCP socket cookie → its one entry and the namespace it is counted under.
+    pub const SOCK_TCP: &str = "KPR_SOCK_TCP";
     /// Network namespace cookie → the socket path's entries its sockets hold (key
     /// [`SOCK_QUOTA_TOTAL`](crate::SOCK_QUOTA_TOTAL): the node's total).
     pub const SOCK_QUOTA: &str = "KPR_SOCK_QUOTA";
@@ -693,6 +696,19 @@ pub struct SockSlots {
     pub slots: [SockSlot; SOCK_SLOTS],
 }
 
+/// Value of `KPR_SOCK_TCP`: a TCP socket's one entry in `KPR_SOCK_REVNAT` (the endpoint it
+/// was given) and the namespace it is counted under. A TCP socket needs no slots: a hash entry
+/// costs less than making socket storage (which doubled the hook's cost).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockTcp {
+    pub netns: u64,
+    pub backend: Addr,
+    /// Network byte order.
+    pub backend_port: u16,
+    pub _pad: [u8; 6],
+}
+
 /// How a conntrack key holds an address: each family has its own tables, so that an IPv4
 /// flow's key is 16 bytes, not 40 (the kernel hashes and compares the whole key on every
 /// packet).
@@ -1167,6 +1183,7 @@ const _: () = assert!(size_of::<Backend>() == 20);
 const _: () = assert!(size_of::<SockRevNatKey>() == 32);
 const _: () = assert!(size_of::<SockRevNatValue>() == 24);
 const _: () = assert!(size_of::<SockSlot>() == 40);
+const _: () = assert!(size_of::<SockTcp>() == 32);
 const _: () = assert!(size_of::<SockSlots>() == 16 + 40 * SOCK_SLOTS);
 const _: () = assert!(size_of::<CtKey>() == 40);
 const _: () = assert!(size_of::<CtKey4>() == 16);

@@ -7,8 +7,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Addr, Addr4, AffinityKey, AffinityValue, Backend, CidrKey, CidrMask, CtKey, CtValue, FlowAddr, FragmentKey,
-    LinkInfo, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SockSlots, SourceRange, counter, ct_generation,
-    defaults,
+    LinkInfo, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SockSlots, SockTcp, SourceRange, counter,
+    ct_generation, defaults,
 };
 
 /// The slow programs (`program_names::TC_SLOW_PATH`), by slot: where the attached programs
@@ -55,6 +55,11 @@ pub static SOCK_PICKS: LruHashMap<SockRevNatKey, Backend, { defaults::MAX_SOCK_R
 /// `kpr_sock_release` removes them all.
 #[btf_map(name = "KPR_SOCK_SLOTS", pin_by_name)]
 pub static SOCK_SLOTS: SkStorage<SockSlots> = SkStorage::new();
+
+/// TCP socket cookie → its one entry in `SOCK_REVNAT` and the namespace it is counted under
+/// (`kpr_sock_release` removes both, whatever became of the socket's peer address).
+#[btf_map(name = "KPR_SOCK_TCP", pin_by_name)]
+pub static SOCK_TCP: HashMap<u64, SockTcp, { defaults::MAX_SOCK_REVNAT as usize }> = HashMap::new();
 
 /// Network namespace cookie → entries its sockets hold in `SOCK_REVNAT` (key
 /// `SOCK_QUOTA_TOTAL`: all of them). Counts go below zero (as i64) where an entry evicted

@@ -19,7 +19,7 @@ use proxy_common::{
     AFFINITY_BY_NETNS, Addr, Backend, IPPROTO_TCP, IPPROTO_UDP, LINK_SERVICE_SOURCE, NODE_ADDR_NODEPORT, SCOPE_NODE,
     SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP,
     SERVICE_FLAG_SOURCE_RANGES, SOCK_QUOTA_TOTAL, SOCK_SLOTS as SLOTS_PER_SOCKET, ServiceKey, ServiceValue,
-    SockRevNatKey, SockRevNatValue, SockSlot, SockSlots, counter,
+    SockRevNatKey, SockRevNatValue, SockSlot, SockSlots, SockTcp, counter,
 };
 
 use crate::globals::{
@@ -27,8 +27,8 @@ use crate::globals::{
     KPR_SOCK_LIMIT, KPR_SOCK_SHARE, KPR_SOCKET_LB_PODS,
 };
 use crate::maps::{
-    SERVICES, SOCK_PICKS, SOCK_QUOTA, SOCK_REVNAT, SOCK_SLOTS, ServiceRangeMiss, affinity_backend, backend_at, count,
-    link_addr, netns_covered, node_addr_flags, node_source, now, refusal, remember_affinity, serves,
+    SERVICES, SOCK_PICKS, SOCK_QUOTA, SOCK_REVNAT, SOCK_SLOTS, SOCK_TCP, ServiceRangeMiss, affinity_backend,
+    backend_at, count, link_addr, netns_covered, node_addr_flags, node_source, now, refusal, remember_affinity, serves,
     service_range_miss, socket_skipped,
 };
 
@@ -216,22 +216,32 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
     let rev_key = SockRevNatKey { cookie, addr: backend.addr, port: backend.port, _pad: [0; 6] };
     let rev_value = SockRevNatValue { addr: dest, port: key.port, _pad: 0, service_id: service.service_id };
     let known = SOCK_REVNAT.get_ptr(&rev_key).is_some_and(|v| unsafe { *v } == rev_value);
+    // The node (its processes and hostNetwork pods) is bound by the table's limit only: the
+    // per-packet path does not translate its connections, and a pod can take none of its room.
+    let share = if from_node { u32::MAX } else { KPR_SOCK_SHARE.load() };
+    let netns = if netns != 0 { netns } else { unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } };
     let entries = known
         || if proto == IPPROTO_TCP {
-            // A TCP socket has one peer, so one entry, which `kpr_sock_release` finds by that
-            // peer: counted without a slot (making the socket's storage costs more than the
-            // rest of the hook).
-            charge(if netns != 0 { netns } else { unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } })
+            take_tcp_entry(cookie, netns, share, &backend)
         } else {
-            take_slot(ctx, cookie, netns, &dest, key.port, &backend)
+            take_slot(ctx, cookie, netns, share, &dest, key.port, &backend)
         };
+    let mut backend = backend;
     if !entries {
         count(counter::SOCK_OVER_QUOTA);
-        // Per packet, where that path covers this socket: the same translation, reversed in
-        // conntrack. Else translated without the entries (only this namespace's sockets then
-        // see the endpoint's address in getpeername and recvmsg).
-        if pod_links_covered {
+        // A pod's connection goes per packet where that path covers it: the same translation,
+        // reversed in conntrack. Else it is translated without the entries (only this
+        // namespace's sockets then see the endpoint's address in getpeername and recvmsg).
+        if !from_node && pod_links_covered {
             return ALLOW;
+        }
+        // Without a pick to keep, an unconnected socket's endpoint for this service is a hash
+        // of the socket, so that its datagrams still go to one endpoint.
+        if sticky && picked && service.affinity_timeout == 0 {
+            let spread = (cookie ^ cookie >> 32) as u32 ^ u32::from(key.port);
+            if let Some(b) = backend_at(&service, spread.wrapping_mul(0x9E37_79B1)) {
+                backend = b;
+            }
         }
     }
     if picked {
@@ -430,6 +440,7 @@ fn take_slot(
     ctx: &SockAddrContext,
     cookie: u64,
     netns: u64,
+    share: u32,
     frontend: &Addr,
     frontend_port: u16,
     backend: &Backend,
@@ -457,10 +468,9 @@ fn take_slot(
     }
     let index = if (used as usize) < SLOTS_PER_SOCKET {
         if slots.netns == 0 {
-            // An unknown host namespace (the agent's own lookup failed): ask this socket's.
-            slots.netns = if netns != 0 { netns } else { unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } };
+            slots.netns = netns;
         }
-        if !charge(slots.netns) {
+        if !charge(slots.netns, share) {
             return false;
         }
         slots.used = used + 1;
@@ -503,15 +513,43 @@ fn drop_reverse(cookie: u64, slot: &SockSlot) {
     }
 }
 
-/// Count one entry more for `netns`, unless it holds its share or the node its limit.
+/// A TCP socket's one entry, counted once however often it connects (a failed connect
+/// retried on the same socket): one it had for another endpoint goes.
 #[inline(always)]
-fn charge(netns: u64) -> bool {
+fn take_tcp_entry(cookie: u64, netns: u64, share: u32, backend: &Backend) -> bool {
+    let entry = SockTcp { netns, backend: backend.addr, backend_port: backend.port, _pad: [0; 6] };
+    if let Some(earlier) = SOCK_TCP.get_ptr_mut(&cookie) {
+        // SAFETY: a map value of this run.
+        let earlier = unsafe { &mut *earlier };
+        let _ = SOCK_REVNAT.remove(&SockRevNatKey {
+            cookie,
+            addr: earlier.backend,
+            port: earlier.backend_port,
+            _pad: [0; 6],
+        });
+        earlier.backend = entry.backend;
+        earlier.backend_port = entry.backend_port;
+        return true;
+    }
+    if !charge(netns, share) {
+        return false;
+    }
+    if SOCK_TCP.insert(&cookie, &entry, 0).is_err() {
+        uncharge(netns, 1);
+        return false;
+    }
+    true
+}
+
+/// Count one entry more for `netns`, unless it holds `share` or the node its limit.
+#[inline(always)]
+fn charge(netns: u64, share: u32) -> bool {
     let (Some(total), Some(mine)) = (quota_count(SOCK_QUOTA_TOTAL), quota_count(netns)) else {
         return false;
     };
     // SAFETY: map values of this run, 8-byte aligned.
     let (held_total, held_mine) = unsafe { (total.read_volatile() as i64, mine.read_volatile() as i64) };
-    if held_total >= i64::from(KPR_SOCK_LIMIT.load()) || held_mine >= i64::from(KPR_SOCK_SHARE.load()) {
+    if held_total >= i64::from(KPR_SOCK_LIMIT.load()) || held_mine >= i64::from(share) {
         return false;
     }
     add(total, 1);
@@ -519,17 +557,17 @@ fn charge(netns: u64) -> bool {
     true
 }
 
-/// Count `n` entries fewer for `netns`.
+/// Count `n` entries fewer for `netns` (a count the LRU evicted is not made again).
 #[inline(always)]
 fn uncharge(netns: u64, n: u32) {
     if n == 0 {
         return;
     }
     let minus = u64::from(n).wrapping_neg();
-    if let Some(total) = quota_count(SOCK_QUOTA_TOTAL) {
+    if let Some(total) = SOCK_QUOTA.get_ptr_mut(&SOCK_QUOTA_TOTAL) {
         add(total, minus);
     }
-    if let Some(mine) = quota_count(netns) {
+    if let Some(mine) = SOCK_QUOTA.get_ptr_mut(&netns) {
         add(mine, minus);
     }
 }
@@ -580,18 +618,31 @@ fn reverse(ctx: &SockAddrContext, family: SocketFamily) -> i32 {
     ALLOW
 }
 
-/// A socket goes away: the entries its slots hold go with it, and its namespace's count with
-/// them. A socket of before the slots (an older layout's) has at most its peer's entry (a
-/// connected socket: the backend it was given), removed as it always was.
+/// A socket goes away: the entries it holds go with it (a UDP socket's slots, a TCP socket's
+/// one entry), and its namespace's count with them. A socket of before the slots (an older
+/// layout's) has at most its peer's entry (a connected socket: the endpoint it was given),
+/// removed as it always was.
 #[cgroup_sock(sock_release)]
 pub fn kpr_sock_release(ctx: SockContext) -> i32 {
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    if let Some(tcp) = SOCK_TCP.get_ptr(&cookie) {
+        // SAFETY: a map value, copied at once.
+        let tcp = unsafe { *tcp };
+        let _ = SOCK_REVNAT.remove(&SockRevNatKey { cookie, addr: tcp.backend, port: tcp.backend_port, _pad: [0; 6] });
+        // Counted down by whoever removes it (two release programs run during a restart).
+        if SOCK_TCP.remove(&cookie).is_ok() {
+            uncharge(tcp.netns, 1);
+        }
+        return ALLOW;
+    }
     // SAFETY: a cgroup sock program's context is the socket the helper takes; no value is made.
     let slots = unsafe { bpf_sk_storage_get(map_ptr(&SOCK_SLOTS), ctx.as_ptr(), core::ptr::null_mut(), 0) };
     if !slots.is_null() {
         // SAFETY: this socket's storage, of the map's value type.
-        let slots = unsafe { &*slots.cast::<SockSlots>() };
+        let slots = unsafe { &mut *slots.cast::<SockSlots>() };
         let used = slots.used.min(SLOTS_PER_SOCKET as u32);
+        // Emptied first: a second release program (during a restart) finds nothing to count.
+        slots.used = 0;
         for slot in slots.slots.iter().take(used as usize) {
             drop_entries(cookie, slot);
         }
@@ -617,11 +668,8 @@ pub fn kpr_sock_release(ctx: SockContext) -> i32 {
             Addr::from_v4((*sk).dst_ip4)
         }
     };
-    let removed =
-        !addr.is_unspecified() && SOCK_REVNAT.remove(&SockRevNatKey { cookie, addr, port, _pad: [0; 6] }).is_ok();
-    // SAFETY: as above.
-    if removed && unsafe { (*sk).protocol } == u32::from(IPPROTO_TCP) {
-        uncharge(unsafe { bpf_get_netns_cookie(ctx.as_ptr()) }, 1);
+    if !addr.is_unspecified() {
+        let _ = SOCK_REVNAT.remove(&SockRevNatKey { cookie, addr, port, _pad: [0; 6] });
     }
     ALLOW
 }

@@ -1232,7 +1232,7 @@ fn connections_past_a_full_established_table_keep_working() {
 #[test]
 fn a_pod_over_its_share_of_the_socket_path_is_served_per_packet() {
     use proxy_common::counter::{SOCK_OVER_QUOTA, TC_NEW_FLOW, TRANSLATED};
-    let mut c = Bridged::new_with("km-share", &["--max-sock-revnat-per-pod=2"]).unwrap();
+    let mut c = Bridged::new_with("km-share", &["--max-sock-revnat-per-pod=2", "--max-sock-revnat=256"]).unwrap();
     // This process's sockets are node-a's pods' (the socket path's cgroup).
     c.nodes[0].cgroup.enter().unwrap();
     let pod_b = c.nodes[1].pod_ip;
@@ -1286,6 +1286,34 @@ fn a_pod_over_its_share_of_the_socket_path_is_served_per_packet() {
         .unwrap();
     assert_eq!(answer, ("pod-b".to_owned(), cluster_ip));
     assert_eq!(at(TRANSLATED, &counters()) - at(TRANSLATED, &before), 1, "at its socket again");
+
+    // The node's own sockets have no share, only the table's limit (256 less half kept free
+    // for the LRU's per-CPU lists, whatever the CPUs); past it they are translated without entries (answered
+    // from the endpoint's address), not left to the per-packet path, which does not
+    // translate the node's connections.
+    let before = counters();
+    let from: Vec<SocketAddr> = c.nodes[0]
+        .netns
+        .run(move || {
+            let sockets: Vec<std::net::UdpSocket> =
+                (0..300).map(|_| std::net::UdpSocket::bind("0.0.0.0:0").unwrap()).collect();
+            sockets
+                .iter()
+                .map(|s| {
+                    s.set_read_timeout(Some(TIMEOUT)).unwrap();
+                    s.send_to(b"who", cluster_ip).unwrap();
+                    let mut buf = [0u8; 64];
+                    s.recv_from(&mut buf).expect("an answer").1
+                })
+                .collect()
+        })
+        .unwrap();
+    let backend = SocketAddr::from(SocketAddrV4::new(pod_b, POD_PORT));
+    assert_eq!(from.iter().filter(|f| **f == cluster_ip).count(), 128);
+    assert_eq!(from.iter().filter(|f| **f == backend).count(), 172);
+    let after = counters();
+    assert_eq!(at(TRANSLATED, &after) - at(TRANSLATED, &before), 300);
+    assert_eq!(at(SOCK_OVER_QUOTA, &after) - at(SOCK_OVER_QUOTA, &before), 172);
 }
 
 #[test]

@@ -458,35 +458,63 @@ fn refused_and_reconnected_sockets_give_their_entries_back() {
     assert_echoes(&mut open, "open");
     drop(open);
     assert_eq!((revnat_entries(&h), counted_entries(&h)), (entries, counted));
+    // A refused connect retried on the same socket, to another Service: one entry, counted
+    // once, the refused one's gone.
+    let retried = h.client(|| {
+        use socket2::{Domain, Socket, Type};
+        let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+        let refused = socket.connect(&SocketAddr::from(sa(CLOSED, 81)).into()).map_err(|e| e.kind());
+        socket.connect(&SocketAddr::from(sa(IP, 80)).into()).unwrap();
+        let peer = socket.peer_addr().unwrap().as_socket().unwrap();
+        (refused, peer, TcpStream::from(socket))
+    });
+    assert_eq!((retried.0, retried.1), (Err(ErrorKind::ConnectionRefused), SocketAddr::from(sa(IP, 80))));
+    assert_eq!((revnat_entries(&h), counted_entries(&h)), (entries + 1, counted + 1), "one entry for the socket");
+    drop(retried);
+    assert_eq!((revnat_entries(&h), counted_entries(&h)), (entries, counted));
 }
 
 /// Over its namespace's share, a socket's datagrams still reach an endpoint; where no
 /// per-packet path covers the socket they are translated without an entry (its answers then
-/// show the endpoint's address, for that namespace's sockets only). A socket that sends to
-/// the same service again takes no second entry; a TCP connection takes one while it is open.
+/// show the endpoint's address, for that namespace's sockets only) and still go to one
+/// endpoint per socket. A socket that sends to the same service again takes no second entry;
+/// a TCP connection takes one while it is open. The node is bound by the table's limit only.
 #[test]
 fn a_namespace_over_its_share_is_still_served() {
-    let mut h = Harness::new("kt-over", &["pod-a"]).expect("harness");
-    h.write_service("web", IP, &[HTTP, DNS], &[0]).unwrap();
-    h.agent_args = vec!["--max-sock-revnat=4096".into(), "--max-sock-revnat-per-pod=4".into()];
-    h.start_agent().unwrap();
-    h.wait("10.96.0.10:53/UDP", Some(1)).unwrap();
-    let cluster_ip = SocketAddr::from(sa(IP, 53));
-    let backend = SocketAddr::from(sa(h.topology.pods[0].ip, POD_PORT));
-    let (_, mut tcp) = open_connection(&h);
-    let sockets: Vec<UdpSocket> = (0..5).map(|_| udp_client(&h)).collect();
-    let answers: Vec<(String, SocketAddr)> = sockets.iter().chain(&sockets).map(ask).collect();
-    let pod_a = || "pod-a".to_owned();
-    // The connection and the first three sockets hold the namespace's 4 entries; the others
-    // are answered from the endpoint's address, each time.
-    let want: Vec<(String, SocketAddr)> =
-        [cluster_ip, cluster_ip, cluster_ip, backend, backend].repeat(2).into_iter().map(|a| (pod_a(), a)).collect();
-    assert_eq!(answers, want);
-    assert_eq!(h.counter("sock_over_quota"), 4, "the last two sockets, twice each");
-    assert_echoes(&mut tcp, "still-open");
-    drop(tcp);
-    let fresh = udp_client(&h);
-    assert_eq!(ask(&fresh), (pod_a(), cluster_ip), "a closed connection gives its entry back");
+    for node in [false, true] {
+        let mut h = Harness::new("kt-over", &["pod-a", "pod-b", "pod-c"]).expect("harness");
+        h.write_service("web", IP, &[HTTP, DNS], &[0, 1, 2]).unwrap();
+        h.agent_args = vec!["--max-sock-revnat=4096".into(), "--max-sock-revnat-per-pod=4".into()];
+        // In the node's namespace, the client's sockets are the node's.
+        h.agent_in_node_netns = node;
+        h.start_agent().unwrap();
+        h.wait("10.96.0.10:53/UDP", Some(3)).unwrap();
+        let cluster_ip = SocketAddr::from(sa(IP, 53));
+        let pods: BTreeMap<String, SocketAddr> =
+            h.topology.pods.iter().map(|p| (p.name.clone(), SocketAddr::from(sa(p.ip, POD_PORT)))).collect();
+        let (_, mut tcp) = open_connection(&h);
+        let sockets: Vec<UdpSocket> = (0..5).map(|_| udp_client(&h)).collect();
+        // Each socket five times: one endpoint each, answering from the ClusterIP, or (the
+        // pod's last two sockets) from its own address.
+        let from: Vec<SocketAddr> = sockets
+            .iter()
+            .map(|socket| {
+                let answers: BTreeSet<(String, SocketAddr)> = (0..5).map(|_| ask(socket)).collect();
+                assert_eq!(answers.len(), 1, "one endpoint a socket: {answers:?}");
+                let (name, from) = answers.into_iter().next().unwrap();
+                assert!(from == cluster_ip || from == pods[&name], "{name} answered from {from}");
+                from
+            })
+            .collect();
+        let over = if node { 0 } else { 2 };
+        let want: Vec<bool> = (0..5).map(|i| i < 5 - over).collect();
+        assert_eq!(from.iter().map(|f| *f == cluster_ip).collect::<Vec<_>>(), want, "node: {node}");
+        assert_eq!(h.counter("sock_over_quota"), 5 * over as u64, "node: {node}");
+        assert_echoes(&mut tcp, "still-open");
+        drop(tcp);
+        let fresh = udp_client(&h);
+        assert_eq!(ask(&fresh).1, cluster_ip, "a closed connection gives its entry back");
+    }
 }
 
 /// kpr's socket programs attached to `cgroup` (bpftool's view).

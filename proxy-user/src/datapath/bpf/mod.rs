@@ -105,10 +105,9 @@ impl BpfDatapath {
                 tracing::debug!(program = name, cgroup = %cfg.cgroup.display(), "attached and pinned");
             }
         }
-        if let Err(e) = attach_sock_release(&mut ebpf, &cgroup, &dir) {
-            // Without it, reverse-translation entries of closed sockets age out of the LRU map.
-            tracing::warn!("socket release hook not attached: {e:#}");
-        }
+        // Without it, closed sockets' entries would stay counted and their namespaces' shares
+        // fill for good: the socket path does not run without it.
+        attach_sock_release(&mut ebpf, &cgroup, &dir).context("failed to attach the socket release hook")?;
         load_tc_programs(&mut ebpf)?;
 
         let maps = BpfMaps::take_from(&mut ebpf)?;

@@ -162,8 +162,6 @@ pub(crate) fn kernel_since(major: u8, minor: u8) -> bool {
     KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(major, minor, 0))
 }
 
-/// Kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK (later ones to the memory cgroup):
-/// lift it, which needs CAP_SYS_RESOURCE; without it, say why map creation may fail.
 /// The reverse-translation entries one network namespace's sockets may hold, and all of them
 /// (`KPR_SOCK_SHARE`, `KPR_SOCK_LIMIT`), for a table of `capacity`. The limit leaves room that
 /// the kernel's LRU keeps in per-CPU free lists (up to 128 entries a CPU): with the table's
@@ -180,6 +178,8 @@ fn possible_cpus() -> u32 {
     aya::util::nr_cpus().map_or(1, |n| n.get())
 }
 
+/// Kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK (later ones to the memory cgroup):
+/// lift it, which needs CAP_SYS_RESOURCE; without it, say why map creation may fail.
 pub fn raise_memlock_limit() {
     let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
     // SAFETY: setrlimit reads one rlimit.
@@ -314,6 +314,7 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .map_max_entries(map_names::BACKENDS, size(map_names::BACKENDS, cfg.max_backends))
         .map_max_entries(map_names::SOCK_REVNAT, sock_revnat)
         .map_max_entries(map_names::SOCK_PICKS, size(map_names::SOCK_PICKS, cfg.max_sock_revnat))
+        .map_max_entries(map_names::SOCK_TCP, size(map_names::SOCK_TCP, cfg.max_sock_revnat))
         .map_max_entries(map_names::CONNTRACK4, size(map_names::CONNTRACK4, cfg.max_conntrack))
         .map_max_entries(map_names::CT_NEW4, size(map_names::CT_NEW4, cfg.max_conntrack_new))
         .map_max_entries(map_names::CONNTRACK6, size(map_names::CONNTRACK6, cfg.max_conntrack))
