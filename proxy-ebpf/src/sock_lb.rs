@@ -221,7 +221,8 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
     let share = if from_node { u32::MAX } else { KPR_SOCK_SHARE.load() };
     let netns = if netns != 0 { netns } else { unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } };
     let entries = known
-        || if proto == IPPROTO_TCP {
+        // (`connect`: sendmsg hooks see UDP only, and their programs carry no TCP code.)
+        || if connect && proto == IPPROTO_TCP {
             take_tcp_entry(cookie, netns, share, &backend)
         } else {
             take_slot(ctx, cookie, netns, share, &dest, key.port, &backend)
