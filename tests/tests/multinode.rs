@@ -1226,6 +1226,20 @@ fn connections_past_a_full_established_table_keep_working() {
     assert!(status["trouble"]["tc_ct_established_full"].as_u64().is_some_and(|n| n > 0), "{status:#}");
 }
 
+/// `n` unconnected UDP sockets, all open at once, each sending one datagram to `to`: who
+/// answered each, and from where.
+fn ask_from_open_sockets(n: usize, to: SocketAddr) -> Vec<(String, SocketAddr)> {
+    let sockets: Vec<std::net::UdpSocket> = (0..n).map(|_| std::net::UdpSocket::bind("0.0.0.0:0").unwrap()).collect();
+    let ask = |s: &std::net::UdpSocket| {
+        s.set_read_timeout(Some(TIMEOUT)).unwrap();
+        s.send_to(b"who", to).unwrap();
+        let mut buf = [0u8; 64];
+        let (len, from) = s.recv_from(&mut buf).expect("an answer");
+        (String::from_utf8_lossy(&buf[..len]).into_owned(), from)
+    };
+    sockets.iter().map(ask).collect()
+}
+
 /// A pod over its share of the socket path's reverse-translation table: its further sockets
 /// are served per packet on its link, their answers still from the ClusterIP (conntrack
 /// reverses them), and counted. Once its sockets close, the socket path takes it back.
@@ -1251,22 +1265,7 @@ fn a_pod_over_its_share_of_the_socket_path_is_served_per_packet() {
     let at = |i: u32, counters: &[(&str, u64)]| counters[i as usize].1;
     let pod = &c.nodes[0]._pod;
     let before = counters();
-    let answers: Vec<(String, SocketAddr)> = pod
-        .run(move || {
-            let sockets: Vec<std::net::UdpSocket> =
-                (0..4).map(|_| std::net::UdpSocket::bind("0.0.0.0:0").unwrap()).collect();
-            sockets
-                .iter()
-                .map(|s| {
-                    s.set_read_timeout(Some(TIMEOUT)).unwrap();
-                    s.send_to(b"who", cluster_ip).unwrap();
-                    let mut buf = [0u8; 64];
-                    let (n, from) = s.recv_from(&mut buf).expect("an answer");
-                    (String::from_utf8_lossy(&buf[..n]).into_owned(), from)
-                })
-                .collect()
-        })
-        .unwrap();
+    let answers = pod.run(move || ask_from_open_sockets(4, cluster_ip)).unwrap();
     let after = counters();
     assert_eq!(answers, vec![("pod-b".to_owned(), cluster_ip); 4], "every socket answered from the ClusterIP");
     assert_eq!(at(TRANSLATED, &after) - at(TRANSLATED, &before), 2, "two at their sockets");
@@ -1274,40 +1273,17 @@ fn a_pod_over_its_share_of_the_socket_path_is_served_per_packet() {
     assert_eq!(at(TC_NEW_FLOW, &after) - at(TC_NEW_FLOW, &before), 2, "two per packet on the pod's link");
     // Those sockets are closed: the pod's share is free again.
     let before = counters();
-    let answer = pod
-        .run(move || {
-            let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
-            s.set_read_timeout(Some(TIMEOUT)).unwrap();
-            s.send_to(b"who", cluster_ip).unwrap();
-            let mut buf = [0u8; 64];
-            let (n, from) = s.recv_from(&mut buf).expect("an answer");
-            (String::from_utf8_lossy(&buf[..n]).into_owned(), from)
-        })
-        .unwrap();
-    assert_eq!(answer, ("pod-b".to_owned(), cluster_ip));
+    let answers = pod.run(move || ask_from_open_sockets(1, cluster_ip)).unwrap();
+    assert_eq!(answers, vec![("pod-b".to_owned(), cluster_ip)]);
     assert_eq!(at(TRANSLATED, &counters()) - at(TRANSLATED, &before), 1, "at its socket again");
 
     // The node's own sockets have no share, only the table's limit (256 less half kept free
-    // for the LRU's per-CPU lists, whatever the CPUs); past it they are translated without entries (answered
-    // from the endpoint's address), not left to the per-packet path, which does not
-    // translate the node's connections.
+    // for the LRU's per-CPU lists, whatever the CPUs); past it they are translated without
+    // entries (answered from the endpoint's address), not left to the per-packet path, which
+    // does not translate the node's connections.
     let before = counters();
-    let from: Vec<SocketAddr> = c.nodes[0]
-        .netns
-        .run(move || {
-            let sockets: Vec<std::net::UdpSocket> =
-                (0..300).map(|_| std::net::UdpSocket::bind("0.0.0.0:0").unwrap()).collect();
-            sockets
-                .iter()
-                .map(|s| {
-                    s.set_read_timeout(Some(TIMEOUT)).unwrap();
-                    s.send_to(b"who", cluster_ip).unwrap();
-                    let mut buf = [0u8; 64];
-                    s.recv_from(&mut buf).expect("an answer").1
-                })
-                .collect()
-        })
-        .unwrap();
+    let answers = c.nodes[0].netns.run(move || ask_from_open_sockets(300, cluster_ip)).unwrap();
+    let from: Vec<SocketAddr> = answers.into_iter().map(|(_, from)| from).collect();
     let backend = SocketAddr::from(SocketAddrV4::new(pod_b, POD_PORT));
     assert_eq!(from.iter().filter(|f| **f == cluster_ip).count(), 128);
     assert_eq!(from.iter().filter(|f| **f == backend).count(), 172);
