@@ -301,19 +301,13 @@ fn an_unconnected_udp_socket_stays_on_one_endpoint_while_it_lasts() {
     let h = setup("kt-udpstick", &["pod-a", "pod-b", "pod-c"]);
     // One socket, many datagrams (a QUIC or WireGuard exchange): one endpoint answers them all,
     // as behind kube-proxy, where the flow's conntrack entry keeps it on one endpoint.
-    let socket = h.client(|| {
-        let socket = UdpSocket::bind("0.0.0.0:0").unwrap();
-        socket.set_read_timeout(Some(TIMEOUT)).unwrap();
-        socket
-    });
-    let ask = |socket: &UdpSocket| -> String {
-        socket.send_to(b"who", sa(IP, 53)).unwrap();
-        let mut buf = [0u8; 256];
-        let (n, from) = socket.recv_from(&mut buf).unwrap();
+    let socket = udp_client(&h);
+    let ask_cluster_ip = |socket: &UdpSocket| -> String {
+        let (name, from) = ask(socket);
         assert_eq!(from, SocketAddr::from(sa(IP, 53)), "answers come from the ClusterIP");
-        String::from_utf8_lossy(&buf[..n]).into_owned()
+        name
     };
-    let answers: std::collections::BTreeSet<String> = (0..30).map(|_| ask(&socket)).collect();
+    let answers: std::collections::BTreeSet<String> = (0..30).map(|_| ask_cluster_ip(&socket)).collect();
     assert_eq!(answers.len(), 1, "one socket, one endpoint: {answers:?}");
     // Other sockets still spread.
     let others: std::collections::BTreeSet<String> =
@@ -342,7 +336,7 @@ fn an_unconnected_udp_socket_stays_on_one_endpoint_while_it_lasts() {
         assert!(std::time::Instant::now() < deadline, "a socket still keeps the removed endpoint {first}");
         std::thread::sleep(Duration::from_millis(50));
     }
-    let after: std::collections::BTreeSet<String> = (0..20).map(|_| ask(&socket)).collect();
+    let after: std::collections::BTreeSet<String> = (0..20).map(|_| ask_cluster_ip(&socket)).collect();
     assert_eq!(after.len(), 1, "{after:?}");
     assert!(!after.contains(&first), "the removed endpoint {first} no longer answers");
 }
