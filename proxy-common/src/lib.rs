@@ -11,7 +11,7 @@
 #![no_std]
 
 /// Version of the pinned map layout; part of the bpffs pin directory (`<pin-root>/v<N>`).
-pub const PIN_LAYOUT_VERSION: u32 = 15;
+pub const PIN_LAYOUT_VERSION: u32 = 16;
 
 /// The pinned maps an agent takes over from an older layout's directory (an upgrade), each
 /// with the oldest layout version whose map of that name reads as this one's: raise it when a
@@ -46,8 +46,8 @@ pub const CARRIED_MAPS: [(&str, u32); 28] = {
         // v14 gave it a second word.
         (HOST_STATE, 14),
         (ADDR_FILTER, 12),
-        // v13 added a counter and the flow caches' generation, v14 and v15 a counter.
-        (COUNTERS, 15),
+        // v13 added a counter and the flow caches' generation, v14, v15 and v16 a counter.
+        (COUNTERS, 16),
         (CT_GENERATION, 13),
         // Added within v13: an older v13 directory has none, and the first sync fills it.
         (NODE_SOURCES, 13),
@@ -963,6 +963,11 @@ pub mod ct {
     pub const AWAITING_ACK: u32 = 32;
     /// Bits that describe the flow (the same in both of its entries).
     pub const FLOW_BITS: u32 = SEEN_REPLY | FIN_ORIG | FIN_REPLY | RST | AWAITING_ACK;
+    /// Set by the agent (`--abort-dead-tcp`) on the client's entry of a TCP flow whose endpoint
+    /// died (its pod is gone, its node NotReady): the client's next segment is answered with a
+    /// RST and the flow forgotten, so the client fails at once instead of retransmitting into
+    /// the void for `tcp_retries2`. Not a flow bit: the replies' entry never has it.
+    pub const ENDPOINT_DEAD: u32 = 64;
     /// `last_seen` is rewritten at most this often (a write per packet would bounce the entry's
     /// cache line between CPUs).
     pub const REFRESH_NS: u64 = 1_000_000_000;
@@ -1141,8 +1146,11 @@ pub mod counter {
     /// table its limit): the connection was left to the per-packet path where that covers the
     /// socket, else translated without an entry (getpeername and recvmsg then show the endpoint).
     pub const SOCK_OVER_QUOTA: u32 = 25;
+    /// tc: a segment of a flow whose endpoint died (`ct::ENDPOINT_DEAD`, `--abort-dead-tcp`)
+    /// was answered with a RST toward the client.
+    pub const TC_DEAD_FLOW_RESET: u32 = 26;
     /// Number of counters.
-    pub const COUNT: u32 = 26;
+    pub const COUNT: u32 = 27;
     /// Names for display, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -1171,6 +1179,7 @@ pub mod counter {
         "tc_redirected_peer",
         "tc_ct_established_full",
         "sock_over_quota",
+        "tc_dead_flow_reset",
     ];
 }
 

@@ -301,6 +301,8 @@ pub struct Syncer {
     pub node_object: Option<NodeObject>,
     /// The cluster's service ranges (watched when the service range is refused).
     pub service_cidrs: Vec<Cidr>,
+    /// The cluster's Nodes that are not Ready (watched with `--abort-dead-tcp`).
+    down_nodes: BTreeSet<String>,
     /// A ClusterIP whose route tells the source the node's own connections to ClusterIPs get.
     sample_cluster_ip: Option<std::net::Ipv4Addr>,
     /// The endpoints whose routes tell the sources of the node's own masqueraded connections
@@ -368,6 +370,7 @@ impl Syncer {
             host_links: Vec::new(),
             node_object: None,
             service_cidrs: Vec::new(),
+            down_nodes: BTreeSet::new(),
             sample_cluster_ip: None,
             routed_endpoints: Default::default(),
             routed_at: None,
@@ -450,10 +453,11 @@ impl Syncer {
             SourceEvent::ServiceDeleted(k) => self.state.delete_service(&k),
             SourceEvent::SliceApplied(s) => self.state.apply_slice(s),
             SourceEvent::SliceDeleted(k) => self.state.delete_slice(&k),
-            SourceEvent::ManifestsLoaded { services, slices, node, service_cidrs, pods, namespaces } => {
+            SourceEvent::ManifestsLoaded { services, slices, node, service_cidrs, pods, namespaces, down_nodes } => {
                 self.state.replace_services(services);
                 self.state.replace_slices(slices);
                 self.set_node_object(node);
+                self.set_down_nodes(down_nodes);
                 self.set_service_cidrs(service_cidrs);
                 self.set_pods(pods);
                 self.set_namespace_settings(namespaces);
@@ -462,6 +466,7 @@ impl Syncer {
             SourceEvent::Namespaces(settings) => self.set_namespace_settings(settings),
             SourceEvent::ServiceCidrs(cidrs) => self.set_service_cidrs(cidrs),
             SourceEvent::Node(node) => self.set_node_object(node),
+            SourceEvent::DownNodes(down) => self.set_down_nodes(down),
             SourceEvent::Host(links) => {
                 if links != self.host_links {
                     self.endpoint_routes.clear();
@@ -641,6 +646,15 @@ impl Syncer {
         }
     }
 
+    /// Nodes that went down or came back: their endpoints' TCP flows may have to end
+    /// (`--abort-dead-tcp`; every service is recomputed, which such rare events afford).
+    fn set_down_nodes(&mut self, down: BTreeSet<String>) {
+        if down != self.down_nodes {
+            self.down_nodes = down;
+            self.node_dirty = true;
+        }
+    }
+
     fn set_node_object(&mut self, node: Option<NodeObject>) {
         let eligible = node.as_ref().map_or(!self.node_required, |n| !n.draining);
         self.proxy_health.set_node_eligible(eligible);
@@ -777,6 +791,7 @@ impl Syncer {
         let mut plan = node::plan(&self.host_links, self.node_object.as_ref(), &self.node_settings);
         plan.service_cidrs = self.service_cidrs.iter().copied().collect();
         plan.info.service_cidrs = self.service_cidrs.clone();
+        plan.info.down_nodes.clone_from(&self.down_nodes);
         // The source routing picks for ClusterIPs (kube-proxy's unmasqueraded node traffic keeps
         // it), looked up in the kernel's routing table.
         if let Some(source) = sample.and_then(source::host::route_source) {

@@ -91,6 +91,15 @@ pub struct AgentArgs {
     /// Cilium's socket load balancer does. Pods and outside clients are served either way.
     #[arg(long, value_enum, default_value_t = HostExternalIps::All)]
     pub host_external_ips: HostExternalIps,
+    /// End the TCP connections to an endpoint that died: one that left its Service's
+    /// EndpointSlices (its pod is gone), or whose Node is NotReady (unless it is serving
+    /// while terminating: a graceful drain). The node's sockets connected to it through the
+    /// socket path are aborted (ECONNABORTED), and the next segment of a per-packet flow to it
+    /// is answered with a RST (ECONNRESET), instead of the client retransmitting for up to
+    /// 15 minutes (`tcp_retries2`). Off: kube-proxy's behaviour, TCP flows are never ended.
+    /// On, the agent also watches every Node's readiness.
+    #[arg(long)]
+    pub abort_dead_tcp: bool,
     /// Whose sockets are translated at `connect()`: `all` (the node's and pods'), or
     /// `host-only` (the node's): pods' traffic is then translated per packet on their links,
     /// with the same semantics, so that what runs inside a pod before its packets leave it (a
@@ -495,6 +504,7 @@ pub fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
             refuse_service_range,
             host_external_ips_local_only: args.host_external_ips == HostExternalIps::Local,
             service_proxy_name,
+            abort_dead_tcp: args.abort_dead_tcp,
         },
         sync_period: config.sync_period,
         min_sync_period: config.min_sync_period,

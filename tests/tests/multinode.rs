@@ -1340,6 +1340,117 @@ fn udp_flows_move_off_a_removed_endpoint() {
     assert_eq!(ask(&socket), "pod-a");
 }
 
+/// `--abort-dead-tcp`: TCP connections to an endpoint whose pod is gone end at once instead of
+/// hanging in retransmissions (kubernetes#77903): an external client's NodePort connection and
+/// a pod's ClusterIP connection (per packet) get a RST at their next segment (ECONNRESET); the
+/// node's own ClusterIP connection (the socket path) is aborted (ECONNABORTED). pod-b still
+/// runs here, so without the option all three would go on talking to it.
+#[test]
+fn tcp_connections_to_an_endpoint_whose_pod_is_gone_fail_at_once() {
+    let mut c = Bridged::new_with("km-deadpod", &["--abort-dead-tcp"]).unwrap();
+    let (pod_a, pod_b) = (c.nodes[0].pod_ip, c.nodes[1].pod_ip);
+    c.write("svc.yaml", &service("Cluster", 30084, &[(pod_b, "node-b")]));
+    c.wait("*:30084/TCP ext", 1);
+    let mut conns = dead_endpoint_clients(&mut c, 30084);
+    // An isolated change, applied at once (not held back by minSyncPeriod, 1 s, after the last).
+    std::thread::sleep(Duration::from_secs(1));
+    c.write("svc.yaml", &service("Cluster", 30084, &[(pod_a, "node-a")]));
+    let gone = std::time::Instant::now();
+    assert_connections_end(&mut conns, gone);
+    let resets = bpf::read_counters(&c.nodes[0].pins).unwrap()[proxy_common::counter::TC_DEAD_FLOW_RESET as usize].1;
+    assert_eq!(resets, 2, "one RST for each per-packet flow");
+    // New connections reach the endpoint that is left (from outside: out of the socket path's
+    // cgroup first).
+    c.nodes[0].cgroup.leave().unwrap();
+    let a = c.nodes[0].ip;
+    assert_eq!(c.ext(move || tcp_ask(SocketAddrV4::new(a, 30084), TIMEOUT).unwrap().0), "pod-a");
+}
+
+/// `--abort-dead-tcp`: an endpoint that turns unready on a Ready node (a failing readiness
+/// probe) keeps its connections, as behind kube-proxy; once its Node is NotReady, they end as
+/// if its pod were gone.
+#[test]
+fn tcp_connections_to_an_endpoint_on_a_node_gone_not_ready_fail_at_once() {
+    let mut c = Bridged::new_with("km-deadnode", &["--abort-dead-tcp"]).unwrap();
+    let pod_b = c.nodes[1].pod_ip;
+    let unready = |manifest: String| {
+        manifest.replace("conditions: {ready: true}", "conditions: {ready: false, serving: false, terminating: false}")
+    };
+    c.write("svc.yaml", &service("Cluster", 30085, &[(pod_b, "node-b")]));
+    c.wait("*:30085/TCP ext", 1);
+    let mut conns = dead_endpoint_clients(&mut c, 30085);
+    c.write("svc.yaml", &unready(service("Cluster", 30085, &[(pod_b, "node-b")])));
+    c.wait("*:30085/TCP ext", 0);
+    for _ in 0..5 {
+        for (what, conn, _) in &mut conns {
+            echo(conn, "unready").unwrap_or_else(|e| panic!("{what}: an unready endpoint's connection ended: {e}"));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    c.write(
+        "node-b.yaml",
+        "apiVersion: v1\nkind: Node\nmetadata: {name: node-b}\nstatus:\n  conditions: [{type: Ready, status: Unknown}]\n",
+    );
+    let down = std::time::Instant::now();
+    assert_connections_end(&mut conns, down);
+    c.nodes[0].cgroup.leave().unwrap();
+}
+
+/// Three echoing connections to pod-b through node-a, of the kinds `--abort-dead-tcp` ends:
+/// (what, stream, the errno its end shows).
+fn dead_endpoint_clients(c: &mut Bridged, node_port: u16) -> Vec<(&'static str, TcpStream, i32)> {
+    let node_port_addr = SocketAddrV4::new(c.nodes[0].ip, node_port);
+    let cluster_ip = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, (node_port % 250) as u8), 80);
+    let (ext, ext_backend) = connect_from(&c.ext, node_port_addr);
+    // The pod's process is outside the socket path's cgroup: its connection is translated per
+    // packet on its link.
+    let (pod, pod_backend) = connect_from(&c.nodes[0]._pod, cluster_ip);
+    // The node's own connection is translated at its socket.
+    c.nodes[0].cgroup.enter().unwrap();
+    let (node, node_backend) = connect_from(&c.nodes[0].netns, cluster_ip);
+    assert_eq!([ext_backend, pod_backend, node_backend], ["pod-b"; 3]);
+    let mut conns = vec![
+        ("NodePort from outside", ext, libc::ECONNRESET),
+        ("ClusterIP from a pod", pod, libc::ECONNRESET),
+        ("ClusterIP from the node", node, libc::ECONNABORTED),
+    ];
+    for (what, conn, _) in &mut conns {
+        echo(conn, "hello").unwrap_or_else(|e| panic!("{what}: {e}"));
+    }
+    conns
+}
+
+/// One line sent and echoed back.
+fn echo(conn: &mut TcpStream, line: &str) -> std::io::Result<()> {
+    use std::io::{BufRead as _, Write as _};
+    conn.write_all(format!("{line}\n").as_bytes())?;
+    let mut back = String::new();
+    std::io::BufReader::new(&*conn).read_line(&mut back)?;
+    if back.is_empty() {
+        return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed"));
+    }
+    assert_eq!(back, format!("{line}\n"));
+    Ok(())
+}
+
+/// Each connection, sending a line every 20 ms, fails within a second of `since` (the
+/// change the agents read, applied at once: a second after the one before) with its errno,
+/// not by timing out.
+fn assert_connections_end(conns: &mut [(&'static str, TcpStream, i32)], since: std::time::Instant) {
+    for (what, conn, errno) in conns {
+        let error = loop {
+            match echo(conn, "ping") {
+                Ok(()) => assert!(since.elapsed() < testbed::slow(Duration::from_secs(1)), "{what}: never ended"),
+                Err(e) => break e,
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(error.raw_os_error(), Some(*errno), "{what}: {error}");
+        assert!(since.elapsed() < testbed::slow(Duration::from_secs(1)), "{what}: ended after {:?}", since.elapsed());
+        println!("{what}: {error} {:?} after the change", since.elapsed());
+    }
+}
+
 /// A masqueraded packet too big for the link its route leaves by, that may not be cut into
 /// fragments: kube-proxy's node answers "fragmentation needed" (IPv6: "packet too big")
 /// before MASQUERADE rewrites it, so the client's socket learns the path's MTU. kpr masquerades

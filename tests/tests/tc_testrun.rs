@@ -396,6 +396,7 @@ fn entry<A: Into<IpAddr> + Copy>(
             source_ranges: vec![],
             affinity_timeout: 0,
             serving: vec![],
+            alive: None,
         },
     );
 }
@@ -1018,6 +1019,72 @@ fn an_established_flows_packets_are_served_from_the_flow_cache_until_its_entry_c
     assert_eq!(rig.egress(&synack.bytes()).1, Pkt { src: CLUSTER_IP.into(), sport: 80, ..synack }.bytes());
     for _ in 0..2 {
         assert_eq!(rig.ingress(&ack.bytes()).1, to(other, 8080), "the new connection's endpoint");
+    }
+}
+
+/// `--abort-dead-tcp`: the agent marks the client's entry of a flow whose endpoint died
+/// (`ct::ENDPOINT_DEAD`); the client's next segment, even one the flow cache held, is answered
+/// with a RST at its acknowledgement number, from the frontend, back out of the interface, and
+/// the flow is forgotten. A SYN on a marked tuple is a new connection, balanced as any.
+#[test]
+fn a_segment_of_a_flow_whose_endpoint_died_is_answered_with_a_reset() {
+    pin_to_cpu(0);
+    let rig = Rig::new(&services());
+    let flows: [(IpAddr, IpAddr, u16, IpAddr); 3] = [
+        (CLIENT.into(), CLUSTER_IP.into(), 80, POD.into()),
+        (CLIENT6.into(), CLUSTER_IP6.into(), 80, POD6.into()),
+        (CLIENT.into(), NODE_IP.into(), 30080, POD.into()),
+    ];
+    for (client, frontend, port, pod) in flows {
+        let syn = tcp(client, 40060, frontend, port);
+        let (_, out) = rig.ingress(&syn.bytes());
+        let (src, sport) = (ip_src_of(&out), sport_of(&out));
+        let synack = Pkt { tcp_flags: TCP_SYN | TCP_ACK, seq: 7000, ack: 1001, ..tcp(pod, 8080, src, sport) };
+        // The pod's answer: on its way out to the client, or (masqueraded) back in to the node.
+        if src == client {
+            rig.egress(&synack.bytes())
+        } else {
+            rig.ingress(&synack.bytes())
+        };
+        let ack = Pkt { tcp_flags: TCP_ACK, seq: 1001, ack: 7001, ..syn };
+        for _ in 0..2 {
+            assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_OK, "{frontend}: established");
+        }
+        let dead = |k: &CtKey, v: &CtValue| {
+            v.flags & proxy_common::ct::REPLY == 0
+                && k.dst_addr == Addr::from(frontend)
+                && k.src_port == 40060u16.to_be()
+        };
+        let marked = rig.conntrack().mark_where_in([true, true], proxy_common::ct::ENDPOINT_DEAD, dead).unwrap();
+        assert_eq!(marked, 1, "{frontend}: the client's entry");
+        let resets = rig.counter(counter::TC_DEAD_FLOW_RESET);
+        let data = Pkt { seq: 1001, ack: 7001, ..ack };
+        let (verdict, out) = rig.ingress(&data.bytes_with_macs([1; 6], [2; 6]));
+        assert_eq!(verdict, TC_ACT_REDIRECT, "{frontend}: back out of the interface");
+        let rst =
+            Pkt { src: frontend, sport: port, dst: client, dport: 40060, tcp_flags: TCP_RST, seq: 7001, ack: 0, ..syn };
+        assert_eq!(out, rst.bytes_with_macs([2; 6], [1; 6]), "{frontend}: a RST at the client's acknowledgement");
+        assert_eq!(rig.counter(counter::TC_DEAD_FLOW_RESET) - resets, 1);
+        let of_flow = |(k, v): &(CtKey, CtValue)| {
+            (k.src_addr == Addr::from(client) && k.src_port == 40060u16.to_be())
+                || (v.dst_addr == Addr::from(client) && v.dst_port == 40060u16.to_be())
+        };
+        assert!(!rig.flows().iter().any(of_flow), "{frontend}: the flow is forgotten");
+    }
+    // A SYN on the tuple of a marked flow: a new connection to the service.
+    let syn = tcp(CLIENT, 40061, CLUSTER_IP, 80);
+    rig.ingress(&syn.bytes());
+    let of_client = |k: &CtKey, v: &CtValue| v.flags & proxy_common::ct::REPLY == 0 && k.src_port == 40061u16.to_be();
+    assert_eq!(rig.conntrack().mark_where_in([true, false], proxy_common::ct::ENDPOINT_DEAD, of_client).unwrap(), 1);
+    let (verdict, out) = rig.ingress(&syn.bytes());
+    assert_eq!((verdict, out), (TC_ACT_OK, Pkt { dst: POD.into(), dport: 8080, ..syn }.bytes()));
+}
+
+fn ip_src_of(packet: &[u8]) -> IpAddr {
+    if packet[12..14] == [0x86, 0xdd] {
+        IpAddr::from(<[u8; 16]>::try_from(&packet[22..38]).unwrap())
+    } else {
+        IpAddr::from([packet[26], packet[27], packet[28], packet[29]])
     }
 }
 

@@ -15,7 +15,7 @@ use super::{
     rewrite::rewrite,
     route::{ROUTE_CACHED, ROUTE_LOOK_UP, redirect_by, route_hint},
     scratch::{FlowScratch, scratch},
-    verdict::{NO_FLOW, PASS},
+    verdict::{END_FLOW, NO_FLOW, PASS},
 };
 use crate::{
     family::Family,
@@ -114,7 +114,7 @@ fn table_flow<'a, F: Family>(
         forget(key, entry, t.proto);
         return Err(NO_FLOW);
     }
-    if ingress && syn && (ct::closed(entry.flags) || stale(ctx, t, entry)) {
+    if ingress && syn && (ct::closed(entry.flags) || entry.flags & ct::ENDPOINT_DEAD != 0 || stale(ctx, t, entry)) {
         // A new connection reusing the 5-tuple of a closed flow, or of one whose endpoint
         // is gone: balanced anew (conntrack does the same for a SYN after TIME_WAIT). When
         // the new pick is the old flow's translation, as it is while the service is
@@ -131,6 +131,12 @@ fn table_flow<'a, F: Family>(
         }
         forget(key, entry, t.proto);
         return Err(NO_FLOW);
+    }
+    if entry.flags & ct::ENDPOINT_DEAD != 0 && ingress {
+        // The agent found the flow's endpoint dead: the client is told now (a RST), not after
+        // minutes of retransmissions.
+        forget(key, entry, t.proto);
+        return Err(END_FLOW);
     }
     let seen = seen_bits(t.proto, entry, tcp_flags);
     if confirmed {

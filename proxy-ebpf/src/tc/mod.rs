@@ -8,6 +8,7 @@
 //!   route::martian_source (ingress)
 //!   1 parse::inspect ──── not ours ─────────▶ PASS
 //!   2 conntrack::translate_tracked ── a flow ──▶ rewrite ──▶ 6
+//!       ├── a flow whose endpoint died ──▶ reject::reset_flow (a RST to the client)
 //!       └── no flow, an ICMP error ── tail call ──▶ slow: 1, 2 again, then
 //!   3 icmp::icmp_error (an ICMP error about a flow) ──▶ rewrite
 //!   4 nat::pick_backend: frontend, source ranges, affinity, the backend (none: reject::*)
@@ -62,10 +63,10 @@ use self::{
     icmp::{icmp_error, too_big},
     nat::{create_flow_subprogram, pick_backend_subprogram},
     parse::{Tuple, came_through_ingress, eth_type, flow_flags, inspect, l3_protocol, vlan_tagged},
-    reject::{reject_port_unreachable, reject_tcp},
+    reject::{reject_port_unreachable, reject_tcp, reset_flow},
     route::{ROUTE_LOOK_UP, ROUTE_MAY_KEEP, forward_direct, martian_source},
     scratch::scratch,
-    verdict::{A_FLOW, AN_ICMP_ERROR, NO_FLOW, OPEN, PASS, REJECT, TOO_BIG},
+    verdict::{A_FLOW, AN_ICMP_ERROR, END_FLOW, NO_FLOW, OPEN, PASS, REJECT, TOO_BIG},
 };
 use crate::{
     family::{Family, V4, V6},
@@ -166,6 +167,8 @@ fn fast_path<F: Family>(ctx: &TcContext, ingress: bool) -> i32 {
     let mut t = MaybeUninit::<Tuple>::uninit();
     match parse_and_track::<F>(ctx, &mut t, ingress) {
         NO_FLOW | AN_ICMP_ERROR => tail_call_slow_path::<F>(ctx, ingress),
+        // SAFETY: `parse_and_track` wrote the tuple (a flow was found).
+        END_FLOW => reset_flow::<F>(ctx, unsafe { t.assume_init_ref() }),
         verdict => verdict,
     }
 }
@@ -234,6 +237,8 @@ fn slow_path<F: Family>(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     match parse_and_track_subprogram::<F>(ctx, &mut t, ingress) {
         NO_FLOW => {}
         AN_ICMP_ERROR => return Ok(icmp_error::<F>(ctx)),
+        // SAFETY: `parse_and_track` wrote the tuple (a flow was found).
+        END_FLOW => return Ok(reset_flow::<F>(ctx, unsafe { t.assume_init_ref() })),
         verdict => return Ok(verdict),
     }
     // SAFETY: `parse_and_track` wrote the tuple (NO_FLOW).

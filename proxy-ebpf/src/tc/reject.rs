@@ -26,29 +26,45 @@ use super::parse::Tuple;
 /// Subprograms (as the unreachable below): the BPF stack of the path that leads here is spent.
 #[inline(never)]
 pub(super) fn reject_tcp<F: Family>(ctx: &TcContext, t: &Tuple) -> i32 {
-    reset::<F>(ctx, t).unwrap_or(TC_ACT_SHOT)
+    count(counter::TC_REJECTED);
+    reset::<F>(ctx, t, false).unwrap_or(TC_ACT_SHOT)
 }
 
+/// A segment of a flow whose endpoint died (`ct::ENDPOINT_DEAD`, already forgotten): answered
+/// with a RST whose sequence number is the segment's acknowledgement (RFC 9293 3.10.7.1), the
+/// one sequence number the client accepts a RST at: its reads and writes fail with ECONNRESET.
+/// A segment without ACK (a SYN: refused, as a connection to nothing) or a RST is not answered.
+#[inline(never)]
+pub(super) fn reset_flow<F: Family>(ctx: &TcContext, t: &Tuple) -> i32 {
+    count(counter::TC_DEAD_FLOW_RESET);
+    reset::<F>(ctx, t, true).unwrap_or(TC_ACT_SHOT)
+}
+
+/// Answer the segment with a RST: to a SYN, RST+ACK (ECONNREFUSED); with `established`, to a
+/// segment with ACK, a RST at its acknowledgement number. Anything else is dropped.
 #[inline(always)]
-fn reset<F: Family>(ctx: &TcContext, t: &Tuple) -> Result<i32, ()> {
+fn reset<F: Family>(ctx: &TcContext, t: &Tuple, established: bool) -> Result<i32, ()> {
     let flags: u8 = ctx.load(F::L4_OFF + TCP_FLAGS).map_err(drop)?;
-    count(counter::TC_REJECTED);
-    if flags & TCP_SYN == 0 || flags & TCP_ACK != 0 {
+    let mut tcp = [0u8; 20];
+    if flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_SYN {
+        let seq: [u8; 4] = ctx.load(F::L4_OFF + 4).map_err(drop)?;
+        tcp[8..12].copy_from_slice(&u32::from_be_bytes(seq).wrapping_add(1).to_be_bytes());
+        tcp[13] = TCP_RST | TCP_ACK;
+    } else if established && flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_ACK {
+        let ack: [u8; 4] = ctx.load(F::L4_OFF + 8).map_err(drop)?;
+        tcp[4..8].copy_from_slice(&ack);
+        tcp[13] = TCP_RST;
+    } else {
         return Ok(TC_ACT_SHOT);
     }
-    let seq: [u8; 4] = ctx.load(F::L4_OFF + 4).map_err(drop)?;
-    let ack = u32::from_be_bytes(seq).wrapping_add(1).to_be_bytes();
     let macs = macs::<F>(ctx)?;
 
-    let mut tcp = [0u8; 20];
     let (sport, dport) = (t.dport.to_ne_bytes(), t.sport.to_ne_bytes());
     tcp[0] = sport[0];
     tcp[1] = sport[1];
     tcp[2] = dport[0];
     tcp[3] = dport[1];
-    tcp[8..12].copy_from_slice(&ack);
     tcp[12] = 5 << 4;
-    tcp[13] = TCP_RST | TCP_ACK;
     let pseudo = csum::fold32(pseudo_sum::<F>(&t.daddr, &t.saddr, IPPROTO_TCP, 20));
     let sum = unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, tcp.as_mut_ptr().cast(), 20, pseudo) };
     tcp[16..18].copy_from_slice(&fold(sum).to_ne_bytes());

@@ -24,3 +24,7 @@ pub(super) const REJECT: i32 = i32::MIN + 4;
 /// `forward_direct`: too big for the link its route leaves by; the lookup's answer (in the
 /// scratch area) holds the link's MTU.
 pub(super) const TOO_BIG: i32 = i32::MIN + 5;
+
+/// `translate_tracked`: a packet of a flow whose endpoint died (`ct::ENDPOINT_DEAD`), which is
+/// forgotten: the client is answered with a RST (`reject::reset_flow`).
+pub(super) const END_FLOW: i32 = i32::MIN + 6;

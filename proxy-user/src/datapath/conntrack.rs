@@ -172,6 +172,32 @@ impl Conntrack {
         walked.map(|()| (left, removed))
     }
 
+    /// Add `bits` to the flags of the entries `marked` picks (keys of either family, IPv4
+    /// mapped), in the tables of the families `[IPv4, IPv6]` says: how many were marked. Every
+    /// CPU's flow cache stops serving its copies, so the programs see the bits at the flow's
+    /// next packet.
+    pub fn mark_where_in(
+        &mut self,
+        families: [bool; 2],
+        bits: u32,
+        marked: impl Fn(&CtKey, &CtValue) -> bool,
+    ) -> Result<usize> {
+        let mut done = 0;
+        let walked = (|| -> Result<()> {
+            for table in self.v4.iter_mut().filter(|_| families[0]) {
+                done += mark_where(table, bits, &marked)?;
+            }
+            for table in self.v6.iter_mut().filter(|_| families[1]) {
+                done += mark_where(table, bits, &marked)?;
+            }
+            Ok(())
+        })();
+        if done > 0 || walked.is_err() {
+            self.changed()?;
+        }
+        walked.map(|()| done)
+    }
+
     /// Entries were removed or rewritten from userspace: the programs' flow caches (copies of
     /// entries, per CPU) stop serving, as the word they check gets a value it never had: the
     /// clock in ns (`proxy_common::ct_generation` says why a new value, not a count).
@@ -220,6 +246,34 @@ where
         }
     }
     Ok((left, removed))
+}
+
+/// [`Conntrack::mark_where_in`] in one table. Each entry is read again just before it is
+/// written (`BPF_EXIST`: an entry the programs removed meanwhile is not brought back); a
+/// refresh of its time the programs made in between may be lost, which only shortens its idle
+/// time by less than a second.
+fn mark_where<A: FlowAddr>(table: &mut Table<A>, bits: u32, marked: &impl Fn(&CtKey, &CtValue) -> bool) -> Result<usize>
+where
+    CtKey<A>: aya::Pod,
+{
+    /// `bpf_map_update_elem`'s flag: only an entry that exists.
+    const BPF_EXIST: u64 = 2;
+    let keys: Vec<CtKey<A>> =
+        read_all_of(table).into_iter().filter(|(k, v)| marked(&k.wide(), v)).map(|(k, _)| k).collect();
+    let mut done = 0;
+    for key in keys {
+        let Ok(value) = table.get(&key, 0) else { continue };
+        if !marked(&key.wide(), &value) {
+            continue;
+        }
+        let value = CtValue { flags: value.flags | bits, ..value };
+        match table.insert(&key, &value, BPF_EXIST) {
+            Ok(()) => done += 1,
+            Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(done)
 }
 
 /// CLOCK_MONOTONIC in nanoseconds: `bpf_ktime_get_ns()`'s clock.

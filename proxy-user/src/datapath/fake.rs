@@ -135,7 +135,7 @@ impl Maps for FakeMaps {
         Ok(())
     }
 
-    fn flush_flows(&mut self, flushes: &[super::UdpFlush]) -> Result<usize> {
+    fn flush_flows(&mut self, flushes: &[super::FlowFlush]) -> Result<usize> {
         self.flushed.extend(
             flushes.iter().map(|f| (f.service_id, f.gone.iter().map(|(a, p)| (*a, u16::from_be(*p))).collect())),
         );

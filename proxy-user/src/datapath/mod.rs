@@ -57,25 +57,35 @@ pub trait Maps: Send {
     fn source_ranges(&self) -> Result<Vec<(u32, Cidr)>>;
     fn add_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()>;
     fn remove_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()>;
-    /// Forget the UDP flows of each flush's service that go to any of its `gone` endpoints
-    /// (address and port, as kube-proxy matches the reply's source), in one walk of
-    /// each table: per-packet conntrack entries (both directions), the sockets the socket path
-    /// connected to them (aborted), and the endpoints unconnected sockets keep for the
-    /// service's frontends (their next datagram picks again); returns how many went.
-    fn flush_flows(&mut self, flushes: &[UdpFlush]) -> Result<usize>;
+    /// End the flows of each flush's service that go to any of its `gone` endpoints (address
+    /// and port, as kube-proxy matches the reply's source), in one walk of each table. UDP:
+    /// per-packet conntrack entries (both directions) forgotten, the sockets the socket path
+    /// connected to them aborted, and the endpoints unconnected sockets keep for the service's
+    /// frontends forgotten (their next datagram picks again). TCP: per-packet flows marked so
+    /// that the client's next segment is answered with a RST, sockets aborted. Returns how
+    /// many flows were ended.
+    fn flush_flows(&mut self, flushes: &[FlowFlush]) -> Result<usize>;
 }
 
-/// The UDP flows of one service port to flush: to `gone` endpoints, through any of `frontends`
+/// The flows of one service port to end: to `gone` endpoints, through any of `frontends`
 /// (address and port as the maps have them, the port in network byte order; an unspecified
-/// frontend address is a NodePort's).
+/// frontend address is a NodePort's). `proto`: the service port's (UDP, or TCP with
+/// `--abort-dead-tcp`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct UdpFlush {
+pub struct FlowFlush {
     pub service_id: u32,
+    pub proto: u8,
     pub frontends: BTreeSet<(Addr, u16)>,
     pub gone: BTreeSet<(Addr, u16)>,
 }
 
-/// A backend as [`UdpFlush::gone`] names it.
+/// Are this port's flows ended when their endpoint may no longer have them? UDP's always
+/// (kube-proxy's conntrack cleanup), TCP's with `--abort-dead-tcp`.
+fn ends_flows(key: &ServiceKey, want: &DesiredPort) -> bool {
+    key.proto == IPPROTO_UDP || want.alive.is_some()
+}
+
+/// A backend as [`FlowFlush::gone`] names it.
 fn endpoint_of(b: &Backend) -> (Addr, u16) {
     (b.addr, b.port)
 }
@@ -181,11 +191,12 @@ pub struct Programmer {
     capacity: Capacity,
     /// Service ports whose last write failed (logged once, not on every retry).
     failing: BTreeSet<ServiceKey>,
-    /// UDP service ports: the endpoint addresses their flows may still go to (every backend
-    /// and serving endpoint since the flows were last flushed).
-    udp_reach: BTreeMap<ServiceKey, BTreeSet<(Addr, u16)>>,
-    /// UDP flushes queued in this `apply`, by service id (done once, at its end).
-    udp_flushes: BTreeMap<u32, UdpFlush>,
+    /// UDP service ports, and TCP ones with `--abort-dead-tcp`: the endpoint addresses their
+    /// flows may still go to (every backend and serving or live endpoint since the flows were
+    /// last ended).
+    reach: BTreeMap<ServiceKey, BTreeSet<(Addr, u16)>>,
+    /// Flushes queued in this `apply`, by service id (done once, at its end).
+    flushes: BTreeMap<u32, FlowFlush>,
     /// Entries the loadBalancerSourceRanges map holds at most.
     source_range_capacity: u32,
 }
@@ -231,8 +242,8 @@ impl Programmer {
             next_id,
             capacity,
             failing: BTreeSet::new(),
-            udp_reach: BTreeMap::new(),
-            udp_flushes: BTreeMap::new(),
+            reach: BTreeMap::new(),
+            flushes: BTreeMap::new(),
             source_range_capacity: maps.source_range_capacity(),
         })
     }
@@ -247,7 +258,7 @@ impl Programmer {
     pub fn carry_over(&mut self, previous: &Programmer) {
         self.slots.carry_quarantine(&previous.slots);
         self.failing.clone_from(&previous.failing);
-        self.udp_reach.clone_from(&previous.udp_reach);
+        self.reach.clone_from(&previous.reach);
     }
 
     /// Some service ports could not be written at the last apply.
@@ -311,9 +322,13 @@ impl Programmer {
                     if let Err(e) = maps.remove_source_ranges(old.value.service_id, &old.source_ranges) {
                         tracing::warn!(service = %display_key(&key), "failed to remove source ranges: {e:#}");
                     }
-                    let to: Vec<(Addr, u16)> = old.backends.iter().map(endpoint_of).collect();
-                    self.queue_udp_flush(&key, old.value.service_id, &to);
-                    self.udp_reach.remove(&key);
+                    // A removed UDP port's flows go as its endpoints' would; a TCP port's stay
+                    // (their endpoints did not die).
+                    if key.proto == IPPROTO_UDP {
+                        let to: Vec<(Addr, u16)> = old.backends.iter().map(endpoint_of).collect();
+                        self.queue_flush(&key, old.value.service_id, &to);
+                    }
+                    self.reach.remove(&key);
                     self.used_ids.remove(&old.value.service_id);
                     self.release_range(&old.value, &ServiceValue { backends_count: 0, ..old.value });
                     report.removed += 1;
@@ -382,7 +397,7 @@ impl Programmer {
             pending.iter().flat_map(|p| (p.value.backends_start..).zip(p.backends.iter().copied())).collect();
         if pending.is_empty() {
             // Which endpoints serve may have changed all the same.
-            self.flush_unserved_udp(desired, maps);
+            self.end_flows_off_endpoints(desired, maps);
             return report;
         }
 
@@ -411,9 +426,9 @@ impl Programmer {
                 if let Some(old) = p.old {
                     self.release_range(&old, &p.value);
                     report.updated += 1;
-                    // Flows may still go to what it had: `flush_unserved_udp` decides.
-                    if let Some(before) = self.programmed.get(&p.key).filter(|_| p.key.proto == IPPROTO_UDP) {
-                        self.udp_reach.entry(p.key).or_default().extend(before.backends.iter().map(endpoint_of));
+                    // Flows may still go to what it had: `end_flows_off_endpoints` decides.
+                    if let Some(before) = self.programmed.get(&p.key).filter(|_| ends_flows(&p.key, &desired[&p.key])) {
+                        self.reach.entry(p.key).or_default().extend(before.backends.iter().map(endpoint_of));
                     }
                 } else {
                     report.added += 1;
@@ -435,46 +450,56 @@ impl Programmer {
                 self.note_failure(&p.key, want, &anyhow::anyhow!("the map write failed"));
             }
         }
-        self.flush_unserved_udp(desired, maps);
+        self.end_flows_off_endpoints(desired, maps);
         report
     }
 
-    /// kube-proxy's conntrack cleanup (1.31+): a UDP flow goes on to its endpoint for as long
+    /// Flows whose endpoint they may no longer go to are ended.
+    ///
+    /// UDP, kube-proxy's conntrack cleanup (1.31+): a flow goes on to its endpoint for as long
     /// as that endpoint serves, picked for new flows or not (traffic policies, topology and
     /// termination do not move flows); flows to an address that no longer serves are flushed,
     /// so that their next datagram picks a live endpoint; while nothing serves, flows are left
     /// as they are.
-    fn flush_unserved_udp(&mut self, desired: &Desired, maps: &mut dyn Maps) {
-        self.udp_reach.retain(|key, _| desired.contains_key(key));
+    ///
+    /// TCP with `--abort-dead-tcp` (kube-proxy leaves TCP flows alone): flows to an endpoint
+    /// that died (`DesiredPort::alive`) are ended, even when no endpoint is left.
+    fn end_flows_off_endpoints(&mut self, desired: &Desired, maps: &mut dyn Maps) {
+        self.reach.retain(|key, _| desired.get(key).is_some_and(|d| ends_flows(key, d)));
         let mut pending = Vec::new();
-        for (key, want) in desired.iter().filter(|(key, _)| key.proto == IPPROTO_UDP) {
+        for (key, want) in desired.iter().filter(|(key, want)| ends_flows(key, want)) {
             let Some(programmed) = self.programmed.get(key) else { continue };
-            let reach = self.udp_reach.entry(*key).or_default();
+            let reach = self.reach.entry(*key).or_default();
             reach.extend(programmed.backends.iter().map(endpoint_of));
-            if want.serving.is_empty() {
-                continue;
-            }
-            let serving: BTreeSet<(Addr, u16)> =
-                want.serving.iter().map(|e| (Addr::from(e.ip()), e.port().to_be())).collect();
-            let gone: Vec<(Addr, u16)> = reach.difference(&serving).copied().collect();
+            let stay_on = match &want.alive {
+                Some(alive) => alive,
+                None if want.serving.is_empty() => continue,
+                None => &want.serving,
+            };
+            let stay_on: BTreeSet<(Addr, u16)> =
+                stay_on.iter().map(|e| (Addr::from(e.ip()), e.port().to_be())).collect();
+            let gone: Vec<(Addr, u16)> = reach.difference(&stay_on).copied().collect();
             if !gone.is_empty() {
                 pending.push((*key, programmed.value.service_id, gone));
-                reach.retain(|addr| serving.contains(addr));
+                reach.retain(|addr| stay_on.contains(addr));
             }
         }
         for (key, service_id, gone) in pending {
-            self.queue_udp_flush(&key, service_id, &gone);
+            self.queue_flush(&key, service_id, &gone);
         }
-        self.flush_queued_udp(maps);
+        self.flush_queued(maps);
     }
 
-    /// Flush later in this `apply` (all at once: each flush walks the conntrack tables).
-    fn queue_udp_flush(&mut self, key: &ServiceKey, service_id: u32, to: &[(Addr, u16)]) {
-        if key.proto != IPPROTO_UDP || to.is_empty() {
+    /// End later in this `apply` (all at once: each flush walks the conntrack tables).
+    fn queue_flush(&mut self, key: &ServiceKey, service_id: u32, to: &[(Addr, u16)]) {
+        if to.is_empty() {
             return;
         }
-        let flush =
-            self.udp_flushes.entry(service_id).or_insert_with(|| UdpFlush { service_id, ..UdpFlush::default() });
+        let flush = self.flushes.entry(service_id).or_insert_with(|| FlowFlush {
+            service_id,
+            proto: key.proto,
+            ..FlowFlush::default()
+        });
         flush.frontends.insert((key.addr, key.port));
         flush.gone.extend(to.iter().copied());
     }
@@ -482,21 +507,27 @@ impl Programmer {
     /// UDP has no connection end: as kube-proxy deletes the conntrack entries of UDP flows whose
     /// endpoint went away, so the next datagram of such a flow picks a live backend (a connected
     /// socket of the socket path is aborted: connecting again picks one). TCP flows keep their
-    /// endpoint until they end.
-    fn flush_queued_udp(&mut self, maps: &mut dyn Maps) {
-        if self.udp_flushes.is_empty() {
+    /// endpoint until they end, unless it died (`--abort-dead-tcp`).
+    fn flush_queued(&mut self, maps: &mut dyn Maps) {
+        if self.flushes.is_empty() {
             return;
         }
-        let flushes: Vec<UdpFlush> = std::mem::take(&mut self.udp_flushes).into_values().collect();
+        let flushes: Vec<FlowFlush> = std::mem::take(&mut self.flushes).into_values().collect();
+        let tcp = flushes.iter().any(|f| f.proto != IPPROTO_UDP);
         match maps.flush_flows(&flushes) {
             Ok(0) => {}
             Ok(n) => tracing::info!(
                 service_ports = flushes.len(),
                 endpoints = flushes.iter().map(|f| f.gone.len()).sum::<usize>(),
                 flows = n,
-                "flushed UDP flows of endpoints that stopped serving"
+                "{}",
+                if tcp {
+                    "ended flows of endpoints that stopped serving or died"
+                } else {
+                    "flushed UDP flows of endpoints that stopped serving"
+                }
             ),
-            Err(e) => tracing::warn!(service_ports = flushes.len(), "failed to flush UDP flows: {e:#}"),
+            Err(e) => tracing::warn!(service_ports = flushes.len(), "failed to end flows: {e:#}"),
         }
     }
 

@@ -1,7 +1,9 @@
-//! Connected UDP sockets the socket path pointed at an endpoint that left: aborted through
-//! sock_diag (`SOCK_DESTROY`, `CONFIG_INET_DIAG_DESTROY`), as kube-proxy deletes the conntrack
-//! entries of UDP flows whose endpoint went away. The application's next `recv()` fails with
-//! `ECONNABORTED` and the socket is unconnected; connecting again picks a live endpoint.
+//! Sockets the socket path connected to an endpoint that left: aborted through sock_diag
+//! (`SOCK_DESTROY`, `CONFIG_INET_DIAG_DESTROY`). UDP, as kube-proxy deletes the conntrack
+//! entries of UDP flows whose endpoint went away: the application's next `recv()` fails with
+//! `ECONNABORTED` and the socket is unconnected; connecting again picks a live endpoint. TCP
+//! (`--abort-dead-tcp`), an endpoint that died: the kernel fails the connection with
+//! `ECONNABORTED` (and sends the endpoint a RST) instead of retransmitting into the void.
 use std::{
     collections::BTreeSet,
     io,
@@ -57,9 +59,9 @@ struct Message {
     request: DiagRequest,
 }
 
-/// Abort the connected UDP sockets whose cookie is in `cookies` and whose peer is one of
-/// `backends`, in every network namespace of the node (pods' included); how many.
-pub fn abort_udp(cookies: &BTreeSet<u64>, to: &[Addr]) -> usize {
+/// Abort the connected sockets of `proto` (UDP or TCP) whose cookie is in `cookies` and whose
+/// peer is one of `to`, in every network namespace of the node (pods' included); how many.
+pub fn abort(proto: u8, cookies: &BTreeSet<u64>, to: &[Addr]) -> usize {
     let peers: BTreeSet<Addr> = to.iter().copied().collect();
     std::thread::scope(|s| {
         let workers: Vec<_> = namespaces()
@@ -67,7 +69,7 @@ pub fn abort_udp(cookies: &BTreeSet<u64>, to: &[Addr]) -> usize {
             .map(|path| {
                 let peers = &peers;
                 s.spawn(move || {
-                    let aborted = in_namespace(&path, || abort_in_this_namespace(cookies, peers));
+                    let aborted = in_namespace(&path, || abort_in_this_namespace(proto, cookies, peers));
                     aborted.unwrap_or_else(|e| {
                         let gone = e.chain().any(|c| {
                             c.downcast_ref::<io::Error>()
@@ -75,13 +77,13 @@ pub fn abort_udp(cookies: &BTreeSet<u64>, to: &[Addr]) -> usize {
                         });
                         if gone {
                             // A namespace whose processes just exited: nothing to abort there.
-                            tracing::debug!(netns = %path.display(), "UDP sockets not aborted: {e:#}");
+                            tracing::debug!(netns = %path.display(), "sockets not aborted: {e:#}");
                         } else {
                             // Most often no CAP_SYS_ADMIN (setns): such sockets keep sending to
                             // the endpoint until the application reconnects.
                             tracing::warn!(
                                 netns = %path.display(),
-                                "connected UDP sockets of endpoints that stopped serving not aborted: {e:#}"
+                                "connected sockets of endpoints that left not aborted: {e:#}"
                             );
                         }
                         0
@@ -93,13 +95,13 @@ pub fn abort_udp(cookies: &BTreeSet<u64>, to: &[Addr]) -> usize {
     })
 }
 
-fn abort_in_this_namespace(cookies: &BTreeSet<u64>, peers: &BTreeSet<Addr>) -> Result<usize> {
+fn abort_in_this_namespace(proto: u8, cookies: &BTreeSet<u64>, peers: &BTreeSet<Addr>) -> Result<usize> {
     let socket = netlink_socket()?;
     let mut doomed = Vec::new();
     // IPv6 sockets name IPv4 peers mapped, as the maps do.
     for family in [libc::AF_INET, libc::AF_INET6] {
         doomed.extend(
-            udp_sockets(&socket, family)?
+            sockets(&socket, proto, family)?
                 .into_iter()
                 .filter(|id| {
                     let cookie = u64::from(id.cookie[0]) | u64::from(id.cookie[1]) << 32;
@@ -111,9 +113,8 @@ fn abort_in_this_namespace(cookies: &BTreeSet<u64>, peers: &BTreeSet<Addr>) -> R
     }
     let mut aborted = 0;
     for (family, id) in doomed {
-        match request(&socket, SOCK_DESTROY, (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16, family, id)
-            .and_then(|()| ack(&socket))
-        {
+        let flags = (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16;
+        match request(&socket, SOCK_DESTROY, flags, proto, family, id).and_then(|()| ack(&socket)) {
             Ok(()) => aborted += 1,
             // Closed in the meantime.
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
@@ -133,7 +134,7 @@ fn netlink_socket() -> Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-fn request(socket: &OwnedFd, kind: u16, flags: u16, family: i32, id: SockId) -> io::Result<()> {
+fn request(socket: &OwnedFd, kind: u16, flags: u16, proto: u8, family: i32, id: SockId) -> io::Result<()> {
     let message = Message {
         header: libc::nlmsghdr {
             nlmsg_len: size_of::<Message>() as u32,
@@ -142,13 +143,7 @@ fn request(socket: &OwnedFd, kind: u16, flags: u16, family: i32, id: SockId) -> 
             nlmsg_seq: 1,
             nlmsg_pid: 0,
         },
-        request: DiagRequest {
-            family: family as u8,
-            protocol: libc::IPPROTO_UDP as u8,
-            states: u32::MAX,
-            id,
-            ..Default::default()
-        },
+        request: DiagRequest { family: family as u8, protocol: proto, states: u32::MAX, id, ..Default::default() },
     };
     // SAFETY: sends the bytes of a repr(C) value that lives across the call.
     let sent = unsafe { libc::send(socket.as_raw_fd(), (&message as *const Message).cast(), size_of::<Message>(), 0) };
@@ -195,10 +190,10 @@ fn ack(socket: &OwnedFd) -> io::Result<()> {
     }
 }
 
-/// Every UDP socket of `family` in this namespace.
-fn udp_sockets(socket: &OwnedFd, family: i32) -> Result<Vec<SockId>> {
-    request(socket, SOCK_DIAG_BY_FAMILY, (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16, family, SockId::default())
-        .context("sock_diag dump request")?;
+/// Every socket of `proto` and `family` in this namespace.
+fn sockets(socket: &OwnedFd, proto: u8, family: i32) -> Result<Vec<SockId>> {
+    let flags = (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16;
+    request(socket, SOCK_DIAG_BY_FAMILY, flags, proto, family, SockId::default()).context("sock_diag dump request")?;
     let mut buf = vec![0u8; 32 * 1024];
     let mut sockets = Vec::new();
     loop {

@@ -26,6 +26,7 @@ fn port(n: u8, backends: &[u8]) -> DesiredPort {
         source_ranges: vec![],
         affinity_timeout: 0,
         serving: vec![],
+        alive: None,
     }
 }
 
@@ -312,6 +313,45 @@ fn udp_flows_are_flushed_when_their_endpoint_stops_serving_tcp_flows_never() {
     // Deleting the UDP service flushes its flows.
     rebuilt.apply(&desired(&[(1, &[1])]), &mut maps);
     assert_eq!(maps.flushed[4..], [(id, vec![(addr(5), 8080)])], "deleting the UDP service flushes its flows");
+}
+
+/// `--abort-dead-tcp`: TCP flows end when their endpoint dies (leaves `alive`), not when it
+/// stops being picked or terminates; they end even when no endpoint is left; without the
+/// option (`alive` None) never.
+#[test]
+fn tcp_flows_end_when_their_endpoint_dies_and_only_with_the_option() {
+    let mut maps = FakeMaps::new(CAP);
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    let addr = |n: u8| Addr::from(endpoint_ip(n));
+    let web = |picked: &[u8], alive: &[u8]| {
+        let mut web = port(1, picked);
+        web.alive = Some(alive.iter().map(|n| std::net::SocketAddr::new(endpoint_ip(*n), 8080)).collect());
+        web
+    };
+    let mut d = desired(&[(2, &[1, 2])]);
+    d.insert(key(1), web(&[1, 2, 3], &[1, 2, 3]));
+    p.apply(&d, &mut maps);
+    let id = maps.services[&key(1)].service_id;
+    // 3 terminates (no longer picked, still alive): its flows go on; so do service 2's, which
+    // ends no flows, when it loses endpoint 2.
+    d.insert(key(1), web(&[1, 2], &[1, 2, 3]));
+    d.insert(key(2), port(2, &[1]));
+    p.apply(&d, &mut maps);
+    assert_eq!(maps.flushed, vec![], "a terminating endpoint keeps its TCP flows");
+    // 3 dies without a change to what is picked: its flows end.
+    d.insert(key(1), web(&[1, 2], &[1, 2]));
+    p.apply(&d, &mut maps);
+    assert_eq!(maps.flushed, vec![(id, vec![(addr(3), 8080)])]);
+    // The last two die at once: both end, though nothing is left.
+    d.insert(key(1), web(&[], &[]));
+    p.apply(&d, &mut maps);
+    assert_eq!(maps.flushed[1..], [(id, vec![(addr(1), 8080), (addr(2), 8080)])]);
+    // Deleting the TCP service ends nothing (its endpoints did not die).
+    d.insert(key(1), web(&[4], &[4]));
+    p.apply(&d, &mut maps);
+    d.remove(&key(1));
+    p.apply(&d, &mut maps);
+    assert_eq!(maps.flushed.len(), 2, "{:?}", maps.flushed);
 }
 
 /// Upstream's `CleanStaleEntries` (1.33+) matches an endpoint by address and port: a new

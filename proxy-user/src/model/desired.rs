@@ -45,6 +45,11 @@ pub struct DesiredPort {
     /// port): a flow keeps an endpoint that is no longer picked for new flows for as long as
     /// it serves, and a new targetPort moves flows off the old one.
     pub serving: Vec<SocketAddr>,
+    /// TCP with `--abort-dead-tcp` only (None otherwise): the port's endpoints that are not
+    /// dead, sorted. Dead: gone from the slices (its pod is gone), or on a Node that is not
+    /// Ready unless serving while terminating (a graceful drain). TCP flows to any other
+    /// endpoint are ended (sockets aborted, per-packet flows reset), even when none is left.
+    pub alive: Option<Vec<SocketAddr>>,
 }
 
 pub type Desired = BTreeMap<ServiceKey, DesiredPort>;
@@ -127,7 +132,12 @@ pub fn service_entries<'a>(
             } else {
                 Vec::new()
             };
-            family_entries(sp, family, &cat, &serving, node, options, ranges, &mut out);
+            let alive = (sp.protocol == Protocol::Tcp && options.abort_dead_tcp).then(|| {
+                let alive = endpoints.iter().filter(|e| !e.on_down_node || (e.serving && e.terminating));
+                alive.map(|e| SocketAddr::new(e.ip, e.port)).collect::<BTreeSet<_>>().into_iter().collect::<Vec<_>>()
+            });
+            let flows = Flows { serving: &serving, alive: alive.as_deref() };
+            family_entries(sp, family, &cat, flows, node, options, ranges, &mut out);
         }
     }
     // A refused service range: every other port of its ClusterIPs is rejected, whatever the
@@ -144,11 +154,19 @@ pub fn service_entries<'a>(
                 source_ranges: Vec::new(),
                 affinity_timeout: 0,
                 serving: Vec::new(),
+                alive: None,
             };
             out.push((key, port));
         }
     }
     Ok(out)
+}
+
+/// A service port's [`DesiredPort::serving`] and [`DesiredPort::alive`].
+#[derive(Clone, Copy)]
+struct Flows<'a> {
+    serving: &'a [SocketAddr],
+    alive: Option<&'a [SocketAddr]>,
 }
 
 /// The entries of one service port in one family's proxier.
@@ -157,7 +175,7 @@ fn family_entries(
     sp: &ServicePort,
     family: IpFamily,
     cat: &endpoints::Categorized,
-    serving: &[SocketAddr],
+    flows: Flows,
     node: &NodeInfo,
     options: &ProxyOptions,
     all_ranges: &[Cidr],
@@ -199,7 +217,8 @@ fn family_entries(
                     flags,
                     source_ranges,
                     affinity_timeout: sp.session_affinity_timeout.unwrap_or(0),
-                    serving: serving.to_vec(),
+                    serving: flows.serving.to_vec(),
+                    alive: flows.alive.map(<[SocketAddr]>::to_vec),
                 },
             ));
         }

@@ -152,6 +152,7 @@ pub fn endpoints_by_port<'a>(
                     serving: ep.serving,
                     terminating: ep.terminating,
                     is_local: ep.node_name.as_deref().is_some_and(|n| n == node.name),
+                    on_down_node: ep.node_name.as_deref().is_some_and(|n| node.down_nodes.contains(n)),
                     zone_hints: ep.zone_hints.clone(),
                     node_hints: ep.node_hints.clone(),
                 };
@@ -276,6 +277,7 @@ mod tests {
             serving,
             terminating,
             is_local: local,
+            on_down_node: false,
             zone_hints: None,
             node_hints: None,
         }

@@ -138,6 +138,8 @@ pub struct Endpoint {
     pub terminating: bool,
     /// `nodeName` equals this node.
     pub is_local: bool,
+    /// `nodeName` is one of [`NodeInfo::down_nodes`].
+    pub on_down_node: bool,
     /// Topology hints; `None` when the slice carries no hints of that kind.
     pub zone_hints: Option<Vec<String>>,
     pub node_hints: Option<Vec<String>>,
@@ -159,6 +161,9 @@ pub struct NodeInfo {
     /// NodeCIDR without a CIDR of that family): kube-proxy's proxier of that family runs the
     /// no-op detector.
     pub undetected_families: Vec<IpFamily>,
+    /// The cluster's Nodes whose Ready condition is not True (watched with `--abort-dead-tcp`
+    /// only): TCP flows to their endpoints are ended.
+    pub down_nodes: std::collections::BTreeSet<String>,
 }
 
 /// The parts of kube-proxy's configuration that shape the datapath entries.
@@ -183,6 +188,9 @@ pub struct ProxyOptions {
     /// kube-proxy beside it. None: kube-proxy's rule (no such label). Lives as long as the
     /// process (it comes from the command line).
     pub service_proxy_name: Option<&'static str>,
+    /// `--abort-dead-tcp`: TCP flows to an endpoint that died are ended (see
+    /// [`DesiredPort::alive`](desired::DesiredPort)); off, they are left as kube-proxy leaves them.
+    pub abort_dead_tcp: bool,
 }
 
 /// An IP family. kube-proxy runs one proxier per family, and each sees a Service only through

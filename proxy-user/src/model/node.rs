@@ -83,6 +83,14 @@ impl NodeObject {
     }
 }
 
+/// A Node whose `Ready` condition is there and not `True` (`False`: the kubelet says so;
+/// `Unknown`: the node lifecycle controller stopped hearing from it): its endpoints are dead
+/// for `--abort-dead-tcp`. A Node without the condition (just registered) is not down.
+pub fn node_is_down(node: &Node) -> bool {
+    let conditions = node.status.as_ref().and_then(|s| s.conditions.as_ref());
+    conditions.into_iter().flatten().any(|c| c.type_ == "Ready" && c.status != "True")
+}
+
 /// kube-proxy's local-traffic detector (`detectLocalMode` and its input).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum DetectLocal {
@@ -354,6 +362,7 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
         addresses,
         service_cidrs: Vec::new(),
         undetected_families,
+        down_nodes: Default::default(),
     };
     NodePlan {
         node_addrs,

@@ -115,9 +115,28 @@ pub async fn run(
         SourceEvent::Namespaces,
         no_permission(),
     );
+    // Only ending TCP flows to dead endpoints needs every Node (their readiness).
+    let (nodes_api, nodes_tx) = (Api::all(client.clone()), tx.clone());
+    let down_nodes = async move {
+        if !options.abort_dead_tcp {
+            return Ok(());
+        }
+        watch_snapshot::<Node, ()>(
+            nodes_api,
+            watcher::Config::default().any_semantic(),
+            nodes_tx,
+            |node| crate::model::node::node_is_down(node).then(|| (node.name_any(), ())),
+            |down| SourceEvent::DownNodes(down.into_keys().collect()),
+            Unavailable {
+                when: forbidden,
+                why: "no permission to watch Nodes: TCP flows to endpoints on a NotReady node are not ended",
+            },
+        )
+        .await
+    };
     let node = watch_node(Api::all(client.clone()), node_name, tx.clone());
     let cidrs = async { if service_cidrs { watch_service_cidrs(Api::all(client), tx).await } else { Ok(()) } };
-    tokio::try_join!(services, slices, node, cidrs, pods, namespaces)?;
+    tokio::try_join!(services, slices, node, cidrs, pods, namespaces, down_nodes)?;
     Ok(())
 }
 

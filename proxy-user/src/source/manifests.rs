@@ -177,6 +177,12 @@ pub async fn run(dir: PathBuf, node_name: String, tx: mpsc::Sender<SourceEvent>)
                     service_cidrs: super::service_cidrs(&loaded.service_cidrs),
                     pods: loaded.pods.iter().filter(on_node).filter_map(PodFacts::from_pod).collect(),
                     namespaces: loaded.namespaces.iter().filter_map(socket_lb::namespace_setting).collect(),
+                    down_nodes: loaded
+                        .nodes
+                        .iter()
+                        .filter(|n| crate::model::node::node_is_down(n))
+                        .filter_map(|n| n.metadata.name.clone())
+                        .collect(),
                     services: loaded.services,
                     slices: loaded.slices,
                 };

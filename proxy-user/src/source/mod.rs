@@ -12,7 +12,7 @@ pub mod kube;
 pub mod kube_proxy_rules;
 pub mod manifests;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
@@ -58,6 +58,8 @@ pub enum SourceEvent {
         service_cidrs: Vec<Cidr>,
         pods: Vec<PodFacts>,
         namespaces: BTreeMap<String, String>,
+        /// The Nodes among the manifests that are not Ready.
+        down_nodes: BTreeSet<String>,
     },
     /// This node's Pods, all of them (what the socket path's opt-out needs of them).
     Pods(Vec<PodFacts>),
@@ -67,6 +69,8 @@ pub enum SourceEvent {
     ServiceCidrs(Vec<Cidr>),
     /// This node's `v1/Node` (None: absent or deleted).
     Node(Option<NodeObject>),
+    /// The cluster's Nodes that are not Ready, all of them (`--abort-dead-tcp` only).
+    DownNodes(BTreeSet<String>),
     /// The node's links and addresses, all of them.
     Host(Vec<HostLink>),
 }

@@ -13,15 +13,15 @@ use aya::{
     maps::{Array, HashMap, IterableMap as _, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Key as LpmKey},
 };
 use proxy_common::{
-    Addr, Backend, CidrKey, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRange, counter, defaults,
-    map_names,
+    Addr, Backend, CidrKey, IPPROTO_TCP, IPPROTO_UDP, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
+    SourceRange, counter, ct, defaults, map_names,
 };
 
 use super::{
     batch::{batch_unsupported, read_all_of, update_batch},
     pins::open_pinned_map,
 };
-use crate::datapath::{BatchError, Capacity, Maps, conntrack::Conntrack};
+use crate::datapath::{BatchError, Capacity, FlowFlush, Maps, conntrack::Conntrack};
 use crate::model::cidr::Cidr;
 
 /// Set the address filter's bits of `addrs`, a word at a time: read, OR, write what changed. Bits are never cleared
@@ -186,41 +186,65 @@ impl Maps for BpfMaps {
         Ok(())
     }
 
-    fn flush_flows(&mut self, flushes: &[crate::datapath::UdpFlush]) -> Result<usize> {
-        let by_service: std::collections::HashMap<u32, &crate::datapath::UdpFlush> =
+    fn flush_flows(&mut self, flushes: &[FlowFlush]) -> Result<usize> {
+        let by_service: std::collections::HashMap<u32, &FlowFlush> =
             flushes.iter().map(|f| (f.service_id, f)).collect();
         let goes_to = |service_id: u32, addr: Addr, port: u16| {
             by_service.get(&service_id).is_some_and(|f| f.gone.contains(&(addr, port)))
         };
-        let gone: Vec<Addr> = flushes.iter().flat_map(|f| f.gone.iter().map(|(addr, _)| *addr)).collect();
-        let families = [gone.iter().any(Addr::is_v4), gone.iter().any(|a| !a.is_v4())];
-        // A flow's forward entry holds the endpoint it was translated to, its reply entry is
-        // keyed by it.
-        let (_, flushed) = self.conntrack.remove_where_in(families, |k, v| {
-            goes_to(v.service_id, v.dst_addr, v.dst_port) || goes_to(v.service_id, k.src_addr, k.src_port)
-        })?;
-        // The socket path's flows: sockets it connected to these backends through these services.
-        let cookies: BTreeSet<u64> = read_all_of(&self.sock_revnat)
-            .into_iter()
-            .filter(|(k, v)| goes_to(v.service_id, k.addr, k.port))
-            .map(|(k, _)| k.cookie)
-            .collect();
-        let aborted = if cookies.is_empty() { 0 } else { crate::datapath::sockets::abort_udp(&cookies, &gone) };
+        let mut ended = 0;
+        for proto in [IPPROTO_UDP, IPPROTO_TCP] {
+            let of_proto: Vec<&FlowFlush> = flushes.iter().filter(|f| f.proto == proto).collect();
+            if of_proto.is_empty() {
+                continue;
+            }
+            let gone: Vec<Addr> = of_proto.iter().flat_map(|f| f.gone.iter().map(|(addr, _)| *addr)).collect();
+            let families = [gone.iter().any(Addr::is_v4), gone.iter().any(|a| !a.is_v4())];
+            ended += if proto == IPPROTO_UDP {
+                // A flow's forward entry holds the endpoint it was translated to, its reply
+                // entry is keyed by it.
+                let (_, flushed) = self.conntrack.remove_where_in(families, |k, v| {
+                    k.proto == proto
+                        && (goes_to(v.service_id, v.dst_addr, v.dst_port)
+                            || goes_to(v.service_id, k.src_addr, k.src_port))
+                })?;
+                flushed
+            } else {
+                // The client's entry is marked: its next segment is answered with a RST.
+                self.conntrack.mark_where_in(families, ct::ENDPOINT_DEAD, |k, v| {
+                    k.proto == proto && v.flags & ct::REPLY == 0 && goes_to(v.service_id, v.dst_addr, v.dst_port)
+                })?
+            };
+            // The socket path's flows: sockets it connected to these backends through these
+            // services.
+            let cookies: BTreeSet<u64> = read_all_of(&self.sock_revnat)
+                .into_iter()
+                .filter(|(k, v)| goes_to(v.service_id, k.addr, k.port))
+                .map(|(k, _)| k.cookie)
+                .collect();
+            if !cookies.is_empty() {
+                ended += crate::datapath::sockets::abort(proto, &cookies, &gone);
+            }
+        }
         // Unconnected sockets keep the endpoint they picked for a frontend (`KPR_SOCK_PICKS`):
         // forgotten, so that their next datagram picks again (the programs can tell a gone
         // endpoint themselves only in a service of at most 64).
-        let through = |k: &SockRevNatKey, f: &crate::datapath::UdpFlush| {
+        let through = |k: &SockRevNatKey, f: &FlowFlush| {
             f.frontends
                 .iter()
                 .any(|(addr, port)| *port == k.port && (*addr == k.addr || *addr == addr.unspecified_like()))
         };
+        let udp: Vec<&FlowFlush> = flushes.iter().filter(|f| f.proto == IPPROTO_UDP).collect();
+        if udp.is_empty() {
+            return Ok(ended);
+        }
         let picks: Vec<SockRevNatKey> = read_all_of(&self.sock_picks)
             .into_iter()
-            .filter(|(k, b)| flushes.iter().any(|f| f.gone.contains(&(b.addr, b.port)) && through(k, f)))
+            .filter(|(k, b)| udp.iter().any(|f| f.gone.contains(&(b.addr, b.port)) && through(k, f)))
             .map(|(k, _)| k)
             .collect();
         let forgotten = picks.iter().filter(|k| self.sock_picks.remove(k).is_ok()).count();
-        Ok(flushed + aborted + forgotten)
+        Ok(ended + forgotten)
     }
 
     fn remove_service(&mut self, key: &ServiceKey) -> Result<()> {

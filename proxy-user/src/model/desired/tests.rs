@@ -305,3 +305,34 @@ fn host_external_ips_local_leaves_the_nodes_connections_to_other_machines_alone(
     assert!(has("192.0.2.8", 6443, SCOPE_NODE), "the node's own address: translated");
     assert!(has("10.96.0.10", 6443, SCOPE_NODE) && has("0.0.0.0", 30443, SCOPE_NODE));
 }
+
+/// `--abort-dead-tcp`: a TCP port's live endpoints are all but those on a Node that is not
+/// Ready, unless serving while terminating (a graceful drain); an unready endpoint on a Ready
+/// node (a failing readiness probe) is alive. UDP ports and the option off: none.
+#[test]
+fn tcp_endpoints_on_a_down_node_are_dead_unless_draining() {
+    let eps = "{addresses: [10.0.0.1], nodeName: up}, \
+        {addresses: [10.0.0.2], nodeName: down, conditions: {ready: false, serving: false, terminating: false}}, \
+        {addresses: [10.0.0.3], nodeName: down, conditions: {ready: false, serving: true, terminating: true}}, \
+        {addresses: [10.0.0.4], nodeName: up, conditions: {ready: false, serving: false, terminating: false}}, \
+        {addresses: [10.0.0.5], nodeName: down}";
+    let slice = slice_yaml(&format!(
+        "metadata: {{name: web-1, namespace: shop, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080}}, {{name: dns, port: 5353, protocol: UDP}}]\nendpoints: [{eps}]"
+    ));
+    let down = NodeInfo { down_nodes: ["down".to_owned()].into(), ..NodeInfo::default() };
+    let alive = |options: ProxyOptions, node: NodeInfo, protocol: Protocol, port: u16| {
+        let mut st = ClusterState::with_options(node, options);
+        st.replace_services(vec![web("10.96.0.10")]);
+        st.replace_slices(vec![slice.clone()]);
+        let key = service_key("10.96.0.10".parse::<IpAddr>().unwrap(), port, protocol);
+        st.desired()[&key].alive.as_ref().map(|a| a.iter().map(|e| e.to_string()).collect::<Vec<_>>())
+    };
+    let on = ProxyOptions { abort_dead_tcp: true, ..Default::default() };
+    assert_eq!(
+        alive(on, down.clone(), Protocol::Tcp, 80).unwrap(),
+        ["10.0.0.1:8080", "10.0.0.3:8080", "10.0.0.4:8080"],
+    );
+    assert_eq!(alive(on, NodeInfo::default(), Protocol::Tcp, 80).unwrap().len(), 5, "every node Ready");
+    assert_eq!(alive(on, down.clone(), Protocol::Udp, 53), None, "UDP has its own rule");
+    assert_eq!(alive(ProxyOptions::default(), down, Protocol::Tcp, 80), None, "off");
+}

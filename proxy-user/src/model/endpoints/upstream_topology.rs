@@ -41,6 +41,7 @@ fn ep(
         serving,
         terminating,
         is_local,
+        on_down_node: false,
         zone_hints: hints(zone_hints),
         node_hints: hints(node_hints),
     }

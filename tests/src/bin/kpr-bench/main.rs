@@ -228,7 +228,15 @@ fn desired_with(n: usize, backends_per_service: usize, target_backend: impl Into
         };
         desired.insert(
             service_key(ip, 80, Protocol::Tcp),
-            DesiredPort { name, backends, flags: 0, source_ranges: vec![], affinity_timeout: 0, serving: vec![] },
+            DesiredPort {
+                name,
+                backends,
+                flags: 0,
+                source_ranges: vec![],
+                affinity_timeout: 0,
+                serving: vec![],
+                alive: None,
+            },
         );
     }
     desired
@@ -418,8 +426,10 @@ fn sync_scale(changes: usize) -> Result<serde_json::Value> {
         ServicePortName { service: ObjectKey::new("bench", "dns"), port: String::new(), protocol: Protocol::Udp };
     let backends: Vec<(IpAddr, u16)> = (0..BIG).map(|i| (endpoint(i), 5353)).collect();
     let serving = backends.iter().map(|(ip, port)| std::net::SocketAddr::new(*ip, *port)).collect();
-    desired
-        .insert(big_key, DesiredPort { name, backends, flags: 0, source_ranges: vec![], affinity_timeout: 0, serving });
+    desired.insert(
+        big_key,
+        DesiredPort { name, backends, flags: 0, source_ranges: vec![], affinity_timeout: 0, serving, alive: None },
+    );
     let started = Instant::now();
     let report = programmer.apply(&desired, &mut datapath.maps);
     let cold_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -962,6 +972,7 @@ fn node_port_bench(
             source_ranges: vec![],
             affinity_timeout: 0,
             serving: vec![],
+            alive: None,
         },
     );
     let np6 =
