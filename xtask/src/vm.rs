@@ -140,6 +140,9 @@ pub const SUITES: [Suite; 4] = [
             "sctp_services_are_translated_for_pods_and_outside_clients",
             "a_node_port_on_a_vlan_address_is_served",
             "a_node_port_reaches_a_pod_over_ip_in_ip",
+            // A RST from the attached program's fast path (its verifier), a TCP socket aborted
+            // (tcp_diag).
+            "tcp_connections_to_an_endpoint_whose_pod_is_gone_fail_at_once",
         ]),
     },
 ];
@@ -147,10 +150,10 @@ pub const SUITES: [Suite; 4] = [
 /// Modules loaded before the tests (with their dependencies): the 9p root, and what the tests'
 /// topologies use (veth, bridge; clsact and cls_bpf for netlink tc attachments; nf_tables for
 /// a node whose FORWARD chain drops, after crc32c_generic, which libcrc32c needs at init but
-/// names only as a soft dependency; udp_diag for aborting UDP sockets; sctp for SCTP Services;
+/// names only as a soft dependency; udp_diag and tcp_diag for aborting sockets; sctp for SCTP Services;
 /// 8021q for a node address on a VLAN; ipip and tun for pods behind layer-3 tunnels, tun also
 /// for a VM's TAP device).
-const MODULES: [&str; 17] = [
+const MODULES: [&str; 18] = [
     "virtio_pci",
     "9pnet_virtio",
     "9p",
@@ -167,6 +170,7 @@ const MODULES: [&str; 17] = [
     // A VM's pod masquerading its guest (`masquerade` in a nat postrouting chain).
     "nft_masq",
     "udp_diag",
+    "tcp_diag",
     "sctp",
     "ipip",
     "tun",
