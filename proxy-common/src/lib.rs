@@ -119,7 +119,73 @@ pub mod map_names {
     pub const FLOW_CACHE_TAGS6: &str = "KPR_FLOW_CACHE_TAGS6";
     /// What the flow caches' entries are checked against ([`super::ct_generation`]).
     pub const CT_GENERATION: &str = "KPR_CT_GENERATION";
+    /// Drops and rejects of the per-packet path ([`super::DatapathEvent`]), a ring buffer
+    /// written only while a reader asks (`EVENTS_WANTED`); not carried over an upgrade.
+    pub const EVENTS: &str = "KPR_EVENTS";
+    /// One word: until when (`CLOCK_MONOTONIC` ns) the programs write events; `kpr events`
+    /// keeps it a few seconds ahead while it reads.
+    pub const EVENTS_WANTED: &str = "KPR_EVENTS_WANTED";
 }
+
+/// A packet the per-packet path dropped or answered instead of forwarding (`kpr events`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DatapathEvent {
+    /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC).
+    pub time_ns: u64,
+    pub saddr: Addr,
+    pub daddr: Addr,
+    /// Network byte order.
+    pub sport: u16,
+    /// Network byte order.
+    pub dport: u16,
+    /// An [`event`] reason.
+    pub reason: u32,
+    pub proto: u8,
+    pub _pad: [u8; 7],
+}
+
+/// Why the per-packet path dropped or answered a packet ([`DatapathEvent::reason`]).
+pub mod event {
+    /// kube-proxy's REJECT: a service port without endpoints, an unknown port of a ClusterIP
+    /// (a TCP reset, ICMP port unreachable).
+    pub const REJECTED: u32 = 0;
+    /// Traffic policy Local without a local endpoint.
+    pub const DROPPED_NO_LOCAL_ENDPOINTS: u32 = 1;
+    /// A source outside the frontend's loadBalancerSourceRanges.
+    pub const DROPPED_SOURCE_RANGE: u32 = 2;
+    /// An address of the service range no Service has.
+    pub const DROPPED_UNALLOCATED_ADDRESS: u32 = 3;
+    /// A source the node's reverse path check refuses (`rp_filter`), or a pod sending as the node.
+    pub const DROPPED_SPOOFED_SOURCE: u32 = 4;
+    /// No masquerade port free for the flow's endpoint.
+    pub const DROPPED_SNAT_EXHAUSTED: u32 = 5;
+    /// The new-flow table could not take the flow.
+    pub const DROPPED_CONNTRACK_FULL: u32 = 6;
+    /// A segment of a flow whose endpoint died, answered with a RST (`--abort-dead-tcp`).
+    pub const RESET_DEAD_ENDPOINT: u32 = 7;
+    /// The node's own TCP connection kube-proxy's filter rules would drop.
+    pub const DROPPED_FROM_NODE: u32 = 8;
+    /// A segment of a flow an upgrade is still copying: dropped, it is sent again.
+    pub const DROPPED_DURING_UPGRADE: u32 = 9;
+    pub const COUNT: u32 = 10;
+    /// Names for display, by reason.
+    pub const NAMES: [&str; COUNT as usize] = [
+        "rejected",
+        "dropped_no_local_endpoints",
+        "dropped_source_range",
+        "dropped_unallocated_address",
+        "dropped_spoofed_source",
+        "dropped_snat_exhausted",
+        "dropped_conntrack_full",
+        "reset_dead_endpoint",
+        "dropped_from_node",
+        "dropped_during_upgrade",
+    ];
+}
+
+/// Bytes of the events ring buffer (a power-of-2 multiple of the page size): 4,681 events.
+pub const EVENTS_BYTES: u32 = 256 * 1024;
 
 /// Program names (the Rust function names in `proxy-ebpf`).
 pub mod program_names {
@@ -1197,6 +1263,7 @@ const _: () = assert!(size_of::<SockSlots>() == 16 + 40 * SOCK_SLOTS);
 const _: () = assert!(size_of::<CtKey>() == 40);
 const _: () = assert!(size_of::<CtKey4>() == 16);
 const _: () = assert!(size_of::<CtValue>() == 88);
+const _: () = assert!(size_of::<DatapathEvent>() == 56);
 const _: () = assert!(size_of::<CtTimeouts>() == 48);
 const _: () = assert!(size_of::<SourceRange>() == 20);
 const _: () = assert!(size_of::<FragmentKey>() == 12);

@@ -2,13 +2,13 @@
 //! sizes here are placeholders that the agent overrides at load time.
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray, SkStorage},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray, RingBuf, SkStorage},
     macros::btf_map,
 };
 use proxy_common::{
-    Addr, Addr4, AffinityKey, AffinityValue, Backend, CidrKey, CidrMask, CtKey, CtValue, FlowAddr, FragmentKey,
-    LinkInfo, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SockSlots, SockTcp, SourceRange, counter,
-    ct_generation, defaults,
+    Addr, Addr4, AffinityKey, AffinityValue, Backend, CidrKey, CidrMask, CtKey, CtValue, DatapathEvent, FlowAddr,
+    FragmentKey, LinkInfo, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SockSlots, SockTcp, SourceRange,
+    counter, ct_generation, defaults,
 };
 
 /// The slow programs (`program_names::TC_SLOW_PATH`), by slot: where the attached programs
@@ -239,6 +239,14 @@ pub static HANDOVER_COUNT: Array<u32, 1> = Array::new();
 
 /// The host as the agent last saw it (`HOST_FORWARD_DIRECT_OK`), written at runtime: a
 /// firewall that starts filtering forwarded packets takes effect without a reload.
+/// Drops and rejects of the per-packet path, for `kpr events` (`tc::event`).
+#[btf_map(name = "KPR_EVENTS", pin_by_name)]
+pub static EVENTS: RingBuf<DatapathEvent, { proxy_common::EVENTS_BYTES as usize }> = RingBuf::new();
+
+/// Until when (`bpf_ktime_get_ns`) events are written: a reader keeps it ahead of the clock.
+#[btf_map(name = "KPR_EVENTS_WANTED", pin_by_name)]
+pub static EVENTS_WANTED: Array<u64, 1> = Array::new();
+
 #[btf_map(name = "KPR_HOST_STATE", pin_by_name)]
 pub static HOST_STATE: Array<u32, { proxy_common::host_state::WORDS as usize }> = Array::new();
 

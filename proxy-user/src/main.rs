@@ -78,6 +78,21 @@ enum Command {
         #[arg(long, short, value_enum, default_value_t = Output::Text)]
         output: Output,
     },
+    /// The per-packet path's drops and rejects as they happen, one line (or JSON object) each,
+    /// until interrupted: the reason, the protocol, the source and the frontend. Events are
+    /// written only while this runs (one reader at a time).
+    Events {
+        #[arg(long, default_value = "/sys/fs/bpf/kpr")]
+        pin_root: PathBuf,
+        /// Stop after this many events.
+        #[arg(long)]
+        count: Option<usize>,
+        /// Stop after this long.
+        #[arg(long, value_parser = parse_duration)]
+        timeout: Option<Duration>,
+        #[arg(long, short, value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
     /// The per-packet path's connections (list), or forget a service's (flush).
     Conntrack {
         #[command(subcommand)]
@@ -170,6 +185,7 @@ async fn main() -> Result<()> {
             }
             Ok(())
         }
+        Command::Events { pin_root, count, timeout, output } => events(&pin_root, count, timeout, output),
         Command::Conntrack { action } => conntrack(action),
         Command::Trace { source, destination, from, pin_root, output } => {
             let report = kpr::inspect::trace::trace(&pin_root, source, destination, from)?;
@@ -319,6 +335,25 @@ fn frontend_ids(pin_root: &std::path::Path, frontend: &str) -> Result<Vec<u32>> 
         .collect();
     anyhow::ensure!(!ids.is_empty(), "no frontend {frontend} in the maps (see `kpr services`)");
     Ok(ids)
+}
+
+/// `kpr events`: each event printed as it comes (a JSON object per line with `-o json`).
+fn events(pin_root: &std::path::Path, count: Option<usize>, timeout: Option<Duration>, output: Output) -> Result<()> {
+    use std::io::Write as _;
+    let mut seen = 0;
+    kpr::inspect::events::follow(pin_root, timeout, |e| {
+        let line = match output {
+            Output::Text => kpr::inspect::events::text(&e),
+            Output::Json => serde_json::to_string(&e)? + "\n",
+        };
+        let mut out = std::io::stdout().lock();
+        match out.write_all(line.as_bytes()).and_then(|()| out.flush()) {
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(false),
+            r => r?,
+        }
+        seen += 1;
+        Ok(count.is_none_or(|c| seen < c))
+    })
 }
 
 fn conntrack(action: ConntrackAction) -> Result<()> {

@@ -596,9 +596,31 @@ fn no_endpoints_is_refused_and_an_endpoint_can_move_while_traffic_runs() {
     c.write("svc.yaml", &service("Cluster", 30082, &[]));
     c.wait("*:30082/TCP ext", 0);
     let a = c.nodes[0].ip;
-    let err =
-        c.ext(move || TcpStream::connect_timeout(&SocketAddrV4::new(a, 30082).into(), TIMEOUT).map(drop)).unwrap_err();
+    // `kpr events` on node-a shows the refusal: the reason, the client, the frontend.
+    let events = Command::new(kpr_tests::kpr_bin())
+        .args(["events", "--count", "1", "--timeout", "20s", "-o", "json", "--pin-root"])
+        .arg(&c.nodes[0].pins)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let wanted = bpf::open_pinned_map(&c.nodes[0].pins, proxy_common::map_names::EVENTS_WANTED).unwrap();
+    let wanted = aya::maps::Array::<_, u64>::try_from(aya::maps::Map::Array(wanted)).unwrap();
+    while wanted.get(&0, 0).unwrap() == 0 {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (err, port) = c.ext(move || {
+        let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        socket.bind(&SocketAddrV4::new(EXT_CLIENT, 0).into()).unwrap();
+        let port = socket.local_addr().unwrap().as_socket().unwrap().port();
+        (socket.connect_timeout(&SocketAddrV4::new(a, 30082).into(), TIMEOUT).unwrap_err(), port)
+    });
     assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
+    let out = events.wait_with_output().unwrap();
+    let event: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON event");
+    assert_eq!(event["reason"], "rejected", "{event}");
+    assert_eq!(event["protocol"], "TCP");
+    assert_eq!(event["source"], format!("{EXT_CLIENT}:{port}"));
+    assert_eq!(event["destination"], format!("{a}:30082"));
 
     c.write("svc.yaml", &service("Cluster", 30082, &[(pod_b, "node-b")]));
     c.wait("*:30082/TCP ext", 1);

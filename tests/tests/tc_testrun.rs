@@ -353,6 +353,12 @@ impl Rig {
         bpf::read_counters(&self.pins.0).unwrap()[index as usize].1
     }
 
+    /// Word `index` of the pinned array map `name`.
+    fn array_word(&self, name: &str, index: u32) -> u64 {
+        let map = bpf::open_pinned_map(&self.pins.0, name).unwrap();
+        aya::maps::Array::<_, u64>::try_from(aya::maps::Map::Array(map)).unwrap().get(&index, 0).unwrap()
+    }
+
     fn conntrack(&self) -> Conntrack {
         Conntrack::open(&self.pins.0).unwrap()
     }
@@ -1020,6 +1026,56 @@ fn an_established_flows_packets_are_served_from_the_flow_cache_until_its_entry_c
     for _ in 0..2 {
         assert_eq!(rig.ingress(&ack.bytes()).1, to(other, 8080), "the new connection's endpoint");
     }
+}
+
+/// `kpr events`: while a reader follows the ring buffer, a reject, a drop of traffic policy
+/// Local and one of loadBalancerSourceRanges each make an event with its reason, protocol,
+/// source and frontend; forwarded packets make none; once the reader is gone, drops make none.
+#[test]
+fn drops_and_rejects_are_events_while_a_reader_follows() {
+    use kpr::inspect::events::{EventView, follow};
+    let rig = Rig::new(&services());
+    let pins = rig.pins.0.clone();
+    let reader = std::thread::spawn(move || {
+        let mut seen = Vec::new();
+        follow(&pins, Some(std::time::Duration::from_secs(10)), |e| {
+            seen.push(e);
+            Ok(seen.len() < 3)
+        })
+        .unwrap();
+        seen
+    });
+    let wanted = || rig.array_word(map_names::EVENTS_WANTED, 0);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while wanted() < monotonic_now() {
+        assert!(std::time::Instant::now() < deadline, "the reader never asked for events");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // Forwarded: no event.
+    assert_eq!(rig.ingress(&tcp(CLIENT, 40070, CLUSTER_IP, 80).bytes()).0, TC_ACT_OK);
+    assert_eq!(rig.ingress(&tcp(CLIENT, 40071, CLUSTER_IP, 81).bytes_with_macs([1; 6], [2; 6])).0, TC_ACT_REDIRECT);
+    assert_eq!(rig.ingress(&tcp(CLIENT, 40072, NODE_IP, 30081).bytes()).0, TC_ACT_SHOT);
+    assert_eq!(rig.ingress(&tcp(Ipv4Addr::new(10, 0, 0, 100), 40073, LB_IP, 80).bytes()).0, TC_ACT_SHOT);
+    let seen = reader.join().unwrap();
+    let brief: Vec<(&str, &str, String, String)> =
+        seen.iter().map(|e: &EventView| (e.reason, e.protocol, e.source.clone(), e.destination.clone())).collect();
+    assert_eq!(
+        brief,
+        [
+            ("rejected", "TCP", format!("{CLIENT}:40071"), format!("{CLUSTER_IP}:81")),
+            ("dropped_no_local_endpoints", "TCP", format!("{CLIENT}:40072"), format!("{NODE_IP}:30081")),
+            ("dropped_source_range", "TCP", "10.0.0.100:40073".to_owned(), format!("{LB_IP}:80")),
+        ]
+    );
+    assert!(seen.iter().all(|e| e.time.parse::<jiff::Timestamp>().is_ok()), "{seen:?}");
+    // The reader is gone: the programs write nothing.
+    assert_eq!(wanted(), 0, "the reader turned the events off");
+    assert_eq!(rig.ingress(&tcp(CLIENT, 40074, NODE_IP, 30081).bytes()).0, TC_ACT_SHOT);
+    let mut ring = aya::maps::RingBuf::try_from(aya::maps::Map::RingBuf(
+        bpf::open_pinned_map(&rig.pins.0, map_names::EVENTS).unwrap(),
+    ))
+    .unwrap();
+    assert!(ring.next().is_none(), "an event written with nobody reading");
 }
 
 /// `--abort-dead-tcp`: the agent marks the client's entry of a flow whose endpoint died

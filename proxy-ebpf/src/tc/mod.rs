@@ -39,6 +39,7 @@
 //! The program never fails a packet it did not translate.
 mod conntrack;
 mod entry;
+mod event;
 mod frag;
 mod icmp;
 mod nat;
@@ -260,6 +261,7 @@ fn slow_path<F: Family>(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
         REJECT => reject_port_unreachable::<F>(ctx, &t),
         PASS if awaits_copied_flow(&t, tcp_flags) => {
             count(counter::TC_DROPPED);
+            event::note(&t, proxy_common::event::DROPPED_DURING_UPGRADE);
             TC_ACT_SHOT
         }
         verdict => verdict,

@@ -14,11 +14,13 @@ use proxy_common::{
     AFFINITY_BY_ADDR, Addr, Addr4, Backend, CachedRoute, CidrKey, CtKey, CtValue, DETECT_LOCAL_CIDR,
     DETECT_LOCAL_INTERFACE, IPPROTO_TCP, LINK_FLAG_LOCAL_TRAFFIC, LINK_FLAG_NOT_ETHERNET, NODE_ADDR_LOCAL,
     NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
-    SERVICE_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SourceRange, addrs_csum_diff, counter, csum, ct, has_states,
+    SERVICE_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SourceRange, addrs_csum_diff, counter, csum, ct, event,
+    has_states,
 };
 
 use super::{
     entry::{expired, forget},
+    event::note,
     parse::Tuple,
     rewrite::rewrite_first,
     route::{ROUTE_LOOK_UP, ROUTE_LOOKED_UP, ROUTE_MAY_KEEP, ifindex, keep_in, reverse_path_ok, zero_fib},
@@ -64,6 +66,7 @@ pub(super) fn pick_backend<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8,
     }
     if !reverse_path_ok::<F>(ctx, t) {
         count(counter::TC_DROPPED);
+        note(t, event::DROPPED_SPOOFED_SOURCE);
         return Ok(TC_ACT_SHOT);
     }
     let scope = source_scope(ctx, t);
@@ -76,6 +79,7 @@ pub(super) fn pick_backend<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8,
             ServiceRangeMiss::Reject => refusal(0),
             ServiceRangeMiss::Drop => {
                 count(counter::TC_DROPPED);
+                note(t, event::DROPPED_UNALLOCATED_ADDRESS);
                 return Ok(TC_ACT_SHOT);
             }
         },
@@ -98,6 +102,7 @@ fn egress_drop(ctx: &TcContext, t: &Tuple) -> i32 {
     };
     if drop {
         count(counter::TC_DROPPED);
+        note(t, event::DROPPED_FROM_NODE);
         return TC_ACT_SHOT;
     }
     PASS
@@ -213,12 +218,14 @@ fn pick_from_service(t: &Tuple, service: &ServiceValue, now: u64) -> Result<i32,
         let key = Key::new(32 + 128, SourceRange { service_id: service.service_id.to_be(), addr: t.saddr });
         if SOURCE_RANGES.get(&key).is_none() {
             count(counter::TC_DROPPED);
+            note(t, event::DROPPED_SOURCE_RANGE);
             return Ok(TC_ACT_SHOT);
         }
     }
     if service.backends_count == 0 {
         if service.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0 {
             count(counter::TC_DROPPED);
+            note(t, event::DROPPED_NO_LOCAL_ENDPOINTS);
             return Ok(TC_ACT_SHOT);
         }
         // kube-proxy's REJECT: a TCP reset, else ICMP port unreachable (UDP and SCTP).
@@ -288,6 +295,7 @@ pub(super) fn create_flow<F: Family>(
         let port = snat_port::<F::FlowAddr>(t, backend, &snat_addr, s);
         if port == 0 {
             count(counter::TC_SNAT_EXHAUSTED);
+            note(t, event::DROPPED_SNAT_EXHAUSTED);
             return Ok(TC_ACT_SHOT);
         }
         (snat_addr, port)
@@ -305,6 +313,7 @@ pub(super) fn create_flow<F: Family>(
         };
         if port == 0 {
             count(counter::TC_SNAT_EXHAUSTED);
+            note(t, event::DROPPED_SNAT_EXHAUSTED);
             return Ok(TC_ACT_SHOT);
         }
         (t.saddr, port)
@@ -348,6 +357,7 @@ pub(super) fn create_flow<F: Family>(
     } else {
         let _ = new_flows.remove(reply_key);
         count(counter::TC_CT_FULL);
+        note(t, event::DROPPED_CONNTRACK_FULL);
         return Ok(TC_ACT_SHOT);
     };
     rewrite_first::<F>(ctx, t, forward)?;

@@ -10,7 +10,7 @@ use aya_ebpf::{
     helpers::{bpf_csum_diff, bpf_redirect},
     programs::TcContext,
 };
-use proxy_common::{Addr, IPPROTO_TCP, counter, csum};
+use proxy_common::{Addr, IPPROTO_TCP, counter, csum, event};
 
 use crate::{
     family::{Family, pseudo_sum},
@@ -18,7 +18,7 @@ use crate::{
     packet::{TCP_ACK, TCP_FLAGS, TCP_RST, TCP_SYN},
 };
 
-use super::parse::Tuple;
+use super::{event::note, parse::Tuple};
 
 /// kube-proxy REJECTs connections to a service without endpoints: answer a SYN with a RST
 /// (the client sees ECONNREFUSED), sent back out of the interface it came in on.
@@ -27,6 +27,7 @@ use super::parse::Tuple;
 #[inline(never)]
 pub(super) fn reject_tcp<F: Family>(ctx: &TcContext, t: &Tuple) -> i32 {
     count(counter::TC_REJECTED);
+    note(t, event::REJECTED);
     reset::<F>(ctx, t, false).unwrap_or(TC_ACT_SHOT)
 }
 
@@ -37,6 +38,7 @@ pub(super) fn reject_tcp<F: Family>(ctx: &TcContext, t: &Tuple) -> i32 {
 #[inline(never)]
 pub(super) fn reset_flow<F: Family>(ctx: &TcContext, t: &Tuple) -> i32 {
     count(counter::TC_DEAD_FLOW_RESET);
+    note(t, event::RESET_DEAD_ENDPOINT);
     reset::<F>(ctx, t, true).unwrap_or(TC_ACT_SHOT)
 }
 
@@ -95,6 +97,7 @@ pub(super) fn reject_port_unreachable<F: Family>(ctx: &TcContext, t: &Tuple) -> 
 #[inline(always)]
 fn port_unreachable<F: Family>(ctx: &TcContext, t: &Tuple) -> Result<i32, ()> {
     count(counter::TC_REJECTED);
+    note(t, event::REJECTED);
     let [icmp_type, code] = F::PORT_UNREACHABLE;
     let macs = icmp_about_packet::<F>(ctx, [icmp_type, code, 0, 0, 0, 0, 0, 0], &t.daddr, &t.saddr)?;
     bounce::<F>(ctx, macs)
