@@ -237,8 +237,6 @@ pub static HANDOVER: LruHashMap<CtKey, u8, { defaults::MAX_HANDOVER as usize }> 
 #[btf_map(name = "KPR_HANDOVER_COUNT", pin_by_name)]
 pub static HANDOVER_COUNT: Array<u32, 1> = Array::new();
 
-/// The host as the agent last saw it (`HOST_FORWARD_DIRECT_OK`), written at runtime: a
-/// firewall that starts filtering forwarded packets takes effect without a reload.
 /// Drops and rejects of the per-packet path, for `kpr events` (`tc::event`).
 #[btf_map(name = "KPR_EVENTS", pin_by_name)]
 pub static EVENTS: RingBuf<DatapathEvent, { proxy_common::EVENTS_BYTES as usize }> = RingBuf::new();
@@ -247,6 +245,8 @@ pub static EVENTS: RingBuf<DatapathEvent, { proxy_common::EVENTS_BYTES as usize 
 #[btf_map(name = "KPR_EVENTS_WANTED", pin_by_name)]
 pub static EVENTS_WANTED: Array<u64, 1> = Array::new();
 
+/// The host as the agent last saw it (`HOST_FORWARD_DIRECT_OK`), written at runtime: a
+/// firewall that starts filtering forwarded packets takes effect without a reload.
 #[btf_map(name = "KPR_HOST_STATE", pin_by_name)]
 pub static HOST_STATE: Array<u32, { proxy_common::host_state::WORDS as usize }> = Array::new();
 

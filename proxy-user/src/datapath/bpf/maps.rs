@@ -192,6 +192,14 @@ impl Maps for BpfMaps {
         let goes_to = |service_id: u32, addr: Addr, port: u16| {
             by_service.get(&service_id).is_some_and(|f| f.gone.contains(&(addr, port)))
         };
+        // The socket path's flows: sockets it connected to these backends through these
+        // services, by protocol (one read of the table for both).
+        let mut cookies: BTreeMap<u8, BTreeSet<u64>> = BTreeMap::new();
+        for (k, v) in read_all_of(&self.sock_revnat) {
+            if let Some(f) = by_service.get(&v.service_id).filter(|f| f.gone.contains(&(k.addr, k.port))) {
+                cookies.entry(f.proto).or_default().insert(k.cookie);
+            }
+        }
         let mut ended = 0;
         for proto in [IPPROTO_UDP, IPPROTO_TCP] {
             let of_proto: Vec<&FlowFlush> = flushes.iter().filter(|f| f.proto == proto).collect();
@@ -215,15 +223,8 @@ impl Maps for BpfMaps {
                     k.proto == proto && v.flags & ct::REPLY == 0 && goes_to(v.service_id, v.dst_addr, v.dst_port)
                 })?
             };
-            // The socket path's flows: sockets it connected to these backends through these
-            // services.
-            let cookies: BTreeSet<u64> = read_all_of(&self.sock_revnat)
-                .into_iter()
-                .filter(|(k, v)| goes_to(v.service_id, k.addr, k.port))
-                .map(|(k, _)| k.cookie)
-                .collect();
-            if !cookies.is_empty() {
-                ended += crate::datapath::sockets::abort(proto, &cookies, &gone);
+            if let Some(cookies) = cookies.get(&proto) {
+                ended += crate::datapath::sockets::abort(proto, cookies, &gone);
             }
         }
         // Unconnected sockets keep the endpoint they picked for a frontend (`KPR_SOCK_PICKS`):
