@@ -11,16 +11,16 @@
 #![no_std]
 
 /// Version of the pinned map layout; part of the bpffs pin directory (`<pin-root>/v<N>`).
-pub const PIN_LAYOUT_VERSION: u32 = 16;
+pub const PIN_LAYOUT_VERSION: u32 = 17;
 
 /// The pinned maps an agent takes over from an older layout's directory (an upgrade), each
 /// with the oldest layout version whose map of that name reads as this one's: raise it when a
 /// change makes the map read otherwise. The state a flow needs (services, backends, conntrack,
 /// affinity, reverse translation) then survives an upgrade that changed something else, such
 /// as a new counter. Not listed, so made anew: the slow-path program array (it holds the old
-/// programs); the flow caches are not pinned at all. The loader also checks each carried map's type, sizes and flags against the new
+/// programs) and the flow caches (pinned only so that a scrape can read what they have counted). The loader also checks each carried map's type, sizes and flags against the new
 /// object, and makes any that differ anew.
-pub const CARRIED_MAPS: [(&str, u32); 28] = {
+pub const CARRIED_MAPS: [(&str, u32); 29] = {
     use map_names::*;
     [
         (SERVICES, 12),
@@ -59,6 +59,8 @@ pub const CARRIED_MAPS: [(&str, u32); 28] = {
         (SOCK_SLOTS, 15),
         (SOCK_TCP, 15),
         (SOCK_QUOTA, 15),
+        // Added in v17.
+        (SERVICE_STATS, 17),
     ]
 };
 
@@ -125,6 +127,10 @@ pub mod map_names {
     /// One word: until when (`CLOCK_MONOTONIC` ns) the programs write events; `kpr events`
     /// keeps it a few seconds ahead while it reads.
     pub const EVENTS_WANTED: &str = "KPR_EVENTS_WANTED";
+    /// Per service port (by service id) and CPU: its flows, packets, bytes, connects and events
+    /// ([`super::ServiceStats`]); an entry is made at the port's first one, and removed by the
+    /// agent with the port.
+    pub const SERVICE_STATS: &str = "KPR_SERVICE_STATS";
 }
 
 /// A packet the per-packet path dropped or answered instead of forwarding (`kpr events`).
@@ -141,8 +147,11 @@ pub struct DatapathEvent {
     pub dport: u16,
     /// An [`event`] reason.
     pub reason: u32,
+    /// The service port the packet was for (`ServiceValue::service_id`); 0: none known (an
+    /// address no frontend has, a source refused before the frontend was looked up).
+    pub service_id: u32,
     pub proto: u8,
-    pub _pad: [u8; 7],
+    pub _pad: [u8; 3],
 }
 
 /// Why the per-packet path dropped or answered a packet ([`DatapathEvent::reason`]).
@@ -182,6 +191,41 @@ pub mod event {
         "dropped_from_node",
         "dropped_during_upgrade",
     ];
+}
+
+/// Value of `KPR_SERVICE_STATS` (one per CPU): what a service port's frontends saw, indexed
+/// by [`service_stat`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServiceStats {
+    pub words: [u64; service_stat::COUNT as usize],
+}
+
+impl Default for ServiceStats {
+    fn default() -> Self {
+        Self { words: [0; service_stat::COUNT as usize] }
+    }
+}
+
+/// The words of [`ServiceStats`].
+pub mod service_stat {
+    /// New flows the per-packet path balanced (not those it re-created after losing their
+    /// entries).
+    pub const NEW_FLOWS: u32 = 0;
+    /// `connect()` calls the socket path translated (TCP, connected UDP).
+    pub const CONNECTS: u32 = 1;
+    /// New per-packet flows that expired with no answer from their endpoint.
+    pub const UNANSWERED: u32 = 2;
+    /// Packets of the per-packet path's flows, both directions, as tc sees them (a GSO or GRO
+    /// packet is one).
+    pub const PACKETS: u32 = 3;
+    /// Their bytes (the whole frame).
+    pub const BYTES: u32 = 4;
+    /// Then a word per [`super::event`] reason: drops and rejects.
+    pub const EVENTS: u32 = 5;
+    pub const COUNT: u32 = EVENTS + super::event::COUNT;
+    /// No word (only packets and bytes are added).
+    pub const NONE: u32 = u32::MAX;
 }
 
 /// Bytes of the events ring buffer (a power-of-2 multiple of the page size): 4,681 events.
@@ -858,6 +902,31 @@ impl FlowAddr for Addr {
     }
 }
 
+/// A slot of a per-CPU flow cache (`KPR_FLOW_CACHE4/6`): a copy of a flow's conntrack entry,
+/// how long it serves, and the packets and bytes it served that are not yet added to
+/// `KPR_SERVICE_STATS` (they are when the slot is filled again; a scrape adds the rest).
+#[repr(C, align(8))]
+#[derive(Clone, Copy)]
+pub struct CachedFlow<A> {
+    pub key: CtKey<A>,
+    pub generation: Generation,
+    /// The programs' clock (ns) from which the copy no longer serves.
+    pub valid_until: u64,
+    /// 1: the entry's kept route was of the current period (it serves a packet sent straight out).
+    pub routed: u64,
+    pub packets: u64,
+    pub bytes: u64,
+    pub entry: CtValue,
+}
+
+/// `KPR_CT_GENERATION`'s words, as they were read.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Generation {
+    pub datapath: u64,
+    pub agent: u64,
+}
+
 /// Key of the conntrack tables: a packet's 5-tuple as it arrives (addresses and ports in
 /// network byte order). Each translated flow has two entries: the client's direction and the
 /// reply's. `CtKey` (the default) holds addresses of either family, IPv4 mapped.
@@ -1306,6 +1375,9 @@ mod pod {
     unsafe impl aya::Pod for super::AffinityKey {}
     unsafe impl aya::Pod for super::AffinityValue {}
     unsafe impl aya::Pod for super::Addr {}
+    unsafe impl aya::Pod for super::ServiceStats {}
+    unsafe impl aya::Pod for super::CachedFlow<super::Addr4> {}
+    unsafe impl aya::Pod for super::CachedFlow<super::Addr> {}
 }
 
 #[cfg(test)]

@@ -26,9 +26,17 @@
 //!
 //! Only established flows are cached, and their table evicts nothing: every removal is a
 //! program's or the agent's, which move the generation on.
-use proxy_common::{CtKey, CtValue, ct_generation};
+//!
+//! A slot also counts the packets and bytes it serves (two additions to a line already in the
+//! CPU's cache), for its service port's counters (`stats`): they are added to
+//! `KPR_SERVICE_STATS` when the slot is filled again (at most once a second for a busy flow),
+//! and a scrape adds what the slots hold.
+use proxy_common::{CtKey, CtValue, Generation, ct_generation, service_stat};
 
-use crate::maps::{CT_GENERATION, FLOW_CACHE_SLOTS as SLOTS, FlowTables, Generation};
+use crate::{
+    maps::{CT_GENERATION, FLOW_CACHE_SLOTS as SLOTS, FlowTables},
+    stats,
+};
 
 /// The generation now. Read before the flow's conntrack lookup: an entry removed after this
 /// read was filled (if at all) with this generation, which its remover then changes (x86's
@@ -103,8 +111,8 @@ fn tag_live(tag: u64, now: u64) -> bool {
     (tag as u32).wrapping_sub(coarse(now)) as i32 > 0
 }
 
-/// The cached entry of `key`, if it serves a packet at `now` (`straight_out`: one to be sent
-/// straight out by the entry's kept route). Else `free` is the slot that [`fill`] may put the
+/// The cached entry of `key`, if it serves a packet (of `bytes`, counted in the slot) at `now`
+/// (`straight_out`: one to be sent straight out by the entry's kept route). Else `free` is the slot that [`fill`] may put the
 /// table's answer in, or `NO_SLOT` while the slot serves another flow: a flow keeps its slot
 /// until its copy is due for a refresh, so that flows sharing a slot do not take it from each
 /// other on every packet (and a packet that could not be cached costs no attempt).
@@ -114,6 +122,7 @@ pub fn probe<'a, A: FlowTables>(
     generation: Generation,
     now: u64,
     straight_out: bool,
+    bytes: u64,
     free: &mut FreeSlot,
 ) -> Option<&'a CtValue> {
     let (index, hash) = slot_of(key);
@@ -127,11 +136,14 @@ pub fn probe<'a, A: FlowTables>(
         }
         return None;
     }
-    // SAFETY: a map value, valid for this program run.
-    let cached = unsafe { &*A::flow_cache().get_ptr_mut(index)? };
+    let cached = A::flow_cache().get_ptr_mut(index)?;
+    // SAFETY: a map value of this CPU's, valid for this program run.
+    let cached = unsafe { &mut *cached };
     let live = now < cached.valid_until && cached.generation == generation;
     let same = same_key(&cached.key, key);
     if live && same && (!straight_out || cached.routed != 0) {
+        cached.packets += 1;
+        cached.bytes += bytes;
         return Some(&cached.entry);
     }
     if !live || same {
@@ -141,7 +153,8 @@ pub fn probe<'a, A: FlowTables>(
 }
 
 /// Put `entry` (the conntrack entry of `key`) in `slot` ([`probe`]'s `free`), serving
-/// until `valid_until`. True: filled.
+/// until `valid_until`, and count the packet (of `bytes`) there. What the slot counted for the
+/// flow it held is added to that flow's service port first. True: filled.
 #[inline(always)]
 pub fn fill<A: FlowTables>(
     slot: FreeSlot,
@@ -151,6 +164,7 @@ pub fn fill<A: FlowTables>(
     now: u64,
     valid_until: u64,
     routed: bool,
+    bytes: u64,
 ) -> bool {
     if slot.index == NO_SLOT || now >= valid_until {
         return false;
@@ -161,6 +175,11 @@ pub fn fill<A: FlowTables>(
     unsafe {
         let Some(tag) = (*tags).get_mut(slot.index as usize) else { return false };
         *tag = u64::from(slot.hash) << 32 | u64::from(coarse(valid_until));
+        if (*cached).packets != 0 {
+            stats::add((*cached).entry.service_id, service_stat::NONE, (*cached).packets, (*cached).bytes);
+        }
+        (*cached).packets = 1;
+        (*cached).bytes = bytes;
         copy_words(key, &raw mut (*cached).key);
         core::ptr::copy_nonoverlapping(entry, &raw mut (*cached).entry, 1);
         (*cached).generation = generation;

@@ -19,6 +19,7 @@ mod globals;
 mod maps;
 mod packet;
 mod sock_lb;
+mod stats;
 mod tc;
 
 #[cfg(not(test))]

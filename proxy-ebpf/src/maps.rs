@@ -2,13 +2,13 @@
 //! sizes here are placeholders that the agent overrides at load time.
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray, RingBuf, SkStorage},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, ProgramArray, RingBuf, SkStorage},
     macros::btf_map,
 };
 use proxy_common::{
-    Addr, Addr4, AffinityKey, AffinityValue, Backend, CidrKey, CidrMask, CtKey, CtValue, DatapathEvent, FlowAddr,
-    FragmentKey, LinkInfo, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SockSlots, SockTcp, SourceRange,
-    counter, ct_generation, defaults,
+    Addr, Addr4, AffinityKey, AffinityValue, Backend, CachedFlow, CidrKey, CidrMask, CtKey, CtValue, DatapathEvent,
+    FlowAddr, FragmentKey, LinkInfo, ServiceKey, ServiceStats, ServiceValue, SockRevNatKey, SockRevNatValue, SockSlots,
+    SockTcp, SourceRange, counter, ct_generation, defaults,
 };
 
 /// The slow programs (`program_names::TC_SLOW_PATH`), by slot: where the attached programs
@@ -121,6 +121,22 @@ pub fn netns_covered(netns: u64) -> bool {
 /// Per-CPU event counters, indexed by `proxy_common::counter`.
 #[btf_map(name = "KPR_COUNTERS", pin_by_name)]
 pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();
+
+/// Service id → what its frontends saw, per CPU (`proxy_common::service_stat`). Not
+/// preallocated: memory follows the service ports that saw anything (sized as `KPR_SERVICES`,
+/// so that every port has room).
+#[btf_map(name = "KPR_SERVICE_STATS", pin_by_name)]
+pub static SERVICE_STATS: PerCpuHashMap<
+    u32,
+    ServiceStats,
+    { defaults::MAX_SERVICE_PORTS as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = PerCpuHashMap::new();
+
+/// A zeroed `ServiceStats`: what a service port's entry starts from (inserted from here, not
+/// from the stack: its 120 bytes would lengthen the chains of calls).
+#[btf_map(name = "KPR_SERVICE_STATS_ZERO")]
+pub static SERVICE_STATS_ZERO: Array<ServiceStats, 1> = Array::new();
 
 /// A family's per-CPU flow cache.
 pub type FlowCache<A> = PerCpuArray<CachedFlow<A>, { defaults::FLOW_CACHE_SLOTS as usize }>;
@@ -528,30 +544,10 @@ pub fn now_by_tick(clock: *mut TickClock) -> u64 {
 pub const FLOW_CACHE_SLOTS: usize = defaults::FLOW_CACHE_SLOTS as usize;
 const _: () = assert!(FLOW_CACHE_SLOTS.is_power_of_two());
 
-/// A cached flow: its key, its conntrack entry, and how long the copy serves.
-#[repr(C, align(8))]
-pub struct CachedFlow<A> {
-    pub(crate) key: CtKey<A>,
-    pub(crate) generation: Generation,
-    /// The programs' clock (ns) from which the copy no longer serves.
-    pub(crate) valid_until: u64,
-    /// 1: the entry's kept route was of the current period (it serves a packet sent straight out).
-    pub(crate) routed: u64,
-    pub entry: CtValue,
-}
-
-/// `KPR_CT_GENERATION`'s words, as they were read.
-#[repr(C)]
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub struct Generation {
-    pub(crate) datapath: u64,
-    pub(crate) agent: u64,
-}
-
-#[btf_map(name = "KPR_FLOW_CACHE4")]
+#[btf_map(name = "KPR_FLOW_CACHE4", pin_by_name)]
 pub static FLOW_CACHE4: FlowCache<Addr4> = PerCpuArray::new();
 
-#[btf_map(name = "KPR_FLOW_CACHE6")]
+#[btf_map(name = "KPR_FLOW_CACHE6", pin_by_name)]
 pub static FLOW_CACHE6: FlowCache<Addr> = PerCpuArray::new();
 
 /// A cache's tags, by slot: the low half of the key's hash in the high 32 bits, the copy's

@@ -19,7 +19,7 @@ use proxy_common::{
     AFFINITY_BY_NETNS, Addr, Backend, IPPROTO_TCP, IPPROTO_UDP, LINK_SERVICE_SOURCE, NODE_ADDR_NODEPORT, SCOPE_NODE,
     SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP,
     SERVICE_FLAG_SOURCE_RANGES, SOCK_QUOTA_TOTAL, SOCK_SLOTS as SLOTS_PER_SOCKET, ServiceKey, ServiceValue,
-    SockRevNatKey, SockRevNatValue, SockSlot, SockSlots, SockTcp, counter,
+    SockRevNatKey, SockRevNatValue, SockSlot, SockSlots, SockTcp, counter, event, service_stat,
 };
 
 use crate::globals::{
@@ -31,6 +31,7 @@ use crate::maps::{
     backend_at, count, link_addr, netns_covered, node_addr_flags, node_source, now, refusal, remember_affinity, serves,
     service_range_miss, socket_skipped,
 };
+use crate::stats;
 
 /// Return value that lets the syscall proceed.
 const ALLOW: i32 = 1;
@@ -179,7 +180,7 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
     }
 
     if service.backends_count == 0 {
-        return refuse(&service, proto, from_node, pod_links_covered);
+        return refuse(&service, proto, from_node, pod_links_covered, connect);
     }
 
     // An unconnected UDP socket keeps the endpoint it had for this service while that endpoint
@@ -274,6 +275,9 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
     family.set_user_addr(sa, backend.addr);
     sa.user_port = u32::from(backend.port);
     count(counter::TRANSLATED);
+    if connect {
+        stats::add(service.service_id, service_stat::CONNECTS, 0, 0);
+    }
     ALLOW
 }
 
@@ -294,11 +298,16 @@ fn is_agent() -> bool {
 ///   per-packet path, which drops it at egress; a rejected one fails with ECONNREFUSED;
 /// - the node's own datagram, dropped or rejected in the OUTPUT hook, fails with EPERM.
 #[inline(always)]
-fn refuse(service: &ServiceValue, proto: u8, from_node: bool, pod_links_covered: bool) -> i32 {
+fn refuse(service: &ServiceValue, proto: u8, from_node: bool, pod_links_covered: bool, connect: bool) -> i32 {
     let drop = service.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0;
     if pod_links_covered && (!from_node || (drop && proto == IPPROTO_TCP)) {
         count(counter::SOCK_STEPPED_ASIDE);
         return ALLOW;
+    }
+    // Counted for the service port at connect() (the sendmsg programs' frames are full).
+    if connect {
+        let reason = if drop { event::DROPPED_NO_LOCAL_ENDPOINTS } else { event::REJECTED };
+        stats::add(service.service_id, service_stat::EVENTS + reason, 0, 0);
     }
     if drop {
         count(counter::SOCK_DROPPED);

@@ -132,7 +132,7 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
     let host_task = tokio::spawn(supervise("host links", metrics.clone(), move || source::host::run(tx.clone())));
     let swept = {
         let metrics = metrics.clone();
-        move |expired: usize, tables: &[conntrack::TableUse]| metrics.conntrack_swept(expired, tables)
+        move |sweep: &conntrack::Sweep, tables: &[conntrack::TableUse]| metrics.conntrack_swept(sweep, tables)
     };
     let sweep_task =
         tokio::spawn(conntrack::sweep_forever(cfg.datapath.pin_root.clone(), cfg.datapath.ct_timeouts, swept));
@@ -869,6 +869,15 @@ impl Syncer {
         self.last_sync = Some(Instant::now());
         let desired = self.state.desired();
         let report = self.programmer.apply(&desired, maps);
+        // Service ids change only when frontends come or go.
+        if report.added > 0 || report.removed > 0 || !self.synced_once {
+            let ports = self
+                .programmer
+                .programmed()
+                .iter()
+                .filter_map(|(key, p)| desired.get(key).map(|want| (p.value.service_id, want.name.clone())));
+            self.metrics.service_ports(ports.collect());
+        }
         if let Some(health) = &mut self.health {
             health.update(self.state.health_checks(), &self.health_bind);
         }

@@ -50,6 +50,10 @@ enum Command {
     Services {
         #[arg(long, default_value = "/sys/fs/bpf/kpr")]
         pin_root: PathBuf,
+        /// The agent's metrics server (`metricsBindAddress`), asked for the Service port each
+        /// frontend serves; without an answer, frontends are shown by address only.
+        #[arg(long, default_value = "127.0.0.1:10249")]
+        metrics_address: std::net::SocketAddr,
         #[arg(long, short, value_enum, default_value_t = Output::Text)]
         output: Output,
     },
@@ -172,8 +176,8 @@ async fn main() -> Result<()> {
             let report = kpr::inspect::status::report(&pin_root, healthz_address)?;
             print_out(output, &report, kpr::inspect::status::text)
         }
-        Command::Services { pin_root, output } => {
-            let report = kpr::inspect::services::report(&pin_root)?;
+        Command::Services { pin_root, metrics_address, output } => {
+            let report = kpr::inspect::services::report(&pin_root, Some(metrics_address))?;
             print_out(output, &report, kpr::inspect::services::text)
         }
         Command::Diff { agent, wait, output } => diff(agent, wait, output).await,

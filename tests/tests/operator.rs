@@ -77,10 +77,31 @@ fn metrics_server_reports_kube_proxy_metrics_that_follow_service_changes() {
     assert!(metric(&h, "kubeproxy_sync_proxy_rules_endpoint_changes_total") > endpoint_changes);
     assert_eq!(metric(&h, "kpr_map_entries{name=\"services\"}"), 2.0 * service_ports);
 
-    // Traffic through the ClusterIP shows in the datapath's counters.
+    // Traffic through the ClusterIP shows in the datapath's counters, and in the Service
+    // port's, by name.
     let translated = metric(&h, "kpr_datapath_events_total{event=\"translated\"}");
+    let connects = "kpr_service_socket_connects_total{namespace=\"test\",service=\"web\",port=\"http\"}";
+    assert_eq!(metric(&h, connects), 0.0);
     h.client(|| tcp_ask(sa(IP, 80), TIMEOUT).expect("TCP through the ClusterIP"));
     assert_eq!(metric(&h, "kpr_datapath_events_total{event=\"translated\"}"), translated + 1.0);
+    assert_eq!(metric(&h, connects), 1.0);
+    let other = "kpr_service_socket_connects_total{namespace=\"test\",service=\"api\",port=\"http\"}";
+    assert_eq!(metric(&h, other), 0.0, "only the port connected to");
+    let (status, body) = http_get(h.metrics_addr, "/service-ports").unwrap();
+    let names: std::collections::BTreeMap<u32, String> = serde_json::from_str(&body).unwrap();
+    assert_eq!(status, 200);
+    assert!(names.values().any(|n| n == "test/web:http/TCP"), "{body}");
+    let services = Command::new(kpr_tests::kpr_bin())
+        .args(["services", "--pin-root"])
+        .arg(&h.pin_root)
+        .arg("--metrics-address")
+        .arg(h.metrics_addr.to_string())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&services.stdout);
+    let web = text.lines().position(|l| l.contains("10.96.0.10:80/TCP") && l.contains("test/web:http/TCP"));
+    let web = web.unwrap_or_else(|| panic!("no named frontend in:\n{text}"));
+    assert!(text.lines().nth(web + 1).is_some_and(|l| l.contains("connects 1 ")), "{text}");
 
     // Not a kube-proxy path: 404, as kube-proxy's mux answers.
     assert_eq!(http_get(h.metrics_addr, "/nope").unwrap().0, 404);

@@ -23,7 +23,7 @@ use proxy_common::{
     Addr, CidrKey, CtKey, CtKey4, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, LINK_FLAG_TC_INGRESS, LinkInfo,
     NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
     SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MIN, TCP_ACK, TCP_FIN, TCP_PSH, TCP_RST, TCP_SYN, counter,
-    ct, map_names, program_names, tc_slow_path,
+    ct, event, map_names, program_names, service_stat, tc_slow_path,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -1068,6 +1068,11 @@ fn drops_and_rejects_are_events_while_a_reader_follows() {
         ]
     );
     assert!(seen.iter().all(|e| e.time.parse::<jiff::Timestamp>().is_ok()), "{seen:?}");
+    let id = |addr: Ipv4Addr, port: u16| {
+        rig.programmer.programmed()[&frontend_key(addr, port, Protocol::Tcp, SCOPE_EXTERNAL)].value.service_id
+    };
+    let ids: Vec<u32> = seen.iter().map(|e| e.service_id).collect();
+    assert_eq!(ids, [id(CLUSTER_IP, 81), id(Ipv4Addr::UNSPECIFIED, 30081), id(LB_IP, 80)], "each event's port");
     // The reader is gone: the programs write nothing.
     assert_eq!(wanted(), 0, "the reader turned the events off");
     assert_eq!(rig.ingress(&tcp(CLIENT, 40074, NODE_IP, 30081).bytes()).0, TC_ACT_SHOT);
@@ -1134,6 +1139,67 @@ fn a_segment_of_a_flow_whose_endpoint_died_is_answered_with_a_reset() {
     assert_eq!(rig.conntrack().mark_where_in([true, false], proxy_common::ct::ENDPOINT_DEAD, of_client).unwrap(), 1);
     let (verdict, out) = rig.ingress(&syn.bytes());
     assert_eq!((verdict, out), (TC_ACT_OK, Pkt { dst: POD.into(), dport: 8080, ..syn }.bytes()));
+}
+
+/// Each service port's counters: its new flows, the packets and bytes of its flows both ways
+/// (those the flow cache served too), the flows its endpoint never answered, and its refusals
+/// by reason, each counted for the port the packet was for.
+#[test]
+fn each_service_port_counts_its_flows_packets_bytes_and_refusals() {
+    pin_to_cpu(0);
+    let rig = Rig::with(&services(), |cfg| cfg.ct_timeouts = CtTimeouts { tcp_syn: 200 * MS, ..CtTimeouts::DEFAULT });
+    let id = |addr: Ipv4Addr, port: u16| {
+        rig.programmer.programmed()[&frontend_key(addr, port, Protocol::Tcp, SCOPE_EXTERNAL)].value.service_id
+    };
+    let stats = || bpf::read_service_stats(&rig.pins.0).unwrap();
+    let word = |id: u32, word: u32| stats().get(&id).map_or(0, |s| s.words[word as usize]);
+    let web = id(CLUSTER_IP, 80);
+
+    // A connection: SYN, answer, ACK, then five segments the flow cache serves but the first.
+    let syn = tcp(CLIENT, 40070, CLUSTER_IP, 80);
+    let synack = Pkt { tcp_flags: TCP_SYN | TCP_ACK, seq: 7000, ack: 1001, ..tcp(POD, 8080, CLIENT, 40070) };
+    let ack = Pkt { tcp_flags: TCP_ACK, seq: 1001, ack: 7001, ..syn };
+    let mut sent = vec![syn.bytes(), synack.bytes(), ack.bytes()];
+    sent.extend((0..5).map(|_| ack.bytes_with_macs([1; 6], [2; 6])));
+    assert_eq!(rig.ingress(&sent[0]).0, TC_ACT_OK);
+    assert_eq!(rig.egress(&sent[1]).0, TC_ACT_OK);
+    let filled = rig.counter(counter::TC_FLOW_CACHE_FILLED);
+    for packet in &sent[2..] {
+        assert_eq!(rig.ingress(packet).0, TC_ACT_OK);
+    }
+    assert_eq!(rig.counter(counter::TC_FLOW_CACHE_FILLED), filled + 1, "the cache served the flow");
+    let bytes: usize = sent.iter().map(Vec::len).sum();
+    let mut want = proxy_common::ServiceStats::default();
+    want.words[service_stat::NEW_FLOWS as usize] = 1;
+    want.words[service_stat::PACKETS as usize] = 8;
+    want.words[service_stat::BYTES as usize] = bytes as u64;
+    assert_eq!(stats().get(&web), Some(&want), "one flow, eight packets of {bytes} bytes");
+
+    // A SYN nobody answers, then sent again once its flow expired: counted unanswered, and
+    // balanced as a new flow.
+    let lonely = tcp(CLIENT, 40071, CLUSTER_IP, 80);
+    rig.ingress(&lonely.bytes());
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    rig.ingress(&lonely.bytes());
+    assert_eq!(word(web, service_stat::UNANSWERED), 1);
+    assert_eq!(word(web, service_stat::NEW_FLOWS), 3);
+
+    // Refusals, each for its own port: no endpoints (rejected), a source outside the
+    // LoadBalancer's ranges, eTP=Local without a local endpoint.
+    let rejected = id(CLUSTER_IP, 81);
+    rig.ingress(&tcp(CLIENT, 40072, CLUSTER_IP, 81).bytes_with_macs([1; 6], [2; 6]));
+    let outsider = Ipv4Addr::new(10, 0, 0, 50);
+    assert_eq!(rig.ingress(&tcp(outsider, 40073, LB_IP, 80).bytes()).0, TC_ACT_SHOT);
+    assert_eq!(rig.ingress(&tcp(CLIENT, 40074, NODE_IP, 30081).bytes()).0, TC_ACT_SHOT);
+    let refused = |reason: u32| service_stat::EVENTS + reason;
+    assert_eq!(word(rejected, refused(event::REJECTED)), 1);
+    assert_eq!(word(id(LB_IP, 80), refused(event::DROPPED_SOURCE_RANGE)), 1);
+    assert_eq!(word(id(Ipv4Addr::UNSPECIFIED, 30081), refused(event::DROPPED_NO_LOCAL_ENDPOINTS)), 1);
+    for (port, stats) in stats() {
+        let refusals: u64 = stats.words[service_stat::EVENTS as usize..].iter().sum();
+        assert!(port == web || refusals == 1, "port {port}: {stats:?}");
+        assert_eq!(stats.words[service_stat::NEW_FLOWS as usize] == 0, port != web, "port {port}: {stats:?}");
+    }
 }
 
 fn ip_src_of(packet: &[u8]) -> IpAddr {
@@ -1244,7 +1310,8 @@ fn flows_live_by_state_and_the_sweep_removes_ended_ones() {
     std::thread::sleep(std::time::Duration::from_millis(120));
     let sweep =
         rig.conntrack().sweep(&CtTimeouts { tcp_closed: 50 * MS, ..CtTimeouts::DEFAULT }, monotonic_now()).unwrap();
-    assert_eq!(sweep, Sweep { live: 2, expired: 4 }, "the ended flows go, the established one stays");
+    let want = Sweep { live: 2, expired: 4, ..Sweep::default() };
+    assert_eq!(sweep, want, "the ended flows go, the established one stays; none was unanswered");
     let (verdict, out) = rig.ingress(&kept.bytes());
     assert_eq!(
         (verdict, dst_of(&out).octets()[..3].to_vec()),
@@ -1346,7 +1413,8 @@ fn a_new_connection_on_a_closed_flows_tuple_starts_over_on_its_entries_unless_th
     assert_eq!(rig.ingress(&syn.bytes()).1, first);
     std::thread::sleep(std::time::Duration::from_millis(1100));
     let sweep = rig.conntrack().sweep(&timeouts, monotonic_now()).unwrap();
-    assert_eq!(sweep, Sweep { live: 0, expired: 2 }, "the SYN timeout, not the established one");
+    assert_eq!((sweep.live, sweep.expired), (0, 2), "the SYN timeout, not the established one");
+    assert_eq!(sweep.unanswered.values().sum::<u64>(), 1, "one flow its endpoint never answered");
 
     // The endpoint leaves; a closed flow's tuple is balanced anew over the others.
     let (_, first) = rig.ingress(&syn.bytes());
@@ -1603,7 +1671,8 @@ fn an_answer_the_client_never_acknowledges_holds_its_flow_for_the_syn_timeout_on
     std::thread::sleep(std::time::Duration::from_millis(1100));
     let mut conntrack = rig.conntrack();
     let sweep = conntrack.sweep(&timeouts, monotonic_now()).unwrap();
-    assert_eq!(sweep, Sweep { live: 2, expired: 20 }, "the SYN timeout for the unacknowledged ones");
+    let want = Sweep { live: 2, expired: 20, ..Sweep::default() };
+    assert_eq!(sweep, want, "the SYN timeout for the unacknowledged ones (answered: none unanswered)");
     let live: Vec<(&str, usize)> = conntrack.table_use().iter().map(|t| (t.name, t.live)).collect();
     assert_eq!(
         live,

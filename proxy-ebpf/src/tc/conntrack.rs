@@ -6,6 +6,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     CachedRoute, CtKey, CtValue, FlowAddr, IPPROTO_TCP, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, counter, ct,
+    service_stat,
 };
 
 use super::{
@@ -23,6 +24,7 @@ use crate::{
     globals::KPR_FORWARD_DIRECT,
     maps::{FlowMap, FlowTables, backend_at, count, now_by_tick, serves},
     packet::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    stats,
 };
 
 /// A packet of a flow in conntrack: translated as its entry says (`NO_FLOW`: no live entry),
@@ -48,7 +50,7 @@ pub(super) fn translate_tracked<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags
     // The slot a fill may take is kept in the scratch area, as the generation.
     s.cache_slot.index = flow_cache::NO_SLOT;
     let cached = if cacheable(t, tcp_flags) {
-        flow_cache::probe(key, generation, now, straight_out, &mut s.cache_slot)
+        flow_cache::probe(key, generation, now, straight_out, u64::from(ctx.len()), &mut s.cache_slot)
     } else {
         None
     };
@@ -111,6 +113,9 @@ fn table_flow<'a, F: Family>(
     let mut route = route_hint::<F>(ingress && (confirmed || entry.flags & ct::REPLY != 0), &entry.route, now);
     if expired(t.proto, entry, now) {
         count(counter::TC_CT_EXPIRED);
+        if !confirmed && entry.flags & (ct::REPLY | ct::SEEN_REPLY) == 0 {
+            stats::add(entry.service_id, service_stat::UNANSWERED, 0, 0);
+        }
         forget(key, entry, t.proto);
         return Err(NO_FLOW);
     }
@@ -125,6 +130,7 @@ fn table_flow<'a, F: Family>(
                 return Err(PASS);
             }
             count(counter::TC_NEW_FLOW);
+            stats::add(entry.service_id, service_stat::NEW_FLOWS, 1, u64::from(ctx.len()));
             // SAFETY: the per-CPU scratch value; `forward_direct`, next, takes it back.
             unsafe { (*s).route = route };
             return Err(TC_ACT_OK);
@@ -153,7 +159,8 @@ fn table_flow<'a, F: Family>(
     // left its slot free: a packet to be sent straight out needs the kept route.
     // SAFETY: the per-CPU scratch value.
     let (slot, generation) = unsafe { ((*s).cache_slot, (*s).generation) };
-    if slot.index != flow_cache::NO_SLOT
+    let bytes = u64::from(ctx.len());
+    let cached = if slot.index != flow_cache::NO_SLOT
         && confirmed
         && entry.flags | seen == entry.flags
         && !ct::closed(entry.flags)
@@ -163,9 +170,15 @@ fn table_flow<'a, F: Family>(
         if route == ROUTE_CACHED {
             valid_until = valid_until.min(u64::from(entry.route.period + 1) << ct::ROUTE_PERIOD_SHIFT);
         }
-        if flow_cache::fill(slot, key, entry, generation, now, valid_until, route == ROUTE_CACHED) {
-            count(counter::TC_FLOW_CACHE_FILLED);
-        }
+        flow_cache::fill(slot, key, entry, generation, now, valid_until, route == ROUTE_CACHED, bytes)
+    } else {
+        false
+    };
+    // The packet is counted for its service port: in the slot it filled, else here.
+    if cached {
+        count(counter::TC_FLOW_CACHE_FILLED);
+    } else {
+        stats::add(entry.service_id, service_stat::NONE, 1, bytes);
     }
     Ok((entry, route))
 }

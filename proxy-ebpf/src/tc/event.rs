@@ -1,17 +1,22 @@
 //! Drop and reject events for `kpr events`, written to a ring buffer (`KPR_EVENTS`) only while
 //! a reader asks for them (`KPR_EVENTS_WANTED` holds a deadline it keeps pushing forward). A
 //! node nobody watches pays a map read per dropped or answered packet; a forwarded packet never
-//! comes here.
+//! comes here. Each is also counted for its service port (`stats`), read or not.
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 
 use super::parse::Tuple;
-use crate::maps::{EVENTS, EVENTS_WANTED};
+use crate::{
+    maps::{EVENTS, EVENTS_WANTED},
+    stats,
+};
 
-/// Note that the packet of `t` was dropped or answered for `reason` (`proxy_common::event`).
+/// Note that the packet of `t`, for service port `service_id` (0: none known), was dropped or
+/// answered for `reason` (`proxy_common::event`).
 /// A subprogram: its frame stays off the callers' chains but for this leaf; the event is
 /// written in the ring's memory, not built on the stack.
 #[inline(never)]
-pub(super) fn note(t: &Tuple, reason: u32) {
+pub(super) fn note(t: &Tuple, reason: u32, service_id: u32) {
+    stats::update(service_id, proxy_common::service_stat::EVENTS + reason, 0, 0);
     let Some(until) = EVENTS_WANTED.get(0) else { return };
     // SAFETY: a helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
@@ -28,8 +33,9 @@ pub(super) fn note(t: &Tuple, reason: u32) {
         (*event).sport = t.sport;
         (*event).dport = t.dport;
         (*event).reason = reason;
+        (*event).service_id = service_id;
         (*event).proto = t.proto;
-        (*event)._pad = [0; 7];
+        (*event)._pad = [0; 3];
     }
     entry.submit(0);
 }

@@ -261,7 +261,7 @@ fn slow_path<F: Family>(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
         REJECT => reject_port_unreachable::<F>(ctx, &t),
         PASS if awaits_copied_flow(&t, tcp_flags) => {
             count(counter::TC_DROPPED);
-            event::note(&t, proxy_common::event::DROPPED_DURING_UPGRADE);
+            event::note(&t, proxy_common::event::DROPPED_DURING_UPGRADE, 0);
             TC_ACT_SHOT
         }
         verdict => verdict,

@@ -15,7 +15,7 @@ use proxy_common::{
     DETECT_LOCAL_INTERFACE, IPPROTO_TCP, LINK_FLAG_LOCAL_TRAFFIC, LINK_FLAG_NOT_ETHERNET, NODE_ADDR_LOCAL,
     NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
     SERVICE_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SourceRange, addrs_csum_diff, counter, csum, ct, event,
-    has_states,
+    has_states, service_stat,
 };
 
 use super::{
@@ -39,6 +39,7 @@ use crate::{
         backend_at, count, handed_over, link, node_addr_flags, now, refusal, remember_affinity, service_range_miss,
     },
     packet::{TCP_ACK, TCP_SYN},
+    stats,
 };
 
 /// Tries at finding a free SNAT port before giving up on a new flow.
@@ -66,7 +67,7 @@ pub(super) fn pick_backend<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8,
     }
     if !reverse_path_ok::<F>(ctx, t) {
         count(counter::TC_DROPPED);
-        note(t, event::DROPPED_SPOOFED_SOURCE);
+        note(t, event::DROPPED_SPOOFED_SOURCE, 0);
         return Ok(TC_ACT_SHOT);
     }
     let scope = source_scope(ctx, t);
@@ -79,7 +80,7 @@ pub(super) fn pick_backend<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8,
             ServiceRangeMiss::Reject => refusal(0),
             ServiceRangeMiss::Drop => {
                 count(counter::TC_DROPPED);
-                note(t, event::DROPPED_UNALLOCATED_ADDRESS);
+                note(t, event::DROPPED_UNALLOCATED_ADDRESS, 0);
                 return Ok(TC_ACT_SHOT);
             }
         },
@@ -96,13 +97,13 @@ fn egress_drop(ctx: &TcContext, t: &Tuple) -> i32 {
     if t.proto != IPPROTO_TCP || source_scope(ctx, t) != SCOPE_NODE {
         return PASS;
     }
-    let drop = match lookup_frontend(t, SCOPE_NODE) {
-        Some(s) => s.backends_count == 0 && s.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0,
-        None => service_range_miss(t.daddr) == ServiceRangeMiss::Drop,
+    let (drop, service_id) = match lookup_frontend(t, SCOPE_NODE) {
+        Some(s) => (s.backends_count == 0 && s.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0, s.service_id),
+        None => (service_range_miss(t.daddr) == ServiceRangeMiss::Drop, 0),
     };
     if drop {
         count(counter::TC_DROPPED);
-        note(t, event::DROPPED_FROM_NODE);
+        note(t, event::DROPPED_FROM_NODE, service_id);
         return TC_ACT_SHOT;
     }
     PASS
@@ -218,17 +219,19 @@ fn pick_from_service(t: &Tuple, service: &ServiceValue, now: u64) -> Result<i32,
         let key = Key::new(32 + 128, SourceRange { service_id: service.service_id.to_be(), addr: t.saddr });
         if SOURCE_RANGES.get(&key).is_none() {
             count(counter::TC_DROPPED);
-            note(t, event::DROPPED_SOURCE_RANGE);
+            note(t, event::DROPPED_SOURCE_RANGE, service.service_id);
             return Ok(TC_ACT_SHOT);
         }
     }
     if service.backends_count == 0 {
         if service.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0 {
             count(counter::TC_DROPPED);
-            note(t, event::DROPPED_NO_LOCAL_ENDPOINTS);
+            note(t, event::DROPPED_NO_LOCAL_ENDPOINTS, service.service_id);
             return Ok(TC_ACT_SHOT);
         }
-        // kube-proxy's REJECT: a TCP reset, else ICMP port unreachable (UDP and SCTP).
+        // kube-proxy's REJECT: a TCP reset, else ICMP port unreachable (UDP and SCTP). The
+        // service port is the scratch area's, for its counters.
+        scratch()?.service = *service;
         return Ok(REJECT);
     }
     // The backend is a hash of the tuple: as random as the client's port for new flows, and
@@ -295,7 +298,7 @@ pub(super) fn create_flow<F: Family>(
         let port = snat_port::<F::FlowAddr>(t, backend, &snat_addr, s);
         if port == 0 {
             count(counter::TC_SNAT_EXHAUSTED);
-            note(t, event::DROPPED_SNAT_EXHAUSTED);
+            note(t, event::DROPPED_SNAT_EXHAUSTED, service.service_id);
             return Ok(TC_ACT_SHOT);
         }
         (snat_addr, port)
@@ -313,7 +316,7 @@ pub(super) fn create_flow<F: Family>(
         };
         if port == 0 {
             count(counter::TC_SNAT_EXHAUSTED);
-            note(t, event::DROPPED_SNAT_EXHAUSTED);
+            note(t, event::DROPPED_SNAT_EXHAUSTED, service.service_id);
             return Ok(TC_ACT_SHOT);
         }
         (t.saddr, port)
@@ -357,7 +360,7 @@ pub(super) fn create_flow<F: Family>(
     } else {
         let _ = new_flows.remove(reply_key);
         count(counter::TC_CT_FULL);
-        note(t, event::DROPPED_CONNTRACK_FULL);
+        note(t, event::DROPPED_CONNTRACK_FULL, service.service_id);
         return Ok(TC_ACT_SHOT);
     };
     rewrite_first::<F>(ctx, t, forward)?;
@@ -365,6 +368,8 @@ pub(super) fn create_flow<F: Family>(
     // that was lost.
     let recreated = has_states(t.proto) && tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN;
     count(if recreated { counter::TC_CT_RECREATED } else { counter::TC_NEW_FLOW });
+    let word = if recreated { service_stat::NONE } else { service_stat::NEW_FLOWS };
+    stats::add(service.service_id, word, 1, u64::from(ctx.len()));
     Ok(TC_ACT_OK)
 }
 

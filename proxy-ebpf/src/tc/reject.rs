@@ -18,7 +18,13 @@ use crate::{
     packet::{TCP_ACK, TCP_FLAGS, TCP_RST, TCP_SYN},
 };
 
-use super::{event::note, parse::Tuple};
+use super::{event::note, parse::Tuple, scratch::scratch};
+
+/// The service port a refused packet was for (`pick_backend` leaves it in the scratch area).
+#[inline(always)]
+fn refused_service() -> u32 {
+    scratch().map_or(0, |s| s.service.service_id)
+}
 
 /// kube-proxy REJECTs connections to a service without endpoints: answer a SYN with a RST
 /// (the client sees ECONNREFUSED), sent back out of the interface it came in on.
@@ -27,7 +33,7 @@ use super::{event::note, parse::Tuple};
 #[inline(never)]
 pub(super) fn reject_tcp<F: Family>(ctx: &TcContext, t: &Tuple) -> i32 {
     count(counter::TC_REJECTED);
-    note(t, event::REJECTED);
+    note(t, event::REJECTED, refused_service());
     reset::<F>(ctx, t, false).unwrap_or(TC_ACT_SHOT)
 }
 
@@ -38,7 +44,8 @@ pub(super) fn reject_tcp<F: Family>(ctx: &TcContext, t: &Tuple) -> i32 {
 #[inline(never)]
 pub(super) fn reset_flow<F: Family>(ctx: &TcContext, t: &Tuple) -> i32 {
     count(counter::TC_DEAD_FLOW_RESET);
-    note(t, event::RESET_DEAD_ENDPOINT);
+    // `translate_tracked` left the flow's entry in the scratch area.
+    note(t, event::RESET_DEAD_ENDPOINT, scratch().map_or(0, |s| s.entry.service_id));
     reset::<F>(ctx, t, true).unwrap_or(TC_ACT_SHOT)
 }
 
@@ -97,7 +104,7 @@ pub(super) fn reject_port_unreachable<F: Family>(ctx: &TcContext, t: &Tuple) -> 
 #[inline(always)]
 fn port_unreachable<F: Family>(ctx: &TcContext, t: &Tuple) -> Result<i32, ()> {
     count(counter::TC_REJECTED);
-    note(t, event::REJECTED);
+    note(t, event::REJECTED, refused_service());
     let [icmp_type, code] = F::PORT_UNREACHABLE;
     let macs = icmp_about_packet::<F>(ctx, [icmp_type, code, 0, 0, 0, 0, 0, 0], &t.daddr, &t.saddr)?;
     bounce::<F>(ctx, macs)

@@ -5,11 +5,11 @@ use aya_ebpf::{
     btf_maps::PerCpuArray,
     macros::btf_map,
 };
-use proxy_common::{Addr, Addr4, Backend, CtKey, CtValue, ServiceValue};
+use proxy_common::{Addr, Addr4, Backend, CtKey, CtValue, Generation, ServiceValue};
 
 use crate::{
     flow_cache,
-    maps::{FlowTables, Generation, TickClock},
+    maps::{FlowTables, TickClock},
 };
 
 /// Per-CPU room for the conntrack keys and values a packet writes: on the BPF stack they would

@@ -1,11 +1,11 @@
 //! The per-packet path's conntrack, seen from the agent: usage, and the sweep that removes
 //! expired flows (the programs take back an expired tuple or SNAT port when they meet it; the
 //! sweep frees the rest, so the table never fills with flows that ended long ago).
-use std::{path::Path, time::Duration};
+use std::{collections::BTreeMap, path::Path, time::Duration};
 
 use anyhow::{Context as _, Result};
 use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData};
-use proxy_common::{Addr, Addr4, CtKey, CtTimeouts, CtValue, FlowAddr, ct_generation, map_names};
+use proxy_common::{Addr, Addr4, CtKey, CtTimeouts, CtValue, FlowAddr, ct, ct_generation, map_names};
 
 use super::bpf::{batch::read_all_of, pins::open_pinned_map};
 
@@ -37,12 +37,14 @@ pub struct TableUse {
 }
 
 /// What one sweep found.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Sweep {
     /// Entries alive after the sweep.
     pub live: usize,
     /// Entries removed.
     pub expired: usize,
+    /// Of those, new flows their endpoint never answered, by service id.
+    pub unanswered: BTreeMap<u32, u64>,
 }
 
 /// One conntrack table, keyed by addresses `A` (its family's).
@@ -135,8 +137,18 @@ impl Conntrack {
     /// Remove the entries that have been idle longer than their state allows at `now`
     /// (CLOCK_MONOTONIC, the programs' clock).
     pub fn sweep(&mut self, timeouts: &CtTimeouts, now: u64) -> Result<Sweep> {
-        let (live, expired) = self.remove_where(|key, value| timeouts.expired(key.proto, value, now))?;
-        Ok(Sweep { live, expired })
+        let mut unanswered = BTreeMap::new();
+        let mut removed = |value: &CtValue| {
+            if value.flags & (ct::REPLY | ct::SEEN_REPLY) == 0 {
+                *unanswered.entry(value.service_id).or_insert(0) += 1;
+            }
+        };
+        let (live, expired) = self.remove_where_telling(
+            [true, true],
+            |key, value| timeouts.expired(key.proto, value, now),
+            &mut removed,
+        )?;
+        Ok(Sweep { live, expired, unanswered })
     }
 
     /// Remove the entries `doomed` picks (it sees keys of either family, IPv4 mapped), in all
@@ -153,18 +165,29 @@ impl Conntrack {
         families: [bool; 2],
         doomed: impl Fn(&CtKey, &CtValue) -> bool,
     ) -> Result<(usize, usize)> {
+        self.remove_where_telling(families, doomed, &mut |_| {})
+    }
+
+    /// [`Self::remove_where_in`], telling `removed` of each entry it removed.
+    fn remove_where_telling(
+        &mut self,
+        families: [bool; 2],
+        doomed: impl Fn(&CtKey, &CtValue) -> bool,
+        removed_one: &mut dyn FnMut(&CtValue),
+    ) -> Result<(usize, usize)> {
         let (mut left, mut removed) = (0, 0);
-        let walked = (|| -> Result<()> {
+        let mut walked = || -> Result<()> {
             for (i, table) in self.v4.iter_mut().enumerate().filter(|_| families[0]) {
-                let (l, r) = remove_where(table, &doomed)?;
+                let (l, r) = remove_where(table, &doomed, removed_one)?;
                 (left, removed, self.live[i]) = (left + l, removed + r, l);
             }
             for (i, table) in self.v6.iter_mut().enumerate().filter(|_| families[1]) {
-                let (l, r) = remove_where(table, &doomed)?;
+                let (l, r) = remove_where(table, &doomed, removed_one)?;
                 (left, removed, self.live[2 + i]) = (left + l, removed + r, l);
             }
             Ok(())
-        })();
+        };
+        let walked = walked();
         // A walk that failed may have removed entries it did not get to count.
         if removed > 0 || walked.is_err() {
             self.changed()?;
@@ -213,7 +236,11 @@ impl Conntrack {
 /// enough for the programs to bring a doomed tuple back to life meanwhile (a new connection
 /// on the tuple of an expired flow), and removing that entry would break the new
 /// connection (its replies would find no flow).
-fn remove_where<A: FlowAddr>(table: &mut Table<A>, doomed: &impl Fn(&CtKey, &CtValue) -> bool) -> Result<(usize, usize)>
+fn remove_where<A: FlowAddr>(
+    table: &mut Table<A>,
+    doomed: &impl Fn(&CtKey, &CtValue) -> bool,
+    removed_one: &mut dyn FnMut(&CtValue),
+) -> Result<(usize, usize)>
 where
     CtKey<A>: aya::Pod,
 {
@@ -228,17 +255,20 @@ where
     };
     read_all_of(table).into_iter().for_each(|(k, v)| pick(k, v));
     for key in keys {
-        match table.get(&key, 0) {
-            Ok(value) if doomed(&key.wide(), &value) => {}
+        let value = match table.get(&key, 0) {
+            Ok(value) if doomed(&key.wide(), &value) => value,
             Ok(_) => {
                 left += 1;
                 continue;
             }
             // Taken back by the programs meanwhile.
             Err(_) => continue,
-        }
+        };
         match table.remove(&key) {
-            Ok(()) => removed += 1,
+            Ok(()) => {
+                removed += 1;
+                removed_one(&value);
+            }
             // Taken back by the programs meanwhile.
             Err(aya::maps::MapError::KeyNotFound) => {}
             Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
@@ -314,11 +344,11 @@ impl PressureAlarm {
 }
 
 /// Sweep every [`SWEEP_INTERVAL`] until the task is dropped; failures are logged, never fatal.
-/// `swept` hears of each sweep: the entries it removed, and each table's use after it.
+/// `swept` hears of each sweep: what it removed, and each table's use after it.
 pub async fn sweep_forever(
     pin_root: std::path::PathBuf,
     timeouts: CtTimeouts,
-    swept: impl Fn(usize, &[TableUse]) + Send + 'static,
+    swept: impl Fn(&Sweep, &[TableUse]) + Send + 'static,
 ) {
     let mut tick = tokio::time::interval(SWEEP_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -341,7 +371,7 @@ pub async fn sweep_forever(
         match result {
             Ok(Ok((conntrack, sweep))) => {
                 let table_use = conntrack.table_use();
-                swept(sweep.expired, &table_use);
+                swept(&sweep, &table_use);
                 for (table, raised) in alarm.observe(&table_use) {
                     let (name, live, capacity) = (table.name, table.live, table.capacity);
                     if raised {

@@ -36,6 +36,8 @@ pub struct EventView {
     /// The frontend the packet was sent to (the Service's address and port, as `kpr services`
     /// shows it), or the address the flow went to.
     pub destination: String,
+    /// The service port's id in the maps (as `kpr services` shows it); 0: none known.
+    pub service_id: u32,
 }
 
 impl EventView {
@@ -49,12 +51,14 @@ impl EventView {
             protocol: proxy_common::proto_name(e.proto),
             source: at(e.saddr, e.sport),
             destination: at(e.daddr, e.dport),
+            service_id: e.service_id,
         }
     }
 }
 
 pub fn text(e: &EventView) -> String {
-    format!("{} {:<28} {:<5} {} -> {}\n", e.time, e.reason, e.protocol, e.source, e.destination)
+    let id = if e.service_id == 0 { String::new() } else { format!(" (id {})", e.service_id) };
+    format!("{} {:<28} {:<5} {} -> {}{id}\n", e.time, e.reason, e.protocol, e.source, e.destination)
 }
 
 /// Turn the events on and hand each to `each` as it comes, until `each` says stop (false) or

@@ -1,8 +1,9 @@
-//! `kpr services`: what the datapath holds, read from the pinned maps (also while no agent runs).
-use std::{collections::BTreeMap, fmt::Write as _, path::Path};
+//! `kpr services`: what the datapath holds, read from the pinned maps (also while no agent runs),
+//! with each frontend's counters and, when the agent answers, the Service port it serves.
+use std::{collections::BTreeMap, fmt::Write as _, net::SocketAddr, path::Path, time::Duration};
 
 use anyhow::Result;
-use proxy_common::ServiceKey;
+use proxy_common::{ServiceKey, ServiceStats, event, service_stat};
 use serde::Serialize;
 
 use crate::{
@@ -30,6 +31,56 @@ pub struct PortView {
     /// sessionAffinity ClientIP timeout.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub affinity_seconds: Option<u32>,
+    /// `namespace/name:port/protocol`, as the agent names it (none when no agent answers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service_port: Option<String>,
+    /// What this frontend saw (none before its first flow, connect or refusal).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stats: Option<PortStats>,
+}
+
+/// A frontend's counters (`KPR_SERVICE_STATS`; `/metrics` sums a port's frontends).
+#[derive(Debug, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PortStats {
+    pub new_flows: u64,
+    pub socket_connects: u64,
+    pub unanswered_flows: u64,
+    pub packets: u64,
+    pub bytes: u64,
+    pub rejects: u64,
+    /// Drops (and dead-flow resets) by reason; only those that happened.
+    pub drops: BTreeMap<&'static str, u64>,
+}
+
+impl PortStats {
+    pub fn new(stats: &ServiceStats) -> Self {
+        let word = |w: u32| stats.words[w as usize];
+        let drops = (0..event::COUNT)
+            .filter(|r| *r != event::REJECTED && word(service_stat::EVENTS + r) != 0)
+            .map(|r| (event::NAMES[r as usize], word(service_stat::EVENTS + r)))
+            .collect();
+        Self {
+            new_flows: word(service_stat::NEW_FLOWS),
+            socket_connects: word(service_stat::CONNECTS),
+            unanswered_flows: word(service_stat::UNANSWERED),
+            packets: word(service_stat::PACKETS),
+            bytes: word(service_stat::BYTES),
+            rejects: word(service_stat::EVENTS + event::REJECTED),
+            drops,
+        }
+    }
+
+    fn line(&self) -> String {
+        let mut line = format!(
+            "new flows {} connects {} unanswered {} packets {} bytes {} rejects {}",
+            self.new_flows, self.socket_connects, self.unanswered_flows, self.packets, self.bytes, self.rejects
+        );
+        for (reason, count) in &self.drops {
+            let _ = write!(line, " {reason} {count}");
+        }
+        line
+    }
 }
 
 impl PortView {
@@ -54,6 +105,8 @@ impl PortView {
             flags,
             source_ranges,
             affinity_seconds: (value.affinity_timeout != 0).then_some(value.affinity_timeout),
+            service_port: None,
+            stats: None,
         }
     }
 
@@ -66,7 +119,12 @@ impl PortView {
         let mut flags = self.flags.iter().map(|f| f.to_string()).collect::<Vec<_>>();
         flags.extend(self.affinity_seconds.map(|s| format!("affinity={s}s")));
         let flags = if flags.is_empty() { String::new() } else { format!(" [{}]", flags.join(",")) };
-        format!("{:<28} id {:<6} -> {shown}{flags}", self.frontend, self.service_id)
+        let name = self.service_port.as_deref().map(|n| format!("{n} ")).unwrap_or_default();
+        let mut line = format!("{:<28} id {:<6} {name}-> {shown}{flags}", self.frontend, self.service_id);
+        if let Some(stats) = &self.stats {
+            let _ = write!(line, "\n      {}", stats.line());
+        }
+        line
     }
 }
 
@@ -102,7 +160,15 @@ pub struct ConntrackUse {
     pub capacity: u32,
 }
 
-pub fn report(pin_root: &Path) -> Result<ServicesReport> {
+/// The agent's names of its service ids (`/service-ports` on its metrics server); none when
+/// no agent answers there.
+fn service_port_names(metrics: SocketAddr) -> Option<BTreeMap<u32, String>> {
+    let (status, body) = super::http_get(metrics, "/service-ports", Duration::from_secs(1)).ok()?;
+    (status == 200).then(|| serde_json::from_str(&body).ok()).flatten()
+}
+
+/// What the maps hold; `metrics`: the agent's metrics server, asked for the Service ports' names.
+pub fn report(pin_root: &Path, metrics: Option<SocketAddr>) -> Result<ServicesReport> {
     let maps = BpfMaps::open_pinned(pin_root)?;
     let cap = maps.capacity();
     let mut programmed: Vec<(ServiceKey, Programmed)> = crate::datapath::read_programmed(&maps)?.into_iter().collect();
@@ -115,14 +181,29 @@ pub fn report(pin_root: &Path) -> Result<ServicesReport> {
         service_port_capacity: cap.service_ports,
         backend_slots,
         backend_capacity: cap.backends,
-        service_ports: programmed.iter().map(|(k, p)| PortView::new(k, p)).collect(),
+        service_ports: port_views(pin_root, &programmed, metrics),
         conntrack: ConntrackUse { established, new, capacity },
         counters: bpf::read_counters(pin_root)?.into_iter().collect(),
     })
 }
 
+fn port_views(pin_root: &Path, programmed: &[(ServiceKey, Programmed)], metrics: Option<SocketAddr>) -> Vec<PortView> {
+    let names = metrics.and_then(service_port_names).unwrap_or_default();
+    // An older layout has no counters: shown without.
+    let stats = bpf::read_service_stats(pin_root).unwrap_or_default();
+    programmed
+        .iter()
+        .map(|(k, p)| {
+            let mut view = PortView::new(k, p);
+            view.service_port = names.get(&p.value.service_id).cloned();
+            view.stats = stats.get(&p.value.service_id).map(PortStats::new);
+            view
+        })
+        .collect()
+}
+
 pub fn render(pin_root: &Path) -> Result<String> {
-    Ok(text(&report(pin_root)?))
+    Ok(text(&report(pin_root, None)?))
 }
 
 pub fn text(r: &ServicesReport) -> String {

@@ -1,8 +1,17 @@
 //! `/metrics`: kube-proxy's metrics under kube-proxy's names and labels
 //! (`pkg/proxy/metrics/metrics.go`), so existing dashboards and alerts keep working, and kpr's
-//! own: map pressure, conntrack, programming errors, source restarts and the datapath's
-//! counters (read from the pinned map at each scrape).
-use std::{path::PathBuf, sync::Mutex, time::SystemTime};
+//! own: map pressure, conntrack, programming errors, source restarts, the datapath's
+//! counters and each Service port's (read from the pinned maps at each scrape).
+use std::{
+    collections::BTreeMap,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::SystemTime,
+};
+
+use proxy_common::{ServiceStats, event, service_stat};
+
+use crate::model::ServicePortName;
 
 use prometheus_client::{
     collector::Collector,
@@ -83,6 +92,7 @@ pub struct Metrics {
     conntrack_expired: Counter,
     shadow_mismatches: Family<ServiceLabel, Gauge>,
     shadow_comparisons: Counter,
+    service_book: Arc<Mutex<ServiceBook>>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -124,6 +134,7 @@ impl Metrics {
             conntrack_expired: Counter::default(),
             shadow_mismatches: Family::default(),
             shadow_comparisons: Counter::default(),
+            service_book: Arc::default(),
         };
         let r = &mut m.registry;
         // Counters get their `_total` suffix from the encoder.
@@ -222,7 +233,8 @@ impl Metrics {
             m.shadow_comparisons.clone(),
         );
         if let Some(pin_root) = pin_root {
-            r.register_collector(Box::new(DatapathCounters { pin_root }));
+            r.register_collector(Box::new(DatapathCounters { pin_root: pin_root.clone() }));
+            r.register_collector(Box::new(ServiceCounters { pin_root, book: m.service_book.clone() }));
         }
         m
     }
@@ -302,10 +314,19 @@ impl Metrics {
         self.source_restarts.get_or_create(&NameLabel { name: source.into() }).inc();
     }
 
-    /// A sweep removed `expired` entries and left `tables` as they are: each table's use, and
-    /// their sum as `conntrack`.
-    pub fn conntrack_swept(&self, expired: usize, tables: &[crate::datapath::conntrack::TableUse]) {
-        self.conntrack_expired.inc_by(expired as u64);
+    /// A sweep removed entries and left `tables` as they are: each table's use, and their sum
+    /// as `conntrack`.
+    pub fn conntrack_swept(
+        &self,
+        sweep: &crate::datapath::conntrack::Sweep,
+        tables: &[crate::datapath::conntrack::TableUse],
+    ) {
+        self.conntrack_expired.inc_by(sweep.expired as u64);
+        let mut book = self.service_book.lock().unwrap_or_else(|p| p.into_inner());
+        for (id, count) in &sweep.unanswered {
+            *book.swept_unanswered.entry(*id).or_default() += count;
+        }
+        drop(book);
         for table in tables {
             self.map_use(table.name, table.live, table.capacity);
         }
@@ -321,6 +342,18 @@ impl Metrics {
             let label = ServiceLabel { namespace: namespace.clone(), service: service.clone() };
             self.shadow_mismatches.get_or_create(&label).set(*count);
         }
+    }
+
+    /// The service port each programmed service id is a frontend of, after a sync that
+    /// changed them: what `kpr_service_*` are labelled with.
+    pub fn service_ports(&self, ports: BTreeMap<u32, ServicePortName>) {
+        self.service_book.lock().unwrap_or_else(|p| p.into_inner()).set_ports(ports);
+    }
+
+    /// Service id → service port (`namespace/name:port/protocol`), for `kpr services`.
+    pub fn service_port_names(&self) -> BTreeMap<u32, String> {
+        let book = self.service_book.lock().unwrap_or_else(|p| p.into_inner());
+        book.ports.iter().map(|(id, name)| (*id, name.to_string())).collect()
     }
 
     pub fn forward_direct(&self, direct: bool) {
@@ -374,6 +407,130 @@ impl Collector for DatapathCounters {
     }
 }
 
+/// The `kpr_service_*` counters and what a word of [`ServiceStats`] is reported as.
+const SERVICE_COUNTERS: [(&str, &str, u32); 6] = [
+    ("kpr_service_new_flows", "New flows the per-packet path balanced", service_stat::NEW_FLOWS),
+    ("kpr_service_socket_connects", "connect() calls the socket path translated", service_stat::CONNECTS),
+    (
+        "kpr_service_unanswered_flows",
+        "New per-packet flows that expired with no answer from their endpoint",
+        service_stat::UNANSWERED,
+    ),
+    ("kpr_service_packets", "Packets of the per-packet path's flows, both directions", service_stat::PACKETS),
+    ("kpr_service_bytes", "Bytes of the per-packet path's flows, both directions", service_stat::BYTES),
+    (
+        "kpr_service_rejects",
+        "New connections refused (a TCP reset, ICMP port unreachable, ECONNREFUSED): no endpoints",
+        service_stat::EVENTS + event::REJECTED,
+    ),
+];
+
+/// What the per-service collector holds between scrapes.
+#[derive(Debug, Default)]
+struct ServiceBook {
+    /// Each programmed service id's port (a port has a service id per frontend).
+    ports: BTreeMap<u32, ServicePortName>,
+    /// Unanswered flows the agent's conntrack sweep removed (the programs count the others).
+    swept_unanswered: BTreeMap<u32, u64>,
+    /// The last counts reported per service id: never reported lower (a scrape may see a
+    /// flow-cache slot's counts twice, or miss a fold).
+    reported: BTreeMap<u32, ServiceStats>,
+    /// The counts of frontends that were removed, per port: its series go on from them.
+    retired: BTreeMap<ServicePortName, ServiceStats>,
+}
+
+impl ServiceBook {
+    fn set_ports(&mut self, ports: BTreeMap<u32, ServicePortName>) {
+        let old = std::mem::replace(&mut self.ports, ports);
+        let gone: Vec<(u32, ServicePortName)> =
+            old.into_iter().filter(|(id, port)| self.ports.get(id) != Some(port)).collect();
+        if gone.is_empty() && self.retired.is_empty() {
+            return;
+        }
+        let live: std::collections::BTreeSet<&ServicePortName> = self.ports.values().collect();
+        for (id, port) in gone {
+            self.swept_unanswered.remove(&id);
+            if let Some(last) = self.reported.remove(&id)
+                && live.contains(&port)
+            {
+                add_stats(self.retired.entry(port).or_default(), &last);
+            }
+        }
+        self.retired.retain(|port, _| live.contains(port));
+    }
+
+    /// Per port: the counts of its frontends now (`read`, by service id), never below what was
+    /// reported before.
+    fn per_port(&mut self, read: &BTreeMap<u32, ServiceStats>) -> BTreeMap<ServicePortName, ServiceStats> {
+        let mut out: BTreeMap<ServicePortName, ServiceStats> = self.retired.clone();
+        for (id, port) in &self.ports {
+            let mut now = read.get(id).copied().unwrap_or_default();
+            now.words[service_stat::UNANSWERED as usize] += self.swept_unanswered.get(id).copied().unwrap_or(0);
+            let last = self.reported.entry(*id).or_default();
+            for (l, n) in last.words.iter_mut().zip(now.words) {
+                *l = (*l).max(n);
+            }
+            add_stats(out.entry(port.clone()).or_default(), last);
+        }
+        out
+    }
+}
+
+fn add_stats(to: &mut ServiceStats, from: &ServiceStats) {
+    for (t, f) in to.words.iter_mut().zip(from.words) {
+        *t += f;
+    }
+}
+
+/// `kpr_service_*{namespace,service,port}`: each Service port's counters, every frontend's
+/// summed, read from the pinned maps at each scrape.
+#[derive(Debug)]
+struct ServiceCounters {
+    pin_root: PathBuf,
+    book: Arc<Mutex<ServiceBook>>,
+}
+
+impl Collector for ServiceCounters {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Ok(read) = crate::datapath::bpf::read_service_stats(&self.pin_root) else {
+            return Ok(()); // no datapath (yet): nothing to report
+        };
+        let per_port = self.book.lock().unwrap_or_else(|p| p.into_inner()).per_port(&read);
+        let labels = |port: &ServicePortName| {
+            [
+                ("namespace", port.service.namespace.clone()),
+                ("service", port.service.name.clone()),
+                ("port", port.port.clone()),
+            ]
+        };
+        for (name, help, word) in SERVICE_COUNTERS {
+            let mut family =
+                encoder.encode_descriptor(name, help, None, prometheus_client::metrics::MetricType::Counter)?;
+            for (port, stats) in &per_port {
+                ConstCounter::new(stats.words[word as usize]).encode(family.encode_family(&labels(port))?)?;
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "kpr_service_drops",
+            "Packets dropped or answered in place of their flow, by reason",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for (port, stats) in &per_port {
+            for reason in (0..event::COUNT).filter(|r| *r != event::REJECTED) {
+                let count = stats.words[(service_stat::EVENTS + reason) as usize];
+                if count == 0 {
+                    continue;
+                }
+                let [ns, svc, p] = labels(port);
+                let labels = [ns, svc, p, ("reason", event::NAMES[reason as usize].to_string())];
+                ConstCounter::new(count).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::Metrics;
@@ -405,5 +562,35 @@ mod tests {
         ));
         assert!(text.contains("kubeproxy_proxy_healthz_total{code=\"503\"} 1\n"));
         assert!(text.contains("# TYPE kubeproxy_sync_proxy_rules_last_timestamp_seconds gauge\n"));
+    }
+
+    #[test]
+    fn a_ports_counters_sum_its_frontends_never_go_down_and_outlive_a_removed_frontend() {
+        use std::collections::BTreeMap;
+
+        use proxy_common::{ServiceStats, service_stat::PACKETS};
+
+        use super::ServiceBook;
+        use crate::model::{ObjectKey, Protocol, ServicePortName};
+        let port =
+            ServicePortName { service: ObjectKey::new("ns", "web"), port: "http".into(), protocol: Protocol::Tcp };
+        let stats = |packets: u64| {
+            let mut s = ServiceStats::default();
+            s.words[PACKETS as usize] = packets;
+            s
+        };
+        let packets = |out: &BTreeMap<ServicePortName, ServiceStats>| out[&port].words[PACKETS as usize];
+        let mut book = ServiceBook::default();
+        book.set_ports(BTreeMap::from([(1, port.clone()), (2, port.clone())]));
+        assert_eq!(packets(&book.per_port(&BTreeMap::from([(1, stats(10)), (2, stats(5))]))), 15);
+        // A read that saw a fold twice, then one that did not: never below what was reported.
+        assert_eq!(packets(&book.per_port(&BTreeMap::from([(1, stats(14)), (2, stats(5))]))), 19);
+        assert_eq!(packets(&book.per_port(&BTreeMap::from([(1, stats(12)), (2, stats(5))]))), 19);
+        // Frontend 2 goes (its port stays): the series goes on from its last counts.
+        book.set_ports(BTreeMap::from([(1, port.clone())]));
+        assert_eq!(packets(&book.per_port(&BTreeMap::from([(1, stats(20))]))), 25);
+        // The port goes: nothing is reported for it.
+        book.set_ports(BTreeMap::new());
+        assert!(book.per_port(&BTreeMap::new()).is_empty());
     }
 }

@@ -10,11 +10,13 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use aya::{
     Ebpf,
-    maps::{Array, HashMap, IterableMap as _, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Key as LpmKey},
+    maps::{
+        Array, HashMap, IterableMap as _, LpmTrie, Map, MapData, PerCpuArray, PerCpuHashMap, lpm_trie::Key as LpmKey,
+    },
 };
 use proxy_common::{
-    Addr, Backend, CidrKey, IPPROTO_TCP, IPPROTO_UDP, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
-    SourceRange, counter, ct, defaults, map_names,
+    Addr, Addr4, Backend, CachedFlow, CidrKey, IPPROTO_TCP, IPPROTO_UDP, ServiceKey, ServiceStats, ServiceValue,
+    SockRevNatKey, SockRevNatValue, SourceRange, counter, ct, defaults, map_names, service_stat,
 };
 
 use super::{
@@ -56,6 +58,9 @@ pub struct BpfMaps {
     sock_revnat: HashMap<MapData, SockRevNatKey, SockRevNatValue>,
     /// The endpoint each unconnected UDP socket keeps for a frontend (socket cookie + frontend).
     sock_picks: HashMap<MapData, SockRevNatKey, Backend>,
+    /// Each service port's counters: removed with the port, so that its id starts from zero
+    /// when it is given again.
+    service_stats: PerCpuHashMap<MapData, u32, ServiceStats>,
     capacity: Capacity,
 }
 
@@ -77,7 +82,19 @@ impl BpfMaps {
         let sock_revnat = HashMap::try_from(ebpf.take_map(map_names::SOCK_REVNAT).context("no sock_revnat map")?)?;
         let sock_picks = HashMap::try_from(ebpf.take_map(map_names::SOCK_PICKS).context("no sock_picks map")?)?;
         let addr_filter = Array::try_from(ebpf.take_map(map_names::ADDR_FILTER).context("no address filter map")?)?;
-        Ok(Self { services, addr_filter, backends, source_ranges, conntrack, sock_revnat, sock_picks, capacity })
+        let service_stats =
+            PerCpuHashMap::try_from(ebpf.take_map(map_names::SERVICE_STATS).context("no service stats map")?)?;
+        Ok(Self {
+            services,
+            addr_filter,
+            backends,
+            source_ranges,
+            conntrack,
+            sock_revnat,
+            sock_picks,
+            service_stats,
+            capacity,
+        })
     }
 
     /// Give addresses (IPv4, network byte order) their bits in the address filter: what a
@@ -99,7 +116,18 @@ impl BpfMaps {
         let sock_revnat = HashMap::try_from(Map::LruHashMap(open(map_names::SOCK_REVNAT)?))?;
         let sock_picks = HashMap::try_from(Map::LruHashMap(open(map_names::SOCK_PICKS)?))?;
         let addr_filter = Array::try_from(Map::Array(open(map_names::ADDR_FILTER)?))?;
-        Ok(Self { services, addr_filter, backends, source_ranges, conntrack, sock_revnat, sock_picks, capacity })
+        let service_stats = PerCpuHashMap::try_from(Map::PerCpuHashMap(open(map_names::SERVICE_STATS)?))?;
+        Ok(Self {
+            services,
+            addr_filter,
+            backends,
+            source_ranges,
+            conntrack,
+            sock_revnat,
+            sock_picks,
+            service_stats,
+            capacity,
+        })
     }
 }
 
@@ -249,6 +277,10 @@ impl Maps for BpfMaps {
     }
 
     fn remove_service(&mut self, key: &ServiceKey) -> Result<()> {
+        if let Ok(value) = self.services.get(key, 0) {
+            // None made yet is no error.
+            let _ = self.service_stats.remove(&value.service_id);
+        }
         match self.services.remove(key) {
             Ok(()) => Ok(()),
             Err(aya::maps::MapError::KeyNotFound) => Ok(()),
@@ -311,4 +343,45 @@ pub fn read_counters(pin_root: &Path) -> Result<Vec<(&'static str, u64)>> {
     let map = open_pinned_map(pin_root, map_names::COUNTERS)?;
     let counters: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(map))?;
     (0..counter::COUNT).map(|i| Ok((counter::NAMES[i as usize], counters.get(&i, 0)?.iter().sum()))).collect()
+}
+
+/// Each service port's counters (by service id), summed over the CPUs, with the packets and
+/// bytes the flow caches' slots have counted and not yet added (`flow_cache` in the programs).
+/// Read twice in a row, a count may be seen in both places once (a slot folded in between the
+/// two reads): callers keep what they report from going down.
+pub fn read_service_stats(pin_root: &Path) -> Result<BTreeMap<u32, ServiceStats>> {
+    let map = open_pinned_map(pin_root, map_names::SERVICE_STATS)?;
+    let stats: PerCpuHashMap<MapData, u32, ServiceStats> = PerCpuHashMap::try_from(Map::PerCpuHashMap(map))?;
+    let mut out: BTreeMap<u32, ServiceStats> = BTreeMap::new();
+    for item in stats.iter() {
+        let (id, per_cpu) = item?;
+        let sum = out.entry(id).or_default();
+        for cpu in per_cpu.iter() {
+            for (total, word) in sum.words.iter_mut().zip(cpu.words) {
+                *total += word;
+            }
+        }
+    }
+    add_cached::<Addr4>(pin_root, map_names::FLOW_CACHE4, &mut out)?;
+    add_cached::<Addr>(pin_root, map_names::FLOW_CACHE6, &mut out)?;
+    Ok(out)
+}
+
+/// Add what one family's flow-cache slots counted to the ports in `out` (a slot of a port
+/// without an entry is of one that was removed).
+fn add_cached<A: 'static>(pin_root: &Path, name: &str, out: &mut BTreeMap<u32, ServiceStats>) -> Result<()>
+where
+    CachedFlow<A>: aya::Pod,
+{
+    let cache: PerCpuArray<MapData, CachedFlow<A>> =
+        PerCpuArray::try_from(Map::PerCpuArray(open_pinned_map(pin_root, name)?))?;
+    for slot in 0..cache.len() {
+        for cached in cache.get(&slot, 0)?.iter().filter(|c| c.packets != 0) {
+            if let Some(stats) = out.get_mut(&cached.entry.service_id) {
+                stats.words[service_stat::PACKETS as usize] += cached.packets;
+                stats.words[service_stat::BYTES as usize] += cached.bytes;
+            }
+        }
+    }
+    Ok(())
 }

@@ -37,7 +37,7 @@ pub use self::{
         BpfHost, HostDatapath, HostState, cleanup, link_name, read_covered_netns, read_links, read_socket_skip,
         write_service_ranges,
     },
-    maps::{BpfMaps, NodeView, read_counters, read_node_view},
+    maps::{BpfMaps, NodeView, read_counters, read_node_view, read_service_stats},
     object::{
         DatapathConfig, ForwardDirect, flow_hash_seed, load_tc_programs, open_object, raise_memlock_limit,
         snat_port_range,

@@ -311,6 +311,8 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
     loader
         .default_map_pin_directory(&dir)
         .map_max_entries(map_names::SERVICES, size(map_names::SERVICES, cfg.max_service_ports))
+        // An entry per service port at most (the agent removes a port's with it).
+        .map_max_entries(map_names::SERVICE_STATS, size(map_names::SERVICE_STATS, cfg.max_service_ports))
         .map_max_entries(map_names::BACKENDS, size(map_names::BACKENDS, cfg.max_backends))
         .map_max_entries(map_names::SOCK_REVNAT, sock_revnat)
         .map_max_entries(map_names::SOCK_PICKS, size(map_names::SOCK_PICKS, cfg.max_sock_revnat))
