@@ -31,7 +31,7 @@
 //! CPU's cache), for its service port's counters (`stats`): they are added to
 //! `KPR_SERVICE_STATS` when the slot is filled again (at most once a second for a busy flow),
 //! and a scrape adds what the slots hold.
-use proxy_common::{CtKey, CtValue, Generation, ct_generation, service_stat};
+use proxy_common::{CachedFlow, CtKey, CtValue, Generation, ct_generation, service_stat};
 
 use crate::{
     maps::{CT_GENERATION, FLOW_CACHE_SLOTS as SLOTS, FlowTables},
@@ -176,7 +176,7 @@ pub fn fill<A: FlowTables>(
         let Some(tag) = (*tags).get_mut(slot.index as usize) else { return false };
         *tag = u64::from(slot.hash) << 32 | u64::from(coarse(valid_until));
         if (*cached).packets != 0 {
-            stats::add((*cached).entry.service_id, service_stat::NONE, (*cached).packets, (*cached).bytes);
+            fold(cached);
         }
         (*cached).packets = 1;
         (*cached).bytes = bytes;
@@ -187,6 +187,15 @@ pub fn fill<A: FlowTables>(
         (*cached).routed = u64::from(routed);
     }
     true
+}
+
+/// Add what a slot counted to its flow's service port. A subprogram taking the slot: its
+/// fields are not held across the call in the caller's frame.
+#[inline(never)]
+fn fold<A: FlowTables>(cached: *const CachedFlow<A>) {
+    // SAFETY: a map value of this CPU's, valid for this program run.
+    let cached = unsafe { &*cached };
+    stats::update(cached.entry.service_id, service_stat::NONE, cached.packets, cached.bytes);
 }
 
 /// Two keys compared in 8-byte words (a key's size is a multiple of 8; both are 8-byte aligned).

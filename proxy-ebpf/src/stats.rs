@@ -4,8 +4,11 @@
 //! packet, a connect, a packet the flow cache did not serve): an established packet the cache
 //! serves adds to its slot instead (`flow_cache`), folded in here when the slot is filled
 //! again.
-use aya_ebpf::bindings::BPF_NOEXIST;
-use proxy_common::service_stat;
+use aya_ebpf::{
+    bindings::BPF_NOEXIST,
+    helpers::{bpf_map_lookup_elem, bpf_map_update_elem},
+};
+use proxy_common::{ServiceStats, service_stat};
 
 use crate::maps::{SERVICE_STATS, SERVICE_STATS_ZERO};
 
@@ -23,16 +26,24 @@ pub fn update(service_id: u32, word: u32, packets: u64, bytes: u64) {
     if service_id == 0 {
         return;
     }
-    let stats = match SERVICE_STATS.get_ptr_mut(&service_id) {
-        Some(stats) => stats,
-        None => {
-            let Some(zero) = SERVICE_STATS_ZERO.get(0) else { return };
-            // Another CPU may make it first (then this insert fails, and the lookup finds it).
-            let _ = SERVICE_STATS.insert(&service_id, zero, u64::from(BPF_NOEXIST));
-            let Some(stats) = SERVICE_STATS.get_ptr_mut(&service_id) else { return };
-            stats
+    // The helpers called directly: the maps' wrappers may stay calls of their own, which
+    // would lengthen the chains of calls `event::note` ends (6.1 holds 512 bytes of frames).
+    let map = core::ptr::from_ref(&SERVICE_STATS).cast_mut().cast::<core::ffi::c_void>();
+    let key = core::ptr::from_ref(&service_id).cast::<core::ffi::c_void>();
+    // SAFETY: a map and a key of its type; the value (if any) is this CPU's, valid for this run.
+    let mut stats = unsafe { bpf_map_lookup_elem(map, key) }.cast::<ServiceStats>();
+    if stats.is_null() {
+        let Some(zero) = SERVICE_STATS_ZERO.get_ptr(0) else { return };
+        // Another CPU may make it first (then this insert fails, and the lookup finds it).
+        // SAFETY: as above; the value is a map value of the map's value type.
+        unsafe {
+            bpf_map_update_elem(map, key, zero.cast(), u64::from(BPF_NOEXIST));
+            stats = bpf_map_lookup_elem(map, key).cast::<ServiceStats>();
         }
-    };
+        if stats.is_null() {
+            return;
+        }
+    }
     // SAFETY: this CPU's value, valid for this program run; no other writer on this CPU.
     unsafe {
         if let Some(w) = (*stats).words.get_mut(word as usize) {

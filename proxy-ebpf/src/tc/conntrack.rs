@@ -30,7 +30,13 @@ use crate::{
 /// A packet of a flow in conntrack: translated as its entry says (`NO_FLOW`: no live entry),
 /// the entry taken from this CPU's flow cache where it serves, else from the table.
 #[inline(always)]
-pub(super) fn translate_tracked<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8, ingress: bool) -> i32 {
+pub(super) fn translate_tracked<F: Family>(
+    ctx: &TcContext,
+    t: &Tuple,
+    tcp_flags: u8,
+    ingress: bool,
+    slow: bool,
+) -> i32 {
     let Ok(mut s) = scratch() else { return NO_FLOW };
     // The key and the entry's copy live in the scratch area: this stage's frame is on the
     // longest chains of calls (confirm, stale).
@@ -57,7 +63,7 @@ pub(super) fn translate_tracked<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags
     // The entry, and how the packet is sent on (`redirect_by`, `forward_direct`).
     let (entry, route) = match cached {
         Some(entry) => (entry, if straight_out { ROUTE_CACHED } else { ROUTE_LOOK_UP }),
-        None => match table_flow::<F>(ctx, t, key, tcp_flags, ingress, straight_out, now, s.as_ptr()) {
+        None => match table_flow::<F>(ctx, t, key, tcp_flags, (ingress, slow), straight_out, now, s.as_ptr()) {
             Ok(found) => found,
             Err(verdict) => return verdict,
         },
@@ -85,7 +91,7 @@ fn table_flow<'a, F: Family>(
     t: &Tuple,
     key: &CtKey<F::FlowAddr>,
     tcp_flags: u8,
-    ingress: bool,
+    (ingress, slow): (bool, bool),
     straight_out: bool,
     now: u64,
     s: *mut FlowScratch,
@@ -117,6 +123,11 @@ fn table_flow<'a, F: Family>(
             stats::add(entry.service_id, service_stat::UNANSWERED, 0, 0);
         }
         forget(key, entry, t.proto);
+        return Err(NO_FLOW);
+    }
+    if ingress && syn && !slow {
+        // A SYN on a known flow may start it anew (`reopen`, `stale`): the slow program's, whose
+        // stack holds those chains of calls beside the attached program's inlined path.
         return Err(NO_FLOW);
     }
     if ingress && syn && (ct::closed(entry.flags) || entry.flags & ct::ENDPOINT_DEAD != 0 || stale(ctx, t, entry)) {
@@ -159,7 +170,6 @@ fn table_flow<'a, F: Family>(
     // left its slot free: a packet to be sent straight out needs the kept route.
     // SAFETY: the per-CPU scratch value.
     let (slot, generation) = unsafe { ((*s).cache_slot, (*s).generation) };
-    let bytes = u64::from(ctx.len());
     let cached = if slot.index != flow_cache::NO_SLOT
         && confirmed
         && entry.flags | seen == entry.flags
@@ -170,7 +180,7 @@ fn table_flow<'a, F: Family>(
         if route == ROUTE_CACHED {
             valid_until = valid_until.min(u64::from(entry.route.period + 1) << ct::ROUTE_PERIOD_SHIFT);
         }
-        flow_cache::fill(slot, key, entry, generation, now, valid_until, route == ROUTE_CACHED, bytes)
+        flow_cache::fill(slot, key, entry, generation, now, valid_until, route == ROUTE_CACHED, u64::from(ctx.len()))
     } else {
         false
     };
@@ -178,7 +188,7 @@ fn table_flow<'a, F: Family>(
     if cached {
         count(counter::TC_FLOW_CACHE_FILLED);
     } else {
-        stats::add(entry.service_id, service_stat::NONE, 1, bytes);
+        stats::add(entry.service_id, service_stat::NONE, 1, u64::from(ctx.len()));
     }
     Ok((entry, route))
 }

@@ -166,7 +166,7 @@ pub fn kpr_tc_egress_l3_slow(ctx: TcContext) -> i32 {
 #[inline(always)]
 fn fast_path<F: Family>(ctx: &TcContext, ingress: bool) -> i32 {
     let mut t = MaybeUninit::<Tuple>::uninit();
-    match parse_and_track::<F>(ctx, &mut t, ingress) {
+    match parse_and_track::<F>(ctx, &mut t, ingress, false) {
         NO_FLOW | AN_ICMP_ERROR => tail_call_slow_path::<F>(ctx, ingress),
         // SAFETY: `parse_and_track` wrote the tuple (a flow was found).
         END_FLOW => reset_flow::<F>(ctx, unsafe { t.assume_init_ref() }),
@@ -284,18 +284,18 @@ fn awaits_copied_flow(t: &Tuple, tcp_flags: u8) -> bool {
 /// [`parse_and_track`] as a subprogram, for the slow programs' chains of calls.
 #[inline(never)]
 fn parse_and_track_subprogram<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>, ingress: bool) -> i32 {
-    parse_and_track::<F>(ctx, tuple, ingress)
+    parse_and_track::<F>(ctx, tuple, ingress, true)
 }
 
 /// The packet read (`inspect`) and, if its flow is in conntrack, translated (`translate_tracked`):
 /// a verdict, `AN_ICMP_ERROR`, or `NO_FLOW` with the packet's tuple filled in.
 #[inline(always)]
-fn parse_and_track<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>, ingress: bool) -> i32 {
+fn parse_and_track<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>, ingress: bool, slow: bool) -> i32 {
     match inspect::<F>(ctx, tuple) {
         A_FLOW => {}
         verdict => return verdict,
     }
     // SAFETY: `inspect` wrote the tuple (A_FLOW).
     let t = unsafe { tuple.assume_init_ref() };
-    translate_tracked::<F>(ctx, t, flow_flags::<F>(ctx, t.proto), ingress)
+    translate_tracked::<F>(ctx, t, flow_flags::<F>(ctx, t.proto), ingress, slow)
 }
