@@ -127,9 +127,9 @@ pub mod map_names {
     /// One word: until when (`CLOCK_MONOTONIC` ns) the programs write events; `kpr events`
     /// keeps it a few seconds ahead while it reads.
     pub const EVENTS_WANTED: &str = "KPR_EVENTS_WANTED";
-    /// Per service port (by service id) and CPU: its flows, packets, bytes, connects and events
-    /// ([`super::ServiceStats`]); an entry is made at the port's first one, and removed by the
-    /// agent with the port.
+    /// Per frontend (by service id) and CPU: its flows, packets, bytes, connects and events
+    /// ([`super::ServiceStats`]); the agent makes an entry with the frontend and removes it
+    /// with it.
     pub const SERVICE_STATS: &str = "KPR_SERVICE_STATS";
 }
 

@@ -122,9 +122,9 @@ pub fn netns_covered(netns: u64) -> bool {
 #[btf_map(name = "KPR_COUNTERS", pin_by_name)]
 pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();
 
-/// Service id → what its frontends saw, per CPU (`proxy_common::service_stat`). Not
-/// preallocated: memory follows the service ports that saw anything (sized as `KPR_SERVICES`,
-/// so that every port has room).
+/// Service id → what its frontend saw, per CPU (`proxy_common::service_stat`). The agent
+/// makes an entry with its frontend and removes it with it; sized as `KPR_SERVICES`, not
+/// preallocated.
 #[btf_map(name = "KPR_SERVICE_STATS", pin_by_name)]
 pub static SERVICE_STATS: PerCpuHashMap<
     u32,
@@ -132,11 +132,6 @@ pub static SERVICE_STATS: PerCpuHashMap<
     { defaults::MAX_SERVICE_PORTS as usize },
     { BPF_F_NO_PREALLOC as usize },
 > = PerCpuHashMap::new();
-
-/// A zeroed `ServiceStats`: what a service port's entry starts from (inserted from here, not
-/// from the stack: its 120 bytes would lengthen the chains of calls).
-#[btf_map(name = "KPR_SERVICE_STATS_ZERO")]
-pub static SERVICE_STATS_ZERO: Array<ServiceStats, 1> = Array::new();
 
 /// A family's per-CPU flow cache.
 pub type FlowCache<A> = PerCpuArray<CachedFlow<A>, { defaults::FLOW_CACHE_SLOTS as usize }>;

@@ -180,7 +180,11 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
     }
 
     if service.backends_count == 0 {
-        return refuse(&service, proto, from_node, pod_links_covered, connect);
+        let verdict = refuse(&service, proto, from_node, pod_links_covered);
+        if connect && verdict == REJECT {
+            refused(&service, from_node);
+        }
+        return verdict;
     }
 
     // An unconnected UDP socket keeps the endpoint it had for this service while that endpoint
@@ -298,16 +302,11 @@ fn is_agent() -> bool {
 ///   per-packet path, which drops it at egress; a rejected one fails with ECONNREFUSED;
 /// - the node's own datagram, dropped or rejected in the OUTPUT hook, fails with EPERM.
 #[inline(always)]
-fn refuse(service: &ServiceValue, proto: u8, from_node: bool, pod_links_covered: bool, connect: bool) -> i32 {
+fn refuse(service: &ServiceValue, proto: u8, from_node: bool, pod_links_covered: bool) -> i32 {
     let drop = service.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0;
     if pod_links_covered && (!from_node || (drop && proto == IPPROTO_TCP)) {
         count(counter::SOCK_STEPPED_ASIDE);
         return ALLOW;
-    }
-    // Counted for the service port at connect() (the sendmsg programs' frames are full).
-    if connect {
-        let reason = if drop { event::DROPPED_NO_LOCAL_ENDPOINTS } else { event::REJECTED };
-        stats::add(service.service_id, service_stat::EVENTS + reason, 0, 0);
     }
     if drop {
         count(counter::SOCK_DROPPED);
@@ -318,6 +317,19 @@ fn refuse(service: &ServiceValue, proto: u8, from_node: bool, pod_links_covered:
         unsafe { bpf_set_retval(-ECONNREFUSED) };
     }
     REJECT
+}
+
+/// A `connect()` [`refuse`] refused, counted for its service port (at connect() only: the
+/// sendmsg programs' frames are full). The node's own connection is dropped for a traffic
+/// policy or a source range alike. A subprogram: its frame stays off `forward`'s.
+#[inline(never)]
+fn refused(service: &ServiceValue, from_node: bool) {
+    let reason = match (service.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0, from_node) {
+        (false, _) => event::REJECTED,
+        (true, true) => event::DROPPED_FROM_NODE,
+        (true, false) => event::DROPPED_NO_LOCAL_ENDPOINTS,
+    };
+    stats::update(service.service_id, service_stat::EVENTS + reason, 0, 0);
 }
 
 /// `struct sockaddr_in` for `bpf_bind`.

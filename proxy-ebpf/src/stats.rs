@@ -4,13 +4,10 @@
 //! packet, a connect, a packet the flow cache did not serve): an established packet the cache
 //! serves adds to its slot instead (`flow_cache`), folded in here when the slot is filled
 //! again.
-use aya_ebpf::{
-    bindings::BPF_NOEXIST,
-    helpers::{bpf_map_lookup_elem, bpf_map_update_elem},
-};
+use aya_ebpf::helpers::bpf_map_lookup_elem;
 use proxy_common::{ServiceStats, service_stat};
 
-use crate::maps::{SERVICE_STATS, SERVICE_STATS_ZERO};
+use crate::maps::SERVICE_STATS;
 
 /// [`update`] as a subprogram, for callers whose frame must stay small.
 #[inline(never)]
@@ -19,30 +16,22 @@ pub fn add(service_id: u32, word: u32, packets: u64, bytes: u64) {
 }
 
 /// Add one to `word` (`service_stat::NONE`: none), and `packets` and `bytes`, to service port
-/// `service_id`'s counts on this CPU; its entry is made at its first count (none for id 0, no
-/// frontend).
+/// `service_id`'s counts on this CPU (none for id 0, no frontend, or a removed one).
 #[inline(always)]
 pub fn update(service_id: u32, word: u32, packets: u64, bytes: u64) {
     if service_id == 0 {
         return;
     }
-    // The helpers called directly: the maps' wrappers may stay calls of their own, which
-    // would lengthen the chains of calls `event::note` ends (6.1 holds 512 bytes of frames).
+    // The entry is the agent's to make (with the frontend) and remove (with it): a count for
+    // a removed frontend (its flows live on) brings none back. The helper is called directly:
+    // the map's wrapper may stay a call of its own, lengthening the chains of calls
+    // `event::note` ends (6.1 holds 512 bytes of frames).
     let map = core::ptr::from_ref(&SERVICE_STATS).cast_mut().cast::<core::ffi::c_void>();
     let key = core::ptr::from_ref(&service_id).cast::<core::ffi::c_void>();
     // SAFETY: a map and a key of its type; the value (if any) is this CPU's, valid for this run.
-    let mut stats = unsafe { bpf_map_lookup_elem(map, key) }.cast::<ServiceStats>();
+    let stats = unsafe { bpf_map_lookup_elem(map, key) }.cast::<ServiceStats>();
     if stats.is_null() {
-        let Some(zero) = SERVICE_STATS_ZERO.get_ptr(0) else { return };
-        // Another CPU may make it first (then this insert fails, and the lookup finds it).
-        // SAFETY: as above; the value is a map value of the map's value type.
-        unsafe {
-            bpf_map_update_elem(map, key, zero.cast(), u64::from(BPF_NOEXIST));
-            stats = bpf_map_lookup_elem(map, key).cast::<ServiceStats>();
-        }
-        if stats.is_null() {
-            return;
-        }
+        return;
     }
     // SAFETY: this CPU's value, valid for this program run; no other writer on this CPU.
     unsafe {

@@ -869,8 +869,8 @@ impl Syncer {
         self.last_sync = Some(Instant::now());
         let desired = self.state.desired();
         let report = self.programmer.apply(&desired, maps);
-        // Service ids change only when frontends come or go.
-        if report.added > 0 || report.removed > 0 || !self.synced_once {
+        // The ports' names change only when frontends come, go or change Service.
+        if report.added > 0 || report.removed > 0 || report.renamed > 0 || !self.synced_once {
             let ports = self
                 .programmer
                 .programmed()

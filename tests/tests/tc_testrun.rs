@@ -1147,11 +1147,13 @@ fn a_segment_of_a_flow_whose_endpoint_died_is_answered_with_a_reset() {
 #[test]
 fn each_service_port_counts_its_flows_packets_bytes_and_refusals() {
     pin_to_cpu(0);
-    let rig = Rig::with(&services(), |cfg| cfg.ct_timeouts = CtTimeouts { tcp_syn: 200 * MS, ..CtTimeouts::DEFAULT });
+    let mut rig =
+        Rig::with(&services(), |cfg| cfg.ct_timeouts = CtTimeouts { tcp_syn: 200 * MS, ..CtTimeouts::DEFAULT });
     let id = |addr: Ipv4Addr, port: u16| {
         rig.programmer.programmed()[&frontend_key(addr, port, Protocol::Tcp, SCOPE_EXTERNAL)].value.service_id
     };
-    let stats = || bpf::read_service_stats(&rig.pins.0).unwrap();
+    let pins = rig.pins.0.clone();
+    let stats = || bpf::read_service_stats(&pins).unwrap();
     let word = |id: u32, word: u32| stats().get(&id).map_or(0, |s| s.words[word as usize]);
     let web = id(CLUSTER_IP, 80);
 
@@ -1195,11 +1197,25 @@ fn each_service_port_counts_its_flows_packets_bytes_and_refusals() {
     assert_eq!(word(rejected, refused(event::REJECTED)), 1);
     assert_eq!(word(id(LB_IP, 80), refused(event::DROPPED_SOURCE_RANGE)), 1);
     assert_eq!(word(id(Ipv4Addr::UNSPECIFIED, 30081), refused(event::DROPPED_NO_LOCAL_ENDPOINTS)), 1);
-    for (port, stats) in stats() {
+    let refused_ports = [rejected, id(LB_IP, 80), id(Ipv4Addr::UNSPECIFIED, 30081)];
+    let all = stats();
+    assert_eq!(all.len(), rig.programmer.programmed().len(), "the agent made each frontend's counters");
+    for (port, stats) in all {
         let refusals: u64 = stats.words[service_stat::EVENTS as usize..].iter().sum();
-        assert!(port == web || refusals == 1, "port {port}: {stats:?}");
+        assert_eq!(refusals, u64::from(refused_ports.contains(&port)), "port {port}: {stats:?}");
         assert_eq!(stats.words[service_stat::NEW_FLOWS as usize] == 0, port != web, "port {port}: {stats:?}");
     }
+
+    // The frontend goes: its counters go with it, and its flow's next packets (served by the
+    // flow cache, then by the table) bring none back.
+    let mut without = services();
+    without.retain(|key, _| !(key.addr == Addr::from(IpAddr::from(CLUSTER_IP)) && key.port == 80u16.to_be()));
+    rig.reprogram(&without);
+    assert!(!stats().contains_key(&web));
+    for _ in 0..3 {
+        rig.ingress(&sent[3]);
+    }
+    assert!(!stats().contains_key(&web), "no counters for a removed frontend");
 }
 
 fn ip_src_of(packet: &[u8]) -> IpAddr {

@@ -119,7 +119,8 @@ fn table_flow<'a, F: Family>(
     let mut route = route_hint::<F>(ingress && (confirmed || entry.flags & ct::REPLY != 0), &entry.route, now);
     if expired(t.proto, entry, now) {
         count(counter::TC_CT_EXPIRED);
-        if !confirmed && entry.flags & (ct::REPLY | ct::SEEN_REPLY) == 0 {
+        // The client's entry of a flow never answered (as the agent's sweep counts them).
+        if entry.flags & (ct::REPLY | ct::SEEN_REPLY) == 0 {
             stats::add(entry.service_id, service_stat::UNANSWERED, 0, 0);
         }
         forget(key, entry, t.proto);

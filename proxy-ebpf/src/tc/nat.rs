@@ -346,9 +346,11 @@ pub(super) fn create_flow<F: Family>(
         (&s.forward, &*key, &*reply_key)
     };
     let new_flows = F::FlowAddr::new_flows();
+    let mut adopted = false;
     let forward = if new_flows.insert(key, forward, u64::from(BPF_NOEXIST)).is_ok() {
         forward
     } else if let Some(winner) = new_flows.get_ptr(key) {
+        adopted = true;
         // Another CPU created the flow first (a SYN and its retransmission at once): take its
         // translation, and give back what this one held.
         let winner = unsafe { &*winner };
@@ -368,7 +370,8 @@ pub(super) fn create_flow<F: Family>(
     // that was lost.
     let recreated = has_states(t.proto) && tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN;
     count(if recreated { counter::TC_CT_RECREATED } else { counter::TC_NEW_FLOW });
-    let word = if recreated { service_stat::NONE } else { service_stat::NEW_FLOWS };
+    // The CPU that lost a race for the flow counts its packet, not the flow again.
+    let word = if recreated || adopted { service_stat::NONE } else { service_stat::NEW_FLOWS };
     stats::add(service.service_id, word, 1, u64::from(ctx.len()));
     Ok(TC_ACT_OK)
 }

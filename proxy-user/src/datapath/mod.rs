@@ -57,6 +57,14 @@ pub trait Maps: Send {
     fn source_ranges(&self) -> Result<Vec<(u32, Cidr)>>;
     fn add_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()>;
     fn remove_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()>;
+    /// Make zeroed counters for new frontends (by service id); ones that exist are kept.
+    fn start_service_stats(&mut self, _ids: &[u32]) -> Result<()> {
+        Ok(())
+    }
+    /// Counters for exactly these frontends: missing ones made, others removed.
+    fn keep_service_stats(&mut self, _ids: &BTreeSet<u32>) -> Result<()> {
+        Ok(())
+    }
     /// End the flows of each flush's service that go to any of its `gone` endpoints (address
     /// and port, as kube-proxy matches the reply's source), in one walk of each table. UDP:
     /// per-packet conntrack entries (both directions) forgotten, the sockets the socket path
@@ -164,6 +172,8 @@ pub struct ApplyReport {
     pub added: usize,
     pub updated: usize,
     pub removed: usize,
+    /// Of the updated, frontends that now serve another Service port (its name changed).
+    pub renamed: usize,
     /// Service ports that could not be written (map full, write error); left as they were.
     pub failed: usize,
 }
@@ -233,6 +243,11 @@ impl Programmer {
         }
         for (id, stale) in ranges {
             maps.remove_source_ranges(id, &stale)?;
+        }
+        // Counters for exactly the frontends there are (an older layout had none; a frontend
+        // removed while no agent ran left its own).
+        if let Err(e) = maps.keep_service_stats(&used_ids) {
+            tracing::warn!("failed to bring the frontends' counters in line: {e:#}");
         }
         let next_id = used_ids.last().map_or(1, |id| id.wrapping_add(1).max(1));
         Ok(Self {
@@ -414,6 +429,11 @@ impl Programmer {
             done = 0;
             tracing::error!("failed to write {} backend slots: {e:#}", backend_writes.len());
         } else {
+            // New frontends' counters exist before the programs can count for them.
+            let new_ids: Vec<u32> = pending.iter().filter(|p| p.old.is_none()).map(|p| p.value.service_id).collect();
+            if let Err(e) = maps.start_service_stats(&new_ids) {
+                tracing::warn!("failed to make {} frontends' counters: {e:#}", new_ids.len());
+            }
             let entries: Vec<(ServiceKey, ServiceValue)> = pending.iter().map(|p| (p.key, p.value)).collect();
             if let Err(BatchError { done: written, error }) = maps.set_services(&entries) {
                 done = written;
@@ -426,6 +446,7 @@ impl Programmer {
                 if let Some(old) = p.old {
                     self.release_range(&old, &p.value);
                     report.updated += 1;
+                    report.renamed += usize::from(old.affinity_id != p.value.affinity_id);
                     // Flows may still go to what it had: `end_flows_off_endpoints` decides.
                     if let Some(before) = self.programmed.get(&p.key).filter(|_| ends_flows(&p.key, &desired[&p.key])) {
                         self.reach.entry(p.key).or_default().extend(before.backends.iter().map(endpoint_of));

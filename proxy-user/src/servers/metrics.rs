@@ -425,35 +425,47 @@ const SERVICE_COUNTERS: [(&str, &str, u32); 6] = [
     ),
 ];
 
-/// What the per-service collector holds between scrapes.
+/// What the per-service collector holds between scrapes (in the agent's memory: after a
+/// restart a port's series goes on from the map's counts alone, which Prometheus takes for a
+/// counter reset).
 #[derive(Debug, Default)]
 struct ServiceBook {
     /// Each programmed service id's port (a port has a service id per frontend).
     ports: BTreeMap<u32, ServicePortName>,
     /// Unanswered flows the agent's conntrack sweep removed (the programs count the others).
     swept_unanswered: BTreeMap<u32, u64>,
-    /// The last counts reported per service id: never reported lower (a scrape may see a
-    /// flow-cache slot's counts twice, or miss a fold).
+    /// The last counts reported per service id: never reported lower (a scrape may miss a
+    /// flow-cache slot's fold, which the next one sees).
     reported: BTreeMap<u32, ServiceStats>,
-    /// The counts of frontends that were removed, per port: its series go on from them.
+    /// Per service id, what it counted before it served its present port (a frontend that
+    /// another Service took over keeps its id): not that port's.
+    before: BTreeMap<u32, ServiceStats>,
+    /// The counts of frontends that were removed or taken over, per port: its series go on
+    /// from them.
     retired: BTreeMap<ServicePortName, ServiceStats>,
 }
 
 impl ServiceBook {
     fn set_ports(&mut self, ports: BTreeMap<u32, ServicePortName>) {
         let old = std::mem::replace(&mut self.ports, ports);
-        let gone: Vec<(u32, ServicePortName)> =
+        let changed: Vec<(u32, ServicePortName)> =
             old.into_iter().filter(|(id, port)| self.ports.get(id) != Some(port)).collect();
-        if gone.is_empty() && self.retired.is_empty() {
+        if changed.is_empty() && self.retired.is_empty() {
             return;
         }
         let live: std::collections::BTreeSet<&ServicePortName> = self.ports.values().collect();
-        for (id, port) in gone {
-            self.swept_unanswered.remove(&id);
-            if let Some(last) = self.reported.remove(&id)
-                && live.contains(&port)
-            {
-                add_stats(self.retired.entry(port).or_default(), &last);
+        for (id, port) in changed {
+            let last = self.reported.get(&id).copied().unwrap_or_default();
+            if live.contains(&port) {
+                let share = sub_stats(&last, &self.before.get(&id).copied().unwrap_or_default());
+                add_stats(self.retired.entry(port).or_default(), &share);
+            }
+            if self.ports.contains_key(&id) {
+                self.before.insert(id, last);
+            } else {
+                self.swept_unanswered.remove(&id);
+                self.reported.remove(&id);
+                self.before.remove(&id);
             }
         }
         self.retired.retain(|port, _| live.contains(port));
@@ -470,10 +482,19 @@ impl ServiceBook {
             for (l, n) in last.words.iter_mut().zip(now.words) {
                 *l = (*l).max(n);
             }
-            add_stats(out.entry(port.clone()).or_default(), last);
+            let share = sub_stats(last, &self.before.get(id).copied().unwrap_or_default());
+            add_stats(out.entry(port.clone()).or_default(), &share);
         }
         out
     }
+}
+
+fn sub_stats(from: &ServiceStats, less: &ServiceStats) -> ServiceStats {
+    let mut out = *from;
+    for (o, l) in out.words.iter_mut().zip(less.words) {
+        *o = o.saturating_sub(l);
+    }
+    out
 }
 
 fn add_stats(to: &mut ServiceStats, from: &ServiceStats) {
@@ -565,7 +586,7 @@ mod tests {
     }
 
     #[test]
-    fn a_ports_counters_sum_its_frontends_never_go_down_and_outlive_a_removed_frontend() {
+    fn a_ports_counters_sum_its_frontends_never_go_down_and_outlive_a_removed_or_moved_frontend() {
         use std::collections::BTreeMap;
 
         use proxy_common::{ServiceStats, service_stat::PACKETS};
@@ -589,6 +610,12 @@ mod tests {
         // Frontend 2 goes (its port stays): the series goes on from its last counts.
         book.set_ports(BTreeMap::from([(1, port.clone())]));
         assert_eq!(packets(&book.per_port(&BTreeMap::from([(1, stats(20))]))), 25);
+        // Frontend 1 is taken over by another Service's port: its counts so far stay web's,
+        // the other port starts from zero.
+        let api = ServicePortName { service: ObjectKey::new("ns", "api"), ..port.clone() };
+        book.set_ports(BTreeMap::from([(1, api.clone()), (3, port.clone())]));
+        let out = book.per_port(&BTreeMap::from([(1, stats(24)), (3, stats(1))]));
+        assert_eq!((packets(&out), out[&api].words[PACKETS as usize]), (26, 4));
         // The port goes: nothing is reported for it.
         book.set_ports(BTreeMap::new());
         assert!(book.per_port(&BTreeMap::new()).is_empty());

@@ -11,7 +11,8 @@ use anyhow::{Context as _, Result, bail};
 use aya::{
     Ebpf,
     maps::{
-        Array, HashMap, IterableMap as _, LpmTrie, Map, MapData, PerCpuArray, PerCpuHashMap, lpm_trie::Key as LpmKey,
+        Array, HashMap, IterableMap as _, LpmTrie, Map, MapData, PerCpuArray, PerCpuHashMap, PerCpuValues,
+        lpm_trie::Key as LpmKey,
     },
 };
 use proxy_common::{
@@ -276,6 +277,29 @@ impl Maps for BpfMaps {
         Ok(ended + forgotten)
     }
 
+    fn start_service_stats(&mut self, ids: &[u32]) -> Result<()> {
+        const BPF_NOEXIST: u64 = 1;
+        let cpus = aya::util::nr_cpus().map_or(1, |n| n.get() as usize);
+        for id in ids {
+            let zero = PerCpuValues::try_from(vec![ServiceStats::default(); cpus])?;
+            match self.service_stats.insert(id, zero, BPF_NOEXIST) {
+                Ok(()) => {}
+                Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
+                Err(e) => return Err(e).with_context(|| format!("service id {id}")),
+            }
+        }
+        Ok(())
+    }
+
+    fn keep_service_stats(&mut self, ids: &BTreeSet<u32>) -> Result<()> {
+        let have: BTreeSet<u32> = self.service_stats.keys().collect::<Result<_, _>>()?;
+        for gone in have.difference(ids) {
+            let _ = self.service_stats.remove(gone);
+        }
+        let missing: Vec<u32> = ids.difference(&have).copied().collect();
+        self.start_service_stats(&missing)
+    }
+
     fn remove_service(&mut self, key: &ServiceKey) -> Result<()> {
         if let Ok(value) = self.services.get(key, 0) {
             // None made yet is no error.
@@ -345,10 +369,10 @@ pub fn read_counters(pin_root: &Path) -> Result<Vec<(&'static str, u64)>> {
     (0..counter::COUNT).map(|i| Ok((counter::NAMES[i as usize], counters.get(&i, 0)?.iter().sum()))).collect()
 }
 
-/// Each service port's counters (by service id), summed over the CPUs, with the packets and
-/// bytes the flow caches' slots have counted and not yet added (`flow_cache` in the programs).
-/// Read twice in a row, a count may be seen in both places once (a slot folded in between the
-/// two reads): callers keep what they report from going down.
+/// Each frontend's counters (by service id), summed over the CPUs, with the packets and bytes
+/// the flow caches' slots have counted and not yet added (`flow_cache` in the programs). A slot
+/// folded between the map's read and the caches' is missed by this read (and seen by the
+/// next): callers keep what they report from going down.
 pub fn read_service_stats(pin_root: &Path) -> Result<BTreeMap<u32, ServiceStats>> {
     let map = open_pinned_map(pin_root, map_names::SERVICE_STATS)?;
     let stats: PerCpuHashMap<MapData, u32, ServiceStats> = PerCpuHashMap::try_from(Map::PerCpuHashMap(map))?;
