@@ -207,6 +207,29 @@ impl Default for ServiceStats {
     }
 }
 
+impl ServiceStats {
+    /// Word `word` ([`service_stat`]).
+    pub const fn word(&self, word: u32) -> u64 {
+        self.words[word as usize]
+    }
+
+    /// Add `other`'s counts, word by word.
+    pub fn add(&mut self, other: &Self) {
+        for (total, more) in self.words.iter_mut().zip(other.words) {
+            *total += more;
+        }
+    }
+
+    /// The counts made since `earlier` (none below zero).
+    pub fn since(&self, earlier: &Self) -> Self {
+        let mut out = *self;
+        for (now, then) in out.words.iter_mut().zip(earlier.words) {
+            *now = now.saturating_sub(then);
+        }
+        out
+    }
+}
+
 /// The words of [`ServiceStats`].
 pub mod service_stat {
     /// New flows the per-packet path balanced (not those it re-created after losing their

@@ -55,7 +55,7 @@ pub struct PortStats {
 
 impl PortStats {
     pub fn new(stats: &ServiceStats) -> Self {
-        let word = |w: u32| stats.words[w as usize];
+        let word = |w: u32| stats.word(w);
         let drops = (0..event::COUNT)
             .filter(|r| *r != event::REJECTED && word(service_stat::EVENTS + r) != 0)
             .map(|r| (event::NAMES[r as usize], word(service_stat::EVENTS + r)))

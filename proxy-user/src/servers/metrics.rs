@@ -457,8 +457,8 @@ impl ServiceBook {
         for (id, port) in changed {
             let last = self.reported.get(&id).copied().unwrap_or_default();
             if live.contains(&port) {
-                let share = sub_stats(&last, &self.before.get(&id).copied().unwrap_or_default());
-                add_stats(self.retired.entry(port).or_default(), &share);
+                let share = last.since(&self.before.get(&id).copied().unwrap_or_default());
+                self.retired.entry(port).or_default().add(&share);
             }
             if self.ports.contains_key(&id) {
                 self.before.insert(id, last);
@@ -482,24 +482,10 @@ impl ServiceBook {
             for (l, n) in last.words.iter_mut().zip(now.words) {
                 *l = (*l).max(n);
             }
-            let share = sub_stats(last, &self.before.get(id).copied().unwrap_or_default());
-            add_stats(out.entry(port.clone()).or_default(), &share);
+            let share = last.since(&self.before.get(id).copied().unwrap_or_default());
+            out.entry(port.clone()).or_default().add(&share);
         }
         out
-    }
-}
-
-fn sub_stats(from: &ServiceStats, less: &ServiceStats) -> ServiceStats {
-    let mut out = *from;
-    for (o, l) in out.words.iter_mut().zip(less.words) {
-        *o = o.saturating_sub(l);
-    }
-    out
-}
-
-fn add_stats(to: &mut ServiceStats, from: &ServiceStats) {
-    for (t, f) in to.words.iter_mut().zip(from.words) {
-        *t += f;
     }
 }
 
@@ -528,7 +514,7 @@ impl Collector for ServiceCounters {
             let mut family =
                 encoder.encode_descriptor(name, help, None, prometheus_client::metrics::MetricType::Counter)?;
             for (port, stats) in &per_port {
-                ConstCounter::new(stats.words[word as usize]).encode(family.encode_family(&labels(port))?)?;
+                ConstCounter::new(stats.word(word)).encode(family.encode_family(&labels(port))?)?;
             }
         }
         let mut family = encoder.encode_descriptor(
@@ -539,7 +525,7 @@ impl Collector for ServiceCounters {
         )?;
         for (port, stats) in &per_port {
             for reason in (0..event::COUNT).filter(|r| *r != event::REJECTED) {
-                let count = stats.words[(service_stat::EVENTS + reason) as usize];
+                let count = stats.word(service_stat::EVENTS + reason);
                 if count == 0 {
                     continue;
                 }

@@ -68,33 +68,33 @@ pub struct BpfMaps {
 impl BpfMaps {
     /// The service and backend maps of a loaded object (see [`open_object`]).
     pub fn take_from(ebpf: &mut Ebpf) -> Result<Self> {
-        let services = ebpf.take_map(map_names::SERVICES).context("no services map")?;
+        Self::from_maps(|name| ebpf.take_map(name).with_context(|| format!("no map {name} in the object")))
+    }
+
+    /// Open the pinned maps of a running (or stopped) agent, e.g. for `kpr services`.
+    pub fn open_pinned(pin_root: &Path) -> Result<Self> {
+        Self::from_maps(|name| Ok(Map::from_map_data(open_pinned_map(pin_root, name)?)?))
+    }
+
+    /// The maps, each taken by its name from `take` (a loaded object's, or the pins).
+    fn from_maps(mut take: impl FnMut(&str) -> Result<Map>) -> Result<Self> {
+        let services = take(map_names::SERVICES)?;
         // The sizes of the maps as they are: pinned ones an earlier agent made keep theirs.
         let service_ports = match &services {
             Map::HashMap(data) => data.info()?.max_entries(),
             _ => bail!("the services map is not a hash map"),
         };
-        let services = HashMap::try_from(services)?;
-        let backends: Array<MapData, Backend> =
-            Array::try_from(ebpf.take_map(map_names::BACKENDS).context("no backends map")?)?;
-        let capacity = Capacity { service_ports, backends: backends.len() };
-        let source_ranges = LpmTrie::try_from(ebpf.take_map(map_names::SOURCE_RANGES).context("no source range map")?)?;
-        let conntrack = Conntrack::new(|name| ebpf.take_map(name).context("not in the object"))?;
-        let sock_revnat = HashMap::try_from(ebpf.take_map(map_names::SOCK_REVNAT).context("no sock_revnat map")?)?;
-        let sock_picks = HashMap::try_from(ebpf.take_map(map_names::SOCK_PICKS).context("no sock_picks map")?)?;
-        let addr_filter = Array::try_from(ebpf.take_map(map_names::ADDR_FILTER).context("no address filter map")?)?;
-        let service_stats =
-            PerCpuHashMap::try_from(ebpf.take_map(map_names::SERVICE_STATS).context("no service stats map")?)?;
+        let backends: Array<MapData, Backend> = Array::try_from(take(map_names::BACKENDS)?)?;
         Ok(Self {
-            services,
-            addr_filter,
+            services: HashMap::try_from(services)?,
+            addr_filter: Array::try_from(take(map_names::ADDR_FILTER)?)?,
+            capacity: Capacity { service_ports, backends: backends.len() },
             backends,
-            source_ranges,
-            conntrack,
-            sock_revnat,
-            sock_picks,
-            service_stats,
-            capacity,
+            source_ranges: LpmTrie::try_from(take(map_names::SOURCE_RANGES)?)?,
+            conntrack: Conntrack::new(&mut take)?,
+            sock_revnat: HashMap::try_from(take(map_names::SOCK_REVNAT)?)?,
+            sock_picks: HashMap::try_from(take(map_names::SOCK_PICKS)?)?,
+            service_stats: PerCpuHashMap::try_from(take(map_names::SERVICE_STATS)?)?,
         })
     }
 
@@ -102,33 +102,6 @@ impl BpfMaps {
     /// caller writes into the node maps itself (the agent's host side does its own).
     pub fn mark_addresses(&mut self, addrs: impl IntoIterator<Item = Addr>) -> Result<()> {
         mark_addresses(&mut self.addr_filter, addrs)
-    }
-
-    /// Open the pinned maps of a running (or stopped) agent, e.g. for `kpr services`.
-    pub fn open_pinned(pin_root: &Path) -> Result<Self> {
-        let open = |name: &str| open_pinned_map(pin_root, name);
-        let services = open(map_names::SERVICES)?;
-        let service_ports = services.info()?.max_entries();
-        let services: HashMap<MapData, ServiceKey, ServiceValue> = HashMap::try_from(Map::HashMap(services))?;
-        let backends: Array<MapData, Backend> = Array::try_from(Map::Array(open(map_names::BACKENDS)?))?;
-        let source_ranges = LpmTrie::try_from(Map::LpmTrie(open(map_names::SOURCE_RANGES)?))?;
-        let conntrack = Conntrack::open(pin_root)?;
-        let capacity = Capacity { service_ports, backends: backends.len() };
-        let sock_revnat = HashMap::try_from(Map::LruHashMap(open(map_names::SOCK_REVNAT)?))?;
-        let sock_picks = HashMap::try_from(Map::LruHashMap(open(map_names::SOCK_PICKS)?))?;
-        let addr_filter = Array::try_from(Map::Array(open(map_names::ADDR_FILTER)?))?;
-        let service_stats = PerCpuHashMap::try_from(Map::PerCpuHashMap(open(map_names::SERVICE_STATS)?))?;
-        Ok(Self {
-            services,
-            addr_filter,
-            backends,
-            source_ranges,
-            conntrack,
-            sock_revnat,
-            sock_picks,
-            service_stats,
-            capacity,
-        })
     }
 }
 
@@ -380,11 +353,7 @@ pub fn read_service_stats(pin_root: &Path) -> Result<BTreeMap<u32, ServiceStats>
     for item in stats.iter() {
         let (id, per_cpu) = item?;
         let sum = out.entry(id).or_default();
-        for cpu in per_cpu.iter() {
-            for (total, word) in sum.words.iter_mut().zip(cpu.words) {
-                *total += word;
-            }
-        }
+        per_cpu.iter().for_each(|cpu| sum.add(cpu));
     }
     add_cached::<Addr4>(pin_root, map_names::FLOW_CACHE4, &mut out)?;
     add_cached::<Addr>(pin_root, map_names::FLOW_CACHE6, &mut out)?;
