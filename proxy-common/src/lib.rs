@@ -497,6 +497,11 @@ pub const SCOPE_EXTERNAL: u8 = 1;
 /// whose source is a local address.
 pub const SCOPE_NODE: u8 = 2;
 
+/// The mark (`__sk_buff.mark`) of `kpr verify`'s probes, given in `BPF_PROG_TEST_RUN`'s
+/// context: the tc programs decide them as any packet but count no flow, event or service
+/// count for them ("kprv"; a packet arriving with exactly this mark is only left uncounted).
+pub const VERIFY_PROBE_MARK: u32 = 0x6b70_7276;
+
 /// `ServiceKey::proto` of the entry that stands for every other port of a ClusterIP (with
 /// `port` 0 and `SCOPE_POD`, for every source): with the service range refused (nftables
 /// mode's rule, kpr's default), traffic to a ClusterIP's unknown ports is rejected. Only

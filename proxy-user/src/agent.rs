@@ -67,6 +67,8 @@ pub struct AgentConfig {
     pub oom_score_adj: Option<i32>,
     /// The kernel's conntrack sysctls kube-proxy would set, and where they are.
     pub netfilter_sysctls: (std::path::PathBuf, Vec<(&'static str, u64)>),
+    /// How often the datapath checks itself ([`crate::verify`]); zero: only on demand.
+    pub verify_period: Duration,
 }
 
 /// Run until `shutdown` completes. The pinned datapath stays in place on exit, like kube-proxy's
@@ -84,7 +86,9 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
     let metrics = Arc::new(Metrics::new(Some(cfg.datapath.pin_root.clone())));
     // kube-proxy's health timeout: twice syncPeriod.
     let proxy_health = Arc::new(ProxyHealth::new(2 * cfg.sync_period, metrics.clone()));
-    let server_tasks = listeners.serve(metrics.clone(), proxy_health.clone(), cfg.configz.clone(), None);
+    let verify = Arc::new(crate::verify::Shared::default());
+    let verify_route = Some(("/verify", crate::verify::route(verify.clone())));
+    let server_tasks = listeners.serve(metrics.clone(), proxy_health.clone(), cfg.configz.clone(), verify_route);
     let mut datapath = BpfDatapath::load(&cfg.datapath)?;
     let programmer = Programmer::recover(&mut datapath.maps)?;
     tracing::info!(
@@ -148,6 +152,8 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
     syncer.node_required = node_required;
     syncer.metrics = metrics;
     syncer.proxy_health = proxy_health.clone();
+    syncer.verify = Some(verify);
+    syncer.verify_period = cfg.verify_period;
     if cfg.cleanup_kube_proxy {
         syncer.takeover = Some(crate::takeover::Takeover::open(&cfg.datapath.pin_root)?);
     }
@@ -357,6 +363,12 @@ pub struct Syncer {
     nested_cookies: BTreeMap<(u64, u64), u64>,
     /// The cookies of the pods' namespaces, by (link, the namespace's id there).
     netns_cookies: BTreeMap<(u32, i32), u64>,
+    /// The datapath's self-check (`kpr verify`): its last report and runs asked for now.
+    pub verify: Option<Arc<crate::verify::Shared>>,
+    /// How often it runs by itself (zero: only when asked).
+    pub verify_period: Duration,
+    /// A run under way.
+    verify_run: Option<self_check::VerifyRun>,
 }
 
 impl Syncer {
@@ -398,6 +410,9 @@ impl Syncer {
             uncovered_opt_outs: 0,
             nested_cookies: BTreeMap::new(),
             netns_cookies: Default::default(),
+            verify: None,
+            verify_period: Duration::ZERO,
+            verify_run: None,
         }
     }
 
@@ -412,6 +427,11 @@ impl Syncer {
         let mut reconcile = tokio::time::interval(sync_period);
         reconcile.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         reconcile.tick().await; // the first tick is immediate
+        let verify_every = (!self.verify_period.is_zero()).then_some(self.verify_period);
+        let mut verify_tick = tokio::time::interval(verify_every.unwrap_or(Duration::from_secs(3600)));
+        verify_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        verify_tick.tick().await;
+        let verify = self.verify.clone();
         tokio::pin!(shutdown);
         let mut sources_open = true;
         loop {
@@ -433,6 +453,11 @@ impl Syncer {
                 }
                 () = sleep_until(pending) => self.sync(maps, host, Instant::now()),
                 _ = reconcile.tick() => self.reconcile(maps, host),
+                _ = verify_tick.tick(), if verify_every.is_some() => self.start_verify(),
+                () = asked_to_verify(verify.as_deref()) => self.start_verify(),
+                // A run's next chunk, between the changes (tokio picks among ready branches at
+                // random).
+                () = std::future::ready(()), if self.verifying() => self.verify_step(maps, host),
                 () = &mut shutdown => return,
             }
         }
@@ -961,6 +986,14 @@ fn release_free_memory() {
     }
 }
 
+/// A run of the self-check asked for (`/verify?now`); never without one.
+async fn asked_to_verify(verify: Option<&crate::verify::Shared>) {
+    match verify {
+        Some(shared) => shared.run_now.notified().await,
+        None => std::future::pending().await,
+    }
+}
+
 async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at.into()).await,
@@ -968,5 +1001,6 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
+mod self_check;
 #[cfg(test)]
 mod tests;

@@ -14,6 +14,7 @@ pub mod settings;
 pub mod shadow;
 pub mod source;
 pub mod takeover;
+pub mod verify;
 
 /// kpr's version and the commit it was built from (`kpr --version`, the agent's first log line).
 pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("KPR_GIT_COMMIT"), ")");

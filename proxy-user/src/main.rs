@@ -57,6 +57,16 @@ enum Command {
         #[arg(long, short, value_enum, default_value_t = Output::Text)]
         output: Output,
     },
+    /// Ask the running agent to check its datapath now: a synthetic new connection per
+    /// frontend and source class through the live per-packet programs, compared with what
+    /// kube-proxy would do; a mismatch is resynced. Exits 1 when a probe failed.
+    Verify {
+        /// The agent's metrics server (`metricsBindAddress`).
+        #[arg(long, default_value = "127.0.0.1:10249")]
+        metrics_address: std::net::SocketAddr,
+        #[arg(long, short, value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
     /// Compare what the agent would program (from the API or the manifests, with the agent's
     /// flags and configuration file) with the pinned maps; exits 1 when they differ.
     Diff {
@@ -181,6 +191,14 @@ async fn main() -> Result<()> {
             print_out(output, &report, kpr::inspect::services::text)
         }
         Command::Diff { agent, wait, output } => diff(agent, wait, output).await,
+        Command::Verify { metrics_address, output } => {
+            let report = kpr::verify::fetch_report(metrics_address)?;
+            print_out(output, &report, kpr::verify::VerifyReport::render)?;
+            if !report.failures.is_empty() || report.problem.is_some() {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
         Command::Shadow { action: ShadowAction::Report { metrics_address, now, output } } => {
             let report = kpr::shadow::fetch_report(metrics_address, now)?;
             print_out(output, &report, kpr::shadow::ShadowReport::render)?;

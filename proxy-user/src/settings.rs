@@ -100,6 +100,12 @@ pub struct AgentArgs {
     /// On, the agent also watches every Node's readiness.
     #[arg(long)]
     pub abort_dead_tcp: bool,
+    /// How often the datapath checks itself: a synthetic new connection per frontend and
+    /// source class through the live per-packet programs (`BPF_PROG_TEST_RUN`, no flow left
+    /// behind), compared with the model; a mismatch is logged, counted
+    /// (`kpr_datapath_verify_failures`) and resynced. `0s`: only on demand (`kpr verify`).
+    #[arg(long, value_parser = parse_duration, default_value = "5m")]
+    pub verify_period: Duration,
     /// Whose sockets are translated at `connect()`: `all` (the node's and pods'), or
     /// `host-only` (the node's): pods' traffic is then translated per packet on their links,
     /// with the same semantics, so that what runs inside a pod before its packets leave it (a
@@ -513,6 +519,7 @@ pub fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
         configz: config.configz(),
         cleanup_kube_proxy: args.cleanup_kube_proxy,
         shadow: args.shadow,
+        verify_period: args.verify_period,
         oom_score_adj: config.oom_score_adj,
         netfilter_sysctls: (
             args.netfilter_sysctl_dir,

@@ -312,3 +312,137 @@ fn kube_proxys_daemonset_command_line_starts_the_agent() {
     assert_eq!(warnings.len(), 1, "one warning names the ignored flags:\n{text}");
     assert!(warnings[0].contains("--kube-api-qps"), "{}", warnings[0]);
 }
+
+/// `kpr verify -o OUTPUT` against the agent at `h` (in the node's namespace): the exit code
+/// and what it printed.
+fn kpr_verify_output(h: &Harness, output: &str) -> (i32, String) {
+    let mut cmd = Command::new(kpr_tests::kpr_bin());
+    cmd.args(["verify", "--output", output, "--metrics-address"]).arg(h.metrics_addr.to_string());
+    h.topology.client.exec_in(&mut cmd).unwrap();
+    let out = cmd.output().unwrap();
+    let text = String::from_utf8(out.stdout).unwrap() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code().unwrap_or(-1), text)
+}
+
+/// `kpr verify -o json`: the exit code and the report.
+fn kpr_verify(h: &Harness) -> (i32, serde_json::Value) {
+    let (code, text) = kpr_verify_output(h, "json");
+    (code, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
+}
+
+/// GET `path` from the agent at `addr`, in the node's namespace.
+fn get_in_node(h: &Harness, addr: std::net::SocketAddr, path: &'static str) -> (u16, String) {
+    h.client(move || http_get(addr, path)).unwrap()
+}
+
+/// The value of `sample` in `/metrics` of an agent in the node's namespace.
+fn node_metric(h: &Harness, sample: &str) -> f64 {
+    let (_, text) = get_in_node(h, h.metrics_addr, "/metrics");
+    let line = text.lines().find(|l| l.rsplit_once(' ').is_some_and(|(name, _)| name == sample));
+    line.unwrap_or_else(|| panic!("no {sample} in /metrics:\n{text}")).rsplit_once(' ').unwrap().1.parse().unwrap()
+}
+
+#[test]
+fn the_datapath_checks_itself_and_repairs_an_entry_corrupted_behind_its_back() {
+    use proxy_common::{Backend, ServiceKey, ServiceValue, map_names};
+    let mut h = Harness::new("kop-verify", &["pod-a", "pod-b"]).unwrap();
+    h.write_service("web", IP, &[HTTP], &[0]).unwrap();
+    h.write_service("none", OTHER_IP, &[HTTP], &[]).unwrap();
+    // The per-packet path on the node's link to pod-a; the periodic resync out of the way, so
+    // that only the self-check (every second) can find and repair the corruption.
+    h.agent_in_node_netns = true;
+    h.agent_args = ["--interfaces=veth0", "--verify-period=1s", "--iptables-sync-period=1h"].map(Into::into).to_vec();
+    h.start_agent().unwrap();
+    h.wait("10.96.0.10:80/TCP", Some(1)).unwrap();
+    h.wait("10.96.0.11:80/TCP", Some(0)).unwrap();
+    eventually("the link attached", TIMEOUT, || {
+        std::fs::read_to_string(h.log_path()).unwrap().contains("per-packet programs attached")
+    });
+
+    // In step: every probe agrees (DNAT to pod-a; REJECT for the port without endpoints).
+    let (code, report) = kpr_verify(&h);
+    assert_eq!(code, 0, "{report}");
+    assert!(report["probed"].as_u64().unwrap() >= 2, "{report}");
+    assert_eq!(report["failures"], serde_json::json!([]), "{report}");
+    // The probes leave no flow behind and are not counted as the Service's traffic.
+    let flows = kpr::datapath::conntrack::Conntrack::open(&h.pin_root).unwrap().len();
+    assert_eq!(flows, 0, "the probes' flows are taken back");
+    let (_, text) = get_in_node(&h, h.metrics_addr, "/metrics");
+    assert!(
+        !text.lines().any(|l| l.starts_with("kpr_service_new_flows_total") && !l.ends_with(" 0")),
+        "probes counted as new flows:\n{text}"
+    );
+    assert_eq!(node_metric(&h, "kpr_datapath_verify_failures_total"), 0.0);
+
+    // Behind the agent's back, web's one backend slot now sends its clients to pod-b: a
+    // datapath that still works, wrongly, and that no error would show.
+    let pod = |i: usize| std::net::IpAddr::from(h.topology.pods[i].ip);
+    let map = kpr::datapath::bpf::open_pinned_map(&h.pin_root, map_names::BACKENDS).unwrap();
+    let mut slots = aya::maps::Array::<_, Backend>::try_from(aya::maps::Map::Array(map)).unwrap();
+    // (Each frontend entry, one per source class, has a range of its own.)
+    let web_slots: Vec<u32> =
+        (0..slots.len()).filter(|i| slots.get(i, 0).is_ok_and(|b| std::net::IpAddr::from(b.addr) == pod(0))).collect();
+    assert!(!web_slots.is_empty(), "pod-a's slots");
+    for slot in &web_slots {
+        let good = slots.get(slot, 0).unwrap();
+        slots.set(*slot, &Backend { addr: pod(1).into(), ..good }, 0).unwrap();
+    }
+    let corrupted = Instant::now();
+
+    // Found within a period (1 s, and its run), counted, and repaired by the resync.
+    eventually("the self-check finds the corruption", Duration::from_secs(5), || {
+        node_metric(&h, "kpr_datapath_verify_failures_total") >= 1.0
+    });
+    let found_in = corrupted.elapsed();
+    // The resync writes the port's backends afresh (a new range; the corrupted slots are
+    // free now), and the probes run again at once: repaired.
+    let repaired = "reconcile repaired drift in the maps";
+    eventually("the resync", Duration::from_secs(5), || {
+        std::fs::read_to_string(h.log_path()).unwrap().contains(repaired)
+    });
+    let log = std::fs::read_to_string(h.log_path()).unwrap();
+    assert!(log.contains("the datapath decides otherwise than the model"), "{log}");
+    assert!(log.contains("10.96.0.10:80/TCP"), "the failing frontend is named: {log}");
+    let (code, text) = kpr_verify_output(&h, "text");
+    assert_eq!(code, 0, "in step again: {text}");
+    assert!(text.contains("frontends probed") && text.contains("the datapath agrees with the model"), "{text}");
+    eprintln!("{text}");
+    let (status, health) = get_in_node(&h, h.healthz_addr, "/healthz");
+    assert_eq!(status, 200, "repaired: healthy: {health}");
+    eprintln!("corruption found and repaired {} ms after it was written", found_in.as_millis());
+
+    // Its clients reach pod-a again.
+    let (answer, _) = h.client(|| tcp_ask((IP, 80), TIMEOUT)).unwrap();
+    assert_eq!(answer, h.pod_name(0));
+
+    // A service entry corrupted: web's frontends say "no endpoints" (REJECT).
+    let map = kpr::datapath::bpf::open_pinned_map(&h.pin_root, map_names::SERVICES).unwrap();
+    let mut services =
+        aya::maps::HashMap::<_, ServiceKey, ServiceValue>::try_from(aya::maps::Map::HashMap(map)).unwrap();
+    let web: Vec<(ServiceKey, ServiceValue)> = services
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(k, _)| std::net::IpAddr::from(k.addr) == std::net::IpAddr::from(IP))
+        .collect();
+    assert!(!web.is_empty());
+    let failures = node_metric(&h, "kpr_datapath_verify_failures_total");
+    for (key, value) in &web {
+        services.insert(key, &ServiceValue { backends_count: 0, ..*value }, 0).unwrap();
+    }
+    eventually("the self-check finds the entry", Duration::from_secs(5), || {
+        node_metric(&h, "kpr_datapath_verify_failures_total") > failures
+    });
+    eventually("the entries repaired", Duration::from_secs(5), || {
+        services
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(k, _)| web.iter().any(|(w, _)| w == k))
+            .all(|(_, v)| v.backends_count == 1)
+    });
+    let log = std::fs::read_to_string(h.log_path()).unwrap();
+    assert!(log.contains("expected=DNAT to one of 10.244.1.2:8080 seen=REJECT"), "{log}");
+    let (code, report) = kpr_verify(&h);
+    assert_eq!(code, 0, "in step again: {report}");
+    let (answer, _) = h.client(|| tcp_ask((IP, 80), TIMEOUT)).unwrap();
+    assert_eq!(answer, h.pod_name(0));
+}

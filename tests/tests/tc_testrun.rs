@@ -337,6 +337,24 @@ impl Rig {
         (result.return_value, out)
     }
 
+    /// [`Rig::ingress`] for a probe of `kpr verify` (its mark in the test run's context).
+    fn probe(&self, input: &[u8]) -> (u32, Vec<u8>) {
+        let prog: &SchedClassifier = self.ebpf.program(program_names::TC_INGRESS).unwrap().try_into().unwrap();
+        let mut out = vec![0u8; input.len().max(1500)];
+        // `struct __sk_buff`: the mark at offset 8, the rest zero.
+        let mut ctx = [0u8; 12];
+        ctx[8..12].copy_from_slice(&proxy_common::VERIFY_PROBE_MARK.to_ne_bytes());
+        let opts = TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            ctx_in: Some(&ctx[..]),
+            ..TestRunOptions::default()
+        };
+        let result = prog.test_run(opts).expect("test run");
+        out.truncate(result.data_size_out as usize);
+        (result.return_value, out)
+    }
+
     fn ingress(&self, input: &[u8]) -> (u32, Vec<u8>) {
         self.run(program_names::TC_INGRESS, input)
     }
@@ -1144,6 +1162,44 @@ fn a_segment_of_a_flow_whose_endpoint_died_is_answered_with_a_reset() {
 /// Each service port's counters: its new flows, the packets and bytes of its flows both ways
 /// (those the flow cache served too), the flows its endpoint never answered, and its refusals
 /// by reason, each counted for the port the packet was for.
+#[test]
+fn a_probe_of_kpr_verify_is_decided_as_traffic_but_counted_as_none() {
+    pin_to_cpu(0);
+    let rig = Rig::new(&services());
+    let id = |addr: Ipv4Addr, port: u16| {
+        rig.programmer.programmed()[&frontend_key(addr, port, Protocol::Tcp, SCOPE_EXTERNAL)].value.service_id
+    };
+    let pins = rig.pins.0.clone();
+    let word =
+        |id: u32, word: u32| bpf::read_service_stats(&pins).unwrap().get(&id).map_or(0, |s| s.words[word as usize]);
+    let (web, rejected) = (id(CLUSTER_IP, 80), id(CLUSTER_IP, 81));
+    let (new_flows, rejected_count) = (rig.counter(counter::TC_NEW_FLOW), rig.counter(counter::TC_REJECTED));
+
+    // The same decisions as for any packet: a DNAT to the endpoint, a reset for the port
+    // without endpoints.
+    let (verdict, out) = rig.probe(&tcp(CLIENT, 40090, CLUSTER_IP, 80).bytes());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(out, tcp(CLIENT, 40090, POD, 8080).bytes());
+    let (verdict, out) = rig.probe(&tcp(CLIENT, 40091, CLUSTER_IP, 81).bytes());
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_ne!(out[47] & TCP_RST, 0, "a reset");
+    // Its flow is made (the agent takes it back), but nothing counts it as traffic.
+    assert_eq!(rig.flows().len(), 2, "the probe's flow, both ways");
+    assert_eq!(word(web, service_stat::NEW_FLOWS), 0);
+    assert_eq!(word(web, service_stat::PACKETS), 0);
+    assert_eq!(word(rejected, service_stat::EVENTS + event::REJECTED), 0);
+    assert_eq!(rig.counter(counter::TC_NEW_FLOW), new_flows);
+    assert_eq!(rig.counter(counter::TC_REJECTED), rejected_count);
+
+    // The same packets unmarked are counted.
+    rig.ingress(&tcp(CLIENT, 40092, CLUSTER_IP, 80).bytes());
+    rig.ingress(&tcp(CLIENT, 40093, CLUSTER_IP, 81).bytes());
+    assert_eq!(word(web, service_stat::NEW_FLOWS), 1);
+    assert_eq!(word(rejected, service_stat::EVENTS + event::REJECTED), 1);
+    assert_eq!(rig.counter(counter::TC_NEW_FLOW), new_flows + 1);
+    assert_eq!(rig.counter(counter::TC_REJECTED), rejected_count + 1);
+}
+
 #[test]
 fn each_service_port_counts_its_flows_packets_bytes_and_refusals() {
     pin_to_cpu(0);

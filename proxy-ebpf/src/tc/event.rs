@@ -6,16 +6,22 @@ use aya_ebpf::helpers::bpf_ktime_get_ns;
 
 use super::parse::Tuple;
 use crate::{
-    maps::{EVENTS, EVENTS_WANTED},
+    maps::{EVENTS, EVENTS_WANTED, count},
     stats,
 };
 
 /// Note that the packet of `t`, for service port `service_id` (0: none known), was dropped or
-/// answered for `reason` (`proxy_common::event`).
+/// answered for `reason` (`proxy_common::event`): the node's `counter`, the port's count and
+/// (while read) an event.
 /// A subprogram: its frame stays off the callers' chains but for this leaf; the event is
 /// written in the ring's memory, not built on the stack.
 #[inline(never)]
-pub(super) fn note(t: &Tuple, reason: u32, service_id: u32) {
+pub(super) fn note(t: &Tuple, counter: u32, reason: u32, service_id: u32) {
+    // A probe's refusal is the agent's to judge, not traffic to count or show.
+    if t.probe != 0 {
+        return;
+    }
+    count(counter);
     stats::update(service_id, proxy_common::service_stat::EVENTS + reason, 0, 0);
     let Some(until) = EVENTS_WANTED.get(0) else { return };
     // SAFETY: a helper without arguments.

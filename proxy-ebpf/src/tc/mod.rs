@@ -63,7 +63,7 @@ use self::{
     conntrack::translate_tracked,
     icmp::{icmp_error, too_big},
     nat::{create_flow_subprogram, pick_backend_subprogram},
-    parse::{Tuple, came_through_ingress, eth_type, flow_flags, inspect, l3_protocol, vlan_tagged},
+    parse::{Tuple, came_through_ingress, eth_type, flow_flags, inspect, is_probe, l3_protocol, vlan_tagged},
     reject::{reject_port_unreachable, reject_tcp, reset_flow},
     route::{ROUTE_LOOK_UP, ROUTE_MAY_KEEP, forward_direct, martian_source},
     scratch::scratch,
@@ -260,8 +260,7 @@ fn slow_path<F: Family>(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
         REJECT if t.proto == IPPROTO_TCP => reject_tcp::<F>(ctx, &t),
         REJECT => reject_port_unreachable::<F>(ctx, &t),
         PASS if awaits_copied_flow(&t, tcp_flags) => {
-            count(counter::TC_DROPPED);
-            event::note(&t, proxy_common::event::DROPPED_DURING_UPGRADE, 0);
+            event::note(&t, counter::TC_DROPPED, proxy_common::event::DROPPED_DURING_UPGRADE, 0);
             TC_ACT_SHOT
         }
         verdict => verdict,
@@ -294,6 +293,12 @@ fn parse_and_track<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>, i
     match inspect::<F>(ctx, tuple) {
         A_FLOW => {}
         verdict => return verdict,
+    }
+    // A probe of `kpr verify` is told on the slow path, which every probe takes (a new tuple):
+    // in place, not in a copy (the slow path's chain of frames has no room for one).
+    if slow {
+        // SAFETY: `inspect` wrote the tuple (A_FLOW).
+        unsafe { (*tuple.as_mut_ptr()).probe = is_probe(ctx) };
     }
     // SAFETY: `inspect` wrote the tuple (A_FLOW).
     let t = unsafe { tuple.assume_init_ref() };

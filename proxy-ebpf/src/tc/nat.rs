@@ -66,8 +66,7 @@ pub(super) fn pick_backend<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8,
         return Ok(egress_drop(ctx, t));
     }
     if !reverse_path_ok::<F>(ctx, t) {
-        count(counter::TC_DROPPED);
-        note(t, event::DROPPED_SPOOFED_SOURCE, 0);
+        note(t, counter::TC_DROPPED, event::DROPPED_SPOOFED_SOURCE, 0);
         return Ok(TC_ACT_SHOT);
     }
     let scope = source_scope(ctx, t);
@@ -79,8 +78,7 @@ pub(super) fn pick_backend<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8,
             ServiceRangeMiss::NotInRange => return Ok(PASS),
             ServiceRangeMiss::Reject => refusal(0),
             ServiceRangeMiss::Drop => {
-                count(counter::TC_DROPPED);
-                note(t, event::DROPPED_UNALLOCATED_ADDRESS, 0);
+                note(t, counter::TC_DROPPED, event::DROPPED_UNALLOCATED_ADDRESS, 0);
                 return Ok(TC_ACT_SHOT);
             }
         },
@@ -102,8 +100,7 @@ fn egress_drop(ctx: &TcContext, t: &Tuple) -> i32 {
         None => (service_range_miss(t.daddr) == ServiceRangeMiss::Drop, 0),
     };
     if drop {
-        count(counter::TC_DROPPED);
-        note(t, event::DROPPED_FROM_NODE, service_id);
+        note(t, counter::TC_DROPPED, event::DROPPED_FROM_NODE, service_id);
         return TC_ACT_SHOT;
     }
     PASS
@@ -218,15 +215,13 @@ fn pick_from_service(t: &Tuple, service: &ServiceValue, now: u64) -> Result<i32,
     if service.flags & SERVICE_FLAG_SOURCE_RANGES != 0 {
         let key = Key::new(32 + 128, SourceRange { service_id: service.service_id.to_be(), addr: t.saddr });
         if SOURCE_RANGES.get(&key).is_none() {
-            count(counter::TC_DROPPED);
-            note(t, event::DROPPED_SOURCE_RANGE, service.service_id);
+            note(t, counter::TC_DROPPED, event::DROPPED_SOURCE_RANGE, service.service_id);
             return Ok(TC_ACT_SHOT);
         }
     }
     if service.backends_count == 0 {
         if service.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0 {
-            count(counter::TC_DROPPED);
-            note(t, event::DROPPED_NO_LOCAL_ENDPOINTS, service.service_id);
+            note(t, counter::TC_DROPPED, event::DROPPED_NO_LOCAL_ENDPOINTS, service.service_id);
             return Ok(TC_ACT_SHOT);
         }
         // kube-proxy's REJECT: a TCP reset, else ICMP port unreachable (UDP and SCTP). The
@@ -297,8 +292,7 @@ pub(super) fn create_flow<F: Family>(
         // 0: none free.
         let port = snat_port::<F::FlowAddr>(t, backend, &snat_addr, s);
         if port == 0 {
-            count(counter::TC_SNAT_EXHAUSTED);
-            note(t, event::DROPPED_SNAT_EXHAUSTED, service.service_id);
+            note(t, counter::TC_SNAT_EXHAUSTED, event::DROPPED_SNAT_EXHAUSTED, service.service_id);
             return Ok(TC_ACT_SHOT);
         }
         (snat_addr, port)
@@ -315,8 +309,7 @@ pub(super) fn create_flow<F: Family>(
             snat_port::<F::FlowAddr>(t, backend, &t.saddr, s)
         };
         if port == 0 {
-            count(counter::TC_SNAT_EXHAUSTED);
-            note(t, event::DROPPED_SNAT_EXHAUSTED, service.service_id);
+            note(t, counter::TC_SNAT_EXHAUSTED, event::DROPPED_SNAT_EXHAUSTED, service.service_id);
             return Ok(TC_ACT_SHOT);
         }
         (t.saddr, port)
@@ -361,18 +354,20 @@ pub(super) fn create_flow<F: Family>(
         winner
     } else {
         let _ = new_flows.remove(reply_key);
-        count(counter::TC_CT_FULL);
-        note(t, event::DROPPED_CONNTRACK_FULL, service.service_id);
+        note(t, counter::TC_CT_FULL, event::DROPPED_CONNTRACK_FULL, service.service_id);
         return Ok(TC_ACT_SHOT);
     };
     rewrite_first::<F>(ctx, t, forward)?;
     // A TCP flow is new with its SYN (SCTP with its INIT); any other packet re-creates a flow
     // that was lost.
     let recreated = has_states(t.proto) && tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN;
-    count(if recreated { counter::TC_CT_RECREATED } else { counter::TC_NEW_FLOW });
-    // The CPU that lost a race for the flow counts its packet, not the flow again.
-    let word = if recreated || adopted { service_stat::NONE } else { service_stat::NEW_FLOWS };
-    stats::add(service.service_id, word, 1, u64::from(ctx.len()));
+    // A probe's flow is not traffic (the agent removes it at once).
+    if t.probe == 0 {
+        count(if recreated { counter::TC_CT_RECREATED } else { counter::TC_NEW_FLOW });
+        // The CPU that lost a race for the flow counts its packet, not the flow again.
+        let word = if recreated || adopted { service_stat::NONE } else { service_stat::NEW_FLOWS };
+        stats::add(service.service_id, word, 1, u64::from(ctx.len()));
+    }
     Ok(TC_ACT_OK)
 }
 

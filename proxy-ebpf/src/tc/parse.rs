@@ -55,6 +55,14 @@ pub(super) fn l3_protocol(ctx: &TcContext) -> u16 {
     unsafe { (*(ctx.as_ptr() as *const __sk_buff)).protocol as u16 }
 }
 
+/// Whether the packet is a probe of `kpr verify` (its mark, given in `BPF_PROG_TEST_RUN`'s
+/// context): one the agent made to check the programs against its maps.
+#[inline(always)]
+pub(super) fn is_probe(ctx: &TcContext) -> u8 {
+    // SAFETY: a tc program's context is the packet's __sk_buff.
+    u8::from(unsafe { (*(ctx.as_ptr() as *const __sk_buff)).mark } == proxy_common::VERIFY_PROBE_MARK)
+}
+
 /// A packet's addresses and ports, as they sit in the packet (network byte order); an IPv4
 /// address mapped.
 #[derive(Clone, Copy)]
@@ -64,6 +72,10 @@ pub struct Tuple {
     pub sport: u16,
     pub dport: u16,
     pub proto: u8,
+    /// 1: a probe of `kpr verify` (`proxy_common::VERIFY_PROBE_MARK`), set on the slow path
+    /// only: its flow, events and service counts are not traffic. In the padding after
+    /// `proto`: the tuple is no bigger.
+    pub probe: u8,
     /// The first fragment of a datagram in fragments: its IP id (as in the packet); else
     /// `NOT_A_FIRST_FRAGMENT`. A plain integer, not an `Option`: an empty option's payload is
     /// undefined, which the compiler may store from any register, and 6.1's verifier refuses a
@@ -173,6 +185,7 @@ pub(super) fn inspect<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>
         sport: unsafe { read_word(h.ports[0].as_ptr()) },
         dport: unsafe { read_word(h.ports[1].as_ptr()) },
         proto,
+        probe: 0,
         first_fragment: match fragment {
             Fragment::First(id) => u32::from(id),
             _ => NOT_A_FIRST_FRAGMENT,

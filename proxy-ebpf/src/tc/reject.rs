@@ -14,7 +14,6 @@ use proxy_common::{Addr, IPPROTO_TCP, counter, csum, event};
 
 use crate::{
     family::{Family, pseudo_sum},
-    maps::count,
     packet::{TCP_ACK, TCP_FLAGS, TCP_RST, TCP_SYN},
 };
 
@@ -32,8 +31,7 @@ fn refused_service() -> u32 {
 /// Subprograms (as the unreachable below): the BPF stack of the path that leads here is spent.
 #[inline(never)]
 pub(super) fn reject_tcp<F: Family>(ctx: &TcContext, t: &Tuple) -> i32 {
-    count(counter::TC_REJECTED);
-    note(t, event::REJECTED, refused_service());
+    note(t, counter::TC_REJECTED, event::REJECTED, refused_service());
     reset::<F>(ctx, t, false).unwrap_or(TC_ACT_SHOT)
 }
 
@@ -43,9 +41,8 @@ pub(super) fn reject_tcp<F: Family>(ctx: &TcContext, t: &Tuple) -> i32 {
 /// A segment without ACK (a SYN: refused, as a connection to nothing) or a RST is not answered.
 #[inline(never)]
 pub(super) fn reset_flow<F: Family>(ctx: &TcContext, t: &Tuple) -> i32 {
-    count(counter::TC_DEAD_FLOW_RESET);
     // `translate_tracked` left the flow's entry in the scratch area.
-    note(t, event::RESET_DEAD_ENDPOINT, scratch().map_or(0, |s| s.entry.service_id));
+    note(t, counter::TC_DEAD_FLOW_RESET, event::RESET_DEAD_ENDPOINT, scratch().map_or(0, |s| s.entry.service_id));
     reset::<F>(ctx, t, true).unwrap_or(TC_ACT_SHOT)
 }
 
@@ -103,8 +100,7 @@ pub(super) fn reject_port_unreachable<F: Family>(ctx: &TcContext, t: &Tuple) -> 
 
 #[inline(always)]
 fn port_unreachable<F: Family>(ctx: &TcContext, t: &Tuple) -> Result<i32, ()> {
-    count(counter::TC_REJECTED);
-    note(t, event::REJECTED, refused_service());
+    note(t, counter::TC_REJECTED, event::REJECTED, refused_service());
     let [icmp_type, code] = F::PORT_UNREACHABLE;
     let macs = icmp_about_packet::<F>(ctx, [icmp_type, code, 0, 0, 0, 0, 0, 0], &t.daddr, &t.saddr)?;
     bounce::<F>(ctx, macs)

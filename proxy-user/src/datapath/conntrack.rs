@@ -195,6 +195,25 @@ impl Conntrack {
         walked.map(|()| (left, removed))
     }
 
+    /// Remove the entries under `keys` (either family's, IPv4 mapped) from every table of
+    /// their family, without a walk: how many were there. A probe's flow (`kpr verify`) goes
+    /// this way.
+    pub fn remove_flows(&mut self, keys: &[CtKey]) -> Result<usize> {
+        let mut removed = 0;
+        for key in keys {
+            if key.src_addr.is_v4() {
+                let key = CtKey::<Addr4>::new(key.src_addr, key.dst_addr, key.src_port, key.dst_port, key.proto);
+                removed += self.v4.iter_mut().map(|table| usize::from(table.remove(&key).is_ok())).sum::<usize>();
+            } else {
+                removed += self.v6.iter_mut().map(|table| usize::from(table.remove(key).is_ok())).sum::<usize>();
+            }
+        }
+        if removed > 0 {
+            self.changed()?;
+        }
+        Ok(removed)
+    }
+
     /// Add `bits` to the flags of the entries `marked` picks (keys of either family, IPv4
     /// mapped), in the tables of the families `[IPv4, IPv6]` says: how many were marked. Every
     /// CPU's flow cache stops serving its copies, so the programs see the bits at the flow's

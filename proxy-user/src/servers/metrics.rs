@@ -92,6 +92,9 @@ pub struct Metrics {
     conntrack_expired: Counter,
     shadow_mismatches: Family<ServiceLabel, Gauge>,
     shadow_comparisons: Counter,
+    verify_runs: Counter,
+    verify_failures: Counter,
+    verify_probes: Gauge,
     service_book: Arc<Mutex<ServiceBook>>,
 }
 
@@ -134,6 +137,9 @@ impl Metrics {
             conntrack_expired: Counter::default(),
             shadow_mismatches: Family::default(),
             shadow_comparisons: Counter::default(),
+            verify_runs: Counter::default(),
+            verify_failures: Counter::default(),
+            verify_probes: Gauge::default(),
             service_book: Arc::default(),
         };
         let r = &mut m.registry;
@@ -231,6 +237,21 @@ impl Metrics {
             "kpr_shadow_comparisons",
             "Shadow mode: comparisons with kube-proxy's rules",
             m.shadow_comparisons.clone(),
+        );
+        r.register(
+            "kpr_datapath_verify_runs",
+            "Runs of the datapath's self-check (kpr verify): probes through the live programs",
+            m.verify_runs.clone(),
+        );
+        r.register(
+            "kpr_datapath_verify_failures",
+            "Probes the live programs decided otherwise than the model (each followed by a resync)",
+            m.verify_failures.clone(),
+        );
+        r.register(
+            "kpr_datapath_verify_probes",
+            "Frontends and source classes the last self-check probed",
+            m.verify_probes.clone(),
         );
         if let Some(pin_root) = pin_root {
             r.register_collector(Box::new(DatapathCounters { pin_root: pin_root.clone() }));
@@ -354,6 +375,13 @@ impl Metrics {
     pub fn service_port_names(&self) -> BTreeMap<u32, String> {
         let book = self.service_book.lock().unwrap_or_else(|p| p.into_inner());
         book.ports.iter().map(|(id, name)| (*id, name.to_string())).collect()
+    }
+
+    /// The datapath's self-check ran once: `probes` probes, `failures` of them failed.
+    pub fn verified(&self, probes: usize, failures: usize) {
+        self.verify_runs.inc();
+        self.verify_failures.inc_by(failures as u64);
+        self.verify_probes.set(probes as i64);
     }
 
     pub fn forward_direct(&self, direct: bool) {

@@ -28,6 +28,9 @@ struct State {
     node_eligible: bool,
     /// The first full sync is in the datapath.
     synced: bool,
+    /// The datapath's self-check (`kpr verify`) found the programs deciding otherwise than
+    /// the model, and a resync did not repair it.
+    datapath_wrong: bool,
 }
 
 /// Shared between the sync loop (which reports) and the HTTP server (which answers).
@@ -48,6 +51,10 @@ pub struct Report {
     pub node_eligible: Option<bool>,
     pub healthy: bool,
     pub status: BTreeMap<&'static str, FamilyReport>,
+    /// kpr's own, shown only as `false`: the datapath's self-check found the programs
+    /// deciding otherwise than the model, and a resync did not mend it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub datapath_verified: Option<bool>,
 }
 
 #[derive(Debug, Serialize)]
@@ -60,7 +67,13 @@ pub struct FamilyReport {
 impl ProxyHealth {
     /// Healthy from the start (kube-proxy marks itself updated when its loop starts).
     pub fn new(timeout: Duration, metrics: Arc<Metrics>) -> Self {
-        let state = State { last_updated: SystemTime::now(), oldest_pending: None, node_eligible: true, synced: false };
+        let state = State {
+            last_updated: SystemTime::now(),
+            oldest_pending: None,
+            node_eligible: true,
+            synced: false,
+            datapath_wrong: false,
+        };
         Self { state: Mutex::new(state), timeout, metrics }
     }
 
@@ -93,6 +106,12 @@ impl ProxyHealth {
         self.state().node_eligible = eligible;
     }
 
+    /// The datapath's self-check: whether the live programs decide as the model says (after
+    /// the resync a failure brings).
+    pub fn set_datapath_verified(&self, agrees: bool) {
+        self.state().datapath_wrong = !agrees;
+    }
+
     /// The proxy's health at `now`, ignoring the node.
     pub fn healthy_at(&self, now: SystemTime) -> bool {
         self.healthy_in(&self.state(), now)
@@ -108,7 +127,10 @@ impl ProxyHealth {
         let state = self.state();
         let healthy = self.healthy_in(&state, now);
         let node_eligible = with_node.then_some(state.node_eligible);
-        let ok = healthy && node_eligible != Some(false);
+        // `/healthz` only: a wrong datapath takes the node out of load balancers' rotation; the
+        // kubelet's probes (a restart would not mend it) stay as they are.
+        let datapath_wrong = with_node && state.datapath_wrong;
+        let ok = healthy && node_eligible != Some(false) && !datapath_wrong;
         let last_updated = rfc3339(state.last_updated);
         let status =
             FAMILIES.into_iter().map(|f| (f, FamilyReport { last_updated: last_updated.clone(), healthy })).collect();
@@ -119,6 +141,7 @@ impl ProxyHealth {
             node_eligible,
             healthy,
             status,
+            datapath_verified: datapath_wrong.then_some(false),
         };
         (ok, report)
     }

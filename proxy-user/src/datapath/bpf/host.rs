@@ -26,6 +26,7 @@ use super::pins::{OlderConntrack, open_pinned_map, other_layouts, pin_dir, reads
 use crate::{
     datapath::conntrack::Conntrack,
     model::{cidr::Cidr, node::NodePlan},
+    verify::{Probe, ProbeEnv},
 };
 
 /// Tell the programs whether translated packets may skip the host's forwarding path now
@@ -191,6 +192,18 @@ pub trait HostDatapath: Send {
     /// The agent's first sync is written: another layout's programs, left serving until now
     /// (an upgrade or a downgrade), go.
     fn retire_other_layouts(&mut self) {}
+
+    /// `kpr verify`: the node as the probes see it; `None` while no link holds the per-packet
+    /// programs (nothing to probe).
+    fn probe_env(&self) -> Option<ProbeEnv> {
+        None
+    }
+
+    /// Run `probes` through the per-packet programs against the live maps, leaving no flow
+    /// behind: each verdict and the packet left.
+    fn run_probes(&mut self, _probes: &[Probe]) -> Result<Vec<(u32, Vec<u8>)>> {
+        bail!("this datapath runs no probes")
+    }
 }
 
 pub struct BpfHost {
@@ -222,6 +235,8 @@ pub struct BpfHost {
     pin_root: PathBuf,
     /// An upgrade's older established conntrack, copied at the start (`retire_other_layouts`).
     older_conntrack: Option<OlderConntrack>,
+    /// The node as `kpr verify`'s probes see it, from the last node plan.
+    probe_env: ProbeEnv,
 }
 
 impl BpfHost {
@@ -265,6 +280,7 @@ impl BpfHost {
             forwarding_checked: false,
             pin_root,
             older_conntrack,
+            probe_env: ProbeEnv::default(),
         })
     }
 
@@ -505,6 +521,7 @@ impl HostDatapath for BpfHost {
         sync_hash(&mut self.links, &links)?;
         sync_lpm(&mut self.local_cidrs, &plan.local_cidrs)?;
         sync_service_ranges(&mut self.service_cidrs, &mut self.service_range_cover, &plan.service_cidrs)?;
+        self.probe_env = ProbeEnv::of(plan);
 
         // Links of an earlier run that are gone or no longer selected.
         let stale: Vec<u32> = self
@@ -574,6 +591,14 @@ impl HostDatapath for BpfHost {
     /// go): then what they changed since the copy at this agent's start is brought over, and
     /// meanwhile a TCP segment that finds no flow, from an address that may be a backend's,
     /// waits for it (dropped, sent again) rather than being passed on to be reset.
+    fn probe_env(&self) -> Option<ProbeEnv> {
+        (!self.attached.is_empty()).then(|| self.probe_env.clone())
+    }
+
+    fn run_probes(&mut self, probes: &[Probe]) -> Result<Vec<(u32, Vec<u8>)>> {
+        super::probe::run(&self.ebpf, &self.pin_root, probes)
+    }
+
     fn retire_other_layouts(&mut self) {
         let mut older = self.older_conntrack.take().or_else(|| OlderConntrack::open(&self.pin_root));
         if older.is_some() {

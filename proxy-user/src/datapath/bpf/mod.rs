@@ -15,6 +15,7 @@ mod host;
 mod maps;
 mod object;
 pub(super) mod pins;
+mod probe;
 
 use std::fs::{self, File};
 

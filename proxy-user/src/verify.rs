@@ -1,0 +1,672 @@
+//! A datapath that checks itself (`kpr verify`, `--verify-period`): for every frontend and
+//! source class the per-packet programs tell apart, one synthetic packet through the live tc
+//! program against the live maps (`BPF_PROG_TEST_RUN`; the datapath side runs it and removes
+//! the flow it made), and its fate compared with what the model says kube-proxy does: DNAT to
+//! one of the port's endpoints (masqueraded or not), a REJECT, or a DROP.
+//!
+//! This module is the model's half: which probes, their packets, and the judgement. Nothing
+//! here touches the kernel.
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    sync::{Arc, Mutex},
+};
+
+use proxy_common::{
+    IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
+    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::datapath::Programmed;
+
+/// An outside client: TEST-NET-2 (RFC 5737) and the documentation prefix (RFC 3849), never a
+/// node's or a pod's address.
+const OUTSIDE_V4: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 77);
+const OUTSIDE_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0x6b70, 0x7276);
+
+/// tc verdicts as `BPF_PROG_TEST_RUN` returns them.
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
+/// -1: "not mine", the next program of the hook decides.
+const TC_ACT_UNSPEC: u32 = u32::MAX;
+
+/// What the node looks like to a probe: where NodePorts answer, its own addresses, and how a
+/// packet from a pod is made.
+#[derive(Clone, Debug, Default)]
+pub struct ProbeEnv {
+    /// The node's NodePort addresses: a NodePort frontend is probed at the first of its family.
+    pub node_port_addrs: Vec<IpAddr>,
+    /// The node's own addresses: an endpoint among them is delivered locally, never
+    /// masqueraded.
+    pub local_addrs: Vec<IpAddr>,
+    /// Per family, a source the local-traffic detector calls a pod and the link it arrives by
+    /// (0: any); none where pods cannot be told apart or a probe could not pass the source
+    /// checks of the link.
+    pub pod_sources: Vec<(IpAddr, u32)>,
+}
+
+impl ProbeEnv {
+    /// The node as the node plan programs it: NodePort and local addresses, and a pod source per
+    /// family: the first address of a local-traffic CIDR (`detectLocalMode: ClusterCIDR`, never
+    /// a pod's: a network address), else an outside address arriving by a local-traffic link
+    /// (`BridgeInterface`, `InterfaceNamePrefix`) that checks no source route.
+    pub fn of(plan: &crate::model::node::NodePlan) -> Self {
+        use proxy_common::{
+            LINK_FLAG_LOCAL_TRAFFIC, LINK_FLAG_NOT_ETHERNET, LINK_FLAG_RP_FILTER_LOOSE, LINK_FLAG_RP_FILTER_STRICT,
+            NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT,
+        };
+        let flagged = |flag| plan.node_addrs.iter().filter(move |(_, f)| *f & flag != 0).map(|(a, _)| *a);
+        let pod_link = plan.links.iter().find(|(_, l)| {
+            l.flags & LINK_FLAG_LOCAL_TRAFFIC != 0
+                && l.flags & (LINK_FLAG_RP_FILTER_STRICT | LINK_FLAG_RP_FILTER_LOOSE | LINK_FLAG_NOT_ETHERNET) == 0
+        });
+        let pod_sources = [true, false]
+            .into_iter()
+            .filter_map(|v4| match plan.local_cidrs.iter().find(|c| c.is_ipv4() == v4) {
+                Some(cidr) => Some((cidr.addr, 0)),
+                None => pod_link.map(|(ifindex, _)| (outside(v4), *ifindex)),
+            })
+            .collect();
+        Self {
+            node_port_addrs: flagged(NODE_ADDR_NODEPORT).collect(),
+            local_addrs: flagged(NODE_ADDR_LOCAL).collect(),
+            pod_sources,
+        }
+    }
+}
+
+fn outside(v4: bool) -> IpAddr {
+    if v4 { OUTSIDE_V4.into() } else { OUTSIDE_V6.into() }
+}
+
+/// The source classes the per-packet programs tell apart on the way in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Class {
+    Pod,
+    External,
+}
+
+/// What kube-proxy does with a new connection to the frontend from the probe's client.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Expect {
+    /// DNAT to one of `backends`, masqueraded (`SERVICE_FLAG_SNAT`) unless the endpoint is one
+    /// of the node's own addresses.
+    Forward {
+        backends: Vec<SocketAddr>,
+        masquerade: bool,
+    },
+    /// A TCP reset or an ICMP port unreachable to the client.
+    Reject,
+    Drop,
+}
+
+/// What the program did with a probe.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Forwarded {
+        to: SocketAddr,
+        from: SocketAddr,
+    },
+    Rejected,
+    Dropped,
+    /// Left untranslated for the stack.
+    Passed,
+    /// A verdict or a packet that is none of the above.
+    Other(String),
+}
+
+/// One synthetic new connection.
+#[derive(Clone, Debug)]
+pub struct Probe {
+    pub frontend: ServiceKey,
+    pub class: Class,
+    pub client: SocketAddr,
+    /// The frontend's address (a NodePort: a NodePort address of the node) and port.
+    pub target: SocketAddr,
+    pub proto: u8,
+    /// The link the packet arrives by (0: the test run's default).
+    pub ifindex: u32,
+    /// The frontend's sessionAffinity id (0: none): the probe's client entry is removed.
+    pub affinity_id: u32,
+    pub expect: Expect,
+}
+
+/// The probes for the frontends `keys` as the agent programmed them (`programmed`: its
+/// record of what it wrote, which is what the model asked for at the last sync, whatever
+/// changes are pending); and how many of them cannot be probed here
+/// (the node's own traffic, which the socket path decides; pod traffic where the node cannot
+/// tell pods apart; a NodePort without a NodePort address of its family). A key no longer
+/// programmed is passed over. `run` and `first` (the first key's place in the run) give each
+/// probe a client port of its own.
+pub fn probes<'k>(
+    keys: impl IntoIterator<Item = &'k ServiceKey>,
+    programmed: &BTreeMap<ServiceKey, Programmed>,
+    env: &ProbeEnv,
+    (run, first): (u64, usize),
+) -> (Vec<Probe>, usize) {
+    let (mut probes, mut skipped) = (Vec::new(), 0);
+    for (i, key) in keys.into_iter().enumerate() {
+        let Some(port) = programmed.get(key) else { continue };
+        match probe(key, port, programmed, env, client_port(run, first + i)) {
+            Some(p) => probes.push(p),
+            None => skipped += 1,
+        }
+    }
+    (probes, skipped)
+}
+
+/// An ephemeral port of its own for each probe of each run.
+fn client_port(run: u64, i: usize) -> u16 {
+    let mixed = (run.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (i as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9)) >> 40;
+    32768 + (mixed % 28232) as u16
+}
+
+fn probe(
+    key: &ServiceKey,
+    port: &Programmed,
+    all: &BTreeMap<ServiceKey, Programmed>,
+    env: &ProbeEnv,
+    client_port: u16,
+) -> Option<Probe> {
+    let frontend = IpAddr::from(key.addr);
+    let v4 = frontend.is_ipv4();
+    let (class, client_ip, ifindex) = match key.scope {
+        SCOPE_EXTERNAL => (Class::External, outside(v4), 0),
+        SCOPE_POD => {
+            let (ip, ifindex) = env.pod_sources.iter().find(|(ip, _)| ip.is_ipv4() == v4)?;
+            (Class::Pod, *ip, *ifindex)
+        }
+        _ => return None,
+    };
+    if ![IPPROTO_TCP, IPPROTO_UDP, IPPROTO_SCTP].contains(&key.proto) {
+        return None;
+    }
+    let target_ip = if frontend.is_unspecified() {
+        let addr = env.node_port_addrs.iter().find(|a| a.is_ipv4() == v4)?;
+        // The same address and port as another frontend (an externalIP that is the node's): that
+        // one answers, and it has a probe of its own.
+        if all.contains_key(&ServiceKey { addr: (*addr).into(), ..*key }) {
+            return None;
+        }
+        *addr
+    } else {
+        frontend
+    };
+    let flags = port.value.flags;
+    let expect = if flags & SERVICE_FLAG_SOURCE_RANGES != 0
+        && !port.source_ranges.iter().any(|range| range.contains(client_ip))
+    {
+        Expect::Drop
+    } else if port.backends.is_empty() {
+        if flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0 { Expect::Drop } else { Expect::Reject }
+    } else {
+        Expect::Forward {
+            backends: port.backends.iter().map(|b| SocketAddr::new(b.addr.into(), u16::from_be(b.port))).collect(),
+            masquerade: flags & SERVICE_FLAG_SNAT != 0,
+        }
+    };
+    Some(Probe {
+        frontend: *key,
+        class,
+        client: SocketAddr::new(client_ip, client_port),
+        target: SocketAddr::new(target_ip, u16::from_be(key.port)),
+        proto: key.proto,
+        ifindex,
+        affinity_id: port.value.affinity_id,
+        expect,
+    })
+}
+
+impl Probe {
+    /// The probe's packet as it arrives on an Ethernet link: a TCP SYN, a UDP datagram or an
+    /// SCTP INIT, checksums correct.
+    pub fn frame(&self) -> Vec<u8> {
+        let (sport, dport) = (self.client.port().to_be_bytes(), self.target.port().to_be_bytes());
+        let mut l4 = Vec::new();
+        l4.extend_from_slice(&sport);
+        l4.extend_from_slice(&dport);
+        match self.proto {
+            IPPROTO_TCP => {
+                // seq 1, ack 0, a 20-byte header, SYN, a window; checksum and urgent pointer 0.
+                l4.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 0, 0x50, 0x02, 0xfa, 0xf0, 0, 0, 0, 0]);
+            }
+            IPPROTO_UDP => {
+                let payload = b"kpr verify";
+                l4.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+                l4.extend_from_slice(&[0, 0]);
+                l4.extend_from_slice(payload);
+            }
+            _ => {
+                // Verification tag 0 and the CRC, then an INIT chunk (type 1, 20 bytes): its
+                // tag, receiver window, streams and initial TSN.
+                l4.extend_from_slice(&[0; 8]);
+                l4.extend_from_slice(&[1, 0, 0, 20, 0, 0, 0, 1, 0, 1, 0, 0, 0, 1, 0, 1, 0, 0, 0, 1]);
+                let crc = crc32c(&l4);
+                l4[8..12].copy_from_slice(&crc.to_le_bytes());
+            }
+        }
+        let (src, dst) = (self.client.ip(), self.target.ip());
+        if self.proto != IPPROTO_SCTP {
+            let at = if self.proto == IPPROTO_TCP { 16 } else { 6 };
+            let sum = checksum(&[&pseudo_header(src, dst, self.proto, l4.len()), &l4]);
+            l4[at..at + 2].copy_from_slice(&sum.to_be_bytes());
+        }
+        let mut frame = vec![0x02, 0, 0x6b, 0x70, 0x72, 0x01, 0x02, 0, 0x6b, 0x70, 0x72, 0x02];
+        match (src, dst) {
+            (IpAddr::V4(src), IpAddr::V4(dst)) => {
+                frame.extend_from_slice(&[0x08, 0x00]);
+                let mut ip = vec![0x45, 0];
+                ip.extend_from_slice(&((20 + l4.len()) as u16).to_be_bytes());
+                ip.extend_from_slice(&[0, 1, 0x40, 0, 64, self.proto, 0, 0]);
+                ip.extend_from_slice(&src.octets());
+                ip.extend_from_slice(&dst.octets());
+                let sum = checksum(&[&ip]);
+                ip[10..12].copy_from_slice(&sum.to_be_bytes());
+                frame.extend_from_slice(&ip);
+            }
+            (src, dst) => {
+                frame.extend_from_slice(&[0x86, 0xdd, 0x60, 0, 0, 0]);
+                frame.extend_from_slice(&(l4.len() as u16).to_be_bytes());
+                frame.extend_from_slice(&[self.proto, 64]);
+                frame.extend_from_slice(&v6_octets(src));
+                frame.extend_from_slice(&v6_octets(dst));
+            }
+        }
+        frame.extend_from_slice(&l4);
+        frame
+    }
+
+    /// What the program did: its verdict and the packet it left (`out`).
+    pub fn outcome(&self, verdict: u32, out: &[u8]) -> Outcome {
+        match verdict {
+            TC_ACT_SHOT => return Outcome::Dropped,
+            TC_ACT_UNSPEC => return Outcome::Passed,
+            TC_ACT_OK | TC_ACT_REDIRECT => {}
+            other => return Outcome::Other(format!("verdict {other}")),
+        }
+        let Some(seen) = Seen::parse(out) else { return Outcome::Other("a packet kpr cannot read".to_owned()) };
+        if seen.dst.ip() == self.client.ip() {
+            // An answer to the client: a reset, or an ICMP error (port unreachable).
+            let reset = seen.proto == IPPROTO_TCP && seen.tcp_flags & 0x04 != 0;
+            let unreachable = seen.proto == 1 || seen.proto == 58;
+            return if reset || unreachable { Outcome::Rejected } else { Outcome::Other(format!("{seen}")) };
+        }
+        if seen.dst == self.target && seen.src == self.client {
+            return Outcome::Passed;
+        }
+        Outcome::Forwarded { to: seen.dst, from: seen.src }
+    }
+
+    /// Whether `outcome` is what kube-proxy does; `local_addrs`: the node's own.
+    pub fn agrees(&self, outcome: &Outcome, local_addrs: &[IpAddr]) -> bool {
+        match (&self.expect, outcome) {
+            (Expect::Forward { backends, masquerade }, Outcome::Forwarded { to, from }) => {
+                let masqueraded = from.ip() != self.client.ip();
+                backends.contains(to) && masqueraded == (*masquerade && !local_addrs.contains(&to.ip()))
+            }
+            (Expect::Reject, Outcome::Rejected) | (Expect::Drop, Outcome::Dropped) => true,
+            _ => false,
+        }
+    }
+}
+
+/// The addresses and ports of a packet the program left.
+struct Seen {
+    src: SocketAddr,
+    dst: SocketAddr,
+    proto: u8,
+    tcp_flags: u8,
+}
+
+impl Seen {
+    fn parse(frame: &[u8]) -> Option<Self> {
+        let (src, dst, proto, l4) = match frame.get(12..14)? {
+            [0x08, 0x00] => {
+                let ihl = usize::from(frame.get(14)? & 0x0f) * 4;
+                let addr = |at: usize| -> Option<IpAddr> {
+                    Some(Ipv4Addr::from(<[u8; 4]>::try_from(frame.get(at..at + 4)?).ok()?).into())
+                };
+                (addr(26)?, addr(30)?, *frame.get(23)?, frame.get(14 + ihl..)?)
+            }
+            [0x86, 0xdd] => {
+                let addr = |at: usize| -> Option<IpAddr> {
+                    Some(Ipv6Addr::from(<[u8; 16]>::try_from(frame.get(at..at + 16)?).ok()?).into())
+                };
+                (addr(22)?, addr(38)?, *frame.get(20)?, frame.get(54..)?)
+            }
+            _ => return None,
+        };
+        let port = |at: usize| l4.get(at..at + 2).map_or(0, |p| u16::from_be_bytes([p[0], p[1]]));
+        let tcp_flags = if proto == IPPROTO_TCP { *l4.get(13)? } else { 0 };
+        Some(Self { src: SocketAddr::new(src, port(0)), dst: SocketAddr::new(dst, port(2)), proto, tcp_flags })
+    }
+}
+
+impl std::fmt::Display for Seen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "a packet {} → {} (protocol {})", self.src, self.dst, self.proto)
+    }
+}
+
+impl std::fmt::Display for Expect {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Forward { backends, masquerade } => {
+                let list: Vec<String> = backends.iter().map(ToString::to_string).collect();
+                let how = if *masquerade { ", masqueraded" } else { "" };
+                write!(f, "DNAT to one of {}{how}", list.join(" "))
+            }
+            Self::Reject => f.write_str("REJECT"),
+            Self::Drop => f.write_str("DROP"),
+        }
+    }
+}
+
+impl std::fmt::Display for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Forwarded { to, from } => write!(f, "DNAT to {to} from {from}"),
+            Self::Rejected => f.write_str("REJECT"),
+            Self::Dropped => f.write_str("DROP"),
+            Self::Passed => f.write_str("left untranslated"),
+            Self::Other(what) => f.write_str(what),
+        }
+    }
+}
+
+fn v6_octets(ip: IpAddr) -> [u8; 16] {
+    match ip {
+        IpAddr::V6(v6) => v6.octets(),
+        IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+    }
+}
+
+fn pseudo_header(src: IpAddr, dst: IpAddr, proto: u8, len: usize) -> Vec<u8> {
+    let mut pseudo = Vec::new();
+    match (src, dst) {
+        (IpAddr::V4(src), IpAddr::V4(dst)) => {
+            pseudo.extend_from_slice(&src.octets());
+            pseudo.extend_from_slice(&dst.octets());
+            pseudo.extend_from_slice(&[0, proto]);
+            pseudo.extend_from_slice(&(len as u16).to_be_bytes());
+        }
+        (src, dst) => {
+            pseudo.extend_from_slice(&v6_octets(src));
+            pseudo.extend_from_slice(&v6_octets(dst));
+            pseudo.extend_from_slice(&(len as u32).to_be_bytes());
+            pseudo.extend_from_slice(&[0, 0, 0, proto]);
+        }
+    }
+    pseudo
+}
+
+/// The Internet checksum of the concatenated `parts` (each of even length but the last).
+fn checksum(parts: &[&[u8]]) -> u16 {
+    let mut sum: u32 = 0;
+    for chunk in parts.iter().flat_map(|p| p.chunks(2)) {
+        sum += u32::from(u16::from_be_bytes([chunk[0], *chunk.get(1).unwrap_or(&0)]));
+    }
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// SCTP's CRC32c (RFC 3309), bit by bit: a probe is a few dozen bytes.
+fn crc32c(data: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for byte in data {
+        crc ^= u32::from(*byte);
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 { (crc >> 1) ^ 0x82f6_3b78 } else { crc >> 1 };
+        }
+    }
+    !crc
+}
+
+/// One frontend whose probe the programs decided otherwise than kube-proxy would.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Failure {
+    /// The frontend as the client addressed it (`address:port/protocol`).
+    pub frontend: String,
+    pub class: Class,
+    pub service: String,
+    pub expected: String,
+    pub seen: String,
+}
+
+impl Failure {
+    /// `service`: the frontend's Service port, for the report.
+    pub fn new(probe: &Probe, outcome: &Outcome, service: String) -> Self {
+        let proto = match probe.proto {
+            IPPROTO_TCP => "TCP",
+            IPPROTO_UDP => "UDP",
+            _ => "SCTP",
+        };
+        Self {
+            frontend: format!("{}/{proto}", probe.target),
+            class: probe.class,
+            service,
+            expected: probe.expect.to_string(),
+            seen: outcome.to_string(),
+        }
+    }
+}
+
+/// The last verification, as `/verify` serves it and `kpr verify` prints it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VerifyReport {
+    /// Runs so far (0: none yet).
+    pub runs: u64,
+    /// Frontends probed, and those the per-packet path cannot be probed for here.
+    pub probed: usize,
+    pub skipped: usize,
+    /// How long the probes took (the resync and its second run aside).
+    pub elapsed_ms: f64,
+    /// Of the last run.
+    pub failures: Vec<Failure>,
+    /// After a run with failures: whether the resync that followed repaired them (the run
+    /// again, at once, found none).
+    pub repaired: Option<bool>,
+    /// Why the last run could not probe (no datapath to run, the sources not synced yet).
+    pub problem: Option<String>,
+}
+
+impl VerifyReport {
+    pub fn render(&self) -> String {
+        use std::fmt::Write as _;
+        let mut out = String::new();
+        if let Some(problem) = &self.problem {
+            let _ = writeln!(out, "not verified: {problem}");
+            return out;
+        }
+        let _ = writeln!(
+            out,
+            "run {}: {} frontends probed in {:.1} ms, {} not probed here (the socket path's, or no source to \
+             probe from)",
+            self.runs, self.probed, self.elapsed_ms, self.skipped
+        );
+        for f in &self.failures {
+            let class = match f.class {
+                Class::Pod => "pod",
+                Class::External => "external",
+            };
+            let _ = writeln!(
+                out,
+                "MISMATCH {} from {class} ({}): want {}, got {}",
+                f.frontend, f.service, f.expected, f.seen
+            );
+        }
+        match self.repaired {
+            Some(true) => out.push_str("repaired by a resync: the probes agree again\n"),
+            Some(false) => out.push_str("NOT repaired by a resync\n"),
+            None if self.failures.is_empty() => out.push_str("the datapath agrees with the model\n"),
+            None => {}
+        }
+        out
+    }
+}
+
+/// Shared between the agent's loop and the metrics server: the last report, and a way to ask
+/// for a run now (`/verify?now`, `kpr verify`).
+#[derive(Default)]
+pub struct Shared {
+    pub report: Mutex<VerifyReport>,
+    pub run_now: tokio::sync::Notify,
+}
+
+/// `/verify` on the metrics server.
+pub fn route(shared: Arc<Shared>) -> crate::servers::http_server::Handler {
+    Arc::new(move |request| {
+        if request.uri.query() == Some("now") {
+            shared.run_now.notify_one();
+        }
+        crate::servers::http_server::json(http::StatusCode::OK, &*shared.report.lock().expect("verify report"))
+    })
+}
+
+/// `kpr verify`: ask the agent at `address` for a run now and wait for its report.
+pub fn fetch_report(address: SocketAddr) -> anyhow::Result<VerifyReport> {
+    use anyhow::Context as _;
+    let timeout = std::time::Duration::from_secs(5);
+    let get = |path: &str| -> anyhow::Result<VerifyReport> {
+        let (status, body) = crate::inspect::http_get(address, path, timeout)
+            .with_context(|| format!("no agent answers at {address}"))?;
+        anyhow::ensure!(status == 200, "{address}{path} answered {status}");
+        serde_json::from_str(&body).context("the verify report")
+    };
+    let before = get("/verify?now")?.runs;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let report = get("/verify")?;
+        if report.runs > before {
+            return Ok(report);
+        }
+        anyhow::ensure!(std::time::Instant::now() < deadline, "the agent did not verify within 60 s");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use proxy_common::{SCOPE_NODE, ServiceValue};
+
+    use super::*;
+    use crate::{
+        datapath::backend,
+        model::{Protocol, cidr::Cidr, desired::frontend_key},
+    };
+
+    type Frontends = BTreeMap<ServiceKey, Programmed>;
+
+    fn port(backends: &[(&str, u16)], flags: u32) -> Programmed {
+        let value = ServiceValue {
+            service_id: 1,
+            backends_start: 0,
+            backends_count: backends.len() as u32,
+            flags,
+            affinity_timeout: 0,
+            affinity_id: 0,
+        };
+        let backends = backends.iter().map(|(ip, port)| backend(ip.parse::<IpAddr>().unwrap(), *port)).collect();
+        Programmed { value, backends, source_ranges: vec![] }
+    }
+
+    fn env() -> ProbeEnv {
+        ProbeEnv {
+            node_port_addrs: vec!["10.0.0.1".parse().unwrap()],
+            local_addrs: vec!["10.0.0.1".parse().unwrap()],
+            pod_sources: vec![("10.244.0.0".parse().unwrap(), 0)],
+        }
+    }
+
+    fn probes_of(frontends: &Frontends) -> (Vec<Probe>, usize) {
+        probes(frontends.keys(), frontends, &env(), (1, 0))
+    }
+
+    #[test]
+    fn each_frontend_and_class_gets_the_expectation_kube_proxy_has() {
+        let mut d = Frontends::new();
+        d.insert(frontend_key([10, 96, 0, 1], 80, Protocol::Tcp, SCOPE_POD), port(&[("10.244.1.5", 8080)], 0));
+        d.insert(
+            frontend_key([0, 0, 0, 0], 30080, Protocol::Tcp, SCOPE_EXTERNAL),
+            port(&[("10.244.1.5", 8080)], SERVICE_FLAG_SNAT),
+        );
+        d.insert(frontend_key([10, 96, 0, 2], 53, Protocol::Udp, SCOPE_POD), port(&[], 0));
+        d.insert(
+            frontend_key([10, 96, 0, 3], 80, Protocol::Tcp, SCOPE_EXTERNAL),
+            port(&[], SERVICE_FLAG_DROP_NO_ENDPOINTS),
+        );
+        let mut ranged = port(&[("10.244.1.5", 8080)], SERVICE_FLAG_SOURCE_RANGES);
+        ranged.source_ranges = vec!["203.0.113.0/24".parse::<Cidr>().unwrap()];
+        d.insert(frontend_key([192, 0, 2, 10], 443, Protocol::Tcp, SCOPE_EXTERNAL), ranged);
+        // The node's own traffic is the socket path's: not probed here.
+        d.insert(frontend_key([10, 96, 0, 1], 80, Protocol::Tcp, SCOPE_NODE), port(&[("10.244.1.5", 8080)], 0));
+        let (probes, skipped) = probes_of(&d);
+        assert_eq!(skipped, 1);
+        let seen: Vec<(String, Class, Expect)> =
+            probes.iter().map(|p| (p.target.to_string(), p.class, p.expect.clone())).collect();
+        let forward = |masquerade| Expect::Forward { backends: vec!["10.244.1.5:8080".parse().unwrap()], masquerade };
+        assert!(seen.contains(&("10.96.0.1:80".into(), Class::Pod, forward(false))));
+        assert!(seen.contains(&("10.0.0.1:30080".into(), Class::External, forward(true))));
+        assert!(seen.contains(&("10.96.0.2:53".into(), Class::Pod, Expect::Reject)));
+        assert!(seen.contains(&("10.96.0.3:80".into(), Class::External, Expect::Drop)));
+        // The outside client is not in loadBalancerSourceRanges.
+        assert!(seen.contains(&("192.0.2.10:443".into(), Class::External, Expect::Drop)));
+        let pod = probes.iter().find(|p| p.class == Class::Pod).unwrap();
+        assert_eq!(pod.client.ip(), "10.244.0.0".parse::<IpAddr>().unwrap());
+        // Each probe a client port of its own.
+        let ports: BTreeSet<u16> = probes.iter().map(|p| p.client.port()).collect();
+        assert_eq!(ports.len(), probes.len());
+    }
+
+    #[test]
+    fn outcomes_are_read_from_the_packet_the_program_left() {
+        let mut d = Frontends::new();
+        d.insert(
+            frontend_key([10, 96, 0, 1], 80, Protocol::Tcp, SCOPE_EXTERNAL),
+            port(&[("10.244.1.5", 8080)], SERVICE_FLAG_SNAT),
+        );
+        let probe = &probes_of(&d).0[0];
+        let frame = probe.frame();
+        // The probe's own packet, checksums as the kernel checks them.
+        assert_eq!(checksum(&[&frame[14..34]]), 0);
+        let l4 = &frame[34..];
+        assert_eq!(checksum(&[&pseudo_header(probe.client.ip(), probe.target.ip(), IPPROTO_TCP, l4.len()), l4]), 0);
+        assert_eq!(probe.outcome(TC_ACT_OK, &frame), Outcome::Passed);
+        assert_eq!(probe.outcome(TC_ACT_SHOT, &frame), Outcome::Dropped);
+        // The program's DNAT and masquerade, written into the frame.
+        let mut out = frame.clone();
+        out[26..30].copy_from_slice(&[10, 0, 0, 1]);
+        out[30..34].copy_from_slice(&[10, 244, 1, 5]);
+        out[36..38].copy_from_slice(&8080u16.to_be_bytes());
+        let seen = probe.outcome(TC_ACT_REDIRECT, &out);
+        assert!(matches!(seen, Outcome::Forwarded { to, .. } if to == "10.244.1.5:8080".parse().unwrap()));
+        assert!(probe.agrees(&seen, &[]));
+        // Not masqueraded where kube-proxy would: a mismatch, unless the endpoint is the node's.
+        out[26..30].copy_from_slice(&frame[26..30]);
+        assert!(!probe.agrees(&probe.outcome(TC_ACT_OK, &out), &[]));
+        assert!(probe.agrees(&probe.outcome(TC_ACT_OK, &out), &["10.244.1.5".parse().unwrap()]));
+        // To an address that is no endpoint of the port: a mismatch.
+        out[30..34].copy_from_slice(&[10, 244, 9, 9]);
+        assert!(!probe.agrees(&probe.outcome(TC_ACT_OK, &out), &[]));
+        // A reset to the client is a REJECT, which this frontend must not answer.
+        let mut reset = frame.clone();
+        reset[30..34].copy_from_slice(&frame[26..30]);
+        reset[34 + 13] = 0x14;
+        assert_eq!(probe.outcome(TC_ACT_REDIRECT, &reset), Outcome::Rejected);
+        assert!(!probe.agrees(&Outcome::Rejected, &[]));
+    }
+
+    #[test]
+    fn sctp_probes_carry_a_valid_crc() {
+        // RFC 3720's check value for CRC32c: "123456789" → 0xe3069283.
+        assert_eq!(crc32c(b"123456789"), 0xe306_9283);
+    }
+}
