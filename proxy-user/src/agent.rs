@@ -453,8 +453,8 @@ impl Syncer {
                 }
                 () = sleep_until(pending) => self.sync(maps, host, Instant::now()),
                 _ = reconcile.tick() => self.reconcile(maps, host),
-                _ = verify_tick.tick(), if verify_every.is_some() => self.start_verify(),
-                () = asked_to_verify(verify.as_deref()) => self.start_verify(),
+                _ = verify_tick.tick(), if verify_every.is_some() => self.start_verify(host),
+                () = asked_to_verify(verify.as_deref()) => self.start_verify(host),
                 // A run's next chunk, between the changes (tokio picks among ready branches at
                 // random).
                 () = std::future::ready(()), if self.verifying() => self.verify_step(maps, host),

@@ -33,7 +33,7 @@ const TC_ACT_REDIRECT: u32 = 7;
 const TC_ACT_UNSPEC: u32 = u32::MAX;
 
 /// What the node looks like to a probe: where NodePorts answer, its own addresses, and how a
-/// packet from a pod is made.
+/// client's packet is made.
 #[derive(Clone, Debug, Default)]
 pub struct ProbeEnv {
     /// The node's NodePort addresses: a NodePort frontend is probed at the first of its family.
@@ -41,28 +41,33 @@ pub struct ProbeEnv {
     /// The node's own addresses: an endpoint among them is delivered locally, never
     /// masqueraded.
     pub local_addrs: Vec<IpAddr>,
-    /// Per family, a source the local-traffic detector calls a pod and the link it arrives by
-    /// (0: any); none where pods cannot be told apart or a probe could not pass the source
-    /// checks of the link.
-    pub pod_sources: Vec<(IpAddr, u32)>,
+    /// Per family, an outside client and the link it arrives by (0: the test run's default,
+    /// the loopback); none where its packet could not pass the link's reverse-path check.
+    pub outside_clients: Vec<(IpAddr, u32)>,
+    /// Per family, a client the local-traffic detector calls a pod, and its link; none where
+    /// pods cannot be told apart or its packet could not pass the link's checks.
+    pub pod_clients: Vec<(IpAddr, u32)>,
+    /// The loopback (the link of a test run without one) checks sources (`rp_filter`).
+    loopback_checks_sources: bool,
 }
 
+/// `rp_filter` in either mode, or no Ethernet (the probe is an Ethernet frame).
+const LINK_UNFIT: u32 = proxy_common::LINK_FLAG_RP_FILTER_STRICT
+    | proxy_common::LINK_FLAG_RP_FILTER_LOOSE
+    | proxy_common::LINK_FLAG_NOT_ETHERNET;
+
 impl ProbeEnv {
-    /// The node as the node plan programs it: NodePort and local addresses, and a pod source per
-    /// family: the first address of a local-traffic CIDR (`detectLocalMode: ClusterCIDR`, never
-    /// a pod's: a network address), else an outside address arriving by a local-traffic link
-    /// (`BridgeInterface`, `InterfaceNamePrefix`) that checks no source route.
+    /// The node as the node plan programs it: NodePort and local addresses, an outside client
+    /// per family, and a pod client per family: the first address of a local-traffic CIDR
+    /// (`detectLocalMode: ClusterCIDR`, never a pod's: a network address), else an outside
+    /// address arriving by a local-traffic link (`BridgeInterface`, `InterfaceNamePrefix`)
+    /// that checks no source. Clients without a link yet are given one by [`Self::arriving_by`].
     pub fn of(plan: &crate::model::node::NodePlan) -> Self {
-        use proxy_common::{
-            LINK_FLAG_LOCAL_TRAFFIC, LINK_FLAG_NOT_ETHERNET, LINK_FLAG_RP_FILTER_LOOSE, LINK_FLAG_RP_FILTER_STRICT,
-            NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT,
-        };
+        use proxy_common::{LINK_FLAG_LOCAL_TRAFFIC, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT};
         let flagged = |flag| plan.node_addrs.iter().filter(move |(_, f)| *f & flag != 0).map(|(a, _)| *a);
-        let pod_link = plan.links.iter().find(|(_, l)| {
-            l.flags & LINK_FLAG_LOCAL_TRAFFIC != 0
-                && l.flags & (LINK_FLAG_RP_FILTER_STRICT | LINK_FLAG_RP_FILTER_LOOSE | LINK_FLAG_NOT_ETHERNET) == 0
-        });
-        let pod_sources = [true, false]
+        let pod_link =
+            plan.links.iter().find(|(_, l)| l.flags & LINK_FLAG_LOCAL_TRAFFIC != 0 && l.flags & LINK_UNFIT == 0);
+        let pod_clients = [true, false]
             .into_iter()
             .filter_map(|v4| match plan.local_cidrs.iter().find(|c| c.is_ipv4() == v4) {
                 Some(cidr) => Some((cidr.addr, 0)),
@@ -72,10 +77,33 @@ impl ProbeEnv {
         Self {
             node_port_addrs: flagged(NODE_ADDR_NODEPORT).collect(),
             local_addrs: flagged(NODE_ADDR_LOCAL).collect(),
-            pod_sources,
+            outside_clients: vec![(outside(true), 0), (outside(false), 0)],
+            pod_clients,
+            loopback_checks_sources: plan.links.get(&LOOPBACK).is_some_and(|l| l.flags & LINK_UNFIT != 0),
         }
     }
+
+    /// Give each client without a link the one its packets would arrive by: the link of
+    /// `route_to` it (the kernel's route back, which a reverse-path check wants), else the
+    /// loopback if that checks no source; a client that fits neither is not probed.
+    pub fn arriving_by(mut self, route_to: impl Fn(IpAddr) -> Option<u32>) -> Self {
+        let lo_fits = !self.loopback_checks_sources;
+        let place = |clients: &mut Vec<(IpAddr, u32)>| {
+            clients.retain_mut(|(ip, link)| {
+                if *link == 0 {
+                    *link = route_to(*ip).unwrap_or(0);
+                }
+                *link != 0 || lo_fits
+            });
+        };
+        place(&mut self.outside_clients);
+        place(&mut self.pod_clients);
+        self
+    }
 }
+
+/// The loopback's ifindex in every network namespace.
+const LOOPBACK: u32 = 1;
 
 fn outside(v4: bool) -> IpAddr {
     if v4 { OUTSIDE_V4.into() } else { OUTSIDE_V6.into() }
@@ -174,9 +202,12 @@ fn probe(
     let frontend = IpAddr::from(key.addr);
     let v4 = frontend.is_ipv4();
     let (class, client_ip, ifindex) = match key.scope {
-        SCOPE_EXTERNAL => (Class::External, outside(v4), 0),
+        SCOPE_EXTERNAL => {
+            let (ip, ifindex) = env.outside_clients.iter().find(|(ip, _)| ip.is_ipv4() == v4)?;
+            (Class::External, *ip, *ifindex)
+        }
         SCOPE_POD => {
-            let (ip, ifindex) = env.pod_sources.iter().find(|(ip, _)| ip.is_ipv4() == v4)?;
+            let (ip, ifindex) = env.pod_clients.iter().find(|(ip, _)| ip.is_ipv4() == v4)?;
             (Class::Pod, *ip, *ifindex)
         }
         _ => return None,
@@ -582,7 +613,9 @@ mod tests {
         ProbeEnv {
             node_port_addrs: vec!["10.0.0.1".parse().unwrap()],
             local_addrs: vec!["10.0.0.1".parse().unwrap()],
-            pod_sources: vec![("10.244.0.0".parse().unwrap(), 0)],
+            outside_clients: vec![(outside(true), 0)],
+            pod_clients: vec![("10.244.0.0".parse().unwrap(), 0)],
+            loopback_checks_sources: false,
         }
     }
 
@@ -662,6 +695,39 @@ mod tests {
         reset[34 + 13] = 0x14;
         assert_eq!(probe.outcome(TC_ACT_REDIRECT, &reset), Outcome::Rejected);
         assert!(!probe.agrees(&Outcome::Rejected, &[]));
+    }
+
+    #[test]
+    fn clients_arrive_by_the_link_their_route_leaves_by_or_are_not_probed() {
+        use proxy_common::{LINK_FLAG_LOCAL_TRAFFIC, LINK_FLAG_RP_FILTER_STRICT, LinkInfo};
+
+        use crate::model::node::NodePlan;
+        let link = |flags| LinkInfo { flags, ..LinkInfo::default() };
+        let mut plan = NodePlan::default();
+        plan.local_cidrs.insert("10.244.0.0/16".parse().unwrap());
+        // Routes to the outside IPv4 client (by link 2) and to the pods' CIDR (link 5); none
+        // to the outside IPv6 client.
+        let route = |ip: IpAddr| match ip {
+            ip if ip == outside(true) => Some(2),
+            ip if ip == "10.244.0.0".parse::<IpAddr>().unwrap() => Some(5),
+            _ => None,
+        };
+        let env = ProbeEnv::of(&plan).arriving_by(route);
+        assert_eq!(env.outside_clients, vec![(outside(true), 2), (outside(false), 0)]);
+        assert_eq!(env.pod_clients, vec![("10.244.0.0".parse().unwrap(), 5)]);
+        // A loopback that checks sources: no route, no probe (its packet would be dropped as
+        // any such client's).
+        plan.links.insert(LOOPBACK, link(LINK_FLAG_RP_FILTER_STRICT));
+        let env = ProbeEnv::of(&plan).arriving_by(route);
+        assert_eq!(env.outside_clients, vec![(outside(true), 2)]);
+        // Pods told apart by their link: an outside address on a local-traffic link that
+        // checks no source; none where every such link checks.
+        plan.local_cidrs.clear();
+        plan.links.insert(7, link(LINK_FLAG_LOCAL_TRAFFIC | LINK_FLAG_RP_FILTER_STRICT));
+        assert_eq!(ProbeEnv::of(&plan).pod_clients, vec![]);
+        plan.links.insert(8, link(LINK_FLAG_LOCAL_TRAFFIC));
+        let env = ProbeEnv::of(&plan).arriving_by(route);
+        assert_eq!(env.pod_clients, vec![(outside(true), 8), (outside(false), 8)]);
     }
 
     #[test]

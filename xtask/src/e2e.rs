@@ -137,6 +137,15 @@ pub fn run(root: &Path, env: &setup::Env, options: &Options) -> Result<()> {
     if summary.kpr_behind {
         bail!("kpr failed a spec a kube-proxy passed, or any spec when run alone (listed above)");
     }
+    // kpr's datapath self-check on the real cluster: a mismatch is a bug the specs may miss.
+    if let Ok(text) = fs::read_to_string(out_root.join("kpr/self-check.json")) {
+        let report: serde_json::Value = serde_json::from_str(&text)?;
+        let mismatches = report["mismatches"].as_array().map_or(0, Vec::len);
+        anyhow::ensure!(
+            mismatches == 0,
+            "kpr's datapath self-check found {mismatches} mismatches on the cluster: target/e2e/kpr/self-check.json"
+        );
+    }
     Ok(())
 }
 

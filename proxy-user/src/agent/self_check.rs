@@ -11,7 +11,7 @@ use proxy_common::ServiceKey;
 use super::Syncer;
 use crate::{
     datapath::{Maps, bpf::HostDatapath},
-    verify::{Failure, VerifyReport},
+    verify::{Failure, ProbeEnv, VerifyReport},
 };
 
 /// Probes per step of the loop: a few milliseconds.
@@ -36,19 +36,33 @@ pub(super) struct VerifyRun {
     failures: Vec<(ServiceKey, Failure)>,
     /// The probes' time, the loop's other work between steps aside.
     busy: Duration,
+    /// The node as the probes see it; `None`: no link holds the per-packet programs.
+    env: Option<ProbeEnv>,
 }
 
 impl Syncer {
     /// Start a run, unless one is under way (a run asked for meanwhile is that one).
-    pub fn start_verify(&mut self) {
+    pub fn start_verify(&mut self, host: &dyn HostDatapath) {
         if self.verify_run.is_some() {
             return;
         }
         let Some(shared) = &self.verify else { return };
         let run = shared.report.lock().map_or(0, |r| r.runs) + 1;
         let keys = self.programmer.programmed().keys().copied().collect();
-        self.verify_run =
-            Some(VerifyRun { run, keys, next: 0, probed: 0, skipped: 0, failures: Vec::new(), busy: Duration::ZERO });
+        // Each client arrives by the link of the kernel's route back to it, as its packets
+        // would (the programs check the reverse path as the kernel does).
+        let route_to = |ip| crate::source::host::route(ip).filter(|r| !r.local).map(|r| r.link);
+        let env = host.probe_env().map(|env| env.arriving_by(route_to));
+        self.verify_run = Some(VerifyRun {
+            run,
+            keys,
+            next: 0,
+            probed: 0,
+            skipped: 0,
+            failures: Vec::new(),
+            busy: Duration::ZERO,
+            env,
+        });
     }
 
     /// Whether a run is under way: [`Self::verify_step`] has work.
@@ -61,7 +75,7 @@ impl Syncer {
         let Some(mut run) = self.verify_run.take() else { return };
         let started = Instant::now();
         let end = (run.next + CHUNK).min(run.keys.len());
-        let chunk = self.probe_frontends(host, &run.keys[run.next..end], (run.run, run.next));
+        let chunk = self.probe_frontends(host, run.env.as_ref(), &run.keys[run.next..end], (run.run, run.next));
         run.busy += started.elapsed();
         match chunk {
             Err(problem) => self.finish_verify(run, Some(problem), maps, host),
@@ -81,7 +95,7 @@ impl Syncer {
 
     /// Run every step at once (tests and one-off checks).
     pub fn verify_now(&mut self, maps: &mut dyn Maps, host: &mut dyn HostDatapath) {
-        self.start_verify();
+        self.start_verify(host);
         while self.verifying() {
             self.verify_step(maps, host);
         }
@@ -105,6 +119,14 @@ impl Syncer {
         };
         if report.problem.is_none() {
             self.metrics.verified(run.probed, run.failures.len());
+            tracing::info!(
+                run = run.run,
+                probed = run.probed,
+                skipped = run.skipped,
+                failures = run.failures.len(),
+                elapsed_ms = report.elapsed_ms,
+                "datapath self-check"
+            );
             let mut agrees = run.failures.is_empty();
             if !agrees {
                 for (_, f) in &run.failures {
@@ -117,7 +139,7 @@ impl Syncer {
                 self.reconcile(maps, host);
                 let keys: Vec<ServiceKey> = run.failures.iter().map(|(key, _)| *key).collect();
                 agrees = self
-                    .probe_frontends(host, &keys, (run.run, run.keys.len()))
+                    .probe_frontends(host, run.env.as_ref(), &keys, (run.run, run.keys.len()))
                     .is_ok_and(|again| again.failures.is_empty());
                 if !agrees {
                     tracing::error!("a resync did not repair the datapath: /healthz fails until a run agrees");
@@ -137,15 +159,16 @@ impl Syncer {
     fn probe_frontends(
         &self,
         host: &mut dyn HostDatapath,
+        env: Option<&ProbeEnv>,
         keys: &[ServiceKey],
         at: (u64, usize),
     ) -> Result<Probed, String> {
         if !self.synced_once {
             return Err("the first sync is not done yet".to_owned());
         }
-        let env = host.probe_env().ok_or("no link holds the per-packet programs")?;
+        let env = env.ok_or("no link holds the per-packet programs")?;
         let programmed = self.programmer.programmed();
-        let (probes, skipped) = crate::verify::probes(keys, programmed, &env, at);
+        let (probes, skipped) = crate::verify::probes(keys, programmed, env, at);
         let results = host.run_probes(&probes).map_err(|e| format!("{e:#}"))?;
         let failed: Vec<_> = probes
             .iter()

@@ -114,6 +114,9 @@ fn run(args: &Args) -> Result<bool> {
         suite(&cluster, args)
     })();
     collect_logs(&cluster, &[&a, &b], &args.proxy, &args.out);
+    if args.proxy == "kpr" {
+        report_self_check(&args.out)?;
+    }
     println!("kpr-e2e: {} done in {:.0?}; reports and logs in {}", args.proxy, started.elapsed(), args.out.display());
     outcome
 }
@@ -129,7 +132,15 @@ fn deploy_proxy(cluster: &Cluster, proxy: &str) -> Result<()> {
     let configmap = deploy_file("deploy/configmap.yaml")?
         .replace("https://control-plane.example:6443", &format!("https://127.0.0.1:{API_PORT}"));
     let (manifests, daemonset) = match proxy.strip_prefix("kube-proxy-") {
-        None => (vec![deploy_file("deploy/rbac.yaml")?, configmap, deploy_file("deploy/daemonset.yaml")?], "kpr"),
+        None => {
+            // The datapath's self-check every 15 s while the suite churns Services: each run
+            // compares the live programs with the model on a real cluster (report_self_check).
+            let daemonset = deploy_file("deploy/daemonset.yaml")?;
+            let config_arg = "        - --config=/var/lib/kpr/config.conf\n";
+            anyhow::ensure!(daemonset.contains(config_arg), "deploy/daemonset.yaml has no --config line");
+            let daemonset = daemonset.replace(config_arg, &format!("{config_arg}        - --verify-period=15s\n"));
+            (vec![deploy_file("deploy/rbac.yaml")?, configmap, daemonset], "kpr")
+        }
         Some(mode) => {
             let configmap = configmap
                 .replace("  name: kpr\n", "  name: kube-proxy\n")
@@ -179,6 +190,30 @@ fn suite(cluster: &Cluster, args: &Args) -> Result<bool> {
         bail!("ginkgo ({status}) wrote no report");
     }
     Ok(status.success())
+}
+
+/// The self-check's runs and mismatches in kpr's logs (under `out/logs`), written to
+/// `out/self-check.json` for `cargo xtask e2e`, which fails on a mismatch.
+fn report_self_check(out: &Path) -> Result<()> {
+    let (mut runs, mut mismatches) = (0, Vec::new());
+    for entry in fs::read_dir(out.join("logs"))? {
+        let path = entry?.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        if !(name.starts_with("kpr-") && name.ends_with(".log")) {
+            continue;
+        }
+        for line in fs::read_to_string(&path)?.lines() {
+            if line.contains("\"datapath self-check\"") {
+                runs += 1;
+            } else if line.contains("decides otherwise than the model") {
+                mismatches.push(line.to_owned());
+            }
+        }
+    }
+    println!("kpr-e2e: the datapath self-check ran {runs} times; {} mismatches", mismatches.len());
+    let report = serde_json::json!({ "runs": runs, "mismatches": mismatches });
+    fs::write(out.join("self-check.json"), serde_json::to_vec_pretty(&report)?)?;
+    Ok(())
 }
 
 /// The control plane's, the nodes' and the kube-system pods' logs, under `out/logs`.
