@@ -445,4 +445,20 @@ fn the_datapath_checks_itself_and_repairs_an_entry_corrupted_behind_its_back() {
     assert_eq!(code, 0, "in step again: {report}");
     let (answer, _) = h.client(|| tcp_ask((IP, 80), TIMEOUT)).unwrap();
     assert_eq!(answer, h.pod_name(0));
+
+    // A program out of reach: the slow programs' slots emptied (new flows would pass
+    // untranslated). The maps are right; the probes find it, and the slots are filled again.
+    let map = kpr::datapath::bpf::open_pinned_map(&h.pin_root, map_names::TC_SLOW_PATH).unwrap();
+    let mut slots = aya::maps::ProgramArray::try_from(aya::maps::Map::ProgramArray(map)).unwrap();
+    let failures = node_metric(&h, "kpr_datapath_verify_failures_total");
+    for slot in 0..proxy_common::tc_slow_path::SLOTS {
+        let _ = slots.clear_index(&slot);
+    }
+    eventually("the self-check finds the programs out of reach", Duration::from_secs(5), || {
+        node_metric(&h, "kpr_datapath_verify_failures_total") > failures
+    });
+    let log = std::fs::read_to_string(h.log_path()).unwrap();
+    assert!(log.contains("seen=left untranslated"), "{log}");
+    let (code, report) = kpr_verify(&h);
+    assert_eq!(code, 0, "the slots filled again: {report}");
 }

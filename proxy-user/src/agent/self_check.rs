@@ -2,8 +2,9 @@
 //! programmed frontend and source class, a chunk at a time between the loop's other work (a
 //! run over 40,000 frontends takes a few hundred milliseconds, which must not hold back a
 //! Service change). A probe decided otherwise than the model is logged and counted, and
-//! brings a full resync; the failing frontends are probed again at once, and what the resync
-//! did not mend fails `/healthz` until a run passes.
+//! brings a full resync (the maps, and the slow programs' slots); the failing frontends are
+//! probed again at once, and what the resync did not mend fails `/healthz` until a run
+//! passes.
 use std::time::{Duration, Instant};
 
 use proxy_common::ServiceKey;
@@ -135,6 +136,9 @@ impl Syncer {
                         expected = %f.expected, seen = %f.seen,
                         "the datapath decides otherwise than the model; resyncing"
                     );
+                }
+                if let Err(e) = host.restore_programs() {
+                    tracing::warn!("failed to put the per-packet programs back: {e:#}");
                 }
                 self.reconcile(maps, host);
                 let keys: Vec<ServiceKey> = run.failures.iter().map(|(key, _)| *key).collect();

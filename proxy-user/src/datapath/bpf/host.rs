@@ -204,6 +204,13 @@ pub trait HostDatapath: Send {
     fn run_probes(&mut self, _probes: &[Probe]) -> Result<Vec<(u32, Vec<u8>)>> {
         bail!("this datapath runs no probes")
     }
+
+    /// The self-check found the programs deciding otherwise than the model: put this agent's
+    /// programs back where they are reached from (the slow programs' slots), as the resync
+    /// puts the maps back.
+    fn restore_programs(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 pub struct BpfHost {
@@ -597,6 +604,10 @@ impl HostDatapath for BpfHost {
 
     fn run_probes(&mut self, probes: &[Probe]) -> Result<Vec<(u32, Vec<u8>)>> {
         super::probe::run(&self.ebpf, &self.pin_root, probes)
+    }
+
+    fn restore_programs(&mut self) -> Result<()> {
+        super::object::fill_slow_path_slots(&mut self.ebpf)
     }
 
     fn retire_other_layouts(&mut self) {
