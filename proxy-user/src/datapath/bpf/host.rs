@@ -11,7 +11,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use aya::{
     Ebpf,
-    maps::{Array, HashMap, LpmTrie, Map, MapData, lpm_trie::Key as LpmKey},
+    maps::{Array, HashMap, LpmTrie, Map, MapData, ProgramArray, lpm_trie::Key as LpmKey},
     programs::{
         NetworkInterface, SchedClassifier, TcAttachType,
         links::{FdLink, PinnedLink},
@@ -34,6 +34,17 @@ use crate::{
 pub(super) fn set_host_forward_direct<T: BorrowMut<MapData>>(map: &mut Array<T, u32>, ok: bool) -> Result<()> {
     let state = if ok { proxy_common::HOST_FORWARD_DIRECT_OK } else { 0 };
     map.set(proxy_common::host_state::FORWARD, &state, 0).context("failed to write KPR_HOST_STATE")
+}
+
+/// Put the loaded slow programs in their `KPR_TC_SLOW_PATH` slots (again, after the self-check
+/// found one the attached programs could not reach).
+pub(super) fn fill_slow_path_slots(ebpf: &mut Ebpf) -> Result<()> {
+    for (slot, name) in (0u32..).zip(program_names::TC_SLOW_PATH) {
+        let fd = ebpf.program(name).context("a slow tc program")?.fd()?.try_clone()?;
+        let map = ebpf.map_mut(map_names::TC_SLOW_PATH).context("KPR_TC_SLOW_PATH missing from the eBPF object")?;
+        ProgramArray::try_from(map)?.set(slot, &fd, 0).context("failed to fill KPR_TC_SLOW_PATH")?;
+    }
+    Ok(())
 }
 
 /// The pinned `KPR_HOST_STATE` map: may translated packets skip the host's forwarding path?
@@ -607,7 +618,7 @@ impl HostDatapath for BpfHost {
     }
 
     fn restore_programs(&mut self) -> Result<()> {
-        super::object::fill_slow_path_slots(&mut self.ebpf)
+        fill_slow_path_slots(&mut self.ebpf)
     }
 
     fn retire_other_layouts(&mut self) {

@@ -5,7 +5,7 @@ use std::{fs, path::PathBuf};
 use anyhow::{Context as _, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, MapData, ProgramArray},
+    maps::{Array, MapData},
     programs::SchedClassifier,
     util::KernelVersion,
 };
@@ -391,18 +391,7 @@ pub fn load_tc_programs(ebpf: &mut Ebpf) -> Result<()> {
             .try_into()?;
         prog.load().with_context(|| format!("the verifier rejected `{name}`"))?;
     }
-    fill_slow_path_slots(ebpf)
-}
-
-/// Put the loaded slow programs in their `KPR_TC_SLOW_PATH` slots (again, after the self-check
-/// found one the attached programs could not reach).
-pub(super) fn fill_slow_path_slots(ebpf: &mut Ebpf) -> Result<()> {
-    for (slot, name) in (0u32..).zip(program_names::TC_SLOW_PATH) {
-        let fd = ebpf.program(name).context("a slow tc program")?.fd()?.try_clone()?;
-        let map = ebpf.map_mut(map_names::TC_SLOW_PATH).context("KPR_TC_SLOW_PATH missing from the eBPF object")?;
-        ProgramArray::try_from(map)?.set(slot, &fd, 0).context("failed to fill KPR_TC_SLOW_PATH")?;
-    }
-    Ok(())
+    super::host::fill_slow_path_slots(ebpf)
 }
 
 /// Forward eBPF log records (slow paths only) to the agent's log, when running under tokio.
