@@ -1,7 +1,7 @@
 //! The datapath's self-check in the agent's loop ([`crate::verify`]): a run probes every
 //! programmed frontend and source class, a chunk at a time between the loop's other work (a
-//! run over 40,000 frontends takes a few hundred milliseconds, which must not hold back a
-//! Service change). A probe decided otherwise than the model is logged and counted, and
+//! run over 40,000 frontends takes a second or two, which must not hold back a Service
+//! change). A probe decided otherwise than the model is logged and counted, and
 //! brings a full resync (the maps, and the slow programs' slots); the failing frontends are
 //! probed again at once, and what the resync did not mend fails `/healthz` until a run
 //! passes.
@@ -91,14 +91,6 @@ impl Syncer {
                     self.finish_verify(run, None, maps, host);
                 }
             }
-        }
-    }
-
-    /// Run every step at once (tests and one-off checks).
-    pub fn verify_now(&mut self, maps: &mut dyn Maps, host: &mut dyn HostDatapath) {
-        self.start_verify(host);
-        while self.verifying() {
-            self.verify_step(maps, host);
         }
     }
 
