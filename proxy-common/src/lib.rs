@@ -131,6 +131,8 @@ pub mod map_names {
     /// ([`super::ServiceStats`]); the agent makes an entry with the frontend and removes it
     /// with it.
     pub const SERVICE_STATS: &str = "KPR_SERVICE_STATS";
+    /// Backend → its answers to new per-packet flows, per CPU (outlier detection).
+    pub const BACKEND_ANSWERS: &str = "KPR_BACKEND_ANSWERS";
 }
 
 /// A packet the per-packet path dropped or answered instead of forwarding (`kpr events`).
@@ -343,6 +345,9 @@ pub mod defaults {
     pub const MAX_SOCKET_SKIP: u32 = 4_096;
     /// Links of the node (per-packet datapath: masquerade source, interface-based detection).
     pub const MAX_LINKS: u32 = 16_384;
+    /// Backends whose answers to new flows are counted (`KPR_BACKEND_ANSWERS`), LRU: the
+    /// endpoints this node's per-packet flows reach, many times over.
+    pub const MAX_BACKEND_ANSWERS: u32 = 65_536;
     /// CIDRs of the local-traffic detector (clusterCIDR, the Node's podCIDRs).
     pub const MAX_LOCAL_CIDRS: u32 = 64;
     /// The cluster's service ranges (ServiceCIDR objects).
@@ -770,6 +775,29 @@ pub struct Backend {
     /// Port, network byte order.
     pub port: u16,
     pub _pad: u16,
+}
+
+/// Key of `KPR_BACKEND_ANSWERS`: an endpoint as the replies of its flows come from it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct BackendKey {
+    pub addr: Addr,
+    /// Network byte order.
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+
+/// Value of `KPR_BACKEND_ANSWERS` (one per CPU): how the endpoint answered the first packets
+/// of new per-packet flows. A flow it never answers is not counted here: it stays among the
+/// new flows, where the agent sees it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct BackendAnswers {
+    /// Answered (TCP: a SYN-ACK; UDP and SCTP: any reply).
+    pub answered: u64,
+    /// Refused (TCP: a RST to the SYN: nothing listens).
+    pub refused: u64,
 }
 
 /// Key of `KPR_SOCK_REVNAT` (a socket and the backend it was sent to) and of `KPR_SOCK_PICKS`
@@ -1350,6 +1378,8 @@ const _: () = assert!(size_of::<Addr>() == 16);
 const _: () = assert!(size_of::<ServiceKey>() == 20);
 const _: () = assert!(size_of::<ServiceValue>() == 24);
 const _: () = assert!(size_of::<AffinityKey>() == 24);
+const _: () = assert!(size_of::<BackendKey>() == 20);
+const _: () = assert!(size_of::<BackendAnswers>() == 16);
 const _: () = assert!(size_of::<AffinityValue>() == 32);
 const _: () = assert!(size_of::<Backend>() == 20);
 const _: () = assert!(size_of::<SockRevNatKey>() == 32);
@@ -1389,6 +1419,8 @@ mod pod {
     unsafe impl aya::Pod for super::ServiceKey {}
     unsafe impl aya::Pod for super::ServiceValue {}
     unsafe impl aya::Pod for super::Backend {}
+    unsafe impl aya::Pod for super::BackendKey {}
+    unsafe impl aya::Pod for super::BackendAnswers {}
     unsafe impl aya::Pod for super::SockRevNatKey {}
     unsafe impl aya::Pod for super::SockRevNatValue {}
     unsafe impl aya::Pod for super::CtKey {}

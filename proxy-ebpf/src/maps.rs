@@ -2,13 +2,16 @@
 //! sizes here are placeholders that the agent overrides at load time.
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, ProgramArray, RingBuf, SkStorage},
+    btf_maps::{
+        Array, HashMap, LpmTrie, LruHashMap, LruPerCpuHashMap, PerCpuArray, PerCpuHashMap, ProgramArray, RingBuf,
+        SkStorage,
+    },
     macros::btf_map,
 };
 use proxy_common::{
-    Addr, Addr4, AffinityKey, AffinityValue, Backend, CachedFlow, CidrKey, CidrMask, CtKey, CtValue, DatapathEvent,
-    FlowAddr, FragmentKey, LinkInfo, ServiceKey, ServiceStats, ServiceValue, SockRevNatKey, SockRevNatValue, SockSlots,
-    SockTcp, SourceRange, counter, ct_generation, defaults,
+    Addr, Addr4, AffinityKey, AffinityValue, Backend, BackendAnswers, BackendKey, CachedFlow, CidrKey, CidrMask, CtKey,
+    CtValue, DatapathEvent, FlowAddr, FragmentKey, LinkInfo, ServiceKey, ServiceStats, ServiceValue, SockRevNatKey,
+    SockRevNatValue, SockSlots, SockTcp, SourceRange, counter, ct_generation, defaults,
 };
 
 /// The slow programs (`program_names::TC_SLOW_PATH`), by slot: where the attached programs
@@ -132,6 +135,14 @@ pub static SERVICE_STATS: PerCpuHashMap<
     { defaults::MAX_SERVICE_PORTS as usize },
     { BPF_F_NO_PREALLOC as usize },
 > = PerCpuHashMap::new();
+
+/// Endpoint → how it answered the first packets of new per-packet flows, per CPU
+/// (`stats::backend_answered`): the successes and refusals of the agent's outlier detection
+/// (the flows it never answers are the new-flow tables' own). LRU: an endpoint no flow reached
+/// for long goes.
+#[btf_map(name = "KPR_BACKEND_ANSWERS", pin_by_name)]
+pub static BACKEND_ANSWERS: LruPerCpuHashMap<BackendKey, BackendAnswers, { defaults::MAX_BACKEND_ANSWERS as usize }> =
+    LruPerCpuHashMap::new();
 
 /// A family's per-CPU flow cache.
 pub type FlowCache<A> = PerCpuArray<CachedFlow<A>, { defaults::FLOW_CACHE_SLOTS as usize }>;

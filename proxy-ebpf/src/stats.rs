@@ -4,10 +4,13 @@
 //! packet, a connect, a packet the flow cache did not serve): an established packet the cache
 //! serves adds to its slot instead (`flow_cache`), folded in here when the slot is filled
 //! again.
-use aya_ebpf::helpers::bpf_map_lookup_elem;
-use proxy_common::{ServiceStats, service_stat};
+use aya_ebpf::{
+    bindings::BPF_NOEXIST,
+    helpers::{bpf_map_lookup_elem, bpf_map_update_elem},
+};
+use proxy_common::{Addr, BackendAnswers, BackendKey, ServiceStats, service_stat};
 
-use crate::maps::SERVICE_STATS;
+use crate::maps::{BACKEND_ANSWERS, SERVICE_STATS};
 
 /// [`update`] as a subprogram, for callers whose frame must stay small.
 #[inline(never)]
@@ -40,5 +43,34 @@ pub fn update(service_id: u32, word: u32, packets: u64, bytes: u64) {
         }
         (*stats).words[service_stat::PACKETS as usize] += packets;
         (*stats).words[service_stat::BYTES as usize] += bytes;
+    }
+}
+
+/// The endpoint at `addr`:`port` (network order) sent the first answer of a new per-packet
+/// flow, a refusal when `refused` (a RST to a SYN): counted on this CPU in
+/// `KPR_BACKEND_ANSWERS`, which the agent's outlier detection reads. Once per flow, never on
+/// an established packet.
+#[inline(never)]
+pub fn backend_answered(addr: &Addr, port: u16, proto: u8, refused: bool) {
+    let key = BackendKey { addr: *addr, port, proto, _pad: 0 };
+    let map = core::ptr::from_ref(&BACKEND_ANSWERS).cast_mut().cast::<core::ffi::c_void>();
+    let key_ptr = core::ptr::from_ref(&key).cast::<core::ffi::c_void>();
+    // SAFETY: a map and a key of its type; the value (if any) is this CPU's, valid for this run.
+    let counts = unsafe { bpf_map_lookup_elem(map, key_ptr) }.cast::<BackendAnswers>();
+    if counts.is_null() {
+        let first = BackendAnswers { answered: u64::from(!refused), refused: u64::from(refused) };
+        let value = core::ptr::from_ref(&first).cast::<core::ffi::c_void>();
+        // SAFETY: a map, a key and a value of its types. A racing insert on another CPU wins
+        // (BPF_NOEXIST): one answer uncounted.
+        unsafe { bpf_map_update_elem(map, key_ptr, value, u64::from(BPF_NOEXIST)) };
+        return;
+    }
+    // SAFETY: this CPU's value, valid for this program run; no other writer on this CPU.
+    unsafe {
+        if refused {
+            (*counts).refused += 1;
+        } else {
+            (*counts).answered += 1;
+        }
     }
 }

@@ -31,6 +31,7 @@ use crate::{
         cidr::Cidr,
         desired::ClusterState,
         node::{self, HostLink, NodeObject, NodeSettings, TcLinks},
+        outliers::{OutlierSettings, Outliers},
         socket_lb::{self, PodFacts},
     },
     servers::{metrics::Metrics, proxy_health::ProxyHealth},
@@ -69,6 +70,8 @@ pub struct AgentConfig {
     pub netfilter_sysctls: (std::path::PathBuf, Vec<(&'static str, u64)>),
     /// How often the datapath checks itself ([`crate::verify`]); zero: only on demand.
     pub verify_period: Duration,
+    /// Outlier detection's switch and thresholds ([`crate::model::outliers`]).
+    pub outliers: OutlierSettings,
 }
 
 /// Run until `shutdown` completes. The pinned datapath stays in place on exit, like kube-proxy's
@@ -101,7 +104,7 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
 
     let (tx, rx) = mpsc::channel(4096);
     let node_name = cfg.node.name.clone();
-    let mut conflict_events = None;
+    let mut service_events = None;
     // The API always has this node's Node; a manifest directory may not.
     let node_required = matches!(cfg.source, SourceConfig::Kube { .. });
     let source_task = match cfg.source {
@@ -126,20 +129,29 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
             }
             let client = kube::Client::try_from(config)?;
             let (events, _) = crate::events::publisher(client.clone(), cfg.node.name.clone());
-            conflict_events = Some(events);
+            service_events = Some(events);
             let options = cfg.options;
             let tx = tx.clone();
             let run = move || source::kube::run(client.clone(), node_name.clone(), options, tx.clone());
             tokio::spawn(supervise("kubernetes", metrics.clone(), run))
         }
     };
-    let host_task = tokio::spawn(supervise("host links", metrics.clone(), move || source::host::run(tx.clone())));
+    let host_task = {
+        let tx = tx.clone();
+        tokio::spawn(supervise("host links", metrics.clone(), move || source::host::run(tx.clone())))
+    };
     let swept = {
         let metrics = metrics.clone();
         move |sweep: &conntrack::Sweep, tables: &[conntrack::TableUse]| metrics.conntrack_swept(sweep, tables)
     };
     let sweep_task =
         tokio::spawn(conntrack::sweep_forever(cfg.datapath.pin_root.clone(), cfg.datapath.ct_timeouts, swept));
+    let watched = source::backends::Watched::default();
+    let backends_task = {
+        let (pin_root, watched) = (cfg.datapath.pin_root.clone(), watched.clone());
+        let run = move || source::backends::run(pin_root.clone(), watched.clone(), tx.clone());
+        tokio::spawn(supervise("endpoint answers", metrics.clone(), run))
+    };
     let firewall_task = (cfg.datapath.forward_direct == ForwardDirect::Auto).then(|| {
         let host_state = crate::datapath::bpf::HostState::open(&cfg.datapath.pin_root);
         tokio::spawn(watch_forward_filters(host_state, metrics.clone()))
@@ -148,12 +160,14 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
     let mut syncer = Syncer::new(ClusterState::with_options(NodeInfo::default(), cfg.options), programmer, cfg.node);
     syncer.host_links = source::host::snapshot()?;
     syncer.min_sync_period = cfg.min_sync_period;
-    syncer.conflict_events = conflict_events;
+    syncer.service_events = service_events;
     syncer.node_required = node_required;
     syncer.metrics = metrics;
     syncer.proxy_health = proxy_health.clone();
     syncer.verify = Some(verify);
     syncer.verify_period = cfg.verify_period;
+    syncer.outliers = Outliers::new(cfg.outliers);
+    syncer.watched = Some(watched);
     if cfg.cleanup_kube_proxy {
         syncer.takeover = Some(crate::takeover::Takeover::open(&cfg.datapath.pin_root)?);
     }
@@ -164,6 +178,7 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
     source_task.abort();
     host_task.abort();
     sweep_task.abort();
+    backends_task.abort();
     if let Some(task) = firewall_task {
         task.abort();
     }
@@ -332,8 +347,15 @@ pub struct Syncer {
     other_layouts_retired: bool,
     /// A full list was applied: give the memory it took back to the system after the sync.
     release_memory: bool,
-    /// Where frontend conflicts go as Kubernetes Events (API source only).
-    pub conflict_events: Option<mpsc::Sender<crate::model::desired::Conflict>>,
+    /// Where frontend conflicts and outlier detection's decisions go as Kubernetes Events
+    /// (API source only).
+    pub service_events: Option<mpsc::Sender<crate::events::ServiceEvent>>,
+    /// Outlier detection's records, and the endpoints it has the datapath watched
+    /// ([`crate::source::backends`]).
+    pub outliers: Outliers,
+    pub watched: Option<crate::source::backends::Watched>,
+    /// Outlier detection sidelined or returned an endpoint: the backends change.
+    outliers_changed: bool,
     pub metrics: Arc<Metrics>,
     /// `/healthz` and `/livez`: told when changes arrive and when the datapath has them.
     pub proxy_health: Arc<ProxyHealth>,
@@ -394,7 +416,10 @@ impl Syncer {
             synced_once: false,
             other_layouts_retired: false,
             release_memory: false,
-            conflict_events: None,
+            service_events: None,
+            outliers: Outliers::default(),
+            watched: None,
+            outliers_changed: false,
             metrics: Arc::new(Metrics::default()),
             proxy_health: Arc::new(ProxyHealth::new(Duration::from_secs(60), Arc::new(Metrics::default()))),
             node_required: false,
@@ -445,11 +470,13 @@ impl Syncer {
                         continue;
                     };
                     let started = Instant::now();
-                    self.apply(event);
+                    let mut changed = self.apply(event);
                     while let Ok(event) = rx.try_recv() {
-                        self.apply(event);
+                        changed |= self.apply(event);
                     }
-                    self.sync(maps, host, started);
+                    if changed {
+                        self.sync(maps, host, started);
+                    }
                 }
                 () = sleep_until(pending) => self.sync(maps, host, Instant::now()),
                 _ = reconcile.tick() => self.reconcile(maps, host),
@@ -463,8 +490,8 @@ impl Syncer {
         }
     }
 
-    /// Take in one event.
-    pub fn apply(&mut self, event: SourceEvent) {
+    /// Take in one event: whether a sync may have something to write.
+    pub fn apply(&mut self, event: SourceEvent) -> bool {
         let full_list = matches!(
             event,
             SourceEvent::ServicesListed(_) | SourceEvent::SlicesListed(_) | SourceEvent::ManifestsLoaded { .. }
@@ -500,7 +527,9 @@ impl Syncer {
                     self.node_dirty = true;
                 }
             }
+            SourceEvent::Backends(at, seen) => return self.observe_backends(at, &seen),
         }
+        true
     }
 
     /// kube-proxy's change metrics and health: a Service or EndpointSlice change is queued
@@ -694,7 +723,8 @@ impl Syncer {
         if self.links_added {
             return Some(Instant::now());
         }
-        let waiting = self.node_dirty || (self.state.synced() && self.state.has_changes());
+        let changed = self.state.has_changes() || self.outliers_changed;
+        let waiting = self.node_dirty || (self.state.synced() && changed);
         let last = self.last_sync?;
         let held = waiting.then(|| last + self.min_sync_period);
         let retry = self.retry_due().map(|at| at.max(last + self.min_sync_period));
@@ -734,7 +764,7 @@ impl Syncer {
         if !self.state.synced() {
             return;
         }
-        if !(self.state.has_changes() || retry) {
+        if !(self.state.has_changes() || retry || self.outliers_changed) {
             // The changes received changed nothing: the datapath is up to date.
             if !self.programmer.has_failures() {
                 self.proxy_health.updated();
@@ -892,7 +922,8 @@ impl Syncer {
             self.programmer = programmer;
         }
         self.last_sync = Some(Instant::now());
-        let desired = self.state.desired();
+        let mut desired = self.state.desired();
+        self.sideline(&mut desired);
         let report = self.programmer.apply(&desired, maps);
         // The ports' names change only when frontends come, go or change Service.
         if report.added > 0 || report.removed > 0 || report.renamed > 0 || !self.synced_once {
@@ -927,8 +958,8 @@ impl Syncer {
             );
         }
         for conflict in self.state.take_new_conflicts() {
-            if let Some(events) = &self.conflict_events {
-                let _ = events.try_send(conflict);
+            if let Some(events) = &self.service_events {
+                let _ = events.try_send(crate::events::ServiceEvent::Conflict(conflict));
             }
         }
         if std::mem::take(&mut self.release_memory) {
@@ -1001,6 +1032,7 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
+mod outlier_detection;
 mod self_check;
 #[cfg(test)]
 mod tests;

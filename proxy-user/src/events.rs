@@ -1,6 +1,6 @@
 //! Kubernetes Events about what kpr decided for a Service that its owner should see in
 //! `kubectl describe service`: a frontend address it did not program because an older
-//! Service has it.
+//! Service has it; an endpoint outlier detection left out of new flows, or put back.
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::{
     Client,
@@ -8,15 +8,39 @@ use kube::{
 };
 use tokio::sync::mpsc;
 
-use crate::model::{ObjectKey, desired::Conflict};
+use crate::model::{ObjectKey, desired::Conflict, outliers::Change};
 
-/// Publish the conflicts sent on the returned channel as Warning events, until it closes.
-/// Publishing failures (no permission, API server down) are logged, never fatal.
-pub fn publisher(client: Client, node: String) -> (mpsc::Sender<Conflict>, tokio::task::JoinHandle<()>) {
-    let (tx, mut rx) = mpsc::channel::<Conflict>(256);
+/// What a Service's Event is about.
+#[derive(Clone, Debug)]
+pub enum ServiceEvent {
+    Conflict(Conflict),
+    /// An endpoint of `service` sidelined or back ([`crate::model::outliers`]).
+    Outlier {
+        service: ObjectKey,
+        change: Change,
+    },
+}
+
+/// Publish what is sent on the returned channel as events, until it closes. Publishing
+/// failures (no permission, API server down) are logged, never fatal.
+pub fn publisher(client: Client, node: String) -> (mpsc::Sender<ServiceEvent>, tokio::task::JoinHandle<()>) {
+    let (tx, mut rx) = mpsc::channel::<ServiceEvent>(256);
     let task = tokio::spawn(async move {
         let recorder = Recorder::new(client, Reporter { controller: "kpr".into(), instance: Some(node.clone()) });
-        while let Some(conflict) = rx.recv().await {
+        while let Some(what) = rx.recv().await {
+            let (service, event) = event_of(what, &node);
+            if let Err(e) = recorder.publish(&event, &service_reference(&service)).await {
+                tracing::warn!(%service, "failed to publish an event: {e}");
+            }
+        }
+    });
+    (tx, task)
+}
+
+/// The Service an event is about, and the event.
+fn event_of(what: ServiceEvent, node: &str) -> (ObjectKey, Event) {
+    match what {
+        ServiceEvent::Conflict(conflict) => {
             let event = Event {
                 type_: EventType::Warning,
                 reason: "AddressInUse".into(),
@@ -27,12 +51,33 @@ pub fn publisher(client: Client, node: String) -> (mpsc::Sender<Conflict>, tokio
                 action: "ProgramFrontend".into(),
                 secondary: Some(service_reference(&conflict.owner)),
             };
-            if let Err(e) = recorder.publish(&event, &service_reference(&conflict.service)).await {
-                tracing::warn!(service = %conflict.service, "failed to publish an event: {e}");
-            }
+            (conflict.service, event)
         }
-    });
-    (tx, task)
+        ServiceEvent::Outlier { service, change: Change::Sidelined { endpoint, failures, backoff } } => {
+            let event = Event {
+                type_: EventType::Warning,
+                reason: "EndpointSidelined".into(),
+                note: Some(format!(
+                    "endpoint {endpoint} left {failures} new flows unanswered or refused; kpr on node {node} \
+                     leaves it out of new connections for {}s",
+                    backoff.as_secs()
+                )),
+                action: "OutlierDetection".into(),
+                secondary: None,
+            };
+            (service, event)
+        }
+        ServiceEvent::Outlier { service, change: Change::Returned { endpoint } } => {
+            let event = Event {
+                type_: EventType::Normal,
+                reason: "EndpointReturned".into(),
+                note: Some(format!("kpr on node {node} gives endpoint {endpoint} new connections again, on probation")),
+                action: "OutlierDetection".into(),
+                secondary: None,
+            };
+            (service, event)
+        }
+    }
 }
 
 fn service_reference(key: &ObjectKey) -> ObjectReference {

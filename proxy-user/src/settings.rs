@@ -43,6 +43,13 @@ pub enum HostExternalIps {
     Local,
 }
 
+/// A feature switched on or off.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Switch {
+    On,
+    Off,
+}
+
 /// Whose sockets the socket path translates at `connect()`/`sendmsg()`.
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum SocketLb {
@@ -106,6 +113,23 @@ pub struct AgentArgs {
     /// (`kpr_datapath_verify_failures`) and resynced. `0s`: only on demand (`kpr verify`).
     #[arg(long, value_parser = parse_duration, default_value = "5m")]
     pub verify_period: Duration,
+    /// Passive outlier detection for every Service (`on`), or only those annotated
+    /// `kpr.io/outlier-detection: "on"` (`off`; an annotation `"off"` wins over `on`): an
+    /// endpoint that leaves `--outlier-failures` new flows unanswered (or refused) within
+    /// `--outlier-window`, with no answer in between, is left out of new connections for
+    /// `--outlier-backoff` (doubled each time it fails again on return, up to
+    /// `--outlier-max-backoff`), never all of a Service's endpoints. Off by default:
+    /// kube-proxy's backends.
+    #[arg(long, value_enum, default_value_t = Switch::Off)]
+    pub outlier_detection: Switch,
+    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    pub outlier_window: Duration,
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    pub outlier_failures: u32,
+    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    pub outlier_backoff: Duration,
+    #[arg(long, value_parser = parse_duration, default_value = "5m")]
+    pub outlier_max_backoff: Duration,
     /// Whose sockets are translated at `connect()`: `all` (the node's and pods'), or
     /// `host-only` (the node's): pods' traffic is then translated per packet on their links,
     /// with the same semantics, so that what runs inside a pod before its packets leave it (a
@@ -520,6 +544,13 @@ pub fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
         cleanup_kube_proxy: args.cleanup_kube_proxy,
         shadow: args.shadow,
         verify_period: args.verify_period,
+        outliers: crate::model::outliers::OutlierSettings {
+            default_on: args.outlier_detection == Switch::On,
+            window: args.outlier_window,
+            failures: args.outlier_failures,
+            backoff: args.outlier_backoff,
+            max_backoff: args.outlier_max_backoff.max(args.outlier_backoff),
+        },
         oom_score_adj: config.oom_score_adj,
         netfilter_sysctls: (
             args.netfilter_sysctl_dir,

@@ -1,7 +1,10 @@
 //! The tc programs on crafted packets through BPF_PROG_TEST_RUN: input packet + map state →
 //! verdict and output bytes, checksums included (expected packets are built from scratch with
 //! freshly computed checksums, never by patching the input). Needs root.
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+};
 
 use aya::{
     Ebpf,
@@ -10,6 +13,7 @@ use aya::{
 use kpr::{
     datapath::{
         Capacity, Maps as _, Programmer,
+        backend_answers::BackendWatch,
         bpf::{self, BpfMaps, DatapathConfig},
         conntrack::{Conntrack, Sweep, monotonic_now},
     },
@@ -17,6 +21,7 @@ use kpr::{
         ObjectKey, Protocol, ServicePortName,
         cidr::Cidr,
         desired::{Desired, DesiredPort, frontend_key},
+        outliers::{Endpoint, Observation},
     },
 };
 use proxy_common::{
@@ -1272,6 +1277,46 @@ fn each_service_port_counts_its_flows_packets_bytes_and_refusals() {
         rig.ingress(&sent[3]);
     }
     assert!(!stats().contains_key(&web), "no counters for a removed frontend");
+}
+
+/// Outlier detection's signal: the first answer of each new flow counted for its endpoint
+/// (once, however often it is sent), a RST to a SYN as a refusal, and a flow nobody answered
+/// seen among the new flows, named by its endpoint; both families.
+#[test]
+fn an_endpoints_answers_refusals_and_unanswered_flows_are_seen_per_endpoint() {
+    pin_to_cpu(0);
+    let rig = Rig::new(&services());
+    let watch = BackendWatch::open(&rig.pins.0).unwrap();
+    let endpoint = |ip: IpAddr, port: u16, protocol| Endpoint { addr: SocketAddr::new(ip, port), protocol };
+    let families: [(IpAddr, IpAddr, IpAddr); 2] =
+        [(CLIENT.into(), CLUSTER_IP.into(), POD.into()), (CLIENT6.into(), CLUSTER_IP6.into(), POD6.into())];
+    for (client, cluster_ip, pod) in families {
+        let (web, dns) = (endpoint(pod, 8080, Protocol::Tcp), endpoint(pod, 5353, Protocol::Udp));
+        let watched = BTreeSet::from([web, dns]);
+        assert_eq!(watch.observe(&watched).unwrap(), Observation::default(), "nothing seen yet");
+
+        // Answered (its SYN-ACK sent twice), refused, and unanswered.
+        rig.ingress(&tcp(client, 40090, cluster_ip, 80).bytes());
+        let synack = Pkt { tcp_flags: TCP_SYN | TCP_ACK, seq: 7000, ack: 1001, ..tcp(pod, 8080, client, 40090) };
+        for _ in 0..2 {
+            assert_eq!(rig.egress(&synack.bytes()).0, TC_ACT_OK);
+        }
+        rig.ingress(&tcp(client, 40091, cluster_ip, 80).bytes());
+        let rst = Pkt { tcp_flags: TCP_RST | TCP_ACK, seq: 0, ack: 1001, ..tcp(pod, 8080, client, 40091) };
+        assert_eq!(rig.egress(&rst.bytes()).0, TC_ACT_OK);
+        rig.ingress(&tcp(client, 40092, cluster_ip, 80).bytes());
+        // A datagram and its answer.
+        rig.ingress(&udp(client, 40093, cluster_ip, 53).bytes());
+        assert_eq!(rig.egress(&udp(pod, 5353, client, 40093).bytes()).0, TC_ACT_OK);
+
+        let seen = watch.observe(&watched).unwrap();
+        assert_eq!(seen.answers, BTreeMap::from([(web, (1, 1)), (dns, (1, 0))]), "{seen:?}");
+        assert_eq!(seen.unanswered.keys().collect::<Vec<_>>(), [&web], "{seen:?}");
+        assert_eq!(seen.unanswered[&web].len(), 1, "the unanswered SYN only: {seen:?}");
+        assert_eq!(watch.observe(&watched).unwrap().unanswered, seen.unanswered, "the same flow, the same id");
+        // Not watched: not read.
+        assert_eq!(watch.observe(&BTreeSet::from([dns])).unwrap().unanswered, BTreeMap::new());
+    }
 }
 
 fn ip_src_of(packet: &[u8]) -> IpAddr {

@@ -157,6 +157,11 @@ fn table_flow<'a, F: Family>(
         return Err(END_FLOW);
     }
     let seen = seen_bits(t.proto, entry, tcp_flags);
+    if entry.flags & (ct::REPLY | ct::SEEN_REPLY) == ct::REPLY {
+        // The flow's first answer, from its endpoint (the replies' source).
+        let refused = t.proto == IPPROTO_TCP && tcp_flags & TCP_RST != 0;
+        stats::backend_answered(&t.saddr, t.sport, t.proto, refused);
+    }
     if confirmed {
         touch(established, key, entry_ptr, entry, seen, now);
     } else if seen & ESTABLISHES != 0 {

@@ -124,6 +124,13 @@ impl Conntrack {
         out
     }
 
+    /// The entries of the tables of flows not answered yet, both families (keys IPv4 mapped).
+    pub fn new_flow_entries(&self) -> Vec<(CtKey, CtValue)> {
+        let mut out: Vec<(CtKey, CtValue)> = read_all_of(&self.v4[1]).into_iter().map(|(k, v)| (k.wide(), v)).collect();
+        out.extend(read_all_of(&self.v6[1]));
+        out
+    }
+
     /// Entries now, all tables.
     pub fn len(&self) -> usize {
         let (established, new) = self.lens();

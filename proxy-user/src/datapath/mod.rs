@@ -5,6 +5,7 @@
 //! - [`Programmer`] turns the desired state into ordered map writes, from whatever the maps
 //!   hold now (after a restart, the pinned maps): only changed service ports are written, and
 //!   a service port is never visible half-written (see [`Programmer::apply`]).
+pub mod backend_answers;
 pub mod bpf;
 pub mod conntrack;
 mod devconf;

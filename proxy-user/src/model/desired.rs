@@ -11,9 +11,8 @@ use std::{
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_common::{
-    IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, PROTO_ANY, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
-    SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP,
-    SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
+    PROTO_ANY, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR,
+    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP, SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
 };
 
 use super::{IpFamily, cidr::Cidr};
@@ -62,12 +61,7 @@ pub fn service_key(ip: impl Into<IpAddr>, port: u16, protocol: Protocol) -> Serv
 /// The key of a frontend for traffic from `scope`; a NodePort is `0.0.0.0:nodePort` or
 /// `[::]:nodePort`.
 pub fn frontend_key(ip: impl Into<IpAddr>, port: u16, protocol: Protocol, scope: u8) -> ServiceKey {
-    let proto = match protocol {
-        Protocol::Tcp => IPPROTO_TCP,
-        Protocol::Udp => IPPROTO_UDP,
-        Protocol::Sctp => IPPROTO_SCTP,
-    };
-    ServiceKey { addr: ip.into().into(), port: port.to_be(), proto, scope }
+    ServiceKey { addr: ip.into().into(), port: port.to_be(), proto: protocol.ipproto(), scope }
 }
 
 /// What one scope's entry of a frontend does: the backends to pick from and `SERVICE_FLAG_*`.
@@ -614,6 +608,11 @@ impl ClusterState {
         }
         self.reported_conflicts = conflicts;
         desired
+    }
+
+    /// What the Service's `kpr.io/outlier-detection` annotation says, if it says on or off.
+    pub fn outlier_detection(&self, service: &ObjectKey) -> Option<bool> {
+        self.services.get(service)?.outlier_detection
     }
 
     /// The lowest IPv4 ClusterIP of the services (for the route the node's ClusterIP traffic

@@ -8,11 +8,13 @@
 //!   frontend and source scope, with the backends kube-proxy would DNAT to;
 //! - [`node`]: the node's links, addresses and `v1/Node` → where NodePorts are served, who is
 //!   local, which links the per-packet path covers;
-//! - [`socket_lb`]: which pods of the node the socket path leaves to the per-packet path.
+//! - [`socket_lb`]: which pods of the node the socket path leaves to the per-packet path;
+//! - [`outliers`]: endpoints that stop answering, left out of new flows for a while (opt-in).
 pub mod cidr;
 pub mod desired;
 pub mod endpoints;
 pub mod node;
+pub mod outliers;
 pub mod service;
 pub mod socket_lb;
 
@@ -52,6 +54,15 @@ impl Protocol {
             proxy_common::IPPROTO_UDP => Some(Self::Udp),
             proxy_common::IPPROTO_SCTP => Some(Self::Sctp),
             _ => None,
+        }
+    }
+
+    /// Its IP protocol number (`IPPROTO_*`).
+    pub fn ipproto(self) -> u8 {
+        match self {
+            Self::Tcp => proxy_common::IPPROTO_TCP,
+            Self::Udp => proxy_common::IPPROTO_UDP,
+            Self::Sctp => proxy_common::IPPROTO_SCTP,
         }
     }
 

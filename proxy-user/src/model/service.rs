@@ -30,6 +30,8 @@ pub struct Translated {
 pub struct ServiceInfo {
     pub translated: Result<Translated, Skip>,
     pub created: Option<jiff::Timestamp>,
+    /// `kpr.io/outlier-detection`, when it says on or off ([`super::outliers`]).
+    pub outlier_detection: Option<bool>,
 }
 
 impl ServiceInfo {
@@ -37,6 +39,12 @@ impl ServiceInfo {
         Self {
             translated: translate_for(service, proxy_name),
             created: service.metadata.creation_timestamp.as_ref().map(|t| t.0),
+            outlier_detection: service
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(super::outliers::ANNOTATION))
+                .and_then(|v| super::outliers::parse_annotation(v)),
         }
     }
 }

@@ -95,6 +95,8 @@ pub struct Metrics {
     verify_runs: Counter,
     verify_failures: Counter,
     verify_probes: Gauge,
+    sidelined: Family<EndpointLabel, Gauge>,
+    sidelinings: Family<ServiceLabel, Counter>,
     service_book: Arc<Mutex<ServiceBook>>,
 }
 
@@ -102,6 +104,13 @@ pub struct Metrics {
 struct ServiceLabel {
     namespace: String,
     service: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EndpointLabel {
+    namespace: String,
+    service: String,
+    endpoint: String,
 }
 
 impl Default for Metrics {
@@ -140,6 +149,8 @@ impl Metrics {
             verify_runs: Counter::default(),
             verify_failures: Counter::default(),
             verify_probes: Gauge::default(),
+            sidelined: Family::default(),
+            sidelinings: Family::default(),
             service_book: Arc::default(),
         };
         let r = &mut m.registry;
@@ -253,6 +264,16 @@ impl Metrics {
             "Frontends and source classes the last self-check probed",
             m.verify_probes.clone(),
         );
+        r.register(
+            "kpr_endpoint_sidelined",
+            "Outlier detection: 1 while the endpoint is left out of the Service's new flows",
+            m.sidelined.clone(),
+        );
+        r.register(
+            "kpr_endpoint_sidelinings",
+            "Outlier detection: endpoints of the Service left out of new flows for not answering",
+            m.sidelinings.clone(),
+        );
         if let Some(pin_root) = pin_root {
             r.register_collector(Box::new(DatapathCounters { pin_root: pin_root.clone() }));
             r.register_collector(Box::new(ServiceCounters { pin_root, book: m.service_book.clone() }));
@@ -362,6 +383,19 @@ impl Metrics {
         for ((namespace, service), count) in per_service {
             let label = ServiceLabel { namespace: namespace.clone(), service: service.clone() };
             self.shadow_mismatches.get_or_create(&label).set(*count);
+        }
+    }
+
+    /// Outlier detection left `endpoint` out of `service`'s new flows (`on`), or put it back.
+    pub fn endpoint_sidelined(&self, service: &crate::model::ObjectKey, endpoint: &str, on: bool) {
+        let (namespace, name) = (service.namespace.clone(), service.name.clone());
+        let label =
+            EndpointLabel { namespace: namespace.clone(), service: name.clone(), endpoint: endpoint.to_owned() };
+        if on {
+            self.sidelined.get_or_create(&label).set(1);
+            self.sidelinings.get_or_create(&ServiceLabel { namespace, service: name }).inc();
+        } else {
+            self.sidelined.remove(&label);
         }
     }
 

@@ -3,8 +3,10 @@
 //! - [`manifests`]: a directory of YAML manifests, for nodes without a cluster and for tests;
 //! - [`host`]: the node's links and addresses, from the kernel;
 //! - [`cgroups`]: where the node's pods are in the cgroup2 hierarchy;
+//! - [`backends`]: how the watched endpoints answer new flows (outlier detection);
 //! - [`kube_proxy_rules`]: the running kube-proxy's decisions, read back from its rules
 //!   (shadow mode).
+pub mod backends;
 pub mod cgroups;
 pub mod firewall;
 pub mod host;
@@ -73,4 +75,6 @@ pub enum SourceEvent {
     DownNodes(BTreeSet<String>),
     /// The node's links and addresses, all of them.
     Host(Vec<HostLink>),
+    /// How the endpoints outlier detection watches answer new flows, and when that was seen.
+    Backends(std::time::Instant, crate::model::outliers::Observation),
 }

@@ -1,0 +1,70 @@
+//! What the per-packet path shows of the endpoints outlier detection watches
+//! ([`crate::model::outliers`]): the new flows each has left unanswered so far (the new-flow
+//! tables), and the first answers it gave (`KPR_BACKEND_ANSWERS`, counted by the programs once
+//! per flow). Read from the pins once a second while a Service opts in.
+use std::{
+    collections::BTreeSet,
+    hash::{Hash as _, Hasher as _},
+    net::SocketAddr,
+    path::Path,
+};
+
+use anyhow::Result;
+use aya::maps::{Map, MapData, PerCpuHashMap};
+use proxy_common::{BackendAnswers, BackendKey, ct, map_names};
+
+use super::{bpf::pins::open_pinned_map, conntrack::Conntrack};
+use crate::model::{
+    Protocol,
+    outliers::{Endpoint, Observation},
+};
+
+pub struct BackendWatch {
+    conntrack: Conntrack,
+    answers: PerCpuHashMap<MapData, BackendKey, BackendAnswers>,
+}
+
+impl BackendWatch {
+    pub fn open(pin_root: &Path) -> Result<Self> {
+        let answers =
+            PerCpuHashMap::try_from(Map::PerCpuLruHashMap(open_pinned_map(pin_root, map_names::BACKEND_ANSWERS)?))?;
+        Ok(Self { conntrack: Conntrack::open(pin_root)?, answers })
+    }
+
+    /// The watched endpoints' unanswered flows and answers now: one walk of the new-flow
+    /// tables (at most their size, batch reads) and one lookup per endpoint.
+    pub fn observe(&self, watched: &BTreeSet<Endpoint>) -> Result<Observation> {
+        let mut seen = Observation::default();
+        if watched.is_empty() {
+            return Ok(seen);
+        }
+        for (key, value) in self.conntrack.new_flow_entries() {
+            // The client's entry of a flow its endpoint has not answered: it names the endpoint.
+            if value.flags & (ct::REPLY | ct::SEEN_REPLY) != 0 {
+                continue;
+            }
+            let Some(protocol) = Protocol::from_ipproto(key.proto) else { continue };
+            let endpoint =
+                Endpoint { addr: SocketAddr::new(value.dst_addr.into(), u16::from_be(value.dst_port)), protocol };
+            if watched.contains(&endpoint) {
+                let mut flow = std::hash::DefaultHasher::new();
+                (key.src_addr.0, key.dst_addr.0, key.src_port, key.dst_port, key.proto).hash(&mut flow);
+                seen.unanswered.entry(endpoint).or_default().insert(flow.finish());
+            }
+        }
+        for endpoint in watched {
+            let key = BackendKey {
+                addr: endpoint.addr.ip().into(),
+                port: endpoint.addr.port().to_be(),
+                proto: endpoint.protocol.ipproto(),
+                _pad: 0,
+            };
+            // Absent: no flow of the endpoint's has been answered since the map was made.
+            if let Ok(per_cpu) = self.answers.get(&key, 0) {
+                let sum = per_cpu.iter().fold((0, 0), |(a, r), c| (a + c.answered, r + c.refused));
+                seen.answers.insert(*endpoint, sum);
+            }
+        }
+        Ok(seen)
+    }
+}

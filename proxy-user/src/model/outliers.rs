@@ -1,0 +1,421 @@
+//! Passive outlier detection (kubernetes#14399): an endpoint that stops answering new flows
+//! while the API still calls it ready (its node died, its network broke) is sidelined: left out
+//! of its Services' backends for new flows for a while, and put back on probation after it.
+//!
+//! Opt-in per Service (annotation [`ANNOTATION`]) and cluster-wide (`--outlier-detection`);
+//! off, the backends are kube-proxy's. The signal is the per-packet path's: new flows still
+//! unanswered past a grace (one observation period: a SYN-ACK takes a round trip), and the
+//! first answers endpoints gave (a RST to a SYN is a refusal), both read from the datapath
+//! each second ([`Observation`]). Sidelining is a change of the programmed backends, as when
+//! an endpoint terminates: established flows keep their endpoint (conntrack), only new flows
+//! pick among the others. Nothing is added per packet on established flows.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
+
+use super::{ObjectKey, Protocol, desired::Desired};
+
+/// The Service annotation that turns outlier detection on or off for it (`"on"`, `"off"`),
+/// whatever the cluster-wide setting says.
+pub const ANNOTATION: &str = "kpr.io/outlier-detection";
+
+/// The annotation's value: Some(on) when it says one of the two words.
+pub fn parse_annotation(value: &str) -> Option<bool> {
+    match value {
+        "on" | "true" => Some(true),
+        "off" | "false" => Some(false),
+        _ => None,
+    }
+}
+
+/// When an endpoint is sidelined, and for how long.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OutlierSettings {
+    /// Services without the annotation take part (`--outlier-detection on`).
+    pub default_on: bool,
+    /// Failures are counted over this long (`--outlier-window`).
+    pub window: Duration,
+    /// Failures within the window, with no answer since the first of them, that sideline an
+    /// endpoint (`--outlier-failures`).
+    pub failures: u32,
+    /// The first sidelining's length; each one again while on probation doubles it
+    /// (`--outlier-max-backoff` caps it).
+    pub backoff: Duration,
+    pub max_backoff: Duration,
+}
+
+impl Default for OutlierSettings {
+    fn default() -> Self {
+        Self {
+            default_on: false,
+            window: Duration::from_secs(10),
+            failures: 5,
+            backoff: Duration::from_secs(10),
+            max_backoff: Duration::from_secs(300),
+        }
+    }
+}
+
+/// An endpoint as the datapath sees it: where its flows go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Endpoint {
+    pub addr: SocketAddr,
+    pub protocol: Protocol,
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.protocol)
+    }
+}
+
+/// What the datapath shows of the watched endpoints at one moment.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Observation {
+    /// The new per-packet flows to each endpoint that it has not answered yet, one id per flow
+    /// (stable while the flow lives).
+    pub unanswered: BTreeMap<Endpoint, BTreeSet<u64>>,
+    /// Each endpoint's first answers to new flows so far (counters that only grow, unless
+    /// the datapath's map was made anew): (answered, refused).
+    pub answers: BTreeMap<Endpoint, (u64, u64)>,
+}
+
+/// What became of an endpoint with an observation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// Left out of new flows for this long.
+    Sidelined { endpoint: Endpoint, failures: u32, backoff: Duration },
+    /// Back among the backends, on probation for a window: a failure in it sidelines it again
+    /// for twice as long; an answer ends it.
+    Returned { endpoint: Endpoint },
+}
+
+/// One endpoint's record.
+#[derive(Clone, Debug, Default)]
+struct Health {
+    /// When each failure in the window was seen, oldest first; emptied by an answer.
+    failures: Vec<Instant>,
+    /// The flows seen unanswered at the last observation, and those already counted as failed.
+    pending: BTreeSet<u64>,
+    counted: BTreeSet<u64>,
+    /// The answer counters at the last observation.
+    answers: (u64, u64),
+    /// Sidelined until then.
+    sidelined_until: Option<Instant>,
+    /// Returned from a sidelining then, and neither answered nor failed since: a failure
+    /// within a window of it sidelines it again.
+    probation_since: Option<Instant>,
+    /// The next sidelining's length.
+    next_backoff: Duration,
+    /// When the last failure was seen: a window without one clears the back-off.
+    last_failure: Option<Instant>,
+}
+
+/// The endpoints' records, and the Services that watch each.
+#[derive(Debug, Default)]
+pub struct Outliers {
+    pub settings: OutlierSettings,
+    health: BTreeMap<Endpoint, Health>,
+    /// The opted-in Services each endpoint backs, as of the last [`Outliers::sideline`].
+    services: BTreeMap<Endpoint, BTreeSet<ObjectKey>>,
+}
+
+impl Outliers {
+    pub fn new(settings: OutlierSettings) -> Self {
+        Self { settings, ..Default::default() }
+    }
+
+    /// The endpoints whose flows are to be observed: those of opted-in Services, as of the
+    /// last [`Self::sideline`].
+    pub fn watched(&self) -> BTreeSet<Endpoint> {
+        self.services.keys().copied().collect()
+    }
+
+    /// The opted-in Services `endpoint` backs.
+    pub fn services_of(&self, endpoint: &Endpoint) -> impl Iterator<Item = &ObjectKey> {
+        self.services.get(endpoint).into_iter().flatten()
+    }
+
+    /// The endpoints sidelined now.
+    pub fn sidelined(&self) -> impl Iterator<Item = &Endpoint> {
+        self.health.iter().filter(|(_, h)| h.sidelined_until.is_some()).map(|(e, _)| e)
+    }
+
+    pub fn is_sidelined(&self, endpoint: &Endpoint) -> bool {
+        self.health.get(endpoint).is_some_and(|h| h.sidelined_until.is_some())
+    }
+
+    /// Take in what the datapath shows at `now`, and say what changed: endpoints sidelined,
+    /// and endpoints whose sidelining is over.
+    pub fn observe(&mut self, now: Instant, seen: &Observation) -> Vec<Change> {
+        let settings = self.settings;
+        let mut changes = Vec::new();
+        for endpoint in self.watched() {
+            let health = self.health.entry(endpoint).or_insert_with(|| Health {
+                next_backoff: settings.backoff,
+                // The counters as they stand when watching starts: older answers are not news.
+                answers: seen.answers.get(&endpoint).copied().unwrap_or_default(),
+                ..Default::default()
+            });
+            let (answered, refused) = seen.answers.get(&endpoint).copied().unwrap_or_default();
+            // Counters below the last ones: the map was made anew (an upgrade); all are news.
+            let grew = |now: u64, before: u64| if now >= before { now - before } else { now };
+            let (new_answers, new_refusals) = (grew(answered, health.answers.0), grew(refused, health.answers.1));
+            health.answers = (answered, refused);
+            // A flow unanswered at two observations in a row has waited past the grace.
+            let unanswered = seen.unanswered.get(&endpoint).cloned().unwrap_or_default();
+            let late = unanswered.intersection(&health.pending).filter(|f| !health.counted.contains(f)).count();
+            health.counted = health
+                .counted
+                .intersection(&unanswered)
+                .copied()
+                .chain(unanswered.intersection(&health.pending).copied())
+                .collect();
+            health.pending = unanswered;
+            let failed = late + usize::try_from(new_refusals).unwrap_or(usize::MAX);
+            if new_answers > 0 && failed == 0 {
+                // An answer: the failures before it were not "in a row"; probation is over.
+                health.failures.clear();
+                health.probation_since = None;
+            }
+            if failed > 0 {
+                health.failures.extend(std::iter::repeat_n(now, failed));
+                health.last_failure = Some(now);
+            }
+            health.failures.retain(|at| now.duration_since(*at) < settings.window);
+            let on_probation = health.probation_since.is_some_and(|at| now.duration_since(at) < settings.window);
+            if !on_probation {
+                health.probation_since = None;
+            }
+            if health.last_failure.is_none_or(|at| now.duration_since(at) >= settings.window)
+                && !on_probation
+                && health.sidelined_until.is_none()
+            {
+                health.next_backoff = settings.backoff;
+            }
+            match health.sidelined_until {
+                Some(until) if now >= until => {
+                    health.sidelined_until = None;
+                    health.probation_since = Some(now);
+                    health.failures.clear();
+                    changes.push(Change::Returned { endpoint });
+                }
+                Some(_) => {}
+                None => {
+                    let count = health.failures.len() as u32;
+                    if count >= settings.failures.max(1) || (on_probation && failed > 0) {
+                        let backoff = health.next_backoff;
+                        health.sidelined_until = Some(now + backoff);
+                        health.next_backoff = (backoff * 2).min(settings.max_backoff);
+                        health.probation_since = None;
+                        health.failures.clear();
+                        changes.push(Change::Sidelined { endpoint, failures: count.max(1), backoff });
+                    }
+                }
+            }
+        }
+        // Endpoints no longer watched are forgotten (a later comeback starts afresh).
+        let services = &self.services;
+        self.health.retain(|endpoint, _| services.contains_key(endpoint));
+        changes
+    }
+
+    /// Leave the sidelined endpoints out of the backends of the opted-in Services' ports in
+    /// `desired` (`opted_in` says which Services are), and note which endpoints those ports
+    /// have (the ones to watch). A port keeps all its endpoints when all are sidelined: when
+    /// every endpoint fails, leaving them out helps no client.
+    pub fn sideline(&mut self, desired: &mut Desired, opted_in: impl Fn(&ObjectKey) -> bool) {
+        let mut services: BTreeMap<Endpoint, BTreeSet<ObjectKey>> = BTreeMap::new();
+        let mut verdicts: BTreeMap<ObjectKey, bool> = BTreeMap::new();
+        for port in desired.values_mut() {
+            let service = &port.name.service;
+            let on = *verdicts.entry(service.clone()).or_insert_with(|| opted_in(service));
+            if !on || port.backends.is_empty() {
+                continue;
+            }
+            let protocol = port.name.protocol;
+            let endpoint =
+                |(ip, port): &(std::net::IpAddr, u16)| Endpoint { addr: SocketAddr::new(*ip, *port), protocol };
+            for backend in &port.backends {
+                services.entry(endpoint(backend)).or_default().insert(service.clone());
+            }
+            if port.backends.iter().any(|b| !self.is_sidelined(&endpoint(b))) {
+                port.backends.retain(|b| !self.is_sidelined(&endpoint(b)));
+            }
+        }
+        self.services = services;
+        self.health.retain(|endpoint, _| self.services.contains_key(endpoint));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::IpAddr;
+
+    use super::*;
+    use crate::model::{ServicePortName, desired::DesiredPort};
+
+    fn ep(last: u8) -> Endpoint {
+        Endpoint { addr: SocketAddr::new(IpAddr::from([10, 0, 0, last]), 8080), protocol: Protocol::Tcp }
+    }
+
+    fn desired(backends: &[u8], service: &str) -> Desired {
+        let port = DesiredPort {
+            name: ServicePortName {
+                service: ObjectKey::new("default", service),
+                port: String::new(),
+                protocol: Protocol::Tcp,
+            },
+            backends: backends.iter().map(|b| (IpAddr::from([10, 0, 0, *b]), 8080)).collect(),
+            flags: 0,
+            source_ranges: Vec::new(),
+            affinity_timeout: 0,
+            serving: Vec::new(),
+            alive: None,
+        };
+        let key = crate::model::desired::service_key(std::net::Ipv4Addr::new(10, 96, 0, 1), 80, Protocol::Tcp);
+        Desired::from([(key, port)])
+    }
+
+    fn backends(desired: &Desired) -> Vec<u8> {
+        let port = desired.values().next().unwrap();
+        port.backends
+            .iter()
+            .map(|(ip, _)| match ip {
+                IpAddr::V4(v4) => v4.octets()[3],
+                IpAddr::V6(_) => unreachable!(),
+            })
+            .collect()
+    }
+
+    /// Flows `ids` to `endpoint` unanswered.
+    fn unanswered(endpoint: Endpoint, ids: impl IntoIterator<Item = u64>) -> Observation {
+        Observation { unanswered: BTreeMap::from([(endpoint, ids.into_iter().collect())]), answers: BTreeMap::new() }
+    }
+
+    fn watching(backends: &[u8]) -> Outliers {
+        let mut outliers = Outliers::new(OutlierSettings::default());
+        outliers.sideline(&mut desired(backends, "web"), |_| true);
+        outliers
+    }
+
+    #[test]
+    fn an_endpoint_that_leaves_five_flows_unanswered_past_the_grace_is_sidelined_and_left_out() {
+        let mut outliers = watching(&[1, 2, 3]);
+        let t0 = Instant::now();
+        // Flows 1..=5 seen unanswered once: within the grace, nothing yet.
+        assert!(outliers.observe(t0, &unanswered(ep(2), 1..=5)).is_empty());
+        // Still unanswered a second later: five failures.
+        let changes = outliers.observe(t0 + Duration::from_secs(1), &unanswered(ep(2), 1..=6));
+        assert_eq!(changes, vec![Change::Sidelined { endpoint: ep(2), failures: 5, backoff: Duration::from_secs(10) }]);
+        let mut want = desired(&[1, 2, 3], "web");
+        outliers.sideline(&mut want, |_| true);
+        assert_eq!(backends(&want), [1, 3]);
+        assert_eq!(outliers.services_of(&ep(2)).collect::<Vec<_>>(), [&ObjectKey::new("default", "web")]);
+        // No longer opted in: kube-proxy's backends, and the records forgotten.
+        let mut other = desired(&[1, 2, 3], "web");
+        outliers.sideline(&mut other, |_| false);
+        assert_eq!(backends(&other), [1, 2, 3]);
+        assert!(outliers.watched().is_empty() && !outliers.is_sidelined(&ep(2)));
+    }
+
+    #[test]
+    fn a_flow_is_counted_once_and_an_answer_breaks_the_run() {
+        let mut outliers = watching(&[1, 2]);
+        let t0 = Instant::now();
+        outliers.observe(t0, &unanswered(ep(1), 1..=3));
+        // Three late flows, seen again and again: three failures, not nine.
+        for s in 1..=3 {
+            assert!(outliers.observe(t0 + Duration::from_secs(s), &unanswered(ep(1), 1..=3)).is_empty());
+        }
+        // An answer: the run starts over, so four more failures do not reach five.
+        let mut seen = unanswered(ep(1), 10..=13);
+        seen.answers.insert(ep(1), (1, 0));
+        assert!(outliers.observe(t0 + Duration::from_secs(4), &seen).is_empty());
+        let mut seen = unanswered(ep(1), 10..=13);
+        seen.answers.insert(ep(1), (1, 0));
+        assert!(outliers.observe(t0 + Duration::from_secs(5), &seen).is_empty(), "4 failures since the answer");
+        // Refusals (RSTs to SYNs) count as failures: one more makes five.
+        seen.answers.insert(ep(1), (1, 1));
+        let changes = outliers.observe(t0 + Duration::from_secs(6), &seen);
+        assert!(matches!(changes[..], [Change::Sidelined { failures: 5, .. }]), "{changes:?}");
+    }
+
+    #[test]
+    fn failures_older_than_the_window_do_not_count() {
+        let mut outliers = watching(&[1, 2]);
+        let t0 = Instant::now();
+        outliers.observe(t0, &unanswered(ep(1), 1..=4));
+        assert!(outliers.observe(t0 + Duration::from_secs(1), &unanswered(ep(1), 1..=4)).is_empty());
+        // Four failures 11 s ago and one now: one in the window.
+        outliers.observe(t0 + Duration::from_secs(11), &unanswered(ep(1), [9]));
+        assert!(outliers.observe(t0 + Duration::from_secs(12), &unanswered(ep(1), [9])).is_empty());
+    }
+
+    #[test]
+    fn the_sidelining_ends_after_the_backoff_and_a_failure_on_probation_doubles_it() {
+        let mut outliers = watching(&[1, 2]);
+        let t0 = Instant::now();
+        outliers.observe(t0, &unanswered(ep(1), 1..=5));
+        outliers.observe(t0 + Duration::from_secs(1), &unanswered(ep(1), 1..=5));
+        assert!(outliers.is_sidelined(&ep(1)));
+        assert!(outliers.observe(t0 + Duration::from_secs(10), &Observation::default()).is_empty());
+        let back = outliers.observe(t0 + Duration::from_secs(11), &Observation::default());
+        assert_eq!(back, vec![Change::Returned { endpoint: ep(1) }]);
+        let mut want = desired(&[1, 2], "web");
+        outliers.sideline(&mut want, |_| true);
+        assert_eq!(backends(&want), [1, 2], "back among the backends");
+        // On probation one late flow is enough, and the next sidelining is twice as long.
+        outliers.observe(t0 + Duration::from_secs(12), &unanswered(ep(1), [20]));
+        let changes = outliers.observe(t0 + Duration::from_secs(13), &unanswered(ep(1), [20]));
+        assert_eq!(changes, vec![Change::Sidelined { endpoint: ep(1), failures: 1, backoff: Duration::from_secs(20) }]);
+        // Returned again, it answers: probation over, and a window later the back-off is reset.
+        let back = outliers.observe(t0 + Duration::from_secs(33), &Observation::default());
+        assert_eq!(back, vec![Change::Returned { endpoint: ep(1) }]);
+        let answered = Observation { answers: BTreeMap::from([(ep(1), (1, 0))]), ..Default::default() };
+        outliers.observe(t0 + Duration::from_secs(34), &answered);
+        outliers.observe(t0 + Duration::from_secs(50), &answered);
+        outliers.observe(t0 + Duration::from_secs(51), &unanswered(ep(1), 30..=34));
+        let changes = outliers.observe(t0 + Duration::from_secs(52), &unanswered(ep(1), 30..=34));
+        assert_eq!(changes, vec![Change::Sidelined { endpoint: ep(1), failures: 5, backoff: Duration::from_secs(10) }]);
+    }
+
+    #[test]
+    fn a_port_whose_endpoints_are_all_sidelined_keeps_them_all() {
+        let mut outliers = watching(&[1, 2]);
+        let t0 = Instant::now();
+        let both = |ids: std::ops::RangeInclusive<u64>| Observation {
+            unanswered: BTreeMap::from([(ep(1), ids.clone().collect()), (ep(2), ids.map(|i| i + 100).collect())]),
+            answers: BTreeMap::new(),
+        };
+        outliers.observe(t0, &both(1..=5));
+        assert_eq!(outliers.observe(t0 + Duration::from_secs(1), &both(1..=5)).len(), 2);
+        let mut want = desired(&[1, 2], "web");
+        outliers.sideline(&mut want, |_| true);
+        assert_eq!(backends(&want), [1, 2]);
+    }
+
+    #[test]
+    fn answers_from_before_watching_began_are_not_news() {
+        let mut outliers = Outliers::new(OutlierSettings::default());
+        let t0 = Instant::now();
+        let old = Observation { answers: BTreeMap::from([(ep(1), (40, 7))]), ..Default::default() };
+        // Not watched yet: nothing recorded.
+        assert!(outliers.observe(t0, &old).is_empty());
+        outliers.sideline(&mut desired(&[1, 2], "web"), |_| true);
+        // The first observation takes the counters as they stand: seven old refusals are no
+        // failures.
+        assert!(outliers.observe(t0 + Duration::from_secs(1), &old).is_empty());
+        assert!(!outliers.is_sidelined(&ep(1)));
+    }
+
+    #[test]
+    fn the_annotation_says_on_or_off() {
+        assert_eq!(parse_annotation("on"), Some(true));
+        assert_eq!(parse_annotation("off"), Some(false));
+        assert_eq!(parse_annotation("maybe"), None);
+    }
+}
