@@ -385,7 +385,7 @@ enum Needs {
 
 /// Every privileged suite (`tests/tests/*.rs`) and what it needs; a unit test checks the list
 /// against the sources.
-const SUITES_NEEDING: [(&str, &[Needs]); 12] = [
+const SUITES_NEEDING: [(&str, &[Needs]); 13] = [
     ("apiserver", &[Needs::ControlPlane]),
     ("daemonset", &[Needs::ControlPlane, Needs::Images]),
     ("demo", &[]),
@@ -395,6 +395,7 @@ const SUITES_NEEDING: [(&str, &[Needs]); 12] = [
     ("kube_proxy_peer", &[Needs::ControlPlane]),
     ("multinode", &[]),
     ("operator", &[]),
+    ("outliers", &[]),
     ("socket_lb", &[]),
     ("takeover", &[Needs::ControlPlane]),
     ("tc_testrun", &[]),

@@ -1,0 +1,157 @@
+//! Passive outlier detection on the real agent: one of a Service's three endpoints loses its
+//! network while the API still calls it ready; a client pod's new connections (the per-packet
+//! path) stop failing once the agent has sidelined it, connections to the others live on, and
+//! the endpoint gets connections again once its network is back. Needs root.
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    net::{Ipv4Addr, SocketAddr, TcpStream},
+    time::{Duration, Instant},
+};
+
+use kpr_tests::{Harness, TIMEOUT, http_get};
+
+const IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 30);
+const HTTP: (&str, u16, &str) = ("http", 80, "TCP");
+/// A connection not set up within this long failed (an endpoint on this machine answers in
+/// well under a millisecond).
+const CONNECT: Duration = Duration::from_millis(300);
+
+/// The value of `sample` in the agent's `/metrics` (the agent runs in the node's namespace);
+/// None when absent.
+fn metric(h: &Harness, sample: &str) -> Option<f64> {
+    let addr = h.metrics_addr;
+    let (_, text) = h.client(move || http_get(addr, "/metrics")).unwrap();
+    let line = text.lines().find(|l| l.rsplit_once(' ').is_some_and(|(name, _)| name == sample))?;
+    line.rsplit_once(' ')?.1.parse().ok()
+}
+
+/// From the client pod: connect to the Service and read the answering pod's name.
+fn ask(h: &Harness) -> Result<String, String> {
+    h.topology.pods[3]
+        .netns
+        .run(|| {
+            let conn = TcpStream::connect_timeout(&SocketAddr::from((IP, 80)), CONNECT).map_err(|e| e.to_string())?;
+            conn.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
+            let mut name = String::new();
+            BufReader::new(&conn).read_line(&mut name).map_err(|e| e.to_string())?;
+            Ok(name.trim_end().to_owned())
+        })
+        .unwrap()
+}
+
+#[test]
+fn an_endpoint_that_stops_answering_is_sidelined_and_comes_back_with_its_network() {
+    let mut h = Harness::new("kout", &["pod-a", "pod-b", "pod-c", "client"]).unwrap();
+    h.write_service("web", IP, &[HTTP], &[0, 1, 2]).unwrap();
+    let svc = std::fs::read_to_string(h.manifests.join("web-svc.yaml")).unwrap();
+    let annotated = svc.replacen("metadata:\n", "metadata:\n  annotations: {kpr.io/outlier-detection: 'on'}\n", 1);
+    h.write("web-svc.yaml", &annotated).unwrap();
+    // The socket hooks on a cgroup of their own, which this process is not in: the client
+    // pod's connections are served per packet, on its link.
+    let hooks = testbed::Cgroup::new(&format!("{}/hooks", h.name)).unwrap();
+    h.agent_cgroup = Some(hooks.path.clone());
+    h.agent_in_node_netns = true;
+    h.agent_args = [
+        "--interfaces=veth0,veth1,veth2,veth3",
+        "--outlier-failures=3",
+        "--outlier-window=10s",
+        "--outlier-backoff=4s",
+    ]
+    .map(Into::into)
+    .to_vec();
+    h.topology.client.run(|| std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").unwrap()).unwrap();
+    h.start_agent().unwrap();
+    h.wait("10.96.0.30:80/TCP", Some(3)).unwrap();
+    let deadline = Instant::now() + testbed::slow(Duration::from_secs(10));
+    while std::fs::read_to_string(h.log_path()).unwrap().matches("per-packet programs attached").count() < 4 {
+        assert!(Instant::now() < deadline, "links attached: {}", std::fs::read_to_string(h.log_path()).unwrap());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // Every endpoint answers, per packet.
+    let mut names = std::collections::BTreeSet::new();
+    for _ in 0..30 {
+        names.insert(ask(&h).expect("every endpoint answers"));
+    }
+    assert_eq!(names, ["pod-a", "pod-b", "pod-c"].map(String::from).into(), "spread over the three");
+    assert!(h.counter("tc_new_flow") >= 30, "served per packet, not at the sockets");
+
+    // A connection to another endpoint, held across the outage.
+    let held = h.topology.pods[3]
+        .netns
+        .run(|| {
+            loop {
+                let conn = TcpStream::connect_timeout(&SocketAddr::from((IP, 80)), CONNECT).unwrap();
+                conn.set_read_timeout(Some(TIMEOUT)).unwrap();
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut name = String::new();
+                reader.read_line(&mut name).unwrap();
+                if name.trim_end() != "pod-b" {
+                    return (conn, reader, name.trim_end().to_owned());
+                }
+            }
+        })
+        .unwrap();
+
+    // pod-b's network goes; nobody tells the API.
+    let pod_b = &h.topology.pods[1];
+    pod_b.netns.ip(&["link", "set", "eth0", "down"]).unwrap();
+    let down = Instant::now();
+    let sample = "kpr_endpoint_sidelined{namespace=\"test\",service=\"web\",endpoint=\"10.244.2.2:8080/TCP\"}";
+    let (mut failed, mut last_failure) = (0, None);
+    while metric(&h, sample) != Some(1.0) {
+        assert!(
+            down.elapsed() < Duration::from_secs(20),
+            "not sidelined: {}",
+            std::fs::read_to_string(h.log_path()).unwrap()
+        );
+        if ask(&h).is_err() {
+            failed += 1;
+            last_failure = Some(down.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let sidelined_in = down.elapsed();
+    assert!(failed >= 1, "connections to pod-b failed before it was sidelined");
+    // From now on, every new connection is answered, by pod-a or pod-c.
+    for _ in 0..30 {
+        let answer = ask(&h).expect("no failure once pod-b is sidelined");
+        assert_ne!(answer, "pod-b");
+    }
+    eprintln!(
+        "pod-b sidelined {} ms after its link went down ({failed} connections failed, the last {} ms after)",
+        sidelined_in.as_millis(),
+        last_failure.unwrap_or_default().as_millis()
+    );
+    let log = std::fs::read_to_string(h.log_path()).unwrap();
+    assert!(log.contains("endpoint sidelined") && log.contains("10.244.2.2:8080/TCP"), "{log}");
+    let total = "kpr_endpoint_sidelinings_total{namespace=\"test\",service=\"web\"}";
+    assert_eq!(metric(&h, total), Some(1.0));
+
+    // The held connection carries on.
+    let (mut conn, mut reader, held_by) = held;
+    let alive = h.topology.pods[3]
+        .netns
+        .run(move || {
+            conn.write_all(b"peer?\n").unwrap();
+            let mut peer = String::new();
+            reader.read_line(&mut peer).map(|_| peer)
+        })
+        .unwrap();
+    assert!(alive.is_ok_and(|p| p.starts_with("10.244.")), "the connection to {held_by} lives on");
+
+    // Its network back: after the back-off it is returned, and answers again.
+    pod_b.netns.ip(&["link", "set", "eth0", "up"]).unwrap();
+    pod_b.netns.ip(&["route", "add", "default", "via", "10.244.2.1"]).unwrap();
+    let up = Instant::now();
+    loop {
+        assert!(up.elapsed() < Duration::from_secs(20), "pod-b never answered again");
+        if ask(&h).is_ok_and(|name| name == "pod-b") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!("pod-b answered again {} ms after its link came back", up.elapsed().as_millis());
+    assert_eq!(metric(&h, sample), None, "no longer sidelined");
+    drop(hooks);
+}
