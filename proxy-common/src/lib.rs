@@ -131,7 +131,7 @@ pub mod map_names {
     /// ([`super::ServiceStats`]); the agent makes an entry with the frontend and removes it
     /// with it.
     pub const SERVICE_STATS: &str = "KPR_SERVICE_STATS";
-    /// Backend → its answers to new per-packet flows, per CPU (outlier detection).
+    /// Backend → its answers to new per-packet flows (outlier detection).
     pub const BACKEND_ANSWERS: &str = "KPR_BACKEND_ANSWERS";
 }
 
@@ -788,7 +788,7 @@ pub struct BackendKey {
     pub _pad: u8,
 }
 
-/// Value of `KPR_BACKEND_ANSWERS` (one per CPU): how the endpoint answered the first packets
+/// Value of `KPR_BACKEND_ANSWERS`: how the endpoint answered the first packets
 /// of new per-packet flows. A flow it never answers is not counted here: it stays among the
 /// new flows, where the agent sees it.
 #[repr(C)]

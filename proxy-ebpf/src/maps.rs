@@ -2,10 +2,7 @@
 //! sizes here are placeholders that the agent overrides at load time.
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{
-        Array, HashMap, LpmTrie, LruHashMap, LruPerCpuHashMap, PerCpuArray, PerCpuHashMap, ProgramArray, RingBuf,
-        SkStorage,
-    },
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, ProgramArray, RingBuf, SkStorage},
     macros::btf_map,
 };
 use proxy_common::{
@@ -136,13 +133,14 @@ pub static SERVICE_STATS: PerCpuHashMap<
     { BPF_F_NO_PREALLOC as usize },
 > = PerCpuHashMap::new();
 
-/// Endpoint → how it answered the first packets of new per-packet flows, per CPU
+/// Endpoint → how it answered the first packets of new per-packet flows
 /// (`stats::backend_answered`): the successes and refusals of the agent's outlier detection
-/// (the flows it never answers are the new-flow tables' own). LRU: an endpoint no flow reached
-/// for long goes.
+/// (the flows it never answers are the new-flow tables' own). Shared by the CPUs, added to
+/// atomically: a per-CPU value would take its size times every possible CPU, preallocated.
+/// LRU: an endpoint no flow reached for long goes.
 #[btf_map(name = "KPR_BACKEND_ANSWERS", pin_by_name)]
-pub static BACKEND_ANSWERS: LruPerCpuHashMap<BackendKey, BackendAnswers, { defaults::MAX_BACKEND_ANSWERS as usize }> =
-    LruPerCpuHashMap::new();
+pub static BACKEND_ANSWERS: LruHashMap<BackendKey, BackendAnswers, { defaults::MAX_BACKEND_ANSWERS as usize }> =
+    LruHashMap::new();
 
 /// A family's per-CPU flow cache.
 pub type FlowCache<A> = PerCpuArray<CachedFlow<A>, { defaults::FLOW_CACHE_SLOTS as usize }>;
@@ -494,6 +492,16 @@ pub fn link_flags(ifindex: u32) -> u32 {
     let key = ifindex;
     // SAFETY: a map value pointer, read at once.
     LINKS.get_ptr(&key).map_or(0, |link| unsafe { (*link).flags })
+}
+
+/// An atomic add whose result is not used: the instruction every kernel has (`BPF_XADD`).
+/// Through the intrinsic: the BPF target has no compare-and-swap, so `core`'s atomic types
+/// offer no `fetch_add` there (the crate is built with `RUSTC_BOOTSTRAP` already).
+#[inline(always)]
+pub fn atomic_add(word: *mut u64, n: u64) {
+    use core::intrinsics::{AtomicOrdering, atomic_xadd};
+    // SAFETY: the caller's map value, 8-byte aligned, valid for this run.
+    let _ = unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(word, n) };
 }
 
 #[inline(always)]

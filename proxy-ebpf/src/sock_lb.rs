@@ -28,8 +28,8 @@ use crate::globals::{
 };
 use crate::maps::{
     SERVICES, SOCK_PICKS, SOCK_QUOTA, SOCK_REVNAT, SOCK_SLOTS, SOCK_TCP, ServiceRangeMiss, affinity_backend,
-    backend_at, count, link_addr, netns_covered, node_addr_flags, node_source, now, refusal, remember_affinity, serves,
-    service_range_miss, socket_skipped,
+    atomic_add, backend_at, count, link_addr, netns_covered, node_addr_flags, node_source, now, refusal,
+    remember_affinity, serves, service_range_miss, socket_skipped,
 };
 use crate::stats;
 
@@ -574,8 +574,8 @@ fn charge(netns: u64, share: u32) -> bool {
     if held_total >= i64::from(KPR_SOCK_LIMIT.load()) || held_mine >= i64::from(share) {
         return false;
     }
-    add(total, 1);
-    add(mine, 1);
+    atomic_add(total, 1);
+    atomic_add(mine, 1);
     true
 }
 
@@ -587,10 +587,10 @@ fn uncharge(netns: u64, n: u32) {
     }
     let minus = u64::from(n).wrapping_neg();
     if let Some(total) = SOCK_QUOTA.get_ptr_mut(&SOCK_QUOTA_TOTAL) {
-        add(total, minus);
+        atomic_add(total, minus);
     }
     if let Some(mine) = SOCK_QUOTA.get_ptr_mut(&netns) {
-        add(mine, minus);
+        atomic_add(mine, minus);
     }
 }
 
@@ -607,16 +607,6 @@ fn quota_count(key: u64) -> Option<*mut u64> {
         let _ = SOCK_QUOTA.insert(&key, &zero, NOEXIST);
         SOCK_QUOTA.get_ptr_mut(&key)
     })
-}
-
-/// An atomic add whose result is not used: the instruction every kernel has (`BPF_XADD`).
-/// Through the intrinsic: the BPF target has no compare-and-swap, so `core`'s atomic types
-/// offer no `fetch_add` there (the crate is built with `RUSTC_BOOTSTRAP` already).
-#[inline(always)]
-fn add(word: *mut u64, n: u64) {
-    use core::intrinsics::{AtomicOrdering, atomic_xadd};
-    // SAFETY: a map value, 8-byte aligned, valid for this run.
-    let _ = unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(word, n) };
 }
 
 /// A map's address, as helpers take it.

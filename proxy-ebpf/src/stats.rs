@@ -10,7 +10,7 @@ use aya_ebpf::{
 };
 use proxy_common::{Addr, BackendAnswers, BackendKey, ServiceStats, service_stat};
 
-use crate::maps::{BACKEND_ANSWERS, SERVICE_STATS};
+use crate::maps::{BACKEND_ANSWERS, SERVICE_STATS, atomic_add};
 
 /// [`update`] as a subprogram, for callers whose frame must stay small.
 #[inline(never)]
@@ -47,7 +47,7 @@ pub fn update(service_id: u32, word: u32, packets: u64, bytes: u64) {
 }
 
 /// The endpoint at `addr`:`port` (network order) sent the first answer of a new per-packet
-/// flow, a refusal when `refused` (a RST to a SYN): counted on this CPU in
+/// flow, a refusal when `refused` (a RST to a SYN): counted in
 /// `KPR_BACKEND_ANSWERS`, which the agent's outlier detection reads. Once per flow, never on
 /// an established packet.
 #[inline(never)]
@@ -55,7 +55,7 @@ pub fn backend_answered(addr: &Addr, port: u16, proto: u8, refused: bool) {
     let key = BackendKey { addr: *addr, port, proto, _pad: 0 };
     let map = core::ptr::from_ref(&BACKEND_ANSWERS).cast_mut().cast::<core::ffi::c_void>();
     let key_ptr = core::ptr::from_ref(&key).cast::<core::ffi::c_void>();
-    // SAFETY: a map and a key of its type; the value (if any) is this CPU's, valid for this run.
+    // SAFETY: a map and a key of its type; the value (if any) is valid for this run.
     let counts = unsafe { bpf_map_lookup_elem(map, key_ptr) }.cast::<BackendAnswers>();
     if counts.is_null() {
         let first = BackendAnswers { answered: u64::from(!refused), refused: u64::from(refused) };
@@ -65,12 +65,7 @@ pub fn backend_answered(addr: &Addr, port: u16, proto: u8, refused: bool) {
         unsafe { bpf_map_update_elem(map, key_ptr, value, u64::from(BPF_NOEXIST)) };
         return;
     }
-    // SAFETY: this CPU's value, valid for this program run; no other writer on this CPU.
-    unsafe {
-        if refused {
-            (*counts).refused += 1;
-        } else {
-            (*counts).answered += 1;
-        }
-    }
+    // SAFETY: a map value, valid for this program run; other CPUs add to it too.
+    let word = unsafe { if refused { &raw mut (*counts).refused } else { &raw mut (*counts).answered } };
+    atomic_add(word, 1);
 }

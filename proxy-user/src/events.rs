@@ -89,3 +89,27 @@ fn service_reference(key: &ObjectKey) -> ObjectReference {
         ..Default::default()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::{net::SocketAddr, time::Duration};
+
+    use super::*;
+    use crate::model::{Protocol, outliers::Endpoint};
+
+    #[test]
+    fn a_sidelined_endpoint_is_a_warning_on_its_service_and_its_return_a_normal_event() {
+        let service = ObjectKey::new("shop", "web");
+        let endpoint = Endpoint { addr: SocketAddr::from(([10, 244, 2, 2], 8080)), protocol: Protocol::Tcp };
+        let sidelined = Change::Sidelined { endpoint, failures: 5, backoff: Duration::from_secs(20) };
+        let (on, event) = event_of(ServiceEvent::Outlier { service: service.clone(), change: sidelined }, "node-1");
+        assert_eq!(on, service);
+        assert!(matches!(event.type_, EventType::Warning));
+        assert_eq!(event.reason, "EndpointSidelined");
+        let note = event.note.unwrap();
+        assert!(note.contains("10.244.2.2:8080/TCP") && note.contains("node-1") && note.contains("20s"), "{note}");
+        let (_, event) = event_of(ServiceEvent::Outlier { service, change: Change::Returned { endpoint } }, "node-1");
+        assert!(matches!(event.type_, EventType::Normal));
+        assert_eq!(event.reason, "EndpointReturned");
+    }
+}

@@ -10,7 +10,7 @@ use std::{
 };
 
 use anyhow::Result;
-use aya::maps::{Map, MapData, PerCpuHashMap};
+use aya::maps::{HashMap, Map, MapData};
 use proxy_common::{BackendAnswers, BackendKey, ct, map_names};
 
 use super::{bpf::pins::open_pinned_map, conntrack::Conntrack};
@@ -21,13 +21,12 @@ use crate::model::{
 
 pub struct BackendWatch {
     conntrack: Conntrack,
-    answers: PerCpuHashMap<MapData, BackendKey, BackendAnswers>,
+    answers: HashMap<MapData, BackendKey, BackendAnswers>,
 }
 
 impl BackendWatch {
     pub fn open(pin_root: &Path) -> Result<Self> {
-        let answers =
-            PerCpuHashMap::try_from(Map::PerCpuLruHashMap(open_pinned_map(pin_root, map_names::BACKEND_ANSWERS)?))?;
+        let answers = HashMap::try_from(Map::LruHashMap(open_pinned_map(pin_root, map_names::BACKEND_ANSWERS)?))?;
         Ok(Self { conntrack: Conntrack::open(pin_root)?, answers })
     }
 
@@ -60,9 +59,8 @@ impl BackendWatch {
                 _pad: 0,
             };
             // Absent: no flow of the endpoint's has been answered since the map was made.
-            if let Ok(per_cpu) = self.answers.get(&key, 0) {
-                let sum = per_cpu.iter().fold((0, 0), |(a, r), c| (a + c.answered, r + c.refused));
-                seen.answers.insert(*endpoint, sum);
+            if let Ok(counts) = self.answers.get(&key, 0) {
+                seen.answers.insert(*endpoint, (counts.answered, counts.refused));
             }
         }
         Ok(seen)

@@ -2,7 +2,7 @@
 //! while the API still calls it ready (its node died, its network broke) is sidelined: left out
 //! of its Services' backends for new flows for a while, and put back on probation after it.
 //!
-//! Opt-in per Service (annotation [`ANNOTATION`]) and cluster-wide (`--outlier-detection`);
+//! Opt-in per Service (annotation [`OUTLIER_DETECTION`](super::service::OUTLIER_DETECTION)) and cluster-wide (`--outlier-detection`);
 //! off, the backends are kube-proxy's. The signal is the per-packet path's: new flows still
 //! unanswered past a grace (one observation period: a SYN-ACK takes a round trip), and the
 //! first answers endpoints gave (a RST to a SYN is a refusal), both read from the datapath
@@ -17,19 +17,6 @@ use std::{
 };
 
 use super::{ObjectKey, Protocol, desired::Desired};
-
-/// The Service annotation that turns outlier detection on or off for it (`"on"`, `"off"`),
-/// whatever the cluster-wide setting says.
-pub const ANNOTATION: &str = "kpr.io/outlier-detection";
-
-/// The annotation's value: Some(on) when it says one of the two words.
-pub fn parse_annotation(value: &str) -> Option<bool> {
-    match value {
-        "on" | "true" => Some(true),
-        "off" | "false" => Some(false),
-        _ => None,
-    }
-}
 
 /// When an endpoint is sidelined, and for how long.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -410,12 +397,5 @@ mod tests {
         // failures.
         assert!(outliers.observe(t0 + Duration::from_secs(1), &old).is_empty());
         assert!(!outliers.is_sidelined(&ep(1)));
-    }
-
-    #[test]
-    fn the_annotation_says_on_or_off() {
-        assert_eq!(parse_annotation("on"), Some(true));
-        assert_eq!(parse_annotation("off"), Some(false));
-        assert_eq!(parse_annotation("maybe"), None);
     }
 }

@@ -12,6 +12,19 @@ pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 /// Label selector kube-proxy's informers use for both Services and EndpointSlices.
 pub const PROXY_LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
 
+/// The annotation that turns outlier detection on or off for a Service (`"on"`, `"off"`),
+/// whatever the cluster-wide setting says ([`super::outliers`]).
+pub const OUTLIER_DETECTION: &str = "kpr.io/outlier-detection";
+
+/// A switch annotation's value: Some(on) when it says one of the words.
+pub fn parse_switch(value: &str) -> Option<bool> {
+    match value {
+        "on" | "true" => Some(true),
+        "off" | "false" => Some(false),
+        _ => None,
+    }
+}
+
 /// Default `sessionAffinityConfig.clientIP.timeoutSeconds`.
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
 
@@ -43,8 +56,8 @@ impl ServiceInfo {
                 .metadata
                 .annotations
                 .as_ref()
-                .and_then(|a| a.get(super::outliers::ANNOTATION))
-                .and_then(|v| super::outliers::parse_annotation(v)),
+                .and_then(|a| a.get(OUTLIER_DETECTION))
+                .and_then(|v| parse_switch(v)),
         }
     }
 }
@@ -192,6 +205,19 @@ mod tests {
         assert_eq!(ports(&labelled(Some("other")), Some("kpr")), 0, "another proxy's");
         assert_eq!(label_selector(Some("kpr")), format!("{LABEL_SERVICE_PROXY_NAME}=kpr,!{LABEL_HEADLESS}"));
         assert_eq!(label_selector(None), PROXY_LABEL_SELECTOR);
+    }
+
+    #[test]
+    fn the_outlier_detection_annotation_says_on_or_off_or_nothing() {
+        let annotated = |value: &str| {
+            let svc = service_yaml(&format!(
+                "metadata: {{name: p, annotations: {{{OUTLIER_DETECTION}: '{value}'}}}}\nspec: {{clusterIP: 10.96.0.1, ports: [{{port: 80}}]}}"
+            ));
+            ServiceInfo::new(&svc, None).outlier_detection
+        };
+        assert_eq!(annotated("on"), Some(true));
+        assert_eq!(annotated("off"), Some(false));
+        assert_eq!(annotated("maybe"), None, "neither: the cluster-wide setting decides");
     }
 
     #[test]

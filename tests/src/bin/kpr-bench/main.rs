@@ -843,17 +843,27 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     if forward_direct {
         // A connection's first packet: a SYN from another client address every run (a new
         // flow each time: backend pick, two conntrack entries; a NodePort would add the SNAT
-        // port search). One run per TestRun, so beside its own floor.
+        // port search), and its endpoint's answer (the flow's first reply: its state, and the
+        // endpoint's answer counted for outlier detection). One run per TestRun, so beside
+        // its own floor.
         let runs = repeat.min(70_000);
-        let (mut total, mut floor) = (Duration::ZERO, Duration::ZERO);
+        let (mut total, mut answers, mut floor) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         for i in 0..runs {
-            let syn =
-                tcp_frame(Ipv4Addr::new(10, (i >> 16) as u8, (i >> 8) as u8, i as u8), 40000, TARGET_IP, 80, TCP_SYN);
-            total += run(&syn, 1)?;
+            let client = Ipv4Addr::new(10, (i >> 16) as u8, (i >> 8) as u8, i as u8);
+            total += run(&tcp_frame(client, 40000, TARGET_IP, 80, TCP_SYN), 1)?;
+            answers += run(&tcp_frame(backend, BENCH_PORT, client, 40000, TCP_SYN | ACK), 1)?;
             floor += run(&arp, 1)?;
+        }
+        // The answer was a flow's: translated back to the service's address.
+        let client = Ipv4Addr::new(10, 255, 0, 1);
+        run(&tcp_frame(client, 40000, TARGET_IP, 80, TCP_SYN), 1)?;
+        let answered = run_with_output(&tcp_frame(backend, BENCH_PORT, client, 40000, TCP_SYN | ACK), 1)?.1;
+        if answered[26..30] != TARGET_IP.octets() {
+            bail!("the endpoint's answer to a new flow was not translated back");
         }
         let how = format!("{runs} TestRuns of one run");
         out.push(("new_flow", vec![total.as_nanos() as f64 / f64::from(runs)], how.clone()));
+        out.push(("new_flow_answer", vec![answers.as_nanos() as f64 / f64::from(runs)], how.clone()));
         out.push(("floor_single_run", vec![floor.as_nanos() as f64 / f64::from(runs)], how));
     }
     Ok(out)
