@@ -332,7 +332,17 @@ fn print_out<T: serde::Serialize>(output: Output, report: &T, text: impl Fn(&T) 
 
 async fn diff(args: AgentArgs, wait: Duration, output: Output) -> Result<()> {
     let cfg = agent_config(args)?;
-    let desired = agent::desired_state(cfg.source, cfg.node, cfg.options, wait).await?;
+    let mut desired = agent::desired_state(cfg.source, cfg.node, cfg.options, wait).await?;
+    // Endpoints the running agent's outlier detection left out are not drift.
+    let sidelined = cfg.metrics_bind_address.map(kpr::inspect::diff::sidelined).unwrap_or_default();
+    if !sidelined.is_empty() {
+        eprintln!("kpr diff: {} endpoints sidelined by outlier detection are left out", sidelined.len());
+        kpr::model::outliers::leave_out(&mut desired, |service, endpoint| {
+            sidelined.iter().any(|s| {
+                s.namespace == service.namespace && s.service == service.name && s.endpoint == endpoint.to_string()
+            })
+        });
+    }
     let maps = bpf::BpfMaps::open_pinned(&cfg.datapath.pin_root)?;
     let programmed = kpr::datapath::read_programmed(&maps)?;
     let report = kpr::inspect::diff::compare(&desired, &programmed);

@@ -118,8 +118,9 @@ pub struct AgentArgs {
     /// endpoint that leaves `--outlier-failures` new flows unanswered (or refused) within
     /// `--outlier-window`, with no answer in between, is left out of new connections for
     /// `--outlier-backoff` (doubled each time it fails again on return, up to
-    /// `--outlier-max-backoff`), never all of a Service's endpoints. Off by default:
-    /// kube-proxy's backends.
+    /// `--outlier-max-backoff`), never all of a Service's endpoints. A UDP Service whose
+    /// clients expect no answer (syslog) must not take part. Off by default: kube-proxy's
+    /// backends.
     #[arg(long, value_enum, default_value_t = Switch::Off)]
     pub outlier_detection: Switch,
     #[arg(long, value_parser = parse_duration, default_value = "10s")]

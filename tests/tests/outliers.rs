@@ -39,6 +39,25 @@ fn ask(h: &Harness) -> Result<String, String> {
         .unwrap()
 }
 
+/// `kpr diff` in the node's namespace, with the agent's source and metrics server: (exit code,
+/// stdout and stderr).
+fn kpr_diff(h: &Harness) -> (i32, String) {
+    let mut cmd = std::process::Command::new(kpr_tests::kpr_bin());
+    cmd.args(["diff", "--manifests"])
+        .arg(&h.manifests)
+        .arg("--pin-root")
+        .arg(&h.pin_root)
+        .args(["--node-name", "test-node", "--interfaces", "veth0,veth1,veth2,veth3", "--wait", "10s"])
+        .arg(format!("--metrics-bind-address={}", h.metrics_addr))
+        .env("NO_COLOR", "1");
+    h.topology.client.exec_in(&mut cmd).unwrap();
+    let out = cmd.output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
 #[test]
 fn an_endpoint_that_stops_answering_is_sidelined_and_comes_back_with_its_network() {
     let mut h = Harness::new("kout", &["pod-a", "pod-b", "pod-c", "client"]).unwrap();
@@ -127,6 +146,15 @@ fn an_endpoint_that_stops_answering_is_sidelined_and_comes_back_with_its_network
     assert!(log.contains("endpoint sidelined") && log.contains("10.244.2.2:8080/TCP"), "{log}");
     let total = "kpr_endpoint_sidelinings_total{namespace=\"test\",service=\"web\"}";
     assert_eq!(metric(&h, total), Some(1.0));
+
+    // The agent says which (`/sidelined`), and `kpr diff` does not call it drift.
+    let addr = h.metrics_addr;
+    let (_, listed) = h.client(move || http_get(addr, "/sidelined")).unwrap();
+    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    assert_eq!(listed, serde_json::json!([{"namespace": "test", "service": "web", "endpoint": "10.244.2.2:8080/TCP"}]));
+    let (code, text) = kpr_diff(&h);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("in sync") && text.contains("1 endpoints sidelined"), "{text}");
 
     // The held connection carries on.
     let (mut conn, mut reader, held_by) = held;

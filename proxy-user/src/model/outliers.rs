@@ -16,7 +16,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::{ObjectKey, Protocol, desired::Desired};
+use super::{
+    ObjectKey, Protocol,
+    desired::{Desired, DesiredPort},
+};
 
 /// When an endpoint is sidelined, and for how long.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -212,30 +215,51 @@ impl Outliers {
 
     /// Leave the sidelined endpoints out of the backends of the opted-in Services' ports in
     /// `desired` (`opted_in` says which Services are), and note which endpoints those ports
-    /// have (the ones to watch). A port keeps all its endpoints when all are sidelined: when
-    /// every endpoint fails, leaving them out helps no client.
+    /// have (the ones to watch).
     pub fn sideline(&mut self, desired: &mut Desired, opted_in: impl Fn(&ObjectKey) -> bool) {
         let mut services: BTreeMap<Endpoint, BTreeSet<ObjectKey>> = BTreeMap::new();
         let mut verdicts: BTreeMap<ObjectKey, bool> = BTreeMap::new();
-        for port in desired.values_mut() {
+        for port in desired.values() {
             let service = &port.name.service;
-            let on = *verdicts.entry(service.clone()).or_insert_with(|| opted_in(service));
-            if !on || port.backends.is_empty() {
-                continue;
-            }
-            let protocol = port.name.protocol;
-            let endpoint =
-                |(ip, port): &(std::net::IpAddr, u16)| Endpoint { addr: SocketAddr::new(*ip, *port), protocol };
-            for backend in &port.backends {
-                services.entry(endpoint(backend)).or_default().insert(service.clone());
-            }
-            if port.backends.iter().any(|b| !self.is_sidelined(&endpoint(b))) {
-                port.backends.retain(|b| !self.is_sidelined(&endpoint(b)));
+            if *verdicts.entry(service.clone()).or_insert_with(|| opted_in(service)) {
+                for endpoint in endpoints(port) {
+                    services.entry(endpoint).or_default().insert(service.clone());
+                }
             }
         }
+        leave_out(desired, |service, endpoint| verdicts[service] && self.is_sidelined(endpoint));
         self.services = services;
         self.health.retain(|endpoint, _| self.services.contains_key(endpoint));
     }
+}
+
+/// A port's backends as endpoints.
+fn endpoints(port: &DesiredPort) -> impl Iterator<Item = Endpoint> + '_ {
+    let protocol = port.name.protocol;
+    port.backends.iter().map(move |(ip, port)| Endpoint { addr: SocketAddr::new(*ip, *port), protocol })
+}
+
+/// Leave the endpoints `out` names for a Service out of its ports' backends in `desired`. A
+/// port keeps all its endpoints when all are out: when every endpoint fails, leaving them out
+/// helps no client.
+pub fn leave_out(desired: &mut Desired, out: impl Fn(&ObjectKey, &Endpoint) -> bool) {
+    for port in desired.values_mut() {
+        let service = port.name.service.clone();
+        let kept: Vec<bool> = endpoints(port).map(|e| !out(&service, &e)).collect();
+        if kept.contains(&true) && kept.contains(&false) {
+            let mut kept = kept.into_iter();
+            port.backends.retain(|_| kept.next().unwrap_or(true));
+        }
+    }
+}
+
+/// An endpoint a running agent has sidelined for a Service (its `/sidelined`).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+pub struct Sidelined {
+    pub namespace: String,
+    pub service: String,
+    /// As [`Endpoint`] shows it: `10.244.2.2:8080/TCP`.
+    pub endpoint: String,
 }
 
 #[cfg(test)]
@@ -243,7 +267,7 @@ mod tests {
     use std::net::IpAddr;
 
     use super::*;
-    use crate::model::{ServicePortName, desired::DesiredPort};
+    use crate::model::ServicePortName;
 
     fn ep(last: u8) -> Endpoint {
         Endpoint { addr: SocketAddr::new(IpAddr::from([10, 0, 0, last]), 8080), protocol: Protocol::Tcp }

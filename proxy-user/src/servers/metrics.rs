@@ -97,6 +97,8 @@ pub struct Metrics {
     verify_probes: Gauge,
     sidelined: Family<EndpointLabel, Gauge>,
     sidelinings: Family<ServiceLabel, Counter>,
+    /// The endpoints sidelined now, for `/sidelined`.
+    sidelined_now: Mutex<std::collections::BTreeSet<crate::model::outliers::Sidelined>>,
     service_book: Arc<Mutex<ServiceBook>>,
 }
 
@@ -151,6 +153,7 @@ impl Metrics {
             verify_probes: Gauge::default(),
             sidelined: Family::default(),
             sidelinings: Family::default(),
+            sidelined_now: Mutex::default(),
             service_book: Arc::default(),
         };
         let r = &mut m.registry;
@@ -391,12 +394,25 @@ impl Metrics {
         let (namespace, name) = (service.namespace.clone(), service.name.clone());
         let label =
             EndpointLabel { namespace: namespace.clone(), service: name.clone(), endpoint: endpoint.to_owned() };
+        let entry = crate::model::outliers::Sidelined {
+            namespace: namespace.clone(),
+            service: name.clone(),
+            endpoint: endpoint.to_owned(),
+        };
+        let mut now = self.sidelined_now.lock().unwrap_or_else(|p| p.into_inner());
         if on {
             self.sidelined.get_or_create(&label).set(1);
             self.sidelinings.get_or_create(&ServiceLabel { namespace, service: name }).inc();
+            now.insert(entry);
         } else {
             self.sidelined.remove(&label);
+            now.remove(&entry);
         }
+    }
+
+    /// The endpoints outlier detection has sidelined now (`/sidelined`).
+    pub fn sidelined_now(&self) -> Vec<crate::model::outliers::Sidelined> {
+        self.sidelined_now.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect()
     }
 
     /// The service port each programmed service id is a frontend of, after a sync that

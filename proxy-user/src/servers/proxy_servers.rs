@@ -70,6 +70,7 @@ impl Listeners {
                 "/proxyMode" => http_server::reply(StatusCode::OK, TEXT, PROXY_MODE),
                 "/configz" => http_server::reply(StatusCode::OK, "application/json", configz.clone()),
                 "/service-ports" => http_server::json(StatusCode::OK, &metrics.service_port_names()),
+                "/sidelined" => http_server::json(StatusCode::OK, &metrics.sidelined_now()),
                 "/healthz" => http_server::reply(StatusCode::OK, TEXT, "ok"),
                 path => probe(&health, path).unwrap_or_else(http_server::not_found),
             });
