@@ -133,6 +133,9 @@ pub mod map_names {
     pub const SERVICE_STATS: &str = "KPR_SERVICE_STATS";
     /// Backend → its answers to new per-packet flows (outlier detection).
     pub const BACKEND_ANSWERS: &str = "KPR_BACKEND_ANSWERS";
+    /// Non-zero while the agent watches endpoints (an opted-in Service has some): only then
+    /// do the programs count answers in `BACKEND_ANSWERS`.
+    pub const ANSWERS_WANTED: &str = "KPR_ANSWERS_WANTED";
 }
 
 /// A packet the per-packet path dropped or answered instead of forwarding (`kpr events`).

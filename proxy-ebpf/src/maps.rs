@@ -142,6 +142,11 @@ pub static SERVICE_STATS: PerCpuHashMap<
 pub static BACKEND_ANSWERS: LruHashMap<BackendKey, BackendAnswers, { defaults::MAX_BACKEND_ANSWERS as usize }> =
     LruHashMap::new();
 
+/// Non-zero while the agent's outlier detection watches endpoints: the answers are counted
+/// then only (a lookup and an atomic add, about 80 ns a flow, spared when no one reads them).
+#[btf_map(name = "KPR_ANSWERS_WANTED", pin_by_name)]
+pub static ANSWERS_WANTED: Array<u64, 1> = Array::new();
+
 /// A family's per-CPU flow cache.
 pub type FlowCache<A> = PerCpuArray<CachedFlow<A>, { defaults::FLOW_CACHE_SLOTS as usize }>;
 

@@ -1286,7 +1286,14 @@ fn each_service_port_counts_its_flows_packets_bytes_and_refusals() {
 fn an_endpoints_answers_refusals_and_unanswered_flows_are_seen_per_endpoint() {
     pin_to_cpu(0);
     let rig = Rig::new(&services());
-    let watch = BackendWatch::open(&rig.pins.0).unwrap();
+    let mut watch = BackendWatch::open(&rig.pins.0).unwrap();
+    // Not wanted (the agent watches no endpoint): nothing is counted.
+    rig.ingress(&tcp(CLIENT, 40089, CLUSTER_IP, 80).bytes());
+    let synack = Pkt { tcp_flags: TCP_SYN | TCP_ACK, seq: 7000, ack: 1001, ..tcp(POD, 8080, CLIENT, 40089) };
+    assert_eq!(rig.egress(&synack.bytes()).0, TC_ACT_OK);
+    let web = Endpoint { addr: SocketAddr::new(POD.into(), 8080), protocol: Protocol::Tcp };
+    assert_eq!(watch.observe(&BTreeSet::from([web])).unwrap().answers, BTreeMap::new(), "not counted unasked");
+    watch.want_answers(true).unwrap();
     let endpoint = |ip: IpAddr, port: u16, protocol| Endpoint { addr: SocketAddr::new(ip, port), protocol };
     let families: [(IpAddr, IpAddr, IpAddr); 2] =
         [(CLIENT.into(), CLUSTER_IP.into(), POD.into()), (CLIENT6.into(), CLUSTER_IP6.into(), POD6.into())];

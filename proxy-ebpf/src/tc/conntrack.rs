@@ -22,7 +22,7 @@ use crate::{
     family::Family,
     flow_cache,
     globals::KPR_FORWARD_DIRECT,
-    maps::{FlowMap, FlowTables, backend_at, count, now_by_tick, serves},
+    maps::{ANSWERS_WANTED, FlowMap, FlowTables, backend_at, count, now_by_tick, serves},
     packet::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     stats,
 };
@@ -157,8 +157,9 @@ fn table_flow<'a, F: Family>(
         return Err(END_FLOW);
     }
     let seen = seen_bits(t.proto, entry, tcp_flags);
-    if entry.flags & (ct::REPLY | ct::SEEN_REPLY) == ct::REPLY {
-        // The flow's first answer, from its endpoint (the replies' source).
+    if entry.flags & (ct::REPLY | ct::SEEN_REPLY) == ct::REPLY && ANSWERS_WANTED.get(0).is_some_and(|w| *w != 0) {
+        // The flow's first answer, from its endpoint (the replies' source), while outlier
+        // detection reads them.
         let refused = t.proto == IPPROTO_TCP && tcp_flags & TCP_RST != 0;
         stats::backend_answered(&t.saddr, t.sport, t.proto, refused);
     }

@@ -9,8 +9,8 @@ use std::{
     path::Path,
 };
 
-use anyhow::Result;
-use aya::maps::{HashMap, Map, MapData};
+use anyhow::{Context as _, Result};
+use aya::maps::{Array, HashMap, Map, MapData};
 use proxy_common::{BackendAnswers, BackendKey, ct, map_names};
 
 use super::{bpf::pins::open_pinned_map, conntrack::Conntrack};
@@ -22,12 +22,20 @@ use crate::model::{
 pub struct BackendWatch {
     conntrack: Conntrack,
     answers: HashMap<MapData, BackendKey, BackendAnswers>,
+    wanted: Array<MapData, u64>,
 }
 
 impl BackendWatch {
     pub fn open(pin_root: &Path) -> Result<Self> {
         let answers = HashMap::try_from(Map::LruHashMap(open_pinned_map(pin_root, map_names::BACKEND_ANSWERS)?))?;
-        Ok(Self { conntrack: Conntrack::open(pin_root)?, answers })
+        let wanted = Array::try_from(Map::Array(open_pinned_map(pin_root, map_names::ANSWERS_WANTED)?))?;
+        Ok(Self { conntrack: Conntrack::open(pin_root)?, answers, wanted })
+    }
+
+    /// Have the programs count answers (`on`), or not: they cost a new flow's first answer a
+    /// map lookup and an atomic add.
+    pub fn want_answers(&mut self, on: bool) -> Result<()> {
+        self.wanted.set(0, &u64::from(on), 0).context("failed to write KPR_ANSWERS_WANTED")
     }
 
     /// The watched endpoints' unanswered flows and answers now: one walk of the new-flow
