@@ -116,8 +116,8 @@ pub struct AgentArgs {
     /// Passive outlier detection for every Service (`on`), or only those annotated
     /// `kpr.io/outlier-detection: "on"` (`off`; an annotation `"off"` wins over `on`): an
     /// endpoint that leaves `--outlier-failures` new flows unanswered (or refused) within
-    /// `--outlier-window`, with no answer in between, is left out of new connections for
-    /// `--outlier-backoff` (doubled each time it fails again on return, up to
+    /// `--outlier-window`, answering fewer than failed in between, is left out of new
+    /// connections for `--outlier-backoff` (doubled each time it fails again on return, up to
     /// `--outlier-max-backoff`), never all of a Service's endpoints. A UDP Service whose
     /// clients expect no answer (syslog) must not take part. Off by default: kube-proxy's
     /// backends.

@@ -34,12 +34,15 @@ impl Syncer {
                 }
             };
             for service in self.outliers.services_of(endpoint) {
-                self.metrics.endpoint_sidelined(service, &endpoint.to_string(), sidelined);
+                if sidelined {
+                    self.metrics.sidelining(service);
+                }
                 if let Some(events) = &self.service_events {
                     let _ = events.try_send(ServiceEvent::Outlier { service: service.clone(), change: change.clone() });
                 }
             }
         }
+        self.metrics.set_sidelined(self.outliers.sidelined());
         self.outliers_changed |= !changes.is_empty();
         !changes.is_empty()
     }
@@ -51,6 +54,7 @@ impl Syncer {
         let state = &self.state;
         self.outliers.sideline(desired, |service| state.outlier_detection(service).unwrap_or(default_on));
         self.outliers_changed = false;
+        self.metrics.set_sidelined(self.outliers.sidelined());
         if let Some(watched) = &self.watched {
             *watched.lock().unwrap_or_else(|e| e.into_inner()) = self.outliers.watched();
         }

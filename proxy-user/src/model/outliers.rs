@@ -129,9 +129,18 @@ impl Outliers {
         self.services.get(endpoint).into_iter().flatten()
     }
 
-    /// The endpoints sidelined now.
-    pub fn sidelined(&self) -> impl Iterator<Item = &Endpoint> {
-        self.health.iter().filter(|(_, h)| h.sidelined_until.is_some()).map(|(e, _)| e)
+    /// The endpoints sidelined now, each with each opted-in Service it backs.
+    pub fn sidelined(&self) -> BTreeSet<Sidelined> {
+        let sidelined = self.health.iter().filter(|(_, h)| h.sidelined_until.is_some()).map(|(e, _)| e);
+        sidelined
+            .flat_map(|endpoint| {
+                self.services_of(endpoint).map(move |service| Sidelined {
+                    namespace: service.namespace.clone(),
+                    service: service.name.clone(),
+                    endpoint: endpoint.to_string(),
+                })
+            })
+            .collect()
     }
 
     pub fn is_sidelined(&self, endpoint: &Endpoint) -> bool {
@@ -166,14 +175,17 @@ impl Outliers {
                 .collect();
             health.pending = unanswered;
             let failed = late + usize::try_from(new_refusals).unwrap_or(usize::MAX);
-            if new_answers > 0 && failed == 0 {
-                // An answer: the failures before it were not "in a row"; probation is over.
+            if failed > 0 {
+                health.last_failure = Some(now);
+            }
+            if new_answers > 0 && new_answers >= failed as u64 {
+                // Answers, at least as many as failures since the last observation (whose
+                // order among them is unknown): the run is broken, probation is over. An
+                // endpoint that loses a SYN now and then among many answers stays.
                 health.failures.clear();
                 health.probation_since = None;
-            }
-            if failed > 0 {
+            } else {
                 health.failures.extend(std::iter::repeat_n(now, failed));
-                health.last_failure = Some(now);
             }
             health.failures.retain(|at| now.duration_since(*at) < settings.window);
             let on_probation = health.probation_since.is_some_and(|at| now.duration_since(at) < settings.window);
@@ -325,12 +337,16 @@ mod tests {
         let mut want = desired(&[1, 2, 3], "web");
         outliers.sideline(&mut want, |_| true);
         assert_eq!(backends(&want), [1, 3]);
-        assert_eq!(outliers.services_of(&ep(2)).collect::<Vec<_>>(), [&ObjectKey::new("default", "web")]);
-        // No longer opted in: kube-proxy's backends, and the records forgotten.
+        let listed =
+            Sidelined { namespace: "default".into(), service: "web".into(), endpoint: "10.0.0.2:8080/TCP".into() };
+        assert_eq!(outliers.sidelined(), [listed].into());
+        // No longer opted in: kube-proxy's backends, and the records forgotten (the metric and
+        // `/sidelined` follow `sidelined()`).
         let mut other = desired(&[1, 2, 3], "web");
         outliers.sideline(&mut other, |_| false);
         assert_eq!(backends(&other), [1, 2, 3]);
         assert!(outliers.watched().is_empty() && !outliers.is_sidelined(&ep(2)));
+        assert!(outliers.sidelined().is_empty());
     }
 
     #[test]
@@ -353,6 +369,28 @@ mod tests {
         seen.answers.insert(ep(1), (1, 1));
         let changes = outliers.observe(t0 + Duration::from_secs(6), &seen);
         assert!(matches!(changes[..], [Change::Sidelined { failures: 5, .. }]), "{changes:?}");
+    }
+
+    #[test]
+    fn an_endpoint_that_answers_more_than_it_fails_stays() {
+        let mut outliers = watching(&[1, 2]);
+        let t0 = Instant::now();
+        let mut answered = 0;
+        for s in 0..20u64 {
+            // Each second: two new flows late, and fifty answered.
+            answered += 50;
+            let mut seen = unanswered(ep(1), [2 * s, 2 * s + 1]);
+            seen.unanswered.get_mut(&ep(1)).unwrap().extend([2 * s + 2, 2 * s + 3]);
+            seen.answers.insert(ep(1), (answered, 0));
+            assert!(outliers.observe(t0 + Duration::from_secs(s), &seen).is_empty(), "second {s}");
+        }
+        // Answering fewer than it fails: the failures run on.
+        let mut seen = unanswered(ep(1), 100..=105);
+        seen.answers.insert(ep(1), (answered, 0));
+        outliers.observe(t0 + Duration::from_secs(20), &seen);
+        seen.answers.insert(ep(1), (answered + 1, 0));
+        let changes = outliers.observe(t0 + Duration::from_secs(21), &seen);
+        assert!(matches!(changes[..], [Change::Sidelined { failures: 6, .. }]), "{changes:?}");
     }
 
     #[test]

@@ -389,25 +389,30 @@ impl Metrics {
         }
     }
 
-    /// Outlier detection left `endpoint` out of `service`'s new flows (`on`), or put it back.
-    pub fn endpoint_sidelined(&self, service: &crate::model::ObjectKey, endpoint: &str, on: bool) {
-        let (namespace, name) = (service.namespace.clone(), service.name.clone());
-        let label =
-            EndpointLabel { namespace: namespace.clone(), service: name.clone(), endpoint: endpoint.to_owned() };
-        let entry = crate::model::outliers::Sidelined {
-            namespace: namespace.clone(),
-            service: name.clone(),
-            endpoint: endpoint.to_owned(),
-        };
+    /// Outlier detection sidelined an endpoint of `service`.
+    pub fn sidelining(&self, service: &crate::model::ObjectKey) {
+        let label = ServiceLabel { namespace: service.namespace.clone(), service: service.name.clone() };
+        self.sidelinings.get_or_create(&label).inc();
+    }
+
+    /// The endpoints outlier detection has sidelined now, each with each Service it backs:
+    /// `kpr_endpoint_sidelined` and `/sidelined` say exactly these (an endpoint that left its
+    /// Service, or a Service that opted out, goes from both).
+    pub fn set_sidelined(&self, sidelined: std::collections::BTreeSet<crate::model::outliers::Sidelined>) {
         let mut now = self.sidelined_now.lock().unwrap_or_else(|p| p.into_inner());
-        if on {
-            self.sidelined.get_or_create(&label).set(1);
-            self.sidelinings.get_or_create(&ServiceLabel { namespace, service: name }).inc();
-            now.insert(entry);
-        } else {
-            self.sidelined.remove(&label);
-            now.remove(&entry);
+        if *now == sidelined {
+            return;
         }
+        self.sidelined.clear();
+        for s in &sidelined {
+            let label = EndpointLabel {
+                namespace: s.namespace.clone(),
+                service: s.service.clone(),
+                endpoint: s.endpoint.clone(),
+            };
+            self.sidelined.get_or_create(&label).set(1);
+        }
+        *now = sidelined;
     }
 
     /// The endpoints outlier detection has sidelined now (`/sidelined`).
