@@ -925,6 +925,7 @@ impl Syncer {
         let mut desired = self.state.desired();
         self.sideline(&mut desired);
         let report = self.programmer.apply(&desired, maps);
+        self.metrics.set_sidelined(self.outliers.sidelined());
         // The ports' names change only when frontends come, go or change Service.
         if report.added > 0 || report.removed > 0 || report.renamed > 0 || !self.synced_once {
             let ports = self

@@ -59,7 +59,7 @@ fn event_of(what: ServiceEvent, node: &str) -> (ObjectKey, Event) {
                 reason: "EndpointSidelined".into(),
                 note: Some(format!(
                     "endpoint {endpoint} left {failures} new flows unanswered or refused; kpr on node {node} \
-                     leaves it out of new connections for {}s",
+                     leaves it out of new connections for {}s (unless every endpoint of the Service is)",
                     backoff.as_secs()
                 )),
                 action: "OutlierDetection".into(),

@@ -1,6 +1,7 @@
 //! Outlier detection in the agent's loop ([`crate::model::outliers`]): each observation of the
 //! watched endpoints may sideline some or put some back, which is logged, counted, told as an
-//! Event on their Services, and written as a change of the backends at the next sync.
+//! Event on their Services, and written as a change of the backends at the next sync (the
+//! metric and `/sidelined` follow once it is written).
 use std::time::Instant;
 
 use super::Syncer;
@@ -24,7 +25,7 @@ impl Syncer {
                         failures,
                         backoff_s = backoff.as_secs(),
                         "endpoint sidelined: it left new flows unanswered or refused them; new connections go to \
-                         the Service's other endpoints for a while"
+                         the Service's other endpoints for a while (unless all of them are sidelined)"
                     );
                     (endpoint, true)
                 }
@@ -42,7 +43,6 @@ impl Syncer {
                 }
             }
         }
-        self.metrics.set_sidelined(self.outliers.sidelined());
         self.outliers_changed |= !changes.is_empty();
         !changes.is_empty()
     }
@@ -54,7 +54,6 @@ impl Syncer {
         let state = &self.state;
         self.outliers.sideline(desired, |service| state.outlier_detection(service).unwrap_or(default_on));
         self.outliers_changed = false;
-        self.metrics.set_sidelined(self.outliers.sidelined());
         if let Some(watched) = &self.watched {
             *watched.lock().unwrap_or_else(|e| e.into_inner()) = self.outliers.watched();
         }

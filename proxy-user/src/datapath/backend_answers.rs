@@ -41,7 +41,7 @@ impl BackendWatch {
     /// The watched endpoints' unanswered flows and answers now: one walk of the new-flow
     /// tables (at most their size, batch reads) and one lookup per endpoint.
     pub fn observe(&self, watched: &BTreeSet<Endpoint>) -> Result<Observation> {
-        let mut seen = Observation::default();
+        let mut seen = Observation { covered: watched.clone(), ..Default::default() };
         if watched.is_empty() {
             return Ok(seen);
         }

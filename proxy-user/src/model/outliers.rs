@@ -65,6 +65,9 @@ impl fmt::Display for Endpoint {
 /// What the datapath shows of the watched endpoints at one moment.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Observation {
+    /// The endpoints looked at (the watched ones when it was taken): an endpoint outside
+    /// them has no news here, whatever the maps below say of it.
+    pub covered: BTreeSet<Endpoint>,
     /// The new per-packet flows to each endpoint that it has not answered yet, one id per flow
     /// (stable while the flow lives).
     pub unanswered: BTreeMap<Endpoint, BTreeSet<u64>>,
@@ -76,16 +79,19 @@ pub struct Observation {
 /// What became of an endpoint with an observation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Change {
-    /// Left out of new flows for this long.
+    /// Left out of new flows for this long (unless every endpoint of the Service's port is).
     Sidelined { endpoint: Endpoint, failures: u32, backoff: Duration },
     /// Back among the backends, on probation for a window: a failure in it sidelines it again
     /// for twice as long; an answer ends it.
     Returned { endpoint: Endpoint },
 }
 
-/// One endpoint's record.
+/// One endpoint's record, from when a Service that opted in has it.
 #[derive(Clone, Debug, Default)]
 struct Health {
+    /// The first observation that covered it has set the baselines below: what it showed
+    /// (answers counted before, flows already waiting) is not news.
+    baseline: bool,
     /// When each failure in the window was seen, oldest first; emptied by an answer.
     failures: Vec<Instant>,
     /// The flows seen unanswered at the last observation, and those already counted as failed.
@@ -95,12 +101,13 @@ struct Health {
     answers: (u64, u64),
     /// Sidelined until then.
     sidelined_until: Option<Instant>,
-    /// Returned from a sidelining then, and neither answered nor failed since: a failure
-    /// within a window of it sidelines it again.
+    /// Returned from a sidelining then: a failure within a window of it sidelines it again,
+    /// unless an answer came first.
     probation_since: Option<Instant>,
-    /// The next sidelining's length.
+    /// The next sidelining's length, and the last return: a window without failure since
+    /// both the last failure and the return puts it back to the first length.
     next_backoff: Duration,
-    /// When the last failure was seen: a window without one clears the back-off.
+    returned_at: Option<Instant>,
     last_failure: Option<Instant>,
 }
 
@@ -111,6 +118,8 @@ pub struct Outliers {
     health: BTreeMap<Endpoint, Health>,
     /// The opted-in Services each endpoint backs, as of the last [`Outliers::sideline`].
     services: BTreeMap<Endpoint, BTreeSet<ObjectKey>>,
+    /// The endpoints the last [`Outliers::sideline`] left out, with the Service.
+    left_out: BTreeSet<Sidelined>,
 }
 
 impl Outliers {
@@ -129,18 +138,10 @@ impl Outliers {
         self.services.get(endpoint).into_iter().flatten()
     }
 
-    /// The endpoints sidelined now, each with each opted-in Service it backs.
-    pub fn sidelined(&self) -> BTreeSet<Sidelined> {
-        let sidelined = self.health.iter().filter(|(_, h)| h.sidelined_until.is_some()).map(|(e, _)| e);
-        sidelined
-            .flat_map(|endpoint| {
-                self.services_of(endpoint).map(move |service| Sidelined {
-                    namespace: service.namespace.clone(),
-                    service: service.name.clone(),
-                    endpoint: endpoint.to_string(),
-                })
-            })
-            .collect()
+    /// The endpoints the last [`Self::sideline`] left out of their Services' backends (not a
+    /// sidelined endpoint its port kept, all of its endpoints being sidelined).
+    pub fn sidelined(&self) -> &BTreeSet<Sidelined> {
+        &self.left_out
     }
 
     pub fn is_sidelined(&self, endpoint: &Endpoint) -> bool {
@@ -152,20 +153,22 @@ impl Outliers {
     pub fn observe(&mut self, now: Instant, seen: &Observation) -> Vec<Change> {
         let settings = self.settings;
         let mut changes = Vec::new();
-        for endpoint in self.watched() {
-            let health = self.health.entry(endpoint).or_insert_with(|| Health {
-                next_backoff: settings.backoff,
-                // The counters as they stand when watching starts: older answers are not news.
-                answers: seen.answers.get(&endpoint).copied().unwrap_or_default(),
-                ..Default::default()
-            });
+        for (endpoint, health) in self.health.iter_mut().filter(|(e, _)| seen.covered.contains(*e)) {
+            let endpoint = *endpoint;
             let (answered, refused) = seen.answers.get(&endpoint).copied().unwrap_or_default();
+            let unanswered = seen.unanswered.get(&endpoint).cloned().unwrap_or_default();
+            if !health.baseline {
+                health.baseline = true;
+                health.answers = (answered, refused);
+                health.counted = unanswered.clone();
+                health.pending = unanswered;
+                continue;
+            }
             // Counters below the last ones: the map was made anew (an upgrade); all are news.
             let grew = |now: u64, before: u64| if now >= before { now - before } else { now };
             let (new_answers, new_refusals) = (grew(answered, health.answers.0), grew(refused, health.answers.1));
             health.answers = (answered, refused);
             // A flow unanswered at two observations in a row has waited past the grace.
-            let unanswered = seen.unanswered.get(&endpoint).cloned().unwrap_or_default();
             let late = unanswered.intersection(&health.pending).filter(|f| !health.counted.contains(f)).count();
             health.counted = health
                 .counted
@@ -192,8 +195,8 @@ impl Outliers {
             if !on_probation {
                 health.probation_since = None;
             }
-            if health.last_failure.is_none_or(|at| now.duration_since(at) >= settings.window)
-                && !on_probation
+            let quiet_since = health.last_failure.max(health.returned_at);
+            if quiet_since.is_none_or(|at| now.duration_since(at) >= settings.window)
                 && health.sidelined_until.is_none()
             {
                 health.next_backoff = settings.backoff;
@@ -202,6 +205,7 @@ impl Outliers {
                 Some(until) if now >= until => {
                     health.sidelined_until = None;
                     health.probation_since = Some(now);
+                    health.returned_at = Some(now);
                     health.failures.clear();
                     changes.push(Change::Returned { endpoint });
                 }
@@ -219,15 +223,13 @@ impl Outliers {
                 }
             }
         }
-        // Endpoints no longer watched are forgotten (a later comeback starts afresh).
-        let services = &self.services;
-        self.health.retain(|endpoint, _| services.contains_key(endpoint));
         changes
     }
 
     /// Leave the sidelined endpoints out of the backends of the opted-in Services' ports in
     /// `desired` (`opted_in` says which Services are), and note which endpoints those ports
-    /// have (the ones to watch).
+    /// have (the ones to watch; an endpoint that joins them starts a record, one that leaves
+    /// them is forgotten, so a later comeback starts afresh).
     pub fn sideline(&mut self, desired: &mut Desired, opted_in: impl Fn(&ObjectKey) -> bool) {
         let mut services: BTreeMap<Endpoint, BTreeSet<ObjectKey>> = BTreeMap::new();
         let mut verdicts: BTreeMap<ObjectKey, bool> = BTreeMap::new();
@@ -239,9 +241,22 @@ impl Outliers {
                 }
             }
         }
-        leave_out(desired, |service, endpoint| verdicts[service] && self.is_sidelined(endpoint));
+        let left_out = leave_out(desired, |service, endpoint| verdicts[service] && self.is_sidelined(endpoint));
+        self.left_out = left_out
+            .into_iter()
+            .map(|(service, endpoint)| Sidelined {
+                namespace: service.namespace,
+                service: service.name,
+                endpoint: endpoint.to_string(),
+            })
+            .collect();
+        self.health.retain(|endpoint, _| services.contains_key(endpoint));
+        for endpoint in services.keys() {
+            self.health
+                .entry(*endpoint)
+                .or_insert_with(|| Health { next_backoff: self.settings.backoff, ..Default::default() });
+        }
         self.services = services;
-        self.health.retain(|endpoint, _| self.services.contains_key(endpoint));
     }
 }
 
@@ -251,18 +266,24 @@ fn endpoints(port: &DesiredPort) -> impl Iterator<Item = Endpoint> + '_ {
     port.backends.iter().map(move |(ip, port)| Endpoint { addr: SocketAddr::new(*ip, *port), protocol })
 }
 
-/// Leave the endpoints `out` names for a Service out of its ports' backends in `desired`. A
-/// port keeps all its endpoints when all are out: when every endpoint fails, leaving them out
-/// helps no client.
-pub fn leave_out(desired: &mut Desired, out: impl Fn(&ObjectKey, &Endpoint) -> bool) {
+/// Leave the endpoints `out` names for a Service out of its ports' backends in `desired`: the
+/// (Service, endpoint) pairs left out. A port keeps all its endpoints when all are out: when
+/// every endpoint fails, leaving them out helps no client.
+pub fn leave_out(
+    desired: &mut Desired,
+    out: impl Fn(&ObjectKey, &Endpoint) -> bool,
+) -> BTreeSet<(ObjectKey, Endpoint)> {
+    let mut left_out = BTreeSet::new();
     for port in desired.values_mut() {
         let service = port.name.service.clone();
         let kept: Vec<bool> = endpoints(port).map(|e| !out(&service, &e)).collect();
         if kept.contains(&true) && kept.contains(&false) {
+            left_out.extend(endpoints(port).zip(&kept).filter(|(_, k)| !**k).map(|(e, _)| (service.clone(), e)));
             let mut kept = kept.into_iter();
             port.backends.retain(|_| kept.next().unwrap_or(true));
         }
     }
+    left_out
 }
 
 /// An endpoint a running agent has sidelined for a Service (its `/sidelined`).
@@ -314,14 +335,27 @@ mod tests {
             .collect()
     }
 
-    /// Flows `ids` to `endpoint` unanswered.
-    fn unanswered(endpoint: Endpoint, ids: impl IntoIterator<Item = u64>) -> Observation {
-        Observation { unanswered: BTreeMap::from([(endpoint, ids.into_iter().collect())]), answers: BTreeMap::new() }
+    /// The endpoints the tests' observations cover.
+    fn covered() -> BTreeSet<Endpoint> {
+        (1..=3).map(ep).collect()
     }
 
+    /// Flows `ids` to `endpoint` unanswered.
+    fn unanswered(endpoint: Endpoint, ids: impl IntoIterator<Item = u64>) -> Observation {
+        let unanswered = BTreeMap::from([(endpoint, ids.into_iter().collect())]);
+        Observation { covered: covered(), unanswered, answers: BTreeMap::new() }
+    }
+
+    /// An observation without news.
+    fn nothing() -> Observation {
+        Observation { covered: covered(), ..Default::default() }
+    }
+
+    /// Watching the endpoints `backends` of Service "web", the baseline taken.
     fn watching(backends: &[u8]) -> Outliers {
         let mut outliers = Outliers::new(OutlierSettings::default());
         outliers.sideline(&mut desired(backends, "web"), |_| true);
+        assert!(outliers.observe(Instant::now(), &nothing()).is_empty());
         outliers
     }
 
@@ -339,7 +373,7 @@ mod tests {
         assert_eq!(backends(&want), [1, 3]);
         let listed =
             Sidelined { namespace: "default".into(), service: "web".into(), endpoint: "10.0.0.2:8080/TCP".into() };
-        assert_eq!(outliers.sidelined(), [listed].into());
+        assert_eq!(outliers.sidelined(), &BTreeSet::from([listed]));
         // No longer opted in: kube-proxy's backends, and the records forgotten (the metric and
         // `/sidelined` follow `sidelined()`).
         let mut other = desired(&[1, 2, 3], "web");
@@ -411,8 +445,8 @@ mod tests {
         outliers.observe(t0, &unanswered(ep(1), 1..=5));
         outliers.observe(t0 + Duration::from_secs(1), &unanswered(ep(1), 1..=5));
         assert!(outliers.is_sidelined(&ep(1)));
-        assert!(outliers.observe(t0 + Duration::from_secs(10), &Observation::default()).is_empty());
-        let back = outliers.observe(t0 + Duration::from_secs(11), &Observation::default());
+        assert!(outliers.observe(t0 + Duration::from_secs(10), &nothing()).is_empty());
+        let back = outliers.observe(t0 + Duration::from_secs(11), &nothing());
         assert_eq!(back, vec![Change::Returned { endpoint: ep(1) }]);
         let mut want = desired(&[1, 2], "web");
         outliers.sideline(&mut want, |_| true);
@@ -422,9 +456,9 @@ mod tests {
         let changes = outliers.observe(t0 + Duration::from_secs(13), &unanswered(ep(1), [20]));
         assert_eq!(changes, vec![Change::Sidelined { endpoint: ep(1), failures: 1, backoff: Duration::from_secs(20) }]);
         // Returned again, it answers: probation over, and a window later the back-off is reset.
-        let back = outliers.observe(t0 + Duration::from_secs(33), &Observation::default());
+        let back = outliers.observe(t0 + Duration::from_secs(33), &nothing());
         assert_eq!(back, vec![Change::Returned { endpoint: ep(1) }]);
-        let answered = Observation { answers: BTreeMap::from([(ep(1), (1, 0))]), ..Default::default() };
+        let answered = Observation { answers: BTreeMap::from([(ep(1), (1, 0))]), ..nothing() };
         outliers.observe(t0 + Duration::from_secs(34), &answered);
         outliers.observe(t0 + Duration::from_secs(50), &answered);
         outliers.observe(t0 + Duration::from_secs(51), &unanswered(ep(1), 30..=34));
@@ -438,26 +472,64 @@ mod tests {
         let t0 = Instant::now();
         let both = |ids: std::ops::RangeInclusive<u64>| Observation {
             unanswered: BTreeMap::from([(ep(1), ids.clone().collect()), (ep(2), ids.map(|i| i + 100).collect())]),
-            answers: BTreeMap::new(),
+            ..nothing()
         };
         outliers.observe(t0, &both(1..=5));
         assert_eq!(outliers.observe(t0 + Duration::from_secs(1), &both(1..=5)).len(), 2);
         let mut want = desired(&[1, 2], "web");
         outliers.sideline(&mut want, |_| true);
         assert_eq!(backends(&want), [1, 2]);
+        assert!(outliers.sidelined().is_empty(), "none is left out");
     }
 
     #[test]
-    fn answers_from_before_watching_began_are_not_news() {
+    fn an_endpoint_that_fails_again_soon_after_its_return_is_sidelined_for_longer() {
+        let mut outliers = watching(&[1, 2]);
+        let t0 = Instant::now();
+        outliers.observe(t0, &unanswered(ep(1), 1..=5));
+        outliers.observe(t0 + Duration::from_secs(1), &unanswered(ep(1), 1..=5));
+        assert_eq!(
+            outliers.observe(t0 + Duration::from_secs(11), &nothing()),
+            vec![Change::Returned { endpoint: ep(1) }]
+        );
+        // An answer ends its probation, but the time it was sidelined is no quiet window: five
+        // failures right after sideline it for twice as long.
+        outliers.observe(
+            t0 + Duration::from_secs(12),
+            &Observation { answers: BTreeMap::from([(ep(1), (1, 0))]), ..nothing() },
+        );
+        let mut seen = unanswered(ep(1), 40..=44);
+        seen.answers.insert(ep(1), (1, 0));
+        outliers.observe(t0 + Duration::from_secs(13), &seen);
+        let changes = outliers.observe(t0 + Duration::from_secs(14), &seen);
+        assert_eq!(changes, vec![Change::Sidelined { endpoint: ep(1), failures: 5, backoff: Duration::from_secs(20) }]);
+    }
+
+    #[test]
+    fn what_was_there_before_watching_began_is_not_news() {
         let mut outliers = Outliers::new(OutlierSettings::default());
         let t0 = Instant::now();
-        let old = Observation { answers: BTreeMap::from([(ep(1), (40, 7))]), ..Default::default() };
+        let old = Observation {
+            answers: BTreeMap::from([(ep(1), (40, 7))]),
+            unanswered: BTreeMap::from([(ep(1), (1..=5).collect())]),
+            ..nothing()
+        };
         // Not watched yet: nothing recorded.
         assert!(outliers.observe(t0, &old).is_empty());
         outliers.sideline(&mut desired(&[1, 2], "web"), |_| true);
-        // The first observation takes the counters as they stand: seven old refusals are no
-        // failures.
-        assert!(outliers.observe(t0 + Duration::from_secs(1), &old).is_empty());
+        // An observation taken before the endpoint was watched (it does not cover it) says
+        // nothing of it, whatever it holds.
+        let before = Observation { covered: BTreeSet::new(), ..Default::default() };
+        assert!(outliers.observe(t0 + Duration::from_secs(1), &before).is_empty());
+        // The first that covers it takes the counters and the waiting flows as they stand:
+        // seven old refusals and five old flows are no failures.
+        assert!(outliers.observe(t0 + Duration::from_secs(2), &old).is_empty());
+        assert!(outliers.observe(t0 + Duration::from_secs(3), &old).is_empty());
         assert!(!outliers.is_sidelined(&ep(1)));
+        // A refusal after that is news.
+        let mut seen = old.clone();
+        seen.answers.insert(ep(1), (40, 8));
+        assert!(outliers.observe(t0 + Duration::from_secs(4), &seen).is_empty());
+        assert_eq!(outliers.health[&ep(1)].failures.len(), 1);
     }
 }

@@ -395,16 +395,16 @@ impl Metrics {
         self.sidelinings.get_or_create(&label).inc();
     }
 
-    /// The endpoints outlier detection has sidelined now, each with each Service it backs:
-    /// `kpr_endpoint_sidelined` and `/sidelined` say exactly these (an endpoint that left its
-    /// Service, or a Service that opted out, goes from both).
-    pub fn set_sidelined(&self, sidelined: std::collections::BTreeSet<crate::model::outliers::Sidelined>) {
+    /// The endpoints outlier detection has left out of the Services' backends, as the last
+    /// sync wrote them: `kpr_endpoint_sidelined` and `/sidelined` say exactly these (an
+    /// endpoint that left its Service, or a Service that opted out, goes from both).
+    pub fn set_sidelined(&self, sidelined: &std::collections::BTreeSet<crate::model::outliers::Sidelined>) {
         let mut now = self.sidelined_now.lock().unwrap_or_else(|p| p.into_inner());
-        if *now == sidelined {
+        if *now == *sidelined {
             return;
         }
         self.sidelined.clear();
-        for s in &sidelined {
+        for s in sidelined {
             let label = EndpointLabel {
                 namespace: s.namespace.clone(),
                 service: s.service.clone(),
@@ -412,7 +412,7 @@ impl Metrics {
             };
             self.sidelined.get_or_create(&label).set(1);
         }
-        *now = sidelined;
+        now.clone_from(sidelined);
     }
 
     /// The endpoints outlier detection has sidelined now (`/sidelined`).
