@@ -13,6 +13,7 @@ use kpr::datapath::bpf;
 use testbed::{AgentCommand, Cgroup, Topology};
 
 pub mod cluster;
+pub mod map_state;
 pub mod nodes;
 pub mod probe;
 pub mod world;

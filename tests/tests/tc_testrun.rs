@@ -4,6 +4,8 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    path::PathBuf,
+    sync::{Mutex, Once, PoisonError},
 };
 
 use aya::{
@@ -24,6 +26,7 @@ use kpr::{
         outliers::Endpoint,
     },
 };
+use kpr_tests::map_state::MapState;
 use proxy_common::{
     Addr, CidrKey, CtKey, CtKey4, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, LINK_FLAG_TC_INGRESS, LinkInfo,
     NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
@@ -268,12 +271,86 @@ fn sport_of(packet: &[u8]) -> u16 {
 
 // ---------- the program under test ----------
 
-struct Rig {
+/// A load of the object: its programs, its maps and their pins (removed on drop, also when
+/// setting it up fails), and the maps as the load left them.
+struct Load {
+    /// The datapath settings it was loaded with (less the pin root).
+    settings: String,
     ebpf: Ebpf,
     maps: BpfMaps,
-    programmer: Programmer,
-    /// Removed on drop, also when setting the rig up fails.
     pins: testbed::PinRoot,
+    fresh: MapState,
+}
+
+/// The loads no rig holds: a rig takes one of its settings and puts its maps back as they were
+/// loaded, instead of loading anew (the verifier's 2 s here, tens of seconds in the VMs).
+static IDLE_LOADS: Mutex<Vec<Load>> = Mutex::new(Vec::new());
+
+/// At the process's exit, the idle loads' pins are removed.
+extern "C" fn drop_idle_loads() {
+    drop(std::mem::take(&mut *IDLE_LOADS.lock().unwrap_or_else(PoisonError::into_inner)));
+}
+
+/// The programs under test, on maps as fresh as a new load's, with a test's services.
+struct Rig {
+    load: Option<Load>,
+    programmer: Programmer,
+}
+
+impl std::ops::Deref for Rig {
+    type Target = Load;
+    fn deref(&self) -> &Load {
+        self.load.as_ref().expect("a rig holds its load until dropped")
+    }
+}
+
+impl std::ops::DerefMut for Rig {
+    fn deref_mut(&mut self) -> &mut Load {
+        self.load.as_mut().expect("a rig holds its load until dropped")
+    }
+}
+
+/// Idle loads kept, the most recently used: each holds about a hundred file descriptors.
+const IDLE_LOADS_KEPT: usize = 4;
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        if let Some(load) = self.load.take() {
+            let mut idle = IDLE_LOADS.lock().unwrap_or_else(PoisonError::into_inner);
+            idle.push(load);
+            if idle.len() > IDLE_LOADS_KEPT {
+                idle.remove(0);
+            }
+        }
+    }
+}
+
+impl Load {
+    /// An idle load of `cfg`'s settings with its maps put back, or a new one.
+    fn of(cfg: &DatapathConfig) -> Self {
+        static AT_EXIT: Once = Once::new();
+        // SAFETY: registers a function without arguments that only drops Rust values.
+        AT_EXIT.call_once(|| assert_eq!(unsafe { libc::atexit(drop_idle_loads) }, 0));
+        let settings = format!("{:?}", DatapathConfig { pin_root: PathBuf::new(), ..cfg.clone() });
+        let idle = {
+            let mut idle = IDLE_LOADS.lock().unwrap_or_else(PoisonError::into_inner);
+            idle.iter().position(|l| l.settings == settings).map(|i| idle.remove(i))
+        };
+        if let Some(mut load) = idle {
+            load.fresh.restore().expect("the maps put back as loaded");
+            bpf::fill_slow_path_slots(&mut load.ebpf).expect("the slow programs in their slots");
+            load.maps = BpfMaps::open_pinned(&load.pins.0).expect("maps");
+            return load;
+        }
+        let pins = testbed::PinRoot::new("kt-tc");
+        let cfg = DatapathConfig { pin_root: pins.0.clone(), ..cfg.clone() };
+        let mut ebpf = bpf::open_object(&cfg).expect("load object");
+        // Programs first: taking a map out of the object before loading breaks its relocation.
+        bpf::load_tc_programs(&mut ebpf).expect("the verifier accepts the tc programs");
+        let maps = BpfMaps::take_from(&mut ebpf).expect("maps");
+        let fresh = MapState::save(&bpf::pin_dir(&pins.0)).expect("the maps as loaded");
+        Self { settings, ebpf, maps, pins, fresh }
+    }
 }
 
 impl Rig {
@@ -285,22 +362,19 @@ impl Rig {
 
     /// Like [`Rig::new`], with datapath settings changed by `tune`.
     fn with(desired: &Desired, tune: impl FnOnce(&mut DatapathConfig)) -> Self {
-        let pins = testbed::PinRoot::new("kt-tc");
-        let mut cfg = DatapathConfig::new(pins.0.clone(), "/nonexistent".into());
+        let mut cfg = DatapathConfig::new(PathBuf::new(), "/nonexistent".into());
         cfg.detect_local = DETECT_LOCAL_CIDR;
         cfg.max_service_ports = 64;
         cfg.max_backends = 64;
         // Verdicts independent of this machine's routes, unless a test asks (in a namespace).
         cfg.forward_direct = bpf::ForwardDirect::Never;
         tune(&mut cfg);
-        let mut ebpf = bpf::open_object(&cfg).expect("load object");
-        // Programs first: taking a map out of the object before loading breaks its relocation.
-        bpf::load_tc_programs(&mut ebpf).expect("the verifier accepts the tc programs");
-        let mut maps = BpfMaps::take_from(&mut ebpf).expect("maps");
+        let mut load = Load::of(&cfg);
         // The node's address, written into the node maps below, gets its filter bit here.
-        maps.mark_addresses([NODE_IP.into(), NODE_IP6.into()]).unwrap();
-        let mut programmer = Programmer::recover(&mut maps).unwrap();
-        assert_eq!(programmer.apply(desired, &mut maps).failed, 0);
+        load.maps.mark_addresses([NODE_IP.into(), NODE_IP6.into()]).unwrap();
+        let mut programmer = Programmer::recover(&mut load.maps).unwrap();
+        assert_eq!(programmer.apply(desired, &mut load.maps).failed, 0);
+        let ebpf = &mut load.ebpf;
         let mut node_addrs: aya::maps::HashMap<_, Addr, u32> =
             aya::maps::HashMap::try_from(ebpf.map_mut(proxy_common::map_names::NODE_ADDRS).unwrap()).unwrap();
         for node_ip in [IpAddr::from(NODE_IP), IpAddr::from(NODE_IP6)] {
@@ -317,7 +391,7 @@ impl Rig {
         cidrs.insert(&aya::maps::lpm_trie::Key::new(Addr::V4_PREFIX_OFFSET + 16, pods), &1, 0).unwrap();
         let pods6 = CidrKey { addr: IpAddr::from(Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, 0)).into() };
         cidrs.insert(&aya::maps::lpm_trie::Key::new(48, pods6), &1, 0).unwrap();
-        Self { ebpf, maps, programmer, pins }
+        Self { load: Some(load), programmer }
     }
 
     fn run(&self, program: &str, input: &[u8]) -> (u32, Vec<u8>) {
@@ -369,7 +443,8 @@ impl Rig {
     }
 
     fn reprogram(&mut self, desired: &Desired) {
-        assert_eq!(self.programmer.apply(desired, &mut self.maps).failed, 0);
+        let load = self.load.as_mut().expect("a rig holds its load until dropped");
+        assert_eq!(self.programmer.apply(desired, &mut load.maps).failed, 0);
     }
 
     fn counter(&self, index: u32) -> u64 {

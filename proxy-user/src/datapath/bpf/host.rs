@@ -38,7 +38,7 @@ pub(super) fn set_host_forward_direct<T: BorrowMut<MapData>>(map: &mut Array<T, 
 
 /// Put the loaded slow programs in their `KPR_TC_SLOW_PATH` slots (again, after the self-check
 /// found one the attached programs could not reach).
-pub(super) fn fill_slow_path_slots(ebpf: &mut Ebpf) -> Result<()> {
+pub fn fill_slow_path_slots(ebpf: &mut Ebpf) -> Result<()> {
     for (slot, name) in (0u32..).zip(program_names::TC_SLOW_PATH) {
         let fd = ebpf.program(name).context("a slow tc program")?.fd()?.try_clone()?;
         let map = ebpf.map_mut(map_names::TC_SLOW_PATH).context("KPR_TC_SLOW_PATH missing from the eBPF object")?;

@@ -35,8 +35,8 @@ pub use self::{
     cgroup::{agent_cgroup_id, cgroup2_dir, cgroup2_root, netns_cookie, own_cgroup},
     handover::HandoverMaps,
     host::{
-        BpfHost, HostDatapath, HostState, cleanup, link_name, read_covered_netns, read_links, read_socket_skip,
-        write_service_ranges,
+        BpfHost, HostDatapath, HostState, cleanup, fill_slow_path_slots, link_name, read_covered_netns, read_links,
+        read_socket_skip, write_service_ranges,
     },
     maps::{BpfMaps, NodeView, read_counters, read_node_view, read_service_stats},
     object::{
