@@ -217,7 +217,14 @@ enum TestScope {
 /// time (they share the kernel), the e2e conformance specs, then the privileged suites on each
 /// VM kernel; `scope` stops earlier or runs only VMs.
 fn test(root: &Path, env: &setup::Env, filter: Option<&str>, scope: &TestScope) -> Result<()> {
+    // Where a run's time goes, in CI's log: each stage's end, in minutes since the start.
+    let started = std::time::Instant::now();
+    let stage = |what: &str| {
+        let at = started.elapsed().as_secs();
+        println!("xtask: {what} done at {:02}:{:02}", at / 60, at % 60);
+    };
     build(root, env, false)?;
+    stage("the build");
     if let TestScope::Vms(kernels) = scope {
         let shorts: Vec<&str> = kernels.iter().map(String::as_str).collect();
         let (_, failed) = test_in_vms(root, env, &shorts, filter)?;
@@ -239,12 +246,14 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>, scope: &TestScope) 
     if !clippy.success() {
         bail!("cargo clippy found warnings (see above)");
     }
+    stage("fmt and clippy");
     let mut unit = env.cargo(root);
     unit.args(["test", "--no-fail-fast", "--package", "proxy-common", "--package", "proxy-user", "--package", "xtask"]);
     if let Some(filter) = filter {
         unit.args(["--", filter]);
     }
     let mut tally = run_tests(&mut unit)?;
+    stage("the unit tests");
     if matches!(scope, TestScope::Unit) {
         println!("xtask: {} passed, {} failed (unit tests)", tally.0, tally.1);
         if tally.1 > 0 {
@@ -289,6 +298,7 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>, scope: &TestScope) 
     let (passed, failed) = run_tests(&mut privileged)?;
     tally.0 += passed;
     tally.1 += failed;
+    stage("the privileged suites");
     // Kubernetes' own sig-network conformance specs against kpr (`cargo xtask e2e` runs the
     // whole sig-network suite against kpr and kube-proxy side by side).
     if filter.is_none() && matches!(scope, TestScope::All) {
@@ -299,6 +309,7 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>, scope: &TestScope) 
                 tally.1 += 1;
             }
         }
+        stage("the e2e conformance specs");
     }
     println!("xtask: {} passed, {} failed (this machine's kernel)", tally.0, tally.1);
     if matches!(scope, TestScope::Host) {
@@ -311,6 +322,7 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>, scope: &TestScope) 
     let (passed, failed) = test_in_vms(root, env, &vm::KERNELS.map(|(short, ..)| short), filter)?;
     tally.0 += passed;
     tally.1 += failed;
+    stage("the VMs");
     println!("xtask: {} passed, {} failed", tally.0, tally.1);
     if tally.1 > 0 {
         bail!("{} tests failed", tally.1);
