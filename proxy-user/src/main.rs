@@ -334,7 +334,7 @@ async fn diff(args: AgentArgs, wait: Duration, output: Output) -> Result<()> {
     let cfg = agent_config(args)?;
     let mut desired = agent::desired_state(cfg.source, cfg.node, cfg.options, wait).await?;
     // Endpoints the running agent's outlier detection left out are not drift.
-    let sidelined = cfg.metrics_bind_address.map(kpr::inspect::diff::sidelined).unwrap_or_default();
+    let sidelined = cfg.metrics_bind_address.map(kpr::inspect::sidelined).unwrap_or_default();
     if !sidelined.is_empty() {
         eprintln!("kpr diff: {} endpoints sidelined by outlier detection are left out", sidelined.len());
         kpr::model::outliers::leave_out(&mut desired, |service, endpoint| {

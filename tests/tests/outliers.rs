@@ -58,6 +58,19 @@ fn kpr_diff(h: &Harness) -> (i32, String) {
     )
 }
 
+/// `kpr services` in the node's namespace, asking the agent's metrics server: its text.
+fn kpr_services(h: &Harness) -> String {
+    let mut cmd = std::process::Command::new(kpr_tests::kpr_bin());
+    cmd.args(["services", "--pin-root"])
+        .arg(&h.pin_root)
+        .arg(format!("--metrics-address={}", h.metrics_addr))
+        .env("NO_COLOR", "1");
+    h.topology.client.exec_in(&mut cmd).unwrap();
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "kpr services: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 #[test]
 fn an_endpoint_that_stops_answering_is_sidelined_and_comes_back_with_its_network() {
     let mut h = Harness::new("kout", &["pod-a", "pod-b", "pod-c", "client"]).unwrap();
@@ -125,8 +138,8 @@ fn an_endpoint_that_stops_answering_is_sidelined_and_comes_back_with_its_network
     }
     let sidelined_in = down.elapsed();
     assert!(failed >= 3, "{failed} connections failed before pod-b was sidelined: it takes three");
-    // The agent says which (`/sidelined`), and `kpr diff` does not call it drift (both
-    // within the back-off, 10 s).
+    // The agent says which (`/sidelined`), `kpr diff` does not call it drift and `kpr
+    // services` shows it beside its port's backends (all within the back-off, 10 s).
     let addr = h.metrics_addr;
     let (_, listed) = h.client(move || http_get(addr, "/sidelined")).unwrap();
     let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
@@ -134,6 +147,8 @@ fn an_endpoint_that_stops_answering_is_sidelined_and_comes_back_with_its_network
     let (code, text) = kpr_diff(&h);
     assert_eq!(code, 0, "{text}");
     assert!(text.contains("in sync") && text.contains("1 endpoints sidelined"), "{text}");
+    let services = kpr_services(&h);
+    assert!(services.contains(" (sidelined: 10.244.2.2:8080)"), "kpr services:\n{services}");
 
     // From now on, every new connection is answered, by pod-a or pod-c.
     for _ in 0..30 {

@@ -76,16 +76,6 @@ pub fn compare(desired: &Desired, programmed: &BTreeMap<ServiceKey, Programmed>)
     DiffReport { in_sync: differences.is_empty(), desired: desired.len(), programmed: programmed.len(), differences }
 }
 
-/// The endpoints the agent whose metrics server is at `address` has sidelined now; none when
-/// no agent answers there (an older one, or none running).
-pub fn sidelined(address: std::net::SocketAddr) -> Vec<crate::model::outliers::Sidelined> {
-    let answer = super::http_get(address, "/sidelined", std::time::Duration::from_secs(2));
-    match answer {
-        Ok((200, body)) => serde_json::from_str(&body).unwrap_or_default(),
-        _ => Vec::new(),
-    }
-}
-
 pub fn text(r: &DiffReport) -> String {
     let mut out = String::new();
     for d in &r.differences {

@@ -27,3 +27,13 @@ pub fn http_get(addr: SocketAddr, path: &str, timeout: Duration) -> Result<(u16,
     let status = head.split(' ').nth(1).and_then(|c| c.parse().ok()).context("no status code")?;
     Ok((status, body.to_owned()))
 }
+
+/// The endpoints the agent whose metrics server is at `address` has sidelined now; none when
+/// no agent answers there (an older one, or none running).
+pub fn sidelined(address: SocketAddr) -> Vec<crate::model::outliers::Sidelined> {
+    let answer = http_get(address, "/sidelined", Duration::from_secs(2));
+    match answer {
+        Ok((200, body)) => serde_json::from_str(&body).unwrap_or_default(),
+        _ => Vec::new(),
+    }
+}

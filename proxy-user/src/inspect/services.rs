@@ -11,7 +11,7 @@ use crate::{
         Maps as _, Programmed, backend_addr,
         bpf::{self, BpfMaps},
     },
-    model::display_key,
+    model::{display_key, outliers::Sidelined},
 };
 
 /// One service port as the maps hold it.
@@ -22,6 +22,10 @@ pub struct PortView {
     pub frontend: String,
     pub service_id: u32,
     pub backends: Vec<String>,
+    /// Endpoints the agent's outlier detection leaves out of `backends` for now (none when no
+    /// agent answers).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub sidelined: Vec<String>,
     /// Without backends: what happens to new connections (`reject` or `drop`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub no_endpoints: Option<&'static str>,
@@ -101,6 +105,7 @@ impl PortView {
             frontend: display_key(key).to_string(),
             service_id: value.service_id,
             backends,
+            sidelined: Vec::new(),
             no_endpoints,
             flags,
             source_ranges,
@@ -115,6 +120,10 @@ impl PortView {
         let shown = match self.no_endpoints {
             Some(verdict) => format!("<no endpoints: {verdict}>"),
             None => self.backends.join(" "),
+        };
+        let shown = match self.sidelined.as_slice() {
+            [] => shown,
+            sidelined => format!("{shown} (sidelined: {})", sidelined.join(" ")),
         };
         let mut flags = self.flags.iter().map(|f| f.to_string()).collect::<Vec<_>>();
         flags.extend(self.affinity_seconds.map(|s| format!("affinity={s}s")));
@@ -189,6 +198,7 @@ pub fn report(pin_root: &Path, metrics: Option<SocketAddr>) -> Result<ServicesRe
 
 fn port_views(pin_root: &Path, programmed: &[(ServiceKey, Programmed)], metrics: Option<SocketAddr>) -> Vec<PortView> {
     let names = metrics.and_then(service_port_names).unwrap_or_default();
+    let sidelined = if names.is_empty() { Vec::new() } else { metrics.map(super::sidelined).unwrap_or_default() };
     // An older layout has no counters: shown without.
     let stats = bpf::read_service_stats(pin_root).unwrap_or_default();
     programmed
@@ -197,7 +207,29 @@ fn port_views(pin_root: &Path, programmed: &[(ServiceKey, Programmed)], metrics:
             let mut view = PortView::new(k, p);
             view.service_port = names.get(&p.value.service_id).cloned();
             view.stats = stats.get(&p.value.service_id).map(PortStats::new);
+            view.sidelined = sidelined_of(&view, &sidelined);
             view
+        })
+        .collect()
+}
+
+/// The endpoints of `sidelined` (`ip:port`) that `view`'s Service port would have among its
+/// backends: of its Service, its protocol, and its backends' family and port (an endpoint is
+/// sidelined per Service, and a port's endpoints share its target port).
+fn sidelined_of(view: &PortView, sidelined: &[Sidelined]) -> Vec<String> {
+    let Some(name) = view.service_port.as_deref() else { return Vec::new() };
+    sidelined
+        .iter()
+        .filter(|s| name.starts_with(&format!("{}/{}:", s.namespace, s.service)))
+        .filter_map(|s| {
+            let (address, protocol) = s.endpoint.rsplit_once('/')?;
+            let endpoint: SocketAddr = address.parse().ok()?;
+            let alike = |backend: &String| {
+                backend
+                    .parse::<SocketAddr>()
+                    .is_ok_and(|b| b.port() == endpoint.port() && b.is_ipv4() == endpoint.is_ipv4())
+            };
+            (name.ends_with(&format!("/{protocol}")) && view.backends.iter().any(alike)).then(|| address.to_owned())
         })
         .collect()
 }
@@ -231,4 +263,52 @@ pub fn text(r: &ServicesReport) -> String {
         let _ = writeln!(out, "  {name:<24} {value}");
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(service_port: &str, backends: &[&str]) -> PortView {
+        PortView {
+            frontend: "10.96.0.10:80/6".into(),
+            service_id: 1,
+            backends: backends.iter().map(|b| (*b).to_owned()).collect(),
+            sidelined: Vec::new(),
+            no_endpoints: None,
+            flags: Vec::new(),
+            source_ranges: Vec::new(),
+            affinity_seconds: None,
+            service_port: Some(service_port.to_owned()),
+            stats: None,
+        }
+    }
+
+    fn sidelined(namespace: &str, service: &str, endpoint: &str) -> Sidelined {
+        Sidelined { namespace: namespace.into(), service: service.into(), endpoint: endpoint.into() }
+    }
+
+    #[test]
+    fn a_port_shows_the_sidelined_endpoints_of_its_service_protocol_family_and_target_port() {
+        let out = [
+            sidelined("test", "web", "10.244.2.2:8080/TCP"),
+            sidelined("test", "web", "10.244.2.3:8080/UDP"),
+            sidelined("test", "web", "10.244.2.4:9090/TCP"),
+            sidelined("test", "web", "[fd00::2]:8080/TCP"),
+            sidelined("test", "web2", "10.244.2.5:8080/TCP"),
+            sidelined("other", "web", "10.244.2.6:8080/TCP"),
+        ];
+        let mut port = view("test/web:http/TCP", &["10.244.1.2:8080", "10.244.3.2:8080"]);
+        assert_eq!(sidelined_of(&port, &out), ["10.244.2.2:8080"]);
+        port.sidelined = sidelined_of(&port, &out);
+        assert!(
+            port.line().contains("-> 10.244.1.2:8080 10.244.3.2:8080 (sidelined: 10.244.2.2:8080)"),
+            "{}",
+            port.line()
+        );
+        let v6 = view("test/web:http/TCP", &["[fd00::1]:8080"]);
+        assert_eq!(sidelined_of(&v6, &out), ["[fd00::2]:8080"]);
+        let unnamed = PortView { service_port: None, ..view("", &["10.244.1.2:8080"]) };
+        assert!(sidelined_of(&unnamed, &out).is_empty(), "no agent, no names, nothing to match");
+    }
 }
