@@ -1211,12 +1211,16 @@ fn shadow_finds_a_missing_endpoint(world: &World, shadow: &KprAgent, dump: &str)
     testbed::write_atomic(&shadow.manifests, "cluster.yaml", dump).unwrap();
 }
 
+/// Both modes at once: each has its own control plane, worlds and agents, and a case's time is
+/// mostly waited (kube-proxy's sync, the probes' timeouts), so the two take little more than
+/// one. `KPR_FLOWS_MODE=iptables` (or `nftables`): only that mode (for debugging).
 #[test]
-fn upstream_packet_flows_iptables() {
-    differential("iptables");
-}
-
-#[test]
-fn upstream_packet_flows_nftables() {
-    differential("nftables");
+fn upstream_packet_flows_iptables_and_nftables() {
+    let only = std::env::var("KPR_FLOWS_MODE").unwrap_or_default();
+    let modes = ["iptables", "nftables"].into_iter().filter(|m| m.contains(only.as_str()));
+    let failed: Vec<&str> = std::thread::scope(|s| {
+        let runs: Vec<_> = modes.map(|mode| (mode, s.spawn(move || differential(mode)))).collect();
+        runs.into_iter().filter_map(|(mode, run)| run.join().is_err().then_some(mode)).collect()
+    });
+    assert!(failed.is_empty(), "kpr and kube-proxy differ in mode {failed:?} (see the panics above)");
 }
