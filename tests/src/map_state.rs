@@ -66,11 +66,12 @@ impl MapState {
                         Ok((key, value))
                     })
                     .collect::<Result<_>>()?,
+                // A key gone between the walk and its lookup is not saved.
                 Kind::Keyed => s
                     .keys()?
                     .into_iter()
-                    .map(|k| Ok((k.clone(), s.lookup(&k)?.unwrap_or_default())))
-                    .collect::<Result<_>>()?,
+                    .filter_map(|key| s.lookup(&key).transpose().map(|value| value.map(|value| (key, value))))
+                    .collect::<io::Result<_>>()?,
                 Kind::Ring | Kind::Other => Vec::new(),
             };
             saved.push(s);
@@ -79,8 +80,8 @@ impl MapState {
     }
 
     /// Put every map back as it was saved.
-    pub fn restore(&mut self) -> Result<()> {
-        for s in &mut self.0 {
+    pub fn restore(&self) -> Result<()> {
+        for s in &self.0 {
             let what = || format!("failed to restore map {}", s.name);
             match s.kind {
                 Kind::Keyed => {
