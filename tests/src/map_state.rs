@@ -14,7 +14,6 @@ use aya::maps::{MapData, MapType};
 pub struct MapState(Vec<Saved>);
 
 struct Saved {
-    name: String,
     path: PathBuf,
     map: MapData,
     kind: Kind,
@@ -44,9 +43,8 @@ impl MapState {
         let mut paths: Vec<_> = std::fs::read_dir(dir)?.map(|e| e.map(|e| e.path())).collect::<io::Result<_>>()?;
         paths.sort();
         for path in paths {
-            let name = path.file_name().unwrap_or_default().to_string_lossy().into_owned();
             let Ok(map) = MapData::from_pin(&path) else { continue }; // a pinned program or link
-            let info = map.info().with_context(|| format!("map {name}"))?;
+            let info = map.info().with_context(|| format!("map {}", path.display()))?;
             let per_cpu = |size: u32| (size as usize).next_multiple_of(8) * cpus;
             let (kind, value_size) = match info.map_type()? {
                 MapType::Array => (Kind::Array, info.value_size() as usize),
@@ -56,8 +54,7 @@ impl MapState {
                 MapType::RingBuf => (Kind::Ring, 0),
                 _ => (Kind::Other, 0),
             };
-            let mut s =
-                Saved { name, path, map, kind, key_size: info.key_size() as usize, value_size, entries: Vec::new() };
+            let mut s = Saved { path, map, kind, key_size: info.key_size() as usize, value_size, entries: Vec::new() };
             s.entries = match kind {
                 Kind::Array => (0..info.max_entries())
                     .map(|i| {
@@ -82,7 +79,7 @@ impl MapState {
     /// Put every map back as it was saved.
     pub fn restore(&self) -> Result<()> {
         for s in &self.0 {
-            let what = || format!("failed to restore map {}", s.name);
+            let what = || format!("failed to restore map {}", s.path.display());
             match s.kind {
                 Kind::Keyed => {
                     // The first key again after each delete: a walk would skip keys it moved.
