@@ -510,6 +510,11 @@ pub const SCOPE_NODE: u8 = 2;
 /// count for them ("kprv"; a packet arriving with exactly this mark is only left uncounted).
 pub const VERIFY_PROBE_MARK: u32 = 0x6b70_7276;
 
+/// The priority (`SO_PRIORITY`) of `kpr verify`'s probe sockets: the socket hooks decide their
+/// `connect()` as any other, and count no connect, event or sessionAffinity pick for them (a
+/// priority no qdisc band uses; the probes send no packet).
+pub const VERIFY_PROBE_PRIORITY: u32 = VERIFY_PROBE_MARK;
+
 /// `ServiceKey::proto` of the entry that stands for every other port of a ClusterIP (with
 /// `port` 0 and `SCOPE_POD`, for every source): with the service range refused (nftables
 /// mode's rule, kpr's default), traffic to a ClusterIP's unknown ports is rejected. Only

@@ -181,7 +181,7 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
 
     if service.backends_count == 0 {
         let verdict = refuse(&service, proto, from_node, pod_links_covered);
-        if connect && verdict == REJECT {
+        if connect && verdict == REJECT && !verify_probe(sa) {
             refused(&service, from_node);
         }
         return verdict;
@@ -250,7 +250,7 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
             }
         }
     }
-    if picked {
+    if picked && !(connect && verify_probe(sa)) {
         remember_affinity(&service, AFFINITY_BY_NETNS, client, &backend, now);
         if sticky && entries {
             let _ = SOCK_PICKS.insert(&pick_key, &backend, 0);
@@ -279,10 +279,18 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
     family.set_user_addr(sa, backend.addr);
     sa.user_port = u32::from(backend.port);
     count(counter::TRANSLATED);
-    if connect {
+    if connect && !verify_probe(sa) {
         stats::add(service.service_id, service_stat::CONNECTS, 0, 0);
     }
     ALLOW
+}
+
+/// The socket is one of `kpr verify`'s probes (`VERIFY_PROBE_PRIORITY`): decided as any, but
+/// it leaves no count and no sessionAffinity pick.
+#[inline(always)]
+fn verify_probe(sa: &bpf_sock_addr) -> bool {
+    // SAFETY: the kernel gives sock_addr programs a valid, full socket.
+    unsafe { (*sa.__bindgen_anon_1.sk).priority == proxy_common::VERIFY_PROBE_PRIORITY }
 }
 
 /// The calling task is the agent (its cgroup is the agent's own).

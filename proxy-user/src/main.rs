@@ -67,6 +67,10 @@ enum Command {
         #[arg(long, short, value_enum, default_value_t = Output::Text)]
         output: Output,
     },
+    /// The agent's socket path probes (`kpr verify`): connect from CGROUP to the frontends
+    /// read from standard input (JSON), sending nothing, and write what each socket was given.
+    #[command(name = "socket-probe", hide = true)]
+    SocketProbe { cgroup: PathBuf },
     /// Compare what the agent would program (from the API or the manifests, with the agent's
     /// flags and configuration file) with the pinned maps; exits 1 when they differ.
     Diff {
@@ -191,6 +195,7 @@ async fn main() -> Result<()> {
             print_out(output, &report, kpr::inspect::services::text)
         }
         Command::Diff { agent, wait, output } => diff(agent, wait, output).await,
+        Command::SocketProbe { cgroup } => kpr::datapath::socket_probe::serve(&cgroup),
         Command::Verify { metrics_address, output } => {
             let report = kpr::verify::fetch_report(metrics_address)?;
             print_out(output, &report, kpr::verify::VerifyReport::render)?;

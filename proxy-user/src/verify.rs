@@ -2,7 +2,10 @@
 //! source class the per-packet programs tell apart, one synthetic packet through the live tc
 //! program against the live maps (`BPF_PROG_TEST_RUN`; the datapath side runs it and removes
 //! the flow it made), and its fate compared with what the model says kube-proxy does: DNAT to
-//! one of the port's endpoints (masqueraded or not), a REJECT, or a DROP.
+//! one of the port's endpoints (masqueraded or not), a REJECT, or a DROP. The node's own
+//! frontends are the socket path's: one real `connect()` each, which sends nothing (a UDP
+//! socket, or a TCP socket in repair mode), from a socket the hooks see as the node's, and
+//! the peer the kernel gave it compared the same way.
 //!
 //! This module is the model's half: which probes, their packets, and the judgement. Nothing
 //! here touches the kernel.
@@ -13,8 +16,8 @@ use std::{
 };
 
 use proxy_common::{
-    IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
-    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
+    IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
+    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP, SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
 };
 use serde::{Deserialize, Serialize};
 
@@ -49,6 +52,12 @@ pub struct ProbeEnv {
     pub pod_clients: Vec<(IpAddr, u32)>,
     /// The loopback (the link of a test run without one) checks sources (`rp_filter`).
     loopback_checks_sources: bool,
+    /// The node's own connections can be probed (the socket hooks are attached and the probes
+    /// have a cgroup under theirs).
+    pub socket_probes: bool,
+    /// The per-packet path covers every link: the socket path leaves it what it must serve
+    /// (`KPR_POD_LINKS_COVERED`).
+    pub pod_links_covered: bool,
 }
 
 /// `rp_filter` in either mode, or no Ethernet (the probe is an Ethernet frame).
@@ -80,6 +89,8 @@ impl ProbeEnv {
             outside_clients: vec![(outside(true), 0), (outside(false), 0)],
             pod_clients,
             loopback_checks_sources: plan.links.get(&LOOPBACK).is_some_and(|l| l.flags & LINK_UNFIT != 0),
+            socket_probes: false,
+            pod_links_covered: false,
         }
     }
 
@@ -109,12 +120,14 @@ fn outside(v4: bool) -> IpAddr {
     if v4 { OUTSIDE_V4.into() } else { OUTSIDE_V6.into() }
 }
 
-/// The source classes the per-packet programs tell apart on the way in.
+/// The source classes the per-packet programs tell apart on the way in, and the node's own
+/// sockets, which the socket path decides at `connect()`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Class {
     Pod,
     External,
+    Node,
 }
 
 /// What kube-proxy does with a new connection to the frontend from the probe's client.
@@ -122,13 +135,16 @@ pub enum Class {
 pub enum Expect {
     /// DNAT to one of `backends`, masqueraded (`SERVICE_FLAG_SNAT`) unless the endpoint is one
     /// of the node's own addresses.
-    Forward {
-        backends: Vec<SocketAddr>,
-        masquerade: bool,
-    },
-    /// A TCP reset or an ICMP port unreachable to the client.
+    Forward { backends: Vec<SocketAddr>, masquerade: bool },
+    /// A TCP reset or an ICMP port unreachable to the client; from the node's own socket,
+    /// `connect()` failing (`ECONNREFUSED`, or `EPERM` for UDP and where the kernel lets the
+    /// hook return no other error).
     Reject,
+    /// From the node's own socket: `connect()` failing with `EPERM`.
     Drop,
+    /// From the node's own socket: left untranslated to the per-packet path, which covers
+    /// every link (a Service it must serve; a TCP DROP, which makes connect() time out there).
+    PerPacket,
 }
 
 /// What the program did with a probe.
@@ -140,10 +156,24 @@ pub enum Outcome {
     },
     Rejected,
     Dropped,
-    /// Left untranslated for the stack.
+    /// Left untranslated for the stack (the socket path: connected to the frontend itself).
     Passed,
     /// A verdict or a packet that is none of the above.
     Other(String),
+}
+
+/// What a socket probe's `connect()` gave, as the kernel's socket shows it (sock_diag), not as
+/// the hooks show it to the application (getpeername is translated back).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SocketSeen {
+    Connected {
+        from: SocketAddr,
+        to: SocketAddr,
+    },
+    /// `connect()` failed with this errno.
+    Failed(i32),
+    /// Connected, but sock_diag did not list the socket.
+    Unlisted,
 }
 
 /// One synthetic new connection.
@@ -151,6 +181,7 @@ pub enum Outcome {
 pub struct Probe {
     pub frontend: ServiceKey,
     pub class: Class,
+    /// The client (a node probe: unspecified, the socket's own).
     pub client: SocketAddr,
     /// The frontend's address (a NodePort: a NodePort address of the node) and port.
     pub target: SocketAddr,
@@ -165,8 +196,9 @@ pub struct Probe {
 /// The probes for the frontends `keys` as the agent programmed them (`programmed`: its
 /// record of what it wrote, which is what the model asked for at the last sync, whatever
 /// changes are pending); and how many of them cannot be probed here
-/// (the node's own traffic, which the socket path decides; pod traffic where the node cannot
-/// tell pods apart; a NodePort without a NodePort address of its family). A key no longer
+/// (the node's own traffic without socket probes; pod traffic where the node cannot tell pods
+/// apart; SCTP from the node, which the socket path leaves alone; a NodePort without a
+/// NodePort address of its family). A key no longer
 /// programmed is passed over. `run` and `first` (the first key's place in the run) give each
 /// probe a client port of its own.
 pub fn probes<'k>(
@@ -210,6 +242,7 @@ fn probe(
             let (ip, ifindex) = env.pod_clients.iter().find(|(ip, _)| ip.is_ipv4() == v4)?;
             (Class::Pod, *ip, *ifindex)
         }
+        SCOPE_NODE if env.socket_probes && key.proto != IPPROTO_SCTP => (Class::Node, unspecified(v4), 0),
         _ => return None,
     };
     if ![IPPROTO_TCP, IPPROTO_UDP, IPPROTO_SCTP].contains(&key.proto) {
@@ -227,7 +260,9 @@ fn probe(
         frontend
     };
     let flags = port.value.flags;
-    let expect = if flags & SERVICE_FLAG_SOURCE_RANGES != 0
+    let expect = if class == Class::Node {
+        node_expect(port, key.proto, env.pod_links_covered)
+    } else if flags & SERVICE_FLAG_SOURCE_RANGES != 0
         && !port.source_ranges.iter().any(|range| range.contains(client_ip))
     {
         Expect::Drop
@@ -239,6 +274,7 @@ fn probe(
             masquerade: flags & SERVICE_FLAG_SNAT != 0,
         }
     };
+    let client_port = if class == Class::Node { 0 } else { client_port };
     Some(Probe {
         frontend: *key,
         class,
@@ -249,6 +285,33 @@ fn probe(
         affinity_id: port.value.affinity_id,
         expect,
     })
+}
+
+fn unspecified(v4: bool) -> IpAddr {
+    if v4 { Ipv4Addr::UNSPECIFIED.into() } else { Ipv6Addr::UNSPECIFIED.into() }
+}
+
+/// What the socket path does with the node's own `connect()` to a frontend (`sock_lb.rs`'s
+/// `forward` and `refuse`): kube-proxy's verdict, in the form a socket can give it. The node's
+/// connections are not checked against loadBalancerSourceRanges at connect() (the model
+/// programs the node's entries for its own addresses) nor masqueraded there.
+fn node_expect(port: &Programmed, proto: u8, pod_links_covered: bool) -> Expect {
+    let flags = port.value.flags;
+    let drop = flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0;
+    if pod_links_covered && flags & SERVICE_FLAG_SOCKET_SKIP != 0 {
+        Expect::PerPacket
+    } else if port.backends.is_empty() {
+        match (drop, pod_links_covered && proto == IPPROTO_TCP) {
+            (true, true) => Expect::PerPacket,
+            (true, false) => Expect::Drop,
+            (false, _) => Expect::Reject,
+        }
+    } else {
+        Expect::Forward {
+            backends: port.backends.iter().map(|b| SocketAddr::new(b.addr.into(), u16::from_be(b.port))).collect(),
+            masquerade: false,
+        }
+    }
 }
 
 impl Probe {
@@ -331,8 +394,32 @@ impl Probe {
         Outcome::Forwarded { to: seen.dst, from: seen.src }
     }
 
+    /// What a node probe's socket showed.
+    pub fn socket_outcome(&self, seen: &SocketSeen) -> Outcome {
+        match seen {
+            SocketSeen::Connected { to, .. } if *to == self.target => Outcome::Passed,
+            SocketSeen::Connected { from, to } => Outcome::Forwarded { to: *to, from: *from },
+            SocketSeen::Failed(libc::ECONNREFUSED) => Outcome::Rejected,
+            SocketSeen::Failed(libc::EPERM) => Outcome::Dropped,
+            SocketSeen::Failed(errno) => {
+                Outcome::Other(format!("connect() failed: {}", std::io::Error::from_raw_os_error(*errno)))
+            }
+            SocketSeen::Unlisted => Outcome::Other("a connected socket sock_diag does not list".to_owned()),
+        }
+    }
+
     /// Whether `outcome` is what kube-proxy does; `local_addrs`: the node's own.
     pub fn agrees(&self, outcome: &Outcome, local_addrs: &[IpAddr]) -> bool {
+        if self.class == Class::Node {
+            return match (&self.expect, outcome) {
+                // The node's own connection: its source is the node's either way.
+                (Expect::Forward { backends, .. }, Outcome::Forwarded { to, .. }) => backends.contains(to),
+                (Expect::Reject, Outcome::Rejected | Outcome::Dropped)
+                | (Expect::Drop, Outcome::Dropped)
+                | (Expect::PerPacket, Outcome::Passed) => true,
+                _ => false,
+            };
+        }
         match (&self.expect, outcome) {
             (Expect::Forward { backends, masquerade }, Outcome::Forwarded { to, from }) => {
                 let masqueraded = from.ip() != self.client.ip();
@@ -392,6 +479,7 @@ impl std::fmt::Display for Expect {
             }
             Self::Reject => f.write_str("REJECT"),
             Self::Drop => f.write_str("DROP"),
+            Self::PerPacket => f.write_str("left to the per-packet path"),
         }
     }
 }
@@ -493,7 +581,7 @@ impl Failure {
 pub struct VerifyReport {
     /// Runs so far (0: none yet).
     pub runs: u64,
-    /// Frontends probed, and those the per-packet path cannot be probed for here.
+    /// Frontends probed, and those that cannot be probed here.
     pub probed: usize,
     pub skipped: usize,
     /// How long the probes took (the resync and its second run aside).
@@ -517,14 +605,14 @@ impl VerifyReport {
         }
         let _ = writeln!(
             out,
-            "run {}: {} frontends probed in {:.1} ms, {} not probed here (the socket path's, or no source to \
-             probe from)",
+            "run {}: {} frontends probed in {:.1} ms, {} not probed here (no source to probe from)",
             self.runs, self.probed, self.elapsed_ms, self.skipped
         );
         for f in &self.failures {
             let class = match f.class {
                 Class::Pod => "pod",
                 Class::External => "external",
+                Class::Node => "node",
             };
             let _ = writeln!(
                 out,
@@ -586,7 +674,7 @@ pub fn fetch_report(address: SocketAddr) -> anyhow::Result<VerifyReport> {
 mod tests {
     use std::collections::BTreeSet;
 
-    use proxy_common::{SCOPE_NODE, ServiceValue};
+    use proxy_common::ServiceValue;
 
     use super::*;
     use crate::{
@@ -616,6 +704,8 @@ mod tests {
             outside_clients: vec![(outside(true), 0)],
             pod_clients: vec![("10.244.0.0".parse().unwrap(), 0)],
             loopback_checks_sources: false,
+            socket_probes: false,
+            pod_links_covered: false,
         }
     }
 
@@ -728,6 +818,70 @@ mod tests {
         plan.links.insert(8, link(LINK_FLAG_LOCAL_TRAFFIC));
         let env = ProbeEnv::of(&plan).arriving_by(route);
         assert_eq!(env.pod_clients, vec![(outside(true), 8), (outside(false), 8)]);
+    }
+
+    #[test]
+    fn the_nodes_own_frontends_are_judged_as_the_socket_path_decides() {
+        let mut d = Frontends::new();
+        let node = |addr, port, proto| frontend_key(addr, port, proto, SCOPE_NODE);
+        d.insert(node([10, 96, 0, 1], 80, Protocol::Tcp), port(&[("10.244.1.5", 8080)], SERVICE_FLAG_SNAT));
+        d.insert(node([10, 96, 0, 2], 53, Protocol::Udp), port(&[], 0));
+        d.insert(node([10, 96, 0, 3], 80, Protocol::Tcp), port(&[], SERVICE_FLAG_DROP_NO_ENDPOINTS));
+        d.insert(node([10, 96, 0, 4], 80, Protocol::Tcp), port(&[("10.244.1.5", 8080)], SERVICE_FLAG_SOCKET_SKIP));
+        d.insert(node([0, 0, 0, 0], 30080, Protocol::Tcp), port(&[("10.244.1.6", 8080)], 0));
+        d.insert(node([10, 96, 0, 5], 9, Protocol::Sctp), port(&[("10.244.1.5", 9)], 0));
+        let expect_of = |env: &ProbeEnv| -> (Vec<(String, Expect)>, usize) {
+            let (probes, skipped) = probes(d.keys(), &d, env, (1, 0));
+            assert!(probes.iter().all(|p| p.class == Class::Node && p.client.port() == 0));
+            let mut seen: Vec<(String, Expect)> =
+                probes.into_iter().map(|p| (p.target.to_string(), p.expect)).collect();
+            seen.sort_by(|a, b| a.0.cmp(&b.0));
+            (seen, skipped)
+        };
+        // Without socket probes (no hooks, no cgroup for them): none.
+        assert_eq!(expect_of(&env()).1, 6);
+        let forward = |to: &str| Expect::Forward { backends: vec![to.parse().unwrap()], masquerade: false };
+        let mut with_sockets = ProbeEnv { socket_probes: true, ..env() };
+        let (seen, skipped) = expect_of(&with_sockets);
+        // SCTP: the socket path leaves it alone.
+        assert_eq!(skipped, 1);
+        assert_eq!(
+            seen,
+            vec![
+                ("10.0.0.1:30080".to_owned(), forward("10.244.1.6:8080")),
+                ("10.96.0.1:80".to_owned(), forward("10.244.1.5:8080")),
+                ("10.96.0.2:53".to_owned(), Expect::Reject),
+                ("10.96.0.3:80".to_owned(), Expect::Drop),
+                ("10.96.0.4:80".to_owned(), forward("10.244.1.5:8080")),
+            ]
+        );
+        // Every link covered: the socket path steps aside for what the per-packet path must
+        // serve, and for a TCP DROP (a SYN dropped at egress times connect() out).
+        with_sockets.pod_links_covered = true;
+        let (seen, _) = expect_of(&with_sockets);
+        assert_eq!(seen[3].1, Expect::PerPacket);
+        assert_eq!(seen[4].1, Expect::PerPacket);
+        assert_eq!(seen[2].1, Expect::Reject);
+
+        // The outcome is the peer the kernel's socket has, and connect()'s error.
+        let (probes, _) = probes(d.keys(), &d, &ProbeEnv { socket_probes: true, ..env() }, (1, 0));
+        let judge = |target: &str, seen: SocketSeen| {
+            let probe = probes.iter().find(|p| p.target.to_string() == target).unwrap();
+            probe.agrees(&probe.socket_outcome(&seen), &[])
+        };
+        let connected =
+            |to: &str| SocketSeen::Connected { from: "10.0.0.1:40000".parse().unwrap(), to: to.parse().unwrap() };
+        assert!(judge("10.96.0.1:80", connected("10.244.1.5:8080")));
+        assert!(!judge("10.96.0.1:80", connected("10.244.9.9:8080")));
+        // Untranslated: connected to the ClusterIP itself.
+        assert!(!judge("10.96.0.1:80", connected("10.96.0.1:80")));
+        assert!(judge("10.96.0.2:53", SocketSeen::Failed(libc::EPERM)));
+        assert!(judge("10.96.0.2:53", SocketSeen::Failed(libc::ECONNREFUSED)));
+        assert!(!judge("10.96.0.2:53", connected("10.244.1.5:53")));
+        assert!(judge("10.96.0.3:80", SocketSeen::Failed(libc::EPERM)));
+        assert!(!judge("10.96.0.3:80", SocketSeen::Failed(libc::ECONNREFUSED)));
+        assert!(!judge("10.96.0.1:80", SocketSeen::Failed(libc::ENETUNREACH)));
+        assert!(!judge("10.96.0.1:80", SocketSeen::Unlisted));
     }
 
     #[test]

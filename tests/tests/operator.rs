@@ -346,7 +346,7 @@ fn node_metric(h: &Harness, sample: &str) -> f64 {
 fn the_datapath_checks_itself_and_repairs_an_entry_corrupted_behind_its_back() {
     use proxy_common::{Backend, ServiceKey, ServiceValue, map_names};
     let mut h = Harness::new("kop-verify", &["pod-a", "pod-b"]).unwrap();
-    h.write_service("web", IP, &[HTTP], &[0]).unwrap();
+    h.write_service("web", IP, &[HTTP, ("dns", 53, "UDP")], &[0]).unwrap();
     h.write_service("none", OTHER_IP, &[HTTP], &[]).unwrap();
     // The per-packet path on the node's link to pod-a; the periodic resync out of the way, so
     // that only the self-check (every second) can find and repair the corruption.
@@ -354,24 +354,35 @@ fn the_datapath_checks_itself_and_repairs_an_entry_corrupted_behind_its_back() {
     h.agent_args = ["--interfaces=veth0", "--verify-period=1s", "--iptables-sync-period=1h"].map(Into::into).to_vec();
     h.start_agent().unwrap();
     h.wait("10.96.0.10:80/TCP", Some(1)).unwrap();
+    h.wait("10.96.0.10:53/UDP", Some(1)).unwrap();
     h.wait("10.96.0.11:80/TCP", Some(0)).unwrap();
     eventually("the link attached", TIMEOUT, || {
         std::fs::read_to_string(h.log_path()).unwrap().contains("per-packet programs attached")
     });
 
-    // In step: every probe agrees (DNAT to pod-a; REJECT for the port without endpoints).
+    // In step: every probe agrees (DNAT to pod-a; REJECT for the port without endpoints),
+    // from outside through the per-packet program and from the node through the socket
+    // hooks: three frontends, two classes (pods are not told apart on this node).
+    let segments_at_pod_a =
+        || h.topology.pods[0].netns.run(|| std::fs::read_to_string("/proc/thread-self/net/snmp").unwrap()).unwrap();
+    let before = segments_at_pod_a();
     let (code, report) = kpr_verify(&h);
     assert_eq!(code, 0, "{report}");
-    assert!(report["probed"].as_u64().unwrap() >= 2, "{report}");
+    assert!(report["probed"].as_u64().unwrap() >= 6, "{report}");
     assert_eq!(report["failures"], serde_json::json!([]), "{report}");
+    // The probes send nothing (the node's connect()s are a UDP socket's and a TCP socket's in
+    // repair mode): pod-a received no segment and no datagram.
+    assert_eq!(segments_at_pod_a(), before, "pod-a's TCP and UDP counters");
     // The probes leave no flow behind and are not counted as the Service's traffic.
     let flows = kpr::datapath::conntrack::Conntrack::open(&h.pin_root).unwrap().len();
     assert_eq!(flows, 0, "the probes' flows are taken back");
     let (_, text) = get_in_node(&h, h.metrics_addr, "/metrics");
-    assert!(
-        !text.lines().any(|l| l.starts_with("kpr_service_new_flows_total") && !l.ends_with(" 0")),
-        "probes counted as new flows:\n{text}"
-    );
+    for counted in ["kpr_service_new_flows_total", "kpr_service_socket_connects_total"] {
+        assert!(
+            !text.lines().any(|l| l.starts_with(counted) && !l.ends_with(" 0")),
+            "probes counted in {counted}:\n{text}"
+        );
+    }
     assert_eq!(node_metric(&h, "kpr_datapath_verify_failures_total"), 0.0);
 
     // Behind the agent's back, web's one backend slot now sends its clients to pod-b: a
@@ -403,6 +414,10 @@ fn the_datapath_checks_itself_and_repairs_an_entry_corrupted_behind_its_back() {
     let log = std::fs::read_to_string(h.log_path()).unwrap();
     assert!(log.contains("the datapath decides otherwise than the model"), "{log}");
     assert!(log.contains("10.96.0.10:80/TCP"), "the failing frontend is named: {log}");
+    // Found on both paths: an outside client's packet, and the node's own connect().
+    for class in ["class=External", "class=Node"] {
+        assert!(log.lines().any(|l| l.contains("10.96.0.10:80/TCP") && l.contains(class)), "{class}: {log}");
+    }
     let (code, text) = kpr_verify_output(&h, "text");
     assert_eq!(code, 0, "in step again: {text}");
     assert!(text.contains("frontends probed") && text.contains("the datapath agrees with the model"), "{text}");

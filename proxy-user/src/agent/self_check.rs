@@ -12,7 +12,7 @@ use proxy_common::ServiceKey;
 use super::Syncer;
 use crate::{
     datapath::{Maps, bpf::HostDatapath},
-    verify::{Failure, ProbeEnv, VerifyReport},
+    verify::{Class, Failure, Probe, ProbeEnv, VerifyReport},
 };
 
 /// Probes per step of the loop: a few milliseconds.
@@ -162,17 +162,36 @@ impl Syncer {
         if !self.synced_once {
             return Err("the first sync is not done yet".to_owned());
         }
-        let env = env.ok_or("no link holds the per-packet programs")?;
+        let env = env.ok_or("no link holds the per-packet programs, and the socket path is not probed")?;
         let programmed = self.programmer.programmed();
         let (probes, skipped) = crate::verify::probes(keys, programmed, env, at);
-        let results = host.run_probes(&probes).map_err(|e| format!("{e:#}"))?;
-        let failed: Vec<_> = probes
+        // The node's own frontends through the socket hooks, the rest through the per-packet
+        // program.
+        let (mut node, packets): (Vec<Probe>, Vec<Probe>) = probes.into_iter().partition(|p| p.class == Class::Node);
+        let mut outcomes = Vec::with_capacity(node.len() + packets.len());
+        if !packets.is_empty() {
+            let results = host.run_probes(&packets).map_err(|e| format!("{e:#}"))?;
+            outcomes.extend(packets.iter().zip(results).map(|(p, (verdict, out))| p.outcome(verdict, &out)));
+        }
+        let mut skipped = skipped;
+        if !node.is_empty() {
+            match host.run_socket_probes(&node) {
+                Ok(results) => outcomes.extend(node.iter().zip(results).map(|(p, seen)| p.socket_outcome(&seen))),
+                // (No cgroup the agent may move a process into, no CAP_NET_ADMIN): the per-packet
+                // probes still count.
+                Err(e) => {
+                    tracing::warn!("the node's own frontends not probed: {e:#}");
+                    skipped += node.len();
+                    node.clear();
+                }
+            }
+        }
+        let probed = node.len() + packets.len();
+        let failed: Vec<_> = packets
             .iter()
-            .zip(results)
-            .filter_map(|(probe, (verdict, out))| {
-                let outcome = probe.outcome(verdict, &out);
-                (!probe.agrees(&outcome, &env.local_addrs)).then_some((probe, outcome))
-            })
+            .chain(&node)
+            .zip(outcomes)
+            .filter(|(probe, outcome)| !probe.agrees(outcome, &env.local_addrs))
             .collect();
         // Named only when one failed: the names are a copy of every Service port's.
         let names = if failed.is_empty() { Default::default() } else { self.metrics.service_port_names() };
@@ -184,6 +203,6 @@ impl Syncer {
                 (probe.frontend, Failure::new(probe, &outcome, service))
             })
             .collect();
-        Ok(Probed { probed: probes.len(), skipped, failures })
+        Ok(Probed { probed, skipped, failures })
     }
 }

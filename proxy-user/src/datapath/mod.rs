@@ -13,6 +13,7 @@ pub mod fake;
 pub mod kernel_btf;
 pub mod netfilter_sysctls;
 mod slots;
+pub mod socket_probe;
 mod sockets;
 
 use std::{

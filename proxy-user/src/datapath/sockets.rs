@@ -21,13 +21,19 @@ const SOCK_DESTROY: u16 = 21;
 /// `struct inet_diag_sockid`.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
-struct SockId {
-    sport: u16,
-    dport: u16,
-    src: [u32; 4],
-    dst: [u32; 4],
+pub(super) struct SockId {
+    pub(super) sport: u16,
+    pub(super) dport: u16,
+    pub(super) src: [u32; 4],
+    pub(super) dst: [u32; 4],
     ifindex: u32,
     cookie: [u32; 2],
+}
+
+impl SockId {
+    pub(super) fn cookie(&self) -> u64 {
+        u64::from(self.cookie[0]) | u64::from(self.cookie[1]) << 32
+    }
 }
 
 /// `struct inet_diag_req_v2`.
@@ -104,7 +110,7 @@ fn abort_in_this_namespace(proto: u8, cookies: &BTreeSet<u64>, peers: &BTreeSet<
             sockets(&socket, proto, family)?
                 .into_iter()
                 .filter(|id| {
-                    let cookie = u64::from(id.cookie[0]) | u64::from(id.cookie[1]) << 32;
+                    let cookie = id.cookie();
                     let peer = if family == libc::AF_INET { Addr::from_v4(id.dst[0]) } else { Addr(id.dst) };
                     cookies.contains(&cookie) && peers.contains(&peer)
                 })
@@ -124,7 +130,7 @@ fn abort_in_this_namespace(proto: u8, cookies: &BTreeSet<u64>, peers: &BTreeSet<
     Ok(aborted)
 }
 
-fn netlink_socket() -> Result<OwnedFd> {
+pub(super) fn netlink_socket() -> Result<OwnedFd> {
     // SAFETY: plain socket(2); the fd is owned below.
     let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_SOCK_DIAG) };
     if fd < 0 {
@@ -191,7 +197,7 @@ fn ack(socket: &OwnedFd) -> io::Result<()> {
 }
 
 /// Every socket of `proto` and `family` in this namespace.
-fn sockets(socket: &OwnedFd, proto: u8, family: i32) -> Result<Vec<SockId>> {
+pub(super) fn sockets(socket: &OwnedFd, proto: u8, family: i32) -> Result<Vec<SockId>> {
     let flags = (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16;
     request(socket, SOCK_DIAG_BY_FAMILY, flags, proto, family, SockId::default()).context("sock_diag dump request")?;
     let mut buf = vec![0u8; 32 * 1024];

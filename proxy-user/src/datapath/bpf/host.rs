@@ -26,7 +26,7 @@ use super::pins::{OlderConntrack, open_pinned_map, other_layouts, pin_dir, reads
 use crate::{
     datapath::conntrack::Conntrack,
     model::{cidr::Cidr, node::NodePlan},
-    verify::{Probe, ProbeEnv},
+    verify::{Probe, ProbeEnv, SocketSeen},
 };
 
 /// Tell the programs whether translated packets may skip the host's forwarding path now
@@ -216,6 +216,12 @@ pub trait HostDatapath: Send {
         bail!("this datapath runs no probes")
     }
 
+    /// Connect to each node probe's frontend through the socket hooks, sending nothing: what
+    /// each socket was given.
+    fn run_socket_probes(&mut self, _probes: &[Probe]) -> Result<Vec<SocketSeen>> {
+        bail!("this datapath runs no socket probes")
+    }
+
     /// The self-check found the programs deciding otherwise than the model: put this agent's
     /// programs back where they are reached from (the slow programs' slots), as the resync
     /// puts the maps back.
@@ -255,6 +261,16 @@ pub struct BpfHost {
     older_conntrack: Option<OlderConntrack>,
     /// The node as `kpr verify`'s probes see it, from the last node plan.
     probe_env: ProbeEnv,
+    /// Where the socket path's probes run; `None`: they do not.
+    pub socket_probes: Option<SocketProbes>,
+}
+
+/// How `kpr verify` probes the socket path.
+pub struct SocketProbes {
+    /// The cgroup (under the hooks') the probes connect from; made for each run.
+    pub cgroup: PathBuf,
+    /// The per-packet path covers every link (the hooks leave it some frontends).
+    pub pod_links_covered: bool,
 }
 
 impl BpfHost {
@@ -299,6 +315,7 @@ impl BpfHost {
             pin_root,
             older_conntrack,
             probe_env: ProbeEnv::default(),
+            socket_probes: None,
         })
     }
 
@@ -610,11 +627,27 @@ impl HostDatapath for BpfHost {
     /// meanwhile a TCP segment that finds no flow, from an address that may be a backend's,
     /// waits for it (dropped, sent again) rather than being passed on to be reset.
     fn probe_env(&self) -> Option<ProbeEnv> {
-        (!self.attached.is_empty()).then(|| self.probe_env.clone())
+        let mut env = self.probe_env.clone();
+        if self.attached.is_empty() {
+            // Nothing to run packets through: the node's own frontends only.
+            env.outside_clients.clear();
+            env.pod_clients.clear();
+        }
+        if let Some(sockets) = &self.socket_probes {
+            env.socket_probes = true;
+            env.pod_links_covered = sockets.pod_links_covered;
+        }
+        (env.socket_probes || !self.attached.is_empty()).then_some(env)
     }
 
     fn run_probes(&mut self, probes: &[Probe]) -> Result<Vec<(u32, Vec<u8>)>> {
         super::probe::run(&self.ebpf, &self.pin_root, probes)
+    }
+
+    fn run_socket_probes(&mut self, probes: &[Probe]) -> Result<Vec<SocketSeen>> {
+        let sockets = self.socket_probes.as_ref().context("no socket probes here")?;
+        let targets: Vec<_> = probes.iter().map(|p| (p.target, p.proto)).collect();
+        crate::datapath::socket_probe::run(&sockets.cgroup, &targets)
     }
 
     fn restore_programs(&mut self) -> Result<()> {

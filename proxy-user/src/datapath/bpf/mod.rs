@@ -35,8 +35,8 @@ pub use self::{
     cgroup::{agent_cgroup_id, cgroup2_dir, cgroup2_root, netns_cookie, own_cgroup},
     handover::HandoverMaps,
     host::{
-        BpfHost, HostDatapath, HostState, cleanup, fill_slow_path_slots, link_name, read_covered_netns, read_links,
-        read_socket_skip, write_service_ranges,
+        BpfHost, HostDatapath, HostState, SocketProbes, cleanup, fill_slow_path_slots, link_name, read_covered_netns,
+        read_links, read_socket_skip, write_service_ranges,
     },
     maps::{BpfMaps, NodeView, read_counters, read_node_view, read_service_stats},
     object::{
@@ -115,7 +115,11 @@ impl BpfDatapath {
         let tc_netlink = cfg.tc_netlink || !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
         // Another layout's programs keep serving until this agent's first sync is written
         // ([`HostDatapath::retire_other_layouts`]).
-        let host = BpfHost::take_from(ebpf, dir, tc_netlink, cfg.pin_root.clone(), older_conntrack)?;
+        let mut host = BpfHost::take_from(ebpf, dir, tc_netlink, cfg.pin_root.clone(), older_conntrack)?;
+        host.socket_probes = Some(SocketProbes {
+            cgroup: super::socket_probe::cgroup_for_probes(&cfg.cgroup, own_cgroup().ok().as_deref()),
+            pod_links_covered: cfg.pod_links_covered,
+        });
         Ok(Self { maps, host })
     }
 }
