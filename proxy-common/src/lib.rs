@@ -20,7 +20,7 @@ pub const PIN_LAYOUT_VERSION: u32 = 17;
 /// as a new counter. Not listed, so made anew: the slow-path program array (it holds the old
 /// programs) and the flow caches (pinned only so that a scrape can read what they have counted). The loader also checks each carried map's type, sizes and flags against the new
 /// object, and makes any that differ anew.
-pub const CARRIED_MAPS: [(&str, u32); 29] = {
+pub const CARRIED_MAPS: [(&str, u32); 30] = {
     use map_names::*;
     [
         (SERVICES, 12),
@@ -61,6 +61,9 @@ pub const CARRIED_MAPS: [(&str, u32); 29] = {
         (SOCK_QUOTA, 15),
         // Added in v17.
         (SERVICE_STATS, 17),
+        // Added within v17: an older v17 directory has none (its size is the flag's: one of
+        // another size is made anew before the load).
+        (ENDPOINT_STATS, 17),
     ]
 };
 
@@ -133,6 +136,10 @@ pub mod map_names {
     pub const SERVICE_STATS: &str = "KPR_SERVICE_STATS";
     /// Backend → its answers to new per-packet flows (outlier detection).
     pub const BACKEND_ANSWERS: &str = "KPR_BACKEND_ANSWERS";
+    /// Per endpoint and CPU (`--endpoint-counters`): its flows, connects, unanswered flows,
+    /// packets and bytes ([`super::EndpointStats`]); the agent makes the entries, up to the
+    /// map's size, and removes them with their endpoint.
+    pub const ENDPOINT_STATS: &str = "KPR_ENDPOINT_STATS";
     /// Non-zero while the agent watches endpoints (an opted-in Service has some): only then
     /// do the programs count answers in `BACKEND_ANSWERS`.
     pub const ANSWERS_WANTED: &str = "KPR_ANSWERS_WANTED";
@@ -235,6 +242,23 @@ impl ServiceStats {
     }
 }
 
+/// Value of `KPR_ENDPOINT_STATS` (one per CPU): what an endpoint's flows and connects saw,
+/// the first words of [`ServiceStats`] (`service_stat::NEW_FLOWS..=BYTES`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EndpointStats {
+    pub words: [u64; service_stat::ENDPOINT_WORDS as usize],
+}
+
+impl EndpointStats {
+    /// Add `other`'s counts, word by word.
+    pub fn add(&mut self, other: &Self) {
+        for (total, more) in self.words.iter_mut().zip(other.words) {
+            *total += more;
+        }
+    }
+}
+
 /// The words of [`ServiceStats`].
 pub mod service_stat {
     /// New flows the per-packet path balanced (not those it re-created after losing their
@@ -251,6 +275,9 @@ pub mod service_stat {
     pub const BYTES: u32 = 4;
     /// Then a word per [`super::event`] reason: drops and rejects.
     pub const EVENTS: u32 = 5;
+    /// The words an endpoint has too ([`super::EndpointStats`]): drops and rejects are a
+    /// frontend's, before any endpoint is picked.
+    pub const ENDPOINT_WORDS: u32 = EVENTS;
     pub const COUNT: u32 = EVENTS + super::event::COUNT;
     /// No word (only packets and bytes are added).
     pub const NONE: u32 = u32::MAX;
@@ -785,9 +812,10 @@ pub struct Backend {
     pub _pad: u16,
 }
 
-/// Key of `KPR_BACKEND_ANSWERS`: an endpoint as the replies of its flows come from it.
+/// Key of `KPR_BACKEND_ANSWERS` and `KPR_ENDPOINT_STATS`: an endpoint as the replies of its
+/// flows come from it.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct BackendKey {
     pub addr: Addr,
     /// Network byte order.
@@ -1429,6 +1457,7 @@ mod pod {
     unsafe impl aya::Pod for super::Backend {}
     unsafe impl aya::Pod for super::BackendKey {}
     unsafe impl aya::Pod for super::BackendAnswers {}
+    unsafe impl aya::Pod for super::EndpointStats {}
     unsafe impl aya::Pod for super::SockRevNatKey {}
     unsafe impl aya::Pod for super::SockRevNatValue {}
     unsafe impl aya::Pod for super::CtKey {}

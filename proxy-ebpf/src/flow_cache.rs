@@ -31,7 +31,7 @@
 //! CPU's cache), for its service port's counters (`stats`): they are added to
 //! `KPR_SERVICE_STATS` when the slot is filled again (at most once a second for a busy flow),
 //! and a scrape adds what the slots hold.
-use proxy_common::{CachedFlow, CtKey, CtValue, Generation, ct_generation, service_stat};
+use proxy_common::{CachedFlow, CtKey, CtValue, Generation, ct, ct_generation, service_stat};
 
 use crate::{
     maps::{CT_GENERATION, FLOW_CACHE_SLOTS as SLOTS, FlowTables},
@@ -189,13 +189,20 @@ pub fn fill<A: FlowTables>(
     true
 }
 
-/// Add what a slot counted to its flow's service port. A subprogram taking the slot: its
-/// fields are not held across the call in the caller's frame.
+/// Add what a slot counted to its flow's service port (and endpoint). A subprogram taking the
+/// slot: its fields are not held across the call in the caller's frame.
 #[inline(never)]
 fn fold<A: FlowTables>(cached: *const CachedFlow<A>) {
     // SAFETY: a map value of this CPU's, valid for this program run.
     let cached = unsafe { &*cached };
     stats::update(cached.entry.service_id, service_stat::NONE, cached.packets, cached.bytes);
+    // The endpoint: where the client's packets go, where the replies come from.
+    let (endpoint, port) = if cached.entry.flags & ct::REPLY != 0 {
+        (cached.key.src_addr.addr(), cached.key.src_port)
+    } else {
+        (cached.entry.dst_addr, cached.entry.dst_port)
+    };
+    stats::endpoint(&endpoint, port, cached.key.proto, service_stat::NONE, cached.packets, cached.bytes);
 }
 
 /// Two keys compared in 8-byte words (a key's size is a multiple of 8; both are 8-byte aligned).

@@ -46,6 +46,12 @@ pub static KPR_SOCK_SHARE: Global<u32> = Global::new(u32::MAX);
 #[unsafe(no_mangle)]
 pub static KPR_SOCK_LIMIT: Global<u32> = Global::new(u32::MAX);
 
+/// 1 with `--endpoint-counters`: new flows, connects, unanswered flows, packets and bytes are
+/// counted per endpoint too (`KPR_ENDPOINT_STATS`). 0: that code is dead, and the verifier
+/// drops it. Set by the agent at load time.
+#[unsafe(no_mangle)]
+pub static KPR_ENDPOINT_COUNTERS: Global<u8> = Global::new(0);
+
 // The per-packet programs (`tc`).
 
 /// The SNAT port range, disjoint from the node's ephemeral ports; set by the agent at load.

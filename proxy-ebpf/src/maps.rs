@@ -7,8 +7,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Addr, Addr4, AffinityKey, AffinityValue, Backend, BackendAnswers, BackendKey, CachedFlow, CidrKey, CidrMask, CtKey,
-    CtValue, DatapathEvent, FlowAddr, FragmentKey, LinkInfo, ServiceKey, ServiceStats, ServiceValue, SockRevNatKey,
-    SockRevNatValue, SockSlots, SockTcp, SourceRange, counter, ct_generation, defaults,
+    CtValue, DatapathEvent, EndpointStats, FlowAddr, FragmentKey, LinkInfo, ServiceKey, ServiceStats, ServiceValue,
+    SockRevNatKey, SockRevNatValue, SockSlots, SockTcp, SourceRange, counter, ct_generation, defaults,
 };
 
 /// The slow programs (`program_names::TC_SLOW_PATH`), by slot: where the attached programs
@@ -132,6 +132,13 @@ pub static SERVICE_STATS: PerCpuHashMap<
     { defaults::MAX_SERVICE_PORTS as usize },
     { BPF_F_NO_PREALLOC as usize },
 > = PerCpuHashMap::new();
+
+/// Endpoint → what its flows and connects saw, per CPU (`--endpoint-counters`): the agent makes
+/// an entry per endpoint up to the map's size (the cap; 1 entry when off) and removes it with
+/// the endpoint; the programs only add to entries there are.
+#[btf_map(name = "KPR_ENDPOINT_STATS", pin_by_name)]
+pub static ENDPOINT_STATS: PerCpuHashMap<BackendKey, EndpointStats, 1, { BPF_F_NO_PREALLOC as usize }> =
+    PerCpuHashMap::new();
 
 /// Endpoint → how it answered the first packets of new per-packet flows
 /// (`stats::backend_answered`): the successes and refusals of the agent's outlier detection

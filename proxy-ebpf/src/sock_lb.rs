@@ -280,7 +280,9 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
     sa.user_port = u32::from(backend.port);
     count(counter::TRANSLATED);
     if connect && !verify_probe(sa) {
-        stats::add(service.service_id, service_stat::CONNECTS, 0, 0);
+        let [a, b, c, d] = backend.addr.0.map(u64::from);
+        let port_proto = u32::from(backend.port) | u32::from(proto) << 16;
+        stats::connect(service.service_id, a | b << 32, c | d << 32, port_proto);
     }
     ALLOW
 }

@@ -3,14 +3,18 @@
 //! Only the paths that already pay a map lookup or more come here (a new flow, a refused
 //! packet, a connect, a packet the flow cache did not serve): an established packet the cache
 //! serves adds to its slot instead (`flow_cache`), folded in here when the slot is filled
-//! again.
+//! again. With `--endpoint-counters`, the same words (but drops and rejects) are counted per
+//! endpoint in `KPR_ENDPOINT_STATS`, at the same places.
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
     helpers::{bpf_map_lookup_elem, bpf_map_update_elem},
 };
-use proxy_common::{Addr, BackendAnswers, BackendKey, ServiceStats, service_stat};
+use proxy_common::{Addr, BackendAnswers, BackendKey, EndpointStats, ServiceStats, service_stat};
 
-use crate::maps::{BACKEND_ANSWERS, SERVICE_STATS, atomic_add};
+use crate::{
+    globals::KPR_ENDPOINT_COUNTERS,
+    maps::{BACKEND_ANSWERS, ENDPOINT_STATS, SERVICE_STATS, atomic_add},
+};
 
 /// [`update`] as a subprogram, for callers whose frame must stay small.
 #[inline(never)]
@@ -33,6 +37,56 @@ pub fn update(service_id: u32, word: u32, packets: u64, bytes: u64) {
     let key = core::ptr::from_ref(&service_id).cast::<core::ffi::c_void>();
     // SAFETY: a map and a key of its type; the value (if any) is this CPU's, valid for this run.
     let stats = unsafe { bpf_map_lookup_elem(map, key) }.cast::<ServiceStats>();
+    if stats.is_null() {
+        return;
+    }
+    // SAFETY: this CPU's value, valid for this program run; no other writer on this CPU.
+    unsafe {
+        if let Some(w) = (*stats).words.get_mut(word as usize) {
+            *w += 1;
+        }
+        (*stats).words[service_stat::PACKETS as usize] += packets;
+        (*stats).words[service_stat::BYTES as usize] += bytes;
+    }
+}
+
+/// Count for endpoint `addr`:`port` (network order, `proto`) what [`update`] counts for its
+/// service port: one in `word` (not a drop or reject), and `packets` and `bytes`. Nothing
+/// without `--endpoint-counters` (the verifier drops the code) or for an endpoint past the cap
+/// (no entry). A subprogram: the key is built in its own frame.
+#[inline(always)]
+pub fn endpoint(addr: &Addr, port: u16, proto: u8, word: u32, packets: u64, bytes: u64) {
+    if KPR_ENDPOINT_COUNTERS.load() != 0 {
+        add_endpoint(addr, u32::from(port) | u32::from(proto) << 16, word, packets, bytes);
+    }
+}
+
+#[inline(never)]
+fn add_endpoint(addr: &Addr, port_proto: u32, word: u32, packets: u64, bytes: u64) {
+    let key = BackendKey { addr: *addr, port: port_proto as u16, proto: (port_proto >> 16) as u8, _pad: 0 };
+    bump_endpoint(&key, word, packets, bytes);
+}
+
+/// A `connect()` the socket path translated to endpoint `addr`:`port` (`port_proto`: the port,
+/// network order, and the protocol above it), counted for service port `service_id` and the
+/// endpoint. One subprogram for both, its arguments in registers: the connect programs'
+/// frames leave 32 bytes for a call on 6.1 (512 in all).
+#[inline(never)]
+pub fn connect(service_id: u32, addr_low: u64, addr_high: u64, port_proto: u32) {
+    update(service_id, service_stat::CONNECTS, 0, 0);
+    if KPR_ENDPOINT_COUNTERS.load() != 0 {
+        let words = [addr_low as u32, (addr_low >> 32) as u32, addr_high as u32, (addr_high >> 32) as u32];
+        let key = BackendKey { addr: Addr(words), port: port_proto as u16, proto: (port_proto >> 16) as u8, _pad: 0 };
+        bump_endpoint(&key, service_stat::CONNECTS, 0, 0);
+    }
+}
+
+#[inline(always)]
+fn bump_endpoint(key: &BackendKey, word: u32, packets: u64, bytes: u64) {
+    let map = core::ptr::from_ref(&ENDPOINT_STATS).cast_mut().cast::<core::ffi::c_void>();
+    let key_ptr = core::ptr::from_ref(key).cast::<core::ffi::c_void>();
+    // SAFETY: a map and a key of its type; the value (if any) is this CPU's, valid for this run.
+    let stats = unsafe { bpf_map_lookup_elem(map, key_ptr) }.cast::<EndpointStats>();
     if stats.is_null() {
         return;
     }

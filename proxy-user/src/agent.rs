@@ -926,6 +926,7 @@ impl Syncer {
         self.sideline(&mut desired);
         let report = self.programmer.apply(&desired, maps);
         self.metrics.set_sidelined(self.outliers.sidelined());
+        self.metrics.endpoints_uncounted(self.programmer.endpoints_uncounted());
         // The ports' names change only when frontends come, go or change Service.
         if report.added > 0 || report.removed > 0 || report.renamed > 0 || !self.synced_once {
             let ports = self

@@ -200,6 +200,11 @@ pub struct AgentArgs {
     /// programmed.
     #[arg(long, default_value_t = defaults::MAX_SOURCE_RANGES)]
     pub max_source_ranges: u32,
+    /// Count new flows, connects, unanswered flows, packets and bytes per endpoint too
+    /// (`kpr_endpoint_*`), for at most this many endpoints (each takes 40 bytes per possible
+    /// CPU); the others are counted per Service port only. 0: off.
+    #[arg(long, default_value_t = 0)]
+    pub endpoint_counters: u32,
     /// Per-packet conntrack entries (two per flow through NodePort/external frontends) of each
     /// family's table of established flows.
     #[arg(long, default_value_t = defaults::MAX_CONNTRACK)]
@@ -448,6 +453,7 @@ pub fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
     datapath.max_sock_revnat = args.max_sock_revnat;
     datapath.max_sock_revnat_per_pod = args.max_sock_revnat_per_pod;
     datapath.max_source_ranges = args.max_source_ranges;
+    datapath.endpoint_counters = args.endpoint_counters;
     datapath.max_conntrack = args.max_conntrack;
     datapath.max_conntrack_new = args.max_conntrack_new;
     datapath.ct_timeouts = config.conntrack.timeouts.datapath();

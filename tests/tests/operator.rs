@@ -47,6 +47,8 @@ fn node_manifest(taints: &str) -> String {
 fn metrics_server_reports_kube_proxy_metrics_that_follow_service_changes() {
     let mut h = Harness::new("kop-metrics", &["pod-a", "pod-b"]).unwrap();
     h.write_service("web", IP, &[HTTP], &[0, 1]).unwrap();
+    // One endpoint counted on its own: pod-a's (the first), not pod-b's.
+    h.agent_args = vec!["--endpoint-counters=1".into()];
     h.start_agent().unwrap();
     h.wait("10.96.0.10:80/TCP", Some(2)).unwrap();
 
@@ -82,9 +84,25 @@ fn metrics_server_reports_kube_proxy_metrics_that_follow_service_changes() {
     let translated = metric(&h, "kpr_datapath_events_total{event=\"translated\"}");
     let connects = "kpr_service_socket_connects_total{namespace=\"test\",service=\"web\",port=\"http\"}";
     assert_eq!(metric(&h, connects), 0.0);
-    h.client(|| tcp_ask(sa(IP, 80), TIMEOUT).expect("TCP through the ClusterIP"));
+    let (answer, _) = h.client(|| tcp_ask(sa(IP, 80), TIMEOUT).expect("TCP through the ClusterIP"));
     assert_eq!(metric(&h, "kpr_datapath_events_total{event=\"translated\"}"), translated + 1.0);
     assert_eq!(metric(&h, connects), 1.0);
+    // And the endpoint's, for pod-a, the one counted (more connections until it had some);
+    // pod-b is past the cap.
+    let mut to_pod_a = u32::from(answer == h.pod_name(0));
+    for _ in 0..16 {
+        if to_pod_a > 0 {
+            break;
+        }
+        let (answer, _) = h.client(|| tcp_ask(sa(IP, 80), TIMEOUT).expect("TCP through the ClusterIP"));
+        to_pod_a += u32::from(answer == h.pod_name(0));
+    }
+    assert!(to_pod_a > 0, "pod-a never answered");
+    let pod_a = "kpr_endpoint_socket_connects_total{endpoint=\"10.244.1.2:8080/TCP\"}";
+    assert_eq!(metric(&h, pod_a), f64::from(to_pod_a), "pod-a's connects");
+    assert_eq!(metric(&h, "kpr_endpoint_counters_uncounted"), 1.0);
+    let (_, text) = http_get(h.metrics_addr, "/metrics").unwrap();
+    assert!(!text.contains("10.244.2.2:8080/TCP"), "pod-b past the cap:\n{text}");
     let other = "kpr_service_socket_connects_total{namespace=\"test\",service=\"api\",port=\"http\"}";
     assert_eq!(metric(&h, other), 0.0, "only the port connected to");
     let (status, body) = http_get(h.metrics_addr, "/service-ports").unwrap();
@@ -101,7 +119,10 @@ fn metrics_server_reports_kube_proxy_metrics_that_follow_service_changes() {
     let text = String::from_utf8_lossy(&services.stdout);
     let web = text.lines().position(|l| l.contains("10.96.0.10:80/TCP") && l.contains("test/web:http/TCP"));
     let web = web.unwrap_or_else(|| panic!("no named frontend in:\n{text}"));
-    assert!(text.lines().nth(web + 1).is_some_and(|l| l.contains("connects 1 ")), "{text}");
+    let all = metric(&h, connects);
+    assert!(text.lines().nth(web + 1).is_some_and(|l| l.contains(&format!("connects {all} "))), "{text}");
+    let want = format!("  10.244.1.2:8080/TCP  flows 0 connects {to_pod_a} ");
+    assert!(text.lines().any(|l| l.starts_with(&want)), "{want:?} in:\n{text}");
 
     // Not a kube-proxy path: 404, as kube-proxy's mux answers.
     assert_eq!(http_get(h.metrics_addr, "/nope").unwrap().0, 404);

@@ -16,7 +16,13 @@ const HTTP: (&str, u16, &str) = ("http", 80, "TCP");
 const DNS: (&str, u16, &str) = ("dns", 53, "UDP");
 
 fn setup(tag: &str, pods: &[&str]) -> Harness {
+    setup_with(tag, pods, &[])
+}
+
+/// [`setup`] with more agent flags.
+fn setup_with(tag: &str, pods: &[&str], args: &[&str]) -> Harness {
     let mut h = Harness::new(tag, pods).expect("harness");
+    h.agent_args = args.iter().map(|a| (*a).to_owned()).collect();
     let all: Vec<usize> = (0..pods.len()).collect();
     h.write_service("web", IP, &[HTTP, DNS], &all).unwrap();
     h.start_agent().unwrap();
@@ -86,7 +92,9 @@ fn kpr_services(h: &Harness, frontend: &str) -> (String, String) {
 
 #[test]
 fn tcp_and_udp_reach_a_backend_and_the_app_sees_the_cluster_ip() {
-    let h = setup("kt-basic", &["pod-a", "pod-b", "pod-c"]);
+    // With per-endpoint counters (the connect programs' code for them through the verifier,
+    // in the kernels' VMs too).
+    let h = setup_with("kt-basic", &["pod-a", "pod-b", "pod-c"], &["--endpoint-counters=16"]);
     let pods: Vec<String> = (0..3).map(|i| h.pod_name(i)).collect();
     let (tcp, udp, udp_conn) = h.client(|| {
         (
@@ -104,6 +112,16 @@ fn tcp_and_udp_reach_a_backend_and_the_app_sees_the_cluster_ip() {
         assert!(line.contains(&format!("{}:{POD_PORT}", h.topology.pods[i].ip)), "{line}");
     }
     assert!(text.contains("translated"), "{text}");
+    // Each connect() counted for the endpoint it reached (the unconnected datagram is not).
+    let ip_of = |name: &str| h.topology.pods[(0..3).find(|&i| h.pod_name(i) == name).unwrap()].ip;
+    let mut want: BTreeMap<String, u32> =
+        (0..3).flat_map(|i| ["TCP", "UDP"].map(|p| (format!("{}:{POD_PORT}/{p}", h.topology.pods[i].ip), 0))).collect();
+    *want.get_mut(&format!("{}:{POD_PORT}/TCP", ip_of(&tcp.0))).unwrap() += 1;
+    *want.get_mut(&format!("{}:{POD_PORT}/UDP", ip_of(&udp_conn.0))).unwrap() += 1;
+    for (endpoint, connects) in want {
+        let line = format!("  {endpoint}  flows 0 connects {connects} ");
+        assert!(text.lines().any(|l| l.starts_with(&line)), "{line:?} in:\n{text}");
+    }
 }
 
 #[test]

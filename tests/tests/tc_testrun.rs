@@ -340,6 +340,7 @@ impl Load {
             load.fresh.restore().expect("the maps put back as loaded");
             bpf::fill_slow_path_slots(&mut load.ebpf).expect("the slow programs in their slots");
             load.maps = BpfMaps::open_pinned(&load.pins.0).expect("maps");
+            load.maps.endpoint_counters = cfg.endpoint_counters;
             return load;
         }
         let pins = testbed::PinRoot::new("kt-tc");
@@ -347,7 +348,8 @@ impl Load {
         let mut ebpf = bpf::open_object(&cfg).expect("load object");
         // Programs first: taking a map out of the object before loading breaks its relocation.
         bpf::load_tc_programs(&mut ebpf).expect("the verifier accepts the tc programs");
-        let maps = BpfMaps::take_from(&mut ebpf).expect("maps");
+        let mut maps = BpfMaps::take_from(&mut ebpf).expect("maps");
+        maps.endpoint_counters = cfg.endpoint_counters;
         let fresh = MapState::save(&bpf::pin_dir(&pins.0)).expect("the maps as loaded");
         Self { settings, ebpf, maps, pins, fresh }
     }
@@ -1352,6 +1354,94 @@ fn each_service_port_counts_its_flows_packets_bytes_and_refusals() {
         rig.ingress(&sent[3]);
     }
     assert!(!stats().contains_key(&web), "no counters for a removed frontend");
+    // Without `--endpoint-counters`: no endpoint has any.
+    assert!(bpf::read_endpoint_stats(&pins).unwrap().is_empty());
+}
+
+/// `--endpoint-counters`: an endpoint counts its new flows, the packets and bytes of its flows
+/// both ways (those the flow cache served too) and its unanswered flows, as its port does;
+/// past the cap, an endpoint has no counters; a removed endpoint's go, and come back at zero.
+#[test]
+fn each_endpoint_counts_its_flows_up_to_the_cap() {
+    pin_to_cpu(0);
+    let mut d = Desired::new();
+    cluster_ip(&mut d, 80, Protocol::Tcp, &[(POD, 8080), (REMOTE_POD, 8080)]);
+    let mut rig = Rig::with(&d, |cfg| {
+        cfg.endpoint_counters = 1;
+        cfg.ct_timeouts = CtTimeouts { tcp_syn: 200 * MS, ..CtTimeouts::DEFAULT };
+    });
+    let pins = rig.pins.0.clone();
+    let endpoints = || bpf::read_endpoint_stats(&pins).unwrap();
+    let key = |ip: Ipv4Addr| proxy_common::BackendKey {
+        addr: IpAddr::from(ip).into(),
+        port: 8080u16.to_be(),
+        proto: proxy_common::IPPROTO_TCP,
+        _pad: 0,
+    };
+    // Counted: the first endpoint in order; the other is left to the port's counters.
+    assert_eq!(endpoints().keys().copied().collect::<Vec<_>>(), vec![key(POD)]);
+    assert_eq!(rig.programmer.endpoints_uncounted(), 1);
+
+    // Connections (SYN, answer, ACK, five more the flow cache serves) until both endpoints
+    // had some; what each endpoint's counters must say.
+    let mut want: BTreeMap<Ipv4Addr, [u64; 5]> = BTreeMap::new();
+    for client_port in 40100..40120 {
+        let syn = tcp(CLIENT, client_port, CLUSTER_IP, 80);
+        let (verdict, out) = rig.ingress(&syn.bytes());
+        assert_eq!(verdict, TC_ACT_OK);
+        let endpoint = dst_of(&out);
+        let synack =
+            Pkt { tcp_flags: TCP_SYN | TCP_ACK, seq: 7000, ack: 1001, ..tcp(endpoint, 8080, CLIENT, client_port) };
+        let ack = Pkt { tcp_flags: TCP_ACK, seq: 1001, ack: 7001, ..syn };
+        assert_eq!(rig.egress(&synack.bytes()).0, TC_ACT_OK);
+        let mut sent = vec![syn.bytes(), synack.bytes()];
+        for packet in std::iter::once(ack.bytes()).chain((0..5).map(|_| ack.bytes_with_macs([1; 6], [2; 6]))) {
+            assert_eq!(rig.ingress(&packet).0, TC_ACT_OK);
+            sent.push(packet);
+        }
+        let counts = want.entry(endpoint).or_default();
+        counts[service_stat::NEW_FLOWS as usize] += 1;
+        counts[service_stat::PACKETS as usize] += sent.len() as u64;
+        counts[service_stat::BYTES as usize] += sent.iter().map(Vec::len).sum::<usize>() as u64;
+        if want.len() == 2 && client_port >= 40103 {
+            break;
+        }
+    }
+    assert_eq!(want.len(), 2, "both endpoints picked: {want:?}");
+    assert_eq!(endpoints()[&key(POD)].words, want[&POD], "pod's flows, packets and bytes");
+    assert!(!endpoints().contains_key(&key(REMOTE_POD)), "past the cap");
+
+    // A SYN nobody answers, sent again once its flow expired: unanswered for its endpoint.
+    let lonely = tcp(CLIENT, 40150, CLUSTER_IP, 80);
+    let endpoint = dst_of(&rig.ingress(&lonely.bytes()).1);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let again = dst_of(&rig.ingress(&lonely.bytes()).1);
+    if endpoint == POD {
+        want.get_mut(&POD).unwrap()[service_stat::UNANSWERED as usize] += 1;
+    }
+    for to in [endpoint, again].into_iter().filter(|e| *e == POD) {
+        let counts = want.get_mut(&to).unwrap();
+        counts[service_stat::NEW_FLOWS as usize] += 1;
+        counts[service_stat::PACKETS as usize] += 1;
+        counts[service_stat::BYTES as usize] += lonely.bytes().len() as u64;
+    }
+    assert_eq!(endpoints()[&key(POD)].words, want[&POD], "with the unanswered SYN (to {endpoint}, then {again})");
+
+    // The endpoint leaves: its counters go, and the other takes the free place; back, it
+    // has none (past the cap now).
+    let mut without = Desired::new();
+    cluster_ip(&mut without, 80, Protocol::Tcp, &[(REMOTE_POD, 8080)]);
+    rig.reprogram(&without);
+    assert_eq!(endpoints().keys().copied().collect::<Vec<_>>(), vec![key(REMOTE_POD)]);
+    // (No flow counted before; the packets its flows' cache slots hold, not yet folded, are
+    // added as they fold, as for any endpoint.)
+    let remote = endpoints()[&key(REMOTE_POD)].words;
+    assert_eq!(remote[..3], [0; 3], "{remote:?}");
+    assert!(remote[service_stat::PACKETS as usize] <= want[&REMOTE_POD][service_stat::PACKETS as usize]);
+    assert_eq!(rig.programmer.endpoints_uncounted(), 0);
+    rig.reprogram(&d);
+    assert_eq!(endpoints().keys().copied().collect::<Vec<_>>(), vec![key(REMOTE_POD)]);
+    assert_eq!(rig.programmer.endpoints_uncounted(), 1);
 }
 
 /// Outlier detection's signal: the first answer of each new flow counted for its endpoint

@@ -122,6 +122,7 @@ fn table_flow<'a, F: Family>(
         // The client's entry of a flow never answered (as the agent's sweep counts them).
         if entry.flags & (ct::REPLY | ct::SEEN_REPLY) == 0 {
             stats::add(entry.service_id, service_stat::UNANSWERED, 0, 0);
+            stats::endpoint(&entry.dst_addr, entry.dst_port, t.proto, service_stat::UNANSWERED, 0, 0);
         }
         forget(key, entry, t.proto);
         return Err(NO_FLOW);
@@ -143,6 +144,7 @@ fn table_flow<'a, F: Family>(
             }
             count(counter::TC_NEW_FLOW);
             stats::add(entry.service_id, service_stat::NEW_FLOWS, 1, u64::from(ctx.len()));
+            stats::endpoint(&entry.dst_addr, entry.dst_port, t.proto, service_stat::NEW_FLOWS, 1, u64::from(ctx.len()));
             // SAFETY: the per-CPU scratch value; `forward_direct`, next, takes it back.
             unsafe { (*s).route = route };
             return Err(TC_ACT_OK);
@@ -196,6 +198,10 @@ fn table_flow<'a, F: Family>(
         count(counter::TC_FLOW_CACHE_FILLED);
     } else {
         stats::add(entry.service_id, service_stat::NONE, 1, u64::from(ctx.len()));
+        // The endpoint: where the client's packets go, where the replies come from.
+        let (endpoint, port) =
+            if entry.flags & ct::REPLY != 0 { (&t.saddr, t.sport) } else { (&entry.dst_addr, entry.dst_port) };
+        stats::endpoint(endpoint, port, t.proto, service_stat::NONE, 1, u64::from(ctx.len()));
     }
     Ok((entry, route))
 }

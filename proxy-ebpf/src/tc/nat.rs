@@ -367,6 +367,7 @@ pub(super) fn create_flow<F: Family>(
         // The CPU that lost a race for the flow counts its packet, not the flow again.
         let word = if recreated || adopted { service_stat::NONE } else { service_stat::NEW_FLOWS };
         stats::add(service.service_id, word, 1, u64::from(ctx.len()));
+        stats::endpoint(&forward.dst_addr, forward.dst_port, t.proto, word, 1, u64::from(ctx.len()));
     }
     Ok(TC_ACT_OK)
 }

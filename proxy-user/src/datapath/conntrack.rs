@@ -5,7 +5,7 @@ use std::{collections::BTreeMap, path::Path, time::Duration};
 
 use anyhow::{Context as _, Result};
 use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData};
-use proxy_common::{Addr, Addr4, CtKey, CtTimeouts, CtValue, FlowAddr, ct, ct_generation, map_names};
+use proxy_common::{Addr, Addr4, BackendKey, CtKey, CtTimeouts, CtValue, FlowAddr, ct, ct_generation, map_names};
 
 use super::bpf::{batch::read_all_of, pins::open_pinned_map};
 
@@ -45,6 +45,8 @@ pub struct Sweep {
     pub expired: usize,
     /// Of those, new flows their endpoint never answered, by service id.
     pub unanswered: BTreeMap<u32, u64>,
+    /// The same, by endpoint.
+    pub unanswered_endpoints: BTreeMap<BackendKey, u64>,
 }
 
 /// One conntrack table, keyed by addresses `A` (its family's).
@@ -144,10 +146,12 @@ impl Conntrack {
     /// Remove the entries that have been idle longer than their state allows at `now`
     /// (CLOCK_MONOTONIC, the programs' clock).
     pub fn sweep(&mut self, timeouts: &CtTimeouts, now: u64) -> Result<Sweep> {
-        let mut unanswered = BTreeMap::new();
-        let mut removed = |value: &CtValue| {
+        let (mut unanswered, mut unanswered_endpoints) = (BTreeMap::new(), BTreeMap::new());
+        let mut removed = |key: &CtKey, value: &CtValue| {
             if value.flags & (ct::REPLY | ct::SEEN_REPLY) == 0 {
                 *unanswered.entry(value.service_id).or_insert(0) += 1;
+                let endpoint = BackendKey { addr: value.dst_addr, port: value.dst_port, proto: key.proto, _pad: 0 };
+                *unanswered_endpoints.entry(endpoint).or_insert(0) += 1;
             }
         };
         let (live, expired) = self.remove_where_telling(
@@ -155,7 +159,7 @@ impl Conntrack {
             |key, value| timeouts.expired(key.proto, value, now),
             &mut removed,
         )?;
-        Ok(Sweep { live, expired, unanswered })
+        Ok(Sweep { live, expired, unanswered, unanswered_endpoints })
     }
 
     /// Remove the entries `doomed` picks (it sees keys of either family, IPv4 mapped), in all
@@ -172,7 +176,7 @@ impl Conntrack {
         families: [bool; 2],
         doomed: impl Fn(&CtKey, &CtValue) -> bool,
     ) -> Result<(usize, usize)> {
-        self.remove_where_telling(families, doomed, &mut |_| {})
+        self.remove_where_telling(families, doomed, &mut |_, _| {})
     }
 
     /// [`Self::remove_where_in`], telling `removed` of each entry it removed.
@@ -180,7 +184,7 @@ impl Conntrack {
         &mut self,
         families: [bool; 2],
         doomed: impl Fn(&CtKey, &CtValue) -> bool,
-        removed_one: &mut dyn FnMut(&CtValue),
+        removed_one: &mut dyn FnMut(&CtKey, &CtValue),
     ) -> Result<(usize, usize)> {
         let (mut left, mut removed) = (0, 0);
         let mut walked = || -> Result<()> {
@@ -265,7 +269,7 @@ impl Conntrack {
 fn remove_where<A: FlowAddr>(
     table: &mut Table<A>,
     doomed: &impl Fn(&CtKey, &CtValue) -> bool,
-    removed_one: &mut dyn FnMut(&CtValue),
+    removed_one: &mut dyn FnMut(&CtKey, &CtValue),
 ) -> Result<(usize, usize)>
 where
     CtKey<A>: aya::Pod,
@@ -293,7 +297,7 @@ where
         match table.remove(&key) {
             Ok(()) => {
                 removed += 1;
-                removed_one(&value);
+                removed_one(&key.wide(), &value);
             }
             // Taken back by the programs meanwhile.
             Err(aya::maps::MapError::KeyNotFound) => {}

@@ -22,7 +22,7 @@ use std::{
 };
 
 use anyhow::{Result, bail};
-use proxy_common::{Addr, Backend, IPPROTO_UDP, ServiceKey, ServiceValue};
+use proxy_common::{Addr, Backend, BackendKey, IPPROTO_UDP, ServiceKey, ServiceValue};
 
 use crate::model::{
     cidr::Cidr,
@@ -66,6 +66,16 @@ pub trait Maps: Send {
     /// Counters for exactly these frontends: missing ones made, others removed.
     fn keep_service_stats(&mut self, _ids: &BTreeSet<u32>) -> Result<()> {
         Ok(())
+    }
+    /// Endpoints counted one by one at most (`--endpoint-counters`); 0: none.
+    fn endpoint_counters(&self) -> u32 {
+        0
+    }
+    /// Counters for these endpoints, as many as [`Self::endpoint_counters`] allows (those that
+    /// have one keep it, then the first others in order), none for any other; how many of
+    /// `endpoints` are left uncounted.
+    fn keep_endpoint_stats(&mut self, _endpoints: &BTreeSet<BackendKey>) -> Result<usize> {
+        Ok(0)
     }
     /// End the flows of each flush's service that go to any of its `gone` endpoints (address
     /// and port, as kube-proxy matches the reply's source), in one walk of each table. UDP:
@@ -211,6 +221,9 @@ pub struct Programmer {
     flushes: BTreeMap<u32, FlowFlush>,
     /// Entries the loadBalancerSourceRanges map holds at most.
     source_range_capacity: u32,
+    /// With `--endpoint-counters`: the endpoints left uncounted (past the cap) at the last
+    /// sync that changed them; `None`: not counted yet.
+    endpoints_uncounted: Option<usize>,
 }
 
 impl Programmer {
@@ -262,6 +275,7 @@ impl Programmer {
             reach: BTreeMap::new(),
             flushes: BTreeMap::new(),
             source_range_capacity: maps.source_range_capacity(),
+            endpoints_uncounted: None,
         })
     }
 
@@ -474,7 +488,45 @@ impl Programmer {
             }
         }
         self.end_flows_off_endpoints(desired, maps);
+        if maps.endpoint_counters() > 0 && (report.changes() > 0 || self.endpoints_uncounted.is_none()) {
+            self.count_endpoints(desired, maps);
+        }
         report
+    }
+
+    /// `--endpoint-counters`: counters for the endpoints the ports pick or still serve (a
+    /// terminating endpoint's flows go on), as many as the cap allows.
+    fn count_endpoints(&mut self, desired: &Desired, maps: &mut dyn Maps) {
+        let mut endpoints = BTreeSet::new();
+        for (key, want) in desired {
+            let picked = want.backends.iter().map(|(ip, port)| (*ip, *port));
+            let serving = want.serving.iter().map(|e| (e.ip(), e.port()));
+            endpoints.extend(picked.chain(serving).map(|(ip, port)| BackendKey {
+                addr: ip.into(),
+                port: port.to_be(),
+                proto: key.proto,
+                _pad: 0,
+            }));
+        }
+        match maps.keep_endpoint_stats(&endpoints) {
+            Ok(uncounted) => {
+                if uncounted > 0 && self.endpoints_uncounted.is_none_or(|before| before == 0) {
+                    tracing::warn!(
+                        uncounted,
+                        cap = maps.endpoint_counters(),
+                        "more endpoints than --endpoint-counters: the others are counted per Service port only"
+                    );
+                }
+                self.endpoints_uncounted = Some(uncounted);
+            }
+            Err(e) => tracing::warn!("failed to bring the endpoints' counters in line: {e:#}"),
+        }
+    }
+
+    /// With `--endpoint-counters`: the endpoints left uncounted at the last sync (0: none, or
+    /// not counting).
+    pub fn endpoints_uncounted(&self) -> usize {
+        self.endpoints_uncounted.unwrap_or(0)
     }
 
     /// Flows whose endpoint they may no longer go to are ended.

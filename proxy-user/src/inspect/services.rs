@@ -3,7 +3,7 @@
 use std::{collections::BTreeMap, fmt::Write as _, net::SocketAddr, path::Path, time::Duration};
 
 use anyhow::Result;
-use proxy_common::{ServiceKey, ServiceStats, event, service_stat};
+use proxy_common::{EndpointStats, ServiceKey, ServiceStats, event, service_stat};
 use serde::Serialize;
 
 use crate::{
@@ -11,7 +11,10 @@ use crate::{
         Maps as _, Programmed, backend_addr,
         bpf::{self, BpfMaps},
     },
-    model::{display_key, outliers::Sidelined},
+    model::{
+        display_key,
+        outliers::{Endpoint, Sidelined},
+    },
 };
 
 /// One service port as the maps hold it.
@@ -159,6 +162,33 @@ pub struct ServicesReport {
     pub service_ports: Vec<PortView>,
     pub conntrack: ConntrackUse,
     pub counters: BTreeMap<&'static str, u64>,
+    /// With `--endpoint-counters`: each counted endpoint's counters (`10.244.1.2:8080/TCP`).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub endpoints: BTreeMap<String, EndpointCounts>,
+}
+
+/// An endpoint's counters (`KPR_ENDPOINT_STATS`), over every Service port that has it.
+#[derive(Debug, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EndpointCounts {
+    pub new_flows: u64,
+    pub socket_connects: u64,
+    pub unanswered_flows: u64,
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+impl EndpointCounts {
+    fn new(stats: &EndpointStats) -> Self {
+        let word = |w: u32| stats.words[w as usize];
+        Self {
+            new_flows: word(service_stat::NEW_FLOWS),
+            socket_connects: word(service_stat::CONNECTS),
+            unanswered_flows: word(service_stat::UNANSWERED),
+            packets: word(service_stat::PACKETS),
+            bytes: word(service_stat::BYTES),
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -193,6 +223,12 @@ pub fn report(pin_root: &Path, metrics: Option<SocketAddr>) -> Result<ServicesRe
         service_ports: port_views(pin_root, &programmed, metrics),
         conntrack: ConntrackUse { established, new, capacity },
         counters: bpf::read_counters(pin_root)?.into_iter().collect(),
+        // An older layout has no such map: none.
+        endpoints: bpf::read_endpoint_stats(pin_root)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|(key, stats)| Some((Endpoint::of_key(key)?.to_string(), EndpointCounts::new(stats))))
+            .collect(),
     })
 }
 
@@ -258,6 +294,16 @@ pub fn text(r: &ServicesReport) -> String {
         "conntrack: {} established + {} new entries (of {} in all tables; two per per-packet flow)",
         c.established, c.new, c.capacity
     );
+    if !r.endpoints.is_empty() {
+        let _ = writeln!(out, "endpoints (--endpoint-counters; the agent's sweep of unanswered flows aside):");
+        for (endpoint, c) in &r.endpoints {
+            let _ = writeln!(
+                out,
+                "  {endpoint}  flows {} connects {} unanswered {} packets {} bytes {}",
+                c.new_flows, c.socket_connects, c.unanswered_flows, c.packets, c.bytes
+            );
+        }
+    }
     let _ = writeln!(out, "counters:");
     for (name, value) in &r.counters {
         let _ = writeln!(out, "  {name:<24} {value}");

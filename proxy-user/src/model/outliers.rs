@@ -56,6 +56,14 @@ pub struct Endpoint {
     pub protocol: Protocol,
 }
 
+impl Endpoint {
+    /// The endpoint a datapath key names (`KPR_BACKEND_ANSWERS`, `KPR_ENDPOINT_STATS`).
+    pub fn of_key(key: &proxy_common::BackendKey) -> Option<Self> {
+        let protocol = Protocol::from_ipproto(key.proto)?;
+        Some(Self { addr: SocketAddr::new(key.addr.into(), u16::from_be(key.port)), protocol })
+    }
+}
+
 impl fmt::Display for Endpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.addr, self.protocol)

@@ -9,7 +9,7 @@ use std::{
     time::SystemTime,
 };
 
-use proxy_common::{ServiceStats, event, service_stat};
+use proxy_common::{BackendKey, EndpointStats, ServiceStats, event, service_stat};
 
 use crate::model::ServicePortName;
 
@@ -100,6 +100,9 @@ pub struct Metrics {
     /// The endpoints sidelined now, for `/sidelined`.
     sidelined_now: Mutex<std::collections::BTreeSet<crate::model::outliers::Sidelined>>,
     service_book: Arc<Mutex<ServiceBook>>,
+    endpoint_book: Arc<Mutex<EndpointBook>>,
+    /// `--endpoint-counters`: endpoints left uncounted (past the cap).
+    endpoints_uncounted: Gauge,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -155,6 +158,8 @@ impl Metrics {
             sidelinings: Family::default(),
             sidelined_now: Mutex::default(),
             service_book: Arc::default(),
+            endpoint_book: Arc::default(),
+            endpoints_uncounted: Gauge::default(),
         };
         let r = &mut m.registry;
         // Counters get their `_total` suffix from the encoder.
@@ -277,9 +282,18 @@ impl Metrics {
             "Outlier detection: endpoints of the Service left out of new flows for not answering",
             m.sidelinings.clone(),
         );
+        r.register(
+            "kpr_endpoint_counters_uncounted",
+            "--endpoint-counters: endpoints past the cap, counted per Service port only",
+            m.endpoints_uncounted.clone(),
+        );
         if let Some(pin_root) = pin_root {
             r.register_collector(Box::new(DatapathCounters { pin_root: pin_root.clone() }));
-            r.register_collector(Box::new(ServiceCounters { pin_root, book: m.service_book.clone() }));
+            r.register_collector(Box::new(ServiceCounters {
+                pin_root: pin_root.clone(),
+                book: m.service_book.clone(),
+            }));
+            r.register_collector(Box::new(EndpointCounters { pin_root, book: m.endpoint_book.clone() }));
         }
         m
     }
@@ -372,6 +386,11 @@ impl Metrics {
             *book.swept_unanswered.entry(*id).or_default() += count;
         }
         drop(book);
+        let mut book = self.endpoint_book.lock().unwrap_or_else(|p| p.into_inner());
+        for (endpoint, count) in &sweep.unanswered_endpoints {
+            *book.swept_unanswered.entry(*endpoint).or_default() += count;
+        }
+        drop(book);
         for table in tables {
             self.map_use(table.name, table.live, table.capacity);
         }
@@ -418,6 +437,11 @@ impl Metrics {
     /// The endpoints outlier detection has sidelined now (`/sidelined`).
     pub fn sidelined_now(&self) -> Vec<crate::model::outliers::Sidelined> {
         self.sidelined_now.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect()
+    }
+
+    /// `--endpoint-counters`: the endpoints left uncounted at the last sync.
+    pub fn endpoints_uncounted(&self, count: usize) {
+        self.endpoints_uncounted.set(count as i64);
     }
 
     /// The service port each programmed service id is a frontend of, after a sync that
@@ -507,6 +531,90 @@ const SERVICE_COUNTERS: [(&str, &str, u32); 6] = [
         service_stat::EVENTS + event::REJECTED,
     ),
 ];
+
+/// The `kpr_endpoint_*` counters (`--endpoint-counters`): the words an endpoint has.
+const ENDPOINT_COUNTERS: [(&str, &str, u32); 5] = [
+    ("kpr_endpoint_new_flows", "New flows the per-packet path balanced to the endpoint", service_stat::NEW_FLOWS),
+    (
+        "kpr_endpoint_socket_connects",
+        "connect() calls the socket path translated to the endpoint",
+        service_stat::CONNECTS,
+    ),
+    (
+        "kpr_endpoint_unanswered_flows",
+        "New per-packet flows to the endpoint that expired with no answer from it",
+        service_stat::UNANSWERED,
+    ),
+    (
+        "kpr_endpoint_packets",
+        "Packets of the per-packet path's flows of the endpoint, both directions",
+        service_stat::PACKETS,
+    ),
+    (
+        "kpr_endpoint_bytes",
+        "Bytes of the per-packet path's flows of the endpoint, both directions",
+        service_stat::BYTES,
+    ),
+];
+
+/// What the per-endpoint collector holds between scrapes: an endpoint no longer counted is
+/// forgotten (counted again, its series starts from zero).
+#[derive(Debug, Default)]
+struct EndpointBook {
+    /// Unanswered flows to the endpoint the agent's conntrack sweep removed.
+    swept_unanswered: BTreeMap<BackendKey, u64>,
+    /// The last counts reported: never reported lower (a scrape may miss a slot's fold).
+    reported: BTreeMap<BackendKey, EndpointStats>,
+}
+
+impl EndpointBook {
+    fn per_endpoint(&mut self, read: &BTreeMap<BackendKey, EndpointStats>) -> BTreeMap<BackendKey, EndpointStats> {
+        self.reported.retain(|key, _| read.contains_key(key));
+        self.swept_unanswered.retain(|key, _| read.contains_key(key));
+        let mut out = BTreeMap::new();
+        for (key, now) in read {
+            let mut now = *now;
+            now.words[service_stat::UNANSWERED as usize] += self.swept_unanswered.get(key).copied().unwrap_or(0);
+            let last = self.reported.entry(*key).or_default();
+            for (l, n) in last.words.iter_mut().zip(now.words) {
+                *l = (*l).max(n);
+            }
+            out.insert(*key, *last);
+        }
+        out
+    }
+}
+
+/// `kpr_endpoint_*{endpoint}`: each counted endpoint's counters, read from the pinned map at
+/// each scrape (none without `--endpoint-counters`).
+#[derive(Debug)]
+struct EndpointCounters {
+    pin_root: PathBuf,
+    book: Arc<Mutex<EndpointBook>>,
+}
+
+impl Collector for EndpointCounters {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let read = match crate::datapath::bpf::read_endpoint_stats(&self.pin_root) {
+            Ok(read) if !read.is_empty() => read,
+            _ => return Ok(()), // no datapath (yet), or no endpoint counted
+        };
+        let per_endpoint = self.book.lock().unwrap_or_else(|p| p.into_inner()).per_endpoint(&read);
+        let labelled: Vec<(String, EndpointStats)> = per_endpoint
+            .iter()
+            .filter_map(|(key, stats)| Some((crate::model::outliers::Endpoint::of_key(key)?.to_string(), *stats)))
+            .collect();
+        for (name, help, word) in ENDPOINT_COUNTERS {
+            let mut family =
+                encoder.encode_descriptor(name, help, None, prometheus_client::metrics::MetricType::Counter)?;
+            for (endpoint, stats) in &labelled {
+                let labels = [("endpoint", endpoint.as_str())];
+                ConstCounter::new(stats.words[word as usize]).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
+    }
+}
 
 /// What the per-service collector holds between scrapes (in the agent's memory: after a
 /// restart a port's series goes on from the map's counts alone, which Prometheus takes for a

@@ -16,8 +16,9 @@ use aya::{
     },
 };
 use proxy_common::{
-    Addr, Addr4, Backend, CachedFlow, CidrKey, IPPROTO_TCP, IPPROTO_UDP, ServiceKey, ServiceStats, ServiceValue,
-    SockRevNatKey, SockRevNatValue, SourceRange, counter, ct, defaults, map_names, service_stat,
+    Addr, Addr4, Backend, BackendKey, CachedFlow, CidrKey, EndpointStats, FlowAddr, IPPROTO_TCP, IPPROTO_UDP,
+    ServiceKey, ServiceStats, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRange, counter, ct, defaults,
+    map_names, service_stat,
 };
 
 use super::{
@@ -62,6 +63,10 @@ pub struct BpfMaps {
     /// Each service port's counters: removed with the port, so that its id starts from zero
     /// when it is given again.
     service_stats: PerCpuHashMap<MapData, u32, ServiceStats>,
+    /// Each counted endpoint's counters (`--endpoint-counters`).
+    endpoint_stats: PerCpuHashMap<MapData, BackendKey, EndpointStats>,
+    /// How many endpoints may be counted one by one; 0: none (the agent sets it).
+    pub endpoint_counters: u32,
     capacity: Capacity,
 }
 
@@ -95,6 +100,8 @@ impl BpfMaps {
             sock_revnat: HashMap::try_from(take(map_names::SOCK_REVNAT)?)?,
             sock_picks: HashMap::try_from(take(map_names::SOCK_PICKS)?)?,
             service_stats: PerCpuHashMap::try_from(take(map_names::SERVICE_STATS)?)?,
+            endpoint_stats: PerCpuHashMap::try_from(take(map_names::ENDPOINT_STATS)?)?,
+            endpoint_counters: 0,
         })
     }
 
@@ -264,6 +271,33 @@ impl Maps for BpfMaps {
         Ok(())
     }
 
+    fn endpoint_counters(&self) -> u32 {
+        self.endpoint_counters
+    }
+
+    fn keep_endpoint_stats(&mut self, endpoints: &BTreeSet<BackendKey>) -> Result<usize> {
+        let have: BTreeSet<BackendKey> = self.endpoint_stats.keys().collect::<Result<_, _>>()?;
+        for gone in have.difference(endpoints) {
+            let _ = self.endpoint_stats.remove(gone);
+        }
+        let mut counted = have.intersection(endpoints).count();
+        let cpus = aya::util::nr_cpus().map_or(1, |n| n.get() as usize);
+        let mut uncounted = 0;
+        for endpoint in endpoints.difference(&have) {
+            if counted >= self.endpoint_counters as usize {
+                uncounted += 1;
+                continue;
+            }
+            let zero = PerCpuValues::try_from(vec![EndpointStats::default(); cpus])?;
+            match self.endpoint_stats.insert(endpoint, zero, 0) {
+                Ok(()) => counted += 1,
+                // Full (the map's size is the cap): uncounted.
+                Err(_) => uncounted += 1,
+            }
+        }
+        Ok(uncounted)
+    }
+
     fn keep_service_stats(&mut self, ids: &BTreeSet<u32>) -> Result<()> {
         let have: BTreeSet<u32> = self.service_stats.keys().collect::<Result<_, _>>()?;
         for gone in have.difference(ids) {
@@ -360,21 +394,73 @@ pub fn read_service_stats(pin_root: &Path) -> Result<BTreeMap<u32, ServiceStats>
     Ok(out)
 }
 
-/// Add what one family's flow-cache slots counted to the ports in `out` (a slot of a port
-/// without an entry is of one that was removed).
-fn add_cached<A: 'static>(pin_root: &Path, name: &str, out: &mut BTreeMap<u32, ServiceStats>) -> Result<()>
+/// Each counted endpoint's counters (`--endpoint-counters`), summed over the CPUs, with what
+/// the flow caches' slots have counted and not yet added; as [`read_service_stats`], a read may
+/// miss a slot folded meanwhile.
+pub fn read_endpoint_stats(pin_root: &Path) -> Result<BTreeMap<BackendKey, EndpointStats>> {
+    let map = open_pinned_map(pin_root, map_names::ENDPOINT_STATS)?;
+    let stats: PerCpuHashMap<MapData, BackendKey, EndpointStats> = PerCpuHashMap::try_from(Map::PerCpuHashMap(map))?;
+    let mut out: BTreeMap<BackendKey, EndpointStats> = BTreeMap::new();
+    for item in stats.iter() {
+        let (endpoint, per_cpu) = item?;
+        let sum = out.entry(endpoint).or_default();
+        per_cpu.iter().for_each(|cpu| sum.add(cpu));
+    }
+    if out.is_empty() {
+        return Ok(out);
+    }
+    add_cached_endpoints::<Addr4>(pin_root, map_names::FLOW_CACHE4, &mut out)?;
+    add_cached_endpoints::<Addr>(pin_root, map_names::FLOW_CACHE6, &mut out)?;
+    Ok(out)
+}
+
+/// Add what one family's flow-cache slots counted to the endpoints in `out`: a flow's endpoint
+/// is where a client entry's packets go, where a reply entry's come from (its key's source),
+/// as the programs take it.
+fn add_cached_endpoints<A: FlowAddr + 'static>(
+    pin_root: &Path,
+    name: &str,
+    out: &mut BTreeMap<BackendKey, EndpointStats>,
+) -> Result<()>
+where
+    CachedFlow<A>: aya::Pod,
+{
+    for_each_cached::<A>(pin_root, name, |cached| {
+        let (addr, port) = if cached.entry.flags & ct::REPLY != 0 {
+            (cached.key.src_addr.addr(), cached.key.src_port)
+        } else {
+            (cached.entry.dst_addr, cached.entry.dst_port)
+        };
+        if let Some(stats) = out.get_mut(&BackendKey { addr, port, proto: cached.key.proto, _pad: 0 }) {
+            stats.words[service_stat::PACKETS as usize] += cached.packets;
+            stats.words[service_stat::BYTES as usize] += cached.bytes;
+        }
+    })
+}
+
+/// Each slot of one family's flow caches that has counted packets.
+fn for_each_cached<A: 'static>(pin_root: &Path, name: &str, mut f: impl FnMut(&CachedFlow<A>)) -> Result<()>
 where
     CachedFlow<A>: aya::Pod,
 {
     let cache: PerCpuArray<MapData, CachedFlow<A>> =
         PerCpuArray::try_from(Map::PerCpuArray(open_pinned_map(pin_root, name)?))?;
     for slot in 0..cache.len() {
-        for cached in cache.get(&slot, 0)?.iter().filter(|c| c.packets != 0) {
-            if let Some(stats) = out.get_mut(&cached.entry.service_id) {
-                stats.words[service_stat::PACKETS as usize] += cached.packets;
-                stats.words[service_stat::BYTES as usize] += cached.bytes;
-            }
-        }
+        cache.get(&slot, 0)?.iter().filter(|c| c.packets != 0).for_each(&mut f);
     }
     Ok(())
+}
+
+/// Add what one family's flow-cache slots counted to the ports in `out` (a slot of a port
+/// without an entry is of one that was removed).
+fn add_cached<A: 'static>(pin_root: &Path, name: &str, out: &mut BTreeMap<u32, ServiceStats>) -> Result<()>
+where
+    CachedFlow<A>: aya::Pod,
+{
+    for_each_cached::<A>(pin_root, name, |cached| {
+        if let Some(stats) = out.get_mut(&cached.entry.service_id) {
+            stats.words[service_stat::PACKETS as usize] += cached.packets;
+            stats.words[service_stat::BYTES as usize] += cached.bytes;
+        }
+    })
 }

@@ -38,7 +38,7 @@ pub use self::{
         BpfHost, HostDatapath, HostState, SocketProbes, cleanup, fill_slow_path_slots, link_name, read_covered_netns,
         read_links, read_socket_skip, write_service_ranges,
     },
-    maps::{BpfMaps, NodeView, read_counters, read_node_view, read_service_stats},
+    maps::{BpfMaps, NodeView, read_counters, read_endpoint_stats, read_node_view, read_service_stats},
     object::{
         DatapathConfig, ForwardDirect, flow_hash_seed, load_tc_programs, open_object, raise_memlock_limit,
         snat_port_range,
@@ -111,7 +111,8 @@ impl BpfDatapath {
         attach_sock_release(&mut ebpf, &cgroup, &dir).context("failed to attach the socket release hook")?;
         load_tc_programs(&mut ebpf)?;
 
-        let maps = BpfMaps::take_from(&mut ebpf)?;
+        let mut maps = BpfMaps::take_from(&mut ebpf)?;
+        maps.endpoint_counters = cfg.endpoint_counters;
         let tc_netlink = cfg.tc_netlink || !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
         // Another layout's programs keep serving until this agent's first sync is written
         // ([`HostDatapath::retire_other_layouts`]).

@@ -33,6 +33,8 @@ pub struct DatapathConfig {
     pub max_sock_revnat_per_pod: u32,
     /// Entries of the loadBalancerSourceRanges map.
     pub max_source_ranges: u32,
+    /// Endpoints counted per endpoint (`KPR_ENDPOINT_STATS`'s size); 0: none.
+    pub endpoint_counters: u32,
     /// Entries of each family's conntrack table of established flows.
     pub max_conntrack: u32,
     /// Entries of each family's conntrack table of flows not answered yet.
@@ -73,6 +75,7 @@ impl DatapathConfig {
             max_sock_revnat: defaults::MAX_SOCK_REVNAT,
             max_sock_revnat_per_pod: 0,
             max_source_ranges: defaults::MAX_SOURCE_RANGES,
+            endpoint_counters: 0,
             max_conntrack: defaults::MAX_CONNTRACK,
             max_conntrack_new: defaults::MAX_CONNTRACK_NEW,
             detect_local: proxy_common::DETECT_LOCAL_NONE,
@@ -303,6 +306,13 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
     let localhost_node_ports = u8::from(cfg.localhost_node_ports);
     let forward_direct = u8::from(cfg.forward_direct != ForwardDirect::Never);
     let refuse_service_range = u8::from(cfg.refuse_service_range);
+    let endpoint_counters = u8::from(cfg.endpoint_counters != 0);
+    // Counters, not state: a pinned map of another size (the flag changed) is made anew.
+    let endpoint_stats = cfg.endpoint_counters.max(1);
+    let endpoint_stats_pin = dir.join(map_names::ENDPOINT_STATS);
+    if MapData::from_pin(&endpoint_stats_pin).is_ok_and(|m| m.info().is_ok_and(|i| i.max_entries() != endpoint_stats)) {
+        let _ = std::fs::remove_file(&endpoint_stats_pin);
+    }
     let seed = flow_hash_seed();
     let mut carried = carry_over_maps(&cfg.pin_root);
     let sock_revnat = size(map_names::SOCK_REVNAT, cfg.max_sock_revnat);
@@ -322,6 +332,8 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .map_max_entries(map_names::CONNTRACK6, size(map_names::CONNTRACK6, cfg.max_conntrack))
         .map_max_entries(map_names::CT_NEW6, size(map_names::CT_NEW6, cfg.max_conntrack_new))
         .map_max_entries(map_names::SOURCE_RANGES, size(map_names::SOURCE_RANGES, cfg.max_source_ranges))
+        .map_max_entries(map_names::ENDPOINT_STATS, endpoint_stats)
+        .override_global("KPR_ENDPOINT_COUNTERS", &endpoint_counters, true)
         .override_global("KPR_HAVE_SET_RETVAL", &have_set_retval, true)
         .override_global("KPR_COARSE_CLOCK", &have_coarse_clock, true)
         .override_global("KPR_HOST_NETNS_COOKIE", &host_netns, true)
