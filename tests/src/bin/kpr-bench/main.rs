@@ -549,11 +549,18 @@ fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
     const LOADS: u32 = 5;
     let mut results = serde_json::Map::new();
     let (mut ranges, mut above_floor) = (serde_json::Map::new(), serde_json::Map::new());
-    for forward_direct in [true, false] {
+    // As the agent runs by default; with --host-routing; with --endpoint-counters.
+    for (forward_direct, endpoint_counters) in [(true, false), (false, false), (true, true)] {
+        let variant = match (forward_direct, endpoint_counters) {
+            (false, _) => "_host_routing",
+            (true, true) => "_endpoint_counters",
+            (true, false) => "",
+        };
         // Per label: each load's rounds.
         let mut pooled: Vec<(&str, Vec<Vec<f64>>, String)> = Vec::new();
         for _ in 0..LOADS {
-            for (label, rounds, runs) in node.run(move || tc_program_runs(repeat.div_ceil(LOADS), forward_direct))?? {
+            let runs = move || tc_program_runs(repeat.div_ceil(LOADS), forward_direct, endpoint_counters);
+            for (label, rounds, runs) in node.run(runs)?? {
                 match pooled.iter_mut().find(|(l, ..)| *l == label) {
                     Some((_, loads, _)) => loads.push(rounds),
                     None => pooled.push((label, vec![rounds], runs)),
@@ -562,11 +569,15 @@ fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
         }
         let floor = pooled.iter().find(|(l, ..)| *l == "floor_non_ip").map(|(_, r, _)| r.clone()).unwrap_or_default();
         for (label, loads, runs) in pooled {
-            if !forward_direct && label == "floor_non_ip" {
+            if !variant.is_empty() && label == "floor_non_ip" {
                 continue; // the same program's floor, measured again
             }
-            let label = if forward_direct { label.to_owned() } else { format!("{label}_host_routing") };
-            let what = if forward_direct { "" } else { ", --host-routing" };
+            let label = format!("{label}{variant}");
+            let what = match variant {
+                "_host_routing" => ", --host-routing",
+                "_endpoint_counters" => ", --endpoint-counters, every endpoint counted",
+                _ => "",
+            };
             let over = if label == "floor_non_ip" { None } else { less_floor(&loads, &floor) };
             let rounds: Vec<f64> = loads.concat();
             let (min, max) = rounds.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
@@ -717,7 +728,11 @@ where
 /// One object loaded with `forward_direct`: (label, ns per run in each round, how it ran) for each test
 /// packet (with host routing, the established flow only: the other packets take the same path
 /// either way).
-fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static str, Vec<f64>, String)>> {
+fn tc_program_runs(
+    repeat: u32,
+    forward_direct: bool,
+    endpoint_counters: bool,
+) -> Result<Vec<(&'static str, Vec<f64>, String)>> {
     use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions};
     use proxy_common::{TCP_ACK as ACK, TCP_SYN};
     let name = testbed::unique_name("kb-tc");
@@ -726,11 +741,14 @@ fn tc_program_runs(repeat: u32, forward_direct: bool) -> Result<Vec<(&'static st
     cfg.forward_direct = if forward_direct { bpf::ForwardDirect::Always } else { bpf::ForwardDirect::Never };
     // As the agent runs by default: the service range (10.96.0.0/12 here) refused.
     cfg.refuse_service_range = true;
+    // Room for every endpoint programmed below (about 1,000 of each family).
+    cfg.endpoint_counters = if endpoint_counters { 4096 } else { 0 };
     let mut ebpf = bpf::open_object(&cfg)?;
     let range = kpr::model::cidr::Cidr::new(Ipv4Addr::new(10, 96, 0, 0).into(), 12).context("range")?;
     bpf::write_service_ranges(&mut ebpf, &[range].into())?;
     bpf::load_tc_programs(&mut ebpf)?;
     let mut maps = kpr::datapath::bpf::BpfMaps::take_from(&mut ebpf)?;
+    maps.endpoint_counters = cfg.endpoint_counters;
     // The test packets come from outside the cluster: the target also gets its entry for
     // outside clients.
     let backend = Ipv4Addr::new(10, 244, 1, 2);
