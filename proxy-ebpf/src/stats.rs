@@ -37,16 +37,9 @@ pub fn update(service_id: u32, word: u32, packets: u64, bytes: u64) {
     let key = core::ptr::from_ref(&service_id).cast::<core::ffi::c_void>();
     // SAFETY: a map and a key of its type; the value (if any) is this CPU's, valid for this run.
     let stats = unsafe { bpf_map_lookup_elem(map, key) }.cast::<ServiceStats>();
-    if stats.is_null() {
-        return;
-    }
-    // SAFETY: this CPU's value, valid for this program run; no other writer on this CPU.
-    unsafe {
-        if let Some(w) = (*stats).words.get_mut(word as usize) {
-            *w += 1;
-        }
-        (*stats).words[service_stat::PACKETS as usize] += packets;
-        (*stats).words[service_stat::BYTES as usize] += bytes;
+    if !stats.is_null() {
+        // SAFETY: this CPU's value, valid for this program run; no other writer on this CPU.
+        add_words(unsafe { &mut (*stats).words }, word, packets, bytes);
     }
 }
 
@@ -87,17 +80,21 @@ fn bump_endpoint(key: &BackendKey, word: u32, packets: u64, bytes: u64) {
     let key_ptr = core::ptr::from_ref(key).cast::<core::ffi::c_void>();
     // SAFETY: a map and a key of its type; the value (if any) is this CPU's, valid for this run.
     let stats = unsafe { bpf_map_lookup_elem(map, key_ptr) }.cast::<EndpointStats>();
-    if stats.is_null() {
-        return;
+    if !stats.is_null() {
+        // SAFETY: this CPU's value, valid for this program run; no other writer on this CPU.
+        add_words(unsafe { &mut (*stats).words }, word, packets, bytes);
     }
-    // SAFETY: this CPU's value, valid for this program run; no other writer on this CPU.
-    unsafe {
-        if let Some(w) = (*stats).words.get_mut(word as usize) {
-            *w += 1;
-        }
-        (*stats).words[service_stat::PACKETS as usize] += packets;
-        (*stats).words[service_stat::BYTES as usize] += bytes;
+}
+
+/// One in `word` (none past the words: `service_stat::NONE`, or a frontend's word an endpoint
+/// has not), and `packets` and `bytes`, to a counters value's words.
+#[inline(always)]
+fn add_words<const N: usize>(words: &mut [u64; N], word: u32, packets: u64, bytes: u64) {
+    if let Some(w) = words.get_mut(word as usize) {
+        *w += 1;
     }
+    words[service_stat::PACKETS as usize] += packets;
+    words[service_stat::BYTES as usize] += bytes;
 }
 
 /// The endpoint at `addr`:`port` (network order) sent the first answer of a new per-packet

@@ -158,6 +158,9 @@ pub enum Outcome {
     Dropped,
     /// Left untranslated for the stack (the socket path: connected to the frontend itself).
     Passed,
+    /// The socket path: `connect()` found no route (`ENETUNREACH`, `EHOSTUNREACH`), after the
+    /// hooks let it through, to an address the socket does not show.
+    Unroutable,
     /// A verdict or a packet that is none of the above.
     Other(String),
 }
@@ -401,6 +404,7 @@ impl Probe {
             SocketSeen::Connected { from, to } => Outcome::Forwarded { to: *to, from: *from },
             SocketSeen::Failed(libc::ECONNREFUSED) => Outcome::Rejected,
             SocketSeen::Failed(libc::EPERM) => Outcome::Dropped,
+            SocketSeen::Failed(libc::ENETUNREACH | libc::EHOSTUNREACH) => Outcome::Unroutable,
             SocketSeen::Failed(errno) => {
                 Outcome::Other(format!("connect() failed: {}", std::io::Error::from_raw_os_error(*errno)))
             }
@@ -414,6 +418,10 @@ impl Probe {
             return match (&self.expect, outcome) {
                 // The node's own connection: its source is the node's either way.
                 (Expect::Forward { backends, .. }, Outcome::Forwarded { to, .. }) => backends.contains(to),
+                // An endpoint the node has no route to (a namespace without a default route)
+                // is not the datapath's to mend: not a mismatch. A refusal the hooks owed
+                // comes before any route lookup, so it still is one.
+                (Expect::Forward { .. }, Outcome::Unroutable) => true,
                 (Expect::Reject, Outcome::Rejected | Outcome::Dropped)
                 | (Expect::Drop, Outcome::Dropped)
                 | (Expect::PerPacket, Outcome::Passed) => true,
@@ -491,6 +499,7 @@ impl std::fmt::Display for Outcome {
             Self::Rejected => f.write_str("REJECT"),
             Self::Dropped => f.write_str("DROP"),
             Self::Passed => f.write_str("left untranslated"),
+            Self::Unroutable => f.write_str("connect() found no route"),
             Self::Other(what) => f.write_str(what),
         }
     }
@@ -880,7 +889,10 @@ mod tests {
         assert!(!judge("10.96.0.2:53", connected("10.244.1.5:53")));
         assert!(judge("10.96.0.3:80", SocketSeen::Failed(libc::EPERM)));
         assert!(!judge("10.96.0.3:80", SocketSeen::Failed(libc::ECONNREFUSED)));
-        assert!(!judge("10.96.0.1:80", SocketSeen::Failed(libc::ENETUNREACH)));
+        // No route to the endpoint: not the datapath's doing; a refusal owed still is.
+        assert!(judge("10.96.0.1:80", SocketSeen::Failed(libc::ENETUNREACH)));
+        assert!(!judge("10.96.0.2:53", SocketSeen::Failed(libc::ENETUNREACH)));
+        assert!(!judge("10.96.0.1:80", SocketSeen::Failed(libc::EADDRNOTAVAIL)));
         assert!(!judge("10.96.0.1:80", SocketSeen::Unlisted));
     }
 

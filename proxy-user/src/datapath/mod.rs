@@ -224,6 +224,8 @@ pub struct Programmer {
     /// With `--endpoint-counters`: the endpoints left uncounted (past the cap) at the last
     /// sync that changed them; `None`: not counted yet.
     endpoints_uncounted: Option<usize>,
+    /// The endpoints the counters were last brought in line with.
+    counted_for: BTreeSet<BackendKey>,
 }
 
 impl Programmer {
@@ -276,6 +278,7 @@ impl Programmer {
             flushes: BTreeMap::new(),
             source_range_capacity: maps.source_range_capacity(),
             endpoints_uncounted: None,
+            counted_for: BTreeSet::new(),
         })
     }
 
@@ -426,6 +429,10 @@ impl Programmer {
         }
         let backend_writes: Vec<(u32, Backend)> =
             pending.iter().flat_map(|p| (p.value.backends_start..).zip(p.backends.iter().copied())).collect();
+        // New endpoints' counters exist before the programs can count for them.
+        if maps.endpoint_counters() > 0 {
+            self.count_endpoints(desired, maps);
+        }
         if pending.is_empty() {
             // Which endpoints serve may have changed all the same.
             self.end_flows_off_endpoints(desired, maps);
@@ -488,14 +495,12 @@ impl Programmer {
             }
         }
         self.end_flows_off_endpoints(desired, maps);
-        if maps.endpoint_counters() > 0 && (report.changes() > 0 || self.endpoints_uncounted.is_none()) {
-            self.count_endpoints(desired, maps);
-        }
         report
     }
 
     /// `--endpoint-counters`: counters for the endpoints the ports pick or still serve (a
-    /// terminating endpoint's flows go on), as many as the cap allows.
+    /// terminating endpoint's flows go on), as many as the cap allows; the maps are written
+    /// only when that set changed.
     fn count_endpoints(&mut self, desired: &Desired, maps: &mut dyn Maps) {
         let mut endpoints = BTreeSet::new();
         for (key, want) in desired {
@@ -508,8 +513,12 @@ impl Programmer {
                 _pad: 0,
             }));
         }
+        if self.endpoints_uncounted.is_some() && endpoints == self.counted_for {
+            return;
+        }
         match maps.keep_endpoint_stats(&endpoints) {
             Ok(uncounted) => {
+                self.counted_for = endpoints;
                 if uncounted > 0 && self.endpoints_uncounted.is_none_or(|before| before == 0) {
                     tracing::warn!(
                         uncounted,

@@ -3,7 +3,7 @@
 use std::{collections::BTreeMap, fmt::Write as _, net::SocketAddr, path::Path, time::Duration};
 
 use anyhow::Result;
-use proxy_common::{EndpointStats, ServiceKey, ServiceStats, event, service_stat};
+use proxy_common::{ServiceKey, ServiceStats, event, service_stat};
 use serde::Serialize;
 
 use crate::{
@@ -50,14 +50,36 @@ pub struct PortView {
 #[derive(Debug, Default, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PortStats {
+    #[serde(flatten)]
+    pub flows: FlowCounts,
+    pub rejects: u64,
+    /// Drops (and dead-flow resets) by reason; only those that happened.
+    pub drops: BTreeMap<&'static str, u64>,
+}
+
+/// The words a frontend and an endpoint both have (`service_stat::NEW_FLOWS..=BYTES`).
+#[derive(Debug, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FlowCounts {
     pub new_flows: u64,
     pub socket_connects: u64,
     pub unanswered_flows: u64,
     pub packets: u64,
     pub bytes: u64,
-    pub rejects: u64,
-    /// Drops (and dead-flow resets) by reason; only those that happened.
-    pub drops: BTreeMap<&'static str, u64>,
+}
+
+impl FlowCounts {
+    /// From a `ServiceStats` or `EndpointStats` value's words.
+    fn of(words: &[u64]) -> Self {
+        let word = |w: u32| words[w as usize];
+        Self {
+            new_flows: word(service_stat::NEW_FLOWS),
+            socket_connects: word(service_stat::CONNECTS),
+            unanswered_flows: word(service_stat::UNANSWERED),
+            packets: word(service_stat::PACKETS),
+            bytes: word(service_stat::BYTES),
+        }
+    }
 }
 
 impl PortStats {
@@ -67,21 +89,18 @@ impl PortStats {
             .filter(|r| *r != event::REJECTED && word(service_stat::EVENTS + r) != 0)
             .map(|r| (event::NAMES[r as usize], word(service_stat::EVENTS + r)))
             .collect();
-        Self {
-            new_flows: word(service_stat::NEW_FLOWS),
-            socket_connects: word(service_stat::CONNECTS),
-            unanswered_flows: word(service_stat::UNANSWERED),
-            packets: word(service_stat::PACKETS),
-            bytes: word(service_stat::BYTES),
-            rejects: word(service_stat::EVENTS + event::REJECTED),
-            drops,
-        }
+        Self { flows: FlowCounts::of(&stats.words), rejects: word(service_stat::EVENTS + event::REJECTED), drops }
     }
 
     fn line(&self) -> String {
         let mut line = format!(
             "new flows {} connects {} unanswered {} packets {} bytes {} rejects {}",
-            self.new_flows, self.socket_connects, self.unanswered_flows, self.packets, self.bytes, self.rejects
+            self.flows.new_flows,
+            self.flows.socket_connects,
+            self.flows.unanswered_flows,
+            self.flows.packets,
+            self.flows.bytes,
+            self.rejects
         );
         for (reason, count) in &self.drops {
             let _ = write!(line, " {reason} {count}");
@@ -162,33 +181,10 @@ pub struct ServicesReport {
     pub service_ports: Vec<PortView>,
     pub conntrack: ConntrackUse,
     pub counters: BTreeMap<&'static str, u64>,
-    /// With `--endpoint-counters`: each counted endpoint's counters (`10.244.1.2:8080/TCP`).
+    /// With `--endpoint-counters`: each counted endpoint's counters (`10.244.1.2:8080/TCP`),
+    /// over every Service port that has it (`KPR_ENDPOINT_STATS`).
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
-    pub endpoints: BTreeMap<String, EndpointCounts>,
-}
-
-/// An endpoint's counters (`KPR_ENDPOINT_STATS`), over every Service port that has it.
-#[derive(Debug, Default, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct EndpointCounts {
-    pub new_flows: u64,
-    pub socket_connects: u64,
-    pub unanswered_flows: u64,
-    pub packets: u64,
-    pub bytes: u64,
-}
-
-impl EndpointCounts {
-    fn new(stats: &EndpointStats) -> Self {
-        let word = |w: u32| stats.words[w as usize];
-        Self {
-            new_flows: word(service_stat::NEW_FLOWS),
-            socket_connects: word(service_stat::CONNECTS),
-            unanswered_flows: word(service_stat::UNANSWERED),
-            packets: word(service_stat::PACKETS),
-            bytes: word(service_stat::BYTES),
-        }
-    }
+    pub endpoints: BTreeMap<String, FlowCounts>,
 }
 
 #[derive(Debug, Serialize)]
@@ -227,7 +223,7 @@ pub fn report(pin_root: &Path, metrics: Option<SocketAddr>) -> Result<ServicesRe
         endpoints: bpf::read_endpoint_stats(pin_root)
             .unwrap_or_default()
             .iter()
-            .filter_map(|(key, stats)| Some((Endpoint::of_key(key)?.to_string(), EndpointCounts::new(stats))))
+            .filter_map(|(key, stats)| Some((Endpoint::of_key(key)?.to_string(), FlowCounts::of(&stats.words))))
             .collect(),
     })
 }
