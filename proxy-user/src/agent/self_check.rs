@@ -164,7 +164,7 @@ impl Syncer {
         }
         let env = env.ok_or("no link holds the per-packet programs, and the socket path is not probed")?;
         let programmed = self.programmer.programmed();
-        let (probes, skipped) = crate::verify::probes(keys, programmed, env, at);
+        let (probes, mut skipped) = crate::verify::probes(keys, programmed, env, at);
         // The node's own frontends through the socket hooks, the rest through the per-packet
         // program.
         let (mut node, packets): (Vec<Probe>, Vec<Probe>) = probes.into_iter().partition(|p| p.class == Class::Node);
@@ -173,7 +173,6 @@ impl Syncer {
             let results = host.run_probes(&packets).map_err(|e| format!("{e:#}"))?;
             outcomes.extend(packets.iter().zip(results).map(|(p, (verdict, out))| p.outcome(verdict, &out)));
         }
-        let mut skipped = skipped;
         if !node.is_empty() {
             match host.run_socket_probes(&node) {
                 Ok(results) => outcomes.extend(node.iter().zip(results).map(|(p, seen)| p.socket_outcome(&seen))),
