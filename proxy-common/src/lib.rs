@@ -297,6 +297,7 @@ pub mod program_names {
     pub const RECVMSG6: &str = "kpr_recvmsg6";
     pub const GETPEERNAME6: &str = "kpr_getpeername6";
     pub const SOCK_RELEASE: &str = "kpr_sock_release";
+    pub const SOCK_OPS: &str = "kpr_sock_ops";
     pub const TC_INGRESS: &str = "kpr_tc_ingress";
     pub const TC_EGRESS: &str = "kpr_tc_egress";
     /// The same for links without Ethernet (`LINK_FLAG_NOT_ETHERNET`).
@@ -824,9 +825,10 @@ pub struct BackendKey {
     pub _pad: u8,
 }
 
-/// Value of `KPR_BACKEND_ANSWERS`: how the endpoint answered the first packets
-/// of new per-packet flows. A flow it never answers is not counted here: it stays among the
-/// new flows, where the agent sees it.
+/// Value of `KPR_BACKEND_ANSWERS`: how the endpoint answered the first packets of new flows,
+/// per packet and (TCP) on the socket path. A per-packet flow it never answers is not counted
+/// here: it stays among the new flows, where the agent sees it. (Changed within v17: a pinned
+/// map of the older value size is made anew, and its counts start again from zero.)
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct BackendAnswers {
@@ -834,6 +836,10 @@ pub struct BackendAnswers {
     pub answered: u64,
     /// Refused (TCP: a RST to the SYN: nothing listens).
     pub refused: u64,
+    /// Socket path only: a translated `connect()` whose SYN went unanswered until its first
+    /// retransmission (1 s), or that ended unanswered before it (the client gave up, an ICMP
+    /// error). Once per socket.
+    pub unanswered: u64,
 }
 
 /// Key of `KPR_SOCK_REVNAT` (a socket and the backend it was sent to) and of `KPR_SOCK_PICKS`
@@ -908,7 +914,26 @@ pub struct SockTcp {
     pub backend: Addr,
     /// Network byte order.
     pub backend_port: u16,
-    pub _pad: [u8; 6],
+    /// How far `kpr_sock_ops` has counted the connection's answer (`sock_answer`): 0 (what
+    /// an older build wrote in this padding) for a socket it leaves alone.
+    pub answer: u8,
+    /// The `bpf_sock_ops_cb_flags` `kpr_sock_ops` set on the socket while it waits (those
+    /// another program had set stay when it clears its own).
+    pub cb_flags: u8,
+    pub _pad: [u8; 4],
+}
+
+/// Where a socket-path TCP connection is in the counting of its endpoint's answer
+/// (`SockTcp::answer`).
+pub mod sock_answer {
+    /// Not counted: `kpr verify`'s probe, a socket of an older build, or counting is off.
+    pub const NONE: u8 = 0;
+    /// Connecting; its first answer (or none) is still to count.
+    pub const WAITING: u8 = 1;
+    /// Counted unanswered at its first retransmission; a later SYN-ACK still counts.
+    pub const LATE: u8 = 2;
+    /// Counted.
+    pub const DONE: u8 = 3;
 }
 
 /// How a conntrack key holds an address: each family has its own tables, so that an IPv4
@@ -1415,7 +1440,7 @@ const _: () = assert!(size_of::<ServiceKey>() == 20);
 const _: () = assert!(size_of::<ServiceValue>() == 24);
 const _: () = assert!(size_of::<AffinityKey>() == 24);
 const _: () = assert!(size_of::<BackendKey>() == 20);
-const _: () = assert!(size_of::<BackendAnswers>() == 16);
+const _: () = assert!(size_of::<BackendAnswers>() == 24);
 const _: () = assert!(size_of::<AffinityValue>() == 32);
 const _: () = assert!(size_of::<Backend>() == 20);
 const _: () = assert!(size_of::<SockRevNatKey>() == 32);

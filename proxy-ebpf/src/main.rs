@@ -5,6 +5,8 @@
 //! `tc`: tc programs on node interfaces that translate packets the socket hooks never see
 //! (NodePort, externalIPs, LoadBalancer IPs, ClusterIP traffic from other namespaces), with
 //! conntrack, reverse NAT and masquerade (kube-proxy's KUBE-NODEPORTS/KUBE-EXT/KUBE-MARK-MASQ).
+//! `sock_answers`: a `sock_ops` program counting how endpoints answer the socket path's TCP
+//! connects, for outlier detection.
 //! `flow_cache`: the per-CPU cache of established flows in front of `tc`'s conntrack.
 //! `maps`: every map shared with the agent; `globals`: the settings the agent writes at load.
 #![no_std]
@@ -18,6 +20,7 @@ mod flow_cache;
 mod globals;
 mod maps;
 mod packet;
+mod sock_answers;
 mod sock_lb;
 mod stats;
 mod tc;

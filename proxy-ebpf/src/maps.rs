@@ -141,8 +141,9 @@ pub static ENDPOINT_STATS: PerCpuHashMap<BackendKey, EndpointStats, 1, { BPF_F_N
     PerCpuHashMap::new();
 
 /// Endpoint → how it answered the first packets of new per-packet flows
-/// (`stats::backend_answered`): the successes and refusals of the agent's outlier detection
-/// (the flows it never answers are the new-flow tables' own). Shared by the CPUs, added to
+/// (`stats::backend_answered`): the successes and refusals of the agent's outlier detection,
+/// and the socket path's unanswered connects (the per-packet flows it never answers are the
+/// new-flow tables' own). Shared by the CPUs, added to
 /// atomically: a per-CPU value would take its size times every possible CPU, preallocated.
 /// LRU: an endpoint no flow reached for long goes.
 #[btf_map(name = "KPR_BACKEND_ANSWERS", pin_by_name)]

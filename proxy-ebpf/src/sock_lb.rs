@@ -4,7 +4,7 @@
 use aya_ebpf::{
     EbpfContext as _,
     bindings::{
-        bpf_sock_addr, bpf_sock_tuple, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1,
+        BPF_TCP_SYN_SENT, bpf_sock_addr, bpf_sock_tuple, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1,
         bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2, sockaddr,
     },
     helpers::{
@@ -19,7 +19,7 @@ use proxy_common::{
     AFFINITY_BY_NETNS, Addr, Backend, IPPROTO_TCP, IPPROTO_UDP, LINK_SERVICE_SOURCE, NODE_ADDR_NODEPORT, SCOPE_NODE,
     SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP,
     SERVICE_FLAG_SOURCE_RANGES, SOCK_QUOTA_TOTAL, SOCK_SLOTS as SLOTS_PER_SOCKET, ServiceKey, ServiceValue,
-    SockRevNatKey, SockRevNatValue, SockSlot, SockSlots, SockTcp, counter, event, service_stat,
+    SockRevNatKey, SockRevNatValue, SockSlot, SockSlots, SockTcp, counter, event, service_stat, sock_answer,
 };
 
 use crate::globals::{
@@ -228,7 +228,7 @@ fn forward(ctx: &SockAddrContext, family: SocketFamily, connect: bool) -> i32 {
     let entries = known
         // (`connect`: sendmsg hooks see UDP only, and their programs carry no TCP code.)
         || if connect && proto == IPPROTO_TCP {
-            take_tcp_entry(cookie, netns, share, &backend)
+            take_tcp_entry(cookie, netns, share, &backend, !verify_probe(sa))
         } else {
             take_slot(ctx, cookie, netns, share, &dest, key.port, &backend)
         };
@@ -546,10 +546,12 @@ fn drop_reverse(cookie: u64, slot: &SockSlot) {
 }
 
 /// A TCP socket's one entry, counted once however often it connects (a failed connect
-/// retried on the same socket): one it had for another endpoint goes.
+/// retried on the same socket): one it had for another endpoint goes. `watched`: its
+/// endpoint's answer is to be counted (`kpr_sock_ops`).
 #[inline(always)]
-fn take_tcp_entry(cookie: u64, netns: u64, share: u32, backend: &Backend) -> bool {
-    let entry = SockTcp { netns, backend: backend.addr, backend_port: backend.port, _pad: [0; 6] };
+fn take_tcp_entry(cookie: u64, netns: u64, share: u32, backend: &Backend, watched: bool) -> bool {
+    let answer = if watched { sock_answer::WAITING } else { sock_answer::NONE };
+    let entry = SockTcp { netns, backend: backend.addr, backend_port: backend.port, answer, cb_flags: 0, _pad: [0; 4] };
     if let Some(earlier) = SOCK_TCP.get_ptr_mut(&cookie) {
         // SAFETY: a map value of this run.
         let earlier = unsafe { &mut *earlier };
@@ -561,6 +563,7 @@ fn take_tcp_entry(cookie: u64, netns: u64, share: u32, backend: &Backend) -> boo
         });
         earlier.backend = entry.backend;
         earlier.backend_port = entry.backend_port;
+        earlier.answer = entry.answer;
         return true;
     }
     if !charge(netns, share) {
@@ -650,6 +653,12 @@ pub fn kpr_sock_release(ctx: SockContext) -> i32 {
     if let Some(tcp) = SOCK_TCP.get_ptr(&cookie) {
         // SAFETY: a map value, copied at once.
         let tcp = unsafe { *tcp };
+        // Closed while its SYN waits (the client gave up): unanswered. This runs before the
+        // close's state change, which `kpr_sock_ops` would no longer find the entry for.
+        // SAFETY: the kernel hands a valid socket.
+        if tcp.answer == sock_answer::WAITING && unsafe { (*ctx.sock).state } == BPF_TCP_SYN_SENT {
+            stats::backend_answered(&tcp.backend, tcp.backend_port, IPPROTO_TCP, stats::Answer::Unanswered);
+        }
         let _ = SOCK_REVNAT.remove(&SockRevNatKey { cookie, addr: tcp.backend, port: tcp.backend_port, _pad: [0; 6] });
         // Counted down by whoever removes it (two release programs run during a restart).
         if SOCK_TCP.remove(&cookie).is_ok() {

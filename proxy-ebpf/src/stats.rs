@@ -97,19 +97,33 @@ fn add_words<const N: usize>(words: &mut [u64; N], word: u32, packets: u64, byte
     words[service_stat::BYTES as usize] += bytes;
 }
 
-/// The endpoint at `addr`:`port` (network order) sent the first answer of a new per-packet
-/// flow, a refusal when `refused` (a RST to a SYN): counted in
-/// `KPR_BACKEND_ANSWERS`, which the agent's outlier detection reads. Once per flow, never on
-/// an established packet.
+/// How an endpoint answered a new flow's first packet (`KPR_BACKEND_ANSWERS`' words).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    Answered,
+    /// A RST to a SYN.
+    Refused,
+    /// No answer: a socket-path SYN unanswered at its first retransmission, or closed before
+    /// any answer (the per-packet path's unanswered flows are read from its new-flow tables).
+    Unanswered,
+}
+
+/// The endpoint at `addr`:`port` (network order) answered a new flow's first packet as
+/// `answer`: counted in `KPR_BACKEND_ANSWERS`, which the agent's outlier detection reads.
+/// Once per flow (per packet) or socket (socket path), never on an established packet.
 #[inline(never)]
-pub fn backend_answered(addr: &Addr, port: u16, proto: u8, refused: bool) {
+pub fn backend_answered(addr: &Addr, port: u16, proto: u8, answer: Answer) {
     let key = BackendKey { addr: *addr, port, proto, _pad: 0 };
     let map = core::ptr::from_ref(&BACKEND_ANSWERS).cast_mut().cast::<core::ffi::c_void>();
     let key_ptr = core::ptr::from_ref(&key).cast::<core::ffi::c_void>();
     // SAFETY: a map and a key of its type; the value (if any) is valid for this run.
     let counts = unsafe { bpf_map_lookup_elem(map, key_ptr) }.cast::<BackendAnswers>();
     if counts.is_null() {
-        let first = BackendAnswers { answered: u64::from(!refused), refused: u64::from(refused) };
+        let first = BackendAnswers {
+            answered: u64::from(answer == Answer::Answered),
+            refused: u64::from(answer == Answer::Refused),
+            unanswered: u64::from(answer == Answer::Unanswered),
+        };
         let value = core::ptr::from_ref(&first).cast::<core::ffi::c_void>();
         // SAFETY: a map, a key and a value of its types. A racing insert on another CPU wins
         // (BPF_NOEXIST): one answer uncounted.
@@ -117,6 +131,12 @@ pub fn backend_answered(addr: &Addr, port: u16, proto: u8, refused: bool) {
         return;
     }
     // SAFETY: a map value, valid for this program run; other CPUs add to it too.
-    let word = unsafe { if refused { &raw mut (*counts).refused } else { &raw mut (*counts).answered } };
+    let word = unsafe {
+        match answer {
+            Answer::Answered => &raw mut (*counts).answered,
+            Answer::Refused => &raw mut (*counts).refused,
+            Answer::Unanswered => &raw mut (*counts).unanswered,
+        }
+    };
     atomic_add(word, 1);
 }

@@ -1,7 +1,8 @@
 //! Passive outlier detection on the real agent: one of a Service's three endpoints loses its
-//! network while the API still calls it ready; a client pod's new connections (the per-packet
-//! path) stop failing once the agent has sidelined it, connections to the others live on, and
-//! the endpoint gets connections again once its network is back. Needs root.
+//! network while the API still calls it ready; a client pod's new connections (through the
+//! per-packet path, or the socket path) stop failing once the agent has sidelined it,
+//! connections to the others live on, and the endpoint gets connections again once its network
+//! is back. Needs root.
 use std::{
     io::{BufRead as _, BufReader, Write as _},
     net::{Ipv4Addr, SocketAddr, TcpStream},
@@ -71,17 +72,37 @@ fn kpr_services(h: &Harness) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Which of kpr's paths the client pod's connections take.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum ClientPath {
+    /// Its link's tc programs (the socket hooks are on a cgroup it is not in).
+    PerPacket,
+    /// The socket hooks, at `connect()` (the client is in their cgroup).
+    Socket,
+}
+
 #[test]
 fn an_endpoint_that_stops_answering_is_sidelined_and_comes_back_with_its_network() {
+    sidelined_and_back(ClientPath::PerPacket);
+}
+
+#[test]
+fn an_endpoint_the_socket_path_finds_unanswering_is_sidelined_and_comes_back() {
+    sidelined_and_back(ClientPath::Socket);
+}
+
+fn sidelined_and_back(path: ClientPath) {
     let mut h = Harness::new("kout", &["pod-a", "pod-b", "pod-c", "client"]).unwrap();
     h.write_service("web", IP, &[HTTP], &[0, 1, 2]).unwrap();
     let svc = std::fs::read_to_string(h.manifests.join("web-svc.yaml")).unwrap();
     let annotated = svc.replacen("metadata:\n", "metadata:\n  annotations: {kpr.io/outlier-detection: 'on'}\n", 1);
     h.write("web-svc.yaml", &annotated).unwrap();
-    // The socket hooks on a cgroup of their own, which this process is not in: the client
-    // pod's connections are served per packet, on its link.
+    // Per packet: the socket hooks on a cgroup of their own, which this process is not in.
+    // Socket path: on the harness's cgroup, which this process is in.
     let hooks = testbed::Cgroup::new(&format!("{}/hooks", h.name)).unwrap();
-    h.agent_cgroup = Some(hooks.path.clone());
+    if path == ClientPath::PerPacket {
+        h.agent_cgroup = Some(hooks.path.clone());
+    }
     h.agent_in_node_netns = true;
     h.agent_args = ["--interfaces=veth0,veth1,veth2,veth3", "--outlier-failures=3"].map(Into::into).to_vec();
     h.topology.client.run(|| std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").unwrap()).unwrap();
@@ -99,7 +120,13 @@ fn an_endpoint_that_stops_answering_is_sidelined_and_comes_back_with_its_network
         names.insert(ask(&h).expect("every endpoint answers"));
     }
     assert_eq!(names, ["pod-a", "pod-b", "pod-c"].map(String::from).into(), "spread over the three");
-    assert!(h.counter("tc_new_flow") >= 30, "served per packet, not at the sockets");
+    match path {
+        ClientPath::PerPacket => assert!(h.counter("tc_new_flow") >= 30, "served per packet, not at the sockets"),
+        ClientPath::Socket => {
+            assert!(h.counter("translated") >= 30, "served at the sockets");
+            assert_eq!(h.counter("tc_new_flow"), 0, "not per packet");
+        }
+    }
 
     // A connection to another endpoint, held across the outage.
     let held = h.topology.pods[3]
@@ -156,7 +183,7 @@ fn an_endpoint_that_stops_answering_is_sidelined_and_comes_back_with_its_network
         assert_ne!(answer, "pod-b");
     }
     eprintln!(
-        "pod-b sidelined {} ms after its link went down ({failed} connections failed, the last {} ms after)",
+        "{path:?}: pod-b sidelined {} ms after its link went down ({failed} connections failed, the last {} ms after)",
         sidelined_in.as_millis(),
         last_failure.unwrap_or_default().as_millis()
     );
@@ -188,7 +215,87 @@ fn an_endpoint_that_stops_answering_is_sidelined_and_comes_back_with_its_network
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    eprintln!("pod-b answered again {} ms after its link came back", up.elapsed().as_millis());
+    eprintln!("{path:?}: pod-b answered again {} ms after its link came back", up.elapsed().as_millis());
     assert_eq!(metric(&h, sample), None, "no longer sidelined");
     drop(hooks);
+}
+
+/// Service `name` on `ip`:80, annotated to opt in, with one endpoint: pod `pod` on `port`.
+fn opted_in_service(h: &Harness, name: &str, ip: Ipv4Addr, pod: usize, port: u16) {
+    let svc = testbed::service_manifest("test", name, &[ip.into()], &[HTTP]);
+    let annotated = svc.replacen("metadata:\n", "metadata:\n  annotations: {kpr.io/outlier-detection: 'on'}\n", 1);
+    h.write(&format!("{name}-svc.yaml"), &annotated).unwrap();
+    let ips = [h.topology.pods[pod].ip.into()];
+    h.write(
+        &format!("{name}-slice.yaml"),
+        &testbed::slice_manifest("test", name, &format!("{name}-1"), &ips, &[("http", port, "TCP")]),
+    )
+    .unwrap();
+}
+
+/// The socket path's counts, per endpoint: a `connect()` answered, one refused (nothing
+/// listens), one whose SYN went unanswered until its first retransmission, and one given up
+/// before it; each counted once, and `kpr verify`'s probes of the same frontends not at all.
+#[test]
+fn the_socket_path_counts_each_connects_answer_once_for_its_endpoint() {
+    const WEB: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 31);
+    const CLOSED: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 32);
+    const DARK: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 33);
+    let mut h = Harness::new("kans", &["pod-a", "pod-b", "pod-c", "client"]).unwrap();
+    opted_in_service(&h, "web", WEB, 0, kpr_tests::POD_PORT);
+    opted_in_service(&h, "closed", CLOSED, 1, kpr_tests::POD_PORT + 1);
+    opted_in_service(&h, "dark", DARK, 2, kpr_tests::POD_PORT);
+    h.agent_in_node_netns = true;
+    h.agent_args = ["--interfaces=veth0,veth1,veth2,veth3", "--verify-period=1s"].map(Into::into).to_vec();
+    h.topology.client.run(|| std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").unwrap()).unwrap();
+    h.start_agent().unwrap();
+    for ip in [WEB, CLOSED, DARK] {
+        h.wait(&format!("{ip}:80/TCP"), Some(1)).unwrap();
+    }
+    let endpoint = |pod: usize, port: u16| kpr::model::outliers::Endpoint {
+        addr: SocketAddr::from((h.topology.pods[pod].ip, port)),
+        protocol: kpr::model::Protocol::Tcp,
+    };
+    let (web, closed, dark) = (endpoint(0, 8080), endpoint(1, 8081), endpoint(2, 8080));
+    let watch = kpr::datapath::backend_answers::BackendWatch::open(&h.pin_root).unwrap();
+    let counts = || {
+        let seen = watch.observe(&[web, closed, dark].into()).unwrap();
+        [web, closed, dark].map(|e| seen.answers.get(&e).copied().unwrap_or_default())
+    };
+    let connect = |ip: Ipv4Addr, timeout: Duration| {
+        h.topology.pods[3].netns.run(move || TcpStream::connect_timeout(&SocketAddr::from((ip, 80)), timeout)).unwrap()
+    };
+    // The agent asks for answers once it watches an opted-in Service's endpoints.
+    let deadline = Instant::now() + testbed::slow(Duration::from_secs(10));
+    while counts()[0].answered == 0 {
+        assert!(Instant::now() < deadline, "answers never counted: {:?}", counts());
+        connect(WEB, CONNECT).expect("web answers");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let before = counts();
+    let runs = metric(&h, "kpr_datapath_verify_runs_total").unwrap_or_default();
+    pod_c_goes_dark(&h);
+    connect(WEB, CONNECT).expect("web answers");
+    let refused = connect(CLOSED, CONNECT).expect_err("nothing listens on 8081");
+    assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused, "{refused}");
+    // Retransmitted at 1 s: counted then; given up at 1.5 s: not again.
+    assert!(connect(DARK, Duration::from_millis(1500)).is_err());
+    // Given up at 200 ms: counted as the socket closes.
+    assert!(connect(DARK, Duration::from_millis(200)).is_err());
+    // `kpr verify`'s probes of the three frontends ran meanwhile (1 s period).
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(metric(&h, "kpr_datapath_verify_runs_total").unwrap_or_default() >= runs + 2.0);
+    let after = counts();
+    let grew = |i: usize| {
+        let (a, b): (Answers, Answers) = (after[i], before[i]);
+        (a.answered - b.answered, a.refused - b.refused, a.unanswered - b.unanswered)
+    };
+    assert_eq!([grew(0), grew(1), grew(2)], [(1, 0, 0), (0, 1, 0), (0, 0, 2)], "{before:?} → {after:?}");
+}
+
+type Answers = kpr::model::outliers::Answers;
+
+/// Pod-c's link down: its SYNs get no answer.
+fn pod_c_goes_dark(h: &Harness) {
+    h.topology.pods[2].netns.ip(&["link", "set", "eth0", "down"]).unwrap();
 }

@@ -23,7 +23,7 @@ use kpr::{
         ObjectKey, Protocol, ServicePortName,
         cidr::Cidr,
         desired::{Desired, DesiredPort, frontend_key},
-        outliers::Endpoint,
+        outliers::{Answers, Endpoint},
     },
 };
 use kpr_tests::map_state::MapState;
@@ -1483,7 +1483,8 @@ fn an_endpoints_answers_refusals_and_unanswered_flows_are_seen_per_endpoint() {
         assert_eq!(rig.egress(&udp(pod, 5353, client, 40093).bytes()).0, TC_ACT_OK);
 
         let seen = watch.observe(&watched).unwrap();
-        assert_eq!(seen.answers, BTreeMap::from([(web, (1, 1)), (dns, (1, 0))]), "{seen:?}");
+        let counts = |answered, refused| Answers { answered, refused, unanswered: 0 };
+        assert_eq!(seen.answers, BTreeMap::from([(web, counts(1, 1)), (dns, counts(1, 0))]), "{seen:?}");
         assert_eq!(seen.unanswered.keys().collect::<Vec<_>>(), [&web], "{seen:?}");
         assert_eq!(seen.unanswered[&web].len(), 1, "the unanswered SYN only: {seen:?}");
         assert_eq!(watch.observe(&watched).unwrap().unanswered, seen.unanswered, "the same flow, the same id");

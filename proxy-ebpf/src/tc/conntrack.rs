@@ -163,7 +163,8 @@ fn table_flow<'a, F: Family>(
         // The flow's first answer, from its endpoint (the replies' source), while outlier
         // detection reads them.
         let refused = t.proto == IPPROTO_TCP && tcp_flags & TCP_RST != 0;
-        stats::backend_answered(&t.saddr, t.sport, t.proto, refused);
+        let answer = if refused { stats::Answer::Refused } else { stats::Answer::Answered };
+        stats::backend_answered(&t.saddr, t.sport, t.proto, answer);
     }
     if confirmed {
         touch(established, key, entry_ptr, entry, seen, now);

@@ -1,7 +1,8 @@
-//! What the per-packet path shows of the endpoints outlier detection watches
-//! ([`crate::model::outliers`]): the new flows each has left unanswered so far (the new-flow
-//! tables), and the first answers it gave (`KPR_BACKEND_ANSWERS`, counted by the programs once
-//! per flow). Read from the pins once a second while a Service opts in.
+//! What the datapath shows of the endpoints outlier detection watches
+//! ([`crate::model::outliers`]): the per-packet new flows each has left unanswered so far (the
+//! new-flow tables), and the first answers it gave (`KPR_BACKEND_ANSWERS`, counted by the
+//! programs once per flow, and once per socket-path TCP connect with its unanswered ones).
+//! Read from the pins once a second while a Service opts in.
 use std::{
     collections::BTreeSet,
     hash::{Hash as _, Hasher as _},
@@ -16,7 +17,7 @@ use proxy_common::{BackendAnswers, BackendKey, ct, map_names};
 use super::{bpf::pins::open_pinned_map, conntrack::Conntrack};
 use crate::model::{
     Protocol,
-    outliers::{Endpoint, Observation},
+    outliers::{Answers, Endpoint, Observation},
 };
 
 pub struct BackendWatch {
@@ -68,7 +69,8 @@ impl BackendWatch {
             };
             // Absent: no flow of the endpoint's has been answered since the map was made.
             if let Ok(counts) = self.answers.get(&key, 0) {
-                seen.answers.insert(*endpoint, (counts.answered, counts.refused));
+                let BackendAnswers { answered, refused, unanswered } = counts;
+                seen.answers.insert(*endpoint, Answers { answered, refused, unanswered });
             }
         }
         Ok(seen)

@@ -80,8 +80,33 @@ pub struct Observation {
     /// (stable while the flow lives).
     pub unanswered: BTreeMap<Endpoint, BTreeSet<u64>>,
     /// Each endpoint's first answers to new flows so far (counters that only grow, unless
-    /// the datapath's map was made anew): (answered, refused).
-    pub answers: BTreeMap<Endpoint, (u64, u64)>,
+    /// the datapath's map was made anew).
+    pub answers: BTreeMap<Endpoint, Answers>,
+}
+
+/// How an endpoint answered new flows, counted since the datapath's map was made.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Answers {
+    /// Per-packet flows and socket-path connects answered.
+    pub answered: u64,
+    /// Refused (a RST to a SYN), on either path.
+    pub refused: u64,
+    /// Socket-path connects left unanswered (their SYN retransmitted, or given up); the
+    /// per-packet path's are [`Observation::unanswered`].
+    pub unanswered: u64,
+}
+
+impl Answers {
+    /// What grew since `before`: counters below it mean the map was made anew (an upgrade),
+    /// and all are news.
+    fn since(self, before: Self) -> Self {
+        let grew = |now: u64, before: u64| if now >= before { now - before } else { now };
+        Self {
+            answered: grew(self.answered, before.answered),
+            refused: grew(self.refused, before.refused),
+            unanswered: grew(self.unanswered, before.unanswered),
+        }
+    }
 }
 
 /// What became of an endpoint with an observation.
@@ -106,7 +131,7 @@ struct Health {
     pending: BTreeSet<u64>,
     counted: BTreeSet<u64>,
     /// The answer counters at the last observation.
-    answers: (u64, u64),
+    answers: Answers,
     /// Sidelined until then.
     sidelined_until: Option<Instant>,
     /// Returned from a sidelining then: a failure within a window of it sidelines it again,
@@ -163,19 +188,17 @@ impl Outliers {
         let mut changes = Vec::new();
         for (endpoint, health) in self.health.iter_mut().filter(|(e, _)| seen.covered.contains(*e)) {
             let endpoint = *endpoint;
-            let (answered, refused) = seen.answers.get(&endpoint).copied().unwrap_or_default();
+            let answers = seen.answers.get(&endpoint).copied().unwrap_or_default();
             let unanswered = seen.unanswered.get(&endpoint).cloned().unwrap_or_default();
             if !health.baseline {
                 health.baseline = true;
-                health.answers = (answered, refused);
+                health.answers = answers;
                 health.counted = unanswered.clone();
                 health.pending = unanswered;
                 continue;
             }
-            // Counters below the last ones: the map was made anew (an upgrade); all are news.
-            let grew = |now: u64, before: u64| if now >= before { now - before } else { now };
-            let (new_answers, new_refusals) = (grew(answered, health.answers.0), grew(refused, health.answers.1));
-            health.answers = (answered, refused);
+            let news = answers.since(health.answers);
+            health.answers = answers;
             // A flow unanswered at two observations in a row has waited past the grace.
             let late = unanswered.intersection(&health.pending).filter(|f| !health.counted.contains(f)).count();
             health.counted = health
@@ -185,11 +208,12 @@ impl Outliers {
                 .chain(unanswered.intersection(&health.pending).copied())
                 .collect();
             health.pending = unanswered;
-            let failed = late + usize::try_from(new_refusals).unwrap_or(usize::MAX);
+            let failed = late
+                .saturating_add(usize::try_from(news.refused.saturating_add(news.unanswered)).unwrap_or(usize::MAX));
             if failed > 0 {
                 health.last_failure = Some(now);
             }
-            if new_answers > 0 && new_answers >= failed as u64 {
+            if news.answered > 0 && news.answered >= failed as u64 {
                 // Answers, at least as many as failures since the last observation (whose
                 // order among them is unknown): the run is broken, probation is over. An
                 // endpoint that loses a SYN now and then among many answers stays.
@@ -354,6 +378,16 @@ mod tests {
         Observation { covered: covered(), unanswered, answers: BTreeMap::new() }
     }
 
+    /// Per-packet answers and refusals counted so far.
+    fn answers(answered: u64, refused: u64) -> Answers {
+        Answers { answered, refused, unanswered: 0 }
+    }
+
+    /// Socket-path counts of `endpoint` so far, and no per-packet flow waiting.
+    fn socket_counts(endpoint: Endpoint, answered: u64, refused: u64, unanswered: u64) -> Observation {
+        Observation { answers: BTreeMap::from([(endpoint, Answers { answered, refused, unanswered })]), ..nothing() }
+    }
+
     /// An observation without news.
     fn nothing() -> Observation {
         Observation { covered: covered(), ..Default::default() }
@@ -392,6 +426,24 @@ mod tests {
     }
 
     #[test]
+    fn socket_path_connects_left_unanswered_or_refused_are_failures_at_once() {
+        let mut outliers = watching(&[1, 2, 3]);
+        let t0 = Instant::now();
+        // Counted by the programs once retransmitted or given up on: no grace here. Three
+        // failures among four answers: the run is broken.
+        assert!(outliers.observe(t0, &socket_counts(ep(2), 4, 1, 2)).is_empty());
+        assert!(outliers.observe(t0 + Duration::from_secs(1), &socket_counts(ep(2), 4, 2, 5)).is_empty(), "4 < 5");
+        let changes = outliers.observe(t0 + Duration::from_secs(2), &socket_counts(ep(2), 4, 2, 6));
+        assert_eq!(changes, vec![Change::Sidelined { endpoint: ep(2), failures: 5, backoff: Duration::from_secs(10) }]);
+        // The per-packet path's flows and the socket path's counts add up.
+        let mut seen = unanswered(ep(3), 1..=3);
+        outliers.observe(t0 + Duration::from_secs(3), &seen);
+        seen.answers.insert(ep(3), Answers { answered: 0, refused: 0, unanswered: 2 });
+        let changes = outliers.observe(t0 + Duration::from_secs(4), &seen);
+        assert_eq!(changes, vec![Change::Sidelined { endpoint: ep(3), failures: 5, backoff: Duration::from_secs(10) }]);
+    }
+
+    #[test]
     fn a_flow_is_counted_once_and_an_answer_breaks_the_run() {
         let mut outliers = watching(&[1, 2]);
         let t0 = Instant::now();
@@ -402,13 +454,13 @@ mod tests {
         }
         // An answer: the run starts over, so four more failures do not reach five.
         let mut seen = unanswered(ep(1), 10..=13);
-        seen.answers.insert(ep(1), (1, 0));
+        seen.answers.insert(ep(1), answers(1, 0));
         assert!(outliers.observe(t0 + Duration::from_secs(4), &seen).is_empty());
         let mut seen = unanswered(ep(1), 10..=13);
-        seen.answers.insert(ep(1), (1, 0));
+        seen.answers.insert(ep(1), answers(1, 0));
         assert!(outliers.observe(t0 + Duration::from_secs(5), &seen).is_empty(), "4 failures since the answer");
         // Refusals (RSTs to SYNs) count as failures: one more makes five.
-        seen.answers.insert(ep(1), (1, 1));
+        seen.answers.insert(ep(1), answers(1, 1));
         let changes = outliers.observe(t0 + Duration::from_secs(6), &seen);
         assert!(matches!(changes[..], [Change::Sidelined { failures: 5, .. }]), "{changes:?}");
     }
@@ -423,14 +475,14 @@ mod tests {
             answered += 50;
             let mut seen = unanswered(ep(1), [2 * s, 2 * s + 1]);
             seen.unanswered.get_mut(&ep(1)).unwrap().extend([2 * s + 2, 2 * s + 3]);
-            seen.answers.insert(ep(1), (answered, 0));
+            seen.answers.insert(ep(1), answers(answered, 0));
             assert!(outliers.observe(t0 + Duration::from_secs(s), &seen).is_empty(), "second {s}");
         }
         // Answering fewer than it fails: the failures run on.
         let mut seen = unanswered(ep(1), 100..=105);
-        seen.answers.insert(ep(1), (answered, 0));
+        seen.answers.insert(ep(1), answers(answered, 0));
         outliers.observe(t0 + Duration::from_secs(20), &seen);
-        seen.answers.insert(ep(1), (answered + 1, 0));
+        seen.answers.insert(ep(1), answers(answered + 1, 0));
         let changes = outliers.observe(t0 + Duration::from_secs(21), &seen);
         assert!(matches!(changes[..], [Change::Sidelined { failures: 6, .. }]), "{changes:?}");
     }
@@ -466,7 +518,7 @@ mod tests {
         // Returned again, it answers: probation over, and a window later the back-off is reset.
         let back = outliers.observe(t0 + Duration::from_secs(33), &nothing());
         assert_eq!(back, vec![Change::Returned { endpoint: ep(1) }]);
-        let answered = Observation { answers: BTreeMap::from([(ep(1), (1, 0))]), ..nothing() };
+        let answered = Observation { answers: BTreeMap::from([(ep(1), answers(1, 0))]), ..nothing() };
         outliers.observe(t0 + Duration::from_secs(34), &answered);
         outliers.observe(t0 + Duration::from_secs(50), &answered);
         outliers.observe(t0 + Duration::from_secs(51), &unanswered(ep(1), 30..=34));
@@ -504,10 +556,10 @@ mod tests {
         // failures right after sideline it for twice as long.
         outliers.observe(
             t0 + Duration::from_secs(12),
-            &Observation { answers: BTreeMap::from([(ep(1), (1, 0))]), ..nothing() },
+            &Observation { answers: BTreeMap::from([(ep(1), answers(1, 0))]), ..nothing() },
         );
         let mut seen = unanswered(ep(1), 40..=44);
-        seen.answers.insert(ep(1), (1, 0));
+        seen.answers.insert(ep(1), answers(1, 0));
         outliers.observe(t0 + Duration::from_secs(13), &seen);
         let changes = outliers.observe(t0 + Duration::from_secs(14), &seen);
         assert_eq!(changes, vec![Change::Sidelined { endpoint: ep(1), failures: 5, backoff: Duration::from_secs(20) }]);
@@ -518,7 +570,7 @@ mod tests {
         let mut outliers = Outliers::new(OutlierSettings::default());
         let t0 = Instant::now();
         let old = Observation {
-            answers: BTreeMap::from([(ep(1), (40, 7))]),
+            answers: BTreeMap::from([(ep(1), answers(40, 7))]),
             unanswered: BTreeMap::from([(ep(1), (1..=5).collect())]),
             ..nothing()
         };
@@ -536,7 +588,7 @@ mod tests {
         assert!(!outliers.is_sidelined(&ep(1)));
         // A refusal after that is news.
         let mut seen = old.clone();
-        seen.answers.insert(ep(1), (40, 8));
+        seen.answers.insert(ep(1), answers(40, 8));
         assert!(outliers.observe(t0 + Duration::from_secs(4), &seen).is_empty());
         assert_eq!(outliers.health[&ep(1)].failures.len(), 1);
     }

@@ -176,13 +176,28 @@ pub(super) fn attach_sock_release(ebpf: &mut Ebpf, cgroup: &File, dir: &Path) ->
     let prog: &mut aya::programs::CgroupSock =
         ebpf.program_mut(name).with_context(|| format!("program `{name}` missing from the eBPF object"))?.try_into()?;
     prog.load().with_context(|| format!("the verifier rejected `{name}`"))?;
-    let link_path = dir.join(format!("link_{name}"));
     let id = prog.attach(cgroup, CgroupAttachMode::Single)?;
-    let link: FdLink = prog.take_link(id)?.try_into()?;
-    if link_path.exists() {
-        fs::remove_file(&link_path).with_context(|| format!("failed to remove {}", link_path.display()))?;
+    pin_replacing(prog.take_link(id)?.try_into()?, &dir.join(format!("link_{name}")))
+}
+
+/// The `sock_ops` program counting how endpoints answer the socket path's TCP connects (outlier
+/// detection). Attached anew at each start, as the release hook is: during a restart both
+/// agents' programs run a moment, and a connection may be counted twice.
+pub(super) fn attach_sock_ops(ebpf: &mut Ebpf, cgroup: &File, dir: &Path) -> Result<()> {
+    let name = program_names::SOCK_OPS;
+    let prog: &mut aya::programs::SockOps =
+        ebpf.program_mut(name).with_context(|| format!("program `{name}` missing from the eBPF object"))?.try_into()?;
+    prog.load().with_context(|| format!("the verifier rejected `{name}`"))?;
+    let id = prog.attach(cgroup, CgroupAttachMode::Single)?;
+    pin_replacing(prog.take_link(id)?.try_into()?, &dir.join(format!("link_{name}")))
+}
+
+/// Pin `link` at `path`, in place of a previous agent's link there (which detaches with it).
+pub(super) fn pin_replacing(link: FdLink, path: &Path) -> Result<()> {
+    if path.exists() {
+        fs::remove_file(path).with_context(|| format!("failed to remove {}", path.display()))?;
     }
-    link.pin(&link_path).with_context(|| format!("failed to pin {}", link_path.display()))?;
+    link.pin(path).with_context(|| format!("failed to pin {}", path.display()))?;
     Ok(())
 }
 

@@ -21,13 +21,13 @@ use std::fs::{self, File};
 
 use anyhow::{Context as _, Result};
 use aya::{
-    programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink},
+    programs::{CgroupAttachMode, CgroupSockAddr},
     util::KernelVersion,
 };
 
 pub(crate) use self::object::kernel_since;
 use self::{
-    cgroup::{HOOKS, attach_sock_release, reuse_cgroup_link},
+    cgroup::{HOOKS, attach_sock_ops, attach_sock_release, pin_replacing, reuse_cgroup_link},
     object::start_ebpf_logger,
     pins::OlderConntrack,
 };
@@ -98,17 +98,14 @@ impl BpfDatapath {
                 let id = prog
                     .attach(&cgroup, CgroupAttachMode::Single)
                     .with_context(|| format!("failed to attach `{name}` to {}", cfg.cgroup.display()))?;
-                let link: FdLink = prog.take_link(id)?.try_into()?;
-                if link_path.exists() {
-                    fs::remove_file(&link_path).with_context(|| format!("failed to remove {}", link_path.display()))?;
-                }
-                link.pin(&link_path).with_context(|| format!("failed to pin {}", link_path.display()))?;
+                pin_replacing(prog.take_link(id)?.try_into()?, &link_path)?;
                 tracing::debug!(program = name, cgroup = %cfg.cgroup.display(), "attached and pinned");
             }
         }
         // Without it, closed sockets' entries would stay counted and their namespaces' shares
         // fill for good: the socket path does not run without it.
         attach_sock_release(&mut ebpf, &cgroup, &dir).context("failed to attach the socket release hook")?;
+        attach_sock_ops(&mut ebpf, &cgroup, &dir).context("failed to attach the socket answers program")?;
         load_tc_programs(&mut ebpf)?;
 
         let mut maps = BpfMaps::take_from(&mut ebpf)?;
