@@ -57,7 +57,7 @@ pub struct Suite {
 /// 6.3, the checksum helper before 6.2, `EPERM` before 5.18), the VMs' own modules (SCTP).
 /// The operator surface, the image, the API-server suite and the kube-proxy differential
 /// suites run on the host only.
-pub const SUITES: [Suite; 4] = [
+pub const SUITES: [Suite; 5] = [
     // Every program through the verifier (each datapath setting a test asks for loads them
     // all, once per test process) and every datapath table:
     // all of it on 6.1; on 6.12 each program and stage of both families, each protocol, the
@@ -115,6 +115,18 @@ pub const SUITES: [Suite; 4] = [
     },
     // The agent loading and attaching every program.
     Suite { name: "demo", host_only: &[], sample: None, sample_on_full: false },
+    // The socket path's answers (`kpr_sock_ops`): which callbacks come, and when, is the
+    // kernel's (RTO_CB, the state change, `segs_in`, the release hook before the close). The
+    // sidelining itself is the agent's, on the host.
+    Suite {
+        name: "outliers",
+        host_only: &[
+            "an_endpoint_that_stops_answering_is_sidelined_and_comes_back_with_its_network",
+            "an_endpoint_the_socket_path_finds_unanswering_is_sidelined_and_comes_back",
+        ],
+        sample: None,
+        sample_on_full: false,
+    },
     Suite {
         name: "multinode",
         host_only: &[

@@ -54,6 +54,11 @@ struct Args {
     /// Only the socket-LB connection rate, over IPv4 and IPv6 (connection_rate.json).
     #[arg(long)]
     connection_rate: bool,
+    /// With --connection-rate: detach `kpr_sock_ops` (outlier detection's answer counting on
+    /// the socket path) once loaded, to measure what its presence costs a connect
+    /// (connection_rate_without_sock_ops.json).
+    #[arg(long, requires = "connection_rate")]
+    without_sock_ops: bool,
     /// Only the NodePort paths, IPv4 and IPv6: kpr, kube-proxy's rules, direct (node_port.json).
     #[arg(long)]
     node_port: bool,
@@ -113,9 +118,11 @@ fn main() -> Result<()> {
     if args.connection_rate {
         let (rounds, per_round) = if quick { (4, 500) } else { (24, 500) };
         let sizes: &[usize] = if quick { &[100, 10_000] } else { &[100, 10_000, 50_000] };
-        let conn = connection_rate(sizes, rounds, per_round, false)?;
-        let conn6 = connection_rate(sizes, rounds, per_round, true)?;
-        write_json("connection_rate.json", &json!({"connection_rate": conn, "connection_rate_ipv6": conn6}))?;
+        let sock_ops = !args.without_sock_ops;
+        let conn = connection_rate(sizes, rounds, per_round, false, sock_ops)?;
+        let conn6 = connection_rate(sizes, rounds, per_round, true, sock_ops)?;
+        let file = if sock_ops { "connection_rate.json" } else { "connection_rate_without_sock_ops.json" };
+        write_json(file, &json!({"connection_rate": conn, "connection_rate_ipv6": conn6}))?;
         return Ok(());
     }
     if args.node_port {
@@ -140,8 +147,8 @@ fn main() -> Result<()> {
     let sizes: &[usize] = if quick { &[100, 10_000] } else { &[100, 10_000, 50_000] };
     let (rounds, per_round) = if quick { (4, 500) } else { (24, 500) };
 
-    let conn = connection_rate(sizes, rounds, per_round, false)?;
-    let conn6 = connection_rate(sizes, rounds, per_round, true)?;
+    let conn = connection_rate(sizes, rounds, per_round, false, true)?;
+    let conn6 = connection_rate(sizes, rounds, per_round, true, true)?;
     let program = programming_time(10_000, 4)?;
     let latency = event_latency(if quick { 10 } else { 30 })?;
     let per_packet = tc_ns_per_packet(if quick { 100_000 } else { 1_000_000 })?;
@@ -287,7 +294,13 @@ fn median_ratio(rounds: &[f64], direct_rounds: &[f64]) -> f64 {
 }
 
 /// Connection rate over IPv4, or over IPv6 (`v6`): an IPv6 ClusterIP, an IPv6 pod.
-fn connection_rate(sizes: &[usize], rounds: usize, per_round: usize, v6: bool) -> Result<serde_json::Value> {
+fn connection_rate(
+    sizes: &[usize],
+    rounds: usize,
+    per_round: usize,
+    v6: bool,
+    sock_ops: bool,
+) -> Result<serde_json::Value> {
     let name = testbed::unique_name("kb-conn");
     let topology = Topology::new(&name, &["pod"])?;
     let (pod, target): (IpAddr, IpAddr) = if v6 {
@@ -309,6 +322,17 @@ fn connection_rate(sizes: &[usize], rounds: usize, per_round: usize, v6: bool) -
     cfg.max_service_ports = 65_536;
     let mut datapath = BpfDatapath::load(&cfg)?;
     let mut programmer = Programmer::recover(&mut datapath.maps)?;
+    // Outlier detection's answer counting (`kpr_sock_ops`), on for the "counting" rounds only.
+    let mut answers = kpr::datapath::backend_answers::BackendWatch::open(&pins.0)?;
+    if !sock_ops {
+        // Its link's pin is its last reference: the program detaches with it.
+        let link = pins.0.join(format!(
+            "v{}/link_{}",
+            proxy_common::PIN_LAYOUT_VERSION,
+            proxy_common::program_names::SOCK_OPS
+        ));
+        std::fs::remove_file(&link).with_context(|| format!("failed to remove {}", link.display()))?;
+    }
     cgroup.enter()?;
 
     let family = if v6 { "IPv6" } else { "IPv4" };
@@ -316,22 +340,34 @@ fn connection_rate(sizes: &[usize], rounds: usize, per_round: usize, v6: bool) -
         "{family} connection rate, one client thread, new TCP connection per request ({rounds} A/B rounds × {per_round})"
     );
     println!(
-        "{:>8} {:>12} {:>12} {:>7} {:>10} {:>10} {:>10} {:>10}",
-        "services", "direct c/s", "kpr c/s", "ratio", "direct p50", "kpr p50", "direct p99", "kpr p99"
+        "{:>8} {:>12} {:>12} {:>7} {:>10} {:>10} {:>10} {:>10} {:>12} {:>10}",
+        "services",
+        "direct c/s",
+        "kpr c/s",
+        "ratio",
+        "direct p50",
+        "kpr p50",
+        "direct p99",
+        "kpr p99",
+        "counting c/s",
+        "count p50"
     );
     let mut out = Vec::new();
     for &n in sizes {
         programmer.apply(&desired_with(n, 4, pod), &mut datapath.maps);
-        let (direct, via) = topology.client.run(move || -> Result<_> {
+        let (direct, via, counting, answers_back) = topology.client.run(move || -> Result<_> {
             let mut lat: BTreeMap<&str, Vec<Duration>> = BTreeMap::new();
             let mut time: BTreeMap<&str, Duration> = BTreeMap::new();
             for _ in 0..50 {
                 one_connection(SocketAddr::new(target, 80))?; // warm-up
             }
             for _ in 0..rounds {
-                for (label, addr) in
-                    [("direct", SocketAddr::new(pod, BENCH_PORT)), ("kpr", SocketAddr::new(target, 80))]
-                {
+                for (label, addr) in [
+                    ("direct", SocketAddr::new(pod, BENCH_PORT)),
+                    ("kpr", SocketAddr::new(target, 80)),
+                    ("counting", SocketAddr::new(target, 80)),
+                ] {
+                    answers.want_answers(label == "counting")?;
                     let started = Instant::now();
                     for _ in 0..per_round {
                         lat.entry(label)
@@ -347,24 +383,29 @@ fn connection_rate(sizes: &[usize], rounds: usize, per_round: usize, v6: bool) -
                 let rate = l.len() as f64 / time[label].as_secs_f64();
                 (rate, percentile(&l, 0.5), percentile(&l, 0.99))
             };
-            Ok((summarize("direct"), summarize("kpr")))
+            Ok((summarize("direct"), summarize("kpr"), summarize("counting"), answers))
         })??;
+        answers = answers_back;
         println!(
-            "{n:>8} {:>12.0} {:>12.0} {:>7.3} {:>8.1}µs {:>8.1}µs {:>8.1}µs {:>8.1}µs",
+            "{n:>8} {:>12.0} {:>12.0} {:>7.3} {:>8.1}µs {:>8.1}µs {:>8.1}µs {:>8.1}µs {:>12.0} {:>8.1}µs",
             direct.0,
             via.0,
             via.0 / direct.0,
             direct.1,
             via.1,
             direct.2,
-            via.2
+            via.2,
+            counting.0,
+            counting.1
         );
         out.push(json!({
             "services": n, "direct_conn_per_s": direct.0, "kpr_conn_per_s": via.0, "ratio": via.0 / direct.0,
             "direct_connect_p50_us": direct.1, "kpr_connect_p50_us": via.1,
             "direct_connect_p99_us": direct.2, "kpr_connect_p99_us": via.2,
+            "kpr_counting_answers_conn_per_s": counting.0, "kpr_counting_answers_connect_p50_us": counting.1,
         }));
     }
+    answers.want_answers(false)?;
     cgroup.leave()?;
     drop(datapath);
     Ok(json!(out))
