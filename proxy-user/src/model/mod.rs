@@ -9,10 +9,12 @@
 //! - [`node`]: the node's links, addresses and `v1/Node` → where NodePorts are served, who is
 //!   local, which links the per-packet path covers;
 //! - [`socket_lb`]: which pods of the node the socket path leaves to the per-packet path;
-//! - [`outliers`]: endpoints that stop answering, left out of new flows for a while (opt-in).
+//! - [`outliers`]: endpoints that stop answering, left out of new flows for a while (opt-in);
+//! - [`maglev`]: Maglev lookup tables, the same on every node for the same endpoints.
 pub mod cidr;
 pub mod desired;
 pub mod endpoints;
+pub mod maglev;
 pub mod node;
 pub mod outliers;
 pub mod service;

@@ -42,7 +42,7 @@ mod vs_kube_proxy;
 /// kube-proxy at 20k services alone is longer).
 #[derive(clap::Parser, Debug)]
 #[command(name = "kpr-bench")]
-#[command(group = clap::ArgGroup::new("mode").args(["vs_kube_proxy", "connection_rate", "node_port", "tc_only", "soak", "sync_scale"]))]
+#[command(group = clap::ArgGroup::new("mode").args(["vs_kube_proxy", "connection_rate", "node_port", "tc_only", "soak", "sync_scale", "maglev"]))]
 struct Args {
     /// Fewer sizes, rounds and runs: a smoke run of the same code.
     #[arg(long)]
@@ -69,6 +69,11 @@ struct Args {
     /// with the conntrack table holding its flows (sync_scale.json).
     #[arg(long)]
     sync_scale: bool,
+    /// Only the Maglev table's figures: the share of slots remapped when one of N endpoints
+    /// leaves or joins, and the build time and size at 1,000 endpoints (merged into
+    /// socket_lb.json as `maglev`).
+    #[arg(long)]
+    maglev: bool,
     /// Only the NodePort churn: this many short connections per path (node_port_soak.json).
     #[arg(long, value_name = "N")]
     soak: Option<usize>,
@@ -134,6 +139,14 @@ fn main() -> Result<()> {
         println!("{}", tc_ns_per_packet(args.repeat)?);
         return Ok(());
     }
+    if args.maglev {
+        let path = bench_dir().join("socket_lb.json");
+        let mut result: serde_json::Value =
+            std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_else(|| json!({}));
+        result["maglev"] = maglev_figures()?;
+        write_json("socket_lb.json", &result)?;
+        return Ok(());
+    }
     if args.sync_scale {
         let result = sync_scale(if quick { 100 } else { 1_000 })?;
         write_json("sync_scale.json", &result)?;
@@ -154,15 +167,69 @@ fn main() -> Result<()> {
     let per_packet = tc_ns_per_packet(if quick { 100_000 } else { 1_000_000 })?;
     let node_port = node_port_paths(np_rounds, np_per_round, iperf_secs, if quick { 20_000 } else { 100_000 })?;
 
+    let maglev = maglev_figures()?;
     let mut result = json!({
         "connection_rate": conn, "connection_rate_ipv6": conn6, "programming": program, "event_to_datapath": latency,
-        "tc_per_packet": per_packet, "node_port": node_port,
+        "tc_per_packet": per_packet, "node_port": node_port, "maglev": maglev,
     });
     write_json("socket_lb.json", &result)?;
     vs_kube_proxy::run(vs_sizes, vs_rounds, vs_per_round, vs_latency_samples, cold_sync_limit, |vs| {
         write_vs(&mut result, vs.clone())
     })?;
     Ok(())
+}
+
+/// Maglev's table (`model::maglev`, issue 47): the share of a table's slots that name another
+/// endpoint after one of N leaves or joins (Maglev's bound is about 1/N, the endpoint's own),
+/// for N of 10, 100 and 1,000 (the large table for 1,000), and the time to build a table of
+/// 1,000 endpoints and its size as the datapath would hold it (a 4-byte endpoint index a slot).
+fn maglev_figures() -> Result<serde_json::Value> {
+    use kpr::model::maglev::{DEFAULT_TABLE_SIZE, LARGE_TABLE_SIZE, remapped_share, table};
+    let seed = 0x6b70_7200_0000_0001;
+    let endpoints = |n: u32| -> Vec<SocketAddr> {
+        (0..n).map(|i| SocketAddr::from((Ipv4Addr::from(0x0af4_0002 + (i << 8)), 8080))).collect()
+    };
+    let named = |list: &[SocketAddr], size: u32| -> Result<Vec<SocketAddr>> {
+        Ok(table(list, size, seed)?.into_iter().map(|i| list[i as usize]).collect())
+    };
+    println!("Maglev: slots remapped when one of N endpoints leaves or joins (1/N is the endpoint's own)");
+    println!("{:>6} {:>7} {:>9} {:>9} {:>9}", "N", "size", "1/N", "leaves", "joins");
+    let mut shares = Vec::new();
+    for (n, size) in [(10, DEFAULT_TABLE_SIZE), (100, DEFAULT_TABLE_SIZE), (1_000, LARGE_TABLE_SIZE)] {
+        // N endpoints; one of them leaves (N - 1), or a new one joins (N + 1).
+        let more = endpoints(n + 1);
+        let base = named(&more[..n as usize], size)?;
+        let leaves = remapped_share(&base, &named(&more[..n as usize - 1], size)?);
+        let joins = remapped_share(&base, &named(&more, size)?);
+        println!("{n:>6} {size:>7} {:>9.4} {leaves:>9.4} {joins:>9.4}", 1.0 / f64::from(n));
+        shares.push(json!({"backends": n, "table_size": size, "remap_share_one_leaves": leaves, "remap_share_one_joins": joins}));
+    }
+    let thousand = endpoints(1_000);
+    let mut times = Vec::new();
+    for size in [DEFAULT_TABLE_SIZE, LARGE_TABLE_SIZE] {
+        let mut runs: Vec<f64> = (0..9)
+            .map(|_| {
+                let started = Instant::now();
+                table(&thousand, size, seed).map(|_| started.elapsed().as_secs_f64() * 1e3)
+            })
+            .collect::<Result<_, _>>()?;
+        runs.sort_by(f64::total_cmp);
+        println!(
+            "table of 1,000 endpoints, {size} slots: built in {:.2} ms (median of 9), {} KiB",
+            runs[4],
+            size * 4 / 1024
+        );
+        times.push(json!({"backends": 1_000, "table_size": size, "table_build_ms": runs[4], "table_bytes": size * 4}));
+    }
+    // The headline figures the issue names: N = 100 at the default size, 1,000 at the large.
+    Ok(json!({
+        "remap_share_one_leaves": shares[1]["remap_share_one_leaves"],
+        "remap_share_one_joins": shares[1]["remap_share_one_joins"],
+        "backends": 100,
+        "table_build_ms": times[1]["table_build_ms"],
+        "by_backends": shares,
+        "build": times,
+    }))
 }
 
 /// Merge the comparison so far into `result`, write the JSON and the chart.
