@@ -917,22 +917,20 @@ pub struct SockTcp {
     /// How far `kpr_sock_ops` has counted the connection's answer (`sock_answer`): 0 (what
     /// an older build wrote in this padding) for a socket it leaves alone.
     pub answer: u8,
-    /// The `bpf_sock_ops_cb_flags` `kpr_sock_ops` set on the socket while it waits (those
-    /// another program had set stay when it clears its own).
-    pub cb_flags: u8,
-    pub _pad: [u8; 4],
+    pub _pad: [u8; 5],
 }
 
 /// Where a socket-path TCP connection is in the counting of its endpoint's answer
 /// (`SockTcp::answer`).
 pub mod sock_answer {
-    /// Not counted: `kpr verify`'s probe, a socket of an older build, or counting is off.
+    /// Not counted: `kpr verify`'s probe, a socket of an older build, counting is off, or
+    /// the socket connects elsewhere than its entry's endpoint.
     pub const NONE: u8 = 0;
-    /// Connecting; its first answer (or none) is still to count.
+    /// Connecting (or about to); its first answer (or none) is still to count.
     pub const WAITING: u8 = 1;
     /// Counted unanswered at its first retransmission; a later SYN-ACK still counts.
     pub const LATE: u8 = 2;
-    /// Counted.
+    /// Counted (a `connect()` retried on the socket to the same endpoint is counted anew).
     pub const DONE: u8 = 3;
 }
 

@@ -12,7 +12,10 @@ use aya_ebpf::{
     macros::sock_ops,
     programs::SockOpsContext,
 };
-use proxy_common::{IPPROTO_TCP, SockTcp, sock_answer};
+use proxy_common::{Addr, IPPROTO_TCP, SockTcp, sock_answer};
+
+/// `AF_INET6`, as `bpf_sock_ops.family` holds it.
+const AF_INET6: u32 = 10;
 
 use crate::{
     maps::{ANSWERS_WANTED, SOCK_TCP},
@@ -22,18 +25,20 @@ use crate::{
 /// What a `sock_ops` program returns to let the kernel go on (its reply left as it is).
 const CONTINUE: u32 = 1;
 /// The callbacks a waiting socket needs: its retransmission timeouts and its state changes.
+/// Never cleared: another program on the cgroups may rely on them too (they stay for the
+/// connection's life, each then a lookup that finds the count done).
 const WAIT_FLAGS: u32 = BPF_SOCK_OPS_RTO_CB_FLAG | BPF_SOCK_OPS_STATE_CB_FLAG;
 
 /// | callback | the socket | counted |
 /// |---|---|---|
-/// | `TCP_CONNECT_CB` | its SYN is about to go | nothing; asks for the two below |
+/// | `TCP_CONNECT_CB` | its SYN is about to go to its entry's endpoint | nothing; asks for the two below |
 /// | `ACTIVE_ESTABLISHED_CB` | a SYN-ACK came | answered |
 /// | `RTO_CB` in `SYN_SENT` | its SYN's first retransmission (1 s) | unanswered |
-/// | `STATE_CB` `SYN_SENT` → `CLOSE` | a RST (a segment came) | refused |
-/// | the same, nothing received | an ICMP error, the retries ran out | unanswered, unless already |
+/// | `STATE_CB` `SYN_SENT` → `CLOSE`, before that | a RST (a segment came) | refused |
 ///
-/// A socket closed while its SYN waits (the client gave up) is counted unanswered by
-/// `kpr_sock_release`, which runs before the close's state change and removes the entry.
+/// A connect that ends otherwise within the second (the client gave up or shut it, a local
+/// error) is no failure of the endpoint's: the per-packet path's unanswered flows get the same
+/// grace.
 #[sock_ops]
 pub fn kpr_sock_ops(ctx: SockOpsContext) -> u32 {
     let op = ctx.op();
@@ -52,7 +57,7 @@ pub fn kpr_sock_ops(ctx: SockOpsContext) -> u32 {
     let late = entry.answer == sock_answer::LATE;
     let answer = match op {
         BPF_SOCK_OPS_TCP_CONNECT_CB => {
-            if waiting {
+            if entry.answer != sock_answer::NONE {
                 wait(&ctx, entry);
             }
             return CONTINUE;
@@ -62,16 +67,16 @@ pub fn kpr_sock_ops(ctx: SockOpsContext) -> u32 {
             Answer::Unanswered
         }
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB if waiting || late => {
-            done(&ctx, entry);
+            entry.answer = sock_answer::DONE;
             Answer::Answered
         }
         BPF_SOCK_OPS_STATE_CB if (waiting || late) && ctx.arg(0) == BPF_TCP_SYN_SENT && ctx.arg(1) == BPF_TCP_CLOSE => {
-            done(&ctx, entry);
-            if late {
+            entry.answer = sock_answer::DONE;
+            // SAFETY: a full socket's context (state callbacks have one).
+            if late || unsafe { (*ctx.ops).segs_in } == 0 {
                 return CONTINUE;
             }
-            // SAFETY: a full socket's context (state callbacks have one).
-            if unsafe { (*ctx.ops).segs_in } > 0 { Answer::Refused } else { Answer::Unanswered }
+            Answer::Refused
         }
         _ => return CONTINUE,
     };
@@ -79,24 +84,45 @@ pub fn kpr_sock_ops(ctx: SockOpsContext) -> u32 {
     CONTINUE
 }
 
-/// Ask for the waiting socket's timeouts and state changes while the agent reads answers;
-/// else it is not counted.
+/// A connect about to send its SYN: counted if it goes to the endpoint its entry names (not
+/// after a connect that failed before its SYN, then retried elsewhere, untranslated), while
+/// the agent reads answers. A retry to the same endpoint is counted anew.
 #[inline(always)]
 fn wait(ctx: &SockOpsContext, entry: &mut SockTcp) {
-    let have = ctx.cb_flags();
     let wanted = ANSWERS_WANTED.get(0).is_some_and(|w| *w != 0);
-    if wanted && ctx.set_cb_flags((have | WAIT_FLAGS) as i32).is_ok() {
-        entry.cb_flags = (WAIT_FLAGS & !have) as u8;
+    if wanted && goes_to(ctx, entry) && ctx.set_cb_flags((ctx.cb_flags() | WAIT_FLAGS) as i32).is_ok() {
+        entry.answer = sock_answer::WAITING;
     } else {
         entry.answer = sock_answer::NONE;
     }
 }
 
-/// Counted: the callbacks this program asked for go (not those another program set).
+/// The socket's peer is the entry's endpoint.
 #[inline(always)]
-fn done(ctx: &SockOpsContext, entry: &mut SockTcp) {
-    entry.answer = sock_answer::DONE;
-    let _ = ctx.set_cb_flags((ctx.cb_flags() & !u32::from(entry.cb_flags)) as i32);
+fn goes_to(ctx: &SockOpsContext, entry: &SockTcp) -> bool {
+    // The peer's port in network byte order, in the field's upper half (its ABI since 4.x on
+    // little-endian machines) or, should a kernel change that, its lower one.
+    let ops = ctx.ops;
+    // SAFETY: the kernel's context; each field read as the 32-bit load it allows.
+    let port = unsafe { core::ptr::read_volatile(&raw const (*ops).remote_port) };
+    if (port >> 16) as u16 != entry.backend_port && port as u16 != entry.backend_port {
+        return false;
+    }
+    // SAFETY: as above.
+    let peer = unsafe {
+        if core::ptr::read_volatile(&raw const (*ops).family) == AF_INET6 {
+            let ip6 = (&raw const (*ops).remote_ip6).cast::<u32>();
+            Addr([
+                core::ptr::read_volatile(ip6),
+                core::ptr::read_volatile(ip6.add(1)),
+                core::ptr::read_volatile(ip6.add(2)),
+                core::ptr::read_volatile(ip6.add(3)),
+            ])
+        } else {
+            Addr::from_v4(core::ptr::read_volatile(&raw const (*ops).remote_ip4))
+        }
+    };
+    peer == entry.backend
 }
 
 /// The socket's TCP state.

@@ -4,7 +4,7 @@
 use aya_ebpf::{
     EbpfContext as _,
     bindings::{
-        BPF_TCP_SYN_SENT, bpf_sock_addr, bpf_sock_tuple, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1,
+        bpf_sock_addr, bpf_sock_tuple, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1,
         bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2, sockaddr,
     },
     helpers::{
@@ -551,7 +551,7 @@ fn drop_reverse(cookie: u64, slot: &SockSlot) {
 #[inline(always)]
 fn take_tcp_entry(cookie: u64, netns: u64, share: u32, backend: &Backend, watched: bool) -> bool {
     let answer = if watched { sock_answer::WAITING } else { sock_answer::NONE };
-    let entry = SockTcp { netns, backend: backend.addr, backend_port: backend.port, answer, cb_flags: 0, _pad: [0; 4] };
+    let entry = SockTcp { netns, backend: backend.addr, backend_port: backend.port, answer, _pad: [0; 5] };
     if let Some(earlier) = SOCK_TCP.get_ptr_mut(&cookie) {
         // SAFETY: a map value of this run.
         let earlier = unsafe { &mut *earlier };
@@ -653,12 +653,6 @@ pub fn kpr_sock_release(ctx: SockContext) -> i32 {
     if let Some(tcp) = SOCK_TCP.get_ptr(&cookie) {
         // SAFETY: a map value, copied at once.
         let tcp = unsafe { *tcp };
-        // Closed while its SYN waits (the client gave up): unanswered. This runs before the
-        // close's state change, which `kpr_sock_ops` would no longer find the entry for.
-        // SAFETY: the kernel hands a valid socket.
-        if tcp.answer == sock_answer::WAITING && unsafe { (*ctx.sock).state } == BPF_TCP_SYN_SENT {
-            stats::backend_answered(&tcp.backend, tcp.backend_port, IPPROTO_TCP, stats::Answer::Unanswered);
-        }
         let _ = SOCK_REVNAT.remove(&SockRevNatKey { cookie, addr: tcp.backend, port: tcp.backend_port, _pad: [0; 6] });
         // Counted down by whoever removes it (two release programs run during a restart).
         if SOCK_TCP.remove(&cookie).is_ok() {
