@@ -182,7 +182,8 @@ pub(super) fn attach_sock_release(ebpf: &mut Ebpf, cgroup: &File, dir: &Path) ->
 
 /// The `sock_ops` program counting how endpoints answer the socket path's TCP connects (outlier
 /// detection). Attached anew at each start, as the release hook is: during a restart both
-/// agents' programs run a moment, and a connection may be counted twice.
+/// agents' programs run a moment, and the first to count a connection marks it counted in
+/// their shared `KPR_SOCK_TCP` entry, so the other does not count it again.
 pub(super) fn attach_sock_ops(ebpf: &mut Ebpf, cgroup: &File, dir: &Path) -> Result<()> {
     let name = program_names::SOCK_OPS;
     let prog: &mut aya::programs::SockOps =
