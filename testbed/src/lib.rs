@@ -51,21 +51,60 @@ pub fn ip(args: &[&str]) -> Result<()> {
     Ok(())
 }
 
+/// Write `value` to `/proc/sys/<key>`: of the calling thread's network namespace for `net/`
+/// keys.
+fn write_sysctl(key: &str, value: &str) -> Result<()> {
+    fs::write(format!("/proc/sys/{key}"), value).with_context(|| format!("failed to set {key}"))
+}
+
+/// Set the link `name` of the calling thread's network namespace up (`ip link set <name> up`).
+fn set_link_up(name: &str) -> Result<()> {
+    // SAFETY: a plain socket for the ioctls, closed by the OwnedFd; `ifreq` is zeroed and its
+    // name NUL-terminated (shorter than IFNAMSIZ).
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        anyhow::ensure!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let _fd = <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd);
+        let mut req: libc::ifreq = std::mem::zeroed();
+        anyhow::ensure!(name.len() < req.ifr_name.len(), "link name {name} too long");
+        for (dst, src) in req.ifr_name.iter_mut().zip(name.bytes()) {
+            *dst = src as libc::c_char;
+        }
+        for (request, what) in [(libc::SIOCGIFFLAGS, "get"), (libc::SIOCSIFFLAGS, "set")] {
+            if request == libc::SIOCSIFFLAGS {
+                req.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
+            }
+            anyhow::ensure!(
+                libc::ioctl(fd, request as _, &mut req) == 0,
+                "{what} the flags of {name}: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// A named network namespace (`ip netns add`), deleted on drop.
 pub struct Netns {
     pub name: String,
 }
 
 impl Netns {
+    /// The namespace with its loopback up. One process start (`ip netns add`): the rest is
+    /// done from a thread inside it, as under emulation (the VMs) each start costs ~0.2 s.
     pub fn new(name: &str) -> Result<Self> {
         ip(&["netns", "add", name])?;
         let ns = Self { name: name.to_owned() };
-        // No duplicate address detection: a link's IPv6 link-local address would stay
-        // tentative for up to 2 s after the link comes up, and until then the namespace
-        // cannot send a neighbour solicitation for a packet it forwards, so a test's first
-        // forwarded IPv6 packets would wait for it (a real node's links have been up for long).
-        ns.sh("echo 0 > /proc/sys/net/ipv6/conf/all/accept_dad; echo 0 > /proc/sys/net/ipv6/conf/default/accept_dad")?;
-        ns.ip(&["link", "set", "lo", "up"])?;
+        ns.run(|| -> Result<()> {
+            // No duplicate address detection: a link's IPv6 link-local address would stay
+            // tentative for up to 2 s after the link comes up, and until then the namespace
+            // cannot send a neighbour solicitation for a packet it forwards, so a test's first
+            // forwarded IPv6 packets would wait for it (a real node's links have been up for long).
+            for conf in ["all", "default"] {
+                write_sysctl(&format!("net/ipv6/conf/{conf}/accept_dad"), "0")?;
+            }
+            set_link_up("lo")
+        })??;
         Ok(ns)
     }
 
@@ -76,11 +115,37 @@ impl Netns {
         ip(&full)
     }
 
+    /// `ip -n <ns> -batch -`: several `ip` commands (`addr add 10.0.0.1/24 dev eth0`; no
+    /// options such as `-6`: the addresses give the family) in one process, which stops at the
+    /// first that fails. Topologies use it: under emulation (the VMs) a process start costs
+    /// ~0.2 s, and a two-node topology took 10 s of them one command at a time.
+    pub fn ip_batch<S: AsRef<str>>(&self, commands: impl IntoIterator<Item = S>) -> Result<()> {
+        let script: String = commands.into_iter().map(|c| format!("{}\n", c.as_ref())).collect();
+        let mut child = Command::new("ip")
+            .args(["-n", &self.name, "-batch", "-"])
+            .stdin(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .context("failed to run `ip` (install iproute2)")?;
+        child.stdin.take().expect("piped").write_all(script.as_bytes())?;
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            bail!("ip -n {} -batch:\n{script}: {}", self.name, String::from_utf8_lossy(&out.stderr).trim());
+        }
+        Ok(())
+    }
+
     /// A router's settings: forward IPv4 and IPv6, no reverse-path filter (the test topologies route
     /// asymmetrically on purpose).
     pub fn route_packets(&self) -> Result<()> {
-        self.sh("echo 1 > /proc/sys/net/ipv4/ip_forward; echo 1 > /proc/sys/net/ipv6/conf/all/forwarding; \
-             for f in /proc/sys/net/ipv4/conf/*/rp_filter; do echo 0 > $f; done")
+        self.run(|| -> Result<()> {
+            write_sysctl("net/ipv4/ip_forward", "1")?;
+            write_sysctl("net/ipv6/conf/all/forwarding", "1")?;
+            for conf in fs::read_dir("/proc/sys/net/ipv4/conf")? {
+                write_sysctl(&format!("net/ipv4/conf/{}/rp_filter", conf?.file_name().to_string_lossy()), "0")?;
+            }
+            Ok(())
+        })?
     }
 
     /// Run a shell script inside this namespace.

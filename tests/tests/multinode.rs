@@ -61,52 +61,58 @@ impl Bridged {
 
     fn new_with(tag: &str, agent_args: &[&str]) -> Result<Self> {
         let prefix = testbed::unique_name(tag);
+        // Built at a time, in one `ip` each (`Netns::ip_batch`).
         let switch = Netns::new(&format!("{prefix}-sw"))?;
-        switch.ip(&["link", "add", "br0", "type", "bridge"])?;
-        switch.ip(&["link", "set", "br0", "up"])?;
-        let plug = |ns: &Netns, port: &str, addr: &str, addr6: &str| -> Result<()> {
-            switch.ip(&["link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name])?;
-            switch.ip(&["link", "set", port, "master", "br0", "up"])?;
-            ns.ip(&["addr", "add", addr, "dev", "eth0"])?;
-            ns.ip(&["-6", "addr", "add", addr6, "dev", "eth0", "nodad"])?;
-            ns.ip(&["link", "set", "eth0", "up"])?;
-            Ok(())
-        };
         let ext = Netns::new(&format!("{prefix}-ext"))?;
-        plug(&ext, "p-ext", &format!("{EXT_CLIENT}/24"), "fd00::100/64")?;
-        // The LoadBalancer IP is announced by node-a (as a cloud LB would send it there).
-        ext.ip(&["route", "add", &format!("{LB_IP}/32"), "via", "10.0.0.1"])?;
+        let mut namespaces = Vec::new();
+        for name in ["node-a", "node-b"] {
+            namespaces.push((Netns::new(&format!("{prefix}-{name}"))?, Netns::new(&format!("{prefix}-{name}-pod"))?));
+        }
+        let mut ports = vec!["link add br0 type bridge".to_owned(), "link set br0 up".to_owned()];
+        let plugged =
+            std::iter::once(("ext", &ext)).chain(["node-a", "node-b"].into_iter().zip(namespaces.iter().map(|n| &n.0)));
+        for (name, ns) in plugged {
+            ports.push(format!("link add p-{name} type veth peer name eth0 netns {}", ns.name));
+            ports.push(format!("link set p-{name} master br0 up"));
+        }
+        switch.ip_batch(&ports)?;
+        // A namespace's end of its switch port.
+        let eth0 = |addr: &str, addr6: &str| {
+            [
+                format!("addr add {addr} dev eth0"),
+                format!("addr add {addr6} dev eth0 nodad"),
+                "link set eth0 up".to_owned(),
+            ]
+        };
+        ext.ip_batch(eth0(&format!("{EXT_CLIENT}/24"), "fd00::100/64").into_iter().chain([
+            // The LoadBalancer IP is announced by node-a (as a cloud LB would send it there).
+            format!("route add {LB_IP}/32 via 10.0.0.1"),
+        ]))?;
 
         let manifests = std::env::temp_dir().join(&prefix);
         std::fs::create_dir_all(&manifests)?;
         let mut nodes = Vec::new();
-        for (i, name) in ["node-a", "node-b"].iter().enumerate() {
+        for (i, (name, (netns, pod))) in ["node-a", "node-b"].iter().zip(namespaces).enumerate() {
             let n = i as u8 + 1;
-            let netns = Netns::new(&format!("{prefix}-{name}"))?;
             let ip = Ipv4Addr::new(10, 0, 0, n);
             let ip6 = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, n.into());
-            plug(&netns, &format!("p-{name}"), &format!("{ip}/24"), &format!("{ip6}/64"))?;
-            let pod = Netns::new(&format!("{prefix}-{name}-pod"))?;
             let pod_ip = Ipv4Addr::new(10, 244, n, 2);
             let pod_ip6 = Ipv6Addr::new(0xfd00, 0x10, 0x244, n.into(), 0, 0, 0, 2);
-            netns.ip(&["link", "add", "veth-pod", "type", "veth", "peer", "name", "eth0", "netns", &pod.name])?;
-            netns.ip(&["addr", "add", &format!("10.244.{n}.1/24"), "dev", "veth-pod"])?;
-            netns.ip(&["-6", "addr", "add", &format!("fd00:10:244:{n}::1/64"), "dev", "veth-pod", "nodad"])?;
-            netns.ip(&["link", "set", "veth-pod", "up"])?;
-            pod.ip(&["addr", "add", &format!("{pod_ip}/24"), "dev", "eth0"])?;
-            pod.ip(&["-6", "addr", "add", &format!("{pod_ip6}/64"), "dev", "eth0", "nodad"])?;
-            pod.ip(&["link", "set", "eth0", "up"])?;
-            pod.ip(&["route", "add", "default", "via", &format!("10.244.{n}.1")])?;
-            pod.ip(&["-6", "route", "add", "default", "via", &format!("fd00:10:244:{n}::1")])?;
             let other = 3 - n;
-            netns.ip(&["route", "add", &format!("10.244.{other}.0/24"), "via", &format!("10.0.0.{other}")])?;
-            netns.ip(&[
-                "-6",
-                "route",
-                "add",
-                &format!("fd00:10:244:{other}::/64"),
-                "via",
-                &format!("fd00::{other}"),
+            netns.ip_batch(eth0(&format!("{ip}/24"), &format!("{ip6}/64")).into_iter().chain([
+                format!("link add veth-pod type veth peer name eth0 netns {}", pod.name),
+                format!("addr add 10.244.{n}.1/24 dev veth-pod"),
+                format!("addr add fd00:10:244:{n}::1/64 dev veth-pod nodad"),
+                "link set veth-pod up".to_owned(),
+                format!("route add 10.244.{other}.0/24 via 10.0.0.{other}"),
+                format!("route add fd00:10:244:{other}::/64 via fd00::{other}"),
+            ]))?;
+            pod.ip_batch([
+                format!("addr add {pod_ip}/24 dev eth0"),
+                format!("addr add {pod_ip6}/64 dev eth0 nodad"),
+                "link set eth0 up".to_owned(),
+                format!("route add default via 10.244.{n}.1"),
+                format!("route add default via fd00:10:244:{n}::1"),
             ])?;
             netns.route_packets()?;
             let pod_name = format!("pod-{}", &name[5..]);
