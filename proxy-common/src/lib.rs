@@ -76,6 +76,8 @@ pub const CAST_TO_KERN_CTX_STANDIN: u32 = 0x6b70_7201;
 /// Map names, as seen by `bpftool map show` and used as pin file names.
 pub mod map_names {
     pub const SERVICES: &str = "KPR_SERVICES";
+    /// Service id → the Maglev table of a frontend with `SERVICE_FLAG_MAGLEV`.
+    pub const MAGLEV: &str = "KPR_MAGLEV";
     pub const BACKENDS: &str = "KPR_BACKENDS";
     pub const SOCK_REVNAT: &str = "KPR_SOCK_REVNAT";
     pub const SOCK_PICKS: &str = "KPR_SOCK_PICKS";
@@ -389,6 +391,8 @@ pub mod defaults {
     pub const MAX_HANDOVER: u32 = 32_768;
     /// loadBalancerSourceRanges entries across all LoadBalancer frontends.
     pub const MAX_SOURCE_RANGES: u32 = 16_384;
+    /// Frontends with a Maglev table (64 KiB each, allocated as written).
+    pub const MAX_MAGLEV_FRONTENDS: u32 = 4_096;
     /// Words of the address filter (`KPR_ADDR_FILTER`): 2^20 bits, 128 KiB.
     pub const ADDR_FILTER_WORDS: u32 = 16_384;
     /// Entries of each per-CPU flow cache (`KPR_FLOW_CACHE4`, `KPR_FLOW_CACHE6`), a power of
@@ -549,6 +553,28 @@ pub const VERIFY_PROBE_PRIORITY: u32 = VERIFY_PROBE_MARK;
 /// ClusterIPs inside a known ServiceCIDR have one.
 pub const PROTO_ANY: u8 = 0;
 
+/// A hash of a flow's tuple (ports as read from the packet: network byte order), seeded: the per-packet path's backend pick
+/// (`KPR_FLOW_HASH_SEED`, or the cluster's `KPR_MAGLEV_SEED` for Maglev), which the agent and
+/// the tests can compute alike.
+#[inline(always)]
+pub fn tuple_hash(seed: u32, saddr: &Addr, daddr: &Addr, sport: u16, dport: u16, proto: u8) -> u32 {
+    let mut h = seed;
+    h = mix32(h ^ saddr.folded());
+    h = mix32(h ^ daddr.folded());
+    h = mix32(h ^ (u32::from(sport) << 16 | u32::from(dport)));
+    mix32(h ^ u32::from(proto))
+}
+
+/// murmur3's finalizer: every input bit affects every output bit.
+#[inline(always)]
+pub const fn mix32(mut h: u32) -> u32 {
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^ (h >> 16)
+}
+
 /// `ServiceValue::flags`: masquerade (SNAT to the node) traffic of this entry.
 pub const SERVICE_FLAG_SNAT: u32 = 1;
 /// `ServiceValue::flags`: with no endpoints, drop instead of reject (traffic policy Local with
@@ -566,6 +592,22 @@ pub const SERVICE_FLAG_SOCKET_SKIP: u32 = 8;
 /// translated to it, so no Service can take over the agent's connection to the API server
 /// (CVE-2020-8554).
 pub const SERVICE_FLAG_EXTERNAL_ADDR: u32 = 16;
+/// `ServiceValue::flags` (external frontends, traffic from outside): a new per-packet flow's
+/// backend is the slot of its tuple's hash in the frontend's `KPR_MAGLEV` table, a hash seeded
+/// alike on every node, so every node picks the same backend for a tuple. Without a table
+/// (not written yet, or it failed), the usual pick.
+pub const SERVICE_FLAG_MAGLEV: u32 = 32;
+
+/// Slots of a Maglev table (`KPR_MAGLEV`): a prime, Cilium's and Katran's default, over 100
+/// slots per backend up to 163 backends.
+pub const MAGLEV_TABLE_SIZE: u32 = 16_381;
+
+/// Value of `KPR_MAGLEV`: each slot's index into the frontend's backend range.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct MaglevTable {
+    pub slots: [u32; MAGLEV_TABLE_SIZE as usize],
+}
 
 /// `KPR_NODE_ADDRS` value bits: the address is local to the node (`--dst-type LOCAL`).
 pub const NODE_ADDR_LOCAL: u32 = 1;
@@ -1477,6 +1519,7 @@ mod pod {
     // SAFETY: all of these are repr(C) with explicit padding and only integer fields.
     unsafe impl aya::Pod for super::ServiceKey {}
     unsafe impl aya::Pod for super::ServiceValue {}
+    unsafe impl aya::Pod for super::MaglevTable {}
     unsafe impl aya::Pod for super::Backend {}
     unsafe impl aya::Pod for super::BackendKey {}
     unsafe impl aya::Pod for super::BackendAnswers {}

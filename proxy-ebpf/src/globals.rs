@@ -74,6 +74,11 @@ pub static KPR_CT_TIMEOUTS: Global<CtTimeouts> = Global::new(CtTimeouts::DEFAULT
 #[unsafe(no_mangle)]
 pub static KPR_FLOW_HASH_SEED: Global<u32> = Global::new(0);
 
+/// Seed of the Maglev tuple hash (`SERVICE_FLAG_MAGLEV`): the cluster's (`--maglev-seed`), the
+/// same on every node, so that every node sends a tuple to the same slot.
+#[unsafe(no_mangle)]
+pub static KPR_MAGLEV_SEED: Global<u32> = Global::new(0);
+
 /// Where the kernel's `sk_buff` keeps `ip_summed` (the packet's checksum state), as
 /// `byte << 8 | bit`; set by the agent from the kernel's BTF where the programs may read it
 /// (6.2+: `bpf_cast_to_kern_ctx`). 0: they may not, and the checksum helper decides.

@@ -7,8 +7,9 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Addr, Addr4, AffinityKey, AffinityValue, Backend, BackendAnswers, BackendKey, CachedFlow, CidrKey, CidrMask, CtKey,
-    CtValue, DatapathEvent, EndpointStats, FlowAddr, FragmentKey, LinkInfo, ServiceKey, ServiceStats, ServiceValue,
-    SockRevNatKey, SockRevNatValue, SockSlots, SockTcp, SourceRange, counter, ct_generation, defaults,
+    CtValue, DatapathEvent, EndpointStats, FlowAddr, FragmentKey, LinkInfo, MAGLEV_TABLE_SIZE, MaglevTable, ServiceKey,
+    ServiceStats, ServiceValue, SockRevNatKey, SockRevNatValue, SockSlots, SockTcp, SourceRange, counter,
+    ct_generation, defaults,
 };
 
 /// The slow programs (`program_names::TC_SLOW_PATH`), by slot: where the attached programs
@@ -28,6 +29,16 @@ pub static SERVICES: HashMap<
     ServiceKey,
     ServiceValue,
     { defaults::MAX_SERVICE_PORTS as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+
+/// Service id → the Maglev table of a frontend with `SERVICE_FLAG_MAGLEV` (64 KiB each): not
+/// preallocated, memory follows the tables written.
+#[btf_map(name = "KPR_MAGLEV", pin_by_name)]
+pub static MAGLEV: HashMap<
+    u32,
+    MaglevTable,
+    { defaults::MAX_MAGLEV_FRONTENDS as usize },
     { BPF_F_NO_PREALLOC as usize },
 > = HashMap::new();
 
@@ -448,6 +459,18 @@ pub fn backend_at(service: &ServiceValue, pick: u32) -> Option<Backend> {
         count(counter::BAD_BACKEND_SLOT);
     }
     backend
+}
+
+/// The slot of a Maglev table for `hash`: an index into `service`'s backend range (`None`:
+/// the frontend has no table).
+#[inline(always)]
+pub fn maglev_slot(service: &ServiceValue, hash: u32) -> Option<u32> {
+    let table = MAGLEV.get_ptr(&service.service_id)?;
+    let slot = hash % MAGLEV_TABLE_SIZE;
+    // Read back through memory, so that the bound check stays: the compiler knows that a
+    // remainder is below the size (and would drop it), the verifier does not.
+    // SAFETY: a local's address; the map lookup's pointer is valid for this program run.
+    unsafe { (*table).slots.get(core::ptr::read_volatile(&slot) as usize).copied() }
 }
 
 /// sessionAffinity ClientIP: (service port, client) → the client's backend and when it last

@@ -60,6 +60,15 @@ pub enum SocketLb {
     HostOnly,
 }
 
+/// How new flows from outside to external frontends pick their endpoint (`--lb-algorithm`).
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LbAlgorithm {
+    /// As kube-proxy: a random endpoint.
+    Random,
+    /// By Maglev consistent hashing: the same endpoint for a tuple on every node.
+    Maglev,
+}
+
 #[derive(clap::Args)]
 pub struct AgentArgs {
     /// kube-proxy's configuration file (a `KubeProxyConfiguration`, as in kubeadm's
@@ -107,6 +116,18 @@ pub struct AgentArgs {
     /// On, the agent also watches every Node's readiness.
     #[arg(long)]
     pub abort_dead_tcp: bool,
+    /// How new flows from outside to a NodePort, externalIP or LoadBalancer IP pick their
+    /// endpoint (per packet): `random`, as kube-proxy; `maglev`, by a Maglev table (16,381
+    /// slots) and a hash of the tuple seeded alike on every node, so that every node sends a
+    /// tuple to the same endpoint (a flow an ECMP router moves to another node keeps it, where
+    /// that node can serve it: see the docs). A Service's `kpr.io/lb-algorithm: maglev|random`
+    /// wins. ClusterIPs and the socket path keep random picks.
+    #[arg(long, value_enum, default_value_t = LbAlgorithm::Random)]
+    pub lb_algorithm: LbAlgorithm,
+    /// The seed of the Maglev tables and tuple hash: the same on every node (the DaemonSet's
+    /// arguments).
+    #[arg(long, default_value_t = bpf::DEFAULT_MAGLEV_SEED)]
+    pub maglev_seed: u32,
     /// How often the datapath checks itself: a synthetic new connection per frontend and
     /// source class through the live per-packet programs (`BPF_PROG_TEST_RUN`, no flow left
     /// behind), compared with the model; a mismatch is logged, counted
@@ -454,6 +475,7 @@ pub fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
     datapath.max_sock_revnat_per_pod = args.max_sock_revnat_per_pod;
     datapath.max_source_ranges = args.max_source_ranges;
     datapath.endpoint_counters = args.endpoint_counters;
+    datapath.maglev_seed = args.maglev_seed;
     datapath.max_conntrack = args.max_conntrack;
     datapath.max_conntrack_new = args.max_conntrack_new;
     datapath.ct_timeouts = config.conntrack.timeouts.datapath();
@@ -542,6 +564,7 @@ pub fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
             host_external_ips_local_only: args.host_external_ips == HostExternalIps::Local,
             service_proxy_name,
             abort_dead_tcp: args.abort_dead_tcp,
+            maglev: args.lb_algorithm == LbAlgorithm::Maglev,
         },
         sync_period: config.sync_period,
         min_sync_period: config.min_sync_period,

@@ -274,6 +274,65 @@ fn node_port_reaches_a_pod_on_another_node_masqueraded() {
     assert_eq!((name.as_str(), seen.as_str()), ("pod-b", "10.0.0.1"));
 }
 
+/// Maglev (`kpr.io/lb-algorithm: maglev`, one `--maglev-seed` for the cluster): a client's
+/// tuple to the LoadBalancer IP reaches the same pod whichever node the router sends it to
+/// (here: node-a, then node-b), and that pod is the one the model's table names at the
+/// tuple's hash, which any node computes alike.
+///
+/// The flows are not moved mid-connection: with eTP=Cluster each node masquerades, so the pod
+/// would see another source (that takes direct server return, issue 47 part 2).
+#[test]
+fn maglev_sends_a_tuple_to_the_same_pod_through_either_node() {
+    const SEED: u32 = 4_747;
+    let c = Bridged::new_with("km-mg", &["--maglev-seed", &SEED.to_string()]).unwrap();
+    let (pod_a, pod_b) = (c.nodes[0].pod_ip, c.nodes[1].pod_ip);
+    let svc = service("Cluster", 30090, &[(pod_a, "node-a"), (pod_b, "node-b")]);
+    let svc = svc.replacen("namespace: t}", "namespace: t, annotations: {kpr.io/lb-algorithm: maglev}}", 1);
+    c.write("svc.yaml", &svc);
+    c.wait("*:30090/TCP ext", 2);
+    // The model's table for the pods in the order the maps hold them (sorted).
+    let endpoints: Vec<SocketAddr> = [pod_a, pod_b].iter().map(|ip| SocketAddr::from((*ip, POD_PORT))).collect();
+    let table = kpr::model::maglev::table(&endpoints, proxy_common::MAGLEV_TABLE_SIZE, u64::from(SEED)).unwrap();
+    let ports: Vec<u16> = (41_000..41_012).collect();
+    let expected: Vec<&str> = ports
+        .iter()
+        .map(|sport| {
+            let hash = proxy_common::tuple_hash(
+                SEED,
+                &IpAddr::from(EXT_CLIENT).into(),
+                &IpAddr::from(LB_IP).into(),
+                sport.to_be(),
+                80u16.to_be(),
+                proxy_common::IPPROTO_TCP,
+            );
+            ["pod-a", "pod-b"][table[(hash % proxy_common::MAGLEV_TABLE_SIZE) as usize] as usize]
+        })
+        .collect();
+    assert!(expected.contains(&"pod-a") && expected.contains(&"pod-b"), "the tuples cover both pods: {expected:?}");
+    for via in [1u8, 2] {
+        c.ext.ip(&["route", "replace", &format!("{LB_IP}/32"), "via", &format!("10.0.0.{via}")]).unwrap();
+        let asked = ports.clone();
+        let names =
+            c.ext(move || asked.iter().map(|sport| ask_from(*sport, SocketAddrV4::new(LB_IP, 80))).collect::<Vec<_>>());
+        assert_eq!(names, expected, "through node {via}: the table's pod for each source port");
+    }
+}
+
+/// Ask `addr` (TCP) for its name from the client's source port `sport`, then reset the
+/// connection (no TIME_WAIT: the tuple is asked again through another node).
+fn ask_from(sport: u16, addr: SocketAddrV4) -> String {
+    use std::io::BufRead as _;
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket.set_reuse_address(true).unwrap();
+    socket.set_linger(Some(Duration::ZERO)).unwrap();
+    socket.bind(&SocketAddrV4::new(EXT_CLIENT, sport).into()).unwrap();
+    socket.connect_timeout(&addr.into(), TIMEOUT).unwrap_or_else(|e| panic!("{sport} -> {addr}: {e}"));
+    socket.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let mut name = String::new();
+    std::io::BufReader::new(TcpStream::from(socket)).read_line(&mut name).unwrap();
+    name.trim().to_owned()
+}
+
 /// The same over IPv6: a dual-stack NodePort from outside, on either node, reaches the pod on
 /// node-b through its IPv6 slice, masqueraded to the IPv6 address of the link the packet left
 /// by; without an IPv6 endpoint it is refused while IPv4 serves.

@@ -29,9 +29,10 @@ use kpr::{
 use kpr_tests::map_state::MapState;
 use proxy_common::{
     Addr, CidrKey, CtKey, CtKey4, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, LINK_FLAG_TC_INGRESS, LinkInfo,
-    NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
-    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MIN, TCP_ACK, TCP_FIN, TCP_PSH, TCP_RST, TCP_SYN, counter,
-    ct, event, map_names, program_names, service_stat, tc_slow_path,
+    MAGLEV_TABLE_SIZE, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
+    SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_MAGLEV, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MIN,
+    TCP_ACK, TCP_FIN, TCP_PSH, TCP_RST, TCP_SYN, counter, ct, event, map_names, program_names, service_stat,
+    tc_slow_path,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -341,6 +342,7 @@ impl Load {
             bpf::fill_slow_path_slots(&mut load.ebpf).expect("the slow programs in their slots");
             load.maps = BpfMaps::open_pinned(&load.pins.0).expect("maps");
             load.maps.endpoint_counters = cfg.endpoint_counters;
+            load.maps.maglev_seed = cfg.maglev_seed;
             return load;
         }
         let pins = testbed::PinRoot::new("kt-tc");
@@ -350,6 +352,7 @@ impl Load {
         bpf::load_tc_programs(&mut ebpf).expect("the verifier accepts the tc programs");
         let mut maps = BpfMaps::take_from(&mut ebpf).expect("maps");
         maps.endpoint_counters = cfg.endpoint_counters;
+        maps.maglev_seed = cfg.maglev_seed;
         let fresh = MapState::save(&bpf::pin_dir(&pins.0)).expect("the maps as loaded");
         Self { settings, ebpf, maps, pins, fresh }
     }
@@ -768,6 +771,44 @@ fn node_port_with_cluster_policy_is_masqueraded_and_reversed() {
     let (verdict, out) = rig.ingress(&reply.bytes());
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(out, Pkt { src: NODE_IP.into(), sport: 30080, dst: CLIENT.into(), dport: 40003, ..reply }.bytes());
+}
+
+/// Maglev (`SERVICE_FLAG_MAGLEV`): a new flow's endpoint is the one the model's table names at
+/// the slot of the tuple's hash, seeded with the cluster's `--maglev-seed`, which any node
+/// computes alike (whatever its own flow seed). The same tuples to a frontend without the flag
+/// are spread by the node's own hash: not the same picks.
+#[test]
+fn a_maglev_frontend_sends_each_tuple_to_its_tables_endpoint() {
+    const SEED: u32 = 0x5eed_0047;
+    let backends: Vec<(Ipv4Addr, u16)> = (2..6).map(|n| (Ipv4Addr::new(10, 244, n, 2), 8080)).collect();
+    let mut d = Desired::new();
+    let (maglev, random) = (30090, 30091);
+    for (port, flags) in [(maglev, SERVICE_FLAG_SNAT | SERVICE_FLAG_MAGLEV), (random, SERVICE_FLAG_SNAT)] {
+        entry(&mut d, Ipv4Addr::UNSPECIFIED, port, Protocol::Tcp, SCOPE_EXTERNAL, &backends, flags);
+    }
+    let rig = Rig::with(&d, |cfg| cfg.maglev_seed = SEED);
+    let endpoints: Vec<std::net::SocketAddr> = backends.iter().map(|&(ip, port)| (ip, port).into()).collect();
+    let table = kpr::model::maglev::table(&endpoints, MAGLEV_TABLE_SIZE, u64::from(SEED)).unwrap();
+    let picked = |node_port: u16, sport: u16| {
+        let (verdict, out) = rig.ingress(&tcp(CLIENT, sport, NODE_IP, node_port).bytes());
+        assert_eq!(verdict, TC_ACT_OK);
+        Ipv4Addr::new(out[30], out[31], out[32], out[33])
+    };
+    let mut differs = 0;
+    for sport in 40_100..40_132u16 {
+        let hash = proxy_common::tuple_hash(
+            SEED,
+            &IpAddr::from(CLIENT).into(),
+            &IpAddr::from(NODE_IP).into(),
+            sport.to_be(),
+            maglev.to_be(),
+            proxy_common::IPPROTO_TCP,
+        );
+        let expected = backends[table[(hash % MAGLEV_TABLE_SIZE) as usize] as usize].0;
+        assert_eq!(picked(maglev, sport), expected, "the table's endpoint for source port {sport}");
+        differs += usize::from(picked(random, sport) != expected);
+    }
+    assert!(differs > 0, "a random pick took the table's endpoint for all 32 tuples");
 }
 
 #[test]

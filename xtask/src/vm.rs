@@ -85,6 +85,8 @@ pub const SUITES: [Suite; 5] = [
             "ipv6_node_port_is_masqueraded_to_the_node_ipv6_address",
             "ipv6_without_endpoints_tcp_gets_a_reset_and_udp_icmpv6_port_unreachable",
             "ipv6_icmp_errors_about_a_translated_flow_are_translated_back",
+            // The Maglev table's map (64 KiB values, allocated as written) and its lookup.
+            "a_maglev_frontend_sends_each_tuple_to_its_tables_endpoint",
         ]),
     },
     Suite {
@@ -139,6 +141,8 @@ pub const SUITES: [Suite; 5] = [
             // the upgrade over both attach modes (TCX, and netlink filters as before 6.6).
             "kpr_status_tells_the_agent_its_links_maps_and_a_node_without_kpr",
             "an_upgrade_to_a_new_pin_layout_keeps_flows_affinity_and_new_connections",
+            // The agent's tables and flags; their map and lookup run in tc_testrun on every kernel.
+            "maglev_sends_a_tuple_to_the_same_pod_through_either_node",
         ],
         sample_on_full: false,
         // The per-packet path of each family through real links (redirects, FIB lookups,

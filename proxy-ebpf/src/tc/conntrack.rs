@@ -5,8 +5,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    CachedRoute, CtKey, CtValue, FlowAddr, IPPROTO_TCP, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, counter, ct,
-    service_stat,
+    CachedRoute, CtKey, CtValue, FlowAddr, IPPROTO_TCP, SERVICE_FLAG_MAGLEV, SERVICE_FLAG_SNAT,
+    SERVICE_FLAG_SOURCE_RANGES, counter, ct, service_stat,
 };
 
 use super::{
@@ -350,8 +350,9 @@ fn confirm<A: FlowTables>(key: &CtKey<A>, entry: &CtValue, seen: u32, now: u64) 
 /// the established entries of the closed flow whose tuple it reuses, if a new pick would
 /// translate it as that flow was: the same service, backend and source (the client's, or the
 /// same masquerade address; the SNAT port is the flow's own). Both entries go back to "not
-/// answered" (the SYN timeout) in place. Services with session affinity or source ranges,
-/// and a flow missing its other entry, take the full path.
+/// answered" (the SYN timeout) in place. Services with session affinity, source ranges or
+/// Maglev (its pick is a subprogram, and this frame is on the longest chain of calls), and a
+/// flow missing its other entry, take the full path.
 #[inline(never)]
 pub(super) fn reopen<F: Family>(ctx: &TcContext, t: &Tuple, entry_ptr: *mut CtValue, now: u64) -> bool {
     let Ok(s) = scratch() else { return false };
@@ -363,7 +364,7 @@ pub(super) fn reopen<F: Family>(ctx: &TcContext, t: &Tuple, entry_ptr: *mut CtVa
     let Some(service) = lookup_frontend(t, source_scope(ctx, t)) else { return false };
     if service.service_id != entry.service_id
         || service.affinity_timeout != 0
-        || service.flags & SERVICE_FLAG_SOURCE_RANGES != 0
+        || service.flags & (SERVICE_FLAG_SOURCE_RANGES | SERVICE_FLAG_MAGLEV) != 0
     {
         return false;
     }

@@ -13,9 +13,9 @@ use aya_ebpf::{
 use proxy_common::{
     AFFINITY_BY_ADDR, Addr, Addr4, Backend, CachedRoute, CidrKey, CtKey, CtValue, DETECT_LOCAL_CIDR,
     DETECT_LOCAL_INTERFACE, IPPROTO_TCP, LINK_FLAG_LOCAL_TRAFFIC, LINK_FLAG_NOT_ETHERNET, NODE_ADDR_LOCAL,
-    NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_SNAT,
-    SERVICE_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SourceRange, addrs_csum_diff, counter, csum, ct, event,
-    has_states, service_stat,
+    NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_MAGLEV,
+    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SourceRange, addrs_csum_diff, counter,
+    csum, ct, event, has_states, service_stat,
 };
 
 use super::{
@@ -31,12 +31,13 @@ use crate::{
     family::Family,
     flow_cache,
     globals::{
-        KPR_DETECT_LOCAL, KPR_FLOW_HASH_SEED, KPR_FORWARD_DIRECT, KPR_REDIRECT_NEXT_HOP, KPR_SNAT_PORT_MAX,
-        KPR_SNAT_PORT_MIN,
+        KPR_DETECT_LOCAL, KPR_FLOW_HASH_SEED, KPR_FORWARD_DIRECT, KPR_MAGLEV_SEED, KPR_REDIRECT_NEXT_HOP,
+        KPR_SNAT_PORT_MAX, KPR_SNAT_PORT_MIN,
     },
     maps::{
         FlowTables, HANDOVER, LINKS, LOCAL_CIDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss, affinity_backend,
-        backend_at, count, handed_over, link, node_addr_flags, now, refusal, remember_affinity, service_range_miss,
+        backend_at, count, handed_over, link, maglev_slot, node_addr_flags, now, refusal, remember_affinity,
+        service_range_miss,
     },
     packet::{TCP_ACK, TCP_SYN},
     stats,
@@ -229,11 +230,8 @@ fn pick_from_service(t: &Tuple, service: &ServiceValue, now: u64) -> Result<i32,
         scratch()?.service = *service;
         return Ok(REJECT);
     }
-    // The backend is a hash of the tuple: as random as the client's port for new flows, and
-    // the same again for a connection whose entries were lost. checked_rem: no
-    // division-by-zero panic path for the verifier to reject.
-    let hash = flow_hash(t);
-    let Some(backend) = affinity_backend(service, AFFINITY_BY_ADDR, t.saddr, now).or_else(|| backend_at(service, hash))
+    let pick = backend_pick(service, t);
+    let Some(backend) = affinity_backend(service, AFFINITY_BY_ADDR, t.saddr, now).or_else(|| backend_at(service, pick))
     else {
         return Ok(PASS);
     };
@@ -381,7 +379,7 @@ fn snat_port<A: FlowTables>(t: &Tuple, backend: &Backend, snat_addr: &Addr, s: S
     let hash = flow_hash(t);
     let (min, max) = (KPR_SNAT_PORT_MIN.load(), KPR_SNAT_PORT_MAX.load());
     let span = u32::from(max.saturating_sub(min)) + 1;
-    let start = mix(hash ^ 0x5bd1_e995);
+    let start = proxy_common::mix32(hash ^ 0x5bd1_e995);
     // SAFETY: the per-CPU scratch value, valid for this program run. The key of the reply
     // entry: all but its port, which each try sets.
     unsafe {
@@ -455,22 +453,37 @@ fn snat_try_in<A: FlowTables>(port: u32) -> u32 {
     0
 }
 
+/// A new flow's backend, as an index into its frontend's range: a hash of the tuple, as random
+/// as the client's port for new flows, and the same again for a connection whose entries were
+/// lost. A Maglev frontend's is its table's slot for a hash seeded alike on every node.
+#[inline(always)]
+pub(super) fn backend_pick(service: &ServiceValue, t: &Tuple) -> u32 {
+    if service.flags & SERVICE_FLAG_MAGLEV != 0 {
+        let slot = maglev_pick(service, t);
+        if slot != NO_SLOT {
+            return slot;
+        }
+    }
+    flow_hash(t)
+}
+
+/// [`maglev_pick`]: the frontend has no table.
+const NO_SLOT: u32 = u32::MAX;
+
+/// A Maglev frontend's slot for the tuple (or `NO_SLOT`): a subprogram of its own, off the
+/// frames of its callers, which are on the longest chains of calls (the BPF stack).
+#[inline(never)]
+fn maglev_pick(service: &ServiceValue, t: &Tuple) -> u32 {
+    maglev_slot(service, tuple_hash(KPR_MAGLEV_SEED.load(), t)).unwrap_or(NO_SLOT)
+}
+
 /// A hash of the tuple, seeded per boot (`KPR_FLOW_HASH_SEED`).
 #[inline(always)]
 pub(super) fn flow_hash(t: &Tuple) -> u32 {
-    let mut h = KPR_FLOW_HASH_SEED.load();
-    h = mix(h ^ t.saddr.folded());
-    h = mix(h ^ t.daddr.folded());
-    h = mix(h ^ (u32::from(t.sport) << 16 | u32::from(t.dport)));
-    mix(h ^ u32::from(t.proto))
+    tuple_hash(KPR_FLOW_HASH_SEED.load(), t)
 }
 
-/// murmur3's finalizer: every input bit affects every output bit.
 #[inline(always)]
-fn mix(mut h: u32) -> u32 {
-    h ^= h >> 16;
-    h = h.wrapping_mul(0x85eb_ca6b);
-    h ^= h >> 13;
-    h = h.wrapping_mul(0xc2b2_ae35);
-    h ^ (h >> 16)
+fn tuple_hash(seed: u32, t: &Tuple) -> u32 {
+    proxy_common::tuple_hash(seed, &t.saddr, &t.daddr, t.sport, t.dport, t.proto)
 }

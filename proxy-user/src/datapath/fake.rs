@@ -25,6 +25,9 @@ pub struct FakeMaps {
     pub flushed: Vec<(u32, Vec<(Addr, u16)>)>,
     /// Entries the source range map holds at most.
     pub source_range_capacity: u32,
+    /// Maglev tables by service id.
+    pub maglev: BTreeMap<u32, Vec<u32>>,
+    pub maglev_seed: u32,
 }
 
 impl FakeMaps {
@@ -39,6 +42,8 @@ impl FakeMaps {
             source_ranges: Default::default(),
             flushed: Vec::new(),
             source_range_capacity: u32::MAX,
+            maglev: BTreeMap::new(),
+            maglev_seed: 0,
         }
     }
 
@@ -56,6 +61,22 @@ impl FakeMaps {
 impl Maps for FakeMaps {
     fn capacity(&self) -> Capacity {
         self.capacity
+    }
+
+    fn maglev_seed(&self) -> u32 {
+        self.maglev_seed
+    }
+
+    fn set_maglev(&mut self, service_id: u32, table: &[u32]) -> Result<()> {
+        self.writes += 1;
+        self.maglev.insert(service_id, table.to_vec());
+        Ok(())
+    }
+
+    fn remove_maglev(&mut self, service_id: u32) -> Result<()> {
+        self.writes += 1;
+        self.maglev.remove(&service_id);
+        Ok(())
     }
 
     fn source_range_capacity(&self) -> u32 {

@@ -22,7 +22,9 @@ use std::{
 };
 
 use anyhow::{Result, bail};
-use proxy_common::{Addr, Backend, BackendKey, IPPROTO_UDP, ServiceKey, ServiceValue};
+use proxy_common::{
+    Addr, Backend, BackendKey, IPPROTO_UDP, MAGLEV_TABLE_SIZE, SERVICE_FLAG_MAGLEV, ServiceKey, ServiceValue,
+};
 
 use crate::model::{
     cidr::Cidr,
@@ -55,6 +57,13 @@ pub trait Maps: Send {
     /// Write service entries in order; on error, how many of the first ones were written.
     fn set_services(&mut self, entries: &[(ServiceKey, ServiceValue)]) -> Result<(), BatchError>;
     fn remove_service(&mut self, key: &ServiceKey) -> Result<()>;
+    /// The seed Maglev tables are built with (`--maglev-seed`; the programs hash tuples with it).
+    fn maglev_seed(&self) -> u32;
+    /// Write the Maglev table of a frontend with `SERVICE_FLAG_MAGLEV`: each slot's index into
+    /// its backends.
+    fn set_maglev(&mut self, service_id: u32, table: &[u32]) -> Result<()>;
+    /// Remove a frontend's Maglev table (none: nothing to do).
+    fn remove_maglev(&mut self, service_id: u32) -> Result<()>;
     /// Every loadBalancerSourceRanges entry: (service id, CIDR base, prefix length).
     fn source_ranges(&self) -> Result<Vec<(u32, Cidr)>>;
     fn add_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()>;
@@ -254,6 +263,10 @@ impl Programmer {
                 continue;
             }
             let backends = maps.backends(value.backends_start, value.backends_count)?;
+            // Written again: the seed may have changed since (or the write not have happened).
+            if value.flags & SERVICE_FLAG_MAGLEV != 0 {
+                write_maglev(maps, &key, value.service_id, &backends);
+            }
             let mut source_ranges = ranges.remove(&value.service_id).unwrap_or_default();
             source_ranges.sort();
             programmed.insert(key, Programmed { value, backends, source_ranges });
@@ -356,6 +369,11 @@ impl Programmer {
                     if let Err(e) = maps.remove_source_ranges(old.value.service_id, &old.source_ranges) {
                         tracing::warn!(service = %display_key(&key), "failed to remove source ranges: {e:#}");
                     }
+                    if old.value.flags & SERVICE_FLAG_MAGLEV != 0
+                        && let Err(e) = maps.remove_maglev(old.value.service_id)
+                    {
+                        tracing::warn!(service = %display_key(&key), "failed to remove the Maglev table: {e:#}");
+                    }
                     // A removed UDP port's flows go as its endpoints' would; a TCP port's stay
                     // (their endpoints did not die).
                     if key.proto == IPPROTO_UDP {
@@ -457,6 +475,12 @@ impl Programmer {
             if let Err(e) = maps.start_service_stats(&new_ids) {
                 tracing::warn!("failed to make {} frontends' counters: {e:#}", new_ids.len());
             }
+            // A Maglev frontend's table before its entry: a new flow that reads the entry
+            // finds the table of its backends (one that read the old entry an instant before
+            // may pick by the new table among the old backends: still a backend of the port).
+            for p in pending.iter().filter(|p| p.value.flags & SERVICE_FLAG_MAGLEV != 0) {
+                write_maglev(maps, &p.key, p.value.service_id, &p.backends);
+            }
             let entries: Vec<(ServiceKey, ServiceValue)> = pending.iter().map(|p| (p.key, p.value)).collect();
             if let Err(BatchError { done: written, error }) = maps.set_services(&entries) {
                 done = written;
@@ -468,6 +492,12 @@ impl Programmer {
             if i < done {
                 if let Some(old) = p.old {
                     self.release_range(&old, &p.value);
+                    if old.flags & SERVICE_FLAG_MAGLEV != 0
+                        && p.value.flags & SERVICE_FLAG_MAGLEV == 0
+                        && let Err(e) = maps.remove_maglev(old.service_id)
+                    {
+                        tracing::warn!(address = %display_key(&p.key), "failed to remove the Maglev table: {e:#}");
+                    }
                     report.updated += 1;
                     report.renamed += usize::from(old.affinity_id != p.value.affinity_id);
                     // Flows may still go to what it had: `end_flows_off_endpoints` decides.
@@ -703,6 +733,25 @@ impl Programmer {
         if p.old.is_none() {
             self.used_ids.remove(&p.value.service_id);
         }
+    }
+}
+
+/// Write the Maglev table of a frontend's `backends` (in their order in its range). A failure
+/// is logged: without its table the frontend's new flows get the usual pick (a random one)
+/// until the next write.
+fn write_maglev(maps: &mut dyn Maps, key: &ServiceKey, service_id: u32, backends: &[Backend]) {
+    let endpoints: Vec<std::net::SocketAddr> =
+        backends.iter().map(backend_addr).map(|(ip, port)| std::net::SocketAddr::new(ip, port)).collect();
+    let written = if endpoints.is_empty() {
+        maps.remove_maglev(service_id)
+    } else {
+        let seed = u64::from(maps.maglev_seed());
+        crate::model::maglev::table(&endpoints, MAGLEV_TABLE_SIZE, seed)
+            .map_err(anyhow::Error::new)
+            .and_then(|table| maps.set_maglev(service_id, &table))
+    };
+    if let Err(e) = written {
+        tracing::warn!(address = %display_key(key), "failed to write the Maglev table (random picks meanwhile): {e:#}");
     }
 }
 

@@ -433,3 +433,45 @@ fn a_service_without_endpoints_gets_some_and_moves_them() {
     assert_eq!(p.apply(&desired(&[(1, &[1, 2, 3, 4])]), &mut maps).updated, 1, "all four slots free again");
     assert!(maps.violations.is_empty(), "{:?}", maps.violations);
 }
+
+/// A Maglev frontend's table is written with its backends (each slot an index into them, as
+/// the model builds it from the seed), rewritten when they change and after a restart, and
+/// removed with the entry or its flag.
+#[test]
+fn maglev_tables_follow_their_frontends_backends() {
+    let mut maps = FakeMaps::new(CAP);
+    maps.maglev_seed = 7;
+    let maglev = |n: u8, backends: &[u8]| DesiredPort { flags: proxy_common::SERVICE_FLAG_MAGLEV, ..port(n, backends) };
+    let table = |backends: &[u8]| {
+        let endpoints: Vec<std::net::SocketAddr> =
+            backends.iter().map(|b| (Ipv4Addr::new(10, 0, 0, *b), 8080).into()).collect();
+        crate::model::maglev::table(&endpoints, MAGLEV_TABLE_SIZE, 7).unwrap()
+    };
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    let want: Desired = [(key(1), maglev(1, &[1, 2, 3])), (key(2), port(2, &[4]))].into_iter().collect();
+    p.apply(&want, &mut maps);
+    let id = |maps: &FakeMaps, n| maps.services[&key(n)].service_id;
+    assert_eq!(maps.maglev.keys().copied().collect::<Vec<_>>(), vec![id(&maps, 1)], "only the Maglev frontend");
+    assert_eq!(maps.maglev[&id(&maps, 1)], table(&[1, 2, 3]));
+
+    let want: Desired = [(key(1), maglev(1, &[1, 3])), (key(2), port(2, &[4]))].into_iter().collect();
+    p.apply(&want, &mut maps);
+    assert_eq!(maps.maglev[&id(&maps, 1)], table(&[1, 3]), "rewritten with the backends");
+
+    // A restart under another seed writes the tables anew.
+    maps.maglev_seed = 8;
+    maps.maglev.clear();
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    let endpoints: Vec<std::net::SocketAddr> =
+        [1u8, 3].iter().map(|b| (Ipv4Addr::new(10, 0, 0, *b), 8080).into()).collect();
+    assert_eq!(maps.maglev[&id(&maps, 1)], crate::model::maglev::table(&endpoints, MAGLEV_TABLE_SIZE, 8).unwrap());
+
+    let want: Desired = [(key(1), port(1, &[1, 3])), (key(2), port(2, &[4]))].into_iter().collect();
+    p.apply(&want, &mut maps);
+    assert!(maps.maglev.is_empty(), "the flag gone, the table with it");
+    let want: Desired = [(key(1), maglev(1, &[1, 3]))].into_iter().collect();
+    p.apply(&want, &mut maps);
+    assert_eq!(maps.maglev.len(), 1);
+    p.apply(&Desired::new(), &mut maps);
+    assert!(maps.maglev.is_empty(), "the entry gone, the table with it");
+}

@@ -12,7 +12,7 @@ use std::{
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_common::{
     PROTO_ANY, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR,
-    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP, SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
+    SERVICE_FLAG_MAGLEV, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP, SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
 };
 
 use super::{IpFamily, cidr::Cidr};
@@ -131,7 +131,8 @@ pub fn service_entries<'a>(
                 alive.map(|e| SocketAddr::new(e.ip, e.port)).collect::<BTreeSet<_>>().into_iter().collect::<Vec<_>>()
             });
             let flows = Flows { serving: &serving, alive: alive.as_deref() };
-            family_entries(sp, family, &cat, flows, node, options, ranges, &mut out);
+            let maglev = svc.maglev.unwrap_or(options.maglev);
+            family_entries(sp, family, &cat, flows, node, options, maglev, ranges, &mut out);
         }
     }
     // A refused service range: every other port of its ClusterIPs is rejected, whatever the
@@ -172,6 +173,7 @@ fn family_entries(
     flows: Flows,
     node: &NodeInfo,
     options: &ProxyOptions,
+    maglev: bool,
     all_ranges: &[Cidr],
     out: &mut Vec<(ServiceKey, DesiredPort)>,
 ) {
@@ -180,7 +182,14 @@ fn family_entries(
     let ranges: Vec<Cidr> = all_ranges.iter().copied().filter(|c| IpFamily::of(&c.addr) == family).collect();
     let scopes = scoped_verdicts(sp, family, cat, node, options, &ranges);
     // `chosen`: an externalIP or LoadBalancer IP, an address the Service (or its status) picks.
-    let mut push = |ip: IpAddr, port: u16, [pod, external, from_node]: &[Verdict; 3], ranges: &[Cidr], chosen: bool| {
+    // `outside`: a frontend for outside clients (not a ClusterIP): with `maglev`, their new
+    // flows pick by Maglev, so that every node an ECMP router sends a tuple to picks alike.
+    let mut push = |ip: IpAddr,
+                    port: u16,
+                    [pod, external, from_node]: &[Verdict; 3],
+                    ranges: &[Cidr],
+                    chosen: bool,
+                    outside: bool| {
         for (scope, verdict) in [(SCOPE_POD, pod), (SCOPE_EXTERNAL, external), (SCOPE_NODE, from_node)] {
             // No entry: the node's own connections to that address pass untranslated.
             if scope == SCOPE_NODE && chosen && options.host_external_ips_local_only && !node.addresses.contains(&ip) {
@@ -197,6 +206,9 @@ fn family_entries(
             // the per-packet path on the pod's link.
             if scope == SCOPE_POD && (filtered || flags & SERVICE_FLAG_SNAT != 0) {
                 flags |= SERVICE_FLAG_SOCKET_SKIP;
+            }
+            if scope == SCOPE_EXTERNAL && outside && maglev && !verdict.backends.is_empty() {
+                flags |= SERVICE_FLAG_MAGLEV;
             }
             // Not even the agent's own connection to the API server can be taken over.
             if scope == SCOPE_NODE && chosen {
@@ -218,19 +230,19 @@ fn family_entries(
         }
     };
     for ip in family.filter(&sp.cluster_ips).into_iter().take(1) {
-        push(ip, sp.port, &scopes.cluster_ip, &[], false);
+        push(ip, sp.port, &scopes.cluster_ip, &[], false, false);
     }
     if sp.externally_accessible() {
         for ip in family.filter(&sp.external_ips) {
-            push(ip, sp.port, &scopes.external, &[], true);
+            push(ip, sp.port, &scopes.external, &[], true, true);
         }
         let lb_ips = family.filter(&sp.load_balancer_ips);
         let lb_ranges = allow_from_node(&ranges, &lb_ips, node);
         for ip in lb_ips {
-            push(ip, sp.port, &scopes.load_balancer, &lb_ranges, true);
+            push(ip, sp.port, &scopes.load_balancer, &lb_ranges, true, true);
         }
         if let Some(node_port) = sp.node_port {
-            push(family.unspecified(), node_port, &scopes.external, &[], false);
+            push(family.unspecified(), node_port, &scopes.external, &[], false, true);
         }
     }
 }

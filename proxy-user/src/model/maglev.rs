@@ -5,8 +5,9 @@
 //! router moves to another node keeps its endpoint. When one of N endpoints leaves, about 1/N
 //! of the slots change (its own), and few others.
 //!
-//! Issue 47, part 1: the table and its figures. The datapath's lookup is not built yet
-//! (docs/log/2026-11-30-maglev-table.md).
+//! The programmer writes a Maglev frontend's table into `KPR_MAGLEV` (`datapath::write_maglev`);
+//! the per-packet path takes the slot of the tuple's hash (`proxy_common::tuple_hash`, seeded
+//! with `--maglev-seed`) for a new flow from outside (docs/behaviour.md, "Maglev").
 use std::{hash::Hasher as _, net::SocketAddr};
 
 use siphasher::sip128::{Hasher128 as _, SipHasher13};

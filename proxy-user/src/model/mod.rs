@@ -204,6 +204,10 @@ pub struct ProxyOptions {
     /// `--abort-dead-tcp`: TCP flows to an endpoint that died are ended (see
     /// [`DesiredPort::alive`](desired::DesiredPort)); off, they are left as kube-proxy leaves them.
     pub abort_dead_tcp: bool,
+    /// `--lb-algorithm maglev`: new flows from outside to external frontends (NodePorts,
+    /// externalIPs, LoadBalancer IPs) pick their endpoint by Maglev (`SERVICE_FLAG_MAGLEV`),
+    /// unless the Service's `kpr.io/lb-algorithm` says otherwise.
+    pub maglev: bool,
 }
 
 /// An IP family. kube-proxy runs one proxier per family, and each sees a Service only through

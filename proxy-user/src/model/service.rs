@@ -16,6 +16,10 @@ pub const PROXY_LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-nam
 /// whatever the cluster-wide setting says ([`super::outliers`]).
 pub const OUTLIER_DETECTION: &str = "kpr.io/outlier-detection";
 
+/// The annotation that picks a Service's backend selection for traffic from outside (`maglev`,
+/// `random`), whatever `--lb-algorithm` says.
+pub const LB_ALGORITHM: &str = "kpr.io/lb-algorithm";
+
 /// A switch annotation's value: Some(on) when it says one of the words.
 pub fn parse_switch(value: &str) -> Option<bool> {
     match value {
@@ -45,19 +49,22 @@ pub struct ServiceInfo {
     pub created: Option<jiff::Timestamp>,
     /// `kpr.io/outlier-detection`, when it says on or off ([`super::outliers`]).
     pub outlier_detection: Option<bool>,
+    /// `kpr.io/lb-algorithm`, when it says `maglev` (true) or `random` (false).
+    pub maglev: Option<bool>,
 }
 
 impl ServiceInfo {
     pub fn new(service: &Service, proxy_name: Option<&str>) -> Self {
+        let annotation = |name: &str| service.metadata.annotations.as_ref().and_then(|a| a.get(name));
         Self {
             translated: translate_for(service, proxy_name),
             created: service.metadata.creation_timestamp.as_ref().map(|t| t.0),
-            outlier_detection: service
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(OUTLIER_DETECTION))
-                .and_then(|v| parse_switch(v)),
+            outlier_detection: annotation(OUTLIER_DETECTION).and_then(|v| parse_switch(v)),
+            maglev: annotation(LB_ALGORITHM).and_then(|v| match v.as_str() {
+                "maglev" => Some(true),
+                "random" => Some(false),
+                _ => None,
+            }),
         }
     }
 }

@@ -17,8 +17,8 @@ use aya::{
 };
 use proxy_common::{
     Addr, Addr4, Backend, BackendKey, CachedFlow, CidrKey, EndpointStats, FlowAddr, IPPROTO_TCP, IPPROTO_UDP,
-    ServiceKey, ServiceStats, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRange, counter, ct, defaults,
-    map_names, service_stat,
+    MAGLEV_TABLE_SIZE, MaglevTable, ServiceKey, ServiceStats, ServiceValue, SockRevNatKey, SockRevNatValue,
+    SourceRange, counter, ct, defaults, map_names, service_stat,
 };
 
 use super::{
@@ -67,6 +67,10 @@ pub struct BpfMaps {
     endpoint_stats: PerCpuHashMap<MapData, BackendKey, EndpointStats>,
     /// How many endpoints may be counted one by one; 0: none (the agent sets it).
     pub endpoint_counters: u32,
+    /// Maglev tables by service id (`None`: pins of a build without them).
+    maglev: Option<HashMap<MapData, u32, MaglevTable>>,
+    /// The programs' `KPR_MAGLEV_SEED` (the agent sets it).
+    pub maglev_seed: u32,
     capacity: Capacity,
 }
 
@@ -102,6 +106,8 @@ impl BpfMaps {
             service_stats: PerCpuHashMap::try_from(take(map_names::SERVICE_STATS)?)?,
             endpoint_stats: PerCpuHashMap::try_from(take(map_names::ENDPOINT_STATS)?)?,
             endpoint_counters: 0,
+            maglev: take(map_names::MAGLEV).ok().map(HashMap::try_from).transpose()?,
+            maglev_seed: 0,
         })
     }
 
@@ -115,6 +121,31 @@ impl BpfMaps {
 impl Maps for BpfMaps {
     fn capacity(&self) -> Capacity {
         self.capacity
+    }
+
+    fn maglev_seed(&self) -> u32 {
+        self.maglev_seed
+    }
+
+    fn set_maglev(&mut self, service_id: u32, table: &[u32]) -> Result<()> {
+        let map = self.maglev.as_mut().context("no Maglev map (pins of an older build)")?;
+        let mut value = MaglevTable { slots: [0; MAGLEV_TABLE_SIZE as usize] };
+        anyhow::ensure!(
+            table.len() == value.slots.len(),
+            "a Maglev table of {} slots, not {}",
+            table.len(),
+            MAGLEV_TABLE_SIZE
+        );
+        value.slots.copy_from_slice(table);
+        map.insert(&service_id, &value, 0).with_context(|| format!("failed to write the Maglev table of {service_id}"))
+    }
+
+    fn remove_maglev(&mut self, service_id: u32) -> Result<()> {
+        let Some(map) = self.maglev.as_mut() else { return Ok(()) };
+        match map.remove(&service_id) {
+            Err(aya::maps::MapError::KeyNotFound) | Ok(()) => Ok(()),
+            Err(e) => Err(anyhow::Error::new(e).context(format!("failed to remove the Maglev table of {service_id}"))),
+        }
     }
 
     fn source_range_capacity(&self) -> u32 {

@@ -40,8 +40,8 @@ pub use self::{
     },
     maps::{BpfMaps, NodeView, read_counters, read_endpoint_stats, read_node_view, read_service_stats},
     object::{
-        DatapathConfig, ForwardDirect, flow_hash_seed, load_tc_programs, open_object, raise_memlock_limit,
-        snat_port_range,
+        DEFAULT_MAGLEV_SEED, DatapathConfig, ForwardDirect, flow_hash_seed, load_tc_programs, open_object,
+        raise_memlock_limit, snat_port_range,
     },
     pins::{AgentLock, open_pinned_map, other_layout_names, pin_dir, pins_missing},
 };
@@ -110,6 +110,7 @@ impl BpfDatapath {
 
         let mut maps = BpfMaps::take_from(&mut ebpf)?;
         maps.endpoint_counters = cfg.endpoint_counters;
+        maps.maglev_seed = cfg.maglev_seed;
         let tc_netlink = cfg.tc_netlink || !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
         // Another layout's programs keep serving until this agent's first sync is written
         // ([`HostDatapath::retire_other_layouts`]).

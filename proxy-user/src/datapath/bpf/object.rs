@@ -19,6 +19,9 @@ use super::pins::{carry_over_maps, check_owner, pin_dir};
 pub(super) static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy"));
 
 /// Where and how big: the datapath's start-up settings.
+/// The Maglev seed of a cluster that sets none: fixed, so that nodes agree unless told otherwise.
+pub const DEFAULT_MAGLEV_SEED: u32 = 0x6b70_7231;
+
 #[derive(Clone, Debug)]
 pub struct DatapathConfig {
     /// bpffs directory for kpr's pins; the layout version is appended.
@@ -35,6 +38,8 @@ pub struct DatapathConfig {
     pub max_source_ranges: u32,
     /// Endpoints counted per endpoint (`KPR_ENDPOINT_STATS`'s size); 0: none.
     pub endpoint_counters: u32,
+    /// `--maglev-seed`: the Maglev tables' and tuple hash's seed, the same on every node.
+    pub maglev_seed: u32,
     /// Entries of each family's conntrack table of established flows.
     pub max_conntrack: u32,
     /// Entries of each family's conntrack table of flows not answered yet.
@@ -76,6 +81,7 @@ impl DatapathConfig {
             max_sock_revnat_per_pod: 0,
             max_source_ranges: defaults::MAX_SOURCE_RANGES,
             endpoint_counters: 0,
+            maglev_seed: DEFAULT_MAGLEV_SEED,
             max_conntrack: defaults::MAX_CONNTRACK,
             max_conntrack_new: defaults::MAX_CONNTRACK_NEW,
             detect_local: proxy_common::DETECT_LOCAL_NONE,
@@ -351,6 +357,7 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .override_global("KPR_SNAT_PORT_MAX", &snat_ports.1, true)
         .override_global("KPR_CT_TIMEOUTS", &cfg.ct_timeouts, true)
         .override_global("KPR_FLOW_HASH_SEED", &seed, true)
+        .override_global("KPR_MAGLEV_SEED", &cfg.maglev_seed, true)
         .override_global("KPR_IP_SUMMED_AT", &ip_summed_at, true);
     let loaded = loop {
         match loader.load(object) {

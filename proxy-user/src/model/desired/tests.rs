@@ -336,3 +336,36 @@ fn tcp_endpoints_on_a_down_node_are_dead_unless_draining() {
     assert_eq!(alive(on, down.clone(), Protocol::Udp, 53), None, "UDP has its own rule");
     assert_eq!(alive(ProxyOptions::default(), down, Protocol::Tcp, 80), None, "off");
 }
+
+/// `--lb-algorithm maglev` (or the annotation): the entries for outside clients of the
+/// NodePort, externalIPs and LoadBalancer IPs pick by Maglev; a ClusterIP's, pods' and the
+/// node's entries do not. The annotation `random` wins over the option.
+#[test]
+fn maglev_marks_the_external_frontends_entries_for_outside_clients() {
+    let node = NodeInfo { name: "node-a".into(), addresses: vec!["10.0.0.1".parse().unwrap()], ..NodeInfo::default() };
+    let flags = |options: ProxyOptions, annotation: &str| {
+        let mut st = ClusterState::with_options(node.clone(), options);
+        st.replace_services(vec![service_yaml(&format!(
+            "metadata: {{name: web, namespace: shop{annotation}}}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalIPs: [192.0.2.7]\n  ports: [{{name: http, port: 80, nodePort: 30080}}]\nstatus: {{loadBalancer: {{ingress: [{{ip: 198.51.100.1}}]}}}}"
+        ))]);
+        st.replace_slices(vec![slice_yaml(
+            "metadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: http, port: 8080}]\nendpoints: [{addresses: [10.0.0.2], nodeName: node-b}]",
+        )]);
+        st.desired()
+            .into_iter()
+            .filter(|(_, p)| p.flags & SERVICE_FLAG_MAGLEV != 0)
+            .map(|(k, _)| (IpAddr::from(k.addr).to_string(), u16::from_be(k.port), k.scope))
+            .collect::<Vec<_>>()
+    };
+    let outside = |ip: &str, port| (ip.to_owned(), port, SCOPE_EXTERNAL);
+    let all_outside = vec![outside("0.0.0.0", 30080), outside("192.0.2.7", 80), outside("198.51.100.1", 80)];
+    let maglev = ProxyOptions { maglev: true, ..Default::default() };
+    let mut marked = flags(maglev, "");
+    marked.sort();
+    assert_eq!(marked, all_outside);
+    assert!(flags(ProxyOptions::default(), "").is_empty(), "random by default");
+    let mut annotated = flags(ProxyOptions::default(), ", annotations: {kpr.io/lb-algorithm: maglev}");
+    annotated.sort();
+    assert_eq!(annotated, all_outside, "the annotation turns it on");
+    assert!(flags(maglev, ", annotations: {kpr.io/lb-algorithm: random}").is_empty(), "and off");
+}

@@ -861,13 +861,24 @@ fn tc_program_runs(
     bpf::load_tc_programs(&mut ebpf)?;
     let mut maps = kpr::datapath::bpf::BpfMaps::take_from(&mut ebpf)?;
     maps.endpoint_counters = cfg.endpoint_counters;
+    maps.maglev_seed = cfg.maglev_seed;
     // The test packets come from outside the cluster: the target also gets its entry for
     // outside clients.
     let backend = Ipv4Addr::new(10, 244, 1, 2);
     let mut desired = desired_with(10_000, 4, backend);
     let target = desired[&service_key(TARGET_IP, 80, Protocol::Tcp)].clone();
+    desired.insert(
+        kpr::model::desired::frontend_key(TARGET_IP, 80, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL),
+        target.clone(),
+    );
+    // The same frontend for outside clients at port 81, picking by Maglev (its table written),
+    // and its twin at port 82 picking at random, measured alike.
+    let maglev =
+        kpr::model::desired::DesiredPort { flags: target.flags | proxy_common::SERVICE_FLAG_MAGLEV, ..target.clone() };
     desired
-        .insert(kpr::model::desired::frontend_key(TARGET_IP, 80, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL), target);
+        .insert(kpr::model::desired::frontend_key(TARGET_IP, 81, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL), maglev);
+    desired
+        .insert(kpr::model::desired::frontend_key(TARGET_IP, 82, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL), target);
     // And an IPv6 service like it.
     let backend6 = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 2);
     let target6 = desired_with(1, 1, backend6)[&service_key(TARGET_IP6, 80, Protocol::Tcp)].clone();
@@ -978,10 +989,20 @@ fn tc_program_runs(
         // its own floor.
         let runs = repeat.min(70_000);
         let (mut total, mut answers, mut floor) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+        // And the same to the Maglev frontend (port 81: its pick a table slot) and to its
+        // random twin (port 82), each from clients of its own, answered alike.
+        let (mut maglev, mut twin) = (Duration::ZERO, Duration::ZERO);
         for i in 0..runs {
             let client = Ipv4Addr::new(10, (i >> 16) as u8, (i >> 8) as u8, i as u8);
             total += run(&tcp_frame(client, 40000, TARGET_IP, 80, TCP_SYN), 1)?;
             answers += run(&tcp_frame(backend, BENCH_PORT, client, 40000, TCP_SYN | ACK), 1)?;
+            for (port, first, took) in [(81, 11, &mut maglev), (82, 12, &mut twin)] {
+                let client = Ipv4Addr::new(first, (i >> 16) as u8, (i >> 8) as u8, i as u8);
+                let (ns, out, _) = run_with_output(&tcp_frame(client, 40000, TARGET_IP, port, TCP_SYN), 1)?;
+                *took += ns;
+                let picked = Ipv4Addr::new(out[30], out[31], out[32], out[33]);
+                run(&tcp_frame(picked, BENCH_PORT, client, 40000, TCP_SYN | ACK), 1)?;
+            }
             floor += run(&arp, 1)?;
         }
         // The answer was a flow's: translated back to the service's address.
@@ -994,6 +1015,8 @@ fn tc_program_runs(
         let how = format!("{runs} TestRuns of one run");
         out.push(("new_flow", vec![total.as_nanos() as f64 / f64::from(runs)], how.clone()));
         out.push(("new_flow_answer", vec![answers.as_nanos() as f64 / f64::from(runs)], how.clone()));
+        out.push(("new_flow_maglev", vec![maglev.as_nanos() as f64 / f64::from(runs)], how.clone()));
+        out.push(("new_flow_maglev_random_twin", vec![twin.as_nanos() as f64 / f64::from(runs)], how.clone()));
         out.push(("floor_single_run", vec![floor.as_nanos() as f64 / f64::from(runs)], how));
     }
     Ok(out)
