@@ -169,15 +169,26 @@ pub(super) fn link_cgroup_id(fd: BorrowedFd<'_>) -> Option<u64> {
     (rc == 0 && info.kind == BPF_LINK_TYPE_CGROUP && info.cgroup_id != 0).then_some(info.cgroup_id)
 }
 
+/// Load the cgroup program `$name` (of aya's type `$kind`), attach it to `$cgroup` anew and pin
+/// its link in place of a previous agent's (which detaches with it). A macro: aya's program
+/// types share these methods but no trait.
+macro_rules! attach_anew {
+    ($kind:ty, $ebpf:expr, $name:expr, $cgroup:expr, $dir:expr) => {{
+        let name = $name;
+        let prog: &mut $kind = $ebpf
+            .program_mut(name)
+            .with_context(|| format!("program `{name}` missing from the eBPF object"))?
+            .try_into()?;
+        prog.load().with_context(|| format!("the verifier rejected `{name}`"))?;
+        let id = prog.attach($cgroup, CgroupAttachMode::Single)?;
+        pin_replacing(prog.take_link(id)?.try_into()?, &$dir.join(format!("link_{name}")))
+    }};
+}
+
 /// The socket release hook (cleans up after sockets). Its link cannot take a new program in
 /// place: a previous agent's is replaced by a new one.
 pub(super) fn attach_sock_release(ebpf: &mut Ebpf, cgroup: &File, dir: &Path) -> Result<()> {
-    let name = program_names::SOCK_RELEASE;
-    let prog: &mut aya::programs::CgroupSock =
-        ebpf.program_mut(name).with_context(|| format!("program `{name}` missing from the eBPF object"))?.try_into()?;
-    prog.load().with_context(|| format!("the verifier rejected `{name}`"))?;
-    let id = prog.attach(cgroup, CgroupAttachMode::Single)?;
-    pin_replacing(prog.take_link(id)?.try_into()?, &dir.join(format!("link_{name}")))
+    attach_anew!(aya::programs::CgroupSock, ebpf, program_names::SOCK_RELEASE, cgroup, dir)
 }
 
 /// The `sock_ops` program counting how endpoints answer the socket path's TCP connects (outlier
@@ -185,12 +196,7 @@ pub(super) fn attach_sock_release(ebpf: &mut Ebpf, cgroup: &File, dir: &Path) ->
 /// agents' programs run a moment, and the first to count a connection marks it counted in
 /// their shared `KPR_SOCK_TCP` entry, so the other does not count it again.
 pub(super) fn attach_sock_ops(ebpf: &mut Ebpf, cgroup: &File, dir: &Path) -> Result<()> {
-    let name = program_names::SOCK_OPS;
-    let prog: &mut aya::programs::SockOps =
-        ebpf.program_mut(name).with_context(|| format!("program `{name}` missing from the eBPF object"))?.try_into()?;
-    prog.load().with_context(|| format!("the verifier rejected `{name}`"))?;
-    let id = prog.attach(cgroup, CgroupAttachMode::Single)?;
-    pin_replacing(prog.take_link(id)?.try_into()?, &dir.join(format!("link_{name}")))
+    attach_anew!(aya::programs::SockOps, ebpf, program_names::SOCK_OPS, cgroup, dir)
 }
 
 /// Pin `link` at `path`, in place of a previous agent's link there (which detaches with it).
