@@ -76,7 +76,7 @@ pub const CAST_TO_KERN_CTX_STANDIN: u32 = 0x6b70_7201;
 /// Map names, as seen by `bpftool map show` and used as pin file names.
 pub mod map_names {
     pub const SERVICES: &str = "KPR_SERVICES";
-    /// Service id → the Maglev table of a frontend with `SERVICE_FLAG_MAGLEV`.
+    /// (Service id, chunk) → a chunk of the Maglev table of a frontend with `SERVICE_FLAG_MAGLEV`.
     pub const MAGLEV: &str = "KPR_MAGLEV";
     pub const BACKENDS: &str = "KPR_BACKENDS";
     pub const SOCK_REVNAT: &str = "KPR_SOCK_REVNAT";
@@ -391,7 +391,8 @@ pub mod defaults {
     pub const MAX_HANDOVER: u32 = 32_768;
     /// loadBalancerSourceRanges entries across all LoadBalancer frontends.
     pub const MAX_SOURCE_RANGES: u32 = 16_384;
-    /// Frontends with a Maglev table (64 KiB each, allocated as written).
+    /// Frontends with a Maglev table (9 chunks of 4,000 bytes each at the default size, 33 at
+    /// 65,537 slots, allocated as written).
     pub const MAX_MAGLEV_FRONTENDS: u32 = 4_096;
     /// Words of the address filter (`KPR_ADDR_FILTER`): 2^20 bits, 128 KiB.
     pub const ADDR_FILTER_WORDS: u32 = 16_384;
@@ -553,9 +554,9 @@ pub const VERIFY_PROBE_PRIORITY: u32 = VERIFY_PROBE_MARK;
 /// ClusterIPs inside a known ServiceCIDR have one.
 pub const PROTO_ANY: u8 = 0;
 
-/// A hash of a flow's tuple (ports as read from the packet: network byte order), seeded: the per-packet path's backend pick
-/// (`KPR_FLOW_HASH_SEED`, or the cluster's `KPR_MAGLEV_SEED` for Maglev), which the agent and
-/// the tests can compute alike.
+/// A hash of a flow's tuple (ports as read from the packet: network byte order), seeded: the
+/// per-packet path's backend pick (`KPR_FLOW_HASH_SEED`, or the cluster's `KPR_MAGLEV_SEED` for
+/// Maglev), which the agent and the tests can compute alike.
 #[inline(always)]
 pub fn tuple_hash(seed: u32, saddr: &Addr, daddr: &Addr, sport: u16, dport: u16, proto: u8) -> u32 {
     let mut h = seed;
@@ -598,15 +599,37 @@ pub const SERVICE_FLAG_EXTERNAL_ADDR: u32 = 16;
 /// (not written yet, or it failed), the usual pick.
 pub const SERVICE_FLAG_MAGLEV: u32 = 32;
 
-/// Slots of a Maglev table (`KPR_MAGLEV`): a prime, Cilium's and Katran's default, over 100
-/// slots per backend up to 163 backends.
-pub const MAGLEV_TABLE_SIZE: u32 = 16_381;
+/// Slots of a Maglev table (`KPR_MAGLEV`) unless `--maglev-table-size` says otherwise: a prime,
+/// Cilium's and Katran's default, over 100 slots per backend up to 163 backends.
+pub const MAGLEV_DEFAULT_TABLE_SIZE: u32 = 16_381;
+/// The largest table `--maglev-table-size` takes (Cilium's): slots name backends in 16 bits.
+pub const MAGLEV_MAX_TABLE_SIZE: u32 = 131_071;
+/// The smallest (Cilium's): 100 slots per backend for 2 backends.
+pub const MAGLEV_MIN_TABLE_SIZE: u32 = 251;
+/// Slots per `KPR_MAGLEV` value. A table is kept in chunks that fit a 4 KiB slab object with
+/// the map's element header: the kernel allocates a map's elements as they are written, without
+/// reclaim, and one 32 KiB value would take contiguous pages.
+pub const MAGLEV_CHUNK_SLOTS: u32 = 2_000;
 
-/// Value of `KPR_MAGLEV`: each slot's index into the frontend's backend range.
+/// Chunks of a table of `table_size` slots.
+pub const fn maglev_chunks(table_size: u32) -> u32 {
+    table_size.div_ceil(MAGLEV_CHUNK_SLOTS)
+}
+
+/// Key of `KPR_MAGLEV`: a frontend's service id and which chunk of its table.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct MaglevKey {
+    pub service_id: u32,
+    pub chunk: u32,
+}
+
+/// Value of `KPR_MAGLEV`: slots `chunk × MAGLEV_CHUNK_SLOTS ..` of a table, each an index into
+/// the frontend's backend range (a table has fewer endpoints than slots: they fit 16 bits).
 #[repr(C)]
 #[derive(Clone, Copy)]
-pub struct MaglevTable {
-    pub slots: [u32; MAGLEV_TABLE_SIZE as usize],
+pub struct MaglevChunk {
+    pub slots: [u16; MAGLEV_CHUNK_SLOTS as usize],
 }
 
 /// `KPR_NODE_ADDRS` value bits: the address is local to the node (`--dst-type LOCAL`).
@@ -1519,7 +1542,8 @@ mod pod {
     // SAFETY: all of these are repr(C) with explicit padding and only integer fields.
     unsafe impl aya::Pod for super::ServiceKey {}
     unsafe impl aya::Pod for super::ServiceValue {}
-    unsafe impl aya::Pod for super::MaglevTable {}
+    unsafe impl aya::Pod for super::MaglevKey {}
+    unsafe impl aya::Pod for super::MaglevChunk {}
     unsafe impl aya::Pod for super::Backend {}
     unsafe impl aya::Pod for super::BackendKey {}
     unsafe impl aya::Pod for super::BackendAnswers {}

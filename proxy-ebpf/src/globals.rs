@@ -79,6 +79,10 @@ pub static KPR_FLOW_HASH_SEED: Global<u32> = Global::new(0);
 #[unsafe(no_mangle)]
 pub static KPR_MAGLEV_SEED: Global<u32> = Global::new(0);
 
+/// Slots of every Maglev table (`--maglev-table-size`, a prime): the same on every node.
+#[unsafe(no_mangle)]
+pub static KPR_MAGLEV_TABLE_SIZE: Global<u32> = Global::new(proxy_common::MAGLEV_DEFAULT_TABLE_SIZE);
+
 /// Where the kernel's `sk_buff` keeps `ip_summed` (the packet's checksum state), as
 /// `byte << 8 | bit`; set by the agent from the kernel's BTF where the programs may read it
 /// (6.2+: `bpf_cast_to_kern_ctx`). 0: they may not, and the checksum helper decides.

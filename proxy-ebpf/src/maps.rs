@@ -7,9 +7,9 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Addr, Addr4, AffinityKey, AffinityValue, Backend, BackendAnswers, BackendKey, CachedFlow, CidrKey, CidrMask, CtKey,
-    CtValue, DatapathEvent, EndpointStats, FlowAddr, FragmentKey, LinkInfo, MAGLEV_TABLE_SIZE, MaglevTable, ServiceKey,
-    ServiceStats, ServiceValue, SockRevNatKey, SockRevNatValue, SockSlots, SockTcp, SourceRange, counter,
-    ct_generation, defaults,
+    CtValue, DatapathEvent, EndpointStats, FlowAddr, FragmentKey, LinkInfo, MAGLEV_CHUNK_SLOTS,
+    MAGLEV_DEFAULT_TABLE_SIZE, MaglevChunk, MaglevKey, ServiceKey, ServiceStats, ServiceValue, SockRevNatKey,
+    SockRevNatValue, SockSlots, SockTcp, SourceRange, counter, ct_generation, defaults, maglev_chunks,
 };
 
 /// The slow programs (`program_names::TC_SLOW_PATH`), by slot: where the attached programs
@@ -32,13 +32,14 @@ pub static SERVICES: HashMap<
     { BPF_F_NO_PREALLOC as usize },
 > = HashMap::new();
 
-/// Service id → the Maglev table of a frontend with `SERVICE_FLAG_MAGLEV` (64 KiB each): not
-/// preallocated, memory follows the tables written.
+/// (Service id, chunk) → a chunk of the Maglev table of a frontend with `SERVICE_FLAG_MAGLEV`
+/// (`MaglevChunk`): not preallocated, memory follows the tables written. The agent sizes it
+/// for the configured table size.
 #[btf_map(name = "KPR_MAGLEV", pin_by_name)]
 pub static MAGLEV: HashMap<
-    u32,
-    MaglevTable,
-    { defaults::MAX_MAGLEV_FRONTENDS as usize },
+    MaglevKey,
+    MaglevChunk,
+    { (defaults::MAX_MAGLEV_FRONTENDS * maglev_chunks(MAGLEV_DEFAULT_TABLE_SIZE)) as usize },
     { BPF_F_NO_PREALLOC as usize },
 > = HashMap::new();
 
@@ -461,16 +462,18 @@ pub fn backend_at(service: &ServiceValue, pick: u32) -> Option<Backend> {
     backend
 }
 
-/// The slot of a Maglev table for `hash`: an index into `service`'s backend range (`None`:
-/// the frontend has no table).
+/// The slot of a Maglev table of `table_size` slots for `hash`: an index into `service`'s
+/// backend range (`None`: the frontend has no table).
 #[inline(always)]
-pub fn maglev_slot(service: &ServiceValue, hash: u32) -> Option<u32> {
-    let table = MAGLEV.get_ptr(&service.service_id)?;
-    let slot = hash % MAGLEV_TABLE_SIZE;
+pub fn maglev_slot(service: &ServiceValue, hash: u32, table_size: u32) -> Option<u32> {
+    let slot = hash.checked_rem(table_size)?;
+    let key = MaglevKey { service_id: service.service_id, chunk: slot / MAGLEV_CHUNK_SLOTS };
+    let chunk = MAGLEV.get_ptr(&key)?;
+    let at = slot % MAGLEV_CHUNK_SLOTS;
     // Read back through memory, so that the bound check stays: the compiler knows that a
-    // remainder is below the size (and would drop it), the verifier does not.
+    // remainder is below the divisor (and would drop it), the verifier does not.
     // SAFETY: a local's address; the map lookup's pointer is valid for this program run.
-    unsafe { (*table).slots.get(core::ptr::read_volatile(&slot) as usize).copied() }
+    unsafe { (*chunk).slots.get(core::ptr::read_volatile(&at) as usize).map(|&i| u32::from(i)) }
 }
 
 /// sessionAffinity ClientIP: (service port, client) → the client's backend and when it last

@@ -94,6 +94,7 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> Result
     let server_tasks = listeners.serve(metrics.clone(), proxy_health.clone(), cfg.configz.clone(), verify_route);
     let mut datapath = BpfDatapath::load(&cfg.datapath)?;
     let programmer = Programmer::recover(&mut datapath.maps)?;
+    programmer.rewrite_maglev_tables(&mut datapath.maps);
     tracing::info!(
         pin_dir = %crate::datapath::bpf::pin_dir(&cfg.datapath.pin_root).display(),
         cgroup = %cfg.datapath.cgroup.display(),

@@ -117,8 +117,8 @@ pub struct AgentArgs {
     #[arg(long)]
     pub abort_dead_tcp: bool,
     /// How new flows from outside to a NodePort, externalIP or LoadBalancer IP pick their
-    /// endpoint (per packet): `random`, as kube-proxy; `maglev`, by a Maglev table (16,381
-    /// slots) and a hash of the tuple seeded alike on every node, so that every node sends a
+    /// endpoint (per packet): `random`, as kube-proxy; `maglev`, by a Maglev table
+    /// (`--maglev-table-size`) and a hash of the tuple seeded alike on every node, so that every node sends a
     /// tuple to the same endpoint (a flow an ECMP router moves to another node keeps it, where
     /// that node can serve it: see the docs). A Service's `kpr.io/lb-algorithm: maglev|random`
     /// wins. ClusterIPs and the socket path keep random picks.
@@ -128,6 +128,12 @@ pub struct AgentArgs {
     /// arguments).
     #[arg(long, default_value_t = bpf::DEFAULT_MAGLEV_SEED)]
     pub maglev_seed: u32,
+    /// Slots of every Maglev table: a prime from 251 to 131,071, the same on every node. The
+    /// default, 16,381, gives 100 slots per endpoint up to 163 endpoints; 65,537 up to 655.
+    /// A table takes about 2 bytes a slot per frontend and family.
+    #[arg(long, default_value_t = proxy_common::MAGLEV_DEFAULT_TABLE_SIZE,
+          value_parser = |s: &str| s.parse::<u32>().map_err(|e| e.to_string()).and_then(crate::model::maglev::check_table_size))]
+    pub maglev_table_size: u32,
     /// How often the datapath checks itself: a synthetic new connection per frontend and
     /// source class through the live per-packet programs (`BPF_PROG_TEST_RUN`, no flow left
     /// behind), compared with the model; a mismatch is logged, counted
@@ -476,6 +482,7 @@ pub fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
     datapath.max_source_ranges = args.max_source_ranges;
     datapath.endpoint_counters = args.endpoint_counters;
     datapath.maglev_seed = args.maglev_seed;
+    datapath.maglev_table_size = args.maglev_table_size;
     datapath.max_conntrack = args.max_conntrack;
     datapath.max_conntrack_new = args.max_conntrack_new;
     datapath.ct_timeouts = config.conntrack.timeouts.datapath();

@@ -281,6 +281,10 @@ fn node_port_reaches_a_pod_on_another_node_masqueraded() {
 ///
 /// The flows are not moved mid-connection: with eTP=Cluster each node masquerades, so the pod
 /// would see another source (that takes direct server return, issue 47 part 2).
+///
+/// Both agents run on one kernel, so they share the boot's flow-hash seed too: agreeing nodes
+/// alone would not tell Maglev from a random pick; the pods the table predicts do (with
+/// `kpr.io/lb-algorithm: random` the comparison fails).
 #[test]
 fn maglev_sends_a_tuple_to_the_same_pod_through_either_node() {
     const SEED: u32 = 4_747;
@@ -292,7 +296,8 @@ fn maglev_sends_a_tuple_to_the_same_pod_through_either_node() {
     c.wait("*:30090/TCP ext", 2);
     // The model's table for the pods in the order the maps hold them (sorted).
     let endpoints: Vec<SocketAddr> = [pod_a, pod_b].iter().map(|ip| SocketAddr::from((*ip, POD_PORT))).collect();
-    let table = kpr::model::maglev::table(&endpoints, proxy_common::MAGLEV_TABLE_SIZE, u64::from(SEED)).unwrap();
+    let table =
+        kpr::model::maglev::table(&endpoints, proxy_common::MAGLEV_DEFAULT_TABLE_SIZE, u64::from(SEED)).unwrap();
     let ports: Vec<u16> = (41_000..41_012).collect();
     let expected: Vec<&str> = ports
         .iter()
@@ -305,7 +310,7 @@ fn maglev_sends_a_tuple_to_the_same_pod_through_either_node() {
                 80u16.to_be(),
                 proxy_common::IPPROTO_TCP,
             );
-            ["pod-a", "pod-b"][table[(hash % proxy_common::MAGLEV_TABLE_SIZE) as usize] as usize]
+            ["pod-a", "pod-b"][table[(hash % proxy_common::MAGLEV_DEFAULT_TABLE_SIZE) as usize] as usize]
         })
         .collect();
     assert!(expected.contains(&"pod-a") && expected.contains(&"pod-b"), "the tuples cover both pods: {expected:?}");

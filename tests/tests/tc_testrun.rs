@@ -29,10 +29,9 @@ use kpr::{
 use kpr_tests::map_state::MapState;
 use proxy_common::{
     Addr, CidrKey, CtKey, CtKey4, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, LINK_FLAG_TC_INGRESS, LinkInfo,
-    MAGLEV_TABLE_SIZE, NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD,
-    SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_MAGLEV, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MIN,
-    TCP_ACK, TCP_FIN, TCP_PSH, TCP_RST, TCP_SYN, counter, ct, event, map_names, program_names, service_stat,
-    tc_slow_path,
+    NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
+    SERVICE_FLAG_MAGLEV, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MIN, TCP_ACK, TCP_FIN, TCP_PSH,
+    TCP_RST, TCP_SYN, counter, ct, event, map_names, program_names, service_stat, tc_slow_path,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -343,6 +342,7 @@ impl Load {
             load.maps = BpfMaps::open_pinned(&load.pins.0).expect("maps");
             load.maps.endpoint_counters = cfg.endpoint_counters;
             load.maps.maglev_seed = cfg.maglev_seed;
+            load.maps.maglev_table_size = cfg.maglev_table_size;
             return load;
         }
         let pins = testbed::PinRoot::new("kt-tc");
@@ -353,6 +353,7 @@ impl Load {
         let mut maps = BpfMaps::take_from(&mut ebpf).expect("maps");
         maps.endpoint_counters = cfg.endpoint_counters;
         maps.maglev_seed = cfg.maglev_seed;
+        maps.maglev_table_size = cfg.maglev_table_size;
         let fresh = MapState::save(&bpf::pin_dir(&pins.0)).expect("the maps as loaded");
         Self { settings, ebpf, maps, pins, fresh }
     }
@@ -776,19 +777,24 @@ fn node_port_with_cluster_policy_is_masqueraded_and_reversed() {
 /// Maglev (`SERVICE_FLAG_MAGLEV`): a new flow's endpoint is the one the model's table names at
 /// the slot of the tuple's hash, seeded with the cluster's `--maglev-seed`, which any node
 /// computes alike (whatever its own flow seed). The same tuples to a frontend without the flag
-/// are spread by the node's own hash: not the same picks.
+/// are spread by the node's own hash: not the same picks. With the large table size (65,537
+/// slots: 33 chunks, the last one partly used; the multinode test has the default).
 #[test]
 fn a_maglev_frontend_sends_each_tuple_to_its_tables_endpoint() {
     const SEED: u32 = 0x5eed_0047;
+    const SIZE: u32 = kpr::model::maglev::LARGE_TABLE_SIZE;
     let backends: Vec<(Ipv4Addr, u16)> = (2..6).map(|n| (Ipv4Addr::new(10, 244, n, 2), 8080)).collect();
     let mut d = Desired::new();
     let (maglev, random) = (30090, 30091);
     for (port, flags) in [(maglev, SERVICE_FLAG_SNAT | SERVICE_FLAG_MAGLEV), (random, SERVICE_FLAG_SNAT)] {
         entry(&mut d, Ipv4Addr::UNSPECIFIED, port, Protocol::Tcp, SCOPE_EXTERNAL, &backends, flags);
     }
-    let rig = Rig::with(&d, |cfg| cfg.maglev_seed = SEED);
+    let rig = Rig::with(&d, |cfg| {
+        cfg.maglev_seed = SEED;
+        cfg.maglev_table_size = SIZE;
+    });
     let endpoints: Vec<std::net::SocketAddr> = backends.iter().map(|&(ip, port)| (ip, port).into()).collect();
-    let table = kpr::model::maglev::table(&endpoints, MAGLEV_TABLE_SIZE, u64::from(SEED)).unwrap();
+    let table = kpr::model::maglev::table(&endpoints, SIZE, u64::from(SEED)).unwrap();
     let picked = |node_port: u16, sport: u16| {
         let (verdict, out) = rig.ingress(&tcp(CLIENT, sport, NODE_IP, node_port).bytes());
         assert_eq!(verdict, TC_ACT_OK);
@@ -804,7 +810,7 @@ fn a_maglev_frontend_sends_each_tuple_to_its_tables_endpoint() {
             maglev.to_be(),
             proxy_common::IPPROTO_TCP,
         );
-        let expected = backends[table[(hash % MAGLEV_TABLE_SIZE) as usize] as usize].0;
+        let expected = backends[table[(hash % SIZE) as usize] as usize].0;
         assert_eq!(picked(maglev, sport), expected, "the table's endpoint for source port {sport}");
         differs += usize::from(picked(random, sport) != expected);
     }

@@ -31,8 +31,8 @@ use crate::{
     family::Family,
     flow_cache,
     globals::{
-        KPR_DETECT_LOCAL, KPR_FLOW_HASH_SEED, KPR_FORWARD_DIRECT, KPR_MAGLEV_SEED, KPR_REDIRECT_NEXT_HOP,
-        KPR_SNAT_PORT_MAX, KPR_SNAT_PORT_MIN,
+        KPR_DETECT_LOCAL, KPR_FLOW_HASH_SEED, KPR_FORWARD_DIRECT, KPR_MAGLEV_SEED, KPR_MAGLEV_TABLE_SIZE,
+        KPR_REDIRECT_NEXT_HOP, KPR_SNAT_PORT_MAX, KPR_SNAT_PORT_MIN,
     },
     maps::{
         FlowTables, HANDOVER, LINKS, LOCAL_CIDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss, affinity_backend,
@@ -474,7 +474,7 @@ const NO_SLOT: u32 = u32::MAX;
 /// frames of its callers, which are on the longest chains of calls (the BPF stack).
 #[inline(never)]
 fn maglev_pick(service: &ServiceValue, t: &Tuple) -> u32 {
-    maglev_slot(service, tuple_hash(KPR_MAGLEV_SEED.load(), t)).unwrap_or(NO_SLOT)
+    maglev_slot(service, tuple_hash(KPR_MAGLEV_SEED.load(), t), KPR_MAGLEV_TABLE_SIZE.load()).unwrap_or(NO_SLOT)
 }
 
 /// A hash of the tuple, seeded per boot (`KPR_FLOW_HASH_SEED`).

@@ -28,6 +28,7 @@ pub struct FakeMaps {
     /// Maglev tables by service id.
     pub maglev: BTreeMap<u32, Vec<u32>>,
     pub maglev_seed: u32,
+    pub maglev_table_size: u32,
 }
 
 impl FakeMaps {
@@ -44,6 +45,7 @@ impl FakeMaps {
             source_range_capacity: u32::MAX,
             maglev: BTreeMap::new(),
             maglev_seed: 0,
+            maglev_table_size: proxy_common::MAGLEV_DEFAULT_TABLE_SIZE,
         }
     }
 
@@ -67,6 +69,10 @@ impl Maps for FakeMaps {
         self.maglev_seed
     }
 
+    fn maglev_table_size(&self) -> u32 {
+        self.maglev_table_size
+    }
+
     fn set_maglev(&mut self, service_id: u32, table: &[u32]) -> Result<()> {
         self.writes += 1;
         self.maglev.insert(service_id, table.to_vec());
@@ -77,6 +83,11 @@ impl Maps for FakeMaps {
         self.writes += 1;
         self.maglev.remove(&service_id);
         Ok(())
+    }
+
+    fn maglev_tables(&self) -> Result<BTreeMap<u32, u32>> {
+        // A table of another size counts as a table of its own number of chunks.
+        Ok(self.maglev.iter().map(|(id, table)| (*id, proxy_common::maglev_chunks(table.len() as u32))).collect())
     }
 
     fn source_range_capacity(&self) -> u32 {

@@ -22,9 +22,7 @@ use std::{
 };
 
 use anyhow::{Result, bail};
-use proxy_common::{
-    Addr, Backend, BackendKey, IPPROTO_UDP, MAGLEV_TABLE_SIZE, SERVICE_FLAG_MAGLEV, ServiceKey, ServiceValue,
-};
+use proxy_common::{Addr, Backend, BackendKey, IPPROTO_UDP, SERVICE_FLAG_MAGLEV, ServiceKey, ServiceValue};
 
 use crate::model::{
     cidr::Cidr,
@@ -59,11 +57,17 @@ pub trait Maps: Send {
     fn remove_service(&mut self, key: &ServiceKey) -> Result<()>;
     /// The seed Maglev tables are built with (`--maglev-seed`; the programs hash tuples with it).
     fn maglev_seed(&self) -> u32;
+    /// Slots of every Maglev table (`--maglev-table-size`; the programs take the slot of a
+    /// hash modulo it).
+    fn maglev_table_size(&self) -> u32;
     /// Write the Maglev table of a frontend with `SERVICE_FLAG_MAGLEV`: each slot's index into
     /// its backends.
     fn set_maglev(&mut self, service_id: u32, table: &[u32]) -> Result<()>;
     /// Remove a frontend's Maglev table (none: nothing to do).
     fn remove_maglev(&mut self, service_id: u32) -> Result<()>;
+    /// The Maglev tables in the maps: service id → chunks written (`maglev_chunks` of the
+    /// table size: whole).
+    fn maglev_tables(&self) -> Result<BTreeMap<u32, u32>>;
     /// Every loadBalancerSourceRanges entry: (service id, CIDR base, prefix length).
     fn source_ranges(&self) -> Result<Vec<(u32, Cidr)>>;
     fn add_source_ranges(&mut self, service_id: u32, ranges: &[Cidr]) -> Result<()>;
@@ -263,10 +267,6 @@ impl Programmer {
                 continue;
             }
             let backends = maps.backends(value.backends_start, value.backends_count)?;
-            // Written again: the seed may have changed since (or the write not have happened).
-            if value.flags & SERVICE_FLAG_MAGLEV != 0 {
-                write_maglev(maps, &key, value.service_id, &backends);
-            }
             let mut source_ranges = ranges.remove(&value.service_id).unwrap_or_default();
             source_ranges.sort();
             programmed.insert(key, Programmed { value, backends, source_ranges });
@@ -274,6 +274,7 @@ impl Programmer {
         for (id, stale) in ranges {
             maps.remove_source_ranges(id, &stale)?;
         }
+        keep_maglev_tables(maps, &programmed);
         // Counters for exactly the frontends there are (an older layout had none; a frontend
         // removed while no agent ran left its own).
         if let Err(e) = maps.keep_service_stats(&used_ids) {
@@ -293,6 +294,14 @@ impl Programmer {
             endpoints_uncounted: None,
             counted_for: BTreeSet::new(),
         })
+    }
+
+    /// Write every Maglev frontend's table again: at the agent's start, as the seed may have
+    /// changed since the tables were written.
+    pub fn rewrite_maglev_tables(&self, maps: &mut dyn Maps) {
+        for (key, p) in self.programmed.iter().filter(|(_, p)| p.value.flags & SERVICE_FLAG_MAGLEV != 0) {
+            write_maglev(maps, key, p.value.service_id, &p.backends);
+        }
     }
 
     pub fn programmed(&self) -> &BTreeMap<ServiceKey, Programmed> {
@@ -517,7 +526,18 @@ impl Programmer {
                 self.programmed
                     .insert(p.key, Programmed { value: p.value, backends: p.backends, source_ranges: p.ranges });
             } else {
-                // Not written: give the reservation back; the old entry (if any) stays as it was.
+                // Not written: give the reservation back; the old entry (if any) stays as it was,
+                // and so does its Maglev table (written above for the new backends).
+                if p.value.flags & SERVICE_FLAG_MAGLEV != 0 {
+                    match self.programmed.get(&p.key).filter(|o| o.value.flags & SERVICE_FLAG_MAGLEV != 0) {
+                        Some(old) => write_maglev(maps, &p.key, old.value.service_id, &old.backends),
+                        None => {
+                            if let Err(e) = maps.remove_maglev(p.value.service_id) {
+                                tracing::warn!(address = %display_key(&p.key), "failed to remove a Maglev table: {e:#}");
+                            }
+                        }
+                    }
+                }
                 self.unreserve(&p);
                 report.failed += 1;
                 let want = &desired[&p.key];
@@ -736,6 +756,27 @@ impl Programmer {
     }
 }
 
+/// The Maglev tables in line with the entries (a reconcile): tables no Maglev entry owns (an
+/// entry removed while no agent ran, a removal that failed) removed, and a Maglev entry's
+/// table written where it is not whole.
+fn keep_maglev_tables(maps: &mut dyn Maps, programmed: &BTreeMap<ServiceKey, Programmed>) {
+    let tables = match maps.maglev_tables() {
+        Ok(tables) => tables,
+        Err(e) => return tracing::warn!("failed to read the Maglev tables: {e:#}"),
+    };
+    let maglev = || programmed.iter().filter(|(_, p)| p.value.flags & SERVICE_FLAG_MAGLEV != 0);
+    let owned: BTreeSet<u32> = maglev().map(|(_, p)| p.value.service_id).collect();
+    for id in tables.keys().filter(|id| !owned.contains(id)) {
+        if let Err(e) = maps.remove_maglev(*id) {
+            tracing::warn!(service_id = id, "failed to remove a Maglev table no entry owns: {e:#}");
+        }
+    }
+    let whole = proxy_common::maglev_chunks(maps.maglev_table_size());
+    for (key, p) in maglev().filter(|(_, p)| tables.get(&p.value.service_id) != Some(&whole)) {
+        write_maglev(maps, key, p.value.service_id, &p.backends);
+    }
+}
+
 /// Write the Maglev table of a frontend's `backends` (in their order in its range). A failure
 /// is logged: without its table the frontend's new flows get the usual pick (a random one)
 /// until the next write.
@@ -746,7 +787,7 @@ fn write_maglev(maps: &mut dyn Maps, key: &ServiceKey, service_id: u32, backends
         maps.remove_maglev(service_id)
     } else {
         let seed = u64::from(maps.maglev_seed());
-        crate::model::maglev::table(&endpoints, MAGLEV_TABLE_SIZE, seed)
+        crate::model::maglev::table(&endpoints, maps.maglev_table_size(), seed)
             .map_err(anyhow::Error::new)
             .and_then(|table| maps.set_maglev(service_id, &table))
     };

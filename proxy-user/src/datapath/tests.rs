@@ -1,6 +1,6 @@
 use std::net::Ipv4Addr;
 
-use proxy_common::ServiceKey;
+use proxy_common::{MAGLEV_DEFAULT_TABLE_SIZE, ServiceKey};
 
 use super::{fake::FakeMaps, *};
 use crate::model::{
@@ -445,7 +445,7 @@ fn maglev_tables_follow_their_frontends_backends() {
     let table = |backends: &[u8]| {
         let endpoints: Vec<std::net::SocketAddr> =
             backends.iter().map(|b| (Ipv4Addr::new(10, 0, 0, *b), 8080).into()).collect();
-        crate::model::maglev::table(&endpoints, MAGLEV_TABLE_SIZE, 7).unwrap()
+        crate::model::maglev::table(&endpoints, MAGLEV_DEFAULT_TABLE_SIZE, 7).unwrap()
     };
     let mut p = Programmer::recover(&mut maps).unwrap();
     let want: Desired = [(key(1), maglev(1, &[1, 2, 3])), (key(2), port(2, &[4]))].into_iter().collect();
@@ -458,13 +458,38 @@ fn maglev_tables_follow_their_frontends_backends() {
     p.apply(&want, &mut maps);
     assert_eq!(maps.maglev[&id(&maps, 1)], table(&[1, 3]), "rewritten with the backends");
 
-    // A restart under another seed writes the tables anew.
+    // A reconcile (the programmer rebuilt from the maps) leaves whole tables as they are,
+    // removes one no entry owns and writes a missing one; a start writes all anew (the seed
+    // may have changed).
+    let seed7 = table(&[1, 3]);
     maps.maglev_seed = 8;
-    maps.maglev.clear();
-    let mut p = Programmer::recover(&mut maps).unwrap();
+    maps.maglev.insert(999, seed7.clone());
+    let p = Programmer::recover(&mut maps).unwrap();
+    assert_eq!(maps.maglev.keys().copied().collect::<Vec<_>>(), vec![id(&maps, 1)], "the orphan removed");
+    assert_eq!(maps.maglev[&id(&maps, 1)], seed7, "a whole table left as it is");
     let endpoints: Vec<std::net::SocketAddr> =
         [1u8, 3].iter().map(|b| (Ipv4Addr::new(10, 0, 0, *b), 8080).into()).collect();
-    assert_eq!(maps.maglev[&id(&maps, 1)], crate::model::maglev::table(&endpoints, MAGLEV_TABLE_SIZE, 8).unwrap());
+    let seed8 = crate::model::maglev::table(&endpoints, MAGLEV_DEFAULT_TABLE_SIZE, 8).unwrap();
+    p.rewrite_maglev_tables(&mut maps);
+    assert_eq!(maps.maglev[&id(&maps, 1)], seed8, "written anew at a start");
+    maps.maglev.clear();
+    Programmer::recover(&mut maps).unwrap();
+    assert_eq!(maps.maglev[&id(&maps, 1)], seed8, "a missing table written");
+    // Another table size (the flag changed): a table of the old size is not whole.
+    maps.maglev_table_size = 251;
+    Programmer::recover(&mut maps).unwrap();
+    assert_eq!(maps.maglev[&id(&maps, 1)], crate::model::maglev::table(&endpoints, 251, 8).unwrap(), "resized");
+    maps.maglev_table_size = MAGLEV_DEFAULT_TABLE_SIZE;
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    assert_eq!(maps.maglev[&id(&maps, 1)], seed8);
+
+    // A write of the entries that fails leaves no table behind for a new entry, and the old
+    // table for an entry that stays as it was.
+    maps.fail_service_writes = 1;
+    let want: Desired = [(key(1), maglev(1, &[1, 2])), (key(3), maglev(3, &[5]))].into_iter().collect();
+    p.apply(&want, &mut maps);
+    assert_eq!(maps.maglev.keys().copied().collect::<Vec<_>>(), vec![id(&maps, 1)], "no table for the new entry");
+    assert_eq!(maps.maglev[&id(&maps, 1)], seed8, "the old entry's table");
 
     let want: Desired = [(key(1), port(1, &[1, 3])), (key(2), port(2, &[4]))].into_iter().collect();
     p.apply(&want, &mut maps);

@@ -234,7 +234,14 @@ fn verdict(report: &mut TraceReport, entry: &Programmed, socket: bool, proto: u8
             report.source
         ));
     } else {
-        steps.push(format!("endpoint: one of {n} by a hash of the connection's addresses and ports"));
+        steps.push(if value.flags & proxy_common::SERVICE_FLAG_MAGLEV != 0 {
+            format!(
+                "endpoint: one of {n} by Maglev: the slot of a hash of the connection's addresses and ports, \
+                 seeded alike on every node, in this frontend's table (the same endpoint on every node with the same endpoints)"
+            )
+        } else {
+            format!("endpoint: one of {n} by a hash of the connection's addresses and ports")
+        });
         let hairpin = report.candidates.iter().any(|c| c.starts_with(&format!("{}:", report.source)));
         let masquerade = value.flags & SERVICE_FLAG_SNAT != 0 || hairpin;
         report.masquerade = Some(masquerade);

@@ -14,7 +14,7 @@ use siphasher::sip128::{Hasher128 as _, SipHasher13};
 
 /// Cilium's and Katran's default table size: a prime, over 100 slots per endpoint up to 163
 /// endpoints.
-pub const DEFAULT_TABLE_SIZE: u32 = 16_381;
+pub const DEFAULT_TABLE_SIZE: u32 = proxy_common::MAGLEV_DEFAULT_TABLE_SIZE;
 /// Their large table size, for Services of up to 655 endpoints at 100 slots each.
 pub const LARGE_TABLE_SIZE: u32 = 65_537;
 
@@ -88,6 +88,18 @@ fn endpoint_hash(endpoint: &SocketAddr, seed: u64) -> (u64, u64) {
     hasher.write(&endpoint.port().to_be_bytes());
     let hash = hasher.finish128();
     (hash.h1, hash.h2)
+}
+
+/// A table size `--maglev-table-size` takes: a prime from 251 to 131,071 (Cilium's bounds).
+pub fn check_table_size(size: u32) -> Result<u32, String> {
+    use proxy_common::{MAGLEV_MAX_TABLE_SIZE as MAX, MAGLEV_MIN_TABLE_SIZE as MIN};
+    if !(MIN..=MAX).contains(&size) {
+        return Err(format!("a Maglev table has {MIN} to {MAX} slots, not {size}"));
+    }
+    if !is_prime(size) {
+        return Err(format!("a Maglev table's size must be a prime (16381, 65537, ...), not {size}"));
+    }
+    Ok(size)
 }
 
 fn is_prime(n: u32) -> bool {
@@ -183,5 +195,16 @@ mod tests {
         assert_eq!(table(&endpoints(8), 7, SEED), Err(MaglevError::TooManyEndpoints { endpoints: 8, size: 7 }));
         assert_eq!(table(&[], 7, SEED), Ok(Vec::new()));
         assert!(is_prime(DEFAULT_TABLE_SIZE) && is_prime(LARGE_TABLE_SIZE));
+    }
+
+    #[test]
+    fn the_table_size_flag_takes_primes_within_ciliums_bounds() {
+        for size in [251, DEFAULT_TABLE_SIZE, LARGE_TABLE_SIZE, 131_071] {
+            assert_eq!(check_table_size(size), Ok(size));
+        }
+        for (size, says) in [(16_384, "a prime"), (241, "251 to 131071"), (131_101, "251 to 131071")] {
+            let e = check_table_size(size).unwrap_err();
+            assert!(e.contains(says), "{size}: {e}");
+        }
     }
 }

@@ -17,8 +17,8 @@ use aya::{
 };
 use proxy_common::{
     Addr, Addr4, Backend, BackendKey, CachedFlow, CidrKey, EndpointStats, FlowAddr, IPPROTO_TCP, IPPROTO_UDP,
-    MAGLEV_TABLE_SIZE, MaglevTable, ServiceKey, ServiceStats, ServiceValue, SockRevNatKey, SockRevNatValue,
-    SourceRange, counter, ct, defaults, map_names, service_stat,
+    MAGLEV_CHUNK_SLOTS, MAGLEV_DEFAULT_TABLE_SIZE, MaglevChunk, MaglevKey, ServiceKey, ServiceStats, ServiceValue,
+    SockRevNatKey, SockRevNatValue, SourceRange, counter, ct, defaults, maglev_chunks, map_names, service_stat,
 };
 
 use super::{
@@ -67,10 +67,11 @@ pub struct BpfMaps {
     endpoint_stats: PerCpuHashMap<MapData, BackendKey, EndpointStats>,
     /// How many endpoints may be counted one by one; 0: none (the agent sets it).
     pub endpoint_counters: u32,
-    /// Maglev tables by service id (`None`: pins of a build without them).
-    maglev: Option<HashMap<MapData, u32, MaglevTable>>,
-    /// The programs' `KPR_MAGLEV_SEED` (the agent sets it).
+    /// Maglev tables in chunks, by service id (`None`: pins of a build without them).
+    maglev: Option<HashMap<MapData, MaglevKey, MaglevChunk>>,
+    /// The programs' `KPR_MAGLEV_SEED` and `KPR_MAGLEV_TABLE_SIZE` (the agent sets them).
     pub maglev_seed: u32,
+    pub maglev_table_size: u32,
     capacity: Capacity,
 }
 
@@ -108,6 +109,7 @@ impl BpfMaps {
             endpoint_counters: 0,
             maglev: take(map_names::MAGLEV).ok().map(HashMap::try_from).transpose()?,
             maglev_seed: 0,
+            maglev_table_size: MAGLEV_DEFAULT_TABLE_SIZE,
         })
     }
 
@@ -127,25 +129,50 @@ impl Maps for BpfMaps {
         self.maglev_seed
     }
 
+    fn maglev_table_size(&self) -> u32 {
+        self.maglev_table_size
+    }
+
     fn set_maglev(&mut self, service_id: u32, table: &[u32]) -> Result<()> {
         let map = self.maglev.as_mut().context("no Maglev map (pins of an older build)")?;
-        let mut value = MaglevTable { slots: [0; MAGLEV_TABLE_SIZE as usize] };
         anyhow::ensure!(
-            table.len() == value.slots.len(),
+            table.len() == self.maglev_table_size as usize,
             "a Maglev table of {} slots, not {}",
             table.len(),
-            MAGLEV_TABLE_SIZE
+            self.maglev_table_size
         );
-        value.slots.copy_from_slice(table);
-        map.insert(&service_id, &value, 0).with_context(|| format!("failed to write the Maglev table of {service_id}"))
+        for (chunk, slots) in (0..).zip(table.chunks(MAGLEV_CHUNK_SLOTS as usize)) {
+            let mut value = MaglevChunk { slots: [0; MAGLEV_CHUNK_SLOTS as usize] };
+            for (slot, index) in value.slots.iter_mut().zip(slots) {
+                *slot = u16::try_from(*index).context("a Maglev table names an endpoint past 65,535")?;
+            }
+            map.insert(&MaglevKey { service_id, chunk }, &value, 0)
+                .with_context(|| format!("failed to write chunk {chunk} of the Maglev table of {service_id}"))?;
+        }
+        Ok(())
     }
 
     fn remove_maglev(&mut self, service_id: u32) -> Result<()> {
         let Some(map) = self.maglev.as_mut() else { return Ok(()) };
-        match map.remove(&service_id) {
-            Err(aya::maps::MapError::KeyNotFound) | Ok(()) => Ok(()),
-            Err(e) => Err(anyhow::Error::new(e).context(format!("failed to remove the Maglev table of {service_id}"))),
+        for chunk in 0..maglev_chunks(self.maglev_table_size) {
+            match map.remove(&MaglevKey { service_id, chunk }) {
+                Err(aya::maps::MapError::KeyNotFound) | Ok(()) => {}
+                Err(e) => {
+                    return Err(
+                        anyhow::Error::new(e).context(format!("failed to remove the Maglev table of {service_id}"))
+                    );
+                }
+            }
         }
+        Ok(())
+    }
+
+    fn maglev_tables(&self) -> Result<BTreeMap<u32, u32>> {
+        let mut tables = BTreeMap::new();
+        for key in self.maglev.iter().flat_map(|map| map.keys()) {
+            *tables.entry(key?.service_id).or_default() += 1;
+        }
+        Ok(tables)
     }
 
     fn source_range_capacity(&self) -> u32 {

@@ -18,10 +18,10 @@ use super::pins::{carry_over_maps, check_owner, pin_dir};
 /// The eBPF object built from `proxy-ebpf` by build.rs.
 pub(super) static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy"));
 
-/// Where and how big: the datapath's start-up settings.
 /// The Maglev seed of a cluster that sets none: fixed, so that nodes agree unless told otherwise.
 pub const DEFAULT_MAGLEV_SEED: u32 = 0x6b70_7231;
 
+/// Where and how big: the datapath's start-up settings.
 #[derive(Clone, Debug)]
 pub struct DatapathConfig {
     /// bpffs directory for kpr's pins; the layout version is appended.
@@ -40,6 +40,8 @@ pub struct DatapathConfig {
     pub endpoint_counters: u32,
     /// `--maglev-seed`: the Maglev tables' and tuple hash's seed, the same on every node.
     pub maglev_seed: u32,
+    /// `--maglev-table-size`: slots of every Maglev table (a prime), the same on every node.
+    pub maglev_table_size: u32,
     /// Entries of each family's conntrack table of established flows.
     pub max_conntrack: u32,
     /// Entries of each family's conntrack table of flows not answered yet.
@@ -82,6 +84,7 @@ impl DatapathConfig {
             max_source_ranges: defaults::MAX_SOURCE_RANGES,
             endpoint_counters: 0,
             maglev_seed: DEFAULT_MAGLEV_SEED,
+            maglev_table_size: proxy_common::MAGLEV_DEFAULT_TABLE_SIZE,
             max_conntrack: defaults::MAX_CONNTRACK,
             max_conntrack_new: defaults::MAX_CONNTRACK_NEW,
             detect_local: proxy_common::DETECT_LOCAL_NONE,
@@ -319,6 +322,13 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
     if MapData::from_pin(&endpoint_stats_pin).is_ok_and(|m| m.info().is_ok_and(|i| i.max_entries() != endpoint_stats)) {
         let _ = std::fs::remove_file(&endpoint_stats_pin);
     }
+    // Tables, written anew at every start: a pinned map sized for another table size is made
+    // anew (the running programs keep the old one until they are replaced).
+    let maglev_entries = defaults::MAX_MAGLEV_FRONTENDS * proxy_common::maglev_chunks(cfg.maglev_table_size);
+    let maglev_pin = dir.join(map_names::MAGLEV);
+    if MapData::from_pin(&maglev_pin).is_ok_and(|m| m.info().is_ok_and(|i| i.max_entries() != maglev_entries)) {
+        let _ = std::fs::remove_file(&maglev_pin);
+    }
     let seed = flow_hash_seed();
     let mut carried = carry_over_maps(&cfg.pin_root);
     let sock_revnat = size(map_names::SOCK_REVNAT, cfg.max_sock_revnat);
@@ -339,6 +349,7 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .map_max_entries(map_names::CT_NEW6, size(map_names::CT_NEW6, cfg.max_conntrack_new))
         .map_max_entries(map_names::SOURCE_RANGES, size(map_names::SOURCE_RANGES, cfg.max_source_ranges))
         .map_max_entries(map_names::ENDPOINT_STATS, endpoint_stats)
+        .map_max_entries(map_names::MAGLEV, maglev_entries)
         .override_global("KPR_ENDPOINT_COUNTERS", &endpoint_counters, true)
         .override_global("KPR_HAVE_SET_RETVAL", &have_set_retval, true)
         .override_global("KPR_COARSE_CLOCK", &have_coarse_clock, true)
@@ -358,6 +369,7 @@ pub fn open_object(cfg: &DatapathConfig) -> Result<Ebpf> {
         .override_global("KPR_CT_TIMEOUTS", &cfg.ct_timeouts, true)
         .override_global("KPR_FLOW_HASH_SEED", &seed, true)
         .override_global("KPR_MAGLEV_SEED", &cfg.maglev_seed, true)
+        .override_global("KPR_MAGLEV_TABLE_SIZE", &cfg.maglev_table_size, true)
         .override_global("KPR_IP_SUMMED_AT", &ip_summed_at, true);
     let loaded = loop {
         match loader.load(object) {
@@ -420,7 +432,8 @@ pub fn load_tc_programs(ebpf: &mut Ebpf) -> Result<()> {
         .zip(&names)
         .map(|(program, name)| program.with_context(|| format!("program `{name}` missing from the eBPF object")))
         .collect::<Result<_>>()?;
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(queue.len());
+    // A verifier run takes memory as well as CPU: a few at once on a big node is enough.
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(4).min(queue.len());
     let queue = std::sync::Mutex::new(queue);
     std::thread::scope(|scope| {
         let workers: Vec<_> = (0..threads)
@@ -431,7 +444,11 @@ pub fn load_tc_programs(ebpf: &mut Ebpf) -> Result<()> {
                         let next = queue.lock().expect("not poisoned").pop_front();
                         let Some((name, prog)) = next else { return Ok(()) };
                         let started = std::time::Instant::now();
-                        prog.load().with_context(|| format!("the verifier rejected `{name}`"))?;
+                        if let Err(e) = prog.load() {
+                            // The others stop at their next program: the start fails anyway.
+                            queue.lock().expect("not poisoned").clear();
+                            return Err(e).with_context(|| format!("the verifier rejected `{name}`"));
+                        }
                         tracing::debug!(program = name, elapsed_ms = started.elapsed().as_millis() as u64, "loaded");
                     }
                 })
