@@ -112,10 +112,23 @@ fn logged(f: impl FnOnce()) -> String {
             Ok(())
         }
     }
+    // tracing caches, per log statement, whether any subscriber wants it: one first reached on
+    // another test's thread while no subscriber wanted anything was cached as "never", and this
+    // capture saw nothing (1 run in about 20). A process-wide subscriber that asks again at
+    // every event ("sometimes") and takes none keeps that cache from saying "never".
+    static ASK_EVERY_TIME: std::sync::Once = std::sync::Once::new();
+    ASK_EVERY_TIME.call_once(|| {
+        use tracing_subscriber::layer::SubscriberExt as _;
+        let none = tracing_subscriber::registry().with(tracing_subscriber::filter::filter_fn(|_| false));
+        let _ = tracing::subscriber::set_global_default(none);
+    });
     let capture = Capture::default();
     let writer = capture.clone();
     let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer(move || writer.clone()).finish();
-    tracing::subscriber::with_default(subscriber, f);
+    tracing::subscriber::with_default(subscriber, || {
+        tracing::callsite::rebuild_interest_cache();
+        f()
+    });
     String::from_utf8(capture.0.lock().unwrap().clone()).unwrap()
 }
 
