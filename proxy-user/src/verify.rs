@@ -17,7 +17,7 @@ use std::{
 
 use proxy_common::{
     IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
-    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP, SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
+    SERVICE_FLAG_MAGLEV, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP, SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
 };
 use serde::{Deserialize, Serialize};
 
@@ -58,6 +58,9 @@ pub struct ProbeEnv {
     /// The per-packet path covers every link: the socket path leaves it what it must serve
     /// (`KPR_POD_LINKS_COVERED`).
     pub pod_links_covered: bool,
+    /// The cluster's Maglev seed and table size (`--maglev-seed`, `--maglev-table-size`): a
+    /// Maglev frontend's probe expects the one endpoint its table names for the probe's tuple.
+    pub maglev: Option<(u32, u32)>,
 }
 
 /// `rp_filter` in either mode, or no Ethernet (the probe is an Ethernet frame).
@@ -91,6 +94,7 @@ impl ProbeEnv {
             loopback_checks_sources: plan.links.get(&LOOPBACK).is_some_and(|l| l.flags & LINK_UNFIT != 0),
             socket_probes: false,
             pod_links_covered: false,
+            maglev: None,
         }
     }
 
@@ -272,10 +276,17 @@ fn probe(
     } else if port.backends.is_empty() {
         if flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0 { Expect::Drop } else { Expect::Reject }
     } else {
-        Expect::Forward {
-            backends: port.backends.iter().map(|b| SocketAddr::new(b.addr.into(), u16::from_be(b.port))).collect(),
-            masquerade: flags & SERVICE_FLAG_SNAT != 0,
-        }
+        let backends: Vec<SocketAddr> =
+            port.backends.iter().map(|b| SocketAddr::new(b.addr.into(), u16::from_be(b.port))).collect();
+        let client = SocketAddr::new(client_ip, client_port);
+        let target = SocketAddr::new(target_ip, u16::from_be(key.port));
+        // sessionAffinity (a timeout) first: a remembered endpoint wins over the table.
+        let maglev = env.maglev.filter(|_| flags & SERVICE_FLAG_MAGLEV != 0 && port.value.affinity_timeout == 0);
+        let backends = match maglev.and_then(|m| maglev_endpoint(&backends, client, target, key.proto, m)) {
+            Some(endpoint) => vec![endpoint],
+            None => backends,
+        };
+        Expect::Forward { backends, masquerade: flags & SERVICE_FLAG_SNAT != 0 }
     };
     let client_port = if class == Class::Node { 0 } else { client_port };
     Some(Probe {
@@ -288,6 +299,28 @@ fn probe(
         affinity_id: port.value.affinity_id,
         expect,
     })
+}
+
+/// The endpoint a Maglev frontend's table (built as the programmer builds it, from the
+/// endpoints in the order of their range) names for the tuple; `None` where no table can be
+/// built (the programmer wrote none: the frontend picks at random).
+fn maglev_endpoint(
+    endpoints: &[SocketAddr],
+    client: SocketAddr,
+    target: SocketAddr,
+    proto: u8,
+    (seed, size): (u32, u32),
+) -> Option<SocketAddr> {
+    let table = crate::model::maglev::table(endpoints, size, u64::from(seed)).ok()?;
+    let hash = proxy_common::tuple_hash(
+        seed,
+        &client.ip().into(),
+        &target.ip().into(),
+        client.port().to_be(),
+        target.port().to_be(),
+        proto,
+    );
+    endpoints.get(*table.get((hash % size) as usize)? as usize).copied()
 }
 
 fn unspecified(v4: bool) -> IpAddr {
@@ -715,11 +748,39 @@ mod tests {
             loopback_checks_sources: false,
             socket_probes: false,
             pod_links_covered: false,
+            maglev: None,
         }
     }
 
     fn probes_of(frontends: &Frontends) -> (Vec<Probe>, usize) {
         probes(frontends.keys(), frontends, &env(), (1, 0))
+    }
+
+    /// A Maglev frontend's probe expects the one endpoint its table names for the probe's
+    /// tuple (tc_testrun checks that against the program); without the cluster's settings, or
+    /// with sessionAffinity (a remembered endpoint wins), any of them.
+    #[test]
+    fn a_maglev_frontends_probe_expects_its_tables_endpoint() {
+        let eps = [("10.244.1.5", 8080), ("10.244.2.5", 8080), ("10.244.3.5", 8080), ("10.244.4.5", 8080)];
+        let key = frontend_key([0, 0, 0, 0], 30080, Protocol::Tcp, SCOPE_EXTERNAL);
+        let d: Frontends = [(key, port(&eps, SERVICE_FLAG_SNAT | SERVICE_FLAG_MAGLEV))].into();
+        let all: Vec<SocketAddr> = eps.iter().map(|(ip, p)| SocketAddr::new(ip.parse().unwrap(), *p)).collect();
+        let maglev = ProbeEnv { maglev: Some((7, 251)), ..env() };
+        let mut picked = BTreeSet::new();
+        for run in 0..32 {
+            let (by_table, _) = probes(d.keys(), &d, &maglev, (run, 0));
+            let Expect::Forward { backends, masquerade: true } = &by_table[0].expect else { panic!("{by_table:?}") };
+            assert_eq!(backends.len(), 1, "one endpoint: {backends:?}");
+            assert!(all.contains(&backends[0]));
+            picked.insert(backends[0]);
+            let (random, _) = probes(d.keys(), &d, &env(), (run, 0));
+            assert_eq!(random[0].expect, Expect::Forward { backends: all.clone(), masquerade: true });
+        }
+        assert!(picked.len() > 1, "the tuples of 32 runs all named {picked:?}");
+        let mut affinity = d.clone();
+        affinity.get_mut(&key).unwrap().value.affinity_timeout = 10_800;
+        let (remembered, _) = probes(affinity.keys(), &affinity, &maglev, (1, 0));
+        assert_eq!(remembered[0].expect, Expect::Forward { backends: all, masquerade: true });
     }
 
     #[test]

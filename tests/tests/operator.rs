@@ -497,4 +497,47 @@ fn the_datapath_checks_itself_and_repairs_an_entry_corrupted_behind_its_back() {
     assert!(log.contains("seen=left untranslated"), "{log}");
     let (code, report) = kpr_verify(&h);
     assert_eq!(code, 0, "the slots filled again: {report}");
+
+    // A Maglev frontend (an externalIP): each probe expects the one endpoint the table names
+    // for its tuple. A table rewritten behind the agent's back with another seed (a node out
+    // of step with the cluster) still sends every flow to an endpoint, so only those probes
+    // find it; the resync writes the tables anew.
+    const MAGLEV_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 12);
+    let manifest = testbed::service_manifest("test", "mg", &[MAGLEV_IP.into()], &[HTTP])
+        .replacen("  namespace: test\n", "  namespace: test\n  annotations: {kpr.io/lb-algorithm: maglev}\n", 1)
+        .replacen("  type: ClusterIP\n", "  type: ClusterIP\n  externalIPs: [\"192.0.2.80\"]\n", 1);
+    h.write("mg-svc.yaml", &manifest).unwrap();
+    h.write_endpoints("mg", &[HTTP], &[0, 1]).unwrap();
+    h.wait("192.0.2.80:80/TCP", Some(2)).unwrap();
+    let (code, report) = kpr_verify(&h);
+    assert_eq!(code, 0, "{report}");
+    let mut maps = kpr::datapath::bpf::BpfMaps::open_pinned(&h.pin_root).unwrap();
+    let (_, value) = services
+        .iter()
+        .filter_map(Result::ok)
+        .find(|(k, v)| {
+            std::net::IpAddr::from(k.addr) == std::net::IpAddr::from(Ipv4Addr::new(192, 0, 2, 80))
+                && v.flags & proxy_common::SERVICE_FLAG_MAGLEV != 0
+        })
+        .expect("the externalIP's entry for outside clients, flagged Maglev");
+    let id = value.service_id;
+    // The table as the programmer builds it: the endpoints in the order of the entry's range.
+    let endpoints: Vec<std::net::SocketAddr> =
+        kpr::datapath::Maps::backends(&maps, value.backends_start, value.backends_count)
+            .unwrap()
+            .into_iter()
+            .map(|b| std::net::SocketAddr::new(b.addr.into(), u16::from_be(b.port)))
+            .collect();
+    assert_eq!(endpoints.len(), 2);
+    let size = proxy_common::MAGLEV_DEFAULT_TABLE_SIZE;
+    let wrong = kpr::model::maglev::table(&endpoints, size, u64::from(kpr::datapath::bpf::DEFAULT_MAGLEV_SEED) + 1);
+    let failures = node_metric(&h, "kpr_datapath_verify_failures_total");
+    kpr::datapath::Maps::set_maglev(&mut maps, id, &wrong.unwrap()).unwrap();
+    eventually("the self-check finds the table", Duration::from_secs(5), || {
+        node_metric(&h, "kpr_datapath_verify_failures_total") > failures
+    });
+    let log = std::fs::read_to_string(h.log_path()).unwrap();
+    assert!(log.lines().any(|l| l.contains("192.0.2.80:80/TCP") && l.contains("otherwise than the model")), "{log}");
+    let (code, report) = kpr_verify(&h);
+    assert_eq!(code, 0, "the table written anew: {report}");
 }

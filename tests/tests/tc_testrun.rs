@@ -789,7 +789,7 @@ fn a_maglev_frontend_sends_each_tuple_to_its_tables_endpoint() {
     for (port, flags) in [(maglev, SERVICE_FLAG_SNAT | SERVICE_FLAG_MAGLEV), (random, SERVICE_FLAG_SNAT)] {
         entry(&mut d, Ipv4Addr::UNSPECIFIED, port, Protocol::Tcp, SCOPE_EXTERNAL, &backends, flags);
     }
-    let rig = Rig::with(&d, |cfg| {
+    let mut rig = Rig::with(&d, |cfg| {
         cfg.maglev_seed = SEED;
         cfg.maglev_table_size = SIZE;
     });
@@ -815,6 +815,29 @@ fn a_maglev_frontend_sends_each_tuple_to_its_tables_endpoint() {
         differs += usize::from(picked(random, sport) != expected);
     }
     assert!(differs > 0, "a random pick took the table's endpoint for all 32 tuples");
+
+    // `kpr verify`'s probes expect the table's endpoint for their own tuples, and the program
+    // agrees; a table built with another seed (a node out of step) is found out.
+    let mut env = kpr::verify::ProbeEnv::default();
+    env.node_port_addrs = vec![NODE_IP.into()];
+    env.local_addrs = vec![NODE_IP.into()];
+    env.outside_clients = vec![(CLIENT.into(), 0)];
+    env.maglev = Some((SEED, SIZE));
+    let key = frontend_key(Ipv4Addr::UNSPECIFIED, maglev, Protocol::Tcp, SCOPE_EXTERNAL);
+    let programmed = rig.programmer.programmed().clone();
+    let disagreeing = |rig: &Rig, runs: std::ops::Range<u64>| {
+        runs.filter(|run| {
+            let (probes, _) = kpr::verify::probes([&key], &programmed, &env, (*run, 0));
+            let (verdict, out) = rig.probe(&probes[0].frame());
+            !probes[0].agrees(&probes[0].outcome(verdict, &out), &env.local_addrs)
+        })
+        .count()
+    };
+    assert_eq!(disagreeing(&rig, 0..16), 0, "every probe reached the endpoint its tuple's slot names");
+    let id = programmed[&key].value.service_id;
+    let other = kpr::model::maglev::table(&endpoints, SIZE, u64::from(SEED) + 1).unwrap();
+    rig.maps.set_maglev(id, &other).unwrap();
+    assert!(disagreeing(&rig, 16..32) > 0, "a table of another seed went unnoticed by 16 probes");
 }
 
 #[test]

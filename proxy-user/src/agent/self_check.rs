@@ -133,6 +133,9 @@ impl Syncer {
                     tracing::warn!("failed to put the per-packet programs back: {e:#}");
                 }
                 self.reconcile(maps, host);
+                // A reconcile keeps whole Maglev tables as they are: wrong slots are found by
+                // the probes alone, so the tables are written anew too.
+                self.programmer.rewrite_maglev_tables(maps);
                 let keys: Vec<ServiceKey> = run.failures.iter().map(|(key, _)| *key).collect();
                 agrees = self
                     .probe_frontends(host, run.env.as_ref(), &keys, (run.run, run.keys.len()))

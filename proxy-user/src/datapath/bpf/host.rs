@@ -263,6 +263,8 @@ pub struct BpfHost {
     probe_env: ProbeEnv,
     /// Where the socket path's probes run; `None`: they do not.
     pub socket_probes: Option<SocketProbes>,
+    /// The Maglev seed and table size the programs were loaded with, for the probes.
+    pub maglev: Option<(u32, u32)>,
 }
 
 /// How `kpr verify` probes the socket path.
@@ -316,6 +318,7 @@ impl BpfHost {
             older_conntrack,
             probe_env: ProbeEnv::default(),
             socket_probes: None,
+            maglev: None,
         })
     }
 
@@ -628,6 +631,7 @@ impl HostDatapath for BpfHost {
     /// waits for it (dropped, sent again) rather than being passed on to be reset.
     fn probe_env(&self) -> Option<ProbeEnv> {
         let mut env = self.probe_env.clone();
+        env.maglev = self.maglev;
         if self.attached.is_empty() {
             // Nothing to run packets through: the node's own frontends only.
             env.outside_clients.clear();

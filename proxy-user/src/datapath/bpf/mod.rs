@@ -117,6 +117,7 @@ impl BpfDatapath {
         // Another layout's programs keep serving until this agent's first sync is written
         // ([`HostDatapath::retire_other_layouts`]).
         let mut host = BpfHost::take_from(ebpf, dir, tc_netlink, cfg.pin_root.clone(), older_conntrack)?;
+        host.maglev = Some((cfg.maglev_seed, cfg.maglev_table_size));
         host.socket_probes = Some(SocketProbes {
             cgroup: super::socket_probe::cgroup_for_probes(&cfg.cgroup, own_cgroup().ok().as_deref()),
             pod_links_covered: cfg.pod_links_covered,
