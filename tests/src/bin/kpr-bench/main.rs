@@ -856,7 +856,7 @@ fn tc_program_runs(
     // Room for every flow not answered yet that the new-flow loops below leave (two entries
     // each, about 120,000): once the LRU table is full, every 128th insert pays for a batch of
     // evictions, and with four inserts a round that was always the same frontend's (the random
-    // twin measured 660 ns over the Maglev frontend with evictions, about 280 without).
+    // twin measured 660 ns over the Maglev frontend).
     cfg.max_conntrack_new = 4 * proxy_common::defaults::MAX_CONNTRACK_NEW;
     // Room for every endpoint programmed below (about 1,000 of each family).
     cfg.endpoint_counters = if endpoint_counters { 4096 } else { 0 };
@@ -1003,14 +1003,15 @@ fn tc_program_runs(
         }
         // Then the same to the Maglev frontend (port 81: its pick a table slot) and to its
         // random twin (port 82), side by side from clients of their own, answered alike: a loop
-        // of their own, so that `new_flow` meets the tables it always met. They take turns to
-        // go first: the second SYN of a round took 200–500 ns more, whichever frontend it was.
-        // (With turns, the random twin still measures about 280 ns over the Maglev frontend,
-        // whatever their ports and clients: not explained yet, docs/benchmarks.md.)
+        // of their own, so that `new_flow` meets the tables it always met. Which goes first is
+        // drawn for each round: a cost that comes back every so many inserts (most likely the
+        // LRU table moving free entries to this CPU's list, 128 at a time) fell on the same
+        // frontend with a fixed order, and with strict turns (an even period): about 280 ns a
+        // SYN, two random frontends alike.
         let (mut maglev, mut twin) = (Duration::ZERO, Duration::ZERO);
         for i in 0..runs {
             let mut turn = [(81, 11, &mut maglev), (82, 12, &mut twin)];
-            if i % 2 == 1 {
+            if (i.wrapping_mul(0x9e37_79b9) >> 31) & 1 == 1 {
                 turn.reverse();
             }
             for (port, first, took) in turn {
