@@ -118,9 +118,9 @@ pub struct AgentArgs {
     pub abort_dead_tcp: bool,
     /// How new flows from outside to a NodePort, externalIP or LoadBalancer IP pick their
     /// endpoint (per packet): `random`, as kube-proxy; `maglev`, by a Maglev table
-    /// (`--maglev-table-size`) and a hash of the tuple seeded alike on every node, so that every node sends a
-    /// tuple to the same endpoint (a flow an ECMP router moves to another node keeps it, where
-    /// that node can serve it: see the docs). A Service's `kpr.io/lb-algorithm: maglev|random`
+    /// (`--maglev-table-size`) and a hash of the tuple seeded alike on every node, so that
+    /// every node with the same endpoints sends a tuple to the same one (a flow an ECMP router
+    /// moves to another node keeps it, where that node can serve it: see the docs). A Service's `kpr.io/lb-algorithm: maglev|random`
     /// wins. ClusterIPs and the socket path keep random picks.
     #[arg(long, value_enum, default_value_t = LbAlgorithm::Random)]
     pub lb_algorithm: LbAlgorithm,

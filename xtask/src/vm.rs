@@ -85,7 +85,8 @@ pub const SUITES: [Suite; 5] = [
             "ipv6_node_port_is_masqueraded_to_the_node_ipv6_address",
             "ipv6_without_endpoints_tcp_gets_a_reset_and_udp_icmpv6_port_unreachable",
             "ipv6_icmp_errors_about_a_translated_flow_are_translated_back",
-            // The Maglev table's map (64 KiB values, allocated as written) and its lookup.
+            // The Maglev table's map (4,000-byte chunks, allocated as written) and its lookup, and
+            // `kpr verify`'s probes of it.
             "a_maglev_frontend_sends_each_tuple_to_its_tables_endpoint",
         ]),
     },

@@ -132,10 +132,16 @@ impl Syncer {
                 if let Err(e) = host.restore_programs() {
                     tracing::warn!("failed to put the per-packet programs back: {e:#}");
                 }
-                self.reconcile(maps, host);
                 // A reconcile keeps whole Maglev tables as they are: wrong slots are found by
-                // the probes alone, so the tables are written anew too.
-                self.programmer.rewrite_maglev_tables(maps);
+                // the probes alone, so a failing Maglev frontend has the tables written anew.
+                let programmed = self.programmer.programmed();
+                let maglev_failed = run.failures.iter().any(|(key, _)| {
+                    programmed.get(key).is_some_and(|p| p.value.flags & proxy_common::SERVICE_FLAG_MAGLEV != 0)
+                });
+                self.reconcile(maps, host);
+                if maglev_failed {
+                    self.programmer.rewrite_maglev_tables(maps);
+                }
                 let keys: Vec<ServiceKey> = run.failures.iter().map(|(key, _)| *key).collect();
                 agrees = self
                     .probe_frontends(host, run.env.as_ref(), &keys, (run.run, run.keys.len()))

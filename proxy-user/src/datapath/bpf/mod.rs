@@ -112,7 +112,6 @@ impl BpfDatapath {
         maps.endpoint_counters = cfg.endpoint_counters;
         maps.maglev_seed = cfg.maglev_seed;
         maps.maglev_table_size = cfg.maglev_table_size;
-        maps.maglev_table_size = cfg.maglev_table_size;
         let tc_netlink = cfg.tc_netlink || !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
         // Another layout's programs keep serving until this agent's first sync is written
         // ([`HostDatapath::retire_other_layouts`]).
