@@ -598,6 +598,13 @@ pub const SERVICE_FLAG_EXTERNAL_ADDR: u32 = 16;
 /// alike on every node, so every node picks the same backend for a tuple. Without a table
 /// (not written yet, or it failed), the usual pick.
 pub const SERVICE_FLAG_MAGLEV: u32 = 32;
+/// `ServiceValue::flags` (external frontends, traffic from outside, traffic policy Cluster):
+/// direct server return. A new flow to an endpoint on another node (`BACKEND_FLAG_REMOTE`) is
+/// not masqueraded: its packets go to that node in IP-in-IP, the client's
+/// packet inside as it came, and that node's kpr translates it and sends the replies straight
+/// to the client, from the frontend's address. A local endpoint's flow keeps the client's
+/// address too, as with traffic policy Local.
+pub const SERVICE_FLAG_DSR: u32 = 64;
 
 /// Slots of a Maglev table (`KPR_MAGLEV`) unless `--maglev-table-size` says otherwise: a prime,
 /// Cilium's and Katran's default, over 100 slots per backend up to 163 backends.
@@ -875,8 +882,13 @@ pub struct Backend {
     pub addr: Addr,
     /// Port, network byte order.
     pub port: u16,
-    pub _pad: u16,
+    /// `BACKEND_FLAG_*` bits.
+    pub flags: u16,
 }
+
+/// `Backend::flags`: the endpoint is on another node (its slice says so, or says no node), and
+/// a frontend with `SERVICE_FLAG_DSR` reaches it by direct server return.
+pub const BACKEND_FLAG_REMOTE: u16 = 1;
 
 /// Key of `KPR_BACKEND_ANSWERS` and `KPR_ENDPOINT_STATS`: an endpoint as the replies of its
 /// flows come from it.
@@ -1283,6 +1295,12 @@ pub mod ct {
     /// RST and the flow forgotten, so the client fails at once instead of retransmitting into
     /// the void for `tcp_retries2`. Not a flow bit: the replies' entry never has it.
     pub const ENDPOINT_DEAD: u32 = 64;
+    /// The client's entry of a flow sent on by direct server return (`SERVICE_FLAG_DSR`): its
+    /// packets are put in IP-in-IP to `dst_addr` (the endpoint) and not translated; no reply
+    /// comes back through this node, so the client's next packet after its first confirms the
+    /// flow. On the endpoint's node, both entries of the flow it opened: its answers' TCP SYN
+    /// announces a segment size the tunnel's header leaves room for.
+    pub const DSR: u32 = 128;
     /// `last_seen` is rewritten at most this often (a write per packet would bounce the entry's
     /// cache line between CPUs).
     pub const REFRESH_NS: u64 = 1_000_000_000;

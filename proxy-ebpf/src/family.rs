@@ -3,7 +3,10 @@
 //! (constant offsets, no run-time branching on the family past the EtherType). Each family is
 //! also compiled for links without an Ethernet header (`V4<0>`, `V6<0>`: IP-in-IP and other
 //! L3 tunnels), where the IP header is the packet's first byte.
-use aya_ebpf::bindings::bpf_fib_lookup;
+use aya_ebpf::bindings::{
+    BPF_F_ADJ_ROOM_DECAP_L3_IPV4, BPF_F_ADJ_ROOM_DECAP_L3_IPV6, BPF_F_ADJ_ROOM_ENCAP_L3_IPV4,
+    BPF_F_ADJ_ROOM_ENCAP_L3_IPV6, bpf_fib_lookup,
+};
 use network_types::{
     eth::EtherType,
     ip::{Ipv4Hdr, Ipv6Hdr},
@@ -112,6 +115,17 @@ pub trait Family {
     /// # Safety
     /// `ip` points to a whole header inside the packet.
     unsafe fn decrement_hops(ip: *mut u8);
+
+    /// Direct server return's IP-in-IP: the outer header's protocol (IPv4 in IPv4: 4; IPv6 in
+    /// IPv6: 41), and `bpf_skb_adjust_room`'s flags that add and (6.3+) remove it.
+    const TUNNEL_PROTO: u8;
+    const TUNNEL_ENCAP_FLAGS: u64;
+    const TUNNEL_DECAP_FLAGS: u64;
+    /// The outer header to `endpoint` (checksum included), with the endpoint's port
+    /// (network order) where the receiving node reads it (`tunnel_port`): IPv4's id, IPv6's
+    /// flow label. Don't fragment: the client learns the tunnel's room (ICMP).
+    fn tunnel_header(src: &Addr, endpoint: &Addr, inner_len: u16, port: u16) -> Self::Ip;
+    fn tunnel_port(ip: &Self::Ip) -> u16;
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -144,6 +158,9 @@ impl<const IP_OFF: usize> Family for V4<IP_OFF> {
     const ICMP_PSEUDO_HEADER: bool = false;
     const KERNEL_CHECKS_SOURCE: bool = true;
     const MIN_MTU: u32 = 68;
+    const TUNNEL_PROTO: u8 = 4;
+    const TUNNEL_ENCAP_FLAGS: u64 = BPF_F_ADJ_ROOM_ENCAP_L3_IPV4 as u64;
+    const TUNNEL_DECAP_FLAGS: u64 = BPF_F_ADJ_ROOM_DECAP_L3_IPV4 as u64;
 
     #[inline(always)]
     fn quotes_packet(icmp_type: u8) -> bool {
@@ -200,28 +217,16 @@ impl<const IP_OFF: usize> Family for V4<IP_OFF> {
     }
     #[inline(always)]
     fn reply_header(src: &Addr, dst: &Addr, proto: u8, payload_len: u16) -> Ipv4Hdr {
-        // ICMP errors carry the "internetwork control" precedence, as Linux sends them.
-        let (tos, frags) = if proto == Self::ICMP_PROTO { (0xc0, [0, 0]) } else { (0, [0x40, 0]) };
-        let mut ip = Ipv4Hdr {
-            vihl: 0x45,
-            tos,
-            tot_len: (payload_len + 20).to_be_bytes(),
-            id: [0; 2],
-            frags,
-            ttl: 64,
-            proto,
-            check: [0; 2],
-            src_addr: src.v4().to_ne_bytes(),
-            dst_addr: dst.v4().to_ne_bytes(),
-        };
-        // SAFETY: Ipv4Hdr is 20 plain bytes.
-        let words: [u16; 10] = unsafe { core::mem::transmute(ip) };
-        let mut sum = 0u64;
-        for w in words {
-            sum += u64::from(w);
-        }
-        ip.check = (!csum::fold16(sum)).to_ne_bytes();
-        ip
+        header4(src, dst, proto, payload_len, 0)
+    }
+    #[inline(always)]
+    fn tunnel_header(src: &Addr, endpoint: &Addr, inner_len: u16, port: u16) -> Ipv4Hdr {
+        header4(src, endpoint, Self::TUNNEL_PROTO, inner_len, port)
+    }
+    #[inline(always)]
+    fn tunnel_port(ip: &Ipv4Hdr) -> u16 {
+        // SAFETY: a field of a header in the packet or word aligned (see `Family`).
+        unsafe { read_word(ip.id.as_ptr()) }
     }
     #[inline(always)]
     fn masquerade_addr(link: &LinkInfo) -> Option<Addr> {
@@ -277,6 +282,9 @@ impl<const IP_OFF: usize> Family for V6<IP_OFF> {
     const ICMP_PSEUDO_HEADER: bool = true;
     const KERNEL_CHECKS_SOURCE: bool = false;
     const MIN_MTU: u32 = 1280;
+    const TUNNEL_PROTO: u8 = 41;
+    const TUNNEL_ENCAP_FLAGS: u64 = BPF_F_ADJ_ROOM_ENCAP_L3_IPV6 as u64;
+    const TUNNEL_DECAP_FLAGS: u64 = BPF_F_ADJ_ROOM_DECAP_L3_IPV6 as u64;
 
     #[inline(always)]
     fn quotes_packet(icmp_type: u8) -> bool {
@@ -345,6 +353,19 @@ impl<const IP_OFF: usize> Family for V6<IP_OFF> {
         }
     }
     #[inline(always)]
+    fn tunnel_header(src: &Addr, endpoint: &Addr, inner_len: u16, port: u16) -> Ipv6Hdr {
+        let mut ip = Self::reply_header(src, endpoint, Self::TUNNEL_PROTO, inner_len);
+        // The flow label's last 16 bits.
+        let [hi, lo] = port.to_ne_bytes();
+        ip.vcf = [0x60, 0, hi, lo];
+        ip
+    }
+    #[inline(always)]
+    fn tunnel_port(ip: &Ipv6Hdr) -> u16 {
+        // SAFETY: a field of a header in the packet or word aligned (see `Family`).
+        unsafe { read_word(ip.vcf.as_ptr().add(2)) }
+    }
+    #[inline(always)]
     fn masquerade_addr(link: &LinkInfo) -> Option<Addr> {
         (!link.addr6.is_unspecified()).then_some(link.addr6)
     }
@@ -382,4 +403,31 @@ impl<const IP_OFF: usize> Family for V6<IP_OFF> {
     unsafe fn decrement_hops(ip: *mut u8) {
         unsafe { ip.add(7).write(ip.add(7).read() - 1) };
     }
+}
+
+/// An IPv4 header kpr sends (an answer, a tunnel's), its id as given (network order).
+#[inline(always)]
+fn header4(src: &Addr, dst: &Addr, proto: u8, payload_len: u16, id: u16) -> Ipv4Hdr {
+    // ICMP errors carry the "internetwork control" precedence, as Linux sends them.
+    let (tos, frags) = if proto == 1 { (0xc0, [0, 0]) } else { (0, [0x40, 0]) };
+    let mut ip = Ipv4Hdr {
+        vihl: 0x45,
+        tos,
+        tot_len: (payload_len + 20).to_be_bytes(),
+        id: id.to_ne_bytes(),
+        frags,
+        ttl: 64,
+        proto,
+        check: [0; 2],
+        src_addr: src.v4().to_ne_bytes(),
+        dst_addr: dst.v4().to_ne_bytes(),
+    };
+    // SAFETY: Ipv4Hdr is 20 plain bytes.
+    let words: [u16; 10] = unsafe { core::mem::transmute(ip) };
+    let mut sum = 0u64;
+    for w in words {
+        sum += u64::from(w);
+    }
+    ip.check = (!csum::fold16(sum)).to_ne_bytes();
+    ip
 }

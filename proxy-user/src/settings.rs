@@ -69,6 +69,19 @@ pub enum LbAlgorithm {
     Maglev,
 }
 
+/// How new flows from outside to external frontends with traffic policy Cluster reach an
+/// endpoint on another node (`--lb-mode`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
+pub enum LbMode {
+    /// As kube-proxy: masqueraded to the node, the replies back through it.
+    Snat,
+    /// Direct server return: the client's packets in IP-in-IP to the endpoint's node, which
+    /// answers the client itself; the endpoint sees the client's address.
+    Dsr,
+    /// Direct server return for TCP, masquerade for UDP and SCTP.
+    Hybrid,
+}
+
 #[derive(clap::Args)]
 pub struct AgentArgs {
     /// kube-proxy's configuration file (a `KubeProxyConfiguration`, as in kubeadm's
@@ -124,6 +137,14 @@ pub struct AgentArgs {
     /// wins. ClusterIPs and the socket path keep random picks.
     #[arg(long, value_enum, default_value_t = LbAlgorithm::Random)]
     pub lb_algorithm: LbAlgorithm,
+    /// How a new flow from outside to a NodePort, externalIP or LoadBalancer IP with
+    /// externalTrafficPolicy Cluster reaches an endpoint on another node: `snat`, as
+    /// kube-proxy (masqueraded, the replies back through this node); `dsr`, direct server
+    /// return (the endpoint sees the client's address and its node answers the client, from
+    /// the frontend's address; every node runs kpr with the same setting); `hybrid`, DSR for
+    /// TCP and SNAT for the rest. A Service's `kpr.io/lb-mode: snat|dsr|hybrid` wins.
+    #[arg(long, value_enum, default_value_t = LbMode::Snat)]
+    pub lb_mode: LbMode,
     /// The seed of the Maglev tables and tuple hash: the same on every node (the DaemonSet's
     /// arguments).
     #[arg(long, default_value_t = bpf::DEFAULT_MAGLEV_SEED)]
@@ -572,6 +593,7 @@ pub fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
             service_proxy_name,
             abort_dead_tcp: args.abort_dead_tcp,
             maglev: args.lb_algorithm == LbAlgorithm::Maglev,
+            lb_mode: args.lb_mode.into(),
         },
         sync_period: config.sync_period,
         min_sync_period: config.min_sync_period,
@@ -598,4 +620,14 @@ pub fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
         ),
     };
     Ok(cfg)
+}
+
+impl From<LbMode> for crate::model::LbMode {
+    fn from(mode: LbMode) -> Self {
+        match mode {
+            LbMode::Snat => Self::Snat,
+            LbMode::Dsr => Self::Dsr,
+            LbMode::Hybrid => Self::Hybrid,
+        }
+    }
 }

@@ -338,6 +338,63 @@ fn ask_from(sport: u16, addr: SocketAddrV4) -> String {
     name.trim().to_owned()
 }
 
+/// Direct server return (`kpr.io/lb-mode: dsr`): a client's connection to the LoadBalancer IP
+/// (routed to node-a) or to node-a's NodePort reaches the pod on node-b with the client's own
+/// address, and the pod's answers go from node-b straight to the client: node-a receives the
+/// client's bytes, not the pod's (its eth0 counts a 1 MiB echo once, where masquerade would
+/// count it twice). The echo's full-sized segments fit the tunnel: node-b's SYN-ACK announced
+/// room for its header.
+#[test]
+fn dsr_lets_a_pod_on_another_node_see_the_client_and_answer_it_directly() {
+    let c = Bridged::new("km-dsr").unwrap();
+    let pod_b = c.nodes[1].pod_ip;
+    let svc = service("Cluster", 30091, &[(pod_b, "node-b")]);
+    c.write("svc.yaml", &svc.replacen("namespace: t}", "namespace: t, annotations: {kpr.io/lb-mode: dsr}}", 1));
+    c.wait("*:30091/TCP ext", 1);
+    let a = c.nodes[0].ip;
+    for addr in [SocketAddrV4::new(LB_IP, 80), SocketAddrV4::new(a, 30091)] {
+        let (name, seen) = c.ext(move || tcp_ask_peer(addr, TIMEOUT).unwrap());
+        assert_eq!((name.as_str(), seen), ("pod-b", EXT_CLIENT.to_string()), "through {addr}");
+    }
+    // The client sends full-sized frames (no segmentation offload on its link), which the
+    // tunnel's header would take past node-a's MTU but for the clamp.
+    c.ext(|| kpr_tests::set_tx_checksum_offload("eth0", false)).unwrap();
+    let received = || rx_bytes(&c.nodes[0].netns, "eth0");
+    let before = received();
+    const BULK: usize = 1 << 20;
+    let echoed = c.ext(|| bulk_echo(SocketAddrV4::new(LB_IP, 80), BULK));
+    assert_eq!(echoed, BULK, "the whole echo came back");
+    let through_a = received() - before;
+    assert!(
+        (BULK as u64..BULK as u64 * 13 / 10).contains(&through_a),
+        "node-a received {through_a} bytes for {BULK} sent and {BULK} echoed: the client's only"
+    );
+}
+
+/// Bytes received by `link` in `netns` (`ip -s`: sysfs would show the test's own namespace).
+fn rx_bytes(netns: &Netns, link: &str) -> u64 {
+    let out = Command::new("ip").args(["-n", &netns.name, "-j", "-s", "link", "show", link]).output().unwrap();
+    let links: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    links[0]["stats64"]["rx"]["bytes"].as_u64().unwrap_or_else(|| panic!("rx bytes of {link}: {links}"))
+}
+
+/// Send `len` bytes through a connection to `addr` (after its greeting line) and read them back:
+/// how many came back.
+fn bulk_echo(addr: SocketAddrV4, len: usize) -> usize {
+    use std::io::{BufRead as _, Read as _, Write as _};
+    let conn = TcpStream::connect_timeout(&addr.into(), TIMEOUT).unwrap();
+    conn.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let mut reader = std::io::BufReader::new(conn.try_clone().unwrap());
+    let mut greeting = String::new();
+    reader.read_line(&mut greeting).unwrap();
+    let mut writer = conn;
+    let sender = std::thread::spawn(move || writer.write_all(&vec![b'x'; len]).map(|()| writer));
+    let mut back = vec![0u8; len];
+    let read = reader.read_exact(&mut back).map(|()| len).unwrap_or_else(|e| panic!("echo of {len} bytes: {e}"));
+    sender.join().unwrap().unwrap();
+    read
+}
+
 /// The same over IPv6: a dual-stack NodePort from outside, on either node, reaches the pod on
 /// node-b through its IPv6 slice, masqueraded to the IPv6 address of the link the packet left
 /// by; without an IPv6 endpoint it is refused while IPv4 serves.

@@ -507,6 +507,7 @@ fn entry<A: Into<IpAddr> + Copy>(
             affinity_timeout: 0,
             serving: vec![],
             alive: None,
+            remote: Vec::new(),
         },
     );
 }

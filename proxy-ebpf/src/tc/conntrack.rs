@@ -224,7 +224,11 @@ const ESTABLISHES: u32 = 1 << 31;
 fn seen_bits(proto: u8, entry: &CtValue, tcp_flags: u8) -> u32 {
     let reply = entry.flags & ct::REPLY != 0;
     let mut bits = if reply { ct::SEEN_REPLY } else { 0 };
-    if proto == IPPROTO_TCP {
+    if !reply && entry.flags & (ct::DSR | ct::SEEN_REPLY) == ct::DSR && tcp_flags & (TCP_SYN | TCP_RST) == 0 {
+        // Direct server return: the answers go to the client without this node. The client's
+        // next packet (TCP: its ACK of the answer) tells that it was answered.
+        bits |= ct::SEEN_REPLY | ESTABLISHES;
+    } else if proto == IPPROTO_TCP {
         if reply && entry.flags & ct::SEEN_REPLY == 0 {
             bits |= ct::AWAITING_ACK;
         } else if !reply && entry.flags & ct::AWAITING_ACK != 0 && tcp_flags & (TCP_ACK | TCP_RST) == TCP_ACK {
@@ -358,7 +362,7 @@ pub(super) fn reopen<F: Family>(ctx: &TcContext, t: &Tuple, entry_ptr: *mut CtVa
     let Ok(s) = scratch() else { return false };
     // SAFETY: the scratch area's key slot, valid for this program run.
     let (key, entry) = (unsafe { &*s.flow_key::<F::FlowAddr>() }, &s.entry);
-    if entry.flags & ct::REPLY != 0 {
+    if entry.flags & (ct::REPLY | ct::DSR) != 0 {
         return false;
     }
     let Some(service) = lookup_frontend(t, source_scope(ctx, t)) else { return false };

@@ -38,6 +38,7 @@
 //! fragments) are also counted.
 //! The program never fails a packet it did not translate.
 mod conntrack;
+mod dsr;
 mod entry;
 mod event;
 mod frag;
@@ -93,8 +94,8 @@ pub fn kpr_tc_egress(ctx: TcContext) -> i32 {
         return PASS;
     }
     match eth_type(&ctx) {
-        Some(t) if t == <V4>::ETH_TYPE => fast_path::<V4>(&ctx, false),
-        Some(t) if t == <V6>::ETH_TYPE => fast_path::<V6>(&ctx, false),
+        Some(t) if t == <V4>::ETH_TYPE => fast_path::<V4>(&ctx, false, false),
+        Some(t) if t == <V6>::ETH_TYPE => fast_path::<V6>(&ctx, false, false),
         _ => PASS,
     }
 }
@@ -136,8 +137,8 @@ pub fn kpr_tc_egress_l3(ctx: TcContext) -> i32 {
         return PASS;
     }
     match l3_protocol(&ctx) {
-        t if t == <V4>::ETH_TYPE => fast_path::<V4<0>>(&ctx, false),
-        t if t == <V6>::ETH_TYPE => fast_path::<V6<0>>(&ctx, false),
+        t if t == <V4>::ETH_TYPE => fast_path::<V4<0>>(&ctx, false, false),
+        t if t == <V6>::ETH_TYPE => fast_path::<V6<0>>(&ctx, false, false),
         _ => PASS,
     }
 }
@@ -162,11 +163,12 @@ pub fn kpr_tc_egress_l3_slow(ctx: TcContext) -> i32 {
 }
 
 /// The attached programs' path: a packet of a flow in conntrack translated (the verdict),
-/// anything else handed to the slow program.
+/// anything else handed to the slow program. `decapsulated`: the packet came out of a direct
+/// server return tunnel (its addresses may be none the address filter knows).
 #[inline(always)]
-fn fast_path<F: Family>(ctx: &TcContext, ingress: bool) -> i32 {
+fn fast_path<F: Family>(ctx: &TcContext, ingress: bool, decapsulated: bool) -> i32 {
     let mut t = MaybeUninit::<Tuple>::uninit();
-    match parse_and_track::<F>(ctx, &mut t, ingress, false) {
+    match parse_and_track::<F>(ctx, &mut t, ingress, false, decapsulated) {
         NO_FLOW | AN_ICMP_ERROR => tail_call_slow_path::<F>(ctx, ingress),
         // SAFETY: `parse_and_track` wrote the tuple (a flow was found).
         END_FLOW => reset_flow::<F>(ctx, unsafe { t.assume_init_ref() }),
@@ -194,14 +196,26 @@ fn tail_call_slow_path<F: Family>(ctx: &TcContext, ingress: bool) -> i32 {
 /// takes it: `send_on`).
 #[inline(always)]
 fn ingress<F: Family>(ctx: &TcContext) -> i32 {
+    let decapsulated = F::ETHERNET && tunnelled::<F>(ctx) && dsr::decapsulate::<F>(ctx);
     if martian_source::<F>(ctx) {
         count(counter::TC_DROPPED);
         return TC_ACT_SHOT;
     }
-    match fast_path::<F>(ctx, true) {
+    match fast_path::<F>(ctx, true, decapsulated) {
         TC_ACT_OK if F::ETHERNET => send_on::<F>(ctx),
         verdict => verdict,
     }
+}
+
+/// A packet in IP-in-IP of the family (direct server return's, maybe): one byte read.
+#[inline(always)]
+fn tunnelled<F: Family>(ctx: &TcContext) -> bool {
+    let data = ctx.data();
+    if data + F::IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
+        return false;
+    }
+    // SAFETY: within [data, data_end), checked above.
+    F::next_header(unsafe { &*((data + F::IP_OFF) as *const F::Ip) }) == F::TUNNEL_PROTO
 }
 
 /// The same in the slow program: every stage, as subprograms.
@@ -235,7 +249,8 @@ fn slow_path<F: Family>(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     // Filled in by `parse_and_track` when it says so (not zeroed first: a memset on every
     // packet).
     let mut t = MaybeUninit::<Tuple>::uninit();
-    match parse_and_track_subprogram::<F>(ctx, &mut t, ingress) {
+    let decapsulated = ingress && F::ETHERNET && dsr::hint_pending();
+    match parse_and_track_subprogram::<F>(ctx, &mut t, ingress, decapsulated) {
         NO_FLOW => {}
         AN_ICMP_ERROR => return Ok(icmp_error::<F>(ctx)),
         // SAFETY: `parse_and_track` wrote the tuple (a flow was found).
@@ -282,15 +297,26 @@ fn awaits_copied_flow(t: &Tuple, tcp_flags: u8) -> bool {
 
 /// [`parse_and_track`] as a subprogram, for the slow programs' chains of calls.
 #[inline(never)]
-fn parse_and_track_subprogram<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>, ingress: bool) -> i32 {
-    parse_and_track::<F>(ctx, tuple, ingress, true)
+fn parse_and_track_subprogram<F: Family>(
+    ctx: &TcContext,
+    tuple: &mut MaybeUninit<Tuple>,
+    ingress: bool,
+    decapsulated: bool,
+) -> i32 {
+    parse_and_track::<F>(ctx, tuple, ingress, true, decapsulated)
 }
 
 /// The packet read (`inspect`) and, if its flow is in conntrack, translated (`translate_tracked`):
 /// a verdict, `AN_ICMP_ERROR`, or `NO_FLOW` with the packet's tuple filled in.
 #[inline(always)]
-fn parse_and_track<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>, ingress: bool, slow: bool) -> i32 {
-    match inspect::<F>(ctx, tuple) {
+fn parse_and_track<F: Family>(
+    ctx: &TcContext,
+    tuple: &mut MaybeUninit<Tuple>,
+    ingress: bool,
+    slow: bool,
+    decapsulated: bool,
+) -> i32 {
+    match inspect::<F>(ctx, tuple, decapsulated) {
         A_FLOW => {}
         verdict => return verdict,
     }

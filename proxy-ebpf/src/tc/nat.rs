@@ -11,14 +11,15 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    AFFINITY_BY_ADDR, Addr, Addr4, Backend, CachedRoute, CidrKey, CtKey, CtValue, DETECT_LOCAL_CIDR,
-    DETECT_LOCAL_INTERFACE, IPPROTO_TCP, LINK_FLAG_LOCAL_TRAFFIC, LINK_FLAG_NOT_ETHERNET, NODE_ADDR_LOCAL,
-    NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_MAGLEV,
-    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SourceRange, addrs_csum_diff, counter,
-    csum, ct, event, has_states, service_stat,
+    AFFINITY_BY_ADDR, Addr, Addr4, BACKEND_FLAG_REMOTE, Backend, CachedRoute, CidrKey, CtKey, CtValue,
+    DETECT_LOCAL_CIDR, DETECT_LOCAL_INTERFACE, IPPROTO_TCP, LINK_FLAG_LOCAL_TRAFFIC, LINK_FLAG_NOT_ETHERNET,
+    NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
+    SERVICE_FLAG_DSR, SERVICE_FLAG_MAGLEV, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue,
+    SourceRange, addrs_csum_diff, counter, csum, ct, event, has_states, service_stat,
 };
 
 use super::{
+    dsr::{NOT_DECAPSULATED, SERVICE_FLAG_DECAPSULATED, open_decapsulated},
     entry::{expired, forget},
     event::note,
     parse::Tuple,
@@ -36,8 +37,8 @@ use crate::{
     },
     maps::{
         FlowTables, HANDOVER, LINKS, LOCAL_CIDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss, affinity_backend,
-        backend_at, count, handed_over, link, maglev_slot, node_addr_flags, now, refusal, remember_affinity,
-        service_range_miss,
+        backend_at, count, handed_over, host_lets_direct, link, maglev_slot, node_addr_flags, now, refusal,
+        remember_affinity, service_range_miss,
     },
     packet::{TCP_ACK, TCP_SYN},
     stats,
@@ -69,6 +70,11 @@ pub(super) fn pick_backend<F: Family>(ctx: &TcContext, t: &Tuple, tcp_flags: u8,
     if !reverse_path_ok::<F>(ctx, t) {
         note(t, counter::TC_DROPPED, event::DROPPED_SPOOFED_SOURCE, 0);
         return Ok(TC_ACT_SHOT);
+    }
+    // Out of a direct server return tunnel: the endpoint is the entry node's pick.
+    match open_decapsulated(t) {
+        NOT_DECAPSULATED => {}
+        verdict => return Ok(verdict),
     }
     let scope = source_scope(ctx, t);
     let service = match lookup_frontend(t, scope) {
@@ -269,7 +275,15 @@ pub(super) fn create_flow<F: Family>(
     let now = now();
     // Replies must come back through this node: masquerade what the entry says and a client
     // that is its own backend (hairpin), as kube-proxy does.
-    let masquerade = service.flags & SERVICE_FLAG_SNAT != 0 || backend.addr.same(&t.saddr);
+    // Direct server return to an endpoint on another node, where this node may send packets
+    // straight out (the tunnel's packets, from the node's address, cannot take the host's
+    // forwarding path): not masqueraded. Elsewhere it is, as kube-proxy's traffic.
+    let mut dsr = service.flags & SERVICE_FLAG_DSR != 0 && backend.flags & BACKEND_FLAG_REMOTE != 0;
+    if dsr && !(F::ETHERNET && KPR_FORWARD_DIRECT.load() != 0 && host_lets_direct()) {
+        dsr = false;
+    }
+    let masquerade = (service.flags & SERVICE_FLAG_SNAT != 0 || backend.addr.same(&t.saddr))
+        || (service.flags & SERVICE_FLAG_DSR != 0 && backend.flags & BACKEND_FLAG_REMOTE != 0 && !dsr);
     let snat_addr = if masquerade { masquerade_source::<F>(ctx, t, &backend.addr) } else { None };
     s.reply = CtValue {
         src_addr: t.daddr,
@@ -278,7 +292,7 @@ pub(super) fn create_flow<F: Family>(
         dst_port: t.sport,
         service_id: service.service_id,
         last_seen: now,
-        flags: ct::REPLY,
+        flags: if service.flags & SERVICE_FLAG_DECAPSULATED != 0 { ct::REPLY | ct::DSR } else { ct::REPLY },
         // The client's address may change below (masquerade).
         addrs_csum_diff: s.reply_csum_diff,
         route: CachedRoute::NONE,
@@ -320,7 +334,7 @@ pub(super) fn create_flow<F: Family>(
             dst_port: backend.port,
             service_id: service.service_id,
             last_seen: now,
-            flags: 0,
+            flags: if dsr { ct::DSR } else { 0 },
             // The reply's translation undone.
             addrs_csum_diff: !s.reply.addrs_csum_diff,
             route: CachedRoute::NONE,

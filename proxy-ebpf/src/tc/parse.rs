@@ -141,8 +141,8 @@ fn not_ours<F: Family>(ctx: &TcContext) -> bool {
 /// `A_FLOW` with the packet's tuple filled in, `AN_ICMP_ERROR`, or the verdict on a packet
 /// that has no tuple for us (not ours, a later fragment).
 #[inline(always)]
-pub(super) fn inspect<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>) -> i32 {
-    if not_ours::<F>(ctx) {
+pub(super) fn inspect<F: Family>(ctx: &TcContext, tuple: &mut MaybeUninit<Tuple>, decapsulated: bool) -> i32 {
+    if !decapsulated && not_ours::<F>(ctx) {
         return PASS;
     }
     let Some(h) = headers::<F>(ctx) else {

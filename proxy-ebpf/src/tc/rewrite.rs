@@ -8,9 +8,13 @@ use aya_ebpf::{
 use proxy_common::{
     CtValue, FragmentKey, IPPROTO_TCP, IPPROTO_UDP, crc32c,
     csum::{self, L4State},
+    ct,
 };
 
-use super::parse::{NOT_A_FIRST_FRAGMENT, Tuple};
+use super::{
+    dsr::{clamp_mss, encapsulate},
+    parse::{NOT_A_FIRST_FRAGMENT, Tuple},
+};
 use crate::{
     family::Family,
     globals::KPR_IP_SUMMED_AT,
@@ -29,6 +33,14 @@ use crate::{
 /// (`ports_csum_in_place`; else a second call).
 #[inline(always)]
 pub(super) fn rewrite<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue) -> Result<(), ()> {
+    // Direct server return: the client's entry sends the packet on untranslated, in a tunnel;
+    // the replies' entry on the endpoint's node makes room for the tunnel in the SYN-ACK.
+    if to.flags & ct::DSR != 0 {
+        if to.flags & ct::REPLY == 0 {
+            return encapsulate::<F>(ctx, to);
+        }
+        clamp_mss::<F>(ctx, t.proto);
+    }
     if t.first_fragment != NOT_A_FIRST_FRAGMENT {
         let id = t.first_fragment as u16;
         let key = FragmentKey { src_addr: t.saddr.v4(), dst_addr: t.daddr.v4(), id, proto: t.proto, _pad: 0 };

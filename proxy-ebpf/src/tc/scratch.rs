@@ -46,6 +46,25 @@ pub struct FlowScratch {
     /// its entry may be put in (`flow_cache::probe`, `flow_cache::fill`).
     pub(super) generation: Generation,
     pub(super) cache_slot: flow_cache::FreeSlot,
+    /// `dsr::decapsulate` → `dsr::open_decapsulated`.
+    pub(super) dsr: DsrHint,
+}
+
+/// What `dsr::decapsulate` learnt of a packet for the slow path, which opens its flow
+/// (`dsr::open_decapsulated`): the inner tuple's client side and frontend port, the endpoint the
+/// entry node picked, and the frontend's entry. In the scratch area.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(super) struct DsrHint {
+    pub(super) client: Addr,
+    pub(super) backend: Backend,
+    pub(super) service: ServiceValue,
+    pub(super) client_port: u16,
+    pub(super) frontend_port: u16,
+    pub(super) proto: u8,
+    /// 1: not used yet.
+    pub(super) fresh: u8,
+    pub(super) _pad: u16,
 }
 
 /// Room for a conntrack key of either family's tables, 8-byte aligned ([`CtKey::write_words`]).

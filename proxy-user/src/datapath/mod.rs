@@ -142,7 +142,7 @@ pub struct Programmed {
 impl Programmed {
     /// The maps hold what `want` asks for.
     pub fn matches(&self, want: &DesiredPort) -> bool {
-        let backends = want.backends.iter().map(|(ip, port)| backend(*ip, *port));
+        let backends = want_backends(want);
         self.backends.iter().copied().eq(backends)
             && self.value.flags == want.flags
             && self.value.affinity_timeout == want.affinity_timeout
@@ -210,7 +210,16 @@ impl ApplyReport {
 }
 
 pub fn backend(ip: impl Into<IpAddr>, port: u16) -> Backend {
-    Backend { addr: ip.into().into(), port: port.to_be(), _pad: 0 }
+    Backend { addr: ip.into().into(), port: port.to_be(), flags: 0 }
+}
+
+/// A port's backends as the maps hold them: an endpoint on another node flagged for direct
+/// server return.
+fn want_backends(want: &DesiredPort) -> impl Iterator<Item = Backend> + '_ {
+    want.backends.iter().map(|(ip, port)| {
+        let flags = if want.remote.binary_search(ip).is_ok() { proxy_common::BACKEND_FLAG_REMOTE } else { 0 };
+        Backend { flags, ..backend(*ip, *port) }
+    })
 }
 
 pub fn backend_addr(b: &Backend) -> (IpAddr, u16) {
@@ -408,7 +417,7 @@ impl Programmer {
         // loadBalancerSourceRanges entries: a port's new ones go in before its old ones leave.
         let mut ranges_used: usize = self.source_ranges_in_use();
         for (key, want) in desired {
-            let backends: Vec<Backend> = want.backends.iter().map(|(ip, port)| backend(*ip, *port)).collect();
+            let backends: Vec<Backend> = want_backends(want).collect();
             let old = self.programmed.get(key);
             if old.is_some_and(|p| p.matches(want)) {
                 continue;

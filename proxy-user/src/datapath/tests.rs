@@ -27,6 +27,7 @@ fn port(n: u8, backends: &[u8]) -> DesiredPort {
         affinity_timeout: 0,
         serving: vec![],
         alive: None,
+        remote: Vec::new(),
     }
 }
 

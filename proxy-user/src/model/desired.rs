@@ -11,8 +11,9 @@ use std::{
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_common::{
-    PROTO_ANY, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_EXTERNAL_ADDR,
-    SERVICE_FLAG_MAGLEV, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP, SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
+    PROTO_ANY, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS, SERVICE_FLAG_DSR,
+    SERVICE_FLAG_EXTERNAL_ADDR, SERVICE_FLAG_MAGLEV, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOCKET_SKIP,
+    SERVICE_FLAG_SOURCE_RANGES, ServiceKey,
 };
 
 use super::{IpFamily, cidr::Cidr};
@@ -49,6 +50,9 @@ pub struct DesiredPort {
     /// Ready unless serving while terminating (a graceful drain). TCP flows to any other
     /// endpoint are ended (sockets aborted, per-packet flows reset), even when none is left.
     pub alive: Option<Vec<SocketAddr>>,
+    /// With `SERVICE_FLAG_DSR` only (empty otherwise): the backends' addresses that are not on
+    /// this node (`BACKEND_FLAG_REMOTE`), sorted.
+    pub remote: Vec<IpAddr>,
 }
 
 pub type Desired = BTreeMap<ServiceKey, DesiredPort>;
@@ -130,7 +134,9 @@ pub fn service_entries<'a>(
                 let alive = endpoints.iter().filter(|e| !e.on_down_node || (e.serving && e.terminating));
                 alive.map(|e| SocketAddr::new(e.ip, e.port)).collect::<BTreeSet<_>>().into_iter().collect::<Vec<_>>()
             });
-            let flows = Flows { serving: &serving, alive: alive.as_deref() };
+            let local: Vec<IpAddr> = endpoints.iter().filter(|e| e.is_local).map(|e| e.ip).collect();
+            let direct = svc.lb_mode.unwrap_or(options.lb_mode).direct(sp.protocol);
+            let flows = Flows { serving: &serving, alive: alive.as_deref(), local: direct.then_some(&local[..]) };
             let maglev = svc.maglev.unwrap_or(options.maglev);
             family_entries(sp, family, &cat, flows, node, options, maglev, ranges, &mut out);
         }
@@ -150,6 +156,7 @@ pub fn service_entries<'a>(
                 affinity_timeout: 0,
                 serving: Vec::new(),
                 alive: None,
+                remote: Vec::new(),
             };
             out.push((key, port));
         }
@@ -162,6 +169,9 @@ pub fn service_entries<'a>(
 struct Flows<'a> {
     serving: &'a [SocketAddr],
     alive: Option<&'a [SocketAddr]>,
+    /// Direct server return (`--lb-mode`, `kpr.io/lb-mode`): the addresses of the port's
+    /// endpoints on this node.
+    local: Option<&'a [IpAddr]>,
 }
 
 /// The entries of one service port in one family's proxier.
@@ -210,6 +220,20 @@ fn family_entries(
             if scope == SCOPE_EXTERNAL && outside && maglev && !verdict.backends.is_empty() {
                 flags |= SERVICE_FLAG_MAGLEV;
             }
+            // Direct server return takes the place of the masquerade of traffic policy
+            // Cluster (Local keeps the client's address already, and its endpoints are here).
+            let mut remote = Vec::new();
+            if scope == SCOPE_EXTERNAL
+                && outside
+                && flags & SERVICE_FLAG_SNAT != 0
+                && !verdict.backends.is_empty()
+                && let Some(local) = flows.local
+            {
+                flags = (flags & !SERVICE_FLAG_SNAT) | SERVICE_FLAG_DSR;
+                remote = verdict.backends.iter().map(|(ip, _)| *ip).filter(|ip| !local.contains(ip)).collect();
+                remote.sort();
+                remote.dedup();
+            }
             // Not even the agent's own connection to the API server can be taken over.
             if scope == SCOPE_NODE && chosen {
                 flags |= SERVICE_FLAG_EXTERNAL_ADDR;
@@ -225,6 +249,7 @@ fn family_entries(
                     affinity_timeout: sp.session_affinity_timeout.unwrap_or(0),
                     serving: flows.serving.to_vec(),
                     alive: flows.alive.map(<[SocketAddr]>::to_vec),
+                    remote,
                 },
             ));
         }

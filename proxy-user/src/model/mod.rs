@@ -208,6 +208,31 @@ pub struct ProxyOptions {
     /// externalIPs, LoadBalancer IPs) pick their endpoint by Maglev (`SERVICE_FLAG_MAGLEV`),
     /// unless the Service's `kpr.io/lb-algorithm` says otherwise.
     pub maglev: bool,
+    /// `--lb-mode`: how new flows from outside to external frontends with traffic policy
+    /// Cluster reach endpoints on other nodes, unless the Service's `kpr.io/lb-mode` says
+    /// otherwise.
+    pub lb_mode: LbMode,
+}
+
+/// [`ProxyOptions::lb_mode`]: masquerade (kube-proxy's), direct server return, or DSR for TCP
+/// only (`SERVICE_FLAG_DSR`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LbMode {
+    #[default]
+    Snat,
+    Dsr,
+    Hybrid,
+}
+
+impl LbMode {
+    /// Does a frontend of `protocol` return directly?
+    pub fn direct(self, protocol: Protocol) -> bool {
+        match self {
+            Self::Snat => false,
+            Self::Dsr => true,
+            Self::Hybrid => protocol == Protocol::Tcp,
+        }
+    }
 }
 
 /// An IP family. kube-proxy runs one proxier per family, and each sees a Service only through

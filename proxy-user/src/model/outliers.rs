@@ -351,6 +351,7 @@ mod tests {
             affinity_timeout: 0,
             serving: Vec::new(),
             alive: None,
+            remote: Vec::new(),
         };
         let key = crate::model::desired::service_key(std::net::Ipv4Addr::new(10, 96, 0, 1), 80, Protocol::Tcp);
         Desired::from([(key, port)])

@@ -20,6 +20,10 @@ pub const OUTLIER_DETECTION: &str = "kpr.io/outlier-detection";
 /// `random`), whatever `--lb-algorithm` says.
 pub const LB_ALGORITHM: &str = "kpr.io/lb-algorithm";
 
+/// The annotation that picks how a Service's traffic from outside reaches endpoints on other
+/// nodes (`snat`, `dsr`, `hybrid`), whatever `--lb-mode` says.
+pub const LB_MODE: &str = "kpr.io/lb-mode";
+
 /// A switch annotation's value: Some(on) when it says one of the words.
 pub fn parse_switch(value: &str) -> Option<bool> {
     match value {
@@ -51,6 +55,8 @@ pub struct ServiceInfo {
     pub outlier_detection: Option<bool>,
     /// `kpr.io/lb-algorithm`, when it says `maglev` (true) or `random` (false).
     pub maglev: Option<bool>,
+    /// `kpr.io/lb-mode`, when it says one of its words.
+    pub lb_mode: Option<super::LbMode>,
 }
 
 impl ServiceInfo {
@@ -63,6 +69,12 @@ impl ServiceInfo {
             maglev: annotation(LB_ALGORITHM).and_then(|v| match v.as_str() {
                 "maglev" => Some(true),
                 "random" => Some(false),
+                _ => None,
+            }),
+            lb_mode: annotation(LB_MODE).and_then(|v| match v.as_str() {
+                "snat" => Some(super::LbMode::Snat),
+                "dsr" => Some(super::LbMode::Dsr),
+                "hybrid" => Some(super::LbMode::Hybrid),
                 _ => None,
             }),
         }

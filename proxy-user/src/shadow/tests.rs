@@ -102,6 +102,7 @@ fn the_nodes_connection_to_an_external_ip_without_endpoints_is_a_documented_devi
         affinity_timeout: 0,
         serving: Vec::new(),
         alive: None,
+        remote: Vec::new(),
     };
     let external = entry(SERVICE_FLAG_EXTERNAL_ADDR);
     let cluster_ip = entry(0);

@@ -314,6 +314,7 @@ fn desired_with(n: usize, backends_per_service: usize, target_backend: impl Into
                 affinity_timeout: 0,
                 serving: vec![],
                 alive: None,
+                remote: Vec::new(),
             },
         );
     }
@@ -540,7 +541,16 @@ fn sync_scale(changes: usize) -> Result<serde_json::Value> {
     let serving = backends.iter().map(|(ip, port)| std::net::SocketAddr::new(*ip, *port)).collect();
     desired.insert(
         big_key,
-        DesiredPort { name, backends, flags: 0, source_ranges: vec![], affinity_timeout: 0, serving, alive: None },
+        DesiredPort {
+            name,
+            backends,
+            flags: 0,
+            source_ranges: vec![],
+            affinity_timeout: 0,
+            serving,
+            alive: None,
+            remote: Vec::new(),
+        },
     );
     let started = Instant::now();
     let report = programmer.apply(&desired, &mut datapath.maps);
@@ -1153,6 +1163,7 @@ fn node_port_bench(
             affinity_timeout: 0,
             serving: vec![],
             alive: None,
+            remote: Vec::new(),
         },
     );
     let np6 =

@@ -1,0 +1,190 @@
+//! Direct server return (`SERVICE_FLAG_DSR`) in IP-in-IP, as Katran and Cilium's `ipip`
+//! dispatch: the node a client's flow arrives at (the entry node) picks an endpoint on another
+//! node and sends it the client's packets untranslated, each in an outer header to the
+//! endpoint's address (`encapsulate`); that node takes the outer header off (`decapsulate`),
+//! translates the flow as if it had arrived there (DNAT to that endpoint, no masquerade), and
+//! its replies go straight to the client, from the frontend's address.
+//!
+//! ```text
+//!  client ──▶ entry node: DNAT? no; IP-in-IP to the endpoint ──▶ endpoint's node: outer header
+//!     ▲                                                          off, DNAT, conntrack
+//!     └──────────── replies, source the frontend's address ◀──── endpoint
+//! ```
+//!
+//! The outer header carries the endpoint's port (`Family::tunnel_port`): the endpoint's node
+//! may not know the entry node's address as a NodePort frontend, and a Service's endpoints
+//! may listen on different ports.
+use aya_ebpf::{
+    bindings::{TC_ACT_SHOT, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC},
+    btf_maps::lpm_trie::Key,
+    programs::TcContext,
+};
+use proxy_common::{
+    Addr, Backend, CtValue, IPPROTO_TCP, SCOPE_EXTERNAL, SERVICE_FLAG_DSR, SERVICE_FLAG_SNAT,
+    SERVICE_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SourceRange, addrs_csum_diff, counter, event,
+};
+
+use super::{
+    event::note,
+    parse::Tuple,
+    scratch::{DsrHint, scratch},
+    verdict::{OPEN, PASS},
+};
+use crate::{
+    family::{Family, Fragment},
+    maps::{SERVICES, SOURCE_RANGES, link},
+    packet::{read_word, write_word},
+};
+
+/// A service entry's copy in a `DsrHint`: its flow came out of the tunnel (the endpoint's
+/// SYN-ACK is clamped: `clamp_mss`). Never in the maps.
+pub(super) const SERVICE_FLAG_DECAPSULATED: u32 = 1 << 31;
+
+/// `open_decapsulated`: the packet was not taken out of a tunnel.
+pub(super) const NOT_DECAPSULATED: i32 = i32::MIN + 16;
+
+/// The entry node: the client's packet, untranslated, put into IP-in-IP to the flow's
+/// endpoint (`to.dst_addr`, its port in the outer header), from the node's own address.
+/// A subprogram: the fast path's frames stay as they were.
+#[inline(never)]
+pub(super) fn encapsulate<F: Family>(ctx: &TcContext, to: &CtValue) -> Result<(), ()> {
+    let src = link(0).and_then(|l| F::masquerade_addr(&l)).ok_or(())?;
+    let inner_len = (ctx.len() as usize).checked_sub(F::IP_OFF).ok_or(())? as u16;
+    let header = F::tunnel_header(&src, &to.dst_addr, inner_len, to.dst_port);
+    ctx.adjust_room(size_of::<F::Ip>() as i32, BPF_ADJ_ROOM_MAC, F::TUNNEL_ENCAP_FLAGS).map_err(drop)?;
+    ctx.store(F::IP_OFF, &header, 0).map_err(drop)
+}
+
+/// The endpoint's node, on the way in: a packet in IP-in-IP whose inner packet goes to a
+/// frontend with direct server return (its address, or any address at a NodePort: the entry
+/// node's) loses its outer header, and the slow path learns the endpoint it carries, in case
+/// the packet opens a flow (`DsrHint`). Any other packet is left as it is. A packet in
+/// fragments is not taken out (the entry node sends whole packets: it set "don't fragment").
+/// True: taken out.
+#[inline(never)]
+pub(super) fn decapsulate<F: Family>(ctx: &TcContext) -> bool {
+    let data = ctx.data();
+    let inner = data + F::IP_OFF + size_of::<F::Ip>();
+    if inner + size_of::<F::Ip>() + 4 > ctx.data_end() {
+        return false;
+    }
+    // SAFETY: both headers and the inner ports, within [data, data_end) (checked above).
+    let (outer, ip, ports) = unsafe {
+        (
+            &*((data + F::IP_OFF) as *const F::Ip),
+            &*(inner as *const F::Ip),
+            read_word::<[u16; 2]>((inner + size_of::<F::Ip>()) as *const u8),
+        )
+    };
+    if F::l4_proto(outer) != Some(F::TUNNEL_PROTO) || F::fragment(ip) != Fragment::Whole {
+        return false;
+    }
+    let Some(proto) = F::l4_proto(ip) else { return false };
+    let key = ServiceKey { addr: F::dst(ip), port: ports[1], proto, scope: SCOPE_EXTERNAL };
+    let wildcard = ServiceKey { addr: key.addr.unspecified_like(), ..key };
+    // SAFETY: map value pointers, read at once.
+    let Some(service) = SERVICES.get_ptr(&key).or_else(|| SERVICES.get_ptr(&wildcard)).map(|v| unsafe { *v }) else {
+        return false;
+    };
+    if service.flags & SERVICE_FLAG_DSR == 0 {
+        return false;
+    }
+    let Ok(mut s) = scratch() else { return false };
+    s.dsr = DsrHint {
+        client: F::src(ip),
+        backend: Backend { addr: F::dst(outer), port: F::tunnel_port(outer), flags: 0 },
+        // Not masqueraded here either: the client's address is what the endpoint answers.
+        service: ServiceValue { flags: (service.flags & !SERVICE_FLAG_SNAT) | SERVICE_FLAG_DECAPSULATED, ..service },
+        client_port: ports[0],
+        frontend_port: ports[1],
+        proto,
+        fresh: 1,
+        _pad: 0,
+    };
+    // 6.3+ tells the kernel the packet is no longer in a tunnel (its GSO type); before,
+    // the flag is unknown and the plain call does it.
+    let shrink = -(size_of::<F::Ip>() as i32);
+    if ctx.adjust_room(shrink, BPF_ADJ_ROOM_MAC, F::TUNNEL_DECAP_FLAGS).is_ok()
+        || ctx.adjust_room(shrink, BPF_ADJ_ROOM_MAC, 0).is_ok()
+    {
+        return true;
+    }
+    s.dsr.fresh = 0;
+    false
+}
+
+/// A hint of `decapsulate` not used yet: the slow program's packet may be out of a tunnel.
+#[inline(never)]
+pub(super) fn hint_pending() -> bool {
+    scratch().is_ok_and(|s| s.dsr.fresh != 0)
+}
+
+/// The slow path of the endpoint's node: a new flow out of the tunnel (`decapsulate`'s hint
+/// for this tuple) goes to the endpoint the entry node picked, unmasqueraded (`OPEN`, the
+/// service and backend in the scratch area), unless the frontend's source ranges refuse the
+/// client. `NOT_DECAPSULATED`: no hint for it.
+#[inline(never)]
+pub(super) fn open_decapsulated(t: &Tuple) -> i32 {
+    let Ok(mut s) = scratch() else { return PASS };
+    let hint = &s.dsr;
+    if hint.fresh == 0
+        || !hint.client.same(&t.saddr)
+        || hint.client_port != t.sport
+        || hint.frontend_port != t.dport
+        || hint.proto != t.proto
+    {
+        return NOT_DECAPSULATED;
+    }
+    s.dsr.fresh = 0;
+    let (service, backend) = (s.dsr.service, s.dsr.backend);
+    if service.flags & SERVICE_FLAG_SOURCE_RANGES != 0 {
+        let key = Key::new(32 + 128, SourceRange { service_id: service.service_id.to_be(), addr: t.saddr });
+        if SOURCE_RANGES.get(&key).is_none() {
+            note(t, counter::TC_DROPPED, event::DROPPED_SOURCE_RANGE, service.service_id);
+            return TC_ACT_SHOT;
+        }
+    }
+    s.service = service;
+    s.backend = backend;
+    s.reply_csum_diff = addrs_csum_diff::<Addr>(&backend.addr, &t.saddr, &t.daddr, &t.saddr);
+    OPEN
+}
+
+/// The endpoint's node: the endpoint's SYN-ACK of a flow that came out of the tunnel
+/// announces a segment size with room for the tunnel's header, which the client's segments
+/// get on their way through the entry node (the client's MSS option, first among the
+/// options as every stack sends it; the checksum fixed by the kernel).
+#[inline(never)]
+pub(super) fn clamp_mss<F: Family>(ctx: &TcContext, proto: u8) {
+    if proto != IPPROTO_TCP {
+        return;
+    }
+    let data = ctx.data();
+    let option = data + F::L4_OFF + 20;
+    if option + 4 > ctx.data_end() {
+        return;
+    }
+    // SAFETY: the TCP header and its first option, within [data, data_end) (checked above).
+    let (offset, kind, mss) = unsafe {
+        (
+            *((data + F::L4_OFF + 12) as *const u8) >> 4,
+            read_word::<[u8; 2]>(option as *const u8),
+            u16::from_be(read_word::<u16>((option + 2) as *const u8)),
+        )
+    };
+    // An MSS option (kind 2, length 4) inside the header.
+    let room = size_of::<F::Ip>() as u16;
+    if offset < 6 || kind != [2, 4] || mss <= room {
+        return;
+    }
+    let (old, new) = (mss.to_be(), (mss - room).to_be());
+    if ctx.l4_csum_replace(F::L4_OFF + 16, u64::from(old), u64::from(new), 2).is_err() {
+        return;
+    }
+    let data = ctx.data();
+    if data + F::L4_OFF + 24 > ctx.data_end() {
+        return;
+    }
+    // SAFETY: within [data, data_end), checked above.
+    unsafe { write_word((data + F::L4_OFF + 22) as *mut u8, new) };
+}
