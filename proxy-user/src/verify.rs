@@ -481,7 +481,22 @@ struct Seen {
 }
 
 impl Seen {
+    /// A packet of direct server return (IP-in-IP of its family) is seen as going from the inner
+    /// packet's source to the endpoint its outer header names: the outer destination, and the
+    /// port in the IPv4 id or the IPv6 flow label.
     fn parse(frame: &[u8]) -> Option<Self> {
+        let (inner_at, port_at) = match (frame.get(12..14)?, frame.get(23), frame.get(20)) {
+            ([0x08, 0x00], Some(4), _) => (14 + usize::from(frame.get(14)? & 0x0f) * 4, 18),
+            ([0x86, 0xdd], _, Some(41)) => (54, 16),
+            _ => return Self::parse_plain(frame),
+        };
+        let outer = Self::parse_plain(frame)?;
+        let inner = Self::parse_plain(&[frame.get(..14)?, frame.get(inner_at..)?].concat())?;
+        let port = u16::from_be_bytes(frame.get(port_at..port_at + 2)?.try_into().ok()?);
+        Some(Self { dst: SocketAddr::new(outer.dst.ip(), port), ..inner })
+    }
+
+    fn parse_plain(frame: &[u8]) -> Option<Self> {
         let (src, dst, proto, l4) = match frame.get(12..14)? {
             [0x08, 0x00] => {
                 let ihl = usize::from(frame.get(14)? & 0x0f) * 4;
@@ -855,6 +870,35 @@ mod tests {
         reset[34 + 13] = 0x14;
         assert_eq!(probe.outcome(TC_ACT_REDIRECT, &reset), Outcome::Rejected);
         assert!(!probe.agrees(&Outcome::Rejected, &[]));
+    }
+
+    /// Direct server return: the program leaves the client's packet untranslated inside an
+    /// outer header to the endpoint (its port in the IPv4 id), which the probe reads as the
+    /// packet going from the client to that endpoint: unmasqueraded, as the entry says.
+    #[test]
+    fn a_direct_server_return_outcome_is_read_from_the_tunnels_outer_header() {
+        let d: Frontends = [(
+            frontend_key([192, 0, 2, 10], 80, Protocol::Tcp, SCOPE_EXTERNAL),
+            port(&[("10.244.2.2", 8080)], proxy_common::SERVICE_FLAG_DSR),
+        )]
+        .into();
+        let probe = &probes_of(&d).0[0];
+        assert_eq!(
+            probe.expect,
+            Expect::Forward { backends: vec!["10.244.2.2:8080".parse().unwrap()], masquerade: false }
+        );
+        let frame = probe.frame();
+        let mut out = frame[..14].to_vec();
+        let mut outer = [0x45, 0, 0, 0, 0x1f, 0x90, 0x40, 0, 64, 4, 0, 0, 10, 0, 0, 1, 10, 244, 2, 2];
+        outer[2..4].copy_from_slice(&((frame.len() - 14 + 20) as u16).to_be_bytes());
+        out.extend_from_slice(&outer);
+        out.extend_from_slice(&frame[14..]);
+        let seen = probe.outcome(TC_ACT_REDIRECT, &out);
+        assert_eq!(seen, Outcome::Forwarded { to: "10.244.2.2:8080".parse().unwrap(), from: probe.client });
+        assert!(probe.agrees(&seen, &[]));
+        // The same endpoint at another port: a mismatch.
+        out[18..20].copy_from_slice(&9090u16.to_be_bytes());
+        assert!(!probe.agrees(&probe.outcome(TC_ACT_REDIRECT, &out), &[]));
     }
 
     #[test]

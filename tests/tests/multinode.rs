@@ -371,6 +371,78 @@ fn dsr_lets_a_pod_on_another_node_see_the_client_and_answer_it_directly() {
     );
 }
 
+/// Direct server return with Maglev (`kpr.io/lb-mode: dsr`, `kpr.io/lb-algorithm: maglev`):
+/// connections to the LoadBalancer IP opened through node-a keep working when the router sends
+/// them to node-b instead, in the middle of the connection, and through an agent restart on
+/// either node. Both nodes pick the same pod for a tuple and neither masquerades, so the pod,
+/// on either node, sees the same client all along; a flow whose pod is on the other node
+/// goes there in the tunnel, one whose pod is local goes straight to it.
+#[test]
+fn dsr_connections_survive_a_move_between_nodes_and_agent_restarts() {
+    const SEED: u32 = 4_747;
+    let mut c = Bridged::new_with("km-dsrmv", &["--maglev-seed", &SEED.to_string()]).unwrap();
+    let (pod_a, pod_b) = (c.nodes[0].pod_ip, c.nodes[1].pod_ip);
+    let svc = service("Cluster", 30092, &[(pod_a, "node-a"), (pod_b, "node-b")]).replacen(
+        "namespace: t}",
+        "namespace: t, annotations: {kpr.io/lb-mode: dsr, kpr.io/lb-algorithm: maglev}}",
+        1,
+    );
+    c.write("svc.yaml", &svc);
+    c.wait("*:30092/TCP ext", 2);
+    // Client ports whose tuples the table sends to either pod (the Maglev test's).
+    let mut conns = c.ext(|| {
+        (41_000..41_012).map(|sport| connect_from_port(sport, SocketAddrV4::new(LB_IP, 80))).collect::<Vec<_>>()
+    });
+    let pods: std::collections::BTreeSet<&str> = conns.iter().map(|(_, pod)| pod.as_str()).collect();
+    assert_eq!(pods, ["pod-a", "pod-b"].into(), "the connections cover both pods");
+    let route_via = |c: &Bridged, node: u8| {
+        c.ext.ip(&["route", "replace", &format!("{LB_IP}/32"), "via", &format!("10.0.0.{node}")]).unwrap();
+    };
+    let all_answer = |conns: &mut Vec<(TcpStream, String)>, when: &str| {
+        for (conn, pod) in conns.iter_mut() {
+            let seen = ask_peer_on(conn).unwrap_or_else(|e| panic!("{pod}'s connection {when}: {e}"));
+            assert_eq!(seen, EXT_CLIENT.to_string(), "the address {pod} sees {when}");
+        }
+    };
+    all_answer(&mut conns, "through node-a");
+    route_via(&c, 2);
+    all_answer(&mut conns, "moved to node-b");
+    for node in [1, 0] {
+        let mut agent = c.nodes[node].agent.take().unwrap();
+        agent.kill().unwrap();
+        agent.wait().unwrap();
+        all_answer(&mut conns, &format!("while {}'s agent is down", c.nodes[node].name));
+        c.start_agent(node).unwrap();
+        std::thread::sleep(testbed::slow(Duration::from_secs(3)));
+        all_answer(&mut conns, &format!("after {}'s agent restarted", c.nodes[node].name));
+        route_via(&c, 2 - node as u8);
+        all_answer(&mut conns, &format!("moved again after {}'s restart", c.nodes[node].name));
+    }
+}
+
+/// A connection from the client's port `sport` to `addr`, and the name its pod greeted with.
+fn connect_from_port(sport: u16, addr: SocketAddrV4) -> (TcpStream, String) {
+    use std::io::BufRead as _;
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket.set_reuse_address(true).unwrap();
+    socket.bind(&SocketAddrV4::new(EXT_CLIENT, sport).into()).unwrap();
+    socket.connect_timeout(&addr.into(), TIMEOUT).unwrap_or_else(|e| panic!("{sport} -> {addr}: {e}"));
+    let conn = TcpStream::from(socket);
+    conn.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let mut name = String::new();
+    std::io::BufReader::new(&conn).read_line(&mut name).unwrap();
+    (conn, name.trim().to_owned())
+}
+
+/// The pod's answer to "peer?" on an open connection: the address it sees.
+fn ask_peer_on(conn: &mut TcpStream) -> std::io::Result<String> {
+    use std::io::{BufRead as _, Write as _};
+    conn.write_all(b"peer?\n")?;
+    let mut peer = String::new();
+    std::io::BufReader::new(&*conn).read_line(&mut peer)?;
+    Ok(peer.trim().to_owned())
+}
+
 /// Bytes received by `link` in `netns` (`ip -s`: sysfs would show the test's own namespace).
 fn rx_bytes(netns: &Netns, link: &str) -> u64 {
     let out = Command::new("ip").args(["-n", &netns.name, "-j", "-s", "link", "show", link]).output().unwrap();
