@@ -420,6 +420,71 @@ fn dsr_connections_survive_a_move_between_nodes_and_agent_restarts() {
     }
 }
 
+/// UDP with direct server return: with `kpr.io/lb-mode: dsr` a datagram to the LoadBalancer IP
+/// reaches the pod on node-b with the client's address, and one too big for node-a's link
+/// once in the tunnel gets "fragmentation needed" from the frontend, naming the room the
+/// tunnel leaves (1480); with `hybrid` UDP is masqueraded (the pod sees node-a) while TCP
+/// returns directly.
+#[test]
+fn dsr_udp_keeps_the_client_and_hybrid_masquerades_it() {
+    let c = Bridged::new("km-dsru").unwrap();
+    let pod_b = c.nodes[1].pod_ip;
+    let lb_udp = SocketAddr::from((LB_IP, 53));
+    // Each mode with NodePorts of its own: their entries tell that the agents applied it.
+    for (mode, node_port, udp_seen) in [("dsr", 30093, EXT_CLIENT), ("hybrid", 30095, c.nodes[0].ip)] {
+        c.write("svc.yaml", &tcp_udp_service(node_port, pod_b, mode));
+        c.wait(&format!("*:{}/UDP ext", node_port + 1), 1);
+        let (name, seen) = c.ext(move || udp_ask_peer(lb_udp));
+        assert_eq!((name.as_str(), seen), ("pod-b", udp_seen.to_string()), "UDP in {mode}");
+        let (name, seen) = c.ext(|| tcp_ask_peer(SocketAddrV4::new(LB_IP, 80), TIMEOUT).unwrap());
+        assert_eq!((name.as_str(), seen), ("pod-b", EXT_CLIENT.to_string()), "TCP in {mode}");
+        if mode == "dsr" {
+            let (big, mtu) = c.ext(move || {
+                let socket = std::net::UdpSocket::bind(any_port_of(lb_udp.ip())).unwrap();
+                socket.connect(lb_udp).unwrap();
+                socket.set_read_timeout(Some(TIMEOUT)).unwrap();
+                setsockopt_int(&socket, libc::IPPROTO_IP, libc::IP_MTU_DISCOVER, libc::IP_PMTUDISC_DO);
+                // Fits the client's link (1500), not node-a's once in the tunnel.
+                socket.send(&[7u8; 1472]).unwrap();
+                let mut buf = [0u8; 64];
+                let big = socket.recv(&mut buf).map_err(|e| e.raw_os_error());
+                (big, getsockopt_int(&socket, libc::IPPROTO_IP, libc::IP_MTU))
+            });
+            assert_eq!(big, Err(Some(libc::EMSGSIZE)), "the big datagram: fragmentation needed");
+            assert_eq!(mtu, 1480, "the path MTU the client learned");
+        }
+    }
+}
+
+/// A LoadBalancer Service with a TCP port (80, NodePort `node_port`) and a UDP one (53,
+/// NodePort `node_port` + 1), both to `pod` on node-b, in `kpr.io/lb-mode: mode`.
+fn tcp_udp_service(node_port: u16, pod: Ipv4Addr, mode: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: tu, namespace: t, annotations: {{kpr.io/lb-mode: {mode}}}}}\nspec:\n  \
+         type: LoadBalancer\n  clusterIP: 10.96.0.93\n  externalTrafficPolicy: Cluster\n  ports: [{{name: http, port: 80, \
+         nodePort: {node_port}}}, {{name: dns, port: 53, protocol: UDP, nodePort: {}}}]\nstatus:\n  loadBalancer:\n    \
+         ingress: [{{ip: \"{LB_IP}\"}}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: tu-1, \
+         namespace: t, labels: {{kubernetes.io/service-name: tu}}}}\naddressType: IPv4\nports: [{{name: http, port: {POD_PORT}}}, \
+         {{name: dns, port: {POD_PORT}, protocol: UDP}}]\nendpoints: [{{addresses: [\"{pod}\"], nodeName: node-b, conditions: \
+         {{ready: true}}}}]\n",
+        node_port + 1
+    )
+}
+
+/// UDP: the pod's name, then the address it sees (its answer to "peer?").
+fn udp_ask_peer(addr: SocketAddr) -> (String, String) {
+    let socket = std::net::UdpSocket::bind(any_port_of(addr.ip())).unwrap();
+    socket.connect(addr).unwrap();
+    socket.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let mut ask = |question: &[u8]| {
+        socket.send(question).unwrap();
+        let mut buf = [0u8; 256];
+        let n = socket.recv(&mut buf).unwrap_or_else(|e| panic!("UDP {addr}: {e}"));
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    (ask(b"who"), ask(b"peer?"))
+}
+
 /// A connection from the client's port `sport` to `addr`, and the name its pod greeted with.
 fn connect_from_port(sport: u16, addr: SocketAddrV4) -> (TcpStream, String) {
     use std::io::BufRead as _;

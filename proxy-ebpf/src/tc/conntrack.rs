@@ -10,6 +10,7 @@ use proxy_common::{
 };
 
 use super::{
+    dsr::failed,
     entry::{expired, forget, lifetime},
     nat::{flow_hash, lookup_frontend, masquerade_source, source_scope},
     parse::{NOT_A_FIRST_FRAGMENT, Tuple},
@@ -69,7 +70,7 @@ pub(super) fn translate_tracked<F: Family>(
         },
     };
     if rewrite::<F>(ctx, t, entry).is_err() {
-        return PASS;
+        return failed();
     }
     count(counter::TC_CT_HIT);
     if route == ROUTE_CACHED

@@ -15,24 +15,27 @@
 //! may not know the entry node's address as a NodePort frontend, and a Service's endpoints
 //! may listen on different ports.
 use aya_ebpf::{
-    bindings::{TC_ACT_SHOT, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC},
+    EbpfContext as _,
+    bindings::{__sk_buff, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_SHOT, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, bpf_fib_lookup},
     btf_maps::lpm_trie::Key,
+    helpers::bpf_fib_lookup as fib_lookup,
     programs::TcContext,
 };
 use proxy_common::{
-    Addr, Backend, CtValue, IPPROTO_TCP, SCOPE_EXTERNAL, SERVICE_FLAG_DSR, SERVICE_FLAG_SNAT,
+    Addr, Backend, CtValue, IPPROTO_TCP, NODE_ADDR_LOCAL, SCOPE_EXTERNAL, SERVICE_FLAG_DSR, SERVICE_FLAG_SNAT,
     SERVICE_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SourceRange, addrs_csum_diff, counter, event,
 };
 
 use super::{
     event::note,
     parse::Tuple,
+    route::{ifindex, zero_fib},
     scratch::{DsrHint, scratch},
-    verdict::{OPEN, PASS},
+    verdict::{OPEN, PASS, TOO_BIG},
 };
 use crate::{
     family::{Family, Fragment},
-    maps::{SERVICES, SOURCE_RANGES, link},
+    maps::{SERVICES, SOURCE_RANGES, link, node_addr_flags},
     packet::{read_word, write_word},
 };
 
@@ -51,7 +54,18 @@ pub(super) fn encapsulate<F: Family>(ctx: &TcContext, to: &CtValue) -> Result<()
     let src = link(0).and_then(|l| F::masquerade_addr(&l)).ok_or(())?;
     let inner_len = (ctx.len() as usize).checked_sub(F::IP_OFF).ok_or(())? as u16;
     let header = F::tunnel_header(&src, &to.dst_addr, inner_len, to.dst_port);
-    ctx.adjust_room(size_of::<F::Ip>() as i32, BPF_ADJ_ROOM_MAC, F::TUNNEL_ENCAP_FLAGS).map_err(drop)?;
+    // A GSO packet is marked as in a tunnel, for its segmentation; a whole one is not (a
+    // packet marked so cannot be cut to the headers `icmp::too_big` answers with).
+    // SAFETY: a tc program's context is the packet's __sk_buff.
+    let gso = unsafe { (*(ctx.as_ptr() as *const __sk_buff)).gso_size } != 0;
+    let flags = if gso { F::TUNNEL_ENCAP_FLAGS } else { 0 };
+    if ctx.adjust_room(size_of::<F::Ip>() as i32, BPF_ADJ_ROOM_MAC, flags).is_err() {
+        // Refused past the link's MTU: a whole packet the tunnel's header makes too big. The
+        // client is told (`failed`, then `icmp::too_big`), with the MTU of the route to the
+        // endpoint.
+        too_big_for_tunnel::<F>(ctx, &to.dst_addr);
+        return Err(());
+    }
     ctx.store(F::IP_OFF, &header, 0).map_err(drop)
 }
 
@@ -117,6 +131,64 @@ pub(super) fn decapsulate<F: Family>(ctx: &TcContext) -> bool {
 #[inline(never)]
 pub(super) fn hint_pending() -> bool {
     scratch().is_ok_and(|s| s.dsr.fresh != 0)
+}
+
+/// `encapsulate` found the packet too big for the tunnel: the route to the endpoint looked up
+/// (its link's MTU in the answer, 5.12+) and the packet marked for `icmp::too_big`.
+#[inline(never)]
+fn too_big_for_tunnel<F: Family>(ctx: &TcContext, endpoint: &Addr) {
+    let Ok(mut s) = scratch() else { return };
+    zero_fib(&raw mut s.fib);
+    let params = &mut s.fib;
+    params.family = F::AF;
+    params.ifindex = ifindex(ctx);
+    F::fib_dst(params, endpoint);
+    // SAFETY: the helper writes within the size it is given.
+    let rc = unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, 0) };
+    s.dsr_too_big = u32::from(rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS));
+}
+
+/// The verdict on a packet whose translation failed: `TOO_BIG` if it was too big for direct
+/// server return's tunnel (`encapsulate`), else passed on untranslated.
+#[inline(never)]
+pub(super) fn failed() -> i32 {
+    match scratch() {
+        Ok(s) if s.dsr_too_big != 0 => TOO_BIG,
+        _ => PASS,
+    }
+}
+
+/// The entry node, a packet too big for direct server return's tunnel (`icmp::too_big`): one
+/// that did not go in (`encapsulate`), or one that did and is too big for its route's link,
+/// whose outer header comes off again. The link's MTU in the route lookup's answer is lowered
+/// by the tunnel's header, for the client's "fragmentation needed". False: not such a packet.
+#[inline(never)]
+pub(super) fn untunnel<F: Family>(ctx: &TcContext) -> bool {
+    let Ok(mut s) = scratch() else { return false };
+    if s.dsr_too_big == 0 {
+        let data = ctx.data();
+        if data + F::IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
+            return false;
+        }
+        // SAFETY: within [data, data_end), checked above.
+        let outer = unsafe { &*((data + F::IP_OFF) as *const F::Ip) };
+        if F::l4_proto(outer) != Some(F::TUNNEL_PROTO) || node_addr_flags(&F::src(outer)) & NODE_ADDR_LOCAL == 0 {
+            return false;
+        }
+        let shrink = -(size_of::<F::Ip>() as i32);
+        if ctx.adjust_room(shrink, BPF_ADJ_ROOM_MAC, F::TUNNEL_DECAP_FLAGS).is_err()
+            && ctx.adjust_room(shrink, BPF_ADJ_ROOM_MAC, 0).is_err()
+        {
+            return false;
+        }
+    }
+    s.dsr_too_big = 0;
+    // SAFETY: the route lookup's answer, in the scratch area.
+    unsafe {
+        let mtu = &mut s.fib.__bindgen_anon_1.mtu_result;
+        *mtu = mtu.saturating_sub(size_of::<F::Ip>() as u16);
+    }
+    true
 }
 
 /// The slow path of the endpoint's node: a new flow out of the tunnel (`decapsulate`'s hint

@@ -12,6 +12,7 @@ use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
 use proxy_common::{CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, NODE_ADDR_LOCAL, counter, csum};
 
 use super::{
+    dsr::untunnel,
     entry::flow_entry,
     reject::{Unreachable, bounce, fold, macs},
     rewrite::ports_word,
@@ -53,8 +54,11 @@ pub(super) fn too_big<F: Family>(ctx: &TcContext) -> i32 {
     if unsafe { (*(ctx.as_ptr() as *const __sk_buff)).gso_size } != 0 {
         return TC_ACT_OK; // segmented later, to the link's size
     }
+    // Direct server return's packet: the client's, untranslated, in the tunnel's header, which
+    // comes off; the client learns the room the tunnel leaves.
+    let tunnelled = untunnel::<F>(ctx);
     let Ok(s) = scratch() else { return TC_ACT_OK };
-    // SAFETY: `forward_direct`'s lookup answer: the link's MTU.
+    // SAFETY: `forward_direct`'s lookup answer: the link's MTU (less the tunnel's header).
     let mtu = unsafe { s.fib.__bindgen_anon_1.mtu_result };
     // SAFETY: the scratch value's room, valid for this program run, large enough for either
     // family's answer (checked at compile time below).
@@ -67,34 +71,41 @@ pub(super) fn too_big<F: Family>(ctx: &TcContext) -> i32 {
     };
     let ip = &answer.body.quoted_ip;
     if loaded != 0 || F::may_fragment(ip) {
-        return TC_ACT_OK;
+        // Out of its tunnel, the packet cannot go on.
+        return if tunnelled { TC_ACT_SHOT } else { TC_ACT_OK };
     }
-    let (masquerade_source, backend) = (F::src(ip), F::dst(ip));
-    let proto = match F::l4_proto(ip) {
-        Some(p @ (IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP)) => p,
-        _ => return TC_ACT_OK,
+    let (client, frontend) = if tunnelled {
+        // The quote is the client's packet as it sent it.
+        (F::src(ip), F::dst(ip))
+    } else {
+        let (masquerade_source, backend) = (F::src(ip), F::dst(ip));
+        let proto = match F::l4_proto(ip) {
+            Some(p @ (IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP)) => p,
+            _ => return TC_ACT_OK,
+        };
+        if node_addr_flags(&masquerade_source) & NODE_ADDR_LOCAL == 0 {
+            return TC_ACT_OK; // not masqueraded: the stack's answer reaches the client
+        }
+        // SAFETY: the quote's first word, 4-aligned in the scratch value.
+        let ports = unsafe { read_word::<[u16; 2]>(answer.body.quoted_l4.as_ptr()) };
+        // The flow's reply entry holds the client and the frontend.
+        // SAFETY: the scratch area's key slot, valid for this program run.
+        let key = unsafe {
+            let key = s.key::<F::FlowAddr>();
+            *key = CtKey::new(backend, masquerade_source, ports[1], ports[0], proto);
+            &*key
+        };
+        let Some(entry) = flow_entry(key) else { return TC_ACT_OK };
+        let (client, frontend) = (entry.dst_addr, entry.src_addr);
+        // The quote as the client sent it.
+        let diff = F::addr_diff(&masquerade_source, &client) + F::addr_diff(&backend, &frontend);
+        // SAFETY: the quote's header and first word, in the scratch value.
+        unsafe {
+            F::write_addrs((&raw mut answer.body.quoted_ip).cast(), &client, &frontend, diff);
+            write_word(answer.body.quoted_l4.as_mut_ptr(), ports_word(entry.dst_port, entry.src_port));
+        }
+        (client, frontend)
     };
-    if node_addr_flags(&masquerade_source) & NODE_ADDR_LOCAL == 0 {
-        return TC_ACT_OK; // not masqueraded: the stack's answer reaches the client
-    }
-    // SAFETY: the quote's first word, 4-aligned in the scratch value.
-    let ports = unsafe { read_word::<[u16; 2]>(answer.body.quoted_l4.as_ptr()) };
-    // The flow's reply entry holds the client and the frontend.
-    // SAFETY: the scratch area's key slot, valid for this program run.
-    let key = unsafe {
-        let key = s.key::<F::FlowAddr>();
-        *key = CtKey::new(backend, masquerade_source, ports[1], ports[0], proto);
-        &*key
-    };
-    let Some(entry) = flow_entry(key) else { return TC_ACT_OK };
-    let (client, frontend) = (entry.dst_addr, entry.src_addr);
-    // The quote as the client sent it.
-    let diff = F::addr_diff(&masquerade_source, &client) + F::addr_diff(&backend, &frontend);
-    // SAFETY: the quote's header and first word, in the scratch value.
-    unsafe {
-        F::write_addrs((&raw mut answer.body.quoted_ip).cast(), &client, &frontend, diff);
-        write_word(answer.body.quoted_l4.as_mut_ptr(), ports_word(entry.dst_port, entry.src_port));
-    }
     answer.body.icmp = F::too_big_header(mtu);
     let len = (8 + quote_len) as u16;
     // ICMPv6's checksum covers a pseudo header, ICMP's does not.

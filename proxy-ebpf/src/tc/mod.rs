@@ -203,6 +203,7 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
     }
     match fast_path::<F>(ctx, true, decapsulated) {
         TC_ACT_OK if F::ETHERNET => send_on::<F>(ctx),
+        TOO_BIG => too_big::<F>(ctx),
         verdict => verdict,
     }
 }
@@ -223,6 +224,7 @@ fn tunnelled<F: Family>(ctx: &TcContext) -> bool {
 fn slow_ingress<F: Family>(ctx: &TcContext) -> i32 {
     match slow_path::<F>(ctx, true) {
         Ok(TC_ACT_OK) if F::ETHERNET => send_on::<F>(ctx),
+        Ok(TOO_BIG) => too_big::<F>(ctx),
         Ok(verdict) => verdict,
         Err(()) => PASS,
     }

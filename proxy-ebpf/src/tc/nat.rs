@@ -19,7 +19,7 @@ use proxy_common::{
 };
 
 use super::{
-    dsr::{NOT_DECAPSULATED, SERVICE_FLAG_DECAPSULATED, open_decapsulated},
+    dsr::{NOT_DECAPSULATED, SERVICE_FLAG_DECAPSULATED, failed, open_decapsulated},
     entry::{expired, forget},
     event::note,
     parse::Tuple,
@@ -369,7 +369,9 @@ pub(super) fn create_flow<F: Family>(
         note(t, counter::TC_CT_FULL, event::DROPPED_CONNTRACK_FULL, service.service_id);
         return Ok(TC_ACT_SHOT);
     };
-    rewrite_first::<F>(ctx, t, forward)?;
+    if rewrite_first::<F>(ctx, t, forward).is_err() {
+        return Ok(failed());
+    }
     // A TCP flow is new with its SYN (SCTP with its INIT); any other packet re-creates a flow
     // that was lost.
     let recreated = has_states(t.proto) && tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN;

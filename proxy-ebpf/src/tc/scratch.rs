@@ -48,6 +48,8 @@ pub struct FlowScratch {
     pub(super) cache_slot: flow_cache::FreeSlot,
     /// `dsr::decapsulate` → `dsr::open_decapsulated`.
     pub(super) dsr: DsrHint,
+    /// `dsr::encapsulate` → `icmp::too_big`: the packet was too big for the tunnel.
+    pub(super) dsr_too_big: u32,
 }
 
 /// What `dsr::decapsulate` learnt of a packet for the slow path, which opens its flow
