@@ -343,19 +343,30 @@ fn ask_from(sport: u16, addr: SocketAddrV4) -> String {
 /// address, and the pod's answers go from node-b straight to the client: node-a receives the
 /// client's bytes, not the pod's (its eth0 counts a 1 MiB echo once, where masquerade would
 /// count it twice). The echo's full-sized segments fit the tunnel: node-b's SYN-ACK announced
-/// room for its header.
+/// room for its header. IPv6 (IPv6 in IPv6) alike, through node-a's IPv6 NodePort. node-a's
+/// self-check (`kpr verify`) reads its probes' tunnelled packets and finds them right.
 #[test]
 fn dsr_lets_a_pod_on_another_node_see_the_client_and_answer_it_directly() {
     let c = Bridged::new("km-dsr").unwrap();
-    let pod_b = c.nodes[1].pod_ip;
-    let svc = service("Cluster", 30091, &[(pod_b, "node-b")]);
+    let (pod_b, pod_b6) = (c.nodes[1].pod_ip, c.nodes[1].pod_ip6);
+    let svc = dual_stack_service("Cluster", 30091, &[(pod_b, "node-b")], Some(&[(pod_b6, "node-b")]));
     c.write("svc.yaml", &svc.replacen("namespace: t}", "namespace: t, annotations: {kpr.io/lb-mode: dsr}}", 1));
     c.wait("*:30091/TCP ext", 1);
-    let a = c.nodes[0].ip;
-    for addr in [SocketAddrV4::new(LB_IP, 80), SocketAddrV4::new(a, 30091)] {
+    c.wait("[*]:30091/TCP ext", 1);
+    let (a, a6) = (c.nodes[0].ip, c.nodes[0].ip6);
+    let through: [(SocketAddr, &str); 3] =
+        [((LB_IP, 80).into(), "10.0.0.100"), ((a, 30091).into(), "10.0.0.100"), ((a6, 30091).into(), "fd00::100")];
+    for (addr, client) in through {
         let (name, seen) = c.ext(move || tcp_ask_peer(addr, TIMEOUT).unwrap());
-        assert_eq!((name.as_str(), seen), ("pod-b", EXT_CLIENT.to_string()), "through {addr}");
+        assert_eq!((name.as_str(), seen.as_str()), ("pod-b", client), "through {addr}");
     }
+    let mut verify = Command::new(kpr_tests::kpr_bin());
+    verify.args(["verify", "--output", "json", "--metrics-address", "127.0.0.1:10249"]);
+    c.nodes[0].netns.exec_in(&mut verify).unwrap();
+    let out = verify.output().unwrap();
+    let report: serde_json::Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    assert_eq!((out.status.code(), &report["failures"]), (Some(0), &serde_json::json!([])), "{report}");
     // The client sends full-sized frames (no segmentation offload on its link), which the
     // tunnel's header would take past node-a's MTU but for the clamp.
     c.ext(|| kpr_tests::set_tx_checksum_offload("eth0", false)).unwrap();
@@ -476,7 +487,7 @@ fn udp_ask_peer(addr: SocketAddr) -> (String, String) {
     let socket = std::net::UdpSocket::bind(any_port_of(addr.ip())).unwrap();
     socket.connect(addr).unwrap();
     socket.set_read_timeout(Some(TIMEOUT)).unwrap();
-    let mut ask = |question: &[u8]| {
+    let ask = |question: &[u8]| {
         socket.send(question).unwrap();
         let mut buf = [0u8; 256];
         let n = socket.recv(&mut buf).unwrap_or_else(|e| panic!("UDP {addr}: {e}"));
