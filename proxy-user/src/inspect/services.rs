@@ -121,6 +121,7 @@ impl PortView {
             (proxy_common::SERVICE_FLAG_SOCKET_SKIP, "per-packet-only"),
             (proxy_common::SERVICE_FLAG_EXTERNAL_ADDR, "not-for-agent"),
             (proxy_common::SERVICE_FLAG_MAGLEV, "maglev"),
+            (proxy_common::SERVICE_FLAG_DSR, "direct-return"),
         ];
         let flags = names.into_iter().filter(|(bit, _)| value.flags & bit != 0).map(|(_, name)| name).collect();
         let source_ranges = programmed.source_ranges.iter().map(ToString::to_string).collect();

@@ -248,6 +248,12 @@ fn verdict(report: &mut TraceReport, entry: &Programmed, socket: bool, proto: u8
         steps.push(if masquerade {
             let why = if hairpin && value.flags & SERVICE_FLAG_SNAT == 0 { " (hairpin)" } else { "" };
             format!("masqueraded{why}: the endpoint sees the node's address on the link toward it")
+        } else if value.flags & proxy_common::SERVICE_FLAG_DSR != 0 {
+            format!(
+                "direct server return: not masqueraded, the endpoint sees {}; an endpoint on another node gets \
+                 the client's packets in IP-in-IP and its node answers the client directly",
+                report.source
+            )
         } else {
             format!("not masqueraded: the endpoint sees {}", report.source)
         });

@@ -785,6 +785,21 @@ fn tcp_frame(src: impl Into<IpAddr>, sport: u16, dst: impl Into<IpAddr>, dport: 
     p
 }
 
+/// `frame` (an IPv4 frame) in direct server return's tunnel from the node 10.0.0.2 to
+/// `endpoint`, its port in the outer header's id.
+fn in_tunnel(frame: &[u8], endpoint: Ipv4Addr, port: u16) -> Vec<u8> {
+    let mut outer = [0u8; 20];
+    outer[..10].copy_from_slice(&[0x45, 0, 0, 0, 0, 0, 0x40, 0, 64, 4]);
+    outer[2..4].copy_from_slice(&((frame.len() - 14 + 20) as u16).to_be_bytes());
+    outer[4..6].copy_from_slice(&port.to_be_bytes());
+    outer[12..16].copy_from_slice(&[10, 0, 0, 2]);
+    outer[16..20].copy_from_slice(&endpoint.octets());
+    let sum: u32 = outer.chunks(2).map(|w| u32::from(u16::from_be_bytes([w[0], w[1]]))).sum();
+    let folded = (sum & 0xffff) + (sum >> 16);
+    outer[10..12].copy_from_slice(&(!((folded & 0xffff) + (folded >> 16)) as u16).to_be_bytes());
+    [&frame[..14], &outer[..], &frame[14..]].concat()
+}
+
 /// `frame` (an IPv4 TCP frame) grown to an IP packet of 1500 bytes.
 fn full_size(frame: &[u8]) -> Vec<u8> {
     let mut full = frame.to_vec();
@@ -867,7 +882,8 @@ fn tc_program_runs(
     // each, about 120,000): once the LRU table is full, every 128th insert pays for a batch of
     // evictions, and with four inserts a round that was always the same frontend's (the random
     // twin measured 660 ns over the Maglev frontend).
-    cfg.max_conntrack_new = 4 * proxy_common::defaults::MAX_CONNTRACK_NEW;
+    // (And the direct server return loop's, as many again.)
+    cfg.max_conntrack_new = 8 * proxy_common::defaults::MAX_CONNTRACK_NEW;
     // Room for every endpoint programmed below (about 1,000 of each family).
     cfg.endpoint_counters = if endpoint_counters { 4096 } else { 0 };
     let mut ebpf = bpf::open_object(&cfg)?;
@@ -893,8 +909,30 @@ fn tc_program_runs(
         kpr::model::desired::DesiredPort { flags: target.flags | proxy_common::SERVICE_FLAG_MAGLEV, ..target.clone() };
     desired
         .insert(kpr::model::desired::frontend_key(TARGET_IP, 81, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL), maglev);
-    desired
-        .insert(kpr::model::desired::frontend_key(TARGET_IP, 82, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL), target);
+    desired.insert(
+        kpr::model::desired::frontend_key(TARGET_IP, 82, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL),
+        target.clone(),
+    );
+    // Direct server return at port 83 (its endpoint on another node) and its masquerading twin
+    // at port 84, as kube-proxy's traffic policy Cluster.
+    let snat = target.flags | proxy_common::SERVICE_FLAG_SNAT;
+    let dsr = kpr::model::desired::DesiredPort {
+        flags: target.flags | proxy_common::SERVICE_FLAG_DSR,
+        remote: vec![backend.into()],
+        ..target.clone()
+    };
+    let external =
+        |port| kpr::model::desired::frontend_key(TARGET_IP, port, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL);
+    desired.insert(external(83), dsr);
+    desired.insert(external(84), kpr::model::desired::DesiredPort { flags: snat, ..target });
+    // The node's address (the masquerade source, the tunnel's outer source), as the agent writes it.
+    {
+        let map = bpf::open_pinned_map(&pins.0, proxy_common::map_names::LINKS)?;
+        let mut links: aya::maps::HashMap<_, u32, proxy_common::LinkInfo> =
+            aya::maps::HashMap::try_from(aya::maps::Map::HashMap(map))?;
+        let node = proxy_common::LinkInfo { addr: u32::from_ne_bytes([10, 0, 0, 1]), ..Default::default() };
+        links.insert(&0, &node, 0)?;
+    }
     // And an IPv6 service like it.
     let backend6 = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 2);
     let target6 = desired_with(1, 1, backend6)[&service_key(TARGET_IP6, 80, Protocol::Tcp)].clone();
@@ -1032,6 +1070,45 @@ fn tc_program_runs(
                 run(&tcp_frame(picked, BENCH_PORT, client, 40000, TCP_SYN | ACK), 1)?;
             }
         }
+        // Direct server return's first packet (port 83: the endpoint's flag read, no SNAT port
+        // search, the packet put in its tunnel) against its masquerading twin's (port 84), in
+        // turns drawn as above; and the endpoint's node's share of it: the same SYN out of the
+        // tunnel (the frontend looked up, the header taken off, the flow opened to the
+        // endpoint the tunnel names).
+        let (mut dsr, mut snat, mut decapsulated) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+        for i in 0..runs {
+            let mut turn = [(83, 13, &mut dsr), (84, 14, &mut snat)];
+            if (i.wrapping_mul(0x9e37_79b9) >> 31) & 1 == 1 {
+                turn.reverse();
+            }
+            for (port, first, took) in turn {
+                let client = Ipv4Addr::new(first, (i >> 16) as u8, (i >> 8) as u8, i as u8);
+                let (ns, out, _) = run_with_output(&tcp_frame(client, 40000, TARGET_IP, port, TCP_SYN), 1)?;
+                *took += ns;
+                if i == 0 && port == 83 && (out[23], &out[30..34]) != (4, &backend.octets()[..]) {
+                    bail!("the direct server return SYN was not put in a tunnel to {backend}");
+                }
+            }
+            let client = Ipv4Addr::new(15, (i >> 16) as u8, (i >> 8) as u8, i as u8);
+            let tunnelled = in_tunnel(&tcp_frame(client, 40000, TARGET_IP, 83, TCP_SYN), backend, BENCH_PORT);
+            let (ns, out, _) = run_with_output(&tunnelled, 1)?;
+            decapsulated += ns;
+            if i == 0 && (&out[26..30], &out[30..34]) != (&client.octets()[..], &backend.octets()[..]) {
+                bail!("the tunnelled SYN did not come out to {backend} from {client}");
+            }
+        }
+        // An established flow's packet at the entry node, direct server return's (put in the
+        // tunnel: the room made, the outer header written) against a translated one's, one run
+        // per TestRun (the kernel's repeat would run the program again on the tunnelled packet).
+        let dsr_client = Ipv4Addr::new(10, 254, 0, 1);
+        run(&tcp_frame(dsr_client, 40000, TARGET_IP, 83, TCP_SYN), 1)?;
+        let dsr_segment = tcp_frame(dsr_client, 40000, TARGET_IP, 83, ACK);
+        run(&dsr_segment, 1)?; // the client's ACK confirms the flow
+        let (mut dsr_est, mut est) = (Duration::ZERO, Duration::ZERO);
+        for _ in 0..runs {
+            dsr_est += run(&dsr_segment, 1)?;
+            est += run(&to_service, 1)?;
+        }
         // The answer was a flow's: translated back to the service's address.
         let client = Ipv4Addr::new(10, 255, 0, 1);
         run(&tcp_frame(client, 40000, TARGET_IP, 80, TCP_SYN), 1)?;
@@ -1044,6 +1121,11 @@ fn tc_program_runs(
         out.push(("new_flow_answer", vec![answers.as_nanos() as f64 / f64::from(runs)], how.clone()));
         out.push(("new_flow_maglev", vec![maglev.as_nanos() as f64 / f64::from(runs)], how.clone()));
         out.push(("new_flow_maglev_random_twin", vec![twin.as_nanos() as f64 / f64::from(runs)], how.clone()));
+        out.push(("new_flow_dsr", vec![dsr.as_nanos() as f64 / f64::from(runs)], how.clone()));
+        out.push(("new_flow_dsr_snat_twin", vec![snat.as_nanos() as f64 / f64::from(runs)], how.clone()));
+        out.push(("new_flow_dsr_decapsulated", vec![decapsulated.as_nanos() as f64 / f64::from(runs)], how.clone()));
+        out.push(("established_flow_dsr_single_run", vec![dsr_est.as_nanos() as f64 / f64::from(runs)], how.clone()));
+        out.push(("established_flow_single_run", vec![est.as_nanos() as f64 / f64::from(runs)], how.clone()));
         out.push(("floor_single_run", vec![floor.as_nanos() as f64 / f64::from(runs)], how));
     }
     Ok(out)
