@@ -308,9 +308,8 @@ impl Programmer {
     /// Write every Maglev frontend's table again: at the agent's start, as the seed may have
     /// changed since the tables were written.
     pub fn rewrite_maglev_tables(&self, maps: &mut dyn Maps) {
-        for (key, p) in self.programmed.iter().filter(|(_, p)| p.value.flags & SERVICE_FLAG_MAGLEV != 0) {
-            write_maglev(maps, key, p.value.service_id, &p.backends);
-        }
+        let maglev = self.programmed.iter().filter(|(_, p)| p.value.flags & SERVICE_FLAG_MAGLEV != 0);
+        write_maglev_tables(maps, maglev.map(|(key, p)| (key, p.value.service_id, &p.backends[..])));
     }
 
     pub fn programmed(&self) -> &BTreeMap<ServiceKey, Programmed> {
@@ -496,9 +495,8 @@ impl Programmer {
             // A Maglev frontend's table before its entry: a new flow that reads the entry
             // finds the table of its backends (one that read the old entry an instant before
             // may pick by the new table among the old backends: still a backend of the port).
-            for p in pending.iter().filter(|p| p.value.flags & SERVICE_FLAG_MAGLEV != 0) {
-                write_maglev(maps, &p.key, p.value.service_id, &p.backends);
-            }
+            let maglev = pending.iter().filter(|p| p.value.flags & SERVICE_FLAG_MAGLEV != 0);
+            write_maglev_tables(maps, maglev.map(|p| (&p.key, p.value.service_id, &p.backends[..])));
             let entries: Vec<(ServiceKey, ServiceValue)> = pending.iter().map(|p| (p.key, p.value)).collect();
             if let Err(BatchError { done: written, error }) = maps.set_services(&entries) {
                 done = written;
@@ -539,7 +537,9 @@ impl Programmer {
                 // and so does its Maglev table (written above for the new backends).
                 if p.value.flags & SERVICE_FLAG_MAGLEV != 0 {
                     match self.programmed.get(&p.key).filter(|o| o.value.flags & SERVICE_FLAG_MAGLEV != 0) {
-                        Some(old) => write_maglev(maps, &p.key, old.value.service_id, &old.backends),
+                        Some(old) => {
+                            write_maglev(maps, &p.key, old.value.service_id, &old.backends, &mut LastTable::default())
+                        }
                         None => {
                             if let Err(e) = maps.remove_maglev(p.value.service_id) {
                                 tracing::warn!(address = %display_key(&p.key), "failed to remove a Maglev table: {e:#}");
@@ -781,24 +781,48 @@ fn keep_maglev_tables(maps: &mut dyn Maps, programmed: &BTreeMap<ServiceKey, Pro
         }
     }
     let whole = proxy_common::maglev_chunks(maps.maglev_table_size());
-    for (key, p) in maglev().filter(|(_, p)| tables.get(&p.value.service_id) != Some(&whole)) {
-        write_maglev(maps, key, p.value.service_id, &p.backends);
+    let incomplete = maglev().filter(|(_, p)| tables.get(&p.value.service_id) != Some(&whole));
+    write_maglev_tables(maps, incomplete.map(|(key, p)| (key, p.value.service_id, &p.backends[..])));
+}
+
+/// Write the Maglev tables of frontends (key, service id, backends), each set of endpoints
+/// built once: a Service's NodePort, externalIPs and LoadBalancer IPs share their endpoints,
+/// so they are written in the order of their endpoints, and a table serves the next frontend
+/// with the same ones.
+fn write_maglev_tables<'a>(maps: &mut dyn Maps, frontends: impl Iterator<Item = (&'a ServiceKey, u32, &'a [Backend])>) {
+    let mut frontends: Vec<_> = frontends.collect();
+    frontends.sort_by(|a, b| a.2.cmp(b.2));
+    let mut last = LastTable::default();
+    for (key, service_id, backends) in frontends {
+        write_maglev(maps, key, service_id, backends, &mut last);
     }
 }
 
-/// Write the Maglev table of a frontend's `backends` (in their order in its range). A failure
-/// is logged: without its table the frontend's new flows get the usual pick (a random one)
-/// until the next write.
-fn write_maglev(maps: &mut dyn Maps, key: &ServiceKey, service_id: u32, backends: &[Backend]) {
+/// The last Maglev table `write_maglev` built, and its endpoints.
+#[derive(Default)]
+struct LastTable {
+    endpoints: Vec<std::net::SocketAddr>,
+    table: Vec<u32>,
+}
+
+/// Write the Maglev table of a frontend's `backends` (in their order in its range): `last`'s if
+/// it has the same endpoints, else built. A failure is logged: without its table the
+/// frontend's new flows get the usual pick (a random one) until the next write.
+fn write_maglev(maps: &mut dyn Maps, key: &ServiceKey, service_id: u32, backends: &[Backend], last: &mut LastTable) {
     let endpoints: Vec<std::net::SocketAddr> =
         backends.iter().map(backend_addr).map(|(ip, port)| std::net::SocketAddr::new(ip, port)).collect();
     let written = if endpoints.is_empty() {
         maps.remove_maglev(service_id)
+    } else if last.endpoints == endpoints && !last.table.is_empty() {
+        maps.set_maglev(service_id, &last.table)
     } else {
         let seed = u64::from(maps.maglev_seed());
-        crate::model::maglev::table(&endpoints, maps.maglev_table_size(), seed)
-            .map_err(anyhow::Error::new)
-            .and_then(|table| maps.set_maglev(service_id, &table))
+        crate::model::maglev::table(&endpoints, maps.maglev_table_size(), seed).map_err(anyhow::Error::new).and_then(
+            |table| {
+                *last = LastTable { endpoints, table };
+                maps.set_maglev(service_id, &last.table)
+            },
+        )
     };
     if let Err(e) = written {
         tracing::warn!(address = %display_key(key), "failed to write the Maglev table (random picks meanwhile): {e:#}");

@@ -514,3 +514,27 @@ fn maglev_tables_follow_their_frontends_backends() {
     p.apply(&Desired::new(), &mut maps);
     assert!(maps.maglev.is_empty(), "the entry gone, the table with it");
 }
+
+/// Frontends with the same endpoints (a Service's NodePort, externalIPs and LoadBalancer IPs)
+/// get the same table, built once for them and written to each; another set gets its own.
+#[test]
+fn frontends_with_the_same_endpoints_share_one_maglev_table() {
+    let mut maps = FakeMaps::new(CAP);
+    let maglev = |n: u8, backends: &[u8]| DesiredPort { flags: proxy_common::SERVICE_FLAG_MAGLEV, ..port(n, backends) };
+    let mut p = Programmer::recover(&mut maps).unwrap();
+    let want: Desired = [
+        (key(1), maglev(1, &[1, 2])),
+        (key(2), maglev(2, &[3])),
+        (key(3), maglev(3, &[1, 2])),
+        (key(4), maglev(4, &[1, 2])),
+    ]
+    .into_iter()
+    .collect();
+    p.apply(&want, &mut maps);
+    let table = |n| maps.maglev[&maps.services[&key(n)].service_id].clone();
+    let endpoints: Vec<std::net::SocketAddr> =
+        [1u8, 2].iter().map(|b| (Ipv4Addr::new(10, 0, 0, *b), 8080).into()).collect();
+    let shared = crate::model::maglev::table(&endpoints, MAGLEV_DEFAULT_TABLE_SIZE, maps.maglev_seed as u64).unwrap();
+    assert_eq!((table(1), table(3), table(4)), (shared.clone(), shared.clone(), shared));
+    assert!(table(2).iter().all(|slot| *slot == 0), "the one endpoint of the other set");
+}
