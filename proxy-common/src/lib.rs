@@ -1297,9 +1297,10 @@ pub mod ct {
     pub const ENDPOINT_DEAD: u32 = 64;
     /// The client's entry of a flow sent on by direct server return (`SERVICE_FLAG_DSR`): its
     /// packets are put in IP-in-IP to `dst_addr` (the endpoint) and not translated; no reply
-    /// comes back through this node, so the client's next packet after its first confirms the
-    /// flow. On the endpoint's node, both entries of the flow it opened: its answers' TCP SYN
-    /// announces a segment size the tunnel's header leaves room for.
+    /// comes back through this node, so the client's next packet after its first marks the
+    /// flow answered (it stays among the new flows), and the client's FIN closes it. On the
+    /// endpoint's node, the replies' entry of a flow that came out of the tunnel: the
+    /// endpoint's SYN-ACK announces a segment size the tunnel's header leaves room for.
     pub const DSR: u32 = 128;
     /// `last_seen` is rewritten at most this often (a write per packet would bounce the entry's
     /// cache line between CPUs).

@@ -448,6 +448,47 @@ pub extern "C" fn kpr_serves(start: u32, count: u32, port: u32, addr_high: u64, 
     0
 }
 
+/// [`local_endpoint_port`]'s answers besides a port.
+pub const NOT_AN_ENDPOINT: u32 = 0;
+pub const PAST_THE_SCAN: u32 = u32::MAX;
+
+/// The port (network order) of `service`'s endpoint at `addr` if the model puts it on this
+/// node (no `BACKEND_FLAG_REMOTE`); `NOT_AN_ENDPOINT`; or `PAST_THE_SCAN` for a frontend of
+/// more than `SERVES_SCAN` endpoints, which is not scanned.
+#[inline(always)]
+pub fn local_endpoint_port(service: &ServiceValue, addr: &Addr) -> u32 {
+    let [a, b, c, d] = addr.0;
+    kpr_local_endpoint_port(
+        service.backends_start,
+        service.backends_count,
+        u64::from(a) << 32 | u64::from(b),
+        u64::from(c) << 32 | u64::from(d),
+    )
+}
+
+/// [`local_endpoint_port`] as a global function of scalars, as [`kpr_serves`]: the port with
+/// bit 16 set (a port of 0 is still an answer).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn kpr_local_endpoint_port(start: u32, count: u32, addr_high: u64, addr_low: u64) -> u32 {
+    if count > SERVES_SCAN {
+        return PAST_THE_SCAN;
+    }
+    let addr = Addr([(addr_high >> 32) as u32, addr_high as u32, (addr_low >> 32) as u32, addr_low as u32]);
+    for i in 0..SERVES_SCAN {
+        if i >= count {
+            break;
+        }
+        if let Some(b) = BACKENDS.get(start.wrapping_add(i))
+            && b.addr.same(&addr)
+            && b.flags & proxy_common::BACKEND_FLAG_REMOTE == 0
+        {
+            return 1 << 16 | u32::from(b.port);
+        }
+    }
+    NOT_AN_ENDPOINT
+}
+
 /// The backend in slot `pick` (modulo the count) of `service`'s range; a slot outside the array
 /// (should never happen) is counted and gives none.
 #[inline(always)]

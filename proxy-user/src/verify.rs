@@ -198,6 +198,10 @@ pub struct Probe {
     /// The frontend's sessionAffinity id (0: none): the probe's client entry is removed.
     pub affinity_id: u32,
     pub expect: Expect,
+    /// Direct server return (`SERVICE_FLAG_DSR`): an endpoint on another node is reached
+    /// unmasqueraded in the tunnel, or masqueraded where the node may not send packets
+    /// straight out (the datapath's fallback): either agrees.
+    pub direct_return: bool,
 }
 
 /// The probes for the frontends `keys` as the agent programmed them (`programmed`: its
@@ -289,7 +293,9 @@ fn probe(
         Expect::Forward { backends, masquerade: flags & SERVICE_FLAG_SNAT != 0 }
     };
     let client_port = if class == Class::Node { 0 } else { client_port };
+    let direct_return = flags & proxy_common::SERVICE_FLAG_DSR != 0;
     Some(Probe {
+        direct_return,
         frontend: *key,
         class,
         client: SocketAddr::new(client_ip, client_port),
@@ -464,7 +470,8 @@ impl Probe {
         match (&self.expect, outcome) {
             (Expect::Forward { backends, masquerade }, Outcome::Forwarded { to, from }) => {
                 let masqueraded = from.ip() != self.client.ip();
-                backends.contains(to) && masqueraded == (*masquerade && !local_addrs.contains(&to.ip()))
+                backends.contains(to)
+                    && (self.direct_return || masqueraded == (*masquerade && !local_addrs.contains(&to.ip())))
             }
             (Expect::Reject, Outcome::Rejected) | (Expect::Drop, Outcome::Dropped) => true,
             _ => false,

@@ -373,8 +373,10 @@ fn dsr_lets_a_pod_on_another_node_see_the_client_and_answer_it_directly() {
     let received = || rx_bytes(&c.nodes[0].netns, "eth0");
     let before = received();
     const BULK: usize = 1 << 20;
-    let echoed = c.ext(|| bulk_echo(SocketAddrV4::new(LB_IP, 80), BULK));
+    let (echoed, path_mtu) = c.ext(|| bulk_echo(SocketAddrV4::new(LB_IP, 80), BULK));
     assert_eq!(echoed, BULK, "the whole echo came back");
+    // The segments fit from the start: no "fragmentation needed" lowered the path's MTU.
+    assert_eq!(path_mtu, 1500, "the path MTU the client's connection ended with");
     let through_a = received() - before;
     assert!(
         (BULK as u64..BULK as u64 * 13 / 10).contains(&through_a),
@@ -527,9 +529,10 @@ fn rx_bytes(netns: &Netns, link: &str) -> u64 {
 }
 
 /// Send `len` bytes through a connection to `addr` (after its greeting line) and read them back:
-/// how many came back.
-fn bulk_echo(addr: SocketAddrV4, len: usize) -> usize {
+/// how many came back, and the connection's path MTU after.
+fn bulk_echo(addr: SocketAddrV4, len: usize) -> (usize, i32) {
     use std::io::{BufRead as _, Read as _, Write as _};
+    use std::os::fd::AsRawFd as _;
     let conn = TcpStream::connect_timeout(&addr.into(), TIMEOUT).unwrap();
     conn.set_read_timeout(Some(TIMEOUT)).unwrap();
     let mut reader = std::io::BufReader::new(conn.try_clone().unwrap());
@@ -539,8 +542,78 @@ fn bulk_echo(addr: SocketAddrV4, len: usize) -> usize {
     let sender = std::thread::spawn(move || writer.write_all(&vec![b'x'; len]).map(|()| writer));
     let mut back = vec![0u8; len];
     let read = reader.read_exact(&mut back).map(|()| len).unwrap_or_else(|e| panic!("echo of {len} bytes: {e}"));
-    sender.join().unwrap().unwrap();
-    read
+    let conn = sender.join().unwrap().unwrap();
+    let (mut mtu, mut size) = (0i32, size_of::<i32>() as u32);
+    // SAFETY: an int option of a socket this function owns.
+    let rc =
+        unsafe { libc::getsockopt(conn.as_raw_fd(), libc::IPPROTO_IP, libc::IP_MTU, (&raw mut mtu).cast(), &mut size) };
+    assert_eq!(rc, 0, "IP_MTU: {}", std::io::Error::last_os_error());
+    (read, mtu)
+}
+
+/// The endpoint's node takes the tunnel's header off only for an endpoint of the frontend
+/// the inner packet names: a crafted IP-in-IP packet from outside, a spoofed client's SYN to
+/// the LoadBalancer IP inside, opens a flow on node-b while pod-b is the Service's endpoint
+/// (as node-a's tunnel would), and none once the endpoint is pod-a: its outer header names an
+/// address that is no endpoint of it, and the packet is left as it came.
+#[test]
+fn dsr_takes_a_tunnel_off_only_for_an_endpoint_of_its_frontend() {
+    let c = Bridged::new("km-dsrx").unwrap();
+    let (pod_a, pod_b) = (c.nodes[0].pod_ip, c.nodes[1].pod_ip);
+    let dsr = |endpoint, node| {
+        service("Cluster", 30096, &[(endpoint, node)]).replacen(
+            "namespace: t}",
+            "namespace: t, annotations: {kpr.io/lb-mode: dsr}}",
+            1,
+        )
+    };
+    c.ext.ip(&["route", "add", "10.244.2.0/24", "via", "10.0.0.2"]).unwrap();
+    let spoofed = Ipv4Addr::new(203, 0, 113, 9);
+    let flows_on_b = |sport: u16| {
+        let flows = kpr_conntrack(&c.nodes[1].pins, &["list"]);
+        flows.lines().any(|l| l.starts_with(&format!("TCP {spoofed}:{sport} -> {LB_IP}:80")))
+    };
+    for (endpoint, node, sport, opened) in [(pod_b, "node-b", 45_001, true), (pod_a, "node-a", 45_002, false)] {
+        c.write("svc.yaml", &dsr(endpoint, node));
+        testbed::wait_for_backends(&c.nodes[1].pins, "*:30096/TCP ext", Duration::from_secs(10), |have| {
+            have == Some(&[(IpAddr::from(endpoint), POD_PORT)][..])
+        })
+        .unwrap();
+        c.ext(move || send_in_tunnel(EXT_CLIENT, pod_b, spoofed, sport, SocketAddrV4::new(LB_IP, 80)));
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(flows_on_b(sport), opened, "a flow on node-b for the tunnel to pod-b, the endpoint {endpoint}");
+    }
+}
+
+/// Send a TCP SYN from `client:sport` to `to`, inside an IPv4-in-IPv4 header from `outer_src` to
+/// `outer_dst` (its id the port 8080, as direct server return's), through a raw socket.
+fn send_in_tunnel(outer_src: Ipv4Addr, outer_dst: Ipv4Addr, client: Ipv4Addr, sport: u16, to: SocketAddrV4) {
+    let header = |src: Ipv4Addr, dst: Ipv4Addr, proto: u8, len: usize, id: u16| {
+        let mut ip = [0u8; 20];
+        ip[..10].copy_from_slice(&[0x45, 0, 0, 0, 0, 0, 0x40, 0, 64, proto]);
+        ip[2..4].copy_from_slice(&(len as u16).to_be_bytes());
+        ip[4..6].copy_from_slice(&id.to_be_bytes());
+        ip[12..16].copy_from_slice(&src.octets());
+        ip[16..20].copy_from_slice(&dst.octets());
+        let sum: u32 = ip.chunks(2).map(|w| u32::from(u16::from_be_bytes([w[0], w[1]]))).sum();
+        let sum = (sum & 0xffff) + (sum >> 16);
+        ip[10..12].copy_from_slice(&(!((sum & 0xffff) + (sum >> 16)) as u16).to_be_bytes());
+        ip
+    };
+    let mut tcp = [0u8; 20];
+    tcp[0..2].copy_from_slice(&sport.to_be_bytes());
+    tcp[2..4].copy_from_slice(&to.port().to_be_bytes());
+    tcp[12] = 0x50;
+    tcp[13] = 0x02;
+    let inner = [&header(client, *to.ip(), 6, 40, 0)[..], &tcp[..]].concat();
+    let packet = [&header(outer_src, outer_dst, 4, 60, POD_PORT)[..], &inner[..]].concat();
+    let socket = socket2::Socket::new(
+        socket2::Domain::IPV4,
+        socket2::Type::RAW,
+        Some(socket2::Protocol::from(libc::IPPROTO_RAW)),
+    )
+    .unwrap();
+    socket.send_to(&packet, &SocketAddrV4::new(outer_dst, 0).into()).unwrap();
 }
 
 /// The same over IPv6: a dual-stack NodePort from outside, on either node, reaches the pod on

@@ -70,7 +70,7 @@ pub(super) fn translate_tracked<F: Family>(
         },
     };
     if rewrite::<F>(ctx, t, entry).is_err() {
-        return failed();
+        return if ingress { failed() } else { PASS };
     }
     count(counter::TC_CT_HIT);
     if route == ROUTE_CACHED
@@ -121,7 +121,7 @@ fn table_flow<'a, F: Family>(
     if expired(t.proto, entry, now) {
         count(counter::TC_CT_EXPIRED);
         // The client's entry of a flow never answered (as the agent's sweep counts them).
-        if entry.flags & (ct::REPLY | ct::SEEN_REPLY) == 0 {
+        if entry.flags & (ct::REPLY | ct::SEEN_REPLY | ct::DSR) == 0 {
             stats::add(entry.service_id, service_stat::UNANSWERED, 0, 0);
             stats::endpoint(&entry.dst_addr, entry.dst_port, t.proto, service_stat::UNANSWERED, 0, 0);
         }
@@ -169,7 +169,7 @@ fn table_flow<'a, F: Family>(
     }
     if confirmed {
         touch(established, key, entry_ptr, entry, seen, now);
-    } else if seen & ESTABLISHES != 0 {
+    } else if seen & ESTABLISHES != 0 && entry.flags & ct::DSR == 0 {
         confirm(key, entry, seen, now);
         // The answer's route, looked up and kept in its entry, now established, for the
         // flow's next replies.
@@ -225,10 +225,18 @@ const ESTABLISHES: u32 = 1 << 31;
 fn seen_bits(proto: u8, entry: &CtValue, tcp_flags: u8) -> u32 {
     let reply = entry.flags & ct::REPLY != 0;
     let mut bits = if reply { ct::SEEN_REPLY } else { 0 };
-    if !reply && entry.flags & (ct::DSR | ct::SEEN_REPLY) == ct::DSR && tcp_flags & (TCP_SYN | TCP_RST) == 0 {
+    if !reply && entry.flags & ct::DSR != 0 {
         // Direct server return: the answers go to the client without this node. The client's
-        // next packet (TCP: its ACK of the answer) tells that it was answered.
-        bits |= ct::SEEN_REPLY | ESTABLISHES;
+        // next packet (TCP: its ACK of the answer) tells that it was answered; the flow stays
+        // among the new flows all the same (`table_flow`): an entry this node cannot check
+        // against an answer (a blind sender's SYN and ACK) must not take an established
+        // flow's place. The client's FIN ends it here (the endpoint's is never seen).
+        if tcp_flags & (TCP_SYN | TCP_RST) == 0 {
+            bits |= ct::SEEN_REPLY;
+        }
+        if tcp_flags & TCP_FIN != 0 {
+            bits |= ct::FIN_ORIG | ct::FIN_REPLY;
+        }
     } else if proto == IPPROTO_TCP {
         if reply && entry.flags & ct::SEEN_REPLY == 0 {
             bits |= ct::AWAITING_ACK;

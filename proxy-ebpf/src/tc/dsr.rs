@@ -22,20 +22,22 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    Addr, Backend, CtValue, IPPROTO_TCP, NODE_ADDR_LOCAL, SCOPE_EXTERNAL, SERVICE_FLAG_DSR, SERVICE_FLAG_SNAT,
-    SERVICE_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SourceRange, addrs_csum_diff, counter, event,
+    Addr, CtValue, IPPROTO_TCP, LINK_FLAG_LOCAL_TRAFFIC, NODE_ADDR_LOCAL, SCOPE_EXTERNAL, SERVICE_FLAG_DSR,
+    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, ServiceKey, SourceRange, addrs_csum_diff, counter, event,
 };
 
 use super::{
     event::note,
     parse::Tuple,
     route::{ifindex, zero_fib},
-    scratch::{DsrHint, scratch},
+    scratch::scratch,
     verdict::{OPEN, PASS, TOO_BIG},
 };
 use crate::{
     family::{Family, Fragment},
-    maps::{SERVICES, SOURCE_RANGES, link, node_addr_flags},
+    maps::{
+        NOT_AN_ENDPOINT, PAST_THE_SCAN, SERVICES, SOURCE_RANGES, link, link_flags, local_endpoint_port, node_addr_flags,
+    },
     packet::{read_word, write_word},
 };
 
@@ -54,16 +56,22 @@ pub(super) fn encapsulate<F: Family>(ctx: &TcContext, to: &CtValue) -> Result<()
     let src = link(0).and_then(|l| F::masquerade_addr(&l)).ok_or(())?;
     let inner_len = (ctx.len() as usize).checked_sub(F::IP_OFF).ok_or(())? as u16;
     let header = F::tunnel_header(&src, &to.dst_addr, inner_len, to.dst_port);
+    // No earlier packet's mark stays (one whose verdict never reached `icmp::too_big`).
+    if let Ok(mut s) = scratch() {
+        s.dsr_too_big = 0;
+    }
     // A GSO packet is marked as in a tunnel, for its segmentation; a whole one is not (a
     // packet marked so cannot be cut to the headers `icmp::too_big` answers with).
     // SAFETY: a tc program's context is the packet's __sk_buff.
     let gso = unsafe { (*(ctx.as_ptr() as *const __sk_buff)).gso_size } != 0;
     let flags = if gso { F::TUNNEL_ENCAP_FLAGS } else { 0 };
     if ctx.adjust_room(size_of::<F::Ip>() as i32, BPF_ADJ_ROOM_MAC, flags).is_err() {
-        // Refused past the link's MTU: a whole packet the tunnel's header makes too big. The
-        // client is told (`failed`, then `icmp::too_big`), with the MTU of the route to the
-        // endpoint.
-        too_big_for_tunnel::<F>(ctx, &to.dst_addr);
+        // Refused: past the link's MTU (older kernels), a whole packet the tunnel's header
+        // makes too big, is marked for an answer to the client (`failed`, then
+        // `icmp::too_big`) with the MTU of the route to the endpoint.
+        if !gso {
+            too_big_for_tunnel::<F>(ctx, &to.dst_addr);
+        }
         return Err(());
     }
     ctx.store(F::IP_OFF, &header, 0).map_err(drop)
@@ -71,10 +79,14 @@ pub(super) fn encapsulate<F: Family>(ctx: &TcContext, to: &CtValue) -> Result<()
 
 /// The endpoint's node, on the way in: a packet in IP-in-IP whose inner packet goes to a
 /// frontend with direct server return (its address, or any address at a NodePort: the entry
-/// node's) loses its outer header, and the slow path learns the endpoint it carries, in case
-/// the packet opens a flow (`DsrHint`). Any other packet is left as it is. A packet in
-/// fragments is not taken out (the entry node sends whole packets: it set "don't fragment").
-/// True: taken out.
+/// node's), and whose outer header names an endpoint of that frontend on this node, loses its
+/// outer header; the slow path learns the endpoint, in case the packet opens a flow
+/// (`DsrHint`). The endpoint's port is the model's: the outer header's (`tunnel_port`) only
+/// for a frontend of more endpoints than are scanned. Any other packet is left as it is, and
+/// so is every packet on a link the local-traffic detector calls a pod's (a pod's link is not
+/// a tunnel's end; other pods' links are told by the endpoint check: the tunnel's far end is
+/// an endpoint of the frontend on this node). A packet in fragments, outside or in, is not
+/// taken out. True: taken out.
 #[inline(never)]
 pub(super) fn decapsulate<F: Family>(ctx: &TcContext) -> bool {
     let data = ctx.data();
@@ -90,41 +102,67 @@ pub(super) fn decapsulate<F: Family>(ctx: &TcContext) -> bool {
             read_word::<[u16; 2]>((inner + size_of::<F::Ip>()) as *const u8),
         )
     };
-    if F::l4_proto(outer) != Some(F::TUNNEL_PROTO) || F::fragment(ip) != Fragment::Whole {
+    if F::l4_proto(outer) != Some(F::TUNNEL_PROTO)
+        || F::fragment(outer) != Fragment::Whole
+        || F::fragment(ip) != Fragment::Whole
+        || link_flags(ifindex(ctx)) & LINK_FLAG_LOCAL_TRAFFIC != 0
+    {
         return false;
     }
     let Some(proto) = F::l4_proto(ip) else { return false };
-    let key = ServiceKey { addr: F::dst(ip), port: ports[1], proto, scope: SCOPE_EXTERNAL };
-    let wildcard = ServiceKey { addr: key.addr.unspecified_like(), ..key };
-    // SAFETY: map value pointers, read at once.
-    let Some(service) = SERVICES.get_ptr(&key).or_else(|| SERVICES.get_ptr(&wildcard)).map(|v| unsafe { *v }) else {
+    // The hint is written in the scratch area as it is learnt: this frame is on the attached
+    // program's chains of calls (the BPF stack).
+    let Ok(s) = scratch() else { return false };
+    // SAFETY: the per-CPU scratch value, valid for this program run.
+    let hint = unsafe { &mut (*s.as_ptr()).dsr };
+    hint.fresh = 0;
+    hint.frontend = F::dst(ip);
+    let key = ServiceKey { addr: hint.frontend, port: ports[1], proto, scope: SCOPE_EXTERNAL };
+    let Some(service) =
+        SERVICES.get_ptr(&key).or_else(|| SERVICES.get_ptr(&ServiceKey { addr: key.addr.unspecified_like(), ..key }))
+    else {
         return false;
     };
+    // SAFETY: a map value pointer, valid for this program run.
+    let service = unsafe { &*service };
     if service.flags & SERVICE_FLAG_DSR == 0 {
         return false;
     }
-    let Ok(mut s) = scratch() else { return false };
-    s.dsr = DsrHint {
-        client: F::src(ip),
-        backend: Backend { addr: F::dst(outer), port: F::tunnel_port(outer), flags: 0 },
-        // Not masqueraded here either: the client's address is what the endpoint answers.
-        service: ServiceValue { flags: (service.flags & !SERVICE_FLAG_SNAT) | SERVICE_FLAG_DECAPSULATED, ..service },
-        client_port: ports[0],
-        frontend_port: ports[1],
-        proto,
-        fresh: 1,
-        _pad: 0,
+    hint.backend.addr = F::dst(outer);
+    hint.backend.port = match local_endpoint_port(service, &hint.backend.addr) {
+        NOT_AN_ENDPOINT => return false,
+        PAST_THE_SCAN => F::tunnel_port(outer),
+        found => found as u16,
     };
-    // 6.3+ tells the kernel the packet is no longer in a tunnel (its GSO type); before,
-    // the flag is unknown and the plain call does it.
+    hint.backend.flags = 0;
+    hint.service = *service;
+    // Not masqueraded here either: the client's address is what the endpoint answers.
+    hint.service.flags = (service.flags & !SERVICE_FLAG_SNAT) | SERVICE_FLAG_DECAPSULATED;
+    hint.client = F::src(ip);
+    hint.client_port = ports[0];
+    hint.frontend_port = ports[1];
+    hint.proto = proto;
+    hint.fresh = 1;
+    // 6.3+ also tells the kernel the packet is no longer in a tunnel (a GRO packet's GSO
+    // type); before, the flag is unknown and the plain call takes the header off (a GRO
+    // packet keeps its tunnel GSO type, harmless for one delivered to a local endpoint).
     let shrink = -(size_of::<F::Ip>() as i32);
     if ctx.adjust_room(shrink, BPF_ADJ_ROOM_MAC, F::TUNNEL_DECAP_FLAGS).is_ok()
         || ctx.adjust_room(shrink, BPF_ADJ_ROOM_MAC, 0).is_ok()
     {
         return true;
     }
-    s.dsr.fresh = 0;
+    hint.fresh = 0;
     false
+}
+
+/// The hint of a packet out of the tunnel, once its flow was found or opened: forgotten, so
+/// that no later packet of this CPU takes it.
+#[inline(never)]
+pub(super) fn forget_hint() {
+    if let Ok(mut s) = scratch() {
+        s.dsr.fresh = 0;
+    }
 }
 
 /// A hint of `decapsulate` not used yet: the slow program's packet may be out of a tunnel.
@@ -145,7 +183,10 @@ fn too_big_for_tunnel<F: Family>(ctx: &TcContext, endpoint: &Addr) {
     F::fib_dst(params, endpoint);
     // SAFETY: the helper writes within the size it is given.
     let rc = unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, 0) };
-    s.dsr_too_big = u32::from(rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS));
+    // SAFETY: the lookup's answer (5.12+: the link's MTU; 0 before, and no answer is given).
+    let mtu = u32::from(unsafe { params.__bindgen_anon_1.mtu_result });
+    let tunnelled_len = ctx.len().saturating_sub(F::IP_OFF as u32) + size_of::<F::Ip>() as u32;
+    s.dsr_too_big = u32::from(rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) && mtu != 0 && tunnelled_len > mtu);
 }
 
 /// The verdict on a packet whose translation failed: `TOO_BIG` if it was too big for direct
@@ -201,6 +242,7 @@ pub(super) fn open_decapsulated(t: &Tuple) -> i32 {
     let hint = &s.dsr;
     if hint.fresh == 0
         || !hint.client.same(&t.saddr)
+        || !hint.frontend.same(&t.daddr)
         || hint.client_port != t.sport
         || hint.frontend_port != t.dport
         || hint.proto != t.proto

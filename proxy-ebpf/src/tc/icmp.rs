@@ -71,8 +71,13 @@ pub(super) fn too_big<F: Family>(ctx: &TcContext) -> i32 {
     };
     let ip = &answer.body.quoted_ip;
     if loaded != 0 || F::may_fragment(ip) {
-        // Out of its tunnel, the packet cannot go on.
-        return if tunnelled { TC_ACT_SHOT } else { TC_ACT_OK };
+        // Out of its tunnel, the packet cannot go on (one without "don't fragment" is dropped:
+        // its sender does not look for the path's MTU).
+        if tunnelled {
+            count(counter::TC_DROPPED);
+            return TC_ACT_SHOT;
+        }
+        return TC_ACT_OK;
     }
     let (client, frontend) = if tunnelled {
         // The quote is the client's packet as it sent it.

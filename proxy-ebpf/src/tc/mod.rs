@@ -201,7 +201,12 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
         count(counter::TC_DROPPED);
         return TC_ACT_SHOT;
     }
-    match fast_path::<F>(ctx, true, decapsulated) {
+    let verdict = fast_path::<F>(ctx, true, decapsulated);
+    if decapsulated {
+        // Its flow was found (else the slow program took the packet, and the hint).
+        dsr::forget_hint();
+    }
+    match verdict {
         TC_ACT_OK if F::ETHERNET => send_on::<F>(ctx),
         TOO_BIG => too_big::<F>(ctx),
         verdict => verdict,
@@ -222,7 +227,9 @@ fn tunnelled<F: Family>(ctx: &TcContext) -> bool {
 /// The same in the slow program: every stage, as subprograms.
 #[inline(always)]
 fn slow_ingress<F: Family>(ctx: &TcContext) -> i32 {
-    match slow_path::<F>(ctx, true) {
+    let verdict = slow_path::<F>(ctx, true);
+    dsr::forget_hint();
+    match verdict {
         Ok(TC_ACT_OK) if F::ETHERNET => send_on::<F>(ctx),
         Ok(TOO_BIG) => too_big::<F>(ctx),
         Ok(verdict) => verdict,
@@ -238,6 +245,13 @@ fn slow_ingress<F: Family>(ctx: &TcContext) -> i32 {
 fn send_on<F: Family>(ctx: &TcContext) -> i32 {
     match forward_direct::<F>(ctx) {
         TOO_BIG => too_big::<F>(ctx),
+        // A packet of direct server return put in its tunnel that the route did not let out
+        // (the host now filters forwarded packets, the route leaves by a link without
+        // Ethernet): the host stack would drop it as a martian (its source is the node's).
+        TC_ACT_OK if tunnelled::<F>(ctx) => {
+            count(counter::TC_DROPPED);
+            TC_ACT_SHOT
+        }
         verdict => verdict,
     }
 }

@@ -22,7 +22,7 @@ use super::{
     dsr::{NOT_DECAPSULATED, SERVICE_FLAG_DECAPSULATED, failed, open_decapsulated},
     entry::{expired, forget},
     event::note,
-    parse::Tuple,
+    parse::{NOT_A_FIRST_FRAGMENT, Tuple},
     rewrite::rewrite_first,
     route::{ROUTE_LOOK_UP, ROUTE_LOOKED_UP, ROUTE_MAY_KEEP, ifindex, keep_in, reverse_path_ok, zero_fib},
     scratch::{Scratch, scratch},
@@ -278,8 +278,14 @@ pub(super) fn create_flow<F: Family>(
     // Direct server return to an endpoint on another node, where this node may send packets
     // straight out (the tunnel's packets, from the node's address, cannot take the host's
     // forwarding path): not masqueraded. Elsewhere it is, as kube-proxy's traffic.
+    // A datagram in fragments too: its later fragments are not put in the tunnel.
     let mut dsr = service.flags & SERVICE_FLAG_DSR != 0 && backend.flags & BACKEND_FLAG_REMOTE != 0;
-    if dsr && !(F::ETHERNET && KPR_FORWARD_DIRECT.load() != 0 && host_lets_direct()) {
+    if dsr
+        && !(F::ETHERNET
+            && KPR_FORWARD_DIRECT.load() != 0
+            && host_lets_direct()
+            && t.first_fragment == NOT_A_FIRST_FRAGMENT)
+    {
         dsr = false;
     }
     let masquerade = (service.flags & SERVICE_FLAG_SNAT != 0 || backend.addr.same(&t.saddr))

@@ -59,6 +59,7 @@ pub struct FlowScratch {
 #[derive(Clone, Copy)]
 pub(super) struct DsrHint {
     pub(super) client: Addr,
+    pub(super) frontend: Addr,
     pub(super) backend: Backend,
     pub(super) service: ServiceValue,
     pub(super) client_port: u16,

@@ -48,7 +48,8 @@ impl BackendWatch {
         }
         for (key, value) in self.conntrack.new_flow_entries() {
             // The client's entry of a flow its endpoint has not answered: it names the endpoint.
-            if value.flags & (ct::REPLY | ct::SEEN_REPLY) != 0 {
+            // (Not one sent on by direct server return: its answers never pass this node.)
+            if value.flags & (ct::REPLY | ct::SEEN_REPLY | ct::DSR) != 0 {
                 continue;
             }
             let Some(protocol) = Protocol::from_ipproto(key.proto) else { continue };

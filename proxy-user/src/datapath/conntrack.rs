@@ -148,7 +148,7 @@ impl Conntrack {
     pub fn sweep(&mut self, timeouts: &CtTimeouts, now: u64) -> Result<Sweep> {
         let (mut unanswered, mut unanswered_endpoints) = (BTreeMap::new(), BTreeMap::new());
         let mut removed = |key: &CtKey, value: &CtValue| {
-            if value.flags & (ct::REPLY | ct::SEEN_REPLY) == 0 {
+            if value.flags & (ct::REPLY | ct::SEEN_REPLY | ct::DSR) == 0 {
                 *unanswered.entry(value.service_id).or_insert(0) += 1;
                 let endpoint = BackendKey { addr: value.dst_addr, port: value.dst_port, proto: key.proto, _pad: 0 };
                 *unanswered_endpoints.entry(endpoint).or_insert(0) += 1;

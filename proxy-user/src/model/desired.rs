@@ -50,8 +50,8 @@ pub struct DesiredPort {
     /// Ready unless serving while terminating (a graceful drain). TCP flows to any other
     /// endpoint are ended (sockets aborted, per-packet flows reset), even when none is left.
     pub alive: Option<Vec<SocketAddr>>,
-    /// With `SERVICE_FLAG_DSR` only (empty otherwise): the backends' addresses that are not on
-    /// this node (`BACKEND_FLAG_REMOTE`), sorted.
+    /// With `SERVICE_FLAG_DSR` only (empty otherwise): the backends' addresses on other nodes
+    /// (`BACKEND_FLAG_REMOTE`), sorted.
     pub remote: Vec<IpAddr>,
 }
 
@@ -135,7 +135,10 @@ pub fn service_entries<'a>(
                 alive.map(|e| SocketAddr::new(e.ip, e.port)).collect::<BTreeSet<_>>().into_iter().collect::<Vec<_>>()
             });
             let local: Vec<IpAddr> = endpoints.iter().filter(|e| e.is_local).map(|e| e.ip).collect();
-            let direct = svc.lb_mode.unwrap_or(options.lb_mode).direct(sp.protocol);
+            // Direct return only where every endpoint names its node: one that does not may be
+            // outside the cluster, where no kpr takes the tunnel's header off.
+            let direct =
+                svc.lb_mode.unwrap_or(options.lb_mode).direct(sp.protocol) && endpoints.iter().all(|e| e.node_named);
             let flows = Flows { serving: &serving, alive: alive.as_deref(), local: direct.then_some(&local[..]) };
             let maglev = svc.maglev.unwrap_or(options.maglev);
             family_entries(sp, family, &cat, flows, node, options, maglev, ranges, &mut out);

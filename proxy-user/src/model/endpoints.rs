@@ -153,6 +153,7 @@ pub fn endpoints_by_port<'a>(
                     terminating: ep.terminating,
                     is_local: ep.node_name.as_deref().is_some_and(|n| n == node.name),
                     on_down_node: ep.node_name.as_deref().is_some_and(|n| node.down_nodes.contains(n)),
+                    node_named: ep.node_name.is_some(),
                     zone_hints: ep.zone_hints.clone(),
                     node_hints: ep.node_hints.clone(),
                 };
@@ -278,6 +279,7 @@ mod tests {
             terminating,
             is_local: local,
             on_down_node: false,
+            node_named: true,
             zone_hints: None,
             node_hints: None,
         }

@@ -153,6 +153,8 @@ pub struct Endpoint {
     pub is_local: bool,
     /// `nodeName` is one of [`NodeInfo::down_nodes`].
     pub on_down_node: bool,
+    /// The slice names the endpoint's node (`nodeName`).
+    pub node_named: bool,
     /// Topology hints; `None` when the slice carries no hints of that kind.
     pub zone_hints: Option<Vec<String>>,
     pub node_hints: Option<Vec<String>>,

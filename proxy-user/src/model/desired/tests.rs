@@ -372,22 +372,23 @@ fn maglev_marks_the_external_frontends_entries_for_outside_clients() {
 
 /// `--lb-mode dsr` (or the annotation): the entries for outside clients of the NodePort,
 /// externalIPs and LoadBalancer IPs with traffic policy Cluster return directly instead of
-/// masquerading, and name the endpoints on other nodes (and those of no known node); the
-/// ClusterIP's, pods' and the node's entries, and traffic policy Local, keep kube-proxy's.
-/// `hybrid` is DSR for TCP only; the annotation wins over the option.
+/// masquerading, and name the endpoints on other nodes; the ClusterIP's, pods' and the node's
+/// entries, and traffic policy Local, keep kube-proxy's. `hybrid` is DSR for TCP only; the
+/// annotation wins over the option. An endpoint that names no node (maybe outside the
+/// cluster) keeps the port masqueraded.
 #[test]
 fn direct_server_return_replaces_the_masquerade_of_external_frontends() {
     use proxy_common::SERVICE_FLAG_DSR;
 
     use crate::model::LbMode;
     let node = NodeInfo { name: "node-a".into(), addresses: vec!["10.0.0.1".parse().unwrap()], ..NodeInfo::default() };
-    let entries = |options: ProxyOptions, annotation: &str, policy: &str, protocol: &str| {
+    let entries_with = |options: ProxyOptions, annotation: &str, policy: &str, protocol: &str, third: &str| {
         let mut st = ClusterState::with_options(node.clone(), options);
         st.replace_services(vec![service_yaml(&format!(
             "metadata: {{name: web, namespace: shop{annotation}}}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalIPs: [192.0.2.7]\n  externalTrafficPolicy: {policy}\n  ports: [{{name: http, port: 80, protocol: {protocol}, nodePort: 30080}}]\nstatus: {{loadBalancer: {{ingress: [{{ip: 198.51.100.1}}]}}}}"
         ))]);
         st.replace_slices(vec![slice_yaml(&format!(
-            "metadata: {{name: web-1, namespace: shop, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080, protocol: {protocol}}}]\nendpoints: [{{addresses: [10.244.2.2], nodeName: node-b}}, {{addresses: [10.244.1.2], nodeName: node-a}}, {{addresses: [10.244.9.2]}}]"
+            "metadata: {{name: web-1, namespace: shop, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080, protocol: {protocol}}}]\nendpoints: [{{addresses: [10.244.2.2], nodeName: node-b}}, {{addresses: [10.244.1.2], nodeName: node-a}}, {{addresses: [10.244.9.2]{third}}}]"
         ))]);
         st.desired()
             .into_iter()
@@ -395,10 +396,13 @@ fn direct_server_return_replaces_the_masquerade_of_external_frontends() {
             .map(|(k, p)| {
                 assert_eq!(p.flags & SERVICE_FLAG_SNAT, 0, "no masquerade beside DSR");
                 let remote: Vec<String> = p.remote.iter().map(ToString::to_string).collect();
-                assert_eq!(remote, ["10.244.2.2", "10.244.9.2"], "the endpoints not on node-a");
+                assert_eq!(remote, ["10.244.2.2", "10.244.9.2"], "the endpoints on other nodes");
                 (IpAddr::from(k.addr).to_string(), u16::from_be(k.port), k.scope)
             })
             .collect::<BTreeSet<_>>()
+    };
+    let entries = |options, annotation: &str, policy: &str, protocol: &str| {
+        entries_with(options, annotation, policy, protocol, ", nodeName: node-c")
     };
     let outside = |ip: &str, port| (ip.to_owned(), port, SCOPE_EXTERNAL);
     let all_outside: BTreeSet<_> =
@@ -413,4 +417,5 @@ fn direct_server_return_replaces_the_masquerade_of_external_frontends() {
     let annotated = |mode: &str| format!(", annotations: {{kpr.io/lb-mode: {mode}}}");
     assert_eq!(entries(ProxyOptions::default(), &annotated("dsr"), "Cluster", "TCP"), all_outside);
     assert!(entries(with(LbMode::Dsr), &annotated("snat"), "Cluster", "TCP").is_empty(), "and off");
+    assert!(entries_with(with(LbMode::Dsr), "", "Cluster", "TCP", "").is_empty(), "an endpoint of no node");
 }

@@ -42,6 +42,7 @@ fn ep(
         terminating,
         is_local,
         on_down_node: false,
+        node_named: true,
         zone_hints: hints(zone_hints),
         node_hints: hints(node_hints),
     }
