@@ -70,7 +70,7 @@ pub(super) fn translate_tracked<F: Family>(
         },
     };
     if rewrite::<F>(ctx, t, entry).is_err() {
-        return if ingress { failed() } else { PASS };
+        return if ingress { failed::<F>(ctx) } else { PASS };
     }
     count(counter::TC_CT_HIT);
     if route == ROUTE_CACHED

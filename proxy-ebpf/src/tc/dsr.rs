@@ -66,11 +66,11 @@ pub(super) fn encapsulate<F: Family>(ctx: &TcContext, to: &CtValue) -> Result<()
     let gso = unsafe { (*(ctx.as_ptr() as *const __sk_buff)).gso_size } != 0;
     let flags = if gso { F::TUNNEL_ENCAP_FLAGS } else { 0 };
     if ctx.adjust_room(size_of::<F::Ip>() as i32, BPF_ADJ_ROOM_MAC, flags).is_err() {
-        // Refused: past the link's MTU (older kernels), a whole packet the tunnel's header
-        // makes too big, is marked for an answer to the client (`failed`, then
-        // `icmp::too_big`) with the MTU of the route to the endpoint.
-        if !gso {
-            too_big_for_tunnel::<F>(ctx, &to.dst_addr);
+        // Refused: maybe past the link's MTU (older kernels), a whole packet the tunnel's
+        // header makes too big. `failed` tells, off this chain of calls (the BPF stack).
+        if !gso && let Ok(mut s) = scratch() {
+            s.dsr_too_big = REFUSED;
+            s.dsr_endpoint = to.dst_addr;
         }
         return Err(());
     }
@@ -171,13 +171,27 @@ pub(super) fn hint_pending() -> bool {
     scratch().is_ok_and(|s| s.dsr.fresh != 0)
 }
 
-/// `encapsulate` found the packet too big for the tunnel: the route to the endpoint looked up
-/// (its link's MTU in the answer, 5.12+) and the packet marked for `icmp::too_big`.
+/// `FlowScratch::dsr_too_big`: `encapsulate` was refused room for the tunnel's header
+/// (`s.dsr_endpoint` the tunnel's far end); then `failed` finds it too big for the route
+/// (`TOO_BIG_FOR_TUNNEL`, for `icmp::too_big`), or not (0).
+const REFUSED: u32 = 1;
+const TOO_BIG_FOR_TUNNEL: u32 = 2;
+
+/// The verdict on a packet (on its way in) whose translation failed: `TOO_BIG` if direct
+/// server return's tunnel was refused and the packet, tunnelled, would be too big for the
+/// route to the endpoint (its link's MTU in the lookup's answer, 5.12+), for `icmp::too_big`;
+/// else passed on untranslated.
 #[inline(never)]
-fn too_big_for_tunnel<F: Family>(ctx: &TcContext, endpoint: &Addr) {
-    let Ok(mut s) = scratch() else { return };
+pub(super) fn failed<F: Family>(ctx: &TcContext) -> i32 {
+    let Ok(mut s) = scratch() else { return PASS };
+    if s.dsr_too_big != REFUSED {
+        s.dsr_too_big = 0;
+        return PASS;
+    }
+    s.dsr_too_big = 0;
     zero_fib(&raw mut s.fib);
-    let params = &mut s.fib;
+    // SAFETY: the per-CPU scratch value, valid for this program run.
+    let (params, endpoint) = unsafe { (&mut (*s.as_ptr()).fib, &(*s.as_ptr()).dsr_endpoint) };
     params.family = F::AF;
     params.ifindex = ifindex(ctx);
     F::fib_dst(params, endpoint);
@@ -186,27 +200,23 @@ fn too_big_for_tunnel<F: Family>(ctx: &TcContext, endpoint: &Addr) {
     // SAFETY: the lookup's answer (5.12+: the link's MTU; 0 before, and no answer is given).
     let mtu = u32::from(unsafe { params.__bindgen_anon_1.mtu_result });
     let tunnelled_len = ctx.len().saturating_sub(F::IP_OFF as u32) + size_of::<F::Ip>() as u32;
-    s.dsr_too_big = u32::from(rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) && mtu != 0 && tunnelled_len > mtu);
-}
-
-/// The verdict on a packet whose translation failed: `TOO_BIG` if it was too big for direct
-/// server return's tunnel (`encapsulate`), else passed on untranslated.
-#[inline(never)]
-pub(super) fn failed() -> i32 {
-    match scratch() {
-        Ok(s) if s.dsr_too_big != 0 => TOO_BIG,
-        _ => PASS,
+    if rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) && mtu != 0 && tunnelled_len > mtu {
+        s.dsr_too_big = TOO_BIG_FOR_TUNNEL;
+        return TOO_BIG;
     }
+    PASS
 }
 
 /// The entry node, a packet too big for direct server return's tunnel (`icmp::too_big`): one
 /// that did not go in (`encapsulate`), or one that did and is too big for its route's link,
 /// whose outer header comes off again. The link's MTU in the route lookup's answer is lowered
 /// by the tunnel's header, for the client's "fragmentation needed". False: not such a packet.
-#[inline(never)]
+// Inlined: a call from `icmp::too_big` would put a fourth frame on its chain of calls,
+// past 6.1's BPF stack (each frame rounded up to 32 bytes there).
+#[inline(always)]
 pub(super) fn untunnel<F: Family>(ctx: &TcContext) -> bool {
     let Ok(mut s) = scratch() else { return false };
-    if s.dsr_too_big == 0 {
+    if s.dsr_too_big != TOO_BIG_FOR_TUNNEL {
         let data = ctx.data();
         if data + F::IP_OFF + size_of::<F::Ip>() > ctx.data_end() {
             return false;

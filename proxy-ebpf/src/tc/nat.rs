@@ -376,7 +376,7 @@ pub(super) fn create_flow<F: Family>(
         return Ok(TC_ACT_SHOT);
     };
     if rewrite_first::<F>(ctx, t, forward).is_err() {
-        return Ok(failed());
+        return Ok(failed::<F>(ctx));
     }
     // A TCP flow is new with its SYN (SCTP with its INIT); any other packet re-creates a flow
     // that was lost.

@@ -48,8 +48,10 @@ pub struct FlowScratch {
     pub(super) cache_slot: flow_cache::FreeSlot,
     /// `dsr::decapsulate` → `dsr::open_decapsulated`.
     pub(super) dsr: DsrHint,
-    /// `dsr::encapsulate` → `icmp::too_big`: the packet was too big for the tunnel.
+    /// `dsr::encapsulate` → `dsr::failed` → `icmp::too_big`: the packet was refused room for
+    /// the tunnel (`dsr::REFUSED`), and is too big for it; the tunnel's far end.
     pub(super) dsr_too_big: u32,
+    pub(super) dsr_endpoint: Addr,
 }
 
 /// What `dsr::decapsulate` learnt of a packet for the slow path, which opens its flow
