@@ -110,6 +110,10 @@ pub(super) fn decapsulate<F: Family>(ctx: &TcContext) -> bool {
         return false;
     }
     let Some(proto) = F::l4_proto(ip) else { return false };
+    // An inner source that is the node's own is a martian (`route::martian_source`).
+    if node_addr_flags(&F::src(ip)) & NODE_ADDR_LOCAL != 0 {
+        return false;
+    }
     // The hint is written in the scratch area as it is learnt: this frame is on the attached
     // program's chains of calls (the BPF stack).
     let Ok(s) = scratch() else { return false };
@@ -156,8 +160,8 @@ pub(super) fn decapsulate<F: Family>(ctx: &TcContext) -> bool {
     false
 }
 
-/// The hint of a packet out of the tunnel, once its flow was found or opened: forgotten, so
-/// that no later packet of this CPU takes it.
+/// The hint of a packet out of the tunnel, once the slow program is done with it: forgotten,
+/// so that no later packet of this CPU takes it.
 #[inline(never)]
 pub(super) fn forget_hint() {
     if let Ok(mut s) = scratch() {

@@ -196,17 +196,15 @@ fn tail_call_slow_path<F: Family>(ctx: &TcContext, ingress: bool) -> i32 {
 /// takes it: `send_on`).
 #[inline(always)]
 fn ingress<F: Family>(ctx: &TcContext) -> i32 {
-    let decapsulated = F::ETHERNET && tunnelled::<F>(ctx) && dsr::decapsulate::<F>(ctx);
     if martian_source::<F>(ctx) {
         count(counter::TC_DROPPED);
         return TC_ACT_SHOT;
     }
-    let verdict = fast_path::<F>(ctx, true, decapsulated);
-    if decapsulated {
-        // Its flow was found (else the slow program took the packet, and the hint).
-        dsr::forget_hint();
-    }
-    match verdict {
+    // Out of a direct server return tunnel (its inner source checked there). Nothing held
+    // across a call here: this frame bounds every chain of calls of the attached program (a
+    // hint a found flow leaves is one for its own tuple, `dsr::open_decapsulated`).
+    let decapsulated = F::ETHERNET && tunnelled::<F>(ctx) && dsr::decapsulate::<F>(ctx);
+    match fast_path::<F>(ctx, true, decapsulated) {
         TC_ACT_OK if F::ETHERNET => send_on::<F>(ctx),
         TOO_BIG => too_big::<F>(ctx),
         verdict => verdict,
