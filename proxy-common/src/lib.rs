@@ -310,6 +310,8 @@ pub mod program_names {
     pub const TC_EGRESS_SLOW: &str = "kpr_tc_egress_slow";
     pub const TC_INGRESS_L3_SLOW: &str = "kpr_tc_ingress_l3_slow";
     pub const TC_EGRESS_L3_SLOW: &str = "kpr_tc_egress_l3_slow";
+    /// XDP in front of tc on the external links (`--xdp`).
+    pub const XDP: &str = "kpr_xdp";
     /// The slow programs, indexed by their `KPR_TC_SLOW_PATH` slot ([`super::tc_slow_path`]).
     pub const TC_SLOW_PATH: [&str; 4] = [TC_INGRESS_SLOW, TC_EGRESS_SLOW, TC_INGRESS_L3_SLOW, TC_EGRESS_L3_SLOW];
     const _: () = assert!(
@@ -1483,8 +1485,11 @@ pub mod counter {
     /// tc: a segment of a flow whose endpoint died (`ct::ENDPOINT_DEAD`, `--abort-dead-tcp`)
     /// was answered with a RST toward the client.
     pub const TC_DEAD_FLOW_RESET: u32 = 26;
+    /// XDP (`--xdp`): a packet of an established flow was translated and sent back out of the
+    /// link it came in on (`XDP_TX`), before the kernel made an skb of it.
+    pub const XDP_FORWARDED: u32 = 27;
     /// Number of counters.
-    pub const COUNT: u32 = 27;
+    pub const COUNT: u32 = 28;
     /// Names for display, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -1514,6 +1519,7 @@ pub mod counter {
         "tc_ct_established_full",
         "sock_over_quota",
         "tc_dead_flow_reset",
+        "xdp_forwarded",
     ];
 }
 

@@ -152,6 +152,24 @@ pub fn probe<'a, A: FlowTables>(
     None
 }
 
+/// The slot of `key` if its copy serves at `now`, whatever its kept route: XDP's look, which
+/// routes the packet itself. It takes no slot and counts nothing (XDP counts the packet in the
+/// slot once it sends it).
+#[inline(always)]
+pub fn peek<A: FlowTables>(key: &CtKey<A>, generation: Generation, now: u64) -> Option<*mut CachedFlow<A>> {
+    let (index, hash) = slot_of(key);
+    // SAFETY: a map value, valid for this program run; the index is below SLOTS (`slot_of`).
+    let tag = unsafe { *(*A::flow_cache_tags().get_ptr_mut(0)?).get(index as usize)? };
+    if (tag >> 32) as u32 != hash {
+        return None;
+    }
+    let cached = A::flow_cache().get_ptr_mut(index)?;
+    // SAFETY: a map value of this CPU's, valid for this program run.
+    let serves =
+        unsafe { now < (*cached).valid_until && (*cached).generation == generation && same_key(&(*cached).key, key) };
+    serves.then_some(cached)
+}
+
 /// Put `entry` (the conntrack entry of `key`) in `slot` ([`probe`]'s `free`), serving
 /// until `valid_until`, and count the packet (of `bytes`) there. What the slot counted for the
 /// flow it held is added to that flow's service port first. True: filled.

@@ -5,6 +5,8 @@
 //! `tc`: tc programs on node interfaces that translate packets the socket hooks never see
 //! (NodePort, externalIPs, LoadBalancer IPs, ClusterIP traffic from other namespaces), with
 //! conntrack, reverse NAT and masquerade (kube-proxy's KUBE-NODEPORTS/KUBE-EXT/KUBE-MARK-MASQ).
+//! `xdp`: in front of tc on the external links (`--xdp`), established flows sent back out of
+//! the driver.
 //! `sock_answers`: a `sock_ops` program counting how endpoints answer the socket path's TCP
 //! connects, for outlier detection.
 //! `flow_cache`: the per-CPU cache of established flows in front of `tc`'s conntrack.
@@ -24,6 +26,7 @@ mod sock_answers;
 mod sock_lb;
 mod stats;
 mod tc;
+mod xdp;
 
 #[cfg(not(test))]
 #[panic_handler]

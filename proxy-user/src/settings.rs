@@ -113,6 +113,15 @@ pub struct AgentArgs {
     /// does behind kube-proxy; `always` skips it even then; `never` never does.
     #[arg(long, value_enum, default_value_t = ForwardDirect::Auto)]
     pub forward_direct: ForwardDirect,
+    /// XDP in front of the tc programs on the node's external links (those holding its
+    /// primary addresses): the packets of established NodePort, externalIP and LoadBalancer
+    /// flows whose route leaves by the link they came in on (to an endpoint on another node,
+    /// and the replies) are translated and sent back out by the driver, before the kernel
+    /// makes an skb of them; everything else goes on to tc. `native`: the driver's XDP (a
+    /// link without it stays on tc); `best-effort`: the driver's, else generic XDP. Sends
+    /// nothing straight out where `--forward-direct` does not.
+    #[arg(long, value_enum, default_value_t = bpf::XdpSetting::Off)]
+    pub xdp: bpf::XdpSetting,
     /// Connections the node's own processes make to a Service's externalIP or LoadBalancer IP:
     /// `all` translates them to its endpoints whatever the address, as kube-proxy does (a
     /// Service can then take over the node's traffic to any address, CVE-2020-8554; kpr's own
@@ -525,6 +534,10 @@ pub fn agent_config(args: AgentArgs) -> Result<AgentConfig> {
     // not on meets the host's conntrack, which must then have seen the flow's first packet.
     datapath.forward_direct =
         if args.host_routing || !datapath.pod_links_covered { ForwardDirect::Never } else { args.forward_direct };
+    datapath.xdp = args.xdp;
+    if args.xdp != bpf::XdpSetting::Off && datapath.forward_direct == ForwardDirect::Never {
+        tracing::warn!("--xdp sends nothing out while translated packets take the host's forwarding path");
+    }
     datapath.agent_cgroup_id = match bpf::agent_cgroup_id() {
         Ok(Some(id)) => id,
         Ok(None) => {

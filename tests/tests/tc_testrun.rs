@@ -350,6 +350,9 @@ impl Load {
         let mut ebpf = bpf::open_object(&cfg).expect("load object");
         // Programs first: taking a map out of the object before loading breaks its relocation.
         bpf::load_tc_programs(&mut ebpf).expect("the verifier accepts the tc programs");
+        if cfg.xdp != bpf::XdpSetting::Off {
+            bpf::load_xdp_program(&mut ebpf).expect("the verifier accepts the XDP program");
+        }
         let mut maps = BpfMaps::take_from(&mut ebpf).expect("maps");
         maps.endpoint_counters = cfg.endpoint_counters;
         maps.maglev_seed = cfg.maglev_seed;
@@ -442,6 +445,27 @@ impl Rig {
 
     fn ingress(&self, input: &[u8]) -> (u32, Vec<u8>) {
         self.run(program_names::TC_INGRESS, input)
+    }
+
+    /// The XDP program on `input`, come in by link `ifindex` (of the calling thread's
+    /// namespace): its action and the packet as it left.
+    fn xdp(&self, input: &[u8], ifindex: u32) -> (u32, Vec<u8>) {
+        let prog: &aya::programs::Xdp = self.ebpf.program(program_names::XDP).unwrap().try_into().unwrap();
+        let mut out = vec![0u8; input.len().max(1500)];
+        // `struct xdp_md`: data 0 (no metadata), data_end the packet's length, data_meta 0,
+        // ingress_ifindex, rx_queue_index 0, egress_ifindex 0.
+        let mut ctx = [0u8; 24];
+        ctx[4..8].copy_from_slice(&(input.len() as u32).to_ne_bytes());
+        ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+        let opts = TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            ctx_in: Some(&ctx[..]),
+            ..TestRunOptions::default()
+        };
+        let result = prog.test_run(opts).expect("XDP test run");
+        out.truncate(result.data_size_out as usize);
+        (result.return_value, out)
     }
 
     fn egress(&self, input: &[u8]) -> (u32, Vec<u8>) {
@@ -2651,4 +2675,157 @@ fn ipv6_hairpin_traffic_policy_and_source_ranges() {
     let outside = tcp(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x100), 40253, LB_IP6, 80);
     assert_eq!(rig.ingress(&outside.bytes()).0, TC_ACT_SHOT, "fd00::100 is outside fd00::98/126");
     assert_eq!(rig.counter(counter::TC_DROPPED), 2);
+}
+
+const XDP_PASS: u32 = 2;
+const XDP_TX: u32 = 3;
+
+/// `frame` with its TTL (IPv4, header checksum computed anew) or hop limit (IPv6) one less.
+fn one_hop_older(frame: Vec<u8>) -> Vec<u8> {
+    if frame[12..14] == [0x86, 0xdd] {
+        let mut frame = frame;
+        frame[21] -= 1;
+        return frame;
+    }
+    let ttl = frame[22];
+    with_ttl(frame, ttl - 1)
+}
+
+#[test]
+fn xdp_sends_an_established_external_flows_packets_back_out_of_their_link_and_passes_the_rest() {
+    const OUT0_MAC: [u8; 6] = [2, 0, 0, 0, 0, 1];
+    const POD_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x22];
+    const CLIENT_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x99];
+    // A node whose client and pods are both behind out0 (an endpoint on another node, behind
+    // the link the NodePort's traffic comes in by), their neighbours known; side0 is another
+    // link, where the pods' route can be moved.
+    let ns = testbed::Netns::new(&testbed::unique_name("kt-xdp")).unwrap();
+    ns.ip_batch([
+        "link add out0 address 02:00:00:00:00:01 type veth peer name out1".to_owned(),
+        "link add side0 type veth peer name side1".to_owned(),
+        "link set out0 up".to_owned(),
+        "link set out1 up".to_owned(),
+        "link set side0 up".to_owned(),
+        "link set side1 up".to_owned(),
+        "route add 10.244.0.0/16 dev out0".to_owned(),
+        "route add 10.0.0.0/24 dev out0".to_owned(),
+        "route add fd00:10:244::/48 dev out0".to_owned(),
+        "route add fd00::/64 dev out0".to_owned(),
+        format!("neigh add {POD} lladdr 02:00:00:00:00:22 dev out0 nud permanent"),
+        format!("neigh add {CLIENT} lladdr 02:00:00:00:00:99 dev out0 nud permanent"),
+        format!("neigh add {POD6} lladdr 02:00:00:00:00:22 dev out0 nud permanent"),
+        format!("neigh add {CLIENT6} lladdr 02:00:00:00:00:99 dev out0 nud permanent"),
+        format!("neigh add {POD} lladdr 02:00:00:00:00:23 dev side0 nud permanent"),
+    ])
+    .unwrap();
+    ns.sh("echo 1 > /proc/sys/net/ipv4/ip_forward; echo 1 > /proc/sys/net/ipv6/conf/all/forwarding").unwrap();
+    ns.run(|| {
+        let out0 = unsafe { libc::if_nametoindex(c"out0".as_ptr()) };
+        let mut d = services();
+        entry(&mut d, Ipv4Addr::UNSPECIFIED, 30053, Protocol::Udp, SCOPE_EXTERNAL, &[(POD, 5353)], SERVICE_FLAG_SNAT);
+        let rig = Rig::with(&d, |cfg| {
+            cfg.forward_direct = bpf::ForwardDirect::Always;
+            cfg.xdp = bpf::XdpSetting::Native;
+        });
+        let mut sent = 0;
+        // A NodePort flow of each family set up through tc: SYN, the pod's answer, the ACK.
+        for (client, node, pod, sport) in [
+            (IpAddr::from(CLIENT), IpAddr::from(NODE_IP), IpAddr::from(POD), 40100),
+            (CLIENT6.into(), NODE_IP6.into(), POD6.into(), 40101),
+        ] {
+            let syn = tcp(client, sport, node, 30080);
+            let (verdict, out) = rig.ingress(&syn.bytes());
+            assert_eq!(verdict, TC_ACT_REDIRECT, "{client}: the SYN");
+            let nat_port = sport_of(&out);
+            let answer = Pkt { tcp_flags: TCP_SYN | TCP_ACK, ..tcp(pod, 8080, node, nat_port) };
+            assert_eq!(rig.ingress(&answer.bytes()).0, TC_ACT_REDIRECT, "{client}: the answer");
+            let ack = Pkt { tcp_flags: TCP_ACK, seq: 1001, ack: 7001, ..syn };
+            assert_eq!(rig.ingress(&ack.bytes()).0, TC_ACT_REDIRECT, "{client}: the ACK");
+
+            // The client's next segments: translated, one hop older, to the pod's MAC from
+            // out0's, and sent back out (checksums computed from scratch here).
+            let data = Pkt { tcp_flags: TCP_ACK | TCP_PSH, ..ack };
+            let expected = Pkt { src: node, sport: nat_port, dst: pod, dport: 8080, ..data };
+            for _ in 0..3 {
+                let (action, out) = rig.xdp(&data.bytes(), out0);
+                assert_eq!(action, XDP_TX, "{client}: an established segment");
+                assert_eq!(out, one_hop_older(expected.bytes_with_macs(POD_MAC, OUT0_MAC)), "{client}");
+                sent += 1;
+            }
+            // The pod's: translated back to the NodePort, toward the client.
+            let reply = Pkt { tcp_flags: TCP_ACK | TCP_PSH, seq: 7001, ack: 1006, ..tcp(pod, 8080, node, nat_port) };
+            let (action, out) = rig.xdp(&reply.bytes(), out0);
+            assert_eq!(action, XDP_TX, "{client}: the reply");
+            let back = Pkt { src: node, sport: 30080, dst: client, dport: sport, ..reply };
+            assert_eq!(out, one_hop_older(back.bytes_with_macs(CLIENT_MAC, OUT0_MAC)), "{client}: the reply");
+            sent += 1;
+
+            // What changes the flow's state (SYN, FIN, RST), an unknown tuple, a TTL about to
+            // run out: passed untouched, for tc.
+            for (what, packet) in [
+                ("a FIN", Pkt { tcp_flags: TCP_FIN | TCP_ACK, ..data }.bytes()),
+                ("a RST", Pkt { tcp_flags: TCP_RST, ..data }.bytes()),
+                ("a SYN", syn.bytes()),
+                ("another tuple", Pkt { sport: sport + 100, ..data }.bytes()),
+            ] {
+                assert_eq!(rig.xdp(&packet, out0), (XDP_PASS, packet.clone()), "{client}: {what}");
+            }
+            if client.is_ipv4() {
+                let dying = with_ttl(data.bytes(), 1);
+                assert_eq!(rig.xdp(&dying, out0), (XDP_PASS, dying.clone()), "TTL 1");
+            }
+        }
+        assert_eq!(rig.counter(counter::XDP_FORWARDED), sent);
+
+        // UDP: established by the pod's answer; a zero (absent) checksum stays zero.
+        let first = udp(CLIENT, 40200, NODE_IP, 30053);
+        let (verdict, out) = rig.ingress(&first.bytes());
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+        let nat_port = sport_of(&out);
+        assert_eq!(rig.ingress(&udp(POD, 5353, NODE_IP, nat_port).bytes()).0, TC_ACT_REDIRECT);
+        for zero_csum in [false, true] {
+            let datagram = Pkt { zero_csum, ..first };
+            let (action, out) = rig.xdp(&datagram.bytes(), out0);
+            assert_eq!(action, XDP_TX, "UDP, zero checksum: {zero_csum}");
+            let expected = Pkt { src: NODE_IP.into(), sport: nat_port, dst: POD.into(), dport: 5353, ..datagram };
+            assert_eq!(out, one_hop_older(expected.bytes_with_macs(POD_MAC, OUT0_MAC)), "zero checksum: {zero_csum}");
+            sent += 1;
+        }
+
+        let data = Pkt { tcp_flags: TCP_ACK | TCP_PSH, seq: 1001, ack: 7001, ..tcp(CLIENT, 40100, NODE_IP, 30080) };
+        let key = CtKey4::new(CLIENT.into(), NODE_IP.into(), 40100u16.to_be(), 30080u16.to_be(), 6);
+        let mut table = rig.table4(proxy_common::map_names::CONNTRACK4);
+        let entry = table.get(&key, 0).unwrap();
+        let passed = |why: &str| {
+            assert_eq!(rig.xdp(&data.bytes(), out0), (XDP_PASS, data.bytes()), "{why}");
+        };
+        // Something filters forwarded packets on the host (a NetworkPolicy in FORWARD): XDP
+        // passes everything to tc, which takes the host's path.
+        let mut host = bpf::HostState::open(&rig.pins.0).unwrap();
+        host.set_forward_direct(false).unwrap();
+        passed("the host filters forwarded packets");
+        host.set_forward_direct(true).unwrap();
+        assert_eq!(rig.xdp(&data.bytes(), out0).0, XDP_TX);
+        sent += 1;
+        // An entry due for its refresh is tc's, which refreshes it; then XDP's again.
+        let mut aged = entry;
+        aged.last_seen -= 2 * ct::REFRESH_NS;
+        table.insert(&key, &aged, 0).unwrap();
+        rig.conntrack().changed().unwrap();
+        passed("an entry due for its refresh");
+        assert_eq!(rig.ingress(&data.bytes()).0, TC_ACT_REDIRECT);
+        assert_eq!(rig.xdp(&data.bytes(), out0).0, XDP_TX, "refreshed by tc");
+        sent += 1;
+        // A flow of direct server return (its tunnel is tc's).
+        table.insert(&key, &CtValue { flags: entry.flags | ct::DSR, ..table.get(&key, 0).unwrap() }, 0).unwrap();
+        rig.conntrack().changed().unwrap();
+        passed("a direct server return flow");
+        table.insert(&key, &entry, 0).unwrap();
+        rig.conntrack().changed().unwrap();
+        // The pods' route moves to side0: the translated packet would leave by another link.
+        testbed::ip(&["route", "replace", "10.244.0.0/16", "dev", "side0"]).unwrap();
+        passed("the route leaves by another link");
+        assert_eq!(rig.counter(counter::XDP_FORWARDED), sent);
+    })
+    .unwrap();
 }

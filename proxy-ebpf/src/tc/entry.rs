@@ -8,7 +8,7 @@ use crate::{flow_cache, globals::KPR_CT_TIMEOUTS, maps::FlowTables};
 /// Has the flow outlived the lifetime of its state? One word of `KPR_CT_TIMEOUTS` read: its
 /// `load` copies all six, on every packet.
 #[inline(always)]
-pub(super) fn expired(proto: u8, entry: &CtValue, now: u64) -> bool {
+pub(crate) fn expired(proto: u8, entry: &CtValue, now: u64) -> bool {
     entry.idle_longer_than(lifetime(proto, entry.flags), now)
 }
 

@@ -60,6 +60,8 @@ use aya_ebpf::{
 };
 use proxy_common::{IPPROTO_TCP, counter, tc_slow_path};
 
+// What the XDP program shares with tc: a flow's lifetime, the ports' word, a route lookup's
+// parameters zeroed.
 use self::{
     conntrack::translate_tracked,
     icmp::{icmp_error, too_big},
@@ -70,6 +72,7 @@ use self::{
     scratch::scratch,
     verdict::{A_FLOW, AN_ICMP_ERROR, END_FLOW, NO_FLOW, OPEN, PASS, REJECT, TOO_BIG},
 };
+pub(crate) use self::{entry::expired, rewrite::ports_word, route::zero_fib};
 use crate::{
     family::{Family, V4, V6},
     maps::{SLOW_PATH, count, in_addr_filter, retiring_older_layout},

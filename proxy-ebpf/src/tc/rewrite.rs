@@ -196,7 +196,7 @@ pub(super) fn rewrite_first<F: Family>(ctx: &TcContext, t: &Tuple, to: &CtValue)
 
 /// Two ports as the four bytes they are in the packet, read as one native word.
 #[inline(always)]
-pub(super) fn ports_word(first: u16, second: u16) -> u32 {
+pub(crate) fn ports_word(first: u16, second: u16) -> u32 {
     // Shifts, not a byte array: the array's bytes compile to a mask and a shift each.
     if cfg!(target_endian = "little") {
         u32::from(first) | u32::from(second) << 16

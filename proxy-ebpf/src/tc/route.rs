@@ -177,7 +177,7 @@ pub(super) fn ifindex(ctx: &TcContext) -> u32 {
 /// `memset`, a subprogram, which costs a call on the packets that look their route up and a
 /// frame of 32 bytes on 6.1's BPF stack (its verifier rounds an empty frame up).
 #[inline(always)]
-pub(super) fn zero_fib(params: *mut bpf_fib_lookup) {
+pub(crate) fn zero_fib(params: *mut bpf_fib_lookup) {
     // The struct's alignment is 4: wider stores to the stack would be refused as misaligned.
     const WORDS: usize = size_of::<bpf_fib_lookup>() / 4;
     let words = params.cast::<u32>();

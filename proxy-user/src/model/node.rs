@@ -163,6 +163,10 @@ pub struct NodePlan {
     pub local_cidrs: BTreeSet<Cidr>,
     /// ifindex → name of the links the per-packet programs go on.
     pub tc_links: BTreeMap<u32, String>,
+    /// The external links among them, where `--xdp` puts its program: Ethernet links that
+    /// hold a primary address (where NodePort traffic from outside comes in), not a pod's
+    /// veth nor a link the local-traffic detector names.
+    pub xdp_links: BTreeMap<u32, String>,
     /// The primary IPv4 address (masquerade fallback, `nodePortAddresses: [primary]`).
     pub primary: Option<Ipv4Addr>,
     /// The cluster's service ranges (what no service port takes in them is refused by default);
@@ -323,7 +327,7 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
             addr6: fallback_v6.map(Addr::from).unwrap_or_default(),
         },
     );
-    let mut tc_links = BTreeMap::new();
+    let (mut tc_links, mut xdp_links) = (BTreeMap::new(), BTreeMap::new());
     for link in links.iter().filter(|l| !l.loopback && l.index != 0) {
         let addr = masquerade_v4(link).map(|a| u32::from(a).to_be());
         let addr6 = masquerade_v6(&mut link.addrs.iter()).map(Addr::from).unwrap_or_default();
@@ -343,6 +347,11 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
         };
         if covered {
             tc_links.insert(link.index, link.name.clone());
+            let external = flags & (LINK_FLAG_LOCAL_TRAFFIC | LINK_FLAG_PEER | LINK_FLAG_NOT_ETHERNET) == 0
+                && link.addrs.iter().any(|a| primaries.contains(&Some(*a)));
+            if external {
+                xdp_links.insert(link.index, link.name.clone());
+            }
         }
     }
 
@@ -369,6 +378,7 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
         links: link_info,
         local_cidrs,
         tc_links,
+        xdp_links,
         primary,
         info,
         service_cidrs: BTreeSet::new(),
@@ -413,6 +423,22 @@ mod tests {
 
     fn nodeports(plan: &NodePlan) -> Vec<String> {
         plan.node_addrs.iter().filter(|(_, f)| *f & NODE_ADDR_NODEPORT != 0).map(|(a, _)| a.to_string()).collect()
+    }
+
+    #[test]
+    fn xdp_goes_on_the_links_of_the_primary_addresses_only() {
+        let node = NodeObject { addresses: vec!["192.168.0.2".parse().unwrap()], ..Default::default() };
+        let settings = NodeSettings { name: "n".into(), ..Default::default() };
+        let p = plan(&host(), Some(&node), &settings);
+        // Not eth1 (no primary address), cni0 (the pods' bridge), a pod's veth, nor lo.
+        assert_eq!(p.xdp_links.values().collect::<Vec<_>>(), ["eth0"]);
+        // The primary on a link the detector calls local: none.
+        let settings =
+            NodeSettings { detect_local: DetectLocal::InterfaceNamePrefix("eth".into()), ..settings.clone() };
+        assert!(plan(&host(), Some(&node), &settings).xdp_links.is_empty());
+        // Nor a link kpr is not on.
+        let settings = NodeSettings { tc_links: TcLinks::Only(vec!["eth1".into()]), ..Default::default() };
+        assert!(plan(&host(), Some(&node), &settings).xdp_links.is_empty());
     }
 
     #[test]

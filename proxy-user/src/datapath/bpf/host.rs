@@ -265,6 +265,12 @@ pub struct BpfHost {
     pub socket_probes: Option<SocketProbes>,
     /// The Maglev seed and table size the programs were loaded with, for the probes.
     pub maglev: Option<(u32, u32)>,
+    /// Where the XDP program goes (`--xdp`; its program is loaded unless `Off`).
+    pub xdp: super::XdpSetting,
+    /// ifindex → name of the links holding the XDP program.
+    xdp_attached: BTreeMap<u32, String>,
+    /// Links the XDP program could not go on (said once).
+    xdp_failed: BTreeSet<u32>,
 }
 
 /// How `kpr verify` probes the socket path.
@@ -319,6 +325,9 @@ impl BpfHost {
             probe_env: ProbeEnv::default(),
             socket_probes: None,
             maglev: None,
+            xdp: super::XdpSetting::Off,
+            xdp_attached: BTreeMap::new(),
+            xdp_failed: BTreeSet::new(),
         })
     }
 
@@ -533,6 +542,39 @@ impl BpfHost {
         }
     }
 
+    /// Detach the XDP program from every link not in `wanted` (also an earlier run's).
+    fn detach_xdp_except(&mut self, wanted: &BTreeSet<u32>) {
+        let held: BTreeSet<u32> =
+            super::xdp::pinned(&self.dir).into_iter().chain(self.xdp_attached.keys().copied()).collect();
+        for ifindex in held.difference(wanted) {
+            super::xdp::detach(&self.dir, *ifindex);
+            if let Some(name) = self.xdp_attached.remove(ifindex) {
+                tracing::info!(interface = %name, ifindex, "XDP program detached");
+            }
+        }
+        self.xdp_failed.retain(|i| wanted.contains(i));
+    }
+
+    /// Attach the XDP program to the `wanted` links that hold the tc programs (its fallback).
+    fn attach_xdp(&mut self, names: &BTreeMap<u32, String>, wanted: &BTreeSet<u32>) {
+        for ifindex in wanted {
+            let Some(name) = names.get(ifindex) else { continue };
+            if self.xdp_attached.contains_key(ifindex) || !self.attached.contains_key(ifindex) {
+                continue;
+            }
+            match super::xdp::attach(&mut self.ebpf, &self.dir, *ifindex, self.xdp) {
+                Ok(mode) => {
+                    tracing::info!(interface = %name, ifindex, mode, "XDP program attached");
+                    self.xdp_attached.insert(*ifindex, name.clone());
+                }
+                Err(e) if self.xdp_failed.insert(*ifindex) => {
+                    tracing::warn!(interface = %name, "XDP not attached, the link stays on tc: {e:#}")
+                }
+                Err(_) => {}
+            }
+        }
+    }
+
     /// Pinned tc links of earlier runs, by ifindex.
     fn pinned_links(&self) -> BTreeSet<u32> {
         let prefix = format!("link_{}_if", TC_PROGRAMS[0]);
@@ -560,6 +602,13 @@ impl HostDatapath for BpfHost {
         sync_lpm(&mut self.local_cidrs, &plan.local_cidrs)?;
         sync_service_ranges(&mut self.service_cidrs, &mut self.service_range_cover, &plan.service_cidrs)?;
         self.probe_env = ProbeEnv::of(plan);
+
+        // XDP off the links that lose it (before their tc programs, its fallback, go).
+        let xdp_wanted: BTreeSet<u32> = match self.xdp {
+            super::XdpSetting::Off => BTreeSet::new(),
+            _ => plan.xdp_links.keys().filter(|i| plan.tc_links.contains_key(i)).copied().collect(),
+        };
+        self.detach_xdp_except(&xdp_wanted);
 
         // Links of an earlier run that are gone or no longer selected.
         let stale: Vec<u32> = self
@@ -607,6 +656,7 @@ impl HostDatapath for BpfHost {
             self.older_conntrack = Some(older);
             self.set_retiring(false);
         }
+        self.attach_xdp(&plan.xdp_links, &xdp_wanted);
         self.check_forwarding();
         // After the attachments: a pod's namespace is listed once its link holds the programs,
         // so the socket path never leaves it a connection that nothing would translate.

@@ -7,7 +7,8 @@
 //!
 //! `object`: the object, its settings and the kernel's features; `pins`: the pin directory and
 //! its layouts; `batch`: the batch reads and writes aya lacks; `cgroup`: the socket hooks' cgroup and links; `handover`: the flows left to netfilter; `host`: the per-packet programs
-//! on the node's links and the node maps; `maps`: the service maps ([`Maps`](super::Maps)).
+//! on the node's links and the node maps; `xdp`: the XDP program in front of them (`--xdp`);
+//! `maps`: the service maps ([`Maps`](super::Maps)).
 pub(super) mod batch;
 mod cgroup;
 mod handover;
@@ -16,6 +17,7 @@ mod maps;
 mod object;
 pub(super) mod pins;
 mod probe;
+mod xdp;
 
 use std::fs::{self, File};
 
@@ -44,6 +46,7 @@ pub use self::{
         raise_memlock_limit, snat_port_range,
     },
     pins::{AgentLock, open_pinned_map, other_layout_names, pin_dir, pins_missing},
+    xdp::{XdpSetting, load_program as load_xdp_program},
 };
 
 /// The service maps, and the host side (programs, links, node maps).
@@ -107,6 +110,9 @@ impl BpfDatapath {
         attach_sock_release(&mut ebpf, &cgroup, &dir).context("failed to attach the socket release hook")?;
         attach_sock_ops(&mut ebpf, &cgroup, &dir).context("failed to attach the socket answers program")?;
         load_tc_programs(&mut ebpf)?;
+        if cfg.xdp != XdpSetting::Off {
+            xdp::load_program(&mut ebpf)?;
+        }
 
         let mut maps = BpfMaps::take_from(&mut ebpf)?;
         maps.endpoint_counters = cfg.endpoint_counters;
@@ -117,6 +123,7 @@ impl BpfDatapath {
         // ([`HostDatapath::retire_other_layouts`]).
         let mut host = BpfHost::take_from(ebpf, dir, tc_netlink, cfg.pin_root.clone(), older_conntrack)?;
         host.maglev = Some((cfg.maglev_seed, cfg.maglev_table_size));
+        host.xdp = cfg.xdp;
         host.socket_probes = Some(SocketProbes {
             cgroup: super::socket_probe::cgroup_for_probes(&cfg.cgroup, own_cgroup().ok().as_deref()),
             pod_links_covered: cfg.pod_links_covered,

@@ -1,0 +1,234 @@
+//! XDP in front of tc on the node's external links (`--xdp`): a packet of an established flow
+//! whose translated packet leaves by the link it came in on (NodePort, externalIP and
+//! LoadBalancer traffic to an endpoint on another node, and its replies) is translated and
+//! sent back out of the driver (`XDP_TX`), before the kernel allocates an skb for it.
+//!
+//! Everything else is passed on (`XDP_PASS`) untouched, to the tc programs, which do what they
+//! did without XDP: new flows, SYNs, FINs and RSTs (they change a flow's state), flows whose
+//! entry is due for a refresh (tc's table path refreshes it), fragments, IP options and IPv6
+//! extension headers, direct server return's tunnel, local endpoints, packets whose route
+//! leaves by another link, too big for it, or whose TTL runs out, and anything while the host
+//! filters forwarded packets (`KPR_FORWARD_DIRECT`, `host_lets_direct`: a NetworkPolicy in the
+//! FORWARD chain holds for these flows as for kube-proxy's).
+//!
+//! The flow's entry comes from the per-CPU flow cache tc fills (`flow_cache::peek`), else from
+//! the established table, read only (an entry due for a refresh is tc's). Checksums are
+//! changed as a complete checksum's: packets from a wire carry one; a veth peer must send them
+//! so (its transmit checksum offload off), as the tests and the bench set it.
+use aya_ebpf::{EbpfContext as _, bindings::xdp_action, macros::xdp, programs::XdpContext};
+use aya_ebpf::{
+    bindings::{BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup},
+    helpers::bpf_fib_lookup as fib_lookup,
+};
+use proxy_common::{
+    CtKey, CtValue, IPPROTO_TCP, IPPROTO_UDP, NODE_ADDR_LOCAL, counter,
+    csum::{self, kernel::mangled},
+    ct,
+};
+
+use crate::{
+    family::{Family, Fragment, V4, V6},
+    flow_cache,
+    globals::KPR_FORWARD_DIRECT,
+    maps::{FlowTables, count, host_lets_direct, in_addr_filter, node_addr_flags, now},
+    packet::{TCP_CSUM, TCP_FIN, TCP_FLAGS, TCP_RST, TCP_SYN, UDP_CSUM, read_word, write_word},
+    stats,
+    tc::{expired, ports_word, zero_fib},
+};
+
+const PASS: u32 = xdp_action::XDP_PASS;
+/// The L4 header lengths read: TCP's without options, UDP's.
+const TCP_LEN: usize = 20;
+const UDP_LEN: usize = 8;
+
+#[xdp]
+pub fn kpr_xdp(ctx: XdpContext) -> u32 {
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if data + 14 > end {
+        return PASS;
+    }
+    // SAFETY: within [data, data_end), checked above. A VLAN tag in the data is not IP: passed.
+    let eth_type: u16 = unsafe { read_word((data + 12) as *const u8) };
+    match eth_type {
+        t if t == <V4>::ETH_TYPE => forward::<V4>(&ctx),
+        t if t == <V6>::ETH_TYPE => forward::<V6>(&ctx),
+        _ => PASS,
+    }
+}
+
+/// The packet translated and sent back out (`XDP_TX`), or passed on untouched.
+#[inline(always)]
+fn forward<F: Family>(ctx: &XdpContext) -> u32 {
+    if KPR_FORWARD_DIRECT.load() == 0 || !host_lets_direct() {
+        return PASS;
+    }
+    let (data, end) = (ctx.data(), ctx.data_end());
+    // The IP header and a UDP header's worth of L4 (a TCP header's is checked below).
+    if data + F::L4_OFF + UDP_LEN > end {
+        return PASS;
+    }
+    // SAFETY: within [data, data_end), checked above; read in place.
+    let ip = unsafe { &*((data + F::IP_OFF) as *const F::Ip) };
+    let Some(proto) = F::l4_proto(ip) else { return PASS };
+    if !matches!(F::fragment(ip), Fragment::Whole) || F::hops(ip) <= 1 {
+        return PASS;
+    }
+    let l4 = (data + F::L4_OFF) as *const u8;
+    // SAFETY: within [data, data_end), checked above.
+    let ports = unsafe { read_word::<u32>(l4) };
+    match proto {
+        IPPROTO_TCP if data + F::L4_OFF + TCP_LEN <= end => {
+            // SAFETY: within [data, data_end), checked above.
+            if unsafe { l4.add(TCP_FLAGS).read() } & (TCP_SYN | TCP_FIN | TCP_RST) != 0 {
+                return PASS;
+            }
+        }
+        IPPROTO_UDP => {}
+        _ => return PASS,
+    }
+    let (saddr, daddr) = (F::src(ip), F::dst(ip));
+    // A packet sent as one of the node's own addresses is the martian check's (tc).
+    if in_addr_filter(&saddr) && node_addr_flags(&saddr) & NODE_ADDR_LOCAL != 0 {
+        return PASS;
+    }
+    let (sport, dport) = split_ports(ports);
+    let mut key = KeySlot::<F::FlowAddr>(core::mem::MaybeUninit::uninit());
+    // SAFETY: a key on the stack, 8-byte aligned; every word written.
+    let key = unsafe {
+        CtKey::write_words(key.0.as_mut_ptr(), &saddr, &daddr, sport, dport, proto);
+        key.0.assume_init_ref()
+    };
+    let now = now();
+    let bytes = (end - data) as u64;
+    let cached = flow_cache::peek(key, flow_cache::generation(), now);
+    let entry = match cached {
+        // SAFETY: a map value of this CPU's, valid for this program run.
+        Some(slot) => unsafe { &(*slot).entry },
+        None => match serving_entry::<F::FlowAddr>(key, proto, now) {
+            Some(entry) => entry,
+            None => return PASS,
+        },
+    };
+    if entry.flags & ct::DSR != 0 {
+        return PASS;
+    }
+    // The translated packet's route: it must leave by this link, with its neighbour known and
+    // within the link's MTU.
+    let mut params = core::mem::MaybeUninit::<bpf_fib_lookup>::uninit();
+    let params = params.as_mut_ptr();
+    zero_fib(params);
+    // SAFETY: zeroed above, every byte.
+    let params = unsafe { &mut *params };
+    let ifindex = ctx.ingress_ifindex() as u32;
+    params.family = F::AF;
+    params.ifindex = ifindex;
+    params.l4_protocol = proto;
+    params.sport = entry.src_port;
+    params.dport = entry.dst_port;
+    params.__bindgen_anon_1.tot_len = F::l4_len(ip) + (size_of::<F::Ip>() as u16);
+    F::fib_tos(params, ip);
+    F::fib_src(params, &entry.src_addr);
+    F::fib_dst(params, &entry.dst_addr);
+    // SAFETY: the program's context and a parameter block of the helper's size.
+    let rc = unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, 0) };
+    if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) || params.ifindex != ifindex {
+        return PASS;
+    }
+    // The bounds again, for the verifier (the helper does not move the packet).
+    let (data, end) = (ctx.data(), ctx.data_end());
+    // SAFETY (both): within [data, data_end), checked just before.
+    if proto == IPPROTO_TCP {
+        if data + F::L4_OFF + TCP_LEN > end {
+            return PASS;
+        }
+        unsafe { rewrite::<F, TCP_CSUM>(data as *mut u8, entry, ports, false, params) };
+    } else {
+        if data + F::L4_OFF + UDP_LEN > end {
+            return PASS;
+        }
+        unsafe { rewrite::<F, UDP_CSUM>(data as *mut u8, entry, ports, true, params) };
+    }
+    match cached {
+        // Counted in the slot, as tc's hits are (`flow_cache::probe`).
+        // SAFETY: as above.
+        Some(slot) => unsafe {
+            (*slot).packets += 1;
+            (*slot).bytes += bytes;
+        },
+        None => {
+            stats::add(entry.service_id, proxy_common::service_stat::NONE, 1, bytes);
+            let (endpoint, port) =
+                if entry.flags & ct::REPLY != 0 { (&saddr, sport) } else { (&entry.dst_addr, entry.dst_port) };
+            stats::endpoint(endpoint, port, proto, proxy_common::service_stat::NONE, 1, bytes);
+        }
+    }
+    count(counter::XDP_FORWARDED);
+    xdp_action::XDP_TX
+}
+
+/// A flow key on the stack, 8-byte aligned as `CtKey::write_words` writes it (the verifier
+/// refuses misaligned stack access).
+#[repr(C, align(8))]
+struct KeySlot<A>(core::mem::MaybeUninit<CtKey<A>>);
+
+/// The established table's entry of `key` if XDP may translate by it as it is: live, not due
+/// for its refresh (which tc's table path does), answered, not closing, its endpoint alive.
+#[inline(always)]
+fn serving_entry<'a, A: FlowTables>(key: &CtKey<A>, proto: u8, now: u64) -> Option<&'a CtValue> {
+    // SAFETY: a map value pointer, valid for this program run.
+    let entry = unsafe { &*A::established().get_ptr(key)? };
+    let refreshed = now.saturating_sub(entry.last_seen) < ct::REFRESH_NS;
+    let settled = entry.flags & (ct::ENDPOINT_DEAD | ct::FIN_ORIG | ct::FIN_REPLY | ct::RST) == 0
+        && (entry.flags & ct::REPLY == 0 || entry.flags & ct::SEEN_REPLY != 0);
+    (refreshed && settled && !expired(proto, entry, now)).then_some(entry)
+}
+
+/// The ports word's two ports, as they are in the packet.
+#[inline(always)]
+fn split_ports(word: u32) -> (u16, u16) {
+    if cfg!(target_endian = "little") { (word as u16, (word >> 16) as u16) } else { ((word >> 16) as u16, word as u16) }
+}
+
+/// Translate the packet as `to` says, its checksums changed incrementally (complete ones), the
+/// TTL one down, and the MAC addresses the route's.
+///
+/// # Safety
+/// `data` is the packet's start, with its IP header and L4 up to the checksum at `CSUM_OFF`
+/// within bounds.
+#[inline(always)]
+unsafe fn rewrite<F: Family, const CSUM_OFF: usize>(
+    data: *mut u8,
+    to: &CtValue,
+    old_ports: u32,
+    udp: bool,
+    route: &bpf_fib_lookup,
+) {
+    let new_ports = ports_word(to.src_port, to.dst_port);
+    // SAFETY: within the bounds the caller checked.
+    let ip = unsafe { &*data.add(F::IP_OFF).cast::<F::Ip>() };
+    let addrs_changed = !(F::same_addr(&to.src_addr, &F::src(ip)) && F::same_addr(&to.dst_addr, &F::dst(ip)));
+    let mut diff = if addrs_changed { u64::from(to.addrs_csum_diff) } else { 0 };
+    if old_ports != new_ports {
+        diff += csum::word_diff(old_ports, new_ports);
+    }
+    // SAFETY: within the bounds the caller checked.
+    unsafe {
+        let field = data.add(F::L4_OFF + CSUM_OFF);
+        let check: u16 = read_word(field);
+        // A UDP checksum of 0 means "none" (IPv4) and stays 0; one that sums to 0 is sent as
+        // 0xffff.
+        if !(udp && check == 0) {
+            write_word(field, mangled(csum::replace(check, diff), udp));
+        }
+        if addrs_changed {
+            F::write_addrs(data.add(F::IP_OFF), &to.src_addr, &to.dst_addr, u64::from(to.addrs_csum_diff));
+        }
+        write_word(data.add(F::L4_OFF), new_ports);
+        F::decrement_hops(data.add(F::IP_OFF));
+        let macs = &route.__bindgen_anon_6.__bindgen_anon_2;
+        for i in 0..6 {
+            data.add(i).write(macs.dmac[i]);
+            data.add(6 + i).write(macs.smac[i]);
+        }
+    }
+}
