@@ -280,12 +280,17 @@ pub fn sa6(ip: Ipv6Addr, port: u16) -> SocketAddrV6 {
 /// the receiver verifies.
 pub fn set_tx_checksum_offload(name: &str, on: bool) -> Result<()> {
     const ETHTOOL_STXCSUM: u32 = 0x17;
+    set_ethtool_value(name, ETHTOOL_STXCSUM, on)
+}
+
+/// An ethtool "set value" command (`struct ethtool_value`) through its ioctl.
+fn set_ethtool_value(name: &str, cmd: u32, on: bool) -> Result<()> {
     #[repr(C)]
     struct EthtoolValue {
         cmd: u32,
         data: u32,
     }
-    let mut value = EthtoolValue { cmd: ETHTOOL_STXCSUM, data: u32::from(on) };
+    let mut value = EthtoolValue { cmd, data: u32::from(on) };
     // SAFETY: a zeroed ifreq is valid; the name fits (checked) and stays NUL-terminated.
     let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
     anyhow::ensure!(name.len() < ifr.ifr_name.len(), "link name {name} too long");
@@ -300,7 +305,7 @@ pub fn set_tx_checksum_offload(name: &str, on: bool) -> Result<()> {
         let rc = libc::ioctl(fd, libc::SIOCETHTOOL as _, &raw mut ifr);
         let err = std::io::Error::last_os_error();
         libc::close(fd);
-        anyhow::ensure!(rc == 0, "SIOCETHTOOL ETHTOOL_STXCSUM {name} {on}: {err}");
+        anyhow::ensure!(rc == 0, "SIOCETHTOOL {cmd:#x} {name} {on}: {err}");
     }
     Ok(())
 }
@@ -330,4 +335,49 @@ pub fn device_route(add: bool, prefix: IpAddr, len: u8, ifindex: u32) -> std::io
         (libc::RTM_DELROUTE, libc::NLM_F_ACK)
     };
     netlink::request_ack(libc::NETLINK_ROUTE, &netlink::message(kind, flags as u16, &body))
+}
+
+/// A two-instruction XDP program (`r0 = action; exit`) attached to link `name` of the calling
+/// thread's namespace in the driver's mode, as a bpf link: detached when the returned fd is
+/// closed. A veth's native XDP transmits (`XDP_TX`, `XDP_REDIRECT`) into its peer's ring, which
+/// the kernel drains only while the peer holds an XDP program of its own: the switch ports and
+/// the bench's sinks get `XDP_PASS` (2) from this; the bench's generator `XDP_TX` (3).
+pub fn attach_xdp_stub(name: &str, action: u32) -> Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd as _;
+    const BPF_PROG_LOAD: libc::c_long = 5;
+    const BPF_LINK_CREATE: libc::c_long = 28;
+    const BPF_PROG_TYPE_XDP: u32 = 6;
+    const BPF_XDP: u32 = 37;
+    const XDP_FLAGS_DRV_MODE: u32 = 4;
+    // mov64 r0, action; exit.
+    let mut insns = [0u8; 16];
+    insns[0] = 0xb7;
+    insns[4..8].copy_from_slice(&action.to_ne_bytes());
+    insns[8] = 0x95;
+    let license = c"GPL";
+    let bpf = |cmd: libc::c_long, attr: &mut [u8; 128]| -> Result<std::os::fd::OwnedFd> {
+        // SAFETY: the bpf syscall with an attribute block of its size, zero past the fields set.
+        let fd = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), attr.len() as u32) };
+        anyhow::ensure!(fd >= 0, "bpf({cmd}): {}", std::io::Error::last_os_error());
+        // SAFETY: a new fd the syscall returned, owned from here.
+        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
+    };
+    // union bpf_attr, BPF_PROG_LOAD: prog_type, insn_cnt, insns, license.
+    let mut attr = [0u8; 128];
+    attr[0..4].copy_from_slice(&BPF_PROG_TYPE_XDP.to_ne_bytes());
+    attr[4..8].copy_from_slice(&2u32.to_ne_bytes());
+    attr[8..16].copy_from_slice(&(insns.as_ptr() as u64).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
+    let prog = bpf(BPF_PROG_LOAD, &mut attr)?;
+    let c_name = std::ffi::CString::new(name)?;
+    // SAFETY: a NUL-terminated name.
+    let ifindex = unsafe { libc::if_nametoindex(c_name.as_ptr()) };
+    anyhow::ensure!(ifindex != 0, "no link {name}: {}", std::io::Error::last_os_error());
+    // BPF_LINK_CREATE: prog_fd, target_ifindex, attach_type, flags.
+    let mut attr = [0u8; 128];
+    attr[0..4].copy_from_slice(&(std::os::fd::AsRawFd::as_raw_fd(&prog) as u32).to_ne_bytes());
+    attr[4..8].copy_from_slice(&ifindex.to_ne_bytes());
+    attr[8..12].copy_from_slice(&BPF_XDP.to_ne_bytes());
+    attr[12..16].copy_from_slice(&XDP_FLAGS_DRV_MODE.to_ne_bytes());
+    bpf(BPF_LINK_CREATE, &mut attr).with_context(|| format!("an XDP stub on {name}"))
 }

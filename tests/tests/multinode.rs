@@ -2391,3 +2391,97 @@ fn sctp_services_are_translated_for_pods_and_outside_clients() {
         "node-a tracks the outside client's association:\n{flows}"
     );
 }
+
+/// Whether link `link` of namespace `netns` holds an XDP program (`ip -d link`'s `prog/xdp`).
+fn holds_xdp(netns: &Netns, link: &str) -> bool {
+    let out = Command::new("ip").args(["-n", &netns.name, "-d", "link", "show", link]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).contains("prog/xdp")
+}
+
+/// `--xdp native`: each node's eth0 (the link of its primary address) holds the XDP program,
+/// in front of tc. A 1 MiB echo through node-a's NodePort to pod-b, masqueraded as kube-proxy
+/// does, is carried on node-a by XDP once established: its segments and the pod's come in by
+/// eth0 and go back out of it (`XDP_TX`), translated, and every byte comes back. The switch's
+/// ports take what a veth's native XDP sends them (they hold an XDP program: a veth drains
+/// such frames only then) and the senders complete their checksums, as on a wire. A policy in node-a's FORWARD chain stops the
+/// established connection as it stops kube-proxy's (XDP leaves its packets to tc, which takes
+/// the host's path); with the policy gone the connection goes on. A restart with `--xdp off`
+/// takes the program off.
+#[test]
+fn xdp_carries_established_node_port_flows_and_yields_to_a_forward_policy() {
+    let mut c = Bridged::new_with("km-xdp", &["--xdp", "native"]).unwrap();
+    let _switch_ports_xdp = c
+        ._switch
+        .run(|| ["p-ext", "p-node-a", "p-node-b"].map(|port| kpr_tests::attach_xdp_stub(port, 2).unwrap()))
+        .unwrap();
+    c.ext(|| kpr_tests::set_tx_checksum_offload("eth0", false)).unwrap();
+    for node in &c.nodes {
+        node.netns.run(|| kpr_tests::set_tx_checksum_offload("eth0", false)).unwrap().unwrap();
+    }
+    let pod_b = c.nodes[1].pod_ip;
+    c.write("svc.yaml", &service("Cluster", 30094, &[(pod_b, "node-b")]));
+    c.wait("*:30094/TCP ext", 1);
+    for node in &c.nodes {
+        assert!(holds_xdp(&node.netns, "eth0"), "{}'s eth0 holds the XDP program", node.name);
+        assert!(!holds_xdp(&node.netns, "veth-pod"), "{}'s pod link does not", node.name);
+    }
+    let node_a = &c.nodes[0];
+    let a = node_a.ip;
+    let counter = |index: u32| bpf::read_counters(&node_a.pins).unwrap()[index as usize].1;
+    let xdp_forwarded = || counter(proxy_common::counter::XDP_FORWARDED);
+    let (name, seen) = c.ext(move || tcp_ask_peer(SocketAddrV4::new(a, 30094), TIMEOUT).unwrap());
+    assert_eq!((name.as_str(), seen), ("pod-b", a.to_string()), "masqueraded to node-a, as kube-proxy does");
+
+    let before = xdp_forwarded();
+    const BULK: usize = 1 << 20;
+    let (echoed, _) = c.ext(move || bulk_echo(SocketAddrV4::new(a, 30094), BULK));
+    assert_eq!(echoed, BULK, "the whole echo came back");
+    let carried = xdp_forwarded() - before;
+    // 1 MiB each way is over 700 full-sized segments each way, and their ACKs.
+    eprintln!("XDP sent {carried} of the echo's packets back out of node-a's eth0");
+    assert!(carried >= 1_000, "XDP sent {carried} of the echo's packets back out of node-a's eth0");
+
+    // The policy: pod-b's port denied in node-a's forward hook. The connection made before it
+    // stops, as kube-proxy's would: XDP leaves its packets to tc, tc to the host's path.
+    let mut conn = c.ext(move || {
+        let mut conn = TcpStream::connect_timeout(&SocketAddrV4::new(a, 30094).into(), TIMEOUT).unwrap();
+        conn.set_read_timeout(Some(Duration::from_millis(700))).unwrap();
+        let mut greeting = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(&conn), &mut greeting).unwrap();
+        echo(&mut conn, "before the policy").unwrap();
+        conn
+    });
+    node_a
+        .netns
+        .sh("nft add table inet kprpol && \
+             nft add chain inet kprpol forward '{ type filter hook forward priority 0; policy accept; }' && \
+             nft add rule inet kprpol forward ip daddr 10.244.2.2 tcp dport 8080 counter drop")
+        .unwrap();
+    wait_host_state(&node_a.pins, false);
+    let before = xdp_forwarded();
+    let err = echo(&mut conn, "under the policy").unwrap_err();
+    assert!(matches!(err.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut), "{err}");
+    assert_eq!(xdp_forwarded(), before, "XDP sent nothing past the policy");
+    assert!(forward_rule_packets(&node_a.netns) >= 1, "the policy saw the segment");
+    // The policy gone: the segment is sent again and answered (its line, then this one).
+    node_a.netns.sh("nft delete table inet kprpol").unwrap();
+    wait_host_state(&node_a.pins, true);
+    conn.set_read_timeout(Some(testbed::slow(Duration::from_secs(10)))).unwrap();
+    let mut back = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(&conn), &mut back).unwrap();
+    assert_eq!(back, "under the policy\n");
+    echo(&mut conn, "after the policy").unwrap();
+
+    // Off: the restarted agent takes its program off the link; tc serves the connection.
+    c.agent_args = vec!["--xdp".into(), "off".into()];
+    let mut agent = c.nodes[0].agent.take().unwrap();
+    agent.kill().unwrap();
+    agent.wait().unwrap();
+    c.start_agent(0).unwrap();
+    let deadline = std::time::Instant::now() + testbed::slow(Duration::from_secs(20));
+    while holds_xdp(&c.nodes[0].netns, "eth0") {
+        assert!(std::time::Instant::now() < deadline, "node-a's eth0 still holds the XDP program");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    echo(&mut conn, "without XDP").unwrap();
+}

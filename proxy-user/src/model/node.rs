@@ -164,8 +164,8 @@ pub struct NodePlan {
     /// ifindex → name of the links the per-packet programs go on.
     pub tc_links: BTreeMap<u32, String>,
     /// The external links among them, where `--xdp` puts its program: Ethernet links that
-    /// hold a primary address (where NodePort traffic from outside comes in), not a pod's
-    /// veth nor a link the local-traffic detector names.
+    /// hold a primary address (where NodePort traffic from outside comes in; a pod's veth
+    /// holds none), not one the local-traffic detector names. A kind node's eth0 is a veth.
     pub xdp_links: BTreeMap<u32, String>,
     /// The primary IPv4 address (masquerade fallback, `nodePortAddresses: [primary]`).
     pub primary: Option<Ipv4Addr>,
@@ -347,7 +347,7 @@ pub fn plan(links: &[HostLink], node: Option<&NodeObject>, settings: &NodeSettin
         };
         if covered {
             tc_links.insert(link.index, link.name.clone());
-            let external = flags & (LINK_FLAG_LOCAL_TRAFFIC | LINK_FLAG_PEER | LINK_FLAG_NOT_ETHERNET) == 0
+            let external = flags & (LINK_FLAG_LOCAL_TRAFFIC | LINK_FLAG_NOT_ETHERNET) == 0
                 && link.addrs.iter().any(|a| primaries.contains(&Some(*a)));
             if external {
                 xdp_links.insert(link.index, link.name.clone());
@@ -432,6 +432,10 @@ mod tests {
         let p = plan(&host(), Some(&node), &settings);
         // Not eth1 (no primary address), cni0 (the pods' bridge), a pod's veth, nor lo.
         assert_eq!(p.xdp_links.values().collect::<Vec<_>>(), ["eth0"]);
+        // A kind node's eth0 is a veth.
+        let mut kind = host();
+        kind[1].peer_nsid = Some(0);
+        assert_eq!(plan(&kind, Some(&node), &settings).xdp_links.values().collect::<Vec<_>>(), ["eth0"]);
         // The primary on a link the detector calls local: none.
         let settings =
             NodeSettings { detect_local: DetectLocal::InterfaceNamePrefix("eth".into()), ..settings.clone() };

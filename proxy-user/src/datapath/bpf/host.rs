@@ -556,13 +556,14 @@ impl BpfHost {
     }
 
     /// Attach the XDP program to the `wanted` links that hold the tc programs (its fallback).
-    fn attach_xdp(&mut self, names: &BTreeMap<u32, String>, wanted: &BTreeSet<u32>) {
+    fn attach_xdp(&mut self, plan: &NodePlan, wanted: &BTreeSet<u32>) {
         for ifindex in wanted {
-            let Some(name) = names.get(ifindex) else { continue };
+            let Some(name) = plan.xdp_links.get(ifindex) else { continue };
             if self.xdp_attached.contains_key(ifindex) || !self.attached.contains_key(ifindex) {
                 continue;
             }
-            match super::xdp::attach(&mut self.ebpf, &self.dir, *ifindex, self.xdp) {
+            let veth = plan.links.get(ifindex).is_some_and(|l| l.flags & proxy_common::LINK_FLAG_PEER != 0);
+            match super::xdp::attach(&mut self.ebpf, &self.dir, *ifindex, self.xdp, veth) {
                 Ok(mode) => {
                     tracing::info!(interface = %name, ifindex, mode, "XDP program attached");
                     self.xdp_attached.insert(*ifindex, name.clone());
@@ -656,7 +657,7 @@ impl HostDatapath for BpfHost {
             self.older_conntrack = Some(older);
             self.set_retiring(false);
         }
-        self.attach_xdp(&plan.xdp_links, &xdp_wanted);
+        self.attach_xdp(plan, &xdp_wanted);
         self.check_forwarding();
         // After the attachments: a pod's namespace is listed once its link holds the programs,
         // so the socket path never leaves it a connection that nothing would translate.

@@ -42,7 +42,13 @@ fn pin_path(dir: &Path, ifindex: u32) -> std::path::PathBuf {
 
 /// Attach the program to link `ifindex` (or swap it into the link an earlier run pinned): the
 /// mode it runs in ("native", "generic"; "kept" for a pinned link).
-pub fn attach(ebpf: &mut Ebpf, dir: &Path, ifindex: u32, setting: XdpSetting) -> Result<&'static str> {
+///
+/// A veth's native XDP puts what it transmits (`XDP_TX`) in its peer's ring, which the kernel
+/// drains at once only while the peer holds an XDP program of its own (else the frames wait
+/// for the link's next ordinary packet, or are dropped where the peer has no NAPI). The peer is
+/// in another namespace, out of the agent's sight: `best-effort` takes generic XDP on a veth
+/// (transmitted as any packet), `native` the driver's, with a warning.
+pub fn attach(ebpf: &mut Ebpf, dir: &Path, ifindex: u32, setting: XdpSetting, veth: bool) -> Result<&'static str> {
     let prog: &mut Xdp = ebpf.program_mut(program_names::XDP).context("no XDP program")?.try_into()?;
     let pin = pin_path(dir, ifindex);
     if pin.exists() {
@@ -53,7 +59,17 @@ pub fn attach(ebpf: &mut Ebpf, dir: &Path, ifindex: u32, setting: XdpSetting) ->
     }
     let modes: &[(XdpMode, &'static str)] = match setting {
         XdpSetting::Off => return Ok("off"),
-        XdpSetting::Native => &[(XdpMode::Driver, "native")],
+        XdpSetting::Native => {
+            if veth {
+                tracing::warn!(
+                    ifindex,
+                    "native XDP on a veth: its peer must hold an XDP program, or the packets XDP sends back out \
+                     wait or are dropped (--xdp best-effort takes generic XDP on a veth)"
+                );
+            }
+            &[(XdpMode::Driver, "native")]
+        }
+        XdpSetting::BestEffort if veth => &[(XdpMode::Skb, "generic")],
         XdpSetting::BestEffort => &[(XdpMode::Driver, "native"), (XdpMode::Skb, "generic")],
     };
     let mut failure = None;
