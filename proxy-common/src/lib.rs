@@ -11,7 +11,7 @@
 #![no_std]
 
 /// Version of the pinned map layout; part of the bpffs pin directory (`<pin-root>/v<N>`).
-pub const PIN_LAYOUT_VERSION: u32 = 17;
+pub const PIN_LAYOUT_VERSION: u32 = 18;
 
 /// The pinned maps an agent takes over from an older layout's directory (an upgrade), each
 /// with the oldest layout version whose map of that name reads as this one's: raise it when a
@@ -46,8 +46,9 @@ pub const CARRIED_MAPS: [(&str, u32); 30] = {
         // v14 gave it a second word.
         (HOST_STATE, 14),
         (ADDR_FILTER, 12),
-        // v13 added a counter and the flow caches' generation, v14, v15 and v16 a counter.
-        (COUNTERS, 16),
+        // v13 added a counter and the flow caches' generation, v14, v15, v16 and v18 a
+        // counter.
+        (COUNTERS, 18),
         (CT_GENERATION, 13),
         // Added within v13: an older v13 directory has none, and the first sync fills it.
         (NODE_SOURCES, 13),

@@ -15,13 +15,16 @@
 //! the established table, read only (an entry due for a refresh is tc's). Checksums are
 //! changed as a complete checksum's: packets from a wire carry one; a veth peer must send them
 //! so (its transmit checksum offload off), as the tests and the bench set it.
-use aya_ebpf::{EbpfContext as _, bindings::xdp_action, macros::xdp, programs::XdpContext};
 use aya_ebpf::{
-    bindings::{BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup},
+    EbpfContext as _,
+    bindings::{BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup, xdp_action},
+    btf_maps::PerCpuArray,
     helpers::bpf_fib_lookup as fib_lookup,
+    macros::{btf_map, xdp},
+    programs::XdpContext,
 };
 use proxy_common::{
-    CtKey, CtValue, IPPROTO_TCP, IPPROTO_UDP, NODE_ADDR_LOCAL, counter,
+    Addr, CtKey, CtValue, IPPROTO_TCP, IPPROTO_UDP, NODE_ADDR_LOCAL, counter,
     csum::{self, kernel::mangled},
     ct,
 };
@@ -37,6 +40,32 @@ use crate::{
 };
 
 const PASS: u32 = xdp_action::XDP_PASS;
+
+/// A route lookup's answer kept for the packets after it (`bpf_fib_lookup` is most of the
+/// program's cost, over 100 ns for IPv4 and 250 for IPv6): for the same source, destination
+/// and incoming link, in the same period of the clock (about a second, as tc's kept routes),
+/// for packets no longer than one the lookup passed.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct KeptRoute {
+    src: Addr,
+    dst: Addr,
+    ingress: u32,
+    period: u32,
+    /// The longest packet (IP total length) the lookup found within the route's MTU.
+    fits: u32,
+    /// The destination's and the link's MAC addresses.
+    macs: [u8; 12],
+    _pad: [u8; 8],
+}
+
+const KEPT_ROUTES: u32 = 1024;
+
+/// Per CPU, direct-mapped by a hash of the addresses (a collision costs a lookup, never a
+/// wrong route: the addresses and the link are compared). Not pinned: it starts empty with
+/// each program.
+#[btf_map(name = "KPR_XDP_ROUTES")]
+static KEPT: PerCpuArray<KeptRoute, { KEPT_ROUTES as usize }> = PerCpuArray::new();
 /// The L4 header lengths read: TCP's without options, UDP's.
 const TCP_LEN: usize = 20;
 const UDP_LEN: usize = 8;
@@ -114,26 +143,9 @@ fn forward<F: Family>(ctx: &XdpContext) -> u32 {
     }
     // The translated packet's route: it must leave by this link, with its neighbour known and
     // within the link's MTU.
-    let mut params = core::mem::MaybeUninit::<bpf_fib_lookup>::uninit();
-    let params = params.as_mut_ptr();
-    zero_fib(params);
-    // SAFETY: zeroed above, every byte.
-    let params = unsafe { &mut *params };
     let ifindex = ctx.ingress_ifindex() as u32;
-    params.family = F::AF;
-    params.ifindex = ifindex;
-    params.l4_protocol = proto;
-    params.sport = entry.src_port;
-    params.dport = entry.dst_port;
-    params.__bindgen_anon_1.tot_len = F::l4_len(ip) + (size_of::<F::Ip>() as u16);
-    F::fib_tos(params, ip);
-    F::fib_src(params, &entry.src_addr);
-    F::fib_dst(params, &entry.dst_addr);
-    // SAFETY: the program's context and a parameter block of the helper's size.
-    let rc = unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, 0) };
-    if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) || params.ifindex != ifindex {
-        return PASS;
-    }
+    let tot_len = F::l4_len(ip) + (size_of::<F::Ip>() as u16);
+    let Some(macs) = route::<F>(ctx, ip, entry, ifindex, u32::from(tot_len), now) else { return PASS };
     // The bounds again, for the verifier (the helper does not move the packet).
     let (data, end) = (ctx.data(), ctx.data_end());
     // SAFETY (both): within [data, data_end), checked just before.
@@ -141,12 +153,12 @@ fn forward<F: Family>(ctx: &XdpContext) -> u32 {
         if data + F::L4_OFF + TCP_LEN > end {
             return PASS;
         }
-        unsafe { rewrite::<F, TCP_CSUM>(data as *mut u8, entry, ports, false, params) };
+        unsafe { rewrite::<F, TCP_CSUM>(data as *mut u8, entry, ports, false, &macs) };
     } else {
         if data + F::L4_OFF + UDP_LEN > end {
             return PASS;
         }
-        unsafe { rewrite::<F, UDP_CSUM>(data as *mut u8, entry, ports, true, params) };
+        unsafe { rewrite::<F, UDP_CSUM>(data as *mut u8, entry, ports, true, &macs) };
     }
     match cached {
         // Counted in the slot, as tc's hits are (`flow_cache::probe`).
@@ -166,18 +178,85 @@ fn forward<F: Family>(ctx: &XdpContext) -> u32 {
     xdp_action::XDP_TX
 }
 
+/// The MAC addresses (the destination's, the link's) of the translated packet's route, if it
+/// leaves by the link it came in on: kept (`KeptRoute`), or looked up and kept.
+#[inline(always)]
+fn route<F: Family>(
+    ctx: &XdpContext,
+    ip: &F::Ip,
+    to: &CtValue,
+    ifindex: u32,
+    tot_len: u32,
+    now: u64,
+) -> Option<[u8; 12]> {
+    let period = (now >> ct::ROUTE_PERIOD_SHIFT) as u32;
+    let [s0, s1, s2, s3] = to.src_addr.0;
+    let [d0, d1, d2, d3] = to.dst_addr.0;
+    let hash = (s0 ^ s1 ^ s2 ^ s3).wrapping_mul(0x9E37_79B1) ^ (d0 ^ d1 ^ d2 ^ d3).wrapping_mul(0x85EB_CA77);
+    let kept = KEPT.get_ptr_mut(hash >> (32 - KEEP_BITS))?;
+    // SAFETY: a map value of this CPU's, valid for this program run.
+    let kept = unsafe { &mut *kept };
+    if kept.period == period
+        && kept.ingress == ifindex
+        && tot_len <= kept.fits
+        && kept.src.same(&to.src_addr)
+        && kept.dst.same(&to.dst_addr)
+    {
+        return Some(kept.macs);
+    }
+    let mut params = core::mem::MaybeUninit::<bpf_fib_lookup>::uninit();
+    let params = params.as_mut_ptr();
+    zero_fib(params);
+    // SAFETY: zeroed above, every byte.
+    let params = unsafe { &mut *params };
+    params.family = F::AF;
+    params.ifindex = ifindex;
+    params.l4_protocol = F::next_header(ip);
+    params.__bindgen_anon_1.tot_len = tot_len as u16;
+    F::fib_tos(params, ip);
+    F::fib_src(params, &to.src_addr);
+    F::fib_dst(params, &to.dst_addr);
+    // SAFETY: the program's context and a parameter block of the helper's size.
+    let rc = unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, 0) };
+    if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) || params.ifindex != ifindex {
+        return None;
+    }
+    // SAFETY: the lookup's answer, the MAC addresses' member of its union.
+    let found = unsafe { &params.__bindgen_anon_6.__bindgen_anon_2 };
+    let mut macs = [0u8; 12];
+    macs[..6].copy_from_slice(&found.dmac);
+    macs[6..].copy_from_slice(&found.smac);
+    let fits = if kept.period == period && kept.src.same(&to.src_addr) && kept.dst.same(&to.dst_addr) {
+        kept.fits.max(tot_len)
+    } else {
+        tot_len
+    };
+    *kept = KeptRoute { src: to.src_addr, dst: to.dst_addr, ingress: ifindex, period, fits, macs, _pad: [0; 8] };
+    Some(macs)
+}
+
+/// `KEPT_ROUTES` as bits of the hash.
+const KEEP_BITS: u32 = KEPT_ROUTES.trailing_zeros();
+
 /// A flow key on the stack, 8-byte aligned as `CtKey::write_words` writes it (the verifier
 /// refuses misaligned stack access).
 #[repr(C, align(8))]
 struct KeySlot<A>(core::mem::MaybeUninit<CtKey<A>>);
 
-/// The established table's entry of `key` if XDP may translate by it as it is: live, not due
-/// for its refresh (which tc's table path does), answered, not closing, its endpoint alive.
+/// How long past its refresh's time XDP still serves an entry from the table: tc reads its
+/// clock once a tick (`now_by_tick`), up to a tick behind XDP's, and refreshes an entry only
+/// once its own clock says so. Without the slack, for up to a tick each second XDP would pass
+/// a flow's packets to tc, which would neither refresh the entry nor send them differently.
+const REFRESH_SLACK_NS: u64 = 20_000_000;
+
+/// The established table's entry of `key` if XDP may translate by it as it is: live, not
+/// overdue for its refresh (which tc's table path does), answered, not closing, its endpoint
+/// alive.
 #[inline(always)]
 fn serving_entry<'a, A: FlowTables>(key: &CtKey<A>, proto: u8, now: u64) -> Option<&'a CtValue> {
     // SAFETY: a map value pointer, valid for this program run.
     let entry = unsafe { &*A::established().get_ptr(key)? };
-    let refreshed = now.saturating_sub(entry.last_seen) < ct::REFRESH_NS;
+    let refreshed = now.saturating_sub(entry.last_seen) < ct::REFRESH_NS + REFRESH_SLACK_NS;
     let settled = entry.flags & (ct::ENDPOINT_DEAD | ct::FIN_ORIG | ct::FIN_REPLY | ct::RST) == 0
         && (entry.flags & ct::REPLY == 0 || entry.flags & ct::SEEN_REPLY != 0);
     (refreshed && settled && !expired(proto, entry, now)).then_some(entry)
@@ -190,7 +269,7 @@ fn split_ports(word: u32) -> (u16, u16) {
 }
 
 /// Translate the packet as `to` says, its checksums changed incrementally (complete ones), the
-/// TTL one down, and the MAC addresses the route's.
+/// TTL one down, and the route's MAC addresses (`macs`: destination, source).
 ///
 /// # Safety
 /// `data` is the packet's start, with its IP header and L4 up to the checksum at `CSUM_OFF`
@@ -201,7 +280,7 @@ unsafe fn rewrite<F: Family, const CSUM_OFF: usize>(
     to: &CtValue,
     old_ports: u32,
     udp: bool,
-    route: &bpf_fib_lookup,
+    macs: &[u8; 12],
 ) {
     let new_ports = ports_word(to.src_port, to.dst_port);
     // SAFETY: within the bounds the caller checked.
@@ -225,10 +304,8 @@ unsafe fn rewrite<F: Family, const CSUM_OFF: usize>(
         }
         write_word(data.add(F::L4_OFF), new_ports);
         F::decrement_hops(data.add(F::IP_OFF));
-        let macs = &route.__bindgen_anon_6.__bindgen_anon_2;
-        for i in 0..6 {
-            data.add(i).write(macs.dmac[i]);
-            data.add(6 + i).write(macs.smac[i]);
+        for (i, byte) in macs.iter().enumerate() {
+            data.add(i).write(*byte);
         }
     }
 }

@@ -343,32 +343,10 @@ pub fn device_route(add: bool, prefix: IpAddr, len: u8, ifindex: u32) -> std::io
 /// the kernel drains only while the peer holds an XDP program of its own: the switch ports and
 /// the bench's sinks get `XDP_PASS` (2) from this; the bench's generator `XDP_TX` (3).
 pub fn attach_xdp_stub(name: &str, action: u32) -> Result<std::os::fd::OwnedFd> {
-    use std::os::fd::FromRawFd as _;
-    const BPF_PROG_LOAD: libc::c_long = 5;
     const BPF_LINK_CREATE: libc::c_long = 28;
-    const BPF_PROG_TYPE_XDP: u32 = 6;
     const BPF_XDP: u32 = 37;
     const XDP_FLAGS_DRV_MODE: u32 = 4;
-    // mov64 r0, action; exit.
-    let mut insns = [0u8; 16];
-    insns[0] = 0xb7;
-    insns[4..8].copy_from_slice(&action.to_ne_bytes());
-    insns[8] = 0x95;
-    let license = c"GPL";
-    let bpf = |cmd: libc::c_long, attr: &mut [u8; 128]| -> Result<std::os::fd::OwnedFd> {
-        // SAFETY: the bpf syscall with an attribute block of its size, zero past the fields set.
-        let fd = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), attr.len() as u32) };
-        anyhow::ensure!(fd >= 0, "bpf({cmd}): {}", std::io::Error::last_os_error());
-        // SAFETY: a new fd the syscall returned, owned from here.
-        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
-    };
-    // union bpf_attr, BPF_PROG_LOAD: prog_type, insn_cnt, insns, license.
-    let mut attr = [0u8; 128];
-    attr[0..4].copy_from_slice(&BPF_PROG_TYPE_XDP.to_ne_bytes());
-    attr[4..8].copy_from_slice(&2u32.to_ne_bytes());
-    attr[8..16].copy_from_slice(&(insns.as_ptr() as u64).to_ne_bytes());
-    attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
-    let prog = bpf(BPF_PROG_LOAD, &mut attr)?;
+    let prog = load_xdp_stub(action)?;
     let c_name = std::ffi::CString::new(name)?;
     // SAFETY: a NUL-terminated name.
     let ifindex = unsafe { libc::if_nametoindex(c_name.as_ptr()) };
@@ -380,4 +358,132 @@ pub fn attach_xdp_stub(name: &str, action: u32) -> Result<std::os::fd::OwnedFd> 
     attr[8..12].copy_from_slice(&BPF_XDP.to_ne_bytes());
     attr[12..16].copy_from_slice(&XDP_FLAGS_DRV_MODE.to_ne_bytes());
     bpf(BPF_LINK_CREATE, &mut attr).with_context(|| format!("an XDP stub on {name}"))
+}
+
+/// The program of [`attach_xdp_stub`], loaded: its fd.
+pub fn load_xdp_stub(action: u32) -> Result<std::os::fd::OwnedFd> {
+    const BPF_PROG_LOAD: libc::c_long = 5;
+    const BPF_PROG_TYPE_XDP: u32 = 6;
+    // mov64 r0, action; exit.
+    let mut insns = [0u8; 16];
+    insns[0] = 0xb7;
+    insns[4..8].copy_from_slice(&action.to_ne_bytes());
+    insns[8] = 0x95;
+    let license = c"GPL";
+    // union bpf_attr, BPF_PROG_LOAD: prog_type, insn_cnt, insns, license.
+    let mut attr = [0u8; 128];
+    attr[0..4].copy_from_slice(&BPF_PROG_TYPE_XDP.to_ne_bytes());
+    attr[4..8].copy_from_slice(&2u32.to_ne_bytes());
+    attr[8..16].copy_from_slice(&(insns.as_ptr() as u64).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
+    bpf(BPF_PROG_LOAD, &mut attr).context("loading an XDP stub")
+}
+
+/// The bytes of a [`xdp_generator`]'s frame.
+pub const GENERATED_FRAME_LEN: usize = 64;
+
+/// An XDP program for the kernel's traffic generator ([`xdp_live_frames`]) that writes
+/// `frame` into the packet and returns `XDP_TX`. Live frames are recycled as they come back
+/// (from a sink's XDP), with whatever the path they took wrote in them (a translation): each
+/// run puts the frame back.
+pub fn xdp_generator(frame: &[u8; GENERATED_FRAME_LEN]) -> Result<std::os::fd::OwnedFd> {
+    const BPF_MAP_CREATE: libc::c_long = 0;
+    const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+    const BPF_PROG_LOAD: libc::c_long = 5;
+    const BPF_MAP_TYPE_ARRAY: u32 = 2;
+    const BPF_PROG_TYPE_XDP: u32 = 6;
+    // The frame in a one-slot array.
+    let mut attr = [0u8; 128];
+    for (i, word) in [BPF_MAP_TYPE_ARRAY, 4, GENERATED_FRAME_LEN as u32, 1].into_iter().enumerate() {
+        attr[4 * i..4 * i + 4].copy_from_slice(&word.to_ne_bytes());
+    }
+    let map = bpf(BPF_MAP_CREATE, &mut attr).context("the generator's frame map")?;
+    let map_fd = std::os::fd::AsRawFd::as_raw_fd(&map);
+    let key = 0u32;
+    let mut attr = [0u8; 128];
+    attr[0..4].copy_from_slice(&(map_fd as u32).to_ne_bytes());
+    attr[8..16].copy_from_slice(&(&raw const key as u64).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(frame.as_ptr() as u64).to_ne_bytes());
+    bpf_call(BPF_MAP_UPDATE_ELEM, &mut attr).context("writing the generator's frame")?;
+    // (code, dst | src << 4, offset, immediate)
+    let insn = |code: u8, regs: u8, off: i16, imm: i32| -> [u8; 8] {
+        let mut i = [code, regs, 0, 0, 0, 0, 0, 0];
+        i[2..4].copy_from_slice(&off.to_ne_bytes());
+        i[4..8].copy_from_slice(&imm.to_ne_bytes());
+        i
+    };
+    let mut prog: Vec<[u8; 8]> = vec![
+        insn(0xbf, 0x16, 0, 0),                          // 0: r6 = r1 (the context)
+        insn(0x62, 0x0a, -4, 0),                         // 1: *(u32 *)(r10 - 4) = 0 (the key)
+        insn(0x18, 0x11, 0, map_fd),                     // 2: r1 = the map (ld_imm64, a map fd)
+        insn(0x00, 0x00, 0, 0),                          // 3
+        insn(0xbf, 0xa2, 0, 0),                          // 4: r2 = r10
+        insn(0x07, 0x02, 0, -4),                         // 5: r2 += -4
+        insn(0x85, 0x00, 0, 1),                          // 6: call bpf_map_lookup_elem
+        insn(0x15, 0x00, 23, 0),                         // 7: if r0 == 0 goto 31
+        insn(0x61, 0x62, 0, 0),                          // 8: r2 = ctx->data
+        insn(0x61, 0x63, 4, 0),                          // 9: r3 = ctx->data_end
+        insn(0xbf, 0x24, 0, 0),                          // 10: r4 = r2
+        insn(0x07, 0x04, 0, GENERATED_FRAME_LEN as i32), // 11: r4 += 64
+        insn(0x2d, 0x34, 18, 0),                         // 12: if r4 > r3 goto 31
+    ];
+    for i in 0..(GENERATED_FRAME_LEN / 8) as i16 {
+        prog.push(insn(0x79, 0x05, 8 * i, 0)); // r5 = *(u64 *)(r0 + 8i)
+        prog.push(insn(0x7b, 0x52, 8 * i, 0)); // *(u64 *)(r2 + 8i) = r5
+    }
+    prog.push(insn(0xb7, 0x00, 0, 3)); // 29: r0 = XDP_TX
+    prog.push(insn(0x95, 0x00, 0, 0)); // 30: exit
+    prog.push(insn(0xb7, 0x00, 0, 0)); // 31: r0 = XDP_ABORTED
+    prog.push(insn(0x95, 0x00, 0, 0)); // 32: exit
+    let insns = prog.concat();
+    let license = c"GPL";
+    let mut attr = [0u8; 128];
+    attr[0..4].copy_from_slice(&BPF_PROG_TYPE_XDP.to_ne_bytes());
+    attr[4..8].copy_from_slice(&((insns.len() / 8) as u32).to_ne_bytes());
+    attr[8..16].copy_from_slice(&(insns.as_ptr() as u64).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
+    bpf(BPF_PROG_LOAD, &mut attr).context("loading the XDP generator")
+}
+
+/// Send `frame` `repeat` times out of link `ifindex` (of the calling thread's namespace) with
+/// the kernel's XDP traffic generator: `BPF_PROG_TEST_RUN` of an XDP program returning
+/// `XDP_TX` ([`xdp_generator`]) in live-frames mode (5.18+), which transmits what the program
+/// returns. The frames go on the calling CPU, in batches of 64.
+pub fn xdp_live_frames(prog: &std::os::fd::OwnedFd, frame: &[u8], ifindex: u32, repeat: u32) -> Result<()> {
+    const BPF_PROG_TEST_RUN: libc::c_long = 10;
+    const BPF_F_TEST_XDP_LIVE_FRAMES: u32 = 2;
+    // `struct xdp_md`: data 0, data_end, data_meta 0, ingress_ifindex.
+    let mut ctx = [0u8; 24];
+    ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+    ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+    // union bpf_attr, BPF_PROG_TEST_RUN: prog_fd, retval, data_size_in, data_size_out, data_in,
+    // data_out, repeat, duration, ctx_size_in, ctx_size_out, ctx_in, ctx_out, flags, cpu,
+    // batch_size.
+    let mut attr = [0u8; 128];
+    attr[0..4].copy_from_slice(&(std::os::fd::AsRawFd::as_raw_fd(prog) as u32).to_ne_bytes());
+    attr[8..12].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(frame.as_ptr() as u64).to_ne_bytes());
+    attr[32..36].copy_from_slice(&repeat.to_ne_bytes());
+    attr[40..44].copy_from_slice(&(ctx.len() as u32).to_ne_bytes());
+    attr[48..56].copy_from_slice(&(ctx.as_ptr() as u64).to_ne_bytes());
+    attr[64..68].copy_from_slice(&BPF_F_TEST_XDP_LIVE_FRAMES.to_ne_bytes());
+    // The frame and the context outlive the call.
+    bpf_call(BPF_PROG_TEST_RUN, &mut attr).context("BPF_PROG_TEST_RUN (live frames)").map(drop)
+}
+
+/// The bpf syscall `cmd` with attribute block `attr` (zero past the fields set): what it
+/// returns.
+fn bpf_call(cmd: libc::c_long, attr: &mut [u8; 128]) -> Result<i64> {
+    // SAFETY: the bpf syscall with an attribute block of its size.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), attr.len() as u32) };
+    anyhow::ensure!(rc >= 0, "bpf({cmd}): {}", std::io::Error::last_os_error());
+    Ok(rc)
+}
+
+/// [`bpf_call`] for a command that returns a new fd.
+fn bpf(cmd: libc::c_long, attr: &mut [u8; 128]) -> Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd as _;
+    let fd = bpf_call(cmd, attr)?;
+    // SAFETY: a new fd the syscall returned, owned from here.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
 }

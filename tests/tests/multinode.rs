@@ -2403,10 +2403,11 @@ fn holds_xdp(netns: &Netns, link: &str) -> bool {
 /// does, is carried on node-a by XDP once established: its segments and the pod's come in by
 /// eth0 and go back out of it (`XDP_TX`), translated, and every byte comes back. The switch's
 /// ports take what a veth's native XDP sends them (they hold an XDP program: a veth drains
-/// such frames only then) and the senders complete their checksums, as on a wire. A policy in node-a's FORWARD chain stops the
-/// established connection as it stops kube-proxy's (XDP leaves its packets to tc, which takes
-/// the host's path); with the policy gone the connection goes on. A restart with `--xdp off`
-/// takes the program off.
+/// such frames only then) and the senders complete their checksums, as on a wire. A policy in
+/// node-a's FORWARD chain stops the established connection as it stops kube-proxy's (XDP
+/// leaves its packets to tc at once, tc takes the host's path once its kept route's period
+/// ends); with the policy gone the connection goes on. A restart with `--xdp off` takes the
+/// program off.
 #[test]
 fn xdp_carries_established_node_port_flows_and_yields_to_a_forward_policy() {
     let mut c = Bridged::new_with("km-xdp", &["--xdp", "native"]).unwrap();
@@ -2458,6 +2459,14 @@ fn xdp_carries_established_node_port_flows_and_yields_to_a_forward_policy() {
              nft add rule inet kprpol forward ip daddr 10.244.2.2 tcp dport 8080 counter drop")
         .unwrap();
     wait_host_state(&node_a.pins, false);
+    // XDP leaves the flow at once; tc's kept route serves to the end of its period
+    // (docs/host.md: about a second more).
+    let period = |now: u64| now >> proxy_common::ct::ROUTE_PERIOD_SHIFT;
+    let kept_in = period(kpr::datapath::conntrack::monotonic_now());
+    while period(kpr::datapath::conntrack::monotonic_now()) == kept_in {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(30));
     let before = xdp_forwarded();
     let err = echo(&mut conn, "under the policy").unwrap_err();
     assert!(matches!(err.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut), "{err}");

@@ -36,13 +36,14 @@ const BENCH_PORT: u16 = 8081;
 
 mod chart;
 mod vs_kube_proxy;
+mod xdp;
 
 /// kpr's benchmarks: a program that prints its figures and writes them as JSON under
 /// target/bench/. With no mode, every benchmark (tens of minutes; the comparison with the real
 /// kube-proxy at 20k services alone is longer).
 #[derive(clap::Parser, Debug)]
 #[command(name = "kpr-bench")]
-#[command(group = clap::ArgGroup::new("mode").args(["vs_kube_proxy", "connection_rate", "node_port", "tc_only", "soak", "sync_scale", "maglev"]))]
+#[command(group = clap::ArgGroup::new("mode").args(["vs_kube_proxy", "connection_rate", "node_port", "tc_only", "soak", "sync_scale", "maglev", "pps"]))]
 struct Args {
     /// Fewer sizes, rounds and runs: a smoke run of the same code.
     #[arg(long)]
@@ -74,6 +75,10 @@ struct Args {
     /// socket_lb.json as `maglev`).
     #[arg(long)]
     maglev: bool,
+    /// Only the NodePort packets per second on one core: kpr's XDP program, its tc path,
+    /// kube-proxy's rules, the direct path (node_port_pps.json).
+    #[arg(long)]
+    pps: bool,
     /// Only the NodePort churn: this many short connections per path (node_port_soak.json).
     #[arg(long, value_name = "N")]
     soak: Option<usize>,
@@ -133,6 +138,11 @@ fn main() -> Result<()> {
     if args.node_port {
         let result = node_port_paths(np_rounds, np_per_round, iperf_secs, 0)?;
         write_json("node_port.json", &json!({ "node_port": result }))?;
+        return Ok(());
+    }
+    if args.pps {
+        let result = xdp::node_port_pps(args.rounds.map_or(if quick { 3 } else { 8 }, usize::from), 1_000_000)?;
+        write_json("node_port_pps.json", &json!({ "node_port": result }))?;
         return Ok(());
     }
     if args.tc_only {
@@ -662,6 +672,10 @@ fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
     node.ip(&["link", "set", "out1", "up"])?;
     node.ip(&["route", "add", "10.0.0.0/8", "dev", "out0"])?;
     node.ip(&["-6", "route", "add", "fd00::/8", "dev", "out0"])?;
+    // The neighbours of the established flows' addresses, for the XDP program's route lookups
+    // (it sends a packet out only with both MAC addresses known).
+    let neighbours = ["10.0.0.99", "10.96.0.10", "10.244.1.2", "fd00::99", "fd00:96::10", "fd00:10:244:1::2"];
+    node.ip_batch(neighbours.map(|a| format!("neigh add {a} lladdr 02:00:00:00:00:99 dev out0 nud permanent")))?;
     node.route_packets()?;
     // Each object is loaded LOADS times (its JIT images and maps placed anew): one load's
     // figures were seen to differ from the next's by up to half on a noisy machine, the
@@ -689,9 +703,12 @@ fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
                 }
             }
         }
-        let floor = pooled.iter().find(|(l, ..)| *l == "floor_non_ip").map(|(_, r, _)| r.clone()).unwrap_or_default();
+        let floor_of = |name: &str| pooled.iter().find(|(l, ..)| *l == name).map(|(_, r, _)| r.clone());
+        let floor = floor_of("floor_non_ip").unwrap_or_default();
+        // The XDP program's runs against its own harness's floor.
+        let xdp_floor = floor_of("xdp_floor_non_ip").unwrap_or_default();
         for (label, loads, runs) in pooled {
-            if !variant.is_empty() && label == "floor_non_ip" {
+            if !variant.is_empty() && label.ends_with("floor_non_ip") {
                 continue; // the same program's floor, measured again
             }
             let label = format!("{label}{variant}");
@@ -700,7 +717,8 @@ fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
                 "_endpoint_counters" => ", --endpoint-counters, every endpoint counted",
                 _ => "",
             };
-            let over = if label == "floor_non_ip" { None } else { less_floor(&loads, &floor) };
+            let own_floor = if label.starts_with("xdp_") { &xdp_floor } else { &floor };
+            let over = if label.ends_with("floor_non_ip") { None } else { less_floor(&loads, own_floor) };
             let rounds: Vec<f64> = loads.concat();
             let (min, max) = rounds.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
             let ns = median(rounds);
@@ -708,7 +726,7 @@ fn tc_ns_per_packet(repeat: u32) -> Result<serde_json::Value> {
             if let Some(over) = over {
                 let by_load: Vec<f64> = over.iter().map(|l| median(l.clone())).collect();
                 let all = median(over.concat());
-                let quiet = undisturbed(&over, &floor);
+                let quiet = undisturbed(&over, own_floor);
                 let (quiet_rounds, quiet_median) = (quiet.len(), median(quiet));
                 over_text = format!(
                     ", {all:.1} above its rounds' floor (by load: {by_load:.1?}; {quiet_median:.1} in the {quiet_rounds} undisturbed rounds)"
@@ -890,6 +908,7 @@ fn tc_program_runs(
     let range = kpr::model::cidr::Cidr::new(Ipv4Addr::new(10, 96, 0, 0).into(), 12).context("range")?;
     bpf::write_service_ranges(&mut ebpf, &[range].into())?;
     bpf::load_tc_programs(&mut ebpf)?;
+    bpf::load_xdp_program(&mut ebpf)?;
     let mut maps = kpr::datapath::bpf::BpfMaps::take_from(&mut ebpf)?;
     maps.endpoint_counters = cfg.endpoint_counters;
     maps.maglev_seed = cfg.maglev_seed;
@@ -924,6 +943,11 @@ fn tc_program_runs(
     let external =
         |port| kpr::model::desired::frontend_key(TARGET_IP, port, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL);
     desired.insert(external(83), dsr);
+    // And at port 85 as the endpoint's node has it (the endpoint its own): where a tunnelled
+    // packet is taken out.
+    let dsr_here =
+        kpr::model::desired::DesiredPort { flags: target.flags | proxy_common::SERVICE_FLAG_DSR, ..target.clone() };
+    desired.insert(external(85), dsr_here);
     desired.insert(external(84), kpr::model::desired::DesiredPort { flags: snat, ..target });
     // The node's address (the masquerade source, the tunnel's outer source), as the agent writes it.
     {
@@ -954,6 +978,26 @@ fn tc_program_runs(
         Ok((result.duration, buf, result.return_value))
     };
     let run = |input: &[u8], repeat: u32| -> Result<Duration> { Ok(run_with_output(input, repeat)?.0) };
+    // The XDP program on a packet come in by out0: (ns per run, the last run's action).
+    let xdp: &aya::programs::Xdp = ebpf.program(proxy_common::program_names::XDP).context("XDP program")?.try_into()?;
+    // SAFETY: a NUL-terminated name.
+    let out0 = unsafe { libc::if_nametoindex(c"out0".as_ptr()) };
+    let run_xdp = |input: &[u8], repeat: u32| -> Result<(Duration, u32)> {
+        // `struct xdp_md`: data 0, data_end, data_meta 0, ingress_ifindex.
+        let mut ctx = [0u8; 24];
+        ctx[4..8].copy_from_slice(&(input.len() as u32).to_ne_bytes());
+        ctx[12..16].copy_from_slice(&out0.to_ne_bytes());
+        let mut buf = vec![0u8; input.len().max(256)];
+        let opts = TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut buf),
+            ctx_in: Some(&ctx),
+            repeat,
+            ..TestRunOptions::default()
+        };
+        let result = xdp.test_run(opts)?;
+        Ok((result.duration, result.return_value))
+    };
     // An established flow in each family: its first packet, the backend's answer and the
     // client's next packet, as on the wire, then the flow back (`establish`).
     let client = Ipv4Addr::new(10, 0, 0, 99);
@@ -998,16 +1042,23 @@ fn tc_program_runs(
     let mut arp = tcp_frame(Ipv4Addr::UNSPECIFIED, 0, Ipv4Addr::UNSPECIFIED, 0, ACK);
     arp[12..14].copy_from_slice(&[0x08, 0x06]);
     // The floor in every object: each round's figures are also taken against its round's floor.
+    // (label, packet, run by the XDP program)
     let mut inputs = vec![
-        ("established_flow", to_service.clone()),
+        ("established_flow", to_service.clone(), false),
         // A full-size segment of that flow (IP 1500 bytes), as a bulk transfer's without GRO:
         // the host's forwarding path checks its size against the route's MTU (`too_big`).
-        ("established_flow_full_size", full_size(&to_service)),
-        ("established_flow_ipv6", to_service6),
-        ("floor_non_ip", arp.clone()),
+        ("established_flow_full_size", full_size(&to_service), false),
+        ("established_flow_ipv6", to_service6.clone(), false),
+        ("floor_non_ip", arp.clone(), false),
     ];
     if forward_direct {
-        inputs.push(("not_a_service", tcp_frame(client, 40000, Ipv4Addr::new(10, 244, 9, 9), 80, ACK)));
+        inputs.push(("not_a_service", tcp_frame(client, 40000, Ipv4Addr::new(10, 244, 9, 9), 80, ACK), false));
+        // The same established flows through XDP (`--xdp`): translated and sent back out of
+        // out0 (`XDP_TX`), where the routes of both directions leave; and the floor of its
+        // harness.
+        inputs.push(("xdp_established_flow", to_service.clone(), true));
+        inputs.push(("xdp_established_flow_ipv6", to_service6, true));
+        inputs.push(("xdp_floor_non_ip", arp.clone(), true));
     }
     // Runs in TestRuns of CHUNK: the packet's TTL lasts that long, and the harness's cost per
     // TestRun (building the packet) is spread over them. The packets take turns in ROUNDS and
@@ -1022,17 +1073,29 @@ fn tc_program_runs(
     );
     let mut per_round: Vec<Vec<f64>> = vec![Vec::new(); inputs.len()];
     for _ in 0..ROUNDS {
-        for ((_, input), rounds) in inputs.iter().zip(&mut per_round) {
+        for ((label, input, by_xdp), rounds) in inputs.iter().zip(&mut per_round) {
             let mut total = Duration::ZERO;
             for _ in 0..chunks_per_round {
-                total += run(input, CHUNK)?;
+                if !by_xdp {
+                    total += run(input, CHUNK)?;
+                    continue;
+                }
+                // Both flows' entries refreshed by tc first (XDP leaves an entry due for its
+                // refresh to tc, and the runs take longer than a refresh's second).
+                run(input, 2)?;
+                let (took, action) = run_xdp(input, CHUNK)?;
+                let wanted = if *label == "xdp_floor_non_ip" { 2 } else { 3 };
+                if action != wanted {
+                    bail!("{label}: XDP action {action}, not {wanted}");
+                }
+                total += took;
             }
             // TestRun reports the mean time of one run.
             rounds.push(total.as_nanos() as f64 / f64::from(chunks_per_round));
         }
     }
     let mut out = Vec::new();
-    for ((label, _), rounds) in inputs.iter().zip(per_round) {
+    for ((label, ..), rounds) in inputs.iter().zip(per_round) {
         out.push((*label, rounds, how.clone()));
     }
     if forward_direct {
@@ -1072,9 +1135,9 @@ fn tc_program_runs(
         }
         // Direct server return's first packet (port 83: the endpoint's flag read, no SNAT port
         // search, the packet put in its tunnel) against its masquerading twin's (port 84), in
-        // turns drawn as above; and the endpoint's node's share of it: the same SYN out of the
-        // tunnel (the frontend looked up, the header taken off, the flow opened to the
-        // endpoint the tunnel names).
+        // turns drawn as above; and the endpoint's node's share of it: a SYN out of the tunnel
+        // (to port 85, whose endpoint is this node's: the frontend looked up, the endpoint
+        // checked, the header taken off, the flow opened to the endpoint the tunnel names).
         let (mut dsr, mut snat, mut decapsulated) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         for i in 0..runs {
             let mut turn = [(83, 13, &mut dsr), (84, 14, &mut snat)];
@@ -1090,11 +1153,11 @@ fn tc_program_runs(
                 }
             }
             let client = Ipv4Addr::new(15, (i >> 16) as u8, (i >> 8) as u8, i as u8);
-            let tunnelled = in_tunnel(&tcp_frame(client, 40000, TARGET_IP, 83, TCP_SYN), backend, BENCH_PORT);
+            let tunnelled = in_tunnel(&tcp_frame(client, 40000, TARGET_IP, 85, TCP_SYN), backend, BENCH_PORT);
             let (ns, out, _) = run_with_output(&tunnelled, 1)?;
             decapsulated += ns;
             if i == 0 && (&out[26..30], &out[30..34]) != (&client.octets()[..], &backend.octets()[..]) {
-                bail!("the tunnelled SYN did not come out to {backend} from {client}");
+                bail!("the tunnelled SYN did not come out to {backend} from {client}: {out:?}");
             }
         }
         // An established flow's packet at the entry node, direct server return's (put in the
@@ -1169,7 +1232,18 @@ fn node_port_paths(rounds: usize, per_round: usize, iperf_secs: u32, churn: usiz
             }
         });
     }
-    node_port_bench(&name, &ext, &topology, rounds, per_round, iperf_secs, churn)
+    let mut out = node_port_bench(&name, &ext, &topology, rounds, per_round, iperf_secs, churn)?;
+    if rounds > 0 {
+        // Packets per second, in a topology of their own (the generator's, `xdp`).
+        let pps = xdp::node_port_pps(rounds.min(8), 1_000_000)?;
+        for (path, figures) in pps.as_object().into_iter().flatten().filter(|(_, f)| f.is_object()) {
+            for (key, value) in figures.as_object().into_iter().flatten() {
+                out[path][key] = value.clone();
+            }
+        }
+        out["pps_packets_per_round"] = pps["packets_per_round"].clone();
+    }
+    Ok(out)
 }
 
 /// kube-proxy's rules for one masqueraded NodePort (30090 → `pod`:BENCH_PORT), by `iptables`
@@ -1214,7 +1288,9 @@ fn node_port_bench(
     let pod_ns = &topology.pods[0].netns;
     let cgroup = Cgroup::new(name)?;
     let pins = testbed::PinRoot(std::path::PathBuf::from(format!("/sys/fs/bpf/{name}")));
-    let cfg = DatapathConfig::new(pins.0.clone(), cgroup.path.clone());
+    let mut cfg = DatapathConfig::new(pins.0.clone(), cgroup.path.clone());
+    // The XDP program loaded, on eth0 only in the rounds measuring it (`kpr-xdp`).
+    cfg.xdp = bpf::XdpSetting::Native;
     let snat_ports = cfg.snat_ports;
     let settings = NodeSettings {
         name: "bench".into(),
@@ -1223,13 +1299,16 @@ fn node_port_bench(
         ..Default::default()
     };
     // Links are per network namespace: read and attach them in the node's.
-    let datapath = node.run(move || -> Result<BpfDatapath> {
+    let (datapath, with_xdp) = node.run(move || -> Result<_> {
         let mut datapath = BpfDatapath::load(&cfg)?;
-        let plan = kpr::model::node::plan(&kpr::source::host::snapshot()?, None, &settings);
+        let mut plan = kpr::model::node::plan(&kpr::source::host::snapshot()?, None, &settings);
+        let xdp_links = std::mem::take(&mut plan.xdp_links);
         datapath.host.apply_node(&plan)?;
-        Ok(datapath)
+        plan.xdp_links = xdp_links;
+        Ok((datapath, plan))
     })??;
     let mut datapath = datapath;
+    let without_xdp = kpr::model::node::NodePlan { xdp_links: Default::default(), ..with_xdp.clone() };
     let mut desired = Desired::new();
     let np =
         kpr::model::desired::frontend_key(Ipv4Addr::UNSPECIFIED, 30080, Protocol::Tcp, proxy_common::SCOPE_EXTERNAL);
@@ -1319,6 +1398,39 @@ fn node_port_bench(
             label.to_owned(),
             json!({"conn_per_s": rate, "ratio_vs_direct": ratio, "ratio_vs_direct_overall": rate / direct.0,
                    "connect_p50_us": p50, "connect_p99_us": p99}),
+        );
+    }
+
+    // New connections with the XDP program on eth0 (`--xdp native`) against tc alone, in
+    // alternating rounds: XDP passes a connection's packets to tc here (the pod is behind
+    // another link), and must cost new connections nothing.
+    let (mut tc_rounds, mut xdp_rounds) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        for xdp in [false, true] {
+            let plan = if xdp { with_xdp.clone() } else { without_xdp.clone() };
+            datapath = node.run(move || datapath.host.apply_node(&plan).map(|()| datapath))??;
+            let addr = paths[1].1;
+            let rate = ext.run(move || -> Result<f64> {
+                let started = Instant::now();
+                for _ in 0..per_round {
+                    one_connection(addr)?;
+                }
+                Ok(per_round as f64 / started.elapsed().as_secs_f64())
+            })??;
+            if xdp { &mut xdp_rounds } else { &mut tc_rounds }.push(rate);
+        }
+    }
+    let plan = without_xdp.clone();
+    datapath = node.run(move || datapath.host.apply_node(&plan).map(|()| datapath))??;
+    if rounds > 0 {
+        let (xdp_rate, tc_rate, ratio) =
+            (median(xdp_rounds.clone()), median(tc_rounds.clone()), median_ratio(&xdp_rounds, &tc_rounds));
+        println!(
+            "    kpr-xdp {xdp_rate:>10.0} conn/s, {ratio:.3}× kpr's tc path alongside ({tc_rate:.0} conn/s; {rounds} alternating rounds × {per_round})"
+        );
+        out.insert(
+            "kpr-xdp".into(),
+            json!({"conn_per_s": xdp_rate, "conn_per_s_ratio_vs_tc": ratio, "tc_alongside_conn_per_s": tc_rate}),
         );
     }
 
