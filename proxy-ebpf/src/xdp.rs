@@ -1,25 +1,27 @@
 //! XDP in front of tc on the node's external links (`--xdp`): a packet of an established flow
 //! whose translated packet leaves by the link it came in on (NodePort, externalIP and
 //! LoadBalancer traffic to an endpoint on another node, and its replies) is translated and
-//! sent back out of the driver (`XDP_TX`), before the kernel allocates an skb for it.
+//! sent back out of the driver (`XDP_TX`), before the kernel allocates an skb for it; with
+//! direct server return, the entry node's packet of such a flow is put in its tunnel instead.
 //!
 //! Everything else is passed on (`XDP_PASS`) untouched, to the tc programs, which do what they
 //! did without XDP: new flows, SYNs, FINs and RSTs (they change a flow's state), flows whose
 //! entry is due for a refresh (tc's table path refreshes it), fragments, IP options and IPv6
-//! extension headers, direct server return's tunnel, local endpoints, packets whose route
-//! leaves by another link, too big for it, or whose TTL runs out, and anything while the host
-//! filters forwarded packets (`KPR_FORWARD_DIRECT`, `host_lets_direct`: a NetworkPolicy in the
-//! FORWARD chain holds for these flows as for kube-proxy's).
+//! extension headers, the endpoint's side of direct server return, local endpoints, packets
+//! whose route leaves by another link, too big for it, or whose TTL runs out, and anything
+//! while the host filters forwarded packets (`KPR_FORWARD_DIRECT`, `host_lets_direct`: a
+//! NetworkPolicy in the FORWARD chain holds for these flows as for kube-proxy's).
 //!
 //! The flow's entry comes from the per-CPU flow cache tc fills (`flow_cache::peek`), else from
-//! the established table, read only (an entry due for a refresh is tc's). Checksums are
-//! changed as a complete checksum's: packets from a wire carry one; a veth peer must send them
-//! so (its transmit checksum offload off), as the tests and the bench set it.
+//! the conntrack tables, read only (an entry due for a refresh is tc's). The route lookup's
+//! answer is kept per CPU for its period (`KeptRoute`). Checksums are changed as a complete
+//! checksum's: packets from a wire carry one; a veth peer must send them so (its transmit
+//! checksum offload off), as the tests and the bench set it.
 use aya_ebpf::{
     EbpfContext as _,
     bindings::{BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup, xdp_action},
     btf_maps::PerCpuArray,
-    helpers::bpf_fib_lookup as fib_lookup,
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_xdp_adjust_head},
     macros::{btf_map, xdp},
     programs::XdpContext,
 };
@@ -33,7 +35,7 @@ use crate::{
     family::{Family, Fragment, V4, V6},
     flow_cache,
     globals::KPR_FORWARD_DIRECT,
-    maps::{FlowTables, count, host_lets_direct, in_addr_filter, node_addr_flags, now},
+    maps::{FlowTables, count, host_lets_direct, in_addr_filter, link, node_addr_flags, now},
     packet::{TCP_CSUM, TCP_FIN, TCP_FLAGS, TCP_RST, TCP_SYN, UDP_CSUM, read_word, write_word},
     stats,
     tc::{expired, ports_word, zero_fib},
@@ -138,27 +140,16 @@ fn forward<F: Family>(ctx: &XdpContext) -> u32 {
             None => return PASS,
         },
     };
-    if entry.flags & ct::DSR != 0 {
-        return PASS;
-    }
-    // The translated packet's route: it must leave by this link, with its neighbour known and
-    // within the link's MTU.
     let ifindex = ctx.ingress_ifindex() as u32;
-    let tot_len = F::l4_len(ip) + (size_of::<F::Ip>() as u16);
-    let Some(macs) = route::<F>(ctx, ip, entry, ifindex, u32::from(tot_len), now) else { return PASS };
-    // The bounds again, for the verifier (the helper does not move the packet).
-    let (data, end) = (ctx.data(), ctx.data_end());
-    // SAFETY (both): within [data, data_end), checked just before.
-    if proto == IPPROTO_TCP {
-        if data + F::L4_OFF + TCP_LEN > end {
+    let tot_len = u32::from(F::l4_len(ip)) + size_of::<F::Ip>() as u32;
+    if entry.flags & ct::DSR != 0 {
+        // Direct server return: the client's entry on the entry node puts the packet in its
+        // tunnel; the endpoint's node's replies are tc's (they leave by a pod's link).
+        if entry.flags & ct::REPLY != 0 || !tunnel::<F>(ctx, ip, entry, ifindex, tot_len, now) {
             return PASS;
         }
-        unsafe { rewrite::<F, TCP_CSUM>(data as *mut u8, entry, ports, false, &macs) };
-    } else {
-        if data + F::L4_OFF + UDP_LEN > end {
-            return PASS;
-        }
-        unsafe { rewrite::<F, UDP_CSUM>(data as *mut u8, entry, ports, true, &macs) };
+    } else if !translate::<F>(ctx, ip, entry, ports, proto, ifindex, tot_len, now) {
+        return PASS;
     }
     match cached {
         // Counted in the slot, as tc's hits are (`flow_cache::probe`).
@@ -178,20 +169,89 @@ fn forward<F: Family>(ctx: &XdpContext) -> u32 {
     xdp_action::XDP_TX
 }
 
+/// The packet translated as `entry` says, if its route leaves by the link it came in on
+/// (`ifindex`): with its neighbour known and within the link's MTU.
+#[inline(always)]
+fn translate<F: Family>(
+    ctx: &XdpContext,
+    ip: &F::Ip,
+    entry: &CtValue,
+    ports: u32,
+    proto: u8,
+    ifindex: u32,
+    tot_len: u32,
+    now: u64,
+) -> bool {
+    let Some(macs) = route::<F>(ctx, ip, &entry.src_addr, &entry.dst_addr, ifindex, tot_len, now) else {
+        return false;
+    };
+    // The bounds again, for the verifier (the helper does not move the packet).
+    let (data, end) = (ctx.data(), ctx.data_end());
+    // SAFETY (both): within [data, data_end), checked just before.
+    if proto == IPPROTO_TCP {
+        if data + F::L4_OFF + TCP_LEN > end {
+            return false;
+        }
+        unsafe { rewrite::<F, TCP_CSUM>(data as *mut u8, entry, ports, false, &macs) };
+    } else {
+        if data + F::L4_OFF + UDP_LEN > end {
+            return false;
+        }
+        unsafe { rewrite::<F, UDP_CSUM>(data as *mut u8, entry, ports, true, &macs) };
+    }
+    true
+}
+
+/// Direct server return at the entry node: the client's packet, untranslated, put in IP-in-IP
+/// to the flow's endpoint (`to.dst_addr`, its port in the outer header) from the node's own
+/// address, as tc's `dsr::encapsulate` and its direct path make it (the outer header's TTL
+/// one less), if the outer packet's route leaves by this link within its MTU (else tc's,
+/// which answers "fragmentation needed").
+#[inline(always)]
+fn tunnel<F: Family>(ctx: &XdpContext, ip: &F::Ip, to: &CtValue, ifindex: u32, inner_len: u32, now: u64) -> bool {
+    let Some(src) = link(0).and_then(|l| F::masquerade_addr(&l)) else { return false };
+    let outer_len = inner_len + size_of::<F::Ip>() as u32;
+    let Some(macs) = route::<F>(ctx, ip, &src, &to.dst_addr, ifindex, outer_len, now) else { return false };
+    let header = F::tunnel_header(&src, &to.dst_addr, inner_len as u16, to.dst_port);
+    // SAFETY: the program's context; room in front of the packet (XDP's headroom).
+    if unsafe { bpf_xdp_adjust_head(ctx.ctx, -(size_of::<F::Ip>() as i32)) } != 0 {
+        return false;
+    }
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if data + F::IP_OFF + size_of::<F::Ip>() > end {
+        // Cannot be: the packet just grew by the header. (Passed as it is now, it would go on
+        // to tc without its Ethernet header.)
+        return false;
+    }
+    // SAFETY: within [data, data_end), checked above: the Ethernet header and the outer one
+    // (the old Ethernet header's place), then the packet as it came.
+    unsafe {
+        let data = data as *mut u8;
+        for (i, byte) in macs.iter().enumerate() {
+            data.add(i).write(*byte);
+        }
+        write_word(data.add(12), F::ETH_TYPE);
+        data.add(F::IP_OFF).cast::<F::Ip>().write_unaligned(header);
+        F::decrement_hops(data.add(F::IP_OFF));
+    }
+    true
+}
+
 /// The MAC addresses (the destination's, the link's) of the translated packet's route, if it
 /// leaves by the link it came in on: kept (`KeptRoute`), or looked up and kept.
 #[inline(always)]
 fn route<F: Family>(
     ctx: &XdpContext,
     ip: &F::Ip,
-    to: &CtValue,
+    src: &Addr,
+    dst: &Addr,
     ifindex: u32,
     tot_len: u32,
     now: u64,
 ) -> Option<[u8; 12]> {
     let period = (now >> ct::ROUTE_PERIOD_SHIFT) as u32;
-    let [s0, s1, s2, s3] = to.src_addr.0;
-    let [d0, d1, d2, d3] = to.dst_addr.0;
+    let [s0, s1, s2, s3] = src.0;
+    let [d0, d1, d2, d3] = dst.0;
     let hash = (s0 ^ s1 ^ s2 ^ s3).wrapping_mul(0x9E37_79B1) ^ (d0 ^ d1 ^ d2 ^ d3).wrapping_mul(0x85EB_CA77);
     let kept = KEPT.get_ptr_mut(hash >> (32 - KEEP_BITS))?;
     // SAFETY: a map value of this CPU's, valid for this program run.
@@ -199,8 +259,8 @@ fn route<F: Family>(
     if kept.period == period
         && kept.ingress == ifindex
         && tot_len <= kept.fits
-        && kept.src.same(&to.src_addr)
-        && kept.dst.same(&to.dst_addr)
+        && kept.src.same(src)
+        && kept.dst.same(dst)
     {
         return Some(kept.macs);
     }
@@ -214,8 +274,8 @@ fn route<F: Family>(
     params.l4_protocol = F::next_header(ip);
     params.__bindgen_anon_1.tot_len = tot_len as u16;
     F::fib_tos(params, ip);
-    F::fib_src(params, &to.src_addr);
-    F::fib_dst(params, &to.dst_addr);
+    F::fib_src(params, src);
+    F::fib_dst(params, dst);
     // SAFETY: the program's context and a parameter block of the helper's size.
     let rc = unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, 0) };
     if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) || params.ifindex != ifindex {
@@ -226,12 +286,12 @@ fn route<F: Family>(
     let mut macs = [0u8; 12];
     macs[..6].copy_from_slice(&found.dmac);
     macs[6..].copy_from_slice(&found.smac);
-    let fits = if kept.period == period && kept.src.same(&to.src_addr) && kept.dst.same(&to.dst_addr) {
+    let fits = if kept.period == period && kept.src.same(src) && kept.dst.same(dst) {
         kept.fits.max(tot_len)
     } else {
         tot_len
     };
-    *kept = KeptRoute { src: to.src_addr, dst: to.dst_addr, ingress: ifindex, period, fits, macs, _pad: [0; 8] };
+    *kept = KeptRoute { src: *src, dst: *dst, ingress: ifindex, period, fits, macs, _pad: [0; 8] };
     Some(macs)
 }
 
@@ -249,13 +309,20 @@ struct KeySlot<A>(core::mem::MaybeUninit<CtKey<A>>);
 /// a flow's packets to tc, which would neither refresh the entry nor send them differently.
 const REFRESH_SLACK_NS: u64 = 20_000_000;
 
-/// The established table's entry of `key` if XDP may translate by it as it is: live, not
-/// overdue for its refresh (which tc's table path does), answered, not closing, its endpoint
-/// alive.
+/// The established table's entry of `key` (or direct server return's, among the new flows) if
+/// XDP may translate by it as it is: live, not overdue for its refresh (which tc's table path
+/// does), answered, not closing, its endpoint alive.
 #[inline(always)]
 fn serving_entry<'a, A: FlowTables>(key: &CtKey<A>, proto: u8, now: u64) -> Option<&'a CtValue> {
+    // Direct server return's entries stay among the new flows (`conntrack::seen_bits`); any
+    // other flow there is not established yet, and tc's.
+    let entry = match A::established().get_ptr(key) {
+        Some(entry) => entry,
+        // SAFETY: a map value pointer, valid for this program run.
+        None => A::new_flows().get_ptr(key).filter(|e| unsafe { (**e).flags } & ct::DSR != 0)?,
+    };
     // SAFETY: a map value pointer, valid for this program run.
-    let entry = unsafe { &*A::established().get_ptr(key)? };
+    let entry = unsafe { &*entry };
     let refreshed = now.saturating_sub(entry.last_seen) < ct::REFRESH_NS + REFRESH_SLACK_NS;
     let settled = entry.flags & (ct::ENDPOINT_DEAD | ct::FIN_ORIG | ct::FIN_REPLY | ct::RST) == 0
         && (entry.flags & ct::REPLY == 0 || entry.flags & ct::SEEN_REPLY != 0);

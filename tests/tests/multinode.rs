@@ -700,6 +700,15 @@ fn wait_host_state(pins: &std::path::Path, want: bool) {
     }
 }
 
+/// A NetworkPolicy as Calico's iptables dataplane enforces one, in `node`'s forward hook: what
+/// goes to pod-b's port is dropped (and counted: [`forward_rule_packets`]).
+fn deny_pod_b_in_forward(node: &Netns) {
+    node.sh("nft add table inet kprpol && \
+             nft add chain inet kprpol forward '{ type filter hook forward priority 0; policy accept; }' && \
+             nft add rule inet kprpol forward ip daddr 10.244.2.2 tcp dport 8080 counter drop")
+        .unwrap();
+}
+
 /// The packets the first counter rule of a node's `inet kprpol forward` chain has seen.
 fn forward_rule_packets(node: &Netns) -> u64 {
     let mut nft = Command::new("nft");
@@ -735,12 +744,7 @@ fn a_network_policy_in_the_forward_chain_holds_for_service_traffic() {
     assert!(direct() > before, "sent straight out while nothing filters");
 
     // The policy: pod-b's port denied in node-a's forward hook.
-    node_a
-        .netns
-        .sh("nft add table inet kprpol && \
-             nft add chain inet kprpol forward '{ type filter hook forward priority 0; policy accept; }' && \
-             nft add rule inet kprpol forward ip daddr 10.244.2.2 tcp dport 8080 counter drop")
-        .unwrap();
+    deny_pod_b_in_forward(&node_a.netns);
     wait_host_state(&node_a.pins, false);
     let short = Duration::from_millis(500);
     for attempt in 0..3 {
@@ -2452,12 +2456,7 @@ fn xdp_carries_established_node_port_flows_and_yields_to_a_forward_policy() {
         echo(&mut conn, "before the policy").unwrap();
         conn
     });
-    node_a
-        .netns
-        .sh("nft add table inet kprpol && \
-             nft add chain inet kprpol forward '{ type filter hook forward priority 0; policy accept; }' && \
-             nft add rule inet kprpol forward ip daddr 10.244.2.2 tcp dport 8080 counter drop")
-        .unwrap();
+    deny_pod_b_in_forward(&node_a.netns);
     wait_host_state(&node_a.pins, false);
     // XDP leaves the flow at once; tc's kept route serves to the end of its period
     // (docs/host.md: about a second more).

@@ -30,8 +30,8 @@ use kpr_tests::map_state::MapState;
 use proxy_common::{
     Addr, CidrKey, CtKey, CtKey4, CtTimeouts, CtValue, DETECT_LOCAL_CIDR, LINK_FLAG_TC_INGRESS, LinkInfo,
     NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
-    SERVICE_FLAG_MAGLEV, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MIN, TCP_ACK, TCP_FIN, TCP_PSH,
-    TCP_RST, TCP_SYN, counter, ct, event, map_names, program_names, service_stat, tc_slow_path,
+    SERVICE_FLAG_DSR, SERVICE_FLAG_MAGLEV, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, SNAT_PORT_MIN, TCP_ACK,
+    TCP_FIN, TCP_PSH, TCP_RST, TCP_SYN, counter, ct, event, map_names, program_names, service_stat, tc_slow_path,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -2816,10 +2816,11 @@ fn xdp_sends_an_established_external_flows_packets_back_out_of_their_link_and_pa
         assert_eq!(rig.ingress(&data.bytes()).0, TC_ACT_REDIRECT);
         assert_eq!(rig.xdp(&data.bytes(), out0).0, XDP_TX, "refreshed by tc");
         sent += 1;
-        // A flow of direct server return (its tunnel is tc's).
-        table.insert(&key, &CtValue { flags: entry.flags | ct::DSR, ..table.get(&key, 0).unwrap() }, 0).unwrap();
+        // The endpoint's side of a direct server return flow (its replies leave by a pod's link).
+        let dsr_reply = ct::DSR | ct::REPLY;
+        table.insert(&key, &CtValue { flags: entry.flags | dsr_reply, ..table.get(&key, 0).unwrap() }, 0).unwrap();
         rig.conntrack().changed().unwrap();
-        passed("a direct server return flow");
+        passed("the endpoint's side of a direct server return flow");
         table.insert(&key, &entry, 0).unwrap();
         rig.conntrack().changed().unwrap();
         // The pods' route moves to side0: the translated packet would leave by another link.
@@ -2833,6 +2834,69 @@ fn xdp_sends_an_established_external_flows_packets_back_out_of_their_link_and_pa
         std::thread::sleep(std::time::Duration::from_millis(30));
         passed("the route leaves by another link");
         assert_eq!(rig.counter(counter::XDP_FORWARDED), sent);
+    })
+    .unwrap();
+}
+
+/// Direct server return at the entry node: once the flow is open (tc put its SYN in the
+/// tunnel), XDP puts the client's next segments in the tunnel itself, byte for byte as tc's
+/// direct path does (the outer header to the endpoint from the node, its TTL one less; the
+/// inner packet as it came), and sends them back out of their link; one too big for the link
+/// once tunnelled is tc's ("fragmentation needed").
+#[test]
+fn xdp_puts_a_direct_server_return_flow_in_its_tunnel_as_tc_does() {
+    const OUT0_MAC: [u8; 6] = [2, 0, 0, 0, 0, 1];
+    const POD_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x22];
+    let ns = testbed::Netns::new(&testbed::unique_name("kt-xdsr")).unwrap();
+    ns.ip_batch([
+        "link add out0 address 02:00:00:00:00:01 type veth peer name out1".to_owned(),
+        "link set out0 up".to_owned(),
+        "link set out1 up".to_owned(),
+        "route add 10.244.0.0/16 dev out0".to_owned(),
+        "route add 10.0.0.0/24 dev out0".to_owned(),
+        format!("neigh add {POD} lladdr 02:00:00:00:00:22 dev out0 nud permanent"),
+        format!("neigh add {CLIENT} lladdr 02:00:00:00:00:99 dev out0 nud permanent"),
+    ])
+    .unwrap();
+    ns.sh("echo 1 > /proc/sys/net/ipv4/ip_forward").unwrap();
+    ns.run(|| {
+        let out0 = unsafe { libc::if_nametoindex(c"out0".as_ptr()) };
+        let mut d = services();
+        entry(&mut d, Ipv4Addr::UNSPECIFIED, 30091, Protocol::Tcp, SCOPE_EXTERNAL, &[(POD, 8080)], SERVICE_FLAG_DSR);
+        // The endpoint is on another node.
+        d.get_mut(&frontend_key(Ipv4Addr::UNSPECIFIED, 30091, Protocol::Tcp, SCOPE_EXTERNAL)).unwrap().remote =
+            vec![POD.into()];
+        let rig = Rig::with(&d, |cfg| {
+            cfg.forward_direct = bpf::ForwardDirect::Always;
+            cfg.xdp = bpf::XdpSetting::Native;
+        });
+        let syn = tcp(CLIENT, 40300, NODE_IP, 30091);
+        let (verdict, out) = rig.ingress(&syn.bytes());
+        assert_eq!((verdict, out[23]), (TC_ACT_REDIRECT, 4), "the SYN in IP-in-IP");
+        // The client's ACK of the endpoint's answer (which this node never sees).
+        let ack = Pkt { tcp_flags: TCP_ACK, seq: 1001, ack: 7001, ..syn };
+        let (verdict, by_tc) = rig.ingress(&ack.bytes());
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+        let (action, by_xdp) = rig.xdp(&ack.bytes(), out0);
+        assert_eq!(action, XDP_TX, "the next segment, put in the tunnel by XDP");
+        assert_eq!(by_xdp[..14], [&POD_MAC[..], &OUT0_MAC[..], &[0x08, 0x00]].concat()[..], "to the endpoint's MAC");
+        assert_eq!(by_xdp[14..], by_tc[14..], "the same outer header and inner packet as tc's");
+        // The outer header, as built here from scratch: node → endpoint, IP-in-IP, the
+        // endpoint's port as its id, don't fragment, TTL 63 after the hop.
+        let inner = &ack.bytes()[14..];
+        let outer =
+            frame((POD_MAC, OUT0_MAC), Ip { src: NODE_IP, dst: POD, proto: 4, tos: 0, id: 8080, frags: 0x4000 }, inner);
+        assert_eq!(by_xdp, with_id_ttl(outer, 8080, 63));
+        assert_eq!(rig.counter(counter::XDP_FORWARDED), 1);
+        // Too big for out0 once in the tunnel (1,500 bytes of IP before): tc's.
+        let mut full = ack.bytes();
+        full.resize(14 + 1500, 0);
+        full[16..18].copy_from_slice(&1500u16.to_be_bytes());
+        full[24..26].copy_from_slice(&[0, 0]);
+        let c = csum(&full[14..34], 0);
+        full[24..26].copy_from_slice(&c.to_be_bytes());
+        assert_eq!(rig.xdp(&full, out0), (XDP_PASS, full.clone()), "too big for the tunnel");
+        assert_eq!(rig.counter(counter::XDP_FORWARDED), 1);
     })
     .unwrap();
 }
