@@ -17,27 +17,24 @@
 use aya_ebpf::{
     EbpfContext as _,
     bindings::{__sk_buff, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_SHOT, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, bpf_fib_lookup},
-    btf_maps::lpm_trie::Key,
     helpers::bpf_fib_lookup as fib_lookup,
     programs::TcContext,
 };
 use proxy_common::{
     Addr, CtValue, IPPROTO_TCP, LINK_FLAG_LOCAL_TRAFFIC, NODE_ADDR_LOCAL, SCOPE_EXTERNAL, SERVICE_FLAG_DSR,
-    SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, ServiceKey, SourceRange, addrs_csum_diff, counter, event,
+    SERVICE_FLAG_SNAT, ServiceKey, addrs_csum_diff,
 };
 
 use super::{
-    event::note,
     parse::Tuple,
     route::{ifindex, zero_fib},
     scratch::scratch,
+    source_ranges::source_range_refuses,
     verdict::{OPEN, PASS, TOO_BIG},
 };
 use crate::{
     family::{Family, Fragment},
-    maps::{
-        NOT_AN_ENDPOINT, PAST_THE_SCAN, SERVICES, SOURCE_RANGES, link, link_flags, local_endpoint_port, node_addr_flags,
-    },
+    maps::{NOT_AN_ENDPOINT, PAST_THE_SCAN, SERVICES, link, link_flags, local_endpoint_port, node_addr_flags},
     packet::{read_word, write_word},
 };
 
@@ -265,12 +262,8 @@ pub(super) fn open_decapsulated(t: &Tuple) -> i32 {
     }
     s.dsr.fresh = 0;
     let (service, backend) = (s.dsr.service, s.dsr.backend);
-    if service.flags & SERVICE_FLAG_SOURCE_RANGES != 0 {
-        let key = Key::new(32 + 128, SourceRange { service_id: service.service_id.to_be(), addr: t.saddr });
-        if SOURCE_RANGES.get(&key).is_none() {
-            note(t, counter::TC_DROPPED, event::DROPPED_SOURCE_RANGE, service.service_id);
-            return TC_ACT_SHOT;
-        }
+    if source_range_refuses(t, &service) {
+        return TC_ACT_SHOT;
     }
     s.service = service;
     s.backend = backend;

@@ -49,6 +49,7 @@ mod reject;
 mod rewrite;
 mod route;
 mod scratch;
+mod source_ranges;
 mod verdict;
 
 use core::mem::MaybeUninit;

@@ -14,8 +14,8 @@ use proxy_common::{
     AFFINITY_BY_ADDR, Addr, Addr4, BACKEND_FLAG_REMOTE, Backend, CachedRoute, CidrKey, CtKey, CtValue,
     DETECT_LOCAL_CIDR, DETECT_LOCAL_INTERFACE, IPPROTO_TCP, LINK_FLAG_LOCAL_TRAFFIC, LINK_FLAG_NOT_ETHERNET,
     NODE_ADDR_LOCAL, NODE_ADDR_NODEPORT, SCOPE_EXTERNAL, SCOPE_NODE, SCOPE_POD, SERVICE_FLAG_DROP_NO_ENDPOINTS,
-    SERVICE_FLAG_DSR, SERVICE_FLAG_MAGLEV, SERVICE_FLAG_SNAT, SERVICE_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue,
-    SourceRange, addrs_csum_diff, counter, csum, ct, event, has_states, service_stat,
+    SERVICE_FLAG_DSR, SERVICE_FLAG_MAGLEV, SERVICE_FLAG_SNAT, ServiceKey, ServiceValue, addrs_csum_diff, counter, csum,
+    ct, event, has_states, service_stat,
 };
 
 use super::{
@@ -26,6 +26,7 @@ use super::{
     rewrite::rewrite_first,
     route::{ROUTE_LOOK_UP, ROUTE_LOOKED_UP, ROUTE_MAY_KEEP, ifindex, keep_in, reverse_path_ok, zero_fib},
     scratch::{Scratch, scratch},
+    source_ranges::source_range_refuses,
     verdict::{OPEN, PASS, REJECT},
 };
 use crate::{
@@ -36,9 +37,9 @@ use crate::{
         KPR_REDIRECT_NEXT_HOP, KPR_SNAT_PORT_MAX, KPR_SNAT_PORT_MIN,
     },
     maps::{
-        FlowTables, HANDOVER, LINKS, LOCAL_CIDRS, SERVICES, SOURCE_RANGES, ServiceRangeMiss, affinity_backend,
-        backend_at, count, handed_over, host_lets_direct, link, maglev_slot, node_addr_flags, now, refusal,
-        remember_affinity, service_range_miss,
+        FlowTables, HANDOVER, LINKS, LOCAL_CIDRS, SERVICES, ServiceRangeMiss, affinity_backend, backend_at, count,
+        handed_over, host_lets_direct, link, maglev_slot, node_addr_flags, now, refusal, remember_affinity,
+        service_range_miss,
     },
     packet::{TCP_ACK, TCP_SYN},
     stats,
@@ -219,12 +220,8 @@ pub(super) fn masquerade_source<F: Family>(ctx: &TcContext, t: &Tuple, backend: 
 
 #[inline(always)]
 fn pick_from_service(t: &Tuple, service: &ServiceValue, now: u64) -> Result<i32, ()> {
-    if service.flags & SERVICE_FLAG_SOURCE_RANGES != 0 {
-        let key = Key::new(32 + 128, SourceRange { service_id: service.service_id.to_be(), addr: t.saddr });
-        if SOURCE_RANGES.get(&key).is_none() {
-            note(t, counter::TC_DROPPED, event::DROPPED_SOURCE_RANGE, service.service_id);
-            return Ok(TC_ACT_SHOT);
-        }
+    if source_range_refuses(t, service) {
+        return Ok(TC_ACT_SHOT);
     }
     if service.backends_count == 0 {
         if service.flags & SERVICE_FLAG_DROP_NO_ENDPOINTS != 0 {
@@ -279,17 +276,13 @@ pub(super) fn create_flow<F: Family>(
     // straight out (the tunnel's packets, from the node's address, cannot take the host's
     // forwarding path): not masqueraded. Elsewhere it is, as kube-proxy's traffic.
     // A datagram in fragments too: its later fragments are not put in the tunnel.
-    let mut dsr = service.flags & SERVICE_FLAG_DSR != 0 && backend.flags & BACKEND_FLAG_REMOTE != 0;
-    if dsr
-        && !(F::ETHERNET
-            && KPR_FORWARD_DIRECT.load() != 0
-            && host_lets_direct()
-            && t.first_fragment == NOT_A_FIRST_FRAGMENT)
-    {
-        dsr = false;
-    }
-    let masquerade = (service.flags & SERVICE_FLAG_SNAT != 0 || backend.addr.same(&t.saddr))
-        || (service.flags & SERVICE_FLAG_DSR != 0 && backend.flags & BACKEND_FLAG_REMOTE != 0 && !dsr);
+    let wants_dsr = service.flags & SERVICE_FLAG_DSR != 0 && backend.flags & BACKEND_FLAG_REMOTE != 0;
+    let dsr = wants_dsr
+        && F::ETHERNET
+        && KPR_FORWARD_DIRECT.load() != 0
+        && host_lets_direct()
+        && t.first_fragment == NOT_A_FIRST_FRAGMENT;
+    let masquerade = service.flags & SERVICE_FLAG_SNAT != 0 || backend.addr.same(&t.saddr) || (wants_dsr && !dsr);
     let snat_addr = if masquerade { masquerade_source::<F>(ctx, t, &backend.addr) } else { None };
     s.reply = CtValue {
         src_addr: t.daddr,
