@@ -1059,6 +1059,9 @@ fn tc_program_runs(
         inputs.push(("xdp_established_flow", to_service.clone(), true));
         inputs.push(("xdp_established_flow_ipv6", to_service6, true));
         inputs.push(("xdp_floor_non_ip", arp.clone(), true));
+        // What XDP costs a packet it leaves to tc: one of no flow (a lookup in the flow cache
+        // and both tables, then passed).
+        inputs.push(("xdp_passed_not_a_flow", tcp_frame(client, 40001, TARGET_IP, 80, ACK), true));
     }
     // Runs in TestRuns of CHUNK: the packet's TTL lasts that long, and the harness's cost per
     // TestRun (building the packet) is spread over them. The packets take turns in ROUNDS and
@@ -1084,7 +1087,7 @@ fn tc_program_runs(
                 // refresh to tc, and the runs take longer than a refresh's second).
                 run(input, 2)?;
                 let (took, action) = run_xdp(input, CHUNK)?;
-                let wanted = if *label == "xdp_floor_non_ip" { 2 } else { 3 };
+                let wanted = if *label == "xdp_floor_non_ip" || label.starts_with("xdp_passed") { 2 } else { 3 };
                 if action != wanted {
                     bail!("{label}: XDP action {action}, not {wanted}");
                 }
@@ -1403,12 +1406,15 @@ fn node_port_bench(
 
     // New connections with the XDP program on eth0 (`--xdp native`) against tc alone, in
     // alternating rounds: XDP passes a connection's packets to tc here (the pod is behind
-    // another link), and must cost new connections nothing.
-    let (mut tc_rounds, mut xdp_rounds) = (Vec::new(), Vec::new());
+    // another link), and must cost new connections nothing. And with a stub passing every
+    // packet in its place: what any XDP program on a veth costs (the link then takes its
+    // packets through a ring and NAPI), not kpr's.
+    let (mut tc_rounds, mut xdp_rounds, mut stub_rounds) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..rounds {
-        for xdp in [false, true] {
-            let plan = if xdp { with_xdp.clone() } else { without_xdp.clone() };
+        for xdp in [0, 1, 2] {
+            let plan = if xdp == 1 { with_xdp.clone() } else { without_xdp.clone() };
             datapath = node.run(move || datapath.host.apply_node(&plan).map(|()| datapath))??;
+            let _stub = if xdp == 2 { Some(node.run(|| kpr_tests::attach_xdp_stub("eth0", 2))??) } else { None };
             let addr = paths[1].1;
             let rate = ext.run(move || -> Result<f64> {
                 let started = Instant::now();
@@ -1417,7 +1423,7 @@ fn node_port_bench(
                 }
                 Ok(per_round as f64 / started.elapsed().as_secs_f64())
             })??;
-            if xdp { &mut xdp_rounds } else { &mut tc_rounds }.push(rate);
+            [&mut tc_rounds, &mut xdp_rounds, &mut stub_rounds][xdp].push(rate);
         }
     }
     let plan = without_xdp.clone();
@@ -1425,12 +1431,14 @@ fn node_port_bench(
     if rounds > 0 {
         let (xdp_rate, tc_rate, ratio) =
             (median(xdp_rounds.clone()), median(tc_rounds.clone()), median_ratio(&xdp_rounds, &tc_rounds));
+        let (stub_rate, stub_ratio) = (median(stub_rounds.clone()), median_ratio(&stub_rounds, &tc_rounds));
         println!(
-            "    kpr-xdp {xdp_rate:>10.0} conn/s, {ratio:.3}× kpr's tc path alongside ({tc_rate:.0} conn/s; {rounds} alternating rounds × {per_round})"
+            "    kpr-xdp {xdp_rate:>10.0} conn/s, {ratio:.3}× kpr's tc path alongside ({tc_rate:.0} conn/s); an XDP stub passing all: {stub_rate:.0} conn/s, {stub_ratio:.3}× ({rounds} alternating rounds × {per_round})"
         );
         out.insert(
             "kpr-xdp".into(),
-            json!({"conn_per_s": xdp_rate, "conn_per_s_ratio_vs_tc": ratio, "tc_alongside_conn_per_s": tc_rate}),
+            json!({"conn_per_s": xdp_rate, "conn_per_s_ratio_vs_tc": ratio, "tc_alongside_conn_per_s": tc_rate,
+                   "xdp_stub_conn_per_s": stub_rate, "xdp_stub_ratio_vs_tc": stub_ratio}),
         );
     }
 
