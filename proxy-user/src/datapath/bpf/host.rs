@@ -266,7 +266,7 @@ pub struct BpfHost {
     /// The Maglev seed and table size the programs were loaded with, for the probes.
     pub maglev: Option<(u32, u32)>,
     /// Where the XDP program goes (`--xdp`; its program is loaded unless `Off`).
-    pub xdp: super::XdpSetting,
+    pub xdp: super::xdp::XdpSetting,
     /// ifindex → name of the links holding the XDP program.
     xdp_attached: BTreeMap<u32, String>,
     /// Links the XDP program could not go on (said once).
@@ -325,7 +325,7 @@ impl BpfHost {
             probe_env: ProbeEnv::default(),
             socket_probes: None,
             maglev: None,
-            xdp: super::XdpSetting::Off,
+            xdp: super::xdp::XdpSetting::Off,
             xdp_attached: BTreeMap::new(),
             xdp_failed: BTreeSet::new(),
         })
@@ -606,7 +606,7 @@ impl HostDatapath for BpfHost {
 
         // XDP off the links that lose it (before their tc programs, its fallback, go).
         let xdp_wanted: BTreeSet<u32> = match self.xdp {
-            super::XdpSetting::Off => BTreeSet::new(),
+            super::xdp::XdpSetting::Off => BTreeSet::new(),
             _ => plan.xdp_links.keys().filter(|i| plan.tc_links.contains_key(i)).copied().collect(),
         };
         self.detach_xdp_except(&xdp_wanted);

@@ -68,7 +68,7 @@ pub struct DatapathConfig {
     /// host's forwarding path.
     pub forward_direct: ForwardDirect,
     /// Where the XDP program goes in front of tc (`--xdp`).
-    pub xdp: super::XdpSetting,
+    pub xdp: super::xdp::XdpSetting,
     /// cgroup id whose sockets are not translated to externalIPs and LoadBalancer IPs (the
     /// agent's own, see [`agent_cgroup_id`]); 0: none.
     pub agent_cgroup_id: u64,
@@ -96,7 +96,7 @@ impl DatapathConfig {
             // The agent's own default is `Auto` (its flag), which needs its watch of the host
             // to write `KPR_HOST_STATE`; a datapath loaded without one forwards directly.
             forward_direct: ForwardDirect::Always,
-            xdp: super::XdpSetting::Off,
+            xdp: super::xdp::XdpSetting::Off,
             agent_cgroup_id: 0,
             refuse_service_range: false,
             ct_timeouts: CtTimeouts::DEFAULT,
