@@ -9,7 +9,7 @@ use aya_ebpf::{
     bindings::BPF_NOEXIST,
     helpers::{bpf_map_lookup_elem, bpf_map_update_elem},
 };
-use proxy_common::{Addr, BackendAnswers, BackendKey, EndpointStats, ServiceStats, service_stat};
+use proxy_common::{Addr, BackendAnswers, BackendKey, CtValue, EndpointStats, ServiceStats, ct, service_stat};
 
 use crate::{
     globals::KPR_ENDPOINT_COUNTERS,
@@ -41,6 +41,16 @@ pub fn update(service_id: u32, word: u32, packets: u64, bytes: u64) {
         // SAFETY: this CPU's value, valid for this program run; no other writer on this CPU.
         add_words(unsafe { &mut (*stats).words }, word, packets, bytes);
     }
+}
+
+/// A translated packet of `bytes` of a flow whose entry is `entry` (the packet's source and
+/// source port `src`, `sport`), counted for its service port and its endpoint: where the
+/// client's packets go, where the replies come from.
+#[inline(always)]
+pub fn flow_packet(entry: &CtValue, src: &Addr, sport: u16, proto: u8, bytes: u64) {
+    add(entry.service_id, service_stat::NONE, 1, bytes);
+    let (endpoint, port) = if entry.flags & ct::REPLY != 0 { (src, sport) } else { (&entry.dst_addr, entry.dst_port) };
+    self::endpoint(endpoint, port, proto, service_stat::NONE, 1, bytes);
 }
 
 /// Count for endpoint `addr`:`port` (network order, `proto`) what [`update`] counts for its

@@ -158,12 +158,7 @@ fn forward<F: Family>(ctx: &XdpContext) -> u32 {
             (*slot).packets += 1;
             (*slot).bytes += bytes;
         },
-        None => {
-            stats::add(entry.service_id, proxy_common::service_stat::NONE, 1, bytes);
-            let (endpoint, port) =
-                if entry.flags & ct::REPLY != 0 { (&saddr, sport) } else { (&entry.dst_addr, entry.dst_port) };
-            stats::endpoint(endpoint, port, proto, proxy_common::service_stat::NONE, 1, bytes);
-        }
+        None => stats::flow_packet(entry, &saddr, sport, proto, bytes),
     }
     count(counter::XDP_FORWARDED);
     xdp_action::XDP_TX

@@ -199,11 +199,7 @@ fn table_flow<'a, F: Family>(
     if cached {
         count(counter::TC_FLOW_CACHE_FILLED);
     } else {
-        stats::add(entry.service_id, service_stat::NONE, 1, u64::from(ctx.len()));
-        // The endpoint: where the client's packets go, where the replies come from.
-        let (endpoint, port) =
-            if entry.flags & ct::REPLY != 0 { (&t.saddr, t.sport) } else { (&entry.dst_addr, entry.dst_port) };
-        stats::endpoint(endpoint, port, t.proto, service_stat::NONE, 1, u64::from(ctx.len()));
+        stats::flow_packet(entry, &t.saddr, t.sport, t.proto, u64::from(ctx.len()));
     }
     Ok((entry, route))
 }

@@ -22,7 +22,10 @@ use proxy_common::{Addr, CidrKey, CidrMask, LinkInfo, PIN_LAYOUT_VERSION, map_na
 
 use super::cgroup::netns_cookie;
 use super::maps::{cidr_of, lpm_prefix, mark_addresses};
-use super::pins::{OlderConntrack, open_pinned_map, other_layouts, pin_dir, reads_as_ours, remove_other_layouts};
+use super::pins::{
+    OlderConntrack, link_pin, links_pinned, open_pinned_map, other_layouts, pin_dir, reads_as_ours, release_link,
+    remove_other_layouts,
+};
 use crate::{
     datapath::conntrack::Conntrack,
     model::{cidr::Cidr, node::NodePlan},
@@ -348,7 +351,7 @@ impl BpfHost {
     }
 
     fn tc_pin(&self, program: &str, ifindex: u32) -> PathBuf {
-        self.dir.join(format!("link_{program}_if{ifindex}"))
+        link_pin(&self.dir, program, ifindex)
     }
 
     /// Attach (or, after a restart, swap into the pinned links) both tc programs on a link,
@@ -454,15 +457,7 @@ impl BpfHost {
             remove_netlink_filters(ifindex);
         }
         for program in TC_PROGRAMS {
-            let path = self.tc_pin(program, ifindex);
-            if let Ok(pinned) = PinnedLink::from_pin(&path) {
-                match pinned.unpin() {
-                    Ok(link) => drop(link),
-                    Err(e) => tracing::warn!("failed to unpin {}: {e}", path.display()),
-                }
-            } else {
-                let _ = fs::remove_file(&path);
-            }
+            release_link(&self.tc_pin(program, ifindex));
         }
     }
 
@@ -578,12 +573,7 @@ impl BpfHost {
 
     /// Pinned tc links of earlier runs, by ifindex.
     fn pinned_links(&self) -> BTreeSet<u32> {
-        let prefix = format!("link_{}_if", TC_PROGRAMS[0]);
-        fs::read_dir(&self.dir)
-            .into_iter()
-            .flatten()
-            .filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix(&prefix)?.parse().ok())
-            .collect()
+        links_pinned(&self.dir, TC_PROGRAMS[0])
     }
 }
 

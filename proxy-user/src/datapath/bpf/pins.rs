@@ -9,6 +9,35 @@ use anyhow::{Context as _, Result, bail};
 use aya::maps::MapData;
 use proxy_common::PIN_LAYOUT_VERSION;
 
+/// Where `program`'s bpf link on link `ifindex` is pinned (tc's and XDP's per-link links).
+pub(super) fn link_pin(dir: &Path, program: &str, ifindex: u32) -> PathBuf {
+    dir.join(format!("link_{program}_if{ifindex}"))
+}
+
+/// The links holding a pinned bpf link of `program` under `dir`, by ifindex.
+pub(super) fn links_pinned(dir: &Path, program: &str) -> std::collections::BTreeSet<u32> {
+    let prefix = format!("link_{program}_if");
+    fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix(&prefix)?.parse().ok())
+        .collect()
+}
+
+/// Release the bpf link pinned at `path` (detaching its program), or remove whatever file is
+/// there.
+pub(super) fn release_link(path: &Path) {
+    match aya::programs::links::PinnedLink::from_pin(path) {
+        Ok(pinned) => match pinned.unpin() {
+            Ok(link) => drop(link),
+            Err(e) => tracing::warn!("failed to unpin {}: {e}", path.display()),
+        },
+        Err(_) => {
+            let _ = fs::remove_file(path);
+        }
+    }
+}
+
 /// A pin root someone else created (or can write) could hand kpr maps and links it does not
 /// control: refuse it.
 pub(super) fn check_owner(pin_root: &Path) -> Result<()> {

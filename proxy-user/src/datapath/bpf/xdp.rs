@@ -1,7 +1,7 @@
 //! XDP in front of tc on the node's external links (`--xdp`): the program (`kpr_xdp`) loaded
 //! with the tc programs, attached as a pinned bpf link per link (a restart swaps the new
 //! program into it, as the TCX links), and detached where the plan no longer wants it.
-use std::{collections::BTreeSet, fs, path::Path};
+use std::{collections::BTreeSet, path::Path};
 
 use anyhow::{Context as _, Result};
 use aya::{
@@ -13,6 +13,8 @@ use aya::{
     },
 };
 use proxy_common::program_names;
+
+use super::pins::{link_pin, links_pinned, release_link};
 
 /// Where the XDP program goes (`--xdp`), as Cilium's `loadBalancer.acceleration`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -36,10 +38,6 @@ pub fn load_program(ebpf: &mut Ebpf) -> Result<()> {
     prog.load().with_context(|| format!("the verifier rejected `{}`", program_names::XDP))
 }
 
-fn pin_path(dir: &Path, ifindex: u32) -> std::path::PathBuf {
-    dir.join(format!("link_{}_if{ifindex}", program_names::XDP))
-}
-
 /// Attach the program to link `ifindex` (or swap it into the link an earlier run pinned): the
 /// mode it runs in ("native", "generic"; "kept" for a pinned link).
 ///
@@ -50,7 +48,7 @@ fn pin_path(dir: &Path, ifindex: u32) -> std::path::PathBuf {
 /// (transmitted as any packet), `native` the driver's, with a warning.
 pub fn attach(ebpf: &mut Ebpf, dir: &Path, ifindex: u32, setting: XdpSetting, veth: bool) -> Result<&'static str> {
     let prog: &mut Xdp = ebpf.program_mut(program_names::XDP).context("no XDP program")?.try_into()?;
-    let pin = pin_path(dir, ifindex);
+    let pin = link_pin(dir, program_names::XDP, ifindex);
     if pin.exists() {
         let link: FdLink =
             PinnedLink::from_pin(&pin).with_context(|| format!("failed to open pinned link {}", pin.display()))?.into();
@@ -88,24 +86,10 @@ pub fn attach(ebpf: &mut Ebpf, dir: &Path, ifindex: u32, setting: XdpSetting, ve
 
 /// Detach from link `ifindex`: its pinned link released.
 pub fn detach(dir: &Path, ifindex: u32) {
-    let pin = pin_path(dir, ifindex);
-    match PinnedLink::from_pin(&pin) {
-        Ok(pinned) => match pinned.unpin() {
-            Ok(link) => drop(link),
-            Err(e) => tracing::warn!("failed to unpin {}: {e}", pin.display()),
-        },
-        Err(_) => {
-            let _ = fs::remove_file(&pin);
-        }
-    }
+    release_link(&link_pin(dir, program_names::XDP, ifindex));
 }
 
 /// Links that hold a pinned XDP link of this layout, by ifindex.
 pub fn pinned(dir: &Path) -> BTreeSet<u32> {
-    let prefix = format!("link_{}_if", program_names::XDP);
-    fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix(&prefix)?.parse().ok())
-        .collect()
+    links_pinned(dir, program_names::XDP)
 }
