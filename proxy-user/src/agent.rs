@@ -29,7 +29,7 @@ use crate::{
     model::{
         NodeInfo, ProxyOptions,
         cidr::Cidr,
-        desired::ClusterState,
+        desired::{Changed, ClusterState},
         node::{self, HostLink, NodeObject, NodeSettings, TcLinks},
         outliers::{OutlierSettings, Outliers},
         socket_lb::{self, PodFacts},
@@ -344,6 +344,8 @@ pub struct Syncer {
     links_added: bool,
     last_sync: Option<Instant>,
     synced_once: bool,
+    /// The last sync wrote only the changed services' entries.
+    last_sync_partial: bool,
     /// Another layout's pins were removed (after the first sync).
     other_layouts_retired: bool,
     /// A full list was applied: give the memory it took back to the system after the sync.
@@ -415,6 +417,7 @@ impl Syncer {
             links_added: false,
             last_sync: None,
             synced_once: false,
+            last_sync_partial: false,
             other_layouts_retired: false,
             release_memory: false,
             service_events: None,
@@ -923,9 +926,24 @@ impl Syncer {
             self.programmer = programmer;
         }
         self.last_sync = Some(Instant::now());
-        let mut desired = self.state.desired();
-        self.sideline(&mut desired);
-        let report = self.programmer.apply(&desired, maps);
+        let changed = self.state.update();
+        let scope = match changed {
+            Changed::Keys(keys) if !reconciling && self.partial_sync_fits(&keys) => Some(keys),
+            _ => None,
+        };
+        self.last_sync_partial = scope.is_some();
+        // Sidelining reads every entry: a partial sync happens only where nothing is sidelined.
+        let sidelined = scope.is_none().then(|| {
+            let mut desired = self.state.assembled().clone();
+            self.sideline(&mut desired);
+            desired
+        });
+        let desired = sidelined.as_ref().unwrap_or_else(|| self.state.assembled());
+        let report = match &scope {
+            Some(keys) => self.programmer.apply_partial(desired, keys, maps),
+            None => self.programmer.apply(desired, maps),
+        };
+        let service_ports = desired.len();
         self.metrics.set_sidelined(self.outliers.sidelined());
         self.metrics.endpoints_uncounted(self.programmer.endpoints_uncounted());
         // The ports' names change only when frontends come, go or change Service.
@@ -937,13 +955,14 @@ impl Syncer {
                 .filter_map(|(key, p)| desired.get(key).map(|want| (p.value.service_id, want.name.clone())));
             self.metrics.service_ports(ports.collect());
         }
+        drop(sidelined);
         if let Some(health) = &mut self.health {
             health.update(self.state.health_checks(), &self.health_bind);
         }
         self.report_sync(&report, reconciling || !self.synced_once, started);
         if !self.synced_once {
             self.synced_once = true;
-            tracing::info!(service_ports = desired.len(), "initial sync done");
+            tracing::info!(service_ports, "initial sync done");
             if let Some(takeover) = &mut self.takeover {
                 takeover.run();
             }
@@ -972,17 +991,31 @@ impl Syncer {
 }
 
 impl Syncer {
+    /// Whether a sync may write only the entries in `keys` (what changed since the last one):
+    /// after a whole first sync, with nothing to retry, no endpoint's sidelining to apply and
+    /// none of the changed ports' Services watched by outlier detection.
+    fn partial_sync_fits(&self, keys: &BTreeSet<proxy_common::ServiceKey>) -> bool {
+        let default_on = self.outliers.settings.default_on;
+        let assembled = self.state.assembled();
+        let opted_in = |key: &proxy_common::ServiceKey| {
+            assembled.get(key).is_some_and(|p| self.state.outlier_detection(&p.name.service).unwrap_or(default_on))
+        };
+        self.synced_once
+            && !self.outliers_changed
+            && !self.programmer.has_failures()
+            && self.outliers.watched_nothing()
+            && !keys.iter().any(opted_in)
+    }
+
     /// Metrics and health after a sync. A sync that left service ports out is not an update:
     /// the change stays pending, and past the health timeout the proxy is unhealthy, as
     /// kube-proxy is while its rules cannot be written.
     fn report_sync(&mut self, report: &crate::datapath::ApplyReport, full: bool, started: Instant) {
         let m = &self.metrics;
         m.programming_failures(report.failed);
-        let programmed = self.programmer.programmed();
-        let slots: usize = programmed.values().map(|p| p.backends.len()).sum();
         let capacity = self.programmer.capacity();
-        m.map_use("services", programmed.len(), capacity.service_ports);
-        m.map_use("backends", slots, capacity.backends);
+        m.map_use("services", self.programmer.programmed().len(), capacity.service_ports);
+        m.map_use("backends", self.programmer.slots_in_use(), capacity.backends);
         let (ranges, range_capacity) = self.programmer.source_ranges_use();
         m.map_use("source_ranges", ranges, range_capacity);
         let (internal, external) = self.state.no_local_endpoints();

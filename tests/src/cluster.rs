@@ -468,6 +468,10 @@ impl Relay {
                 };
                 let _ = inner.set_nonblocking(false);
                 let Ok(outer) = TcpStream::connect(target) else { continue };
+                // Each write passed on at once: with Nagle's algorithm a watch event could wait
+                // for the peer's delayed ACK (tens of ms added to every change the proxy sees).
+                let _ = inner.set_nodelay(true);
+                let _ = outer.set_nodelay(true);
                 for (mut from, mut to) in
                     [(inner.try_clone(), outer.try_clone()), (outer.try_clone(), inner.try_clone())]
                         .into_iter()

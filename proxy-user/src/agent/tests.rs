@@ -170,3 +170,62 @@ fn a_new_link_is_programmed_without_waiting_for_min_sync_period() {
     syncer.sync(&mut maps, &mut host, Instant::now());
     assert_eq!(host.plans.len(), 2, "a link gone waits for the period");
 }
+
+/// After the first sync, an endpoint change writes its own service's entries only, and the
+/// maps end as a whole sync of the same objects leaves them (a removed UDP endpoint's flows
+/// flushed as before).
+#[test]
+fn an_endpoint_change_syncs_its_service_alone_to_the_same_maps() {
+    let service = |name: &str, ip: &str| {
+        service_yaml(&format!(
+            "metadata: {{name: {name}, namespace: d}}\nspec: {{clusterIP: {ip}, ports: [{{name: dns, port: 53, protocol: UDP}}]}}"
+        ))
+    };
+    let slice = |name: &str, ips: &[&str]| {
+        let eps: Vec<String> = ips.iter().map(|ip| format!("{{addresses: [{ip}]}}")).collect();
+        slice_yaml(&format!(
+            "metadata: {{name: {name}-1, namespace: d, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nports: [{{name: dns, port: 5353, protocol: UDP}}]\nendpoints: [{}]",
+            eps.join(", ")
+        ))
+    };
+    let services = || vec![service("web", "10.96.0.10"), service("api", "10.96.0.11"), service("db", "10.96.0.12")];
+    let capacity = Capacity { service_ports: 64, backends: 256 };
+    let syncer_on = |maps: &mut FakeMaps| {
+        let programmer = Programmer::recover(maps).unwrap().without_quarantine();
+        Syncer::new(ClusterState::new(NodeInfo::default()), programmer, NodeSettings::default())
+    };
+    let mut maps = FakeMaps::new(capacity);
+    let mut syncer = syncer_on(&mut maps);
+    let mut host = FakeHost::default();
+    syncer.apply(SourceEvent::ServicesListed(services()));
+    let slices = vec![slice("web", &["10.0.0.1", "10.0.0.2"]), slice("api", &["10.0.1.1"]), slice("db", &["10.0.2.1"])];
+    syncer.apply(SourceEvent::SlicesListed(slices));
+    syncer.sync(&mut maps, &mut host, Instant::now());
+    assert!(!syncer.last_sync_partial, "the first sync is whole");
+    let writes = maps.writes;
+
+    syncer.apply(SourceEvent::SliceApplied(slice("web", &["10.0.0.1", "10.0.0.3"])));
+    syncer.sync(&mut maps, &mut host, Instant::now());
+    assert!(syncer.last_sync_partial);
+    assert_eq!(maps.writes - writes, 9, "web's three entries (one per scope) and their two backends, nothing else");
+    let web = service_key("10.96.0.10".parse::<std::net::IpAddr>().unwrap(), 53, Protocol::Udp);
+    let seen = |maps: &FakeMaps, key| maps.visible_backends(key).unwrap().iter().map(backend_addr).collect::<Vec<_>>();
+    assert_eq!(seen(&maps, &web), [("10.0.0.1".parse().unwrap(), 5353), ("10.0.0.3".parse().unwrap(), 5353)]);
+    let flushed: Vec<_> = maps.flushed.iter().flat_map(|(_, gone)| gone.iter().map(|(a, p)| (*a, *p))).collect();
+    let gone = (proxy_common::Addr::from("10.0.0.2".parse::<std::net::IpAddr>().unwrap()), 5353);
+    assert!(flushed.contains(&gone), "the removed endpoint's flows are flushed: {flushed:?}");
+    assert!(maps.violations.is_empty(), "{:?}", maps.violations);
+
+    // The same objects synced whole on fresh maps: every frontend sees the same backends.
+    let mut whole = FakeMaps::new(capacity);
+    let mut other = syncer_on(&mut whole);
+    other.apply(SourceEvent::ServicesListed(services()));
+    let slices = vec![slice("web", &["10.0.0.1", "10.0.0.3"]), slice("api", &["10.0.1.1"]), slice("db", &["10.0.2.1"])];
+    other.apply(SourceEvent::SlicesListed(slices));
+    other.sync(&mut whole, &mut FakeHost::default(), Instant::now());
+    assert_eq!(maps.services.keys().collect::<Vec<_>>(), whole.services.keys().collect::<Vec<_>>());
+    for key in whole.services.keys() {
+        assert_eq!(seen(&maps, key), seen(&whole, key));
+    }
+    assert_eq!(syncer.programmer.slots_in_use(), 12, "4 backends in 3 scopes");
+}

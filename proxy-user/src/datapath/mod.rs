@@ -248,6 +248,10 @@ pub struct Programmer {
     endpoints_uncounted: Option<usize>,
     /// The endpoints the counters were last brought in line with.
     counted_for: BTreeSet<BackendKey>,
+    /// Backend slots and loadBalancerSourceRanges entries the programmed entries hold (kept
+    /// as they change: a sync's metrics do not walk every entry).
+    slots_in_use: usize,
+    ranges_in_use: usize,
 }
 
 impl Programmer {
@@ -290,8 +294,12 @@ impl Programmer {
             tracing::warn!("failed to bring the frontends' counters in line: {e:#}");
         }
         let next_id = used_ids.last().map_or(1, |id| id.wrapping_add(1).max(1));
+        let slots_in_use = programmed.values().map(|p: &Programmed| p.backends.len()).sum();
+        let ranges_in_use = programmed.values().map(|p| p.source_ranges.len()).sum();
         Ok(Self {
             programmed,
+            slots_in_use,
+            ranges_in_use,
             slots,
             used_ids,
             next_id,
@@ -364,25 +372,70 @@ impl Programmer {
 
     /// loadBalancerSourceRanges entries programmed, and the map's capacity.
     pub fn source_ranges_use(&self) -> (usize, u32) {
-        (self.source_ranges_in_use(), self.source_range_capacity)
+        (self.ranges_in_use, self.source_range_capacity)
     }
 
-    fn source_ranges_in_use(&self) -> usize {
-        self.programmed.values().map(|p| p.source_ranges.len()).sum()
+    /// Backend slots the programmed entries hold.
+    pub fn slots_in_use(&self) -> usize {
+        self.slots_in_use
+    }
+
+    fn insert_programmed(&mut self, key: ServiceKey, p: Programmed) {
+        self.slots_in_use += p.backends.len();
+        self.ranges_in_use += p.source_ranges.len();
+        if let Some(old) = self.programmed.insert(key, p) {
+            self.slots_in_use -= old.backends.len();
+            self.ranges_in_use -= old.source_ranges.len();
+        }
+    }
+
+    fn remove_programmed(&mut self, key: &ServiceKey) -> Option<Programmed> {
+        let old = self.programmed.remove(key)?;
+        self.slots_in_use -= old.backends.len();
+        self.ranges_in_use -= old.source_ranges.len();
+        Some(old)
     }
 
     pub fn apply(&mut self, desired: &Desired, maps: &mut dyn Maps) -> ApplyReport {
+        self.apply_in(desired, None, maps)
+    }
+
+    /// [`Self::apply`] for the entries of `scope` only: the caller knows every other entry
+    /// of `desired` is programmed as it wants (the last apply wrote it, and nothing changed it
+    /// since). A change then costs what it touches, not the size of the cluster. With
+    /// per-endpoint counters (a set drawn from every entry) it is a whole apply.
+    pub fn apply_partial(
+        &mut self,
+        desired: &Desired,
+        scope: &BTreeSet<ServiceKey>,
+        maps: &mut dyn Maps,
+    ) -> ApplyReport {
+        if maps.endpoint_counters() > 0 {
+            return self.apply(desired, maps);
+        }
+        self.apply_in(desired, Some(scope), maps)
+    }
+
+    fn apply_in(
+        &mut self,
+        desired: &Desired,
+        scope: Option<&BTreeSet<ServiceKey>>,
+        maps: &mut dyn Maps,
+    ) -> ApplyReport {
         let now = std::time::Instant::now();
         self.slots.end_quarantine(now);
         let mut report = ApplyReport::default();
         // A port no longer wanted is no longer failing.
         self.failing.retain(|key| desired.contains_key(key));
 
-        let gone: Vec<ServiceKey> = self.programmed.keys().filter(|k| !desired.contains_key(k)).copied().collect();
-        for key in gone {
+        let gone: Vec<ServiceKey> = match scope {
+            Some(keys) => keys.iter().filter(|k| self.programmed.contains_key(k)).copied().collect(),
+            None => self.programmed.keys().copied().collect(),
+        };
+        for key in gone.into_iter().filter(|k| !desired.contains_key(k)) {
             match maps.remove_service(&key) {
                 Ok(()) => {
-                    let old = self.programmed.remove(&key).expect("listed above");
+                    let old = self.remove_programmed(&key).expect("listed above");
                     if let Err(e) = maps.remove_source_ranges(old.value.service_id, &old.source_ranges) {
                         tracing::warn!(service = %display_key(&key), "failed to remove source ranges: {e:#}");
                     }
@@ -414,8 +467,8 @@ impl Programmer {
         let mut failed_services = BTreeSet::new();
         let mut new_entries = 0;
         // loadBalancerSourceRanges entries: a port's new ones go in before its old ones leave.
-        let mut ranges_used: usize = self.source_ranges_in_use();
-        for (key, want) in desired {
+        let mut ranges_used: usize = self.ranges_in_use;
+        for (key, want) in in_scope(desired, scope) {
             let backends: Vec<Backend> = want_backends(want).collect();
             let old = self.programmed.get(key);
             if old.is_some_and(|p| p.matches(want)) {
@@ -470,7 +523,7 @@ impl Programmer {
         }
         if pending.is_empty() {
             // Which endpoints serve may have changed all the same.
-            self.end_flows_off_endpoints(desired, maps);
+            self.end_flows_off_endpoints(desired, scope, maps);
             return report;
         }
 
@@ -530,8 +583,10 @@ impl Programmer {
                 if let Err(e) = maps.remove_source_ranges(p.value.service_id, &dropped) {
                     tracing::warn!(address = %display_key(&p.key), "failed to remove old source ranges: {e:#}");
                 }
-                self.programmed
-                    .insert(p.key, Programmed { value: p.value, backends: p.backends, source_ranges: p.ranges });
+                self.insert_programmed(
+                    p.key,
+                    Programmed { value: p.value, backends: p.backends, source_ranges: p.ranges },
+                );
             } else {
                 // Not written: give the reservation back; the old entry (if any) stays as it was,
                 // and so does its Maglev table (written above for the new backends).
@@ -553,7 +608,7 @@ impl Programmer {
                 self.note_failure(&p.key, want, &anyhow::anyhow!("the map write failed"));
             }
         }
-        self.end_flows_off_endpoints(desired, maps);
+        self.end_flows_off_endpoints(desired, scope, maps);
         report
     }
 
@@ -607,10 +662,21 @@ impl Programmer {
     ///
     /// TCP with `--abort-dead-tcp` (kube-proxy leaves TCP flows alone): flows to an endpoint
     /// that died (`DesiredPort::alive`) are ended, even when no endpoint is left.
-    fn end_flows_off_endpoints(&mut self, desired: &Desired, maps: &mut dyn Maps) {
-        self.reach.retain(|key, _| desired.get(key).is_some_and(|d| ends_flows(key, d)));
+    fn end_flows_off_endpoints(
+        &mut self,
+        desired: &Desired,
+        scope: Option<&BTreeSet<ServiceKey>>,
+        maps: &mut dyn Maps,
+    ) {
+        let still = |key: &ServiceKey| desired.get(key).is_some_and(|d| ends_flows(key, d));
+        match scope {
+            Some(keys) => keys.iter().filter(|k| !still(k)).for_each(|k| {
+                self.reach.remove(k);
+            }),
+            None => self.reach.retain(|key, _| still(key)),
+        }
         let mut pending = Vec::new();
-        for (key, want) in desired.iter().filter(|(key, want)| ends_flows(key, want)) {
+        for (key, want) in in_scope(desired, scope).filter(|(key, want)| ends_flows(key, want)) {
             let Some(programmed) = self.programmed.get(key) else { continue };
             let reach = self.reach.entry(*key).or_default();
             reach.extend(programmed.backends.iter().map(endpoint_of));
@@ -762,6 +828,17 @@ impl Programmer {
         if p.old.is_none() {
             self.used_ids.remove(&p.value.service_id);
         }
+    }
+}
+
+/// The entries of `desired` in `scope` (all without one).
+fn in_scope<'a>(
+    desired: &'a Desired,
+    scope: Option<&'a BTreeSet<ServiceKey>>,
+) -> Box<dyn Iterator<Item = (&'a ServiceKey, &'a DesiredPort)> + 'a> {
+    match scope {
+        Some(keys) => Box::new(keys.iter().filter_map(|k| desired.get_key_value(k))),
+        None => Box::new(desired.iter()),
     }
 }
 

@@ -428,6 +428,15 @@ pub fn locality<'a>(svc: &ServiceInfo, slices: impl IntoIterator<Item = &'a Slic
     out
 }
 
+/// What a [`ClusterState::update`] may have changed in the desired entries.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Changed {
+    /// Anything: compare every entry.
+    All,
+    /// Only these keys (added, changed or removed).
+    Keys(BTreeSet<ServiceKey>),
+}
+
 /// Counts of what was skipped, for logs and status.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SkipCounts {
@@ -459,9 +468,16 @@ pub struct ClusterState {
     slices_changed: u64,
     /// Cached per-service entries; recomputed for services in `dirty`.
     entries: BTreeMap<ObjectKey, Vec<(ServiceKey, DesiredPort)>>,
-    /// Cached locality facts (health check, services without local endpoints).
+    /// Cached locality facts (health check, services without local endpoints), for the
+    /// services that have any (most have none: not kept).
     locality: BTreeMap<ObjectKey, Locality>,
     dirty: BTreeSet<ObjectKey>,
+    /// The merged entries as of the last [`ClusterState::update`]; `None` before the first.
+    assembled: Option<Desired>,
+    /// Counts changes to `services` (for what is derived from every Service).
+    services_changed: u64,
+    /// [`ClusterState::sample_cluster_ip`] and the `services_changed` it was taken at.
+    sample: Option<(u64, Option<std::net::Ipv4Addr>)>,
     services_synced: bool,
     slices_synced: bool,
     reported_conflicts: BTreeSet<(ServiceKey, ObjectKey)>,
@@ -512,6 +528,7 @@ impl ClusterState {
         };
         let info = ServiceInfo::new(&svc, self.options.service_proxy_name);
         if self.services.get(&key) != Some(&info) {
+            self.services_changed += 1;
             self.dirty.insert(key.clone());
             self.services.insert(key, info);
         }
@@ -519,6 +536,7 @@ impl ClusterState {
 
     pub fn delete_service(&mut self, key: &ObjectKey) {
         if self.services.remove(key).is_some() {
+            self.services_changed += 1;
             self.dirty.insert(key.clone());
         }
     }
@@ -590,36 +608,105 @@ impl ClusterState {
     }
 
     /// Recompute the changed services and return the whole desired datapath content.
-    /// Two services claiming the same ClusterIP:port/proto: the first by namespace/name wins.
+    /// Two services claiming the same ClusterIP:port/proto: the older one wins.
     pub fn desired(&mut self) -> Desired {
-        for key in std::mem::take(&mut self.dirty) {
-            let Some(svc) = self.services.get(&key) else {
-                self.entries.remove(&key);
-                self.locality.remove(&key);
-                continue;
-            };
-            let slices = || self.slices_of.get(&key).into_iter().flatten().filter_map(|k| self.slices.get(k));
-            self.locality.insert(key.clone(), locality(svc, slices(), &self.node));
-            let slices = slices();
-            let mut skipped = Vec::new();
-            match service_entries(svc, slices, &self.node, &self.options, &mut skipped) {
-                Ok(entries) => {
-                    self.entries.insert(key.clone(), entries);
-                }
-                Err(e) => {
-                    self.entries.remove(&key);
-                    self.skip("Service", &key.to_string(), &e);
-                }
+        self.update();
+        self.assembled().clone()
+    }
+
+    /// The desired datapath content as of the last [`Self::update`].
+    pub fn assembled(&self) -> &Desired {
+        static EMPTY: Desired = Desired::new();
+        self.assembled.as_ref().unwrap_or(&EMPTY)
+    }
+
+    /// Recompute the changed services and bring [`Self::assembled`] in line: which entries
+    /// may differ from before. Only the changed services' entries are touched, unless a
+    /// frontend is contested (two services claim it: who wins depends on every claimant) or
+    /// most services changed; then everything is merged again.
+    pub fn update(&mut self) -> Changed {
+        let dirty = std::mem::take(&mut self.dirty);
+        let mut before: BTreeMap<ObjectKey, Vec<ServiceKey>> = BTreeMap::new();
+        for key in &dirty {
+            let old = self.entries.get(key).map(|e| e.iter().map(|(k, _)| *k).collect()).unwrap_or_default();
+            before.insert(key.clone(), old);
+            self.recompute(key);
+        }
+        let piecewise = self.assembled.is_some()
+            && self.reported_conflicts.is_empty()
+            && dirty.len() * 2 <= self.services.len().max(1);
+        if piecewise && let Some(keys) = self.merge_changed(&before) {
+            return Changed::Keys(keys);
+        }
+        self.assemble();
+        Changed::All
+    }
+
+    /// Recompute one service's entries and locality.
+    fn recompute(&mut self, key: &ObjectKey) {
+        let Some(svc) = self.services.get(key) else {
+            self.entries.remove(key);
+            self.locality.remove(key);
+            return;
+        };
+        let slices = || self.slices_of.get(key).into_iter().flatten().filter_map(|k| self.slices.get(k));
+        let locality = locality(svc, slices(), &self.node);
+        let mut skipped = Vec::new();
+        let entries = service_entries(svc, slices(), &self.node, &self.options, &mut skipped);
+        if locality == Locality::default() {
+            self.locality.remove(key);
+        } else {
+            self.locality.insert(key.clone(), locality);
+        }
+        match entries {
+            Ok(entries) => {
+                self.entries.insert(key.clone(), entries);
             }
-            for (part, reason) in skipped {
-                self.skips.parts += 1;
-                tracing::warn!(service = %key, part = %part, "skipped part of the service or its slices: {reason}");
+            Err(e) => {
+                self.entries.remove(key);
+                self.skip("Service", &key.to_string(), &e);
             }
         }
+        for (part, reason) in skipped {
+            self.skips.parts += 1;
+            tracing::warn!(service = %key, part = %part, "skipped part of the service or its slices: {reason}");
+        }
+    }
 
-        // Two services claiming one frontend (an externalIP or LoadBalancer IP another service
-        // already has): the older service keeps it (creationTimestamp, then namespace/name),
-        // so a newcomer cannot take an address by its name.
+    /// Put the changed services' entries (their keys before the change in `before`) into
+    /// `assembled`: the keys that may differ, or `None` when a key is (or was) another
+    /// service's, which only a whole merge settles.
+    fn merge_changed(&mut self, before: &BTreeMap<ObjectKey, Vec<ServiceKey>>) -> Option<BTreeSet<ServiceKey>> {
+        let assembled = self.assembled.as_mut()?;
+        let owned_by = |assembled: &Desired, key: &ServiceKey, service: &ObjectKey| {
+            assembled.get(key).is_none_or(|p| p.name.service == *service)
+        };
+        for (service, old) in before {
+            let new = self.entries.get(service).into_iter().flatten().map(|(k, _)| k);
+            if !old.iter().chain(new).all(|k| owned_by(assembled, k, service)) {
+                return None;
+            }
+        }
+        let mut changed = BTreeSet::new();
+        for key in before.values().flatten() {
+            assembled.remove(key);
+            changed.insert(*key);
+        }
+        for (key, port) in before.keys().filter_map(|s| self.entries.get(s)).flatten() {
+            if assembled.insert(*key, port.clone()).is_some() {
+                // Two changed services claim one key: settled by a whole merge.
+                return None;
+            }
+            changed.insert(*key);
+        }
+        Some(changed)
+    }
+
+    /// Merge every service's entries into `assembled`. Two services claiming one frontend (an
+    /// externalIP or LoadBalancer IP another service already has): the older service keeps it
+    /// (creationTimestamp, then namespace/name), so a newcomer cannot take an address by its
+    /// name.
+    fn assemble(&mut self) {
         let mut desired = Desired::new();
         let mut conflicts = BTreeSet::new();
         let mut owners: Vec<(&ObjectKey, &Vec<(ServiceKey, DesiredPort)>)> = self.entries.iter().collect();
@@ -647,7 +734,7 @@ impl ClusterState {
             self.new_conflicts.push(Conflict { service: loser.clone(), address, owner });
         }
         self.reported_conflicts = conflicts;
-        desired
+        self.assembled = Some(desired);
     }
 
     /// What the Service's `kpr.io/outlier-detection` annotation says, if it says on or off.
@@ -657,8 +744,14 @@ impl ClusterState {
 
     /// The lowest IPv4 ClusterIP of the services (for the route the node's ClusterIP traffic
     /// takes); `None` without services.
-    pub fn sample_cluster_ip(&self) -> Option<std::net::Ipv4Addr> {
-        self.services
+    pub fn sample_cluster_ip(&mut self) -> Option<std::net::Ipv4Addr> {
+        if let Some((at, sample)) = self.sample
+            && at == self.services_changed
+        {
+            return sample;
+        }
+        let sample = self
+            .services
             .values()
             .filter_map(|s| s.translated.as_ref().ok()?.ports.first())
             .flat_map(|p| &p.cluster_ips)
@@ -666,7 +759,9 @@ impl ClusterState {
                 IpAddr::V4(ip) => Some(*ip),
                 IpAddr::V6(_) => None,
             })
-            .min()
+            .min();
+        self.sample = Some((self.services_changed, sample));
+        sample
     }
 
     /// A number that changes whenever a slice is added, changed or removed.

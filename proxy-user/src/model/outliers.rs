@@ -166,6 +166,11 @@ impl Outliers {
         self.services.keys().copied().collect()
     }
 
+    /// No endpoint is watched (no opted-in Service has any): nothing to sideline.
+    pub fn watched_nothing(&self) -> bool {
+        self.services.is_empty()
+    }
+
     /// The opted-in Services `endpoint` backs.
     pub fn services_of(&self, endpoint: &Endpoint) -> impl Iterator<Item = &ObjectKey> {
         self.services.get(endpoint).into_iter().flatten()

@@ -419,3 +419,61 @@ fn direct_server_return_replaces_the_masquerade_of_external_frontends() {
     assert!(entries(with(LbMode::Dsr), &annotated("snat"), "Cluster", "TCP").is_empty(), "and off");
     assert!(entries_with(with(LbMode::Dsr), "", "Cluster", "TCP", "").is_empty(), "an endpoint of no node");
 }
+
+/// A change recomputes and merges only its service's entries, and the result is what a
+/// whole assembly of the same objects gives; a contested address falls back to a whole merge.
+#[test]
+fn a_change_updates_its_own_entries_and_matches_a_full_assembly() {
+    let named = |name: &str, ip: &str| {
+        let mut svc = web(ip);
+        svc.metadata.name = Some(name.into());
+        svc
+    };
+    let slice_of = |service: &str, ips: &[&str]| {
+        let mut s = slice(&format!("{service}-1"), ips);
+        s.metadata.labels.as_mut().unwrap().insert("kubernetes.io/service-name".into(), service.into());
+        s
+    };
+    let fresh = |services: Vec<Service>, slices: Vec<EndpointSlice>| {
+        let mut st = ClusterState::new(NodeInfo::default());
+        st.replace_services(services);
+        st.replace_slices(slices);
+        st.desired()
+    };
+    // Others that do not change (a whole merge is taken when most services change).
+    let others = || (1..=4).map(|i| named(&format!("other-{i}"), &format!("10.96.1.{i}")));
+    let services: Vec<Service> = [named("web", "10.96.0.10"), named("api", "10.96.0.11"), named("db", "10.96.0.12")]
+        .into_iter()
+        .chain(others())
+        .collect();
+    let mut st = ClusterState::new(NodeInfo::default());
+    st.replace_services(services.clone());
+    st.replace_slices(vec![slice_of("web", &["10.0.0.1"]), slice_of("api", &["10.0.1.1"])]);
+    assert_eq!(st.update(), Changed::All, "the first update merges everything");
+
+    st.apply_slice(slice_of("web", &["10.0.0.1", "10.0.0.2"]));
+    let Changed::Keys(keys) = st.update() else { panic!("one service changed: a partial update") };
+    assert_eq!(keys.len(), 6, "web's two ports in three scopes: {keys:?}");
+    assert!(st.assembled()[keys.first().unwrap()].name.service == ObjectKey::new("shop", "web"));
+    let slices = vec![slice_of("web", &["10.0.0.1", "10.0.0.2"]), slice_of("api", &["10.0.1.1"])];
+    assert_eq!(*st.assembled(), fresh(services.clone(), slices.clone()));
+    assert_eq!(backends(st.assembled(), "10.96.0.10", 80, Protocol::Tcp), ["10.0.0.1:8080", "10.0.0.2:8080"]);
+
+    // A deleted service's entries leave; a new one's come.
+    st.delete_service(&ObjectKey::new("shop", "db"));
+    st.apply_service(named("cache", "10.96.0.13"));
+    let Changed::Keys(keys) = st.update() else { panic!("two services changed out of seven") };
+    assert_eq!(keys.len(), 12);
+    let services: Vec<Service> = [named("web", "10.96.0.10"), named("api", "10.96.0.11"), named("cache", "10.96.0.13")]
+        .into_iter()
+        .chain(others())
+        .collect();
+    assert_eq!(*st.assembled(), fresh(services.clone(), slices.clone()));
+
+    // A newcomer claiming web's ClusterIP: only a whole merge says who keeps it.
+    let mut services = services;
+    services.push(named("aa-web", "10.96.0.10"));
+    st.apply_service(named("aa-web", "10.96.0.10"));
+    assert_eq!(st.update(), Changed::All);
+    assert_eq!(*st.assembled(), fresh(services, slices));
+}

@@ -35,6 +35,7 @@ const TARGET_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x10);
 const BENCH_PORT: u16 = 8081;
 
 mod chart;
+mod scale;
 mod vs_kube_proxy;
 mod xdp;
 
@@ -43,7 +44,7 @@ mod xdp;
 /// kube-proxy at 20k services alone is longer).
 #[derive(clap::Parser, Debug)]
 #[command(name = "kpr-bench")]
-#[command(group = clap::ArgGroup::new("mode").args(["vs_kube_proxy", "connection_rate", "node_port", "tc_only", "soak", "sync_scale", "maglev", "pps"]))]
+#[command(group = clap::ArgGroup::new("mode").args(["vs_kube_proxy", "connection_rate", "node_port", "tc_only", "soak", "sync_scale", "maglev", "pps", "scale"]))]
 struct Args {
     /// Fewer sizes, rounds and runs: a smoke run of the same code.
     #[arg(long)]
@@ -95,6 +96,25 @@ struct Args {
     /// Connections per round of the kube-proxy comparison and of the NodePort paths [default: 200 and 300].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     per_round: Option<u32>,
+    /// Only the scale frontier (issue 46): per shape, full and restart sync, API write →
+    /// traffic idle and under churn, memory and CPU, through a real API server
+    /// (target/bench/scale.json, merged per shape and proxy; chart scale.svg).
+    #[arg(long)]
+    scale: bool,
+    /// --scale's shapes, Services x endpoints each [default: 10000x4,20000x4,1x5000,10000x100;
+    /// --quick: 1000x4,1x500].
+    #[arg(long, value_delimiter = ',', value_name = "SxE,...", requires = "scale")]
+    shapes: Option<Vec<scale::Shape>>,
+    /// --scale's proxies: kpr, kube-proxy-nftables, kube-proxy-iptables [default: kpr].
+    #[arg(long, value_delimiter = ',', value_name = "P,...", requires = "scale")]
+    proxies: Option<Vec<String>>,
+    /// --scale: API write → traffic samples, idle and under churn each [default: 200; --quick: 20].
+    #[arg(long, value_name = "N", requires = "scale")]
+    samples: Option<usize>,
+    /// --scale: how long a kube-proxy's cold full sync may take before the shape is left out
+    /// for it, in seconds [default: 1800].
+    #[arg(long, value_name = "S", requires = "scale")]
+    peer_budget: Option<u64>,
     /// --tc-only: runs per test packet (more for a profile).
     #[arg(long, value_name = "N", default_value_t = 1_000_000)]
     repeat: u32,
@@ -122,6 +142,44 @@ fn main() -> Result<()> {
             std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_else(|| json!({}));
         vs_kube_proxy::run(vs_sizes, vs_rounds, vs_per_round, vs_latency_samples, cold_sync_limit, |vs| {
             write_vs(&mut result, vs.clone())
+        })?;
+        return Ok(());
+    }
+    if args.scale {
+        let shapes = args.shapes.clone().unwrap_or_else(|| {
+            let names: &[&str] =
+                if quick { &["1000x4", "1x500"] } else { &["10000x4", "20000x4", "1x5000", "10000x100"] };
+            names.iter().map(|s| s.parse().expect("a shape")).collect()
+        });
+        let proxies = args.proxies.clone().unwrap_or_else(|| vec!["kpr".into()]);
+        if let Some(bad) =
+            proxies.iter().find(|p| !["kpr", "kube-proxy-nftables", "kube-proxy-iptables"].contains(&p.as_str()))
+        {
+            bail!("--proxies: unknown proxy {bad}");
+        }
+        let opts = scale::Options {
+            proxies,
+            samples: args.samples.unwrap_or(if quick { 20 } else { 200 }),
+            peer_budget: Duration::from_secs(args.peer_budget.unwrap_or(1800)),
+        };
+        let path = bench_dir().join("scale.json");
+        let mut result: serde_json::Value =
+            std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_else(|| json!({}));
+        scale::run(&shapes, &opts, |shape, proxy, figures| {
+            let entry = &mut result["shapes"][shape];
+            entry["services"] = figures["services"].clone();
+            entry["endpoints_per_service"] = figures["endpoints_per_service"].clone();
+            let mut figures = figures["figures"].clone();
+            figures["measured_on"] = measured_on();
+            if proxy == "kpr" {
+                for (k, v) in figures.as_object().into_iter().flatten() {
+                    entry[k] = v.clone();
+                }
+            } else {
+                entry[proxy.replace('-', "_")] = figures;
+            }
+            write_json("scale.json", &result)?;
+            chart::write_scale(&result, &bench_dir().join("scale.svg"))
         })?;
         return Ok(());
     }
@@ -265,12 +323,18 @@ fn merge_vs(result: &mut serde_json::Value, vs: serde_json::Value) {
         }
     }
     result["vs_kube_proxy"] = vs;
-    result["measured_on"] = json!({
+    result["measured_on"] = measured_on();
+}
+
+/// The commit, kernel and CPU count figures were measured on.
+fn measured_on() -> serde_json::Value {
+    json!({
         "commit": Command::new("git").args(["rev-parse", "--short=12", "HEAD"]).output().ok()
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()),
         "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").ok().map(|s| s.trim().to_owned()),
         "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-    });
+        "date": jiff::Timestamp::now().to_string(),
+    })
 }
 
 fn bench_dir() -> std::path::PathBuf {

@@ -72,26 +72,39 @@ fn slice(name: &str) -> String {
 }
 
 /// kpr in a world's node namespace, on the API server through a relay there.
-struct Kpr {
+pub struct Kpr {
     child: Child,
-    pins: PathBuf,
+    pub pins: PathBuf,
+    keep_pins: bool,
 }
 
 impl Kpr {
     fn start(cluster: &Cluster, world: &World, cgroup: &Cgroup, tag: &str) -> Result<Self> {
+        Self::start_with(cluster, world, cgroup, tag, &config("iptables"))
+    }
+
+    /// Start with `config` (a KubeProxyConfiguration without `clientConnection`); the pins
+    /// are named after `tag`, so a restart with the same tag finds what the last run left.
+    pub fn start_with(cluster: &Cluster, world: &World, cgroup: &Cgroup, tag: &str, config: &str) -> Result<Self> {
         let file = cluster_file(cluster, &format!("{tag}.yaml"));
         let kubeconfig = cluster_file(cluster, &format!("{tag}.kubeconfig"));
         std::fs::write(&kubeconfig, kubeconfig_yaml("https://127.0.0.1:6443", &cluster.ca(), cluster.admin_token()))?;
-        std::fs::write(
-            &file,
-            format!("{}clientConnection:\n  kubeconfig: {}\n", config("iptables"), kubeconfig.display()),
-        )?;
+        std::fs::write(&file, format!("{config}clientConnection:\n  kubeconfig: {}\n", kubeconfig.display()))?;
         let pins = PathBuf::from(format!("/sys/fs/bpf/{tag}"));
         let log = std::env::temp_dir().join(format!("{tag}.log"));
         std::fs::File::create(&log)?;
         let agent =
             testbed::AgentCommand::new(&cgroup.path, &pins).config(&file).log_to(&log)?.in_netns(&world.node)?;
-        Ok(Self { child: agent.spawn()?, pins })
+        Ok(Self { child: agent.spawn()?, pins, keep_pins: false })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Kill the agent and leave its pinned maps and programs for the next start.
+    pub fn kill_keeping_pins(mut self) {
+        self.keep_pins = true;
     }
 }
 
@@ -99,7 +112,9 @@ impl Drop for Kpr {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = kpr::datapath::bpf::cleanup(&self.pins);
+        if !self.keep_pins {
+            let _ = kpr::datapath::bpf::cleanup(&self.pins);
+        }
     }
 }
 
@@ -387,20 +402,9 @@ impl Peers {
             .collect()
     }
 
-    /// Kernel memory of kpr's maps (MiB), as bpftool reports it per pinned map.
+    /// Kernel memory of kpr's maps (MiB).
     fn kpr_map_memory(&self) -> Option<f64> {
-        let dir = kpr::datapath::bpf::pin_dir(&self.kpr.as_ref()?.pins);
-        let mut bytes = 0u64;
-        for entry in std::fs::read_dir(dir).ok()? {
-            let path = entry.ok()?.path();
-            if !path.file_name()?.to_string_lossy().starts_with("KPR_") {
-                continue;
-            }
-            let out = Command::new("bpftool").args(["-j", "map", "show", "pinned"]).arg(&path).output().ok()?;
-            let info: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
-            bytes += info["bytes_memlock"].as_u64().unwrap_or(0);
-        }
-        Some(bytes as f64 / 1048576.0)
+        map_memory(&self.kpr.as_ref()?.pins)
     }
 
     /// Lines of kube-proxy's rules (iptables-save, nft list ruleset) in its world.
@@ -415,8 +419,24 @@ impl Peers {
     }
 }
 
+/// Kernel memory of the maps pinned under `pins` (MiB), as bpftool reports it per map.
+pub fn map_memory(pins: &std::path::Path) -> Option<f64> {
+    let dir = kpr::datapath::bpf::pin_dir(pins);
+    let mut bytes = 0u64;
+    for entry in std::fs::read_dir(dir).ok()? {
+        let path = entry.ok()?.path();
+        if !path.file_name()?.to_string_lossy().starts_with("KPR_") {
+            continue;
+        }
+        let out = Command::new("bpftool").args(["-j", "map", "show", "pinned"]).arg(&path).output().ok()?;
+        let info: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+        bytes += info["bytes_memlock"].as_u64().unwrap_or(0);
+    }
+    Some(bytes as f64 / 1048576.0)
+}
+
 /// The children of process `pid` (all its threads').
-fn child_pids(pid: u32) -> Vec<i32> {
+pub fn child_pids(pid: u32) -> Vec<i32> {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
     tasks
         .flatten()
