@@ -475,7 +475,7 @@ impl Programmer {
                 continue;
             }
             let old_ranges = old.map(|p| p.source_ranges.clone()).unwrap_or_default();
-            let shrinking = old.is_some_and(|p| backends.iter().all(|b| p.backends.contains(b)));
+            let shrinking = old.is_some_and(|p| is_subset(&backends, &p.backends));
             let old = old.map(|p| p.value);
             let added_ranges = want.source_ranges.iter().filter(|r| !old_ranges.contains(r)).count();
             let reserved = if ranges_used + added_ranges > self.source_range_capacity as usize {
@@ -829,6 +829,17 @@ impl Programmer {
             self.used_ids.remove(&p.value.service_id);
         }
     }
+}
+
+/// Every backend of `new` is in `old`, both in the desired order (by address, then port): one
+/// walk of both, not a search per backend (quadratic for thousands of endpoints). Lists in
+/// another order are taken as not a subset, which only costs a fresh range.
+fn is_subset(new: &[Backend], old: &[Backend]) -> bool {
+    let mut old = old.iter().peekable();
+    new.iter().all(|b| {
+        while old.next_if(|o| backend_addr(o) < backend_addr(b)).is_some() {}
+        old.next_if(|o| *o == b).is_some()
+    })
 }
 
 /// The entries of `desired` in `scope` (all without one).

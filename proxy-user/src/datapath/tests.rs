@@ -538,3 +538,15 @@ fn frontends_with_the_same_endpoints_share_one_maglev_table() {
     assert_eq!((table(1), table(3), table(4)), (shared.clone(), shared.clone(), shared));
     assert!(table(2).iter().all(|slot| *slot == 0), "the one endpoint of the other set");
 }
+
+#[test]
+fn a_subset_is_found_in_one_walk_of_both_lists() {
+    let b = |last: u8, port: u16| backend(std::net::Ipv4Addr::new(10, 0, 0, last), port);
+    let old = [b(1, 80), b(2, 80), b(2, 81), b(9, 80)];
+    assert!(super::is_subset(&[b(2, 80), b(9, 80)], &old));
+    assert!(super::is_subset(&[], &old));
+    assert!(!super::is_subset(&[b(2, 80), b(3, 80)], &old), "10.0.0.3 is new");
+    assert!(!super::is_subset(&[b(9, 81)], &old));
+    let remote = proxy_common::Backend { flags: proxy_common::BACKEND_FLAG_REMOTE, ..b(2, 80) };
+    assert!(!super::is_subset(&[remote], &old), "the same endpoint flagged otherwise is a change");
+}

@@ -42,8 +42,9 @@ struct SlicePort {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct SliceEndpoint {
-    /// The first address (kube-proxy uses no other).
-    address: Option<String>,
+    /// The first address (kube-proxy uses no other), parsed once as it arrives (a Service of
+    /// thousands of endpoints is recomputed at each change of one); the text if it is none.
+    address: Option<Result<IpAddr, String>>,
     ready: bool,
     serving: bool,
     terminating: bool,
@@ -65,7 +66,7 @@ impl SliceInfo {
                 let cond = ep.conditions.as_ref();
                 let hints = ep.hints.as_ref();
                 SliceEndpoint {
-                    address: ep.addresses.into_iter().next(),
+                    address: ep.addresses.into_iter().next().map(|a| a.parse().map_err(|_| a)),
                     ready: cond.and_then(|c| c.ready).unwrap_or(true),
                     serving: cond.and_then(|c| c.serving).unwrap_or(true),
                     terminating: cond.and_then(|c| c.terminating).unwrap_or(false),
@@ -99,7 +100,7 @@ impl SliceInfo {
     /// The addresses of the slice's endpoints (none if the slice is ignored).
     pub fn addresses(&self) -> impl Iterator<Item = IpAddr> + '_ {
         let endpoints = if self.ignored { &[][..] } else { &self.endpoints[..] };
-        endpoints.iter().filter_map(|e| e.address.as_deref()?.parse().ok())
+        endpoints.iter().filter_map(|e| e.address.as_ref()?.as_ref().ok().copied())
     }
 }
 
@@ -138,10 +139,14 @@ pub fn endpoints_by_port<'a>(
             let list = out.entry((slice_port.name.clone(), protocol)).or_default();
             for ep in &slice.endpoints {
                 let Some(first) = &ep.address else { continue };
-                let ip: IpAddr = match first.parse() {
-                    Ok(ip) if IpFamily::of(&ip) == family => ip,
-                    _ => {
-                        skipped.push((slice.name.clone(), Skip::InvalidIp(first.clone())));
+                let ip: IpAddr = match first {
+                    Ok(ip) if IpFamily::of(ip) == family => *ip,
+                    Ok(ip) => {
+                        skipped.push((slice.name.clone(), Skip::InvalidIp(ip.to_string())));
+                        continue;
+                    }
+                    Err(text) => {
+                        skipped.push((slice.name.clone(), Skip::InvalidIp(text.clone())));
                         continue;
                     }
                 };
@@ -157,13 +162,22 @@ pub fn endpoints_by_port<'a>(
                     zone_hints: ep.zone_hints.clone(),
                     node_hints: ep.node_hints.clone(),
                 };
-                match list.iter_mut().find(|e| e.ip == endpoint.ip && e.port == endpoint.port) {
-                    None => list.push(endpoint),
-                    Some(existing) if endpoint.is_local && !existing.is_local => *existing = endpoint,
-                    Some(_) => {}
-                }
+                list.push(endpoint);
             }
         }
+    }
+    // One copy of each address and port: the first local one, else the first (slices in name
+    // order). Sorted, not searched per endpoint: thousands of endpoints would make that
+    // quadratic; the stable sort keeps the copies in slice order.
+    for list in out.values_mut() {
+        list.sort_by_key(|e| (e.ip, e.port));
+        list.dedup_by(|later, kept| {
+            let same = later.ip == kept.ip && later.port == kept.port;
+            if same && later.is_local && !kept.is_local {
+                std::mem::swap(later, kept);
+            }
+            same
+        });
     }
     out
 }

@@ -39,10 +39,12 @@ const PROBE_B: Ipv4Addr = Ipv4Addr::new(10, 1, 0, 3);
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 1, 0, 6);
 const PER_SLICE: usize = 100;
 const NAMESPACE: &str = "bench";
+/// The service range: the largest the API server takes (a /16 holds 65,536 Services).
+const SERVICE_RANGE: &str = "10.96.0.0/12";
 /// Fillers get ClusterIPs from here up (explicit addresses: the API server's allocator was the
 /// bottleneck of creating them); past the range's end, allocated.
-const FILLER_IPS: u32 = u32::from_be_bytes([10, 96, 16, 0]);
-const FILLER_IPS_END: u32 = u32::from_be_bytes([10, 96, 255, 255]);
+const FILLER_IPS: u32 = u32::from_be_bytes([10, 97, 0, 0]);
+const FILLER_IPS_END: u32 = u32::from_be_bytes([10, 111, 255, 255]);
 /// The endpoints' addresses (nothing listens there: no connection goes to a filler).
 const ENDPOINT_IPS: u32 = u32::from_be_bytes([10, 128, 0, 0]);
 const CHURN_IPS: u32 = u32::from_be_bytes([10, 192, 0, 0]);
@@ -267,10 +269,11 @@ impl Node {
         let want = format!("{pod}:{BENCH_PORT}");
         let handle = self.world.pod(CLIENT).spawn(move || {
             while since.elapsed() < timeout {
-                if let Ok(mut conn) = TcpStream::connect_timeout(&addr.into(), Duration::from_millis(200)) {
+                if let Ok(conn) = TcpStream::connect_timeout(&addr.into(), Duration::from_millis(200)) {
+                    // The pod names itself in a line at once, then waits for questions.
                     let _ = conn.set_read_timeout(Some(Duration::from_millis(500)));
                     let mut answer = String::new();
-                    let _ = std::io::Read::read_to_string(&mut conn, &mut answer);
+                    let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(&conn), &mut answer);
                     if answer.trim() == want {
                         return Some(since.elapsed().as_secs_f64());
                     }
@@ -368,19 +371,28 @@ impl Api2 {
     fn start_churn(&self, shape: Shape, stop: Arc<AtomicBool>, done: Arc<AtomicUsize>) -> tokio::task::JoinHandle<()> {
         let slices = self.slices();
         self.rt.spawn(async move {
-            let mut moved = vec![false; shape.services * shape.slices()];
+            let total = shape.services * shape.slices();
+            let mut moved = vec![false; total];
+            // A slice written again before its last write is answered would conflict (the API
+            // server retries such patches): the tick goes to the next slice then.
+            let busy = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
             let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / CHURN_RATE));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
             let mut tasks = tokio::task::JoinSet::new();
             let mut k = 0usize;
             while !stop.load(Ordering::Relaxed) {
                 tick.tick().await;
-                let (i, s) = (k % shape.services, (k / shape.services) % shape.slices());
-                k += 1;
-                let index = i * shape.slices() + s;
+                let Some(index) =
+                    (0..total).map(|n| (k + n) % total).find(|index| !busy.lock().unwrap().contains(index))
+                else {
+                    continue;
+                };
+                k = index + 1;
+                let (i, s) = (index % shape.services, (index / shape.services) % shape.slices());
                 moved[index] = !moved[index];
                 let body = filler_slice(shape, i, s, moved[index]);
-                let (slices, done) = (slices.clone(), done.clone());
+                let (slices, done, busy) = (slices.clone(), done.clone(), busy.clone());
+                busy.lock().unwrap().insert(index);
                 tasks.spawn(async move {
                     let name = format!("{}-{s}", filler(i));
                     match slices.patch(&name, &PatchParams::default(), &Patch::Merge(body)).await {
@@ -389,6 +401,7 @@ impl Api2 {
                         }
                         Err(e) => eprintln!("churn: {name}: {e}"),
                     }
+                    busy.lock().unwrap().remove(&index);
                 });
                 while tasks.try_join_next().is_some() {}
             }
@@ -511,7 +524,11 @@ pub fn run(
         println!("\n{shape}: {} Services × {} endpoints", shape.services, shape.endpoints);
         let cluster = Cluster::start_with(
             "kb-scale",
-            &["--max-requests-inflight=2000", "--max-mutating-requests-inflight=1000"],
+            &[
+                "--max-requests-inflight=2000",
+                "--max-mutating-requests-inflight=1000",
+                &format!("--service-cluster-ip-range={SERVICE_RANGE}"),
+            ],
         )?;
         cluster.apply(&format!(
             "apiVersion: v1\nkind: Node\nmetadata: {{name: {NODE}}}\n---\napiVersion: v1\nkind: Namespace\nmetadata: {{name: {NAMESPACE}}}\n"
