@@ -176,10 +176,17 @@ impl Node {
         Ok(Self { proxy: proxy.to_owned(), world, cgroup: Cgroup::new(&tag)?, tag, running: None, _relay: relay })
     }
 
-    /// Start the proxy; after [`Self::stop`] with `keep_state`, from what it left.
-    fn start(&mut self, cluster: &Cluster) -> Result<()> {
+    /// Start the proxy; after [`Self::stop`] with `keep_state`, from what it left. kpr's maps
+    /// are sized for `shape` (its defaults hold 262,144 backend slots: 10k × 100 needs 3M, one
+    /// per endpoint and source scope).
+    fn start(&mut self, cluster: &Cluster, shape: Shape) -> Result<()> {
         self.running = Some(if self.proxy == "kpr" {
-            Running::Kpr(Kpr::start_with(cluster, &self.world, &self.cgroup, &self.tag, &config("iptables"))?)
+            let room = |n: usize, floor: u32| (n as u32).next_power_of_two().max(floor);
+            let args = [
+                format!("--max-service-ports={}", room((shape.services + 4096) * 4, 262_144)),
+                format!("--max-backends={}", room(3 * shape.services * shape.endpoints + 16_384, 262_144)),
+            ];
+            Running::Kpr(Kpr::start_with(cluster, &self.world, &self.cgroup, &self.tag, &config("iptables"), &args)?)
         } else {
             let mode = self.proxy.trim_start_matches("kube-proxy-");
             Running::KubeProxy(KubeProxy::start_with_config(cluster, &self.world.node, &config(mode))?.0)
@@ -454,12 +461,17 @@ fn measure(
     // Cold: nothing pinned, no rules.
     let cold_ip = api.create_with_endpoint(&format!("cold-{}", node.tag), PROBE_A)?;
     let started = Instant::now();
-    node.start(cluster)?;
+    node.start(cluster, shape)?;
     let Ok(full) = node.wait_answer(SocketAddrV4::new(cold_ip, 80), PROBE_A, started, limit) else {
         println!("{proxy}: no full sync of {shape} within {} s", limit.as_secs());
         return Ok(json!({"not_finished_after_s": limit.as_secs()}));
     };
     println!("{proxy}: full sync {full:.2} s");
+    // A figure of a cluster half programmed would say nothing.
+    let log = std::env::temp_dir().join(format!("{}.log", node.tag));
+    if proxy == "kpr" && std::fs::read_to_string(&log).is_ok_and(|text| text.contains("not programmed")) {
+        bail!("kpr left service ports out at {shape} (see {})", log.display());
+    }
     let (rss, anon) = node.memory().unwrap_or_default();
     let map_mib = node.map_mib();
     println!("{proxy}: RSS {rss:.1} MiB (anonymous {anon:.1}), maps {map_mib:.1?} MiB");
@@ -497,7 +509,7 @@ fn measure(
     node.stop(true);
     let warm_ip = api.create_with_endpoint(&format!("warm-{}", node.tag), PROBE_A)?;
     let started = Instant::now();
-    node.start(cluster)?;
+    node.start(cluster, shape)?;
     let restart = node.wait_answer(SocketAddrV4::new(warm_ip, 80), PROBE_A, started, limit).ok();
     println!("{proxy}: restart sync {restart:.2?} s");
     Ok(json!({

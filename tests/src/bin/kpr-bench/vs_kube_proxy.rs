@@ -80,12 +80,19 @@ pub struct Kpr {
 
 impl Kpr {
     fn start(cluster: &Cluster, world: &World, cgroup: &Cgroup, tag: &str) -> Result<Self> {
-        Self::start_with(cluster, world, cgroup, tag, &config("iptables"))
+        Self::start_with(cluster, world, cgroup, tag, &config("iptables"), &[])
     }
 
     /// Start with `config` (a KubeProxyConfiguration without `clientConnection`); the pins
     /// are named after `tag`, so a restart with the same tag finds what the last run left.
-    pub fn start_with(cluster: &Cluster, world: &World, cgroup: &Cgroup, tag: &str, config: &str) -> Result<Self> {
+    pub fn start_with(
+        cluster: &Cluster,
+        world: &World,
+        cgroup: &Cgroup,
+        tag: &str,
+        config: &str,
+        args: &[String],
+    ) -> Result<Self> {
         let file = cluster_file(cluster, &format!("{tag}.yaml"));
         let kubeconfig = cluster_file(cluster, &format!("{tag}.kubeconfig"));
         std::fs::write(&kubeconfig, kubeconfig_yaml("https://127.0.0.1:6443", &cluster.ca(), cluster.admin_token()))?;
@@ -93,8 +100,11 @@ impl Kpr {
         let pins = PathBuf::from(format!("/sys/fs/bpf/{tag}"));
         let log = std::env::temp_dir().join(format!("{tag}.log"));
         std::fs::File::create(&log)?;
-        let agent =
-            testbed::AgentCommand::new(&cgroup.path, &pins).config(&file).log_to(&log)?.in_netns(&world.node)?;
+        let agent = testbed::AgentCommand::new(&cgroup.path, &pins)
+            .config(&file)
+            .args(args)
+            .log_to(&log)?
+            .in_netns(&world.node)?;
         Ok(Self { child: agent.spawn()?, pins, keep_pins: false })
     }
 
