@@ -79,6 +79,44 @@ pub(crate) fn lookup_batch<K: aya::Pod, V: aya::Pod>(map: &MapData) -> Option<Ve
     }
 }
 
+/// Slots `start..start + count` of array map `map`, in one call (`BPF_MAP_LOOKUP_BATCH`,
+/// 5.6+): a reconcile reads every programmed range back, and one system call per slot took
+/// seconds at a million endpoints. `None` where the kernel cannot (read one slot at a time).
+pub(crate) fn lookup_array_range<V: aya::Pod>(map: &MapData, start: u32, count: u32) -> Option<Vec<V>> {
+    const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+    if count == 0 {
+        return Some(Vec::new());
+    }
+    let mut keys: Vec<u32> = Vec::with_capacity(count as usize);
+    let mut values: Vec<V> = Vec::with_capacity(count as usize);
+    // The batch token is the key before the first one read.
+    let before = start.checked_sub(1);
+    let mut token_out = 0u64;
+    let mut attr = BatchAttr {
+        in_batch: before.as_ref().map_or(0, |k| std::ptr::from_ref(k) as u64),
+        out_batch: (&raw mut token_out) as u64,
+        keys: keys.as_mut_ptr() as u64,
+        values: values.as_mut_ptr() as u64,
+        count,
+        map_fd: map.fd().as_fd().as_raw_fd() as u32,
+        ..BatchAttr::default()
+    };
+    // SAFETY: the kernel writes at most `count` keys and values into buffers of that capacity,
+    // and a 4-byte key into `token_out`.
+    let rc = unsafe { batch_op(BPF_MAP_LOOKUP_BATCH, &mut attr) };
+    if rc < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOENT) {
+        return None;
+    }
+    // SAFETY: the kernel filled `attr.count` of each.
+    unsafe {
+        keys.set_len((attr.count as usize).min(count as usize));
+        values.set_len((attr.count as usize).min(count as usize));
+    }
+    // Exactly the slots asked for, in order; anything else is read one at a time.
+    let whole = keys.len() == count as usize && keys.iter().zip(start..).all(|(k, want)| *k == want);
+    whole.then_some(values)
+}
+
 /// BPF_MAP_UPDATE_BATCH (kernel 5.6+): one syscall for many elements, in order. aya has no
 /// wrapper for it. On error, also returns how many elements were written.
 pub(super) fn update_batch<K: Copy, V: Copy>(

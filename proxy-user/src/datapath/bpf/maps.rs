@@ -22,7 +22,7 @@ use proxy_common::{
 };
 
 use super::{
-    batch::{batch_unsupported, read_all_of, update_batch},
+    batch::{self, batch_unsupported, read_all_of, update_batch},
     pins::open_pinned_map,
 };
 use crate::datapath::{BatchError, Capacity, FlowFlush, Maps, conntrack::Conntrack};
@@ -180,10 +180,16 @@ impl Maps for BpfMaps {
     }
 
     fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>> {
+        if let Some(all) = batch::lookup_batch(self.services.map()) {
+            return Ok(all);
+        }
         Ok(self.services.iter().collect::<Result<Vec<_>, _>>()?)
     }
 
     fn backends(&self, start: u32, count: u32) -> Result<Vec<Backend>> {
+        if let Some(slots) = batch::lookup_array_range(self.backends.map(), start, count) {
+            return Ok(slots);
+        }
         (start..start.saturating_add(count))
             .map(|i| self.backends.get(&i, 0).with_context(|| format!("failed to read backend slot {i}")))
             .collect()
