@@ -926,8 +926,8 @@ impl Syncer {
             self.programmer = programmer;
         }
         self.last_sync = Some(Instant::now());
-        let changed = self.state.update();
-        let scope = match changed {
+        self.state.update();
+        let scope = match self.state.take_changed() {
             Changed::Keys(keys) if !reconciling && self.partial_sync_fits(&keys) => Some(keys),
             _ => None,
         };

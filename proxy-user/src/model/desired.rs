@@ -429,8 +429,9 @@ pub fn locality<'a>(svc: &ServiceInfo, slices: impl IntoIterator<Item = &'a Slic
 }
 
 /// What a [`ClusterState::update`] may have changed in the desired entries.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum Changed {
+    #[default]
     /// Anything: compare every entry.
     All,
     /// Only these keys (added, changed or removed).
@@ -474,6 +475,9 @@ pub struct ClusterState {
     dirty: BTreeSet<ObjectKey>,
     /// The merged entries as of the last [`ClusterState::update`]; `None` before the first.
     assembled: Option<Desired>,
+    /// What the updates changed since [`ClusterState::take_changed`] last ran (another
+    /// reader's update, `kpr diff`'s or shadow mode's, does not take it from the datapath's).
+    unwritten: Changed,
     /// Counts changes to `services` (for what is derived from every Service).
     services_changed: u64,
     /// [`ClusterState::sample_cluster_ip`] and the `services_changed` it was taken at.
@@ -635,11 +639,28 @@ impl ClusterState {
         let piecewise = self.assembled.is_some()
             && self.reported_conflicts.is_empty()
             && dirty.len() * 2 <= self.services.len().max(1);
-        if piecewise && let Some(keys) = self.merge_changed(&before) {
-            return Changed::Keys(keys);
-        }
-        self.assemble();
-        Changed::All
+        let merged = if piecewise { self.merge_changed(&before) } else { None };
+        let changed = match merged {
+            Some(keys) => Changed::Keys(keys),
+            None => {
+                self.assemble();
+                Changed::All
+            }
+        };
+        self.unwritten = match (std::mem::take(&mut self.unwritten), &changed) {
+            (Changed::Keys(mut before), Changed::Keys(now)) => {
+                before.extend(now);
+                Changed::Keys(before)
+            }
+            _ => Changed::All,
+        };
+        changed
+    }
+
+    /// What changed in [`Self::assembled`] since the last call (everything, the first time):
+    /// what the datapath has yet to be given.
+    pub fn take_changed(&mut self) -> Changed {
+        std::mem::replace(&mut self.unwritten, Changed::Keys(BTreeSet::new()))
     }
 
     /// Recompute one service's entries and locality.

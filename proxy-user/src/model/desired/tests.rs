@@ -477,3 +477,25 @@ fn a_change_updates_its_own_entries_and_matches_a_full_assembly() {
     assert_eq!(st.update(), Changed::All);
     assert_eq!(*st.assembled(), fresh(services, slices));
 }
+
+/// Another reader's update (`kpr diff`, shadow mode) does not take the changes the datapath
+/// has yet to be given.
+#[test]
+fn changes_wait_for_the_datapath_whoever_updates() {
+    let mut st = ClusterState::new(NodeInfo::default());
+    let others = (1..=4).map(|i| {
+        let mut svc = web(&format!("10.96.1.{i}"));
+        svc.metadata.name = Some(format!("other-{i}"));
+        svc
+    });
+    st.replace_services([web("10.96.0.10")].into_iter().chain(others).collect());
+    st.replace_slices(vec![slice("web-1", &["10.0.0.1"])]);
+    st.update();
+    assert_eq!(st.take_changed(), Changed::All, "the first time: everything");
+    st.apply_slice(slice("web-1", &["10.0.0.1", "10.0.0.2"]));
+    let _ = st.desired(); // another reader
+    st.update();
+    let Changed::Keys(keys) = st.take_changed() else { panic!("one service changed") };
+    assert_eq!(keys.len(), 6, "web's entries, though another update merged them first");
+    assert_eq!(st.take_changed(), Changed::Keys(BTreeSet::new()));
+}
