@@ -103,7 +103,9 @@ pub async fn run(keep_running: bool) -> Result<()> {
     let result = async {
         let pins = pin_root.0.clone();
         tokio::task::spawn_blocking(move || {
-            testbed::wait_programmed(&pins, "10.96.0.10:80/TCP", Some(3), Duration::from_secs(20))?;
+            // The agent's start included: loading its programs took up to 10 s on a busy
+            // two-CPU machine.
+            testbed::wait_programmed(&pins, "10.96.0.10:80/TCP", Some(3), Duration::from_secs(60))?;
             testbed::wait_programmed(&pins, "[fd00:96::10]:80/TCP", Some(3), Duration::from_secs(20))
         })
         .await?

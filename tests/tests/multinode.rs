@@ -27,6 +27,9 @@ const LB_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
 const TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A node of the [`Bridged`] cluster: its own namespace, agent, pins, cgroup and pod.
+/// How long a node's agent may take to program a change, its start included.
+const PROGRAMMED_WITHIN: Duration = Duration::from_secs(60);
+
 struct BridgedNode {
     name: String,
     ip: Ipv4Addr,
@@ -177,10 +180,12 @@ impl Bridged {
         testbed::write_atomic(&self.manifests, name, text).unwrap();
     }
 
-    /// Wait until every node's maps hold `address` with `backends` backends.
+    /// Wait until every node's maps hold `address` with `backends` backends. Generous: the
+    /// first wait includes the agents' start, and two agents loading their programs at once
+    /// on a busy two-CPU machine took 10 s (a 10 s wait failed three tests of one CI run).
     fn wait(&self, address: &str, backends: usize) {
         for node in &self.nodes {
-            testbed::wait_programmed(&node.pins, address, Some(backends), Duration::from_secs(10))
+            testbed::wait_programmed(&node.pins, address, Some(backends), testbed::slow(PROGRAMMED_WITHIN))
                 .with_context(|| {
                     format!("{}: agents' log:\n{}", node.name, std::fs::read_to_string(&self.log).unwrap_or_default())
                 })
@@ -869,8 +874,8 @@ fn kpr_trace_explains_each_source_class_from_the_live_maps() {
     let c = Bridged::new("km-trace").unwrap();
     let (pod_a, pod_b) = (c.nodes[0].pod_ip, c.nodes[1].pod_ip);
     c.write("svc.yaml", &service("Local", 30082, &[(pod_a, "node-a")]));
-    testbed::wait_programmed(&c.nodes[0].pins, "*:30082/TCP ext", Some(1), Duration::from_secs(10)).unwrap();
-    testbed::wait_programmed(&c.nodes[1].pins, "*:30082/TCP ext", Some(0), Duration::from_secs(10)).unwrap();
+    testbed::wait_programmed(&c.nodes[0].pins, "*:30082/TCP ext", Some(1), testbed::slow(PROGRAMMED_WITHIN)).unwrap();
+    testbed::wait_programmed(&c.nodes[1].pins, "*:30082/TCP ext", Some(0), testbed::slow(PROGRAMMED_WITHIN)).unwrap();
     let (a, b) = (c.nodes[0].ip, c.nodes[1].ip);
     let ext = EXT_CLIENT.to_string();
 
@@ -904,8 +909,8 @@ fn local_traffic_policy_keeps_the_client_address_and_drops_without_local_endpoin
     let c = Bridged::new("km-local").unwrap();
     let pod_a = c.nodes[0].pod_ip;
     c.write("svc.yaml", &service("Local", 30081, &[(pod_a, "node-a")]));
-    testbed::wait_programmed(&c.nodes[0].pins, "*:30081/TCP ext", Some(1), Duration::from_secs(10)).unwrap();
-    testbed::wait_programmed(&c.nodes[1].pins, "*:30081/TCP ext", Some(0), Duration::from_secs(10)).unwrap();
+    testbed::wait_programmed(&c.nodes[0].pins, "*:30081/TCP ext", Some(1), testbed::slow(PROGRAMMED_WITHIN)).unwrap();
+    testbed::wait_programmed(&c.nodes[1].pins, "*:30081/TCP ext", Some(0), testbed::slow(PROGRAMMED_WITHIN)).unwrap();
     let (a, b) = (c.nodes[0].ip, c.nodes[1].ip);
     let (name, seen) = c.ext(move || tcp_ask_peer(SocketAddrV4::new(a, 30081), TIMEOUT).unwrap());
     assert_eq!(name, "pod-a");
