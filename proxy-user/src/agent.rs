@@ -955,7 +955,6 @@ impl Syncer {
                 .filter_map(|(key, p)| desired.get(key).map(|want| (p.value.service_id, want.name.clone())));
             self.metrics.service_ports(ports.collect());
         }
-        drop(sidelined);
         if let Some(health) = &mut self.health {
             health.update(self.state.health_checks(), &self.health_bind);
         }

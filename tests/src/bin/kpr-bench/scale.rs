@@ -542,12 +542,7 @@ pub fn run(
                 &format!("--service-cluster-ip-range={SERVICE_RANGE}"),
             ],
         )?;
-        cluster.apply(&format!(
-            "apiVersion: v1\nkind: Node\nmetadata: {{name: {NODE}}}\n---\napiVersion: v1\nkind: Namespace\nmetadata: {{name: {NAMESPACE}}}\n"
-        ))?;
-        let status =
-            format!("{{\"status\":{{\"addresses\":[{{\"type\":\"InternalIP\",\"address\":\"{NODE_IP}\"}}]}}}}");
-        cluster.kubectl(&["patch", "node", NODE, "--subresource=status", "--type=merge", "-p", &status])?;
+        super::vs_kube_proxy::add_node(&cluster, NODE, NAMESPACE)?;
         let api = Api2::new(&cluster)?;
         let started = Instant::now();
         api.create_fillers(shape)?;

@@ -149,12 +149,7 @@ impl Peers {
     fn start() -> Result<Self> {
         let cluster =
             Cluster::start_with("kb-vs", &["--max-requests-inflight=1000", "--max-mutating-requests-inflight=500"])?;
-        cluster.apply(&format!(
-            "apiVersion: v1\nkind: Node\nmetadata: {{name: {NODE}}}\n---\napiVersion: v1\nkind: Namespace\nmetadata: {{name: bench}}\n"
-        ))?;
-        let status =
-            format!("{{\"status\":{{\"addresses\":[{{\"type\":\"InternalIP\",\"address\":\"{NODE_IP}\"}}]}}}}");
-        cluster.kubectl(&["patch", "node", NODE, "--subresource=status", "--type=merge", "-p", &status])?;
+        add_node(&cluster, NODE, "bench")?;
         cluster.apply(&format!("{}{}", service("target", Some(NODE_PORT)), slice("target")))?;
 
         let tag = testbed::unique_name("kbvs");
@@ -427,6 +422,16 @@ impl Peers {
             .unwrap_or_default();
         String::from_utf8_lossy(&out).lines().count()
     }
+}
+
+/// The bench's Node `node` (at [`NODE_IP`]) and namespace `namespace` on `cluster`.
+pub fn add_node(cluster: &Cluster, node: &str, namespace: &str) -> Result<()> {
+    cluster.apply(&format!(
+        "apiVersion: v1\nkind: Node\nmetadata: {{name: {node}}}\n---\napiVersion: v1\nkind: Namespace\nmetadata: {{name: {namespace}}}\n"
+    ))?;
+    let status = format!("{{\"status\":{{\"addresses\":[{{\"type\":\"InternalIP\",\"address\":\"{NODE_IP}\"}}]}}}}");
+    cluster.kubectl(&["patch", "node", node, "--subresource=status", "--type=merge", "-p", &status])?;
+    Ok(())
 }
 
 /// Kernel memory of the maps pinned under `pins` (MiB), as bpftool reports it per map.
