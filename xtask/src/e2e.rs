@@ -82,12 +82,7 @@ pub const CONFORMANCE_FOCUS: &str = r"\[sig-network\].*\[Conformance\]";
 pub fn run(root: &Path, env: &setup::Env, options: &Options) -> Result<()> {
     let started = Instant::now();
     let k8s_bin = cluster::ensure_k8s_binaries(root)?;
-    let e2e_bin = cluster::ensure_go_binaries(
-        root,
-        "e2e",
-        BINARIES,
-        "Kubernetes' e2e network suite, ginkgo, agnhost and CoreDNS",
-    )?;
+    let e2e_bin = ensure_binaries(root)?;
     let k8s_src = kubernetes_source(root)?;
     let tags = image::e2e_tags(&fs::read_to_string(k8s_src.join("test/utils/image/manifest.go"))?)?;
     let mut images = vec![image::build_testpod(root, env)?];
@@ -149,7 +144,11 @@ pub fn run(root: &Path, env: &setup::Env, options: &Options) -> Result<()> {
     Ok(())
 }
 
-/// `test/utils/image/manifest.go` of the pinned Kubernetes in Go's module cache.
+/// The directory of the e2e suite's binaries, built first if needed.
+pub fn ensure_binaries(root: &Path) -> Result<PathBuf> {
+    cluster::ensure_go_binaries(root, "e2e", BINARIES, "Kubernetes' e2e network suite, ginkgo, agnhost and CoreDNS")
+}
+
 /// The pinned Kubernetes sources in Go's module cache (the image manifest, agnhost's files).
 fn kubernetes_source(root: &Path) -> Result<PathBuf> {
     let out = Command::new("go")

@@ -20,6 +20,7 @@ use anyhow::{Context as _, Result, bail};
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
 /// What the rest of xtask needs to build with the pinned toolchain.
+#[derive(Clone)]
 pub struct Env {
     pub toolchain: String,
     /// Directory holding `bpf-linker`, put first on PATH.
