@@ -49,7 +49,7 @@ pub fn ensure_all(root: &Path) -> Result<Env> {
         fs::read_to_string(root.join("toolchain.pin")).context("failed to read toolchain.pin")?.trim().to_owned();
     ensure_toolchain(&toolchain)?;
     ensure_target(&toolchain, crate::image::MUSL_TARGET)?;
-    let linker_bin = ensure_bpf_linker(root, &toolchain)?;
+    let linker_bin = ensure_bpf_linker(&toolchain)?;
     ensure_packages()?;
     if is_root() {
         ensure_mounts()?;
@@ -101,9 +101,12 @@ fn ensure_target(toolchain: &str, target: &str) -> Result<()> {
     run_quiet(Command::new("rustup").args(["target", "add", "--toolchain", toolchain, target]))
 }
 
-/// bpf-linker in `.tools/bpf-linker-<toolchain>/bin`, linked against the toolchain's libLLVM.
-fn ensure_bpf_linker(root: &Path, toolchain: &str) -> Result<PathBuf> {
-    let tools = root.join(".tools");
+/// bpf-linker in `~/.cache/kpr/bpf-linker-<toolchain>/bin`, linked against the toolchain's
+/// libLLVM. Outside the checkout, as the Kubernetes binaries are: a fresh clone (CI's) finds it
+/// built.
+fn ensure_bpf_linker(toolchain: &str) -> Result<PathBuf> {
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/root"), PathBuf::from);
+    let tools = home.join(".cache/kpr");
     let install_root = tools.join(format!("bpf-linker-{toolchain}"));
     let bin = install_root.join("bin");
     let linker = bin.join("bpf-linker");
