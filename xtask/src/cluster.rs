@@ -81,7 +81,8 @@ pub fn ensure_go_binaries(root: &Path, module: &str, binaries: &[GoBinary], what
     Ok(bin)
 }
 
-fn cache_root() -> Result<PathBuf> {
+/// Where built tools are kept across checkouts: `$KPR_K8S_CACHE`, else `~/.cache/kpr`.
+pub fn cache_root() -> Result<PathBuf> {
     if let Some(dir) = std::env::var_os("KPR_K8S_CACHE") {
         return Ok(PathBuf::from(dir));
     }

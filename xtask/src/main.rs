@@ -273,30 +273,9 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>, scope: &TestScope) 
     let needs = |what: Needs| suites.iter().any(|s| needs_of(s).contains(&what));
     let whole_run = filter.is_none() && matches!(scope, TestScope::All);
     // What the later suites need is built in the background, niced, while the suites that need
-    // neither the control plane nor an image run (they mostly wait on packets and agents): Go's
-    // builds (cold, the control plane and the e2e suite take 6-20 minutes of CPU) and the
-    // images' static release build (about 6 minutes).
-    let prepared = (needs(Needs::ControlPlane) || needs(Needs::Images)).then(|| {
-        let (root, env) = (root.to_owned(), env.clone());
-        let (control_plane, images) = (needs(Needs::ControlPlane), needs(Needs::Images));
-        std::thread::spawn(move || -> Result<Prepared> {
-            nice_this_thread();
-            let k8s_bin = if control_plane { Some(cluster::ensure_k8s_binaries(&root)?) } else { None };
-            if whole_run {
-                e2e::ensure_binaries(&root)?;
-            }
-            let images = if images {
-                Some([
-                    ("KPR_IMAGE", image::build(&root, &env, "latest")?),
-                    ("KPR_IMAGE_NEXT", image::build(&root, &env, "next")?),
-                    ("KPR_TESTPOD_IMAGE", image::build_testpod(&root, &env)?),
-                ])
-            } else {
-                None
-            };
-            Ok(Prepared { k8s_bin, images })
-        })
-    });
+    // neither the control plane nor an image run (they mostly wait on packets and agents).
+    let background = (needs(Needs::ControlPlane) || needs(Needs::Images))
+        .then(|| Background::start(root, env, needs(Needs::ControlPlane), needs(Needs::Images), whole_run));
     let (standalone, dependent): (Vec<&String>, Vec<&String>) =
         suites.iter().partition(|suite| needs_of(suite).is_empty());
     let suite_run = |group: &[&String], with_lib: bool| {
@@ -315,24 +294,42 @@ fn test(root: &Path, env: &setup::Env, filter: Option<&str>, scope: &TestScope) 
         cmd
     };
     let mut groups = vec![run_tests(&mut suite_run(&standalone, true))];
-    let prepared = prepared.map(|thread| thread.join().expect("the background build panicked")).transpose()?;
+    let mut background_failed = None;
     if !dependent.is_empty() {
         let mut privileged = suite_run(&dependent, false);
-        let Prepared { k8s_bin, images } = prepared.unwrap_or_default();
-        if let Some(k8s_bin) = k8s_bin {
-            // The control plane, kubelet and kube-proxy, built once per pin.
-            privileged.env("KPR_K8S_BIN", k8s_bin);
+        match background.as_ref().map(Background::prepared).unwrap_or_else(|| Ok(Prepared::default())) {
+            Ok(Prepared { k8s_bin, images }) => {
+                if let Some(k8s_bin) = k8s_bin {
+                    // The control plane, kubelet and kube-proxy, built once per pin.
+                    privileged.env("KPR_K8S_BIN", k8s_bin);
+                }
+                // The image its test runs under runc; the DaemonSet test's images: kpr under a
+                // second tag (its rolling update) and the test pods'.
+                privileged.envs(images.into_iter().flatten());
+                groups.push(run_tests(&mut privileged));
+            }
+            Err(e) => background_failed = Some(e),
         }
-        // The image its test runs under runc; the DaemonSet test's images: kpr under a second
-        // tag (its rolling update) and the test pods'.
-        privileged.envs(images.into_iter().flatten());
-        groups.push(run_tests(&mut privileged));
     }
-    // Every group runs even when one fails; then each counts.
+    // The e2e suite's build ends before its stage: it would otherwise build the same module.
+    if let Some(background) = background {
+        background.finish();
+    }
+    // Every group runs even when one fails; then each counts, and any failure stops the run.
+    let mut errors = Vec::new();
     for group in groups {
-        let (passed, failed) = group?;
-        tally.0 += passed;
-        tally.1 += failed;
+        match group {
+            Ok((passed, failed)) => {
+                tally.0 += passed;
+                tally.1 += failed;
+            }
+            Err(e) => errors.push(e),
+        }
+    }
+    errors.extend(background_failed.map(|e| e.context("the control plane or the images could not be built")));
+    if !errors.is_empty() {
+        let all: Vec<String> = errors.iter().map(|e| format!("{e:#}")).collect();
+        bail!("{}", all.join("; "));
     }
     stage("the privileged suites");
     // Kubernetes' own sig-network conformance specs against kpr (`cargo xtask e2e` runs the
@@ -431,6 +428,53 @@ fn test_in_vms(root: &Path, env: &setup::Env, shorts: &[&str], filter: Option<&s
 struct Prepared {
     k8s_bin: Option<PathBuf>,
     images: Option<[(&'static str, PathBuf); 3]>,
+}
+
+/// A thread at the least priority building what the later stages need: the control plane's
+/// binaries (Go; cold, 5-10 minutes of CPU), the images' static release build (about 6
+/// minutes), then the e2e suite's binaries (Go, about 4 more), whose failure is left for the
+/// e2e stage to meet and count.
+struct Background {
+    prepared: std::sync::mpsc::Receiver<Result<Prepared>>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Background {
+    fn start(root: &Path, env: &setup::Env, control_plane: bool, images: bool, e2e: bool) -> Self {
+        let (root, env) = (root.to_owned(), env.clone());
+        let (tx, prepared) = std::sync::mpsc::channel();
+        let thread = std::thread::spawn(move || {
+            nice_this_thread();
+            let built = (|| -> Result<Prepared> {
+                let k8s_bin = if control_plane { Some(cluster::ensure_k8s_binaries(&root)?) } else { None };
+                let images = if images {
+                    Some([
+                        ("KPR_IMAGE", image::build(&root, &env, "latest")?),
+                        ("KPR_IMAGE_NEXT", image::build(&root, &env, "next")?),
+                        ("KPR_TESTPOD_IMAGE", image::build_testpod(&root, &env)?),
+                    ])
+                } else {
+                    None
+                };
+                Ok(Prepared { k8s_bin, images })
+            })();
+            let _ = tx.send(built);
+            if e2e && let Err(e) = e2e::ensure_binaries(&root) {
+                eprintln!("xtask: building the e2e suite in the background failed (its stage tries again): {e:#}");
+            }
+        });
+        Self { prepared, thread }
+    }
+
+    /// What the thread built, once it has (an error if it panicked).
+    fn prepared(&self) -> Result<Prepared> {
+        self.prepared.recv().unwrap_or_else(|_| Err(anyhow::anyhow!("the background build panicked")))
+    }
+
+    /// Wait for the thread's end (the e2e suite's build).
+    fn finish(self) {
+        let _ = self.thread.join();
+    }
 }
 
 /// Lowers the calling thread's priority to the least, and so its children's: Linux keeps a

@@ -101,13 +101,12 @@ fn ensure_target(toolchain: &str, target: &str) -> Result<()> {
     run_quiet(Command::new("rustup").args(["target", "add", "--toolchain", toolchain, target]))
 }
 
-/// bpf-linker in `~/.cache/kpr/bpf-linker-<toolchain>/bin`, linked against the toolchain's
-/// libLLVM. Outside the checkout, as the Kubernetes binaries are: a fresh clone (CI's) finds it
-/// built.
+/// bpf-linker in `~/.cache/kpr/bpf-linker-<version>-<toolchain>/bin`, linked against the
+/// toolchain's libLLVM. Outside the checkout, as the Kubernetes binaries are: a fresh clone
+/// (CI's) finds it built.
 fn ensure_bpf_linker(toolchain: &str) -> Result<PathBuf> {
-    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/root"), PathBuf::from);
-    let tools = home.join(".cache/kpr");
-    let install_root = tools.join(format!("bpf-linker-{toolchain}"));
+    let tools = crate::cluster::cache_root()?;
+    let install_root = tools.join(format!("bpf-linker-{BPF_LINKER_VERSION}-{toolchain}"));
     let bin = install_root.join("bin");
     let linker = bin.join("bpf-linker");
     if linker.exists()

@@ -157,15 +157,19 @@ pub const SUITES: [Suite; 5] = [
         ],
         // On 6.1 besides the sample: what has a path of its own before 6.6 or in its helpers —
         // the tunnel DSR puts on and takes off in BPF (`bpf_skb_adjust_room`), the MTU check
-        // (`bpf_check_mtu`), XDP on veth, and a program after kpr's among netlink filters
-        // (their order and `TC_ACT_UNSPEC`, where TCX has its own). The rest is the agent's
-        // logic, which the host runs (on both attach modes where they differ).
+        // (`bpf_check_mtu`), XDP on veth, a program after kpr's among netlink filters (their
+        // order and `TC_ACT_UNSPEC`, where TCX has its own) and netlink filters on links made
+        // after the start. The rest is the agent's logic, which the host runs (the upgrade and
+        // restarts also with netlink filters).
         on_full: OnFull::SamplePlus(&[
             "dsr_lets_a_pod_on_another_node_see_the_client_and_answer_it_directly",
             "dsr_takes_a_tunnel_off_only_for_an_endpoint_of_its_frontend",
             "a_masqueraded_packet_too_big_for_its_link_gets_fragmentation_needed",
             "xdp_carries_established_node_port_flows_and_yields_to_a_forward_policy",
             "a_program_attached_after_kpr_still_sees_what_kpr_does_not_translate",
+            // Netlink filters put on links made after the agent started (the host's tests of
+            // that take TCX).
+            "links_created_after_the_agent_started_are_covered",
         ]),
         // The per-packet path of each family through real links (redirects, FIB lookups,
         // checksums completed by the device or not), the FORWARD chain it must not skip
@@ -670,6 +674,10 @@ mod tests {
             };
             for test in suite.sample.unwrap_or_default().iter().chain(more) {
                 assert!(!suite.host_only.contains(test), "{test}");
+            }
+            // Without a sample, `SamplePlus(&[])` would be a bare `--exact`: the whole suite.
+            if matches!(suite.on_full, super::OnFull::SamplePlus(_)) {
+                assert!(suite.sample.is_some(), "{}: SamplePlus needs a sample", suite.name);
             }
         }
         let filtered = super::test_script(&binaries, Lane::Sample, &[], Some("sctp"));
