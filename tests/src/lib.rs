@@ -254,8 +254,19 @@ pub fn block_stop_signals() -> libc::sigset_t {
     }
 }
 
+/// A free TCP port on loopback, never one this process was given before: a port just
+/// released may come back from the next bind (an agent's metrics and healthz servers were once
+/// given the same port, and the second could not listen).
 pub fn free_loopback_port() -> Result<SocketAddr> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    for _ in 0..64 {
+        let addr = TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+        if GIVEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(addr.port()) {
+            return Ok(addr);
+        }
+    }
+    anyhow::bail!("no loopback port this process was not given already, in 64 binds")
 }
 
 /// `GET path` over HTTP/1.1: (status code, body).
