@@ -377,11 +377,7 @@ fn test_in_vms(root: &Path, env: &setup::Env, shorts: &[&str], filter: Option<&s
         let listed = Command::new(binary).args(["--list", "--format", "terse"]).output()?;
         let listed = String::from_utf8_lossy(&listed.stdout);
         let names: Vec<&str> = listed.lines().filter_map(|l| l.strip_suffix(": test")).collect();
-        let on_full = match suite.on_full {
-            vm::OnFull::SamplePlus(more) => more,
-            vm::OnFull::AllButHostOnly => &[],
-        };
-        for name in suite.host_only.iter().chain(suite.sample.unwrap_or_default()).chain(on_full) {
+        for name in suite.host_only.iter().chain(suite.sample.unwrap_or_default()).chain(suite.on_full.extra()) {
             anyhow::ensure!(names.contains(name), "vm::SUITES names {name}, which {} does not have", suite.name);
         }
         any_matching |= names.iter().any(|name| filter.is_none_or(|f| name.contains(f)));

@@ -62,6 +62,16 @@ pub enum OnFull {
     SamplePlus(&'static [&'static str]),
 }
 
+impl OnFull {
+    /// The tests a full lane runs beyond the sample.
+    pub fn extra(self) -> &'static [&'static str] {
+        match self {
+            OnFull::SamplePlus(more) => more,
+            OnFull::AllButHostOnly => &[],
+        }
+    }
+}
+
 /// The privileged test suites run in a VM, for what differs by kernel: the verifier's verdict
 /// on every program, helpers and attach modes (netlink filters before 6.6, kept routes from
 /// 6.3, the checksum helper before 6.2, `EPERM` before 5.18), the VMs' own modules (SCTP).
@@ -668,11 +678,7 @@ mod tests {
         assert!(!sampled.contains("--skip"));
         // A sample never names a test the VMs skip.
         for suite in &SUITES {
-            let more = match suite.on_full {
-                super::OnFull::SamplePlus(more) => more,
-                super::OnFull::AllButHostOnly => &[],
-            };
-            for test in suite.sample.unwrap_or_default().iter().chain(more) {
+            for test in suite.sample.unwrap_or_default().iter().chain(suite.on_full.extra()) {
                 assert!(!suite.host_only.contains(test), "{test}");
             }
             // Without a sample, `SamplePlus(&[])` would be a bare `--exact`: the whole suite.
